@@ -1,0 +1,116 @@
+"""Physical terms of running a configuration: compute, traffic, steps and memory per rank.
+
+These counts are exact properties of the strategy and the layout, not timings; the cost
+model turns them into time with measured rates. All figures are per rank; where ranks
+differ (padding, causal blocks) the busiest rank's figure is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.feasibility import kv_replication
+from cptune.layout import SequenceLayout
+from cptune.workload import Workload
+
+FP32_BYTES = 4
+#: Rows of the score matrix the numpy kernel holds at once (its query block size).
+SCORE_BLOCK_ROWS = 128
+
+#: Collective kinds traffic is counted under. "p2p" is the Ring's K/V stream step:
+#: send/recv on MPI, one broadcast per step on engines without point-to-point.
+COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p")
+
+
+@dataclass(frozen=True)
+class AnalyticCost:
+    """Per-rank physical terms of one (workload, config) pair."""
+
+    padded_seq_len: int
+    #: Attention FLOPs of the busiest rank: 4 * head_dim per visible (query, key) pair and
+    #: head (2 for QK^T, 2 for PV); softmax and masked pairs are not counted.
+    flops: int
+    #: Bytes each rank sends, by collective kind, in the workload's wire dtype.
+    bytes_sent: dict[str, int]
+    #: Communication rounds (latency terms) by collective kind.
+    comm_steps: dict[str, int]
+    #: Estimated peak bytes of activations live at once on one rank.
+    peak_bytes: int
+    #: Copies of each KV head sent through the Ulysses all-to-all (1 = none replicated).
+    kv_replication: int
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _visible_pairs(layout: SequenceLayout, group: int) -> int:
+    """(query, key) pairs block ``group``'s real queries attend to.
+
+    Non-causal: every real query sees all ``seq_len`` real keys. Causal: the query at
+    position p sees keys 0..p, so p + 1 pairs."""
+    queries = layout.real_query_positions(group)
+    if layout.workload.causal:
+        return int(np.sum(queries + 1))
+    return int(queries.size) * layout.workload.seq_len
+
+
+def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
+    """Count the physical work of ``config`` on ``workload`` (see ``AnalyticCost``).
+
+    With N ranks, head group u, context degree c = N / u, padded length S, batch B, heads H,
+    KV heads K (K' = K * replication after Ulysses), head_dim D and wire width w bytes:
+    - FLOPs: 4 * B * D * (H / u) * visible pairs of the busiest context block.
+    - all-to-all (u > 1): Q, K/V in and O out; a rank keeps 1/u of each and sends the rest:
+      (u - 1) / u * B * (S / N) * (2H + 2K') * D * w.
+    - all-gather (AllGather-KV, c > 1): each rank's K/V block reaches the c - 1 others:
+      (c - 1) * 2 * B * (S / c) * (K' / u) * D * w, in one step.
+    - p2p (Ring, c > 1): the same volume, in c - 1 steps of one block each.
+    - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
+      attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
+      accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
+    """
+    layout = SequenceLayout(workload, config)
+    n, u, c = config.ranks, config.head_group, config.context_degree
+    s = layout.padded_len
+    b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
+    rep = kv_replication(workload, u) if u > 1 else 1
+    kv_sent = workload.kv_heads * rep
+    local_heads, local_kv_heads = h // u, kv_sent // u if u > 1 else workload.kv_heads
+
+    flops = 4 * b * d * local_heads * max(_visible_pairs(layout, g) for g in range(c))
+
+    rank_tokens, block_tokens = s // n, s // c
+    bytes_sent = dict.fromkeys(COLLECTIVES, 0)
+    steps = dict.fromkeys(COLLECTIVES, 0)
+    if u > 1:
+        bytes_sent["all_to_all"] = (u - 1) * b * rank_tokens * (2 * h + 2 * kv_sent) * d * w // u
+        steps["all_to_all"] = 3  # Q, packed K/V, O
+    kv_block = 2 * b * block_tokens * local_kv_heads * d * w
+    if c > 1 and config.strategy == "allgather_kv":
+        bytes_sent["all_gather"] = (c - 1) * kv_block
+        steps["all_gather"] = 1
+    elif c > 1 and config.strategy == "ring":
+        bytes_sent["p2p"] = (c - 1) * kv_block
+        steps["p2p"] = c - 1
+
+    inputs = b * rank_tokens * (h + 2 * workload.kv_heads) * d * w
+    output = b * rank_tokens * h * d * w
+    exchanged = b * block_tokens * local_heads * d * w + kv_block if u > 1 else 0
+    ring = config.strategy == "ring" and c > 1
+    held_kv = (2 if ring else c) * kv_block
+    accumulators = (2 if ring else 1) * b * block_tokens * local_heads * d * FP32_BYTES
+    score_keys = block_tokens if ring else s
+    scores = min(SCORE_BLOCK_ROWS, block_tokens) * score_keys * FP32_BYTES
+    peak = inputs + output + exchanged + held_kv + accumulators + scores
+
+    return AnalyticCost(
+        padded_seq_len=s,
+        flops=flops,
+        bytes_sent=bytes_sent,
+        comm_steps=steps,
+        peak_bytes=peak,
+        kv_replication=rep,
+    )

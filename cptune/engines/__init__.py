@@ -1,0 +1,57 @@
+"""Engines run a configuration on real ranks: one module each, behind ``Engine``.
+
+``mpi`` (the default) runs anywhere: MPI processes with numpy math. Engines are created on
+first use and kept, with their worker pools, until the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Protocol
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.workload import Workload
+
+BACKENDS: tuple[str, ...] = ("mpi",)
+
+
+class Engine(Protocol):
+    name: str
+
+    def run(
+        self, workload: Workload, config: CPConfig,
+        shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]], timeout: float,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """Run once with rank r holding ``shards[r]``: output shards and peak bytes per rank."""
+
+    def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
+        """Repeat the last run: seconds [rank, iteration, (wall, compute, comm)]."""
+
+    def describe(self) -> dict[str, str]:
+        """The engine's software versions."""
+
+    def close(self) -> None:
+        """Stop the engine's processes."""
+
+
+_engines: dict[str, Engine] = {}
+
+
+def get_engine(backend: str) -> Engine:
+    """The shared engine for ``backend`` (created on first use)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend not in _engines:
+        from cptune.engines.mpi import MPIEngine
+
+        _engines[backend] = MPIEngine()
+    return _engines[backend]
+
+
+@atexit.register
+def close_engines() -> None:
+    """Stop every engine's worker processes."""
+    while _engines:
+        _engines.popitem()[1].close()

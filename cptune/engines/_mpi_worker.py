@@ -1,0 +1,268 @@
+"""One rank of the MPI engine's worker pool (run by mpiexec, never by users).
+
+Each rank connects to the driver's socket, then serves tasks until told to exit: "run"
+receives a configuration and this rank's input shard, runs the strategy once and returns
+its output shard; "time" repeats the same run with warm-up and returns per-iteration
+timings. Ranks that a task does not use wait on their socket, asleep. A watchdog exits the
+rank as soon as the driver process is gone, whatever the rank is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import socket
+import sys
+import threading
+import time
+import tracemalloc
+import traceback
+from collections.abc import Iterator
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from cptune.config import CPConfig
+from cptune.engines import _numpy_kernels as kernels
+from cptune.engines import _protocol as protocol
+from cptune.layout import SequenceLayout
+from cptune.strategies import run_strategy
+from cptune.strategies.primitives import HEADS, Group, Partial
+from cptune.workload import Workload
+
+
+def _exit_when_gone(pid: int) -> None:
+    """Block until process ``pid`` exits, then end this process at once."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(3)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll()
+    os._exit(3)
+
+
+class MpiOps:
+    """``Primitives`` on MPI communicators with numpy math; times compute and communication
+    separately (``compute_s``, ``comm_s``: seconds this rank spent in each, communication
+    counting only the time it waited, not transfers hidden behind compute)."""
+
+    def __init__(self, workload: Workload, comms: dict[str, object]) -> None:
+        self.workload = workload
+        self.wire = workload.wire_dtype
+        self.comms = comms
+        self.compute_s = 0.0
+        self.comm_s = 0.0
+        self._in_flight: list[object] = []
+
+    def _poll(self) -> None:
+        MPI.Request.Testall(self._in_flight)
+
+    def attention(self, q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+        start = time.perf_counter()
+        out, lse = kernels.attention(
+            q, kv, q_pos, k_pos,
+            causal=self.workload.causal,
+            seq_len=self.workload.seq_len,
+            poll=self._poll if self._in_flight else None,
+        )
+        self.compute_s += time.perf_counter() - start
+        return Partial(out, lse)
+
+    def merge(self, acc: Partial | None, part: Partial) -> Partial:
+        start = time.perf_counter()
+        merged = Partial(*kernels.merge(acc, part))
+        self.compute_s += time.perf_counter() - start
+        return merged
+
+    def repeat_heads(self, kv: np.ndarray, times: int) -> np.ndarray:
+        start = time.perf_counter()
+        repeated = np.repeat(kv, times, axis=HEADS)
+        self.compute_s += time.perf_counter() - start
+        return repeated
+
+    def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int) -> np.ndarray:
+        comm = self.comms[group]
+        n = comm.Get_size()
+        if n == 1:
+            return x
+        start = time.perf_counter()
+        split, concat = split_axis % x.ndim, concat_axis % x.ndim
+        chunked = x.reshape(x.shape[:split] + (n, x.shape[split] // n) + x.shape[split + 1 :])
+        send = np.ascontiguousarray(np.moveaxis(chunked, split, 0), dtype=self.wire)
+        received = np.empty_like(send)
+        comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
+        shape = list(received.shape[1:])
+        shape[concat] *= n
+        out = np.moveaxis(received, 0, concat).reshape(shape)
+        self.comm_s += time.perf_counter() - start
+        return out
+
+    def all_gather(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
+        comm = self.comms[group]
+        n = comm.Get_size()
+        if n == 1:
+            return x
+        start = time.perf_counter()
+        send = np.ascontiguousarray(x, dtype=self.wire)
+        received = np.empty((n, *send.shape), dtype=self.wire)
+        comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
+        axis %= x.ndim
+        shape = list(send.shape)
+        shape[axis] *= n
+        out = np.moveaxis(received, 0, axis).reshape(shape)
+        self.comm_s += time.perf_counter() - start
+        return out
+
+    def kv_stream(self, kv: np.ndarray, group: Group) -> Iterator[tuple[int, np.ndarray]]:
+        """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take
+        the next from me - 1 while the caller attends to it (progressed by ``_poll``)."""
+        comm = self.comms[group]
+        n, me = comm.Get_size(), comm.Get_rank()
+        current = np.ascontiguousarray(kv, dtype=self.wire)
+        incoming = np.empty_like(current) if n > 1 else current
+        for step in range(n):
+            if step < n - 1:
+                self._in_flight = [
+                    comm.Irecv([incoming, MPI.BYTE], source=(me - 1) % n),
+                    comm.Isend([current, MPI.BYTE], dest=(me + 1) % n),
+                ]
+            yield (me - step) % n, current
+            if self._in_flight:
+                start = time.perf_counter()
+                MPI.Request.Waitall(self._in_flight)
+                self._in_flight = []
+                self.comm_s += time.perf_counter() - start
+                current, incoming = incoming, current
+
+
+class RankTask:
+    """One configuration on this rank: its inputs, communicators and how to run it."""
+
+    def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, object], rank: int) -> None:
+        self.workload = Workload(**header["workload"])
+        self.config = CPConfig(**header["config"])
+        self.layout = SequenceLayout(self.workload, self.config)
+        self.comms = comms
+        self.rank = rank
+        q, k, v = arrays  # [batch, seq, heads, head_dim] in the wire dtype
+        self.q = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+        self.kv = np.ascontiguousarray(np.stack([k, v]).transpose(0, 1, 3, 2, 4))
+        self.input_bytes = self.q.nbytes + self.kv.nbytes
+
+    def iteration(self) -> tuple[np.ndarray, MpiOps]:
+        ops = MpiOps(self.workload, self.comms)
+        out = run_strategy(ops, self.layout, self.rank, self.q, self.kv)
+        return np.asarray(out, dtype=self.workload.wire_dtype), ops
+
+    def run_once(self) -> protocol.Message:
+        """Run once, tracing allocations: the output shard and the peak bytes held."""
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        try:
+            out, _ = self.iteration()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return {"peak_bytes": self.input_bytes + peak}, [out.transpose(0, 2, 1, 3)]
+
+    def time(self, warmup: int, repeats: int) -> protocol.Message:
+        """Per timed iteration: wall, compute and communication seconds on this rank. All
+        ranks start each iteration together (barrier) so the slowest rank's wall time is the
+        iteration's latency."""
+        comm = self.comms["all"]
+        timings = np.zeros((repeats, 3), dtype=np.float64)
+        for i in range(warmup + repeats):
+            comm.Barrier()
+            start = time.perf_counter()
+            _, ops = self.iteration()
+            wall = time.perf_counter() - start
+            if i >= warmup:
+                timings[i - warmup] = (wall, ops.compute_s, ops.comm_s)
+        return {}, [timings]
+
+
+class Worker:
+    """The serving loop of one rank."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.world = MPI.COMM_WORLD
+        self.sock = sock
+        self.rank = self.world.Get_rank()
+        # A communicator for each task size: the first r ranks. Made once, collectively.
+        self.prefix = [
+            self.world.Split(0 if self.rank < r else MPI.UNDEFINED, self.rank)
+            for r in range(1, self.world.Get_size() + 1)
+        ]
+        self.group_comms: dict[tuple[int, int], dict[str, object]] = {}
+        self.task: RankTask | None = None
+
+    def hello(self) -> None:
+        protocol.send(self.sock, {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        })
+
+    def comms_for(self, config: CPConfig) -> dict[str, object]:
+        key = (config.ranks, config.head_group)
+        if key not in self.group_comms:
+            comm = self.prefix[config.ranks - 1]
+            u = config.head_group
+            self.group_comms[key] = {
+                "all": comm,
+                "heads": comm.Split(self.rank // u, self.rank),
+                "context": comm.Split(self.rank % u, self.rank),
+            }
+        return self.group_comms[key]
+
+    def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
+        if header["op"] == "run":
+            threadpool_limits(limits=header["threads"], user_api="blas")
+            config = CPConfig(**header["config"])
+            self.task = RankTask(header, arrays, self.comms_for(config), self.rank)
+            return self.task.run_once()
+        if header["op"] == "time":
+            if self.task is None:
+                raise RuntimeError("'time' before any 'run'")
+            return self.task.time(header["warmup"], header["repeats"])
+        raise RuntimeError(f"unknown op {header['op']!r}")
+
+    def serve(self) -> None:
+        self.hello()
+        while True:
+            header, arrays = protocol.receive(self.sock)
+            if header["op"] == "exit":
+                return
+            try:
+                reply, out = self.handle(header, arrays)
+                protocol.send(self.sock, {"ok": True, **reply}, out)
+            except MemoryError:
+                protocol.send(self.sock, {"ok": False, "kind": "out_of_memory", "error": "out of memory"})
+            except Exception as exc:  # reported to the driver, which stops the pool
+                lines = traceback.format_exception(exc)
+                protocol.send(self.sock, {"ok": False, "kind": "error", "error": "".join(lines[-6:])})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--socket", required=True, help="the driver's Unix socket")
+    parser.add_argument("--driver-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    threading.Thread(target=_exit_when_gone, args=(args.driver_pid,), daemon=True).start()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.socket)
+    try:
+        Worker(sock).serve()
+    except ConnectionError:
+        os._exit(3)  # the driver went away: nothing left to report to
+    sys.stdout.flush()
+    os._exit(0)  # skip MPI_Finalize: it waits for every rank, and the driver is done
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Which (workload, configuration) pairs can run, and why the others cannot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from cptune.config import STRATEGIES, CPConfig
+from cptune.errors import InfeasibleConfigError
+from cptune.workload import Workload
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def kv_replication(workload: Workload, head_group: int) -> int:
+    """How many copies of each KV head the Ulysses all-to-all needs: 1 when the KV heads
+    split evenly over the head group, head_group / kv_heads when the group is larger than
+    the KV heads (GQA/MQA: each rank then gets one replicated KV head, as DeepSpeed does)."""
+    if workload.kv_heads % head_group == 0:
+        return 1
+    return head_group // workload.kv_heads
+
+
+def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> list[str]:
+    """Every reason ``config`` cannot run ``workload``, in words a user acts on; empty when
+    it can. ``memory_limit`` (bytes per rank), when given, is checked against the analytic
+    peak activation memory."""
+    reasons: list[str] = []
+    n, u = config.ranks, config.head_group
+    if n % u:
+        fits = ", ".join(map(str, _divisors(n)))
+        reasons.append(
+            f"head group {u} does not divide {n} ranks: Ulysses groups must tile the ranks "
+            f"(head groups that fit: {fits})"
+        )
+    if config.strategy == "ulysses" and u != n:
+        reasons.append(
+            f"pure Ulysses uses all {n} ranks as one head group (head_group={n}, not {u}); "
+            f"for {u}-way Ulysses across groups name the context strategy: "
+            f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
+        )
+    if workload.heads % u:
+        fits = ", ".join(str(d) for d in _divisors(workload.heads) if d <= n)
+        reasons.append(
+            f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
+            f"(heads % head_group must be 0; head groups that fit: {fits})"
+        )
+    elif workload.kv_heads % u and u % workload.kv_heads:
+        reasons.append(
+            f"{workload.kv_heads} KV heads and a head group of {u} do not divide each other: "
+            f"Ulysses needs kv_heads % head_group == 0 (each rank gets whole KV heads) or "
+            f"head_group % kv_heads == 0 (KV heads replicated head_group / kv_heads times)"
+        )
+    if workload.seq_len < n:
+        reasons.append(
+            f"seq_len {workload.seq_len} is shorter than {n} ranks: every rank needs at least "
+            f"one token; use at most {workload.seq_len} ranks"
+        )
+    if memory_limit is not None and not reasons:
+        from cptune.cost import analytic_cost
+
+        need = analytic_cost(workload, config).peak_bytes
+        if need > memory_limit:
+            reasons.append(
+                f"needs about {need / 2**30:.2f} GiB per rank, over the limit of "
+                f"{memory_limit / 2**30:.2f} GiB; use more ranks or a shorter sequence"
+            )
+    return reasons
+
+
+def check_feasible(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> None:
+    """Raise ``InfeasibleConfigError`` listing every reason ``config`` cannot run."""
+    reasons = feasibility(workload, config, memory_limit)
+    if reasons:
+        listed = "".join(f"\n  - {r}" for r in reasons)
+        raise InfeasibleConfigError(
+            f"{config.describe()} cannot run {workload.describe()}:{listed}", reasons
+        )
+
+
+def enumerate_configs(
+    workload: Workload,
+    max_ranks: int,
+    strategies: tuple[str, ...] = STRATEGIES,
+    memory_limit: int | None = None,
+) -> Iterator[CPConfig]:
+    """Every feasible configuration on 1..max_ranks ranks, each distinct computation once:
+    one rank is plain local attention (listed once, as "ring" when allowed), and a context
+    strategy whose head group spans all ranks is pure Ulysses (listed as "ulysses")."""
+    if max_ranks < 1:
+        raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
+    one_rank = "ring" if "ring" in strategies else strategies[0]
+    for n in range(1, max_ranks + 1):
+        for strategy in strategies:
+            if n == 1:
+                candidates = [CPConfig(strategy, 1)] if strategy == one_rank else []
+            elif strategy == "ulysses":
+                candidates = [CPConfig("ulysses", n)]
+            else:
+                candidates = [CPConfig(strategy, n, u) for u in _divisors(n) if u < n]
+            for config in candidates:
+                if not feasibility(workload, config, memory_limit):
+                    yield config

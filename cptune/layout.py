@@ -1,0 +1,84 @@
+"""Which tokens each rank holds, and which ranks talk to which.
+
+Ranks are numbered ``r = g * u + j``: head group ``g`` (of ``c = ranks / u``) holds one
+*context block* of the sequence, and its ``u`` members (j = 0..u-1) each start with a
+contiguous piece of that block. Ulysses' all-to-all inside a head group gives every member
+the whole block for ``heads / u`` heads; the context strategy (Ring or AllGather-KV) then
+runs across the ``c`` ranks that share the same ``j``.
+
+The sequence is padded at the end to a length every split divides (padding keys are masked,
+padding queries dropped). Causal workloads split over more than one context block use the
+zigzag (load-balanced) order: the sequence is cut into ``2c`` chunks and block ``g`` holds
+chunks ``g`` and ``2c - 1 - g``, so every block has the same share of the causal triangle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.workload import Workload
+
+
+class SequenceLayout:
+    """Token positions per rank and the two communication groups of each rank."""
+
+    def __init__(self, workload: Workload, config: CPConfig) -> None:
+        self.workload = workload
+        self.config = config
+        self.ranks = config.ranks
+        self.head_group = config.head_group
+        self.context_degree = config.context_degree
+        self.zigzag = workload.causal and self.context_degree > 1
+        granularity = math.lcm(self.ranks, 2 * self.context_degree) if self.zigzag else self.ranks
+        self.padded_len = -(-workload.seq_len // granularity) * granularity
+        self._blocks = self._split_blocks()
+
+    def _split_blocks(self) -> list[np.ndarray]:
+        c, n = self.context_degree, self.padded_len
+        if not self.zigzag:
+            size = n // c
+            return [np.arange(g * size, (g + 1) * size) for g in range(c)]
+        chunk = n // (2 * c)
+        return [
+            np.concatenate(
+                [np.arange(g * chunk, (g + 1) * chunk), np.arange((2 * c - 1 - g) * chunk, (2 * c - g) * chunk)]
+            )
+            for g in range(c)
+        ]
+
+    def block_positions(self, group: int) -> np.ndarray:
+        """Token positions of context block ``group`` (what each of its ranks holds after
+        the Ulysses all-to-all), in the order the ranks hold them."""
+        return self._blocks[group]
+
+    def context_positions(self) -> np.ndarray:
+        """Positions of all context blocks in group order: the key order after an
+        all-gather across head groups."""
+        return np.concatenate(self._blocks)
+
+    def rank_positions(self, rank: int) -> np.ndarray:
+        """Token positions rank ``rank`` holds before any exchange."""
+        group, member = divmod(rank, self.head_group)
+        piece = self.padded_len // self.ranks
+        return self._blocks[group][member * piece : (member + 1) * piece]
+
+    def head_group_of(self, rank: int) -> int:
+        return rank // self.head_group
+
+    def head_group_ranks(self, rank: int) -> list[int]:
+        """The ranks that exchange heads with ``rank`` (Ulysses all-to-all), in order."""
+        first = self.head_group_of(rank) * self.head_group
+        return list(range(first, first + self.head_group))
+
+    def context_group_ranks(self, rank: int) -> list[int]:
+        """The ranks that exchange K/V with ``rank`` (Ring / AllGather-KV), in order."""
+        member = rank % self.head_group
+        return [g * self.head_group + member for g in range(self.context_degree)]
+
+    def real_query_positions(self, group: int) -> np.ndarray:
+        """Positions of block ``group`` that are real tokens (not padding)."""
+        block = self._blocks[group]
+        return block[block < self.workload.seq_len]

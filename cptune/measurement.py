@@ -1,0 +1,87 @@
+"""What one measured configuration produced, and the host it ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.workload import Workload
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Timings of one configuration on one host; output checked before any timing.
+
+    Latencies are per iteration of the slowest rank (all ranks start each iteration
+    together). ``compute_ms`` and ``comm_ms`` are per-rank medians, slowest rank: time in
+    attention math, and time spent waiting on communication that compute did not hide."""
+
+    workload: Workload
+    config: CPConfig
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    compute_ms: float
+    comm_ms: float
+    peak_bytes: int
+    max_error: float
+    engine: str
+    host: dict[str, str]
+    warmup: int
+    repeats: int
+    samples_ms: list[float] = field(repr=False)
+    measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @property
+    def spread_ms(self) -> float:
+        """p90 - p10 of the iteration latency."""
+        return self.p90_ms - self.p10_ms
+
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["workload"] = self.workload.to_dict()
+        data["config"] = self.config.to_dict()
+        return data
+
+
+def summarize(timings: np.ndarray) -> dict[str, float | list[float]]:
+    """Turn seconds [rank, iteration, (wall, compute, comm)] into the figures of a
+    ``Measurement``: per-iteration latency is the slowest rank's wall time."""
+    latency_ms = timings[:, :, 0].max(axis=0) * 1e3
+    return {
+        "median_ms": float(np.median(latency_ms)),
+        "p10_ms": float(np.percentile(latency_ms, 10)),
+        "p90_ms": float(np.percentile(latency_ms, 90)),
+        "compute_ms": float(np.median(timings[:, :, 1], axis=1).max() * 1e3),
+        "comm_ms": float(np.median(timings[:, :, 2], axis=1).max() * 1e3),
+        "samples_ms": [float(x) for x in latency_ms],
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_host() -> dict[str, str]:
+    """Facts of this machine that decide how fast a configuration runs."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cores": str(len(os.sched_getaffinity(0))),
+        "memory_gib": f"{memory / 2**30:.1f}",
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+    }

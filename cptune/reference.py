@@ -1,0 +1,61 @@
+"""The single-process float64 attention every configuration's output is checked against.
+
+Written plainly and independently of the strategies and the engine kernels, so that a bug
+there cannot hide in here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cptune.workload import Workload
+
+#: Largest relative error (max |out - ref| / max |ref|) accepted per wire dtype: float32
+#: round-off for fp32; for 16-bit dtypes the output is rounded once to the wire dtype
+#: (2^-11 relative), plus float32 compute error.
+TOLERANCE: dict[str, float] = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 2e-3}
+
+_QUERY_BLOCK = 256
+
+
+def make_inputs(workload: Workload, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random Q, K, V of ``workload``'s shapes ([batch, seq, heads, head_dim]) in its wire
+    dtype: the values the ranks hold, so rounding to the wire adds no error."""
+    rng = np.random.default_rng(seed)
+    wl = workload
+
+    def draw(heads: int) -> np.ndarray:
+        shape = (wl.batch, wl.seq_len, heads, wl.head_dim)
+        return rng.standard_normal(shape, dtype=np.float32).astype(wl.wire_dtype)
+
+    return draw(wl.heads), draw(wl.kv_heads), draw(wl.kv_heads)
+
+
+def reference_attention(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """softmax(Q K^T / sqrt(d) [+ causal mask]) V in float64, [batch, seq, heads, head_dim]."""
+    wl = workload
+    out = np.empty((wl.batch, wl.seq_len, wl.heads, wl.head_dim), dtype=np.float64)
+    scale = 1.0 / np.sqrt(wl.head_dim)
+    keys = np.arange(wl.seq_len)
+    for b in range(wl.batch):
+        for h in range(wl.heads):
+            kv_head = h // wl.group_size
+            kh = k[b, :, kv_head].astype(np.float64)
+            vh = v[b, :, kv_head].astype(np.float64)
+            for start in range(0, wl.seq_len, _QUERY_BLOCK):
+                stop = min(start + _QUERY_BLOCK, wl.seq_len)
+                scores = (q[b, start:stop, h].astype(np.float64) @ kh.T) * scale
+                if wl.causal:
+                    scores[keys[None, :] > np.arange(start, stop)[:, None]] = -np.inf
+                scores = np.exp(scores - scores.max(axis=1, keepdims=True))
+                out[b, start:stop, h] = (scores @ vh) / scores.sum(axis=1, keepdims=True)
+    return out
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """max |out - ref| / max |ref|: an error relative to the output's scale, which does not
+    blow up on outputs that happen to be near zero."""
+    scale = float(np.max(np.abs(ref)))
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.max(np.abs(out.astype(np.float64) - ref))) / (scale if scale > 0 else 1.0)

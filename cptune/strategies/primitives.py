@@ -1,0 +1,63 @@
+"""The few operations a strategy is written against; every engine supplies them.
+
+Tensors are laid out ``q: [batch, heads, seq, head_dim]`` and K/V packed as
+``kv: [2, batch, kv_heads, seq, head_dim]`` (one message moves both), so the heads axis is
+``HEADS = -3`` and the sequence axis ``SEQ = -2`` in either. Collectives send in the
+workload's wire dtype. Token positions are static (``cptune.layout``), so an engine that
+builds a graph ahead of time (TensorRT) can turn masks into constants.
+
+TensorRT 11 has no point-to-point layer, so ``kv_stream`` is the one primitive whose
+implementation differs most: MPI passes blocks round a ring with send/recv, overlapped with
+the attention on the current block; a collective-only engine broadcasts one block per step
+(order does not matter: the masks go by position and the merge is commutative).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple, Protocol
+
+import numpy as np
+
+HEADS = -3
+SEQ = -2
+
+#: "heads": the ranks of one Ulysses head group; "context": the ranks, one per head group,
+#: that split the sequence between them (Ring / AllGather-KV).
+Group = Literal["heads", "context"]
+
+Tensor = Any  # numpy.ndarray on the MPI engine; a network tensor on graph engines
+
+
+class Partial(NamedTuple):
+    """Attention over a subset of the keys: the normalised output and the log-sum-exp of
+    the scores, which is all a later merge with other key subsets needs."""
+
+    out: Tensor  # [batch, heads, seq, head_dim]
+    lse: Tensor  # [batch, heads, seq]
+
+
+class Primitives(Protocol):
+    """What an engine provides to run a strategy on one rank."""
+
+    def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+        """Attention of queries at ``q_pos`` over keys at ``k_pos`` (causal and padding
+        masks by position), GQA heads mapped by group."""
+
+    def merge(self, acc: Partial | None, part: Partial) -> Partial:
+        """Online-softmax merge of two partials over disjoint key sets."""
+
+    def repeat_heads(self, kv: Tensor, times: int) -> Tensor:
+        """Each KV head repeated ``times`` times along the heads axis."""
+
+    def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int) -> Tensor:
+        """Cut ``split_axis`` into one chunk per group member, send chunk j to member j, and
+        concatenate what arrives along ``concat_axis`` in member order."""
+
+    def all_gather(self, x: Tensor, group: Group, axis: int) -> Tensor:
+        """Concatenate every member's ``x`` along ``axis`` in member order."""
+
+    def kv_stream(self, kv: Tensor, group: Group) -> Iterator[tuple[int, Tensor]]:
+        """Yield ``(member, kv block of that member)`` once for each member of ``group``,
+        starting with this rank's own; the engine may move the next block while the caller
+        works on the current one."""

@@ -1,0 +1,34 @@
+"""DeepSpeed Ulysses: all-to-all turns sequence shards into head shards, every rank attends
+over its group's whole block for heads / u heads, and a second all-to-all turns the output
+back. Its exchanges also wrap the hybrids: Ulysses inside a head group, Ring or
+AllGather-KV across groups."""
+
+from __future__ import annotations
+
+from cptune.feasibility import kv_replication
+from cptune.layout import SequenceLayout
+from cptune.strategies.primitives import HEADS, SEQ, Primitives, Tensor
+
+
+def to_heads(ops: Primitives, layout: SequenceLayout, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+    """Sequence shards -> head shards inside the head group. KV heads fewer than the group
+    are replicated first, so each rank still gets the KV head its query heads read."""
+    if layout.head_group == 1:
+        return q, kv
+    copies = kv_replication(layout.workload, layout.head_group)
+    if copies > 1:
+        kv = ops.repeat_heads(kv, copies)
+    return ops.all_to_all(q, "heads", HEADS, SEQ), ops.all_to_all(kv, "heads", HEADS, SEQ)
+
+
+def to_sequence(ops: Primitives, layout: SequenceLayout, out: Tensor) -> Tensor:
+    """Head shards -> sequence shards: the inverse of ``to_heads`` for the output."""
+    if layout.head_group == 1:
+        return out
+    return ops.all_to_all(out, "heads", SEQ, HEADS)
+
+
+def attend(ops: Primitives, layout: SequenceLayout, rank: int, q: Tensor, kv: Tensor) -> Tensor:
+    """Pure Ulysses: after ``to_heads`` the rank holds the whole sequence for its heads."""
+    positions = layout.block_positions(layout.head_group_of(rank))
+    return ops.attention(q, kv, positions, positions).out

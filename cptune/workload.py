@@ -1,0 +1,85 @@
+"""The shape of one attention layer: what cptune tunes a strategy for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Workload dtypes and the numpy dtype each travels as between ranks. numpy has no
+#: bfloat16, so bf16 travels as float16: same width, so the bytes on the wire are real.
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "bf16": np.dtype(np.float16),
+    "fp16": np.dtype(np.float16),
+    "fp32": np.dtype(np.float32),
+}
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One attention layer: ``batch`` sequences of ``seq_len`` tokens, ``heads`` query
+    heads of ``head_dim`` and ``kv_heads`` key/value heads (None: as many as query heads;
+    fewer means GQA, one means MQA)."""
+
+    seq_len: int
+    heads: int
+    head_dim: int
+    kv_heads: int | None = None
+    batch: int = 1
+    dtype: str = "bf16"
+    causal: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "heads", "head_dim", "batch"):
+            _check_positive_int(name, getattr(self, name))
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        _check_positive_int("kv_heads", self.kv_heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"kv_heads: {self.heads} query heads cannot share {self.kv_heads} KV heads "
+                f"evenly (heads must be a multiple of kv_heads)"
+            )
+        if self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        for name in ("seq_len", "heads", "head_dim", "batch", "kv_heads"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "causal", bool(self.causal))
+
+    @property
+    def wire_dtype(self) -> np.dtype:
+        """The numpy dtype Q, K, V and O travel in between ranks."""
+        return WIRE_DTYPES[self.dtype]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.heads // self.kv_heads
+
+    def describe(self) -> str:
+        kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
+        mask = " causal" if self.causal else ""
+        return (
+            f"seq {self.seq_len} x {self.heads}{kv} heads x d{self.head_dim}, "
+            f"batch {self.batch}, {self.dtype}{mask}"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "seq_len": self.seq_len,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "kv_heads": self.kv_heads,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "causal": self.causal,
+        }
