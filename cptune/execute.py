@@ -13,7 +13,7 @@ import numpy as np
 
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost
-from cptune.engines import get_engine
+from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
 from cptune.layout import SequenceLayout
@@ -82,7 +82,7 @@ def compute(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    backend: str = "mpi",
+    backend: str | Engine = "mpi",
     timeout: float | None = None,
 ) -> np.ndarray:
     """The attention output of ``config`` on real ranks, float32 [batch, seq, heads, head_dim].
@@ -108,7 +108,7 @@ def _reference_case(workload: Workload, seed: int) -> tuple[np.ndarray, np.ndarr
 def measure(
     workload: Workload,
     config: CPConfig,
-    backend: str = "mpi",
+    backend: str | Engine = "mpi",
     warmup: int = 2,
     repeats: int = 10,
     timeout: float | None = None,

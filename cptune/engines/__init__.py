@@ -39,8 +39,11 @@ class Engine(Protocol):
 _engines: dict[str, Engine] = {}
 
 
-def get_engine(backend: str) -> Engine:
-    """The shared engine for ``backend`` (created on first use)."""
+def get_engine(backend: str | Engine) -> Engine:
+    """The shared engine for ``backend`` (created on first use); an ``Engine`` instance is
+    used as given."""
+    if not isinstance(backend, str):
+        return backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend not in _engines:

@@ -1,11 +1,19 @@
 """Attention on a block with its log-sum-exp, and the online-softmax merge, in numpy.
 
-float32 compute whatever the wire dtype. Blocked over query rows so the score matrix of a
-block stays small, and worked in place (one reused score buffer: scale folded into Q,
-max-subtract, exp and sum on the buffer, normalisation applied to the [rows, head_dim]
-output instead of the [rows, keys] scores). Masks go by token position, segment by
-segment: a key segment entirely in a query block's past needs no mask, one entirely in
-its future is skipped, and only segments that straddle the diagonal are masked.
+float32 compute whatever the wire dtype. Keys are processed in chunks of ``KEY_CHUNK`` (so
+K and V stay in cache) merged by log-sum-exp, queries in row blocks, and each block is
+worked in place: one reused score buffer, scale folded into Q, exp and sum on the buffer,
+normalisation applied to the [rows, head_dim] output rather than the [rows, keys] scores.
+
+Softmax usually subtracts each row's max before exp, which costs two passes over the
+scores. By Cauchy-Schwarz a score never exceeds |q| * max|k|; when that bound is small
+enough that exp cannot overflow, the max is skipped (the result is the same up to
+rounding). Blocks where the bound is too loose, or where a row's sum underflows, take the
+exact max-subtracted path.
+
+Masks go by token position, segment by segment: a key segment entirely in a query block's
+past needs no mask, one entirely in its future is skipped, and only segments that straddle
+the diagonal are masked.
 """
 
 from __future__ import annotations
@@ -16,6 +24,15 @@ import numpy as np
 
 Segment = tuple[int, int, bool]  # key index range [start, stop) and whether it needs a mask
 
+#: Keys per chunk: K and V of one chunk (2 x 2048 x head_dim 128 float32 = 2 MiB) stay in cache.
+KEY_CHUNK = 2048
+#: Largest score bound for which exp is taken without subtracting the row max: e^50 times
+#: a million keys times |v| <= 1e6 stays far below float32's 3.4e38.
+_UNSHIFTED_EXP_LIMIT = 50.0
+_LARGEST_UNSHIFTED_VALUE = 1e6
+#: A row sum below this may have lost precision to underflow: recompute the block exactly.
+_SMALLEST_UNSHIFTED_SUM = 1e-30
+
 
 def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
     """Index ranges [start, stop) over which positions increase by exactly one."""
@@ -25,9 +42,9 @@ def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 def rows_per_block(keys: int) -> int:
-    """Query rows per block: about 2 MiB of float32 scores, between 128 and 1024 rows (fewer
+    """Query rows per block: about 2 MiB of float32 scores, between 256 and 1024 rows (fewer
     rows make the two GEMMs inefficient; more spill the scores out of cache)."""
-    return int(np.clip(2**19 // max(keys, 1), 128, 1024))
+    return int(np.clip(2**19 // max(keys, 1), 256, 1024))
 
 
 def _plan(
@@ -71,6 +88,24 @@ def attention(
     lse [B, H, sq]), both float32. Keys at positions >= ``seq_len`` are padding and masked;
     rows that see no key get out 0 and lse -inf. ``poll`` is called between blocks (the MPI
     engine progresses in-flight transfers there)."""
+    result = None
+    for start in range(0, max(len(k_pos), 1), KEY_CHUNK):
+        chunk = slice(start, start + KEY_CHUNK)
+        part = _attention_chunk(q, kv[..., chunk, :], q_pos, k_pos[chunk], causal, seq_len, poll)
+        result = merge(result, part)
+    assert result is not None
+    return result
+
+
+def _attention_chunk(
+    q: np.ndarray,
+    kv: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    causal: bool,
+    seq_len: int,
+    poll: Callable[[], object] | None,
+) -> tuple[np.ndarray, np.ndarray]:
     batch, heads, sq, dim = q.shape
     kv_heads = kv.shape[2]
     group = heads // kv_heads
@@ -84,14 +119,18 @@ def attention(
         for kv_head in range(kv_heads):
             keys = kv[0, b, kv_head].astype(np.float32, copy=False)
             values = kv[1, b, kv_head].astype(np.float32, copy=False)
+            key_norms = np.sqrt(np.einsum("kd,kd->k", keys, keys))
+            values_small = bool(np.abs(values).max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
             for head in range(kv_head * group, (kv_head + 1) * group):
                 scaled_q = q[b, head].astype(np.float32) * scale
+                query_norms = np.sqrt(np.einsum("qd,qd->q", scaled_q, scaled_q))
                 for i, j, segments in plan:
                     if segments:
-                        _attend_block(
-                            scaled_q[i:j], keys, values, q_pos[i:j], k_pos, segments, buffer,
-                            out[b, head, i:j], lse[b, head, i:j],
-                        )
+                        bound = query_norms[i:j].max() * max(key_norms[a:z].max() for a, z, _ in segments)
+                        block = (scaled_q[i:j], keys, values, q_pos[i:j], k_pos, segments, buffer,
+                                 out[b, head, i:j], lse[b, head, i:j])
+                        if not (values_small and bound <= _UNSHIFTED_EXP_LIMIT and _attend_unshifted(*block)):
+                            _attend_block(*block)
                     if poll is not None:
                         poll()
     return out, lse
@@ -108,7 +147,29 @@ def _attend_block(
     out: np.ndarray,
     lse: np.ndarray,
 ) -> None:
-    """One query block over its key segments, writing ``out`` and ``lse`` in place."""
+    """One query block over its key segments with the exact max-shifted softmax, writing
+    ``out`` and ``lse`` in place."""
+    scores = _scores(q, keys, q_pos, k_pos, segments, buffer)
+    row_max = scores[0].max(axis=1)
+    for s in scores[1:]:
+        np.maximum(row_max, s.max(axis=1), out=row_max)
+    seen = np.isfinite(row_max)
+    if not seen.all():
+        row_max[~seen] = 0.0  # rows with no visible key: exp(-inf - 0) = 0 below
+    for s in scores:
+        np.subtract(s, row_max[:, None], out=s)
+    total = _exp_and_combine(scores, values, segments, out)
+    with np.errstate(divide="ignore"):
+        np.add(row_max, np.log(total), out=lse)
+    total[total == 0] = 1.0
+    out /= total[:, None]
+
+
+def _scores(
+    q: np.ndarray, keys: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+    segments: list[Segment], buffer: np.ndarray,
+) -> list[np.ndarray]:
+    """Q K^T for each key segment, in slices of ``buffer``, masked where needed."""
     rows = q.shape[0]
     scores = []
     offset = 0
@@ -119,25 +180,43 @@ def _attend_block(
         if masked:
             np.putmask(s, k_pos[None, start:stop] > q_pos[:, None], -np.inf)
         scores.append(s)
-    row_max = scores[0].max(axis=1)
-    for s in scores[1:]:
-        np.maximum(row_max, s.max(axis=1), out=row_max)
-    seen = np.isfinite(row_max)
-    if not seen.all():
-        row_max[~seen] = 0.0  # rows with no visible key: exp(-inf - 0) = 0 below
-    total = np.zeros(rows, dtype=np.float32)
+    return scores
+
+
+def _exp_and_combine(
+    scores: list[np.ndarray], values: np.ndarray, segments: list[Segment], out: np.ndarray
+) -> np.ndarray:
+    """exp the (shifted) scores in place, write sum_k p V to ``out``; returns the row sums."""
+    total = np.zeros(scores[0].shape[0], dtype=np.float32)
     for n, (s, (start, stop, _)) in enumerate(zip(scores, segments, strict=True)):
-        np.subtract(s, row_max[:, None], out=s)
         np.exp(s, out=s)
         total += s.sum(axis=1)
         if n == 0:
             np.matmul(s, values[start:stop], out=out)
         else:
             out += s @ values[start:stop]
-    with np.errstate(divide="ignore"):
-        np.add(row_max, np.log(total), out=lse)
-    total[total == 0] = 1.0
+    return total
+
+
+def _attend_unshifted(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    segments: list[Segment],
+    buffer: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+) -> bool:
+    """The block without the max shift (the caller checked exp cannot overflow). Returns
+    False, writing nothing final, if some row's sum is too small to trust."""
+    total = _exp_and_combine(_scores(q, keys, q_pos, k_pos, segments, buffer), values, segments, out)
+    if total.min() < _SMALLEST_UNSHIFTED_SUM:
+        return False
+    np.log(total, out=lse)
     out /= total[:, None]
+    return True
 
 
 def merge(

@@ -120,15 +120,13 @@ class _Pool:
         """Send each rank its message and collect every reply; on any failure stop the pool
         and raise one ``EngineError`` naming the rank(s) and what happened."""
         try:
-            for rank, (header, arrays) in messages.items():
-                protocol.send(self.socks[rank], header, arrays)
+            try:
+                for rank, (header, arrays) in messages.items():
+                    protocol.send(self.socks[rank], header, arrays)
+            except OSError as exc:
+                self._crashed(what, f"lost contact with a rank ({exc})")
             return self._collect(set(messages), timeout, what)
-        except EngineError:
-            self.kill()
-            raise
-        except (ConnectionError, OSError) as exc:
-            self._crashed(what, f"lost contact with a rank ({exc})")
-        except BaseException:  # Ctrl-C and the like: the ranks' state is unknown
+        except BaseException:  # the ranks' state is unknown (also after Ctrl-C): stop them
             self.kill()
             raise
 
@@ -156,10 +154,9 @@ class _Pool:
                     sock.settimeout(max(1.0, deadline - time.monotonic()))
                     try:
                         header, arrays = protocol.receive(sock)
-                    except (ConnectionError, TimeoutError, OSError):
+                    except OSError:  # closed, reset or stalled mid-message
                         self._crashed(what, f"rank {rank} died")
-                    finally:
-                        sock.settimeout(None)
+                    sock.settimeout(None)
                     if not header.get("ok"):
                         raise EngineError(
                             header.get("kind", "error"),
@@ -199,7 +196,9 @@ class _Pool:
         self.kill()
 
     def kill(self) -> None:
-        """Stop every process of the pool now and remove its files."""
+        """Stop every process of the pool now and remove its files (idempotent)."""
+        if self.log.closed:
+            return
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGKILL)

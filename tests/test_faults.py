@@ -1,0 +1,113 @@
+"""A rank that raises, crashes, hangs or computes garbage ends as one clear error, in
+bounded time, with no process left behind: also when the caller itself is killed."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import cptune
+from cptune import CPConfig, EngineError, Workload
+from cptune.reference import make_inputs
+
+from conftest import TESTS, pool_processes
+
+WORKLOAD = Workload(seq_len=32, heads=4, head_dim=8, dtype="fp32")
+CONFIG = CPConfig("ring", 2)
+
+
+def run_until_failure(engine, timeout=None):
+    q, k, v = make_inputs(WORKLOAD)
+    started = time.monotonic()
+    with pytest.raises(EngineError) as failure:
+        cptune.compute(WORKLOAD, CONFIG, q, k, v, backend=engine, timeout=timeout)
+    return failure.value, time.monotonic() - started
+
+
+def assert_pool_gone(pool_dir, pids):
+    deadline = time.monotonic() + 10
+    while (pool_processes(str(pool_dir)) or any(os.path.exists(f"/proc/{p}") for p in pids)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool_processes(str(pool_dir)) == []
+    assert not pool_dir.exists()
+
+
+def start_pool(engine):
+    engine._pool_for(CONFIG.ranks)
+    return engine._pool.dir, list(engine._pool.pids)
+
+
+def test_rank_exception_is_reported_with_its_message(faulty_engine):
+    engine = faulty_engine("raise")
+    pool_dir, pids = start_pool(engine)
+    error, _ = run_until_failure(engine)
+    assert error.kind == "error"
+    assert "rank 1" in str(error) and "injected failure on rank 1" in str(error)
+    assert_pool_gone(pool_dir, pids)
+
+
+def test_rank_crash_is_reported(faulty_engine):
+    engine = faulty_engine("crash")
+    pool_dir, pids = start_pool(engine)
+    error, _ = run_until_failure(engine)
+    assert error.kind == "crash"
+    assert "crashed" in str(error) and "Ring on 2 ranks" in str(error)
+    assert_pool_gone(pool_dir, pids)
+
+
+def test_rank_hang_times_out(faulty_engine):
+    engine = faulty_engine("hang")
+    pool_dir, pids = start_pool(engine)
+    error, elapsed = run_until_failure(engine, timeout=3)
+    assert error.kind == "timeout"
+    assert "did not finish Ring on 2 ranks within 3 s" in str(error)
+    assert elapsed < 60  # bounded: the deadline, not forever
+    assert_pool_gone(pool_dir, pids)
+
+
+def test_engine_recovers_after_a_failure(faulty_engine):
+    """After a failure the next call starts a fresh pool (here: still faulty, still clean)."""
+    engine = faulty_engine("raise")
+    for _ in range(2):
+        error, _ = run_until_failure(engine)
+        assert error.kind == "error"
+    assert engine._pool is None
+
+
+def test_wrong_output_is_an_error_not_a_timing(faulty_engine):
+    engine = faulty_engine("wrong")
+    with pytest.raises(EngineError) as failure:
+        cptune.measure(WORKLOAD, CONFIG, backend=engine, warmup=0, repeats=1)
+    assert failure.value.kind == "wrong_output"
+    assert "timing does not count" in str(failure.value)
+
+
+def test_killed_caller_leaves_no_ranks_behind(tmp_path):
+    """SIGKILL the process that owns a pool while its ranks are busy: the ranks notice and
+    exit, and so does mpiexec."""
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import sys\n"
+        "from cptune.engines.mpi import MPIEngine\n"
+        "from cptune import CPConfig, Workload, compute\n"
+        "from cptune.reference import make_inputs\n"
+        f"engine = MPIEngine(worker=[sys.executable, {str(TESTS / 'faulty_worker.py')!r}, 'hang'])\n"
+        "w = Workload(seq_len=32, heads=4, head_dim=8)\n"
+        "engine._pool_for(2)\n"
+        "print(engine._pool.dir, flush=True)\n"
+        "compute(w, CPConfig('ring', 2), *make_inputs(w), backend=engine, timeout=600)\n"
+    )
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pool_dir = caller.stdout.readline().strip()
+    assert pool_dir and pool_processes(pool_dir), "the pool should be running"
+    time.sleep(1.0)  # rank 0 is now waiting inside the ring, rank 1 hangs
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 15
+    while pool_processes(pool_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pool_processes(pool_dir) == []

@@ -1,0 +1,98 @@
+"""measure() on real ranks: a checked output, then timings of the slowest rank."""
+
+import json
+
+import pytest
+
+import cptune
+from cptune import CPConfig, Workload
+from cptune.cli import main
+from cptune.reference import TOLERANCE
+
+WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="bf16", causal=True)
+
+
+@pytest.mark.parametrize("config", [CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("allgather_kv", 1)],
+                         ids=lambda c: f"{c.label}-{c.ranks}r")
+def test_measurement_fields(config):
+    m = cptune.measure(WORKLOAD, config, warmup=1, repeats=5)
+    assert m.workload == WORKLOAD and m.config == config
+    assert len(m.samples_ms) == 5 and all(s > 0 for s in m.samples_ms)
+    assert m.p10_ms <= m.median_ms <= m.p90_ms
+    assert min(m.samples_ms) <= m.median_ms <= max(m.samples_ms)
+    assert 0 < m.compute_ms <= m.p90_ms and m.comm_ms >= 0
+    # the slowest rank's iteration covers its compute and its communication waits
+    assert m.compute_ms + m.comm_ms <= max(m.samples_ms) * 1.05
+    input_bytes = cptune.analytic_cost(WORKLOAD, config).padded_seq_len // config.ranks * 2 * (4 + 2 * 2) * 32
+    assert m.peak_bytes > input_bytes
+    assert 0 <= m.max_error <= TOLERANCE["bf16"]
+    assert m.engine == "mpi" and m.host["mpi_library"].startswith("MPICH")
+    assert json.loads(json.dumps(m.to_dict()))["config"] == config.to_dict()
+
+
+def test_communication_is_timed_where_there_is_some():
+    ulysses = cptune.measure(WORKLOAD, CPConfig("ulysses", 2), warmup=1, repeats=3)
+    local = cptune.measure(WORKLOAD, CPConfig("ring", 1), warmup=1, repeats=3)
+    assert ulysses.comm_ms > 0  # three all-to-alls cannot take zero time
+    assert local.comm_ms == 0  # one rank never communicates
+
+
+def test_infeasible_measure_is_refused():
+    with pytest.raises(cptune.InfeasibleConfigError, match="Ulysses limit"):
+        cptune.measure(WORKLOAD, CPConfig("ulysses", 3))
+
+
+def test_bad_repeat_counts_are_refused():
+    with pytest.raises(ValueError, match="repeats"):
+        cptune.measure(WORKLOAD, CPConfig("ring", 1), repeats=0)
+
+
+def test_cli_measure_json(capsys):
+    code = main(["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "2",
+                 "--warmup", "0", "--repeats", "2", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    labels = {(r["config"]["strategy"], r["config"]["ranks"], r["config"]["head_group"]) for r in report["results"]}
+    assert labels == {("ring", 1, 1), ("ring", 2, 1), ("allgather_kv", 2, 1), ("ulysses", 2, 2)}
+    assert report["failures"] == []
+
+
+def test_cli_table(capsys):
+    code = main(["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "2",
+                 "--strategies", "ulysses", "--warmup", "0", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "fastest first" in out and "ulysses" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["measure", "--heads", "8", "--kv-heads", "3"], "kv_heads"),
+    (["measure", "--heads", "0"], "--heads"),
+    (["measure", "--strategies", "ring,zigzag"], "zigzag"),
+    (["measure", "--dtype", "fp8"], "--dtype"),
+])
+def test_cli_bad_input_exits_2(argv, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert code == 2
+    assert message in captured.out + captured.err
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_summarize_takes_each_iteration_from_its_slowest_rank():
+    import numpy as np
+
+    from cptune.measurement import summarize
+
+    timings = np.zeros((2, 3, 3))
+    timings[0, :, 0] = [0.005, 0.001, 0.001]  # rank 0: one slow iteration
+    timings[1, :, 0] = [0.002, 0.003, 0.004]  # rank 1: slowest overall
+    timings[0, :, 1:] = [0.004, 0.0]
+    timings[1, :, 1:] = [0.001, 0.0015]
+    s = summarize(timings)
+    assert s["samples_ms"] == pytest.approx([5, 3, 4])
+    assert s["median_ms"] == pytest.approx(4)
+    assert (s["compute_ms"], s["comm_ms"]) == pytest.approx((1, 1.5))  # rank 1's phases
