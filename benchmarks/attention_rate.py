@@ -46,7 +46,9 @@ def _timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
@@ -74,7 +76,8 @@ def main() -> None:
                 f"{m.compute_ms:>12.1f}{m.comm_ms:>9.1f}{rate:>14.1f}{threads:>8}"
                 f"{gemm[threads]:>8.1f}{rate / gemm[threads]:>7.0%}")
     after = {t: gemm_rate(t) for t in thread_counts}
-    say("\nfloat32 GEMM 2048^3 after: " + ", ".join(f"{t} thread(s) {r:.1f} GFLOP/s" for t, r in after.items()))
+    say("\nfloat32 GEMM 2048^3 after: "
+        + ", ".join(f"{t} thread(s) {r:.1f} GFLOP/s" for t, r in after.items()))
     full = [ratio for w, _, ratio in rows if not w.causal]
     say(f"non-causal compute phase / GEMM rate: median {np.median(full):.0%}, "
         f"min {min(full):.0%}, max {max(full):.0%} (goal >= 70%)")

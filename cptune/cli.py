@@ -16,7 +16,7 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
 from cptune.feasibility import enumerate_configs
-from cptune.measurement import Measurement
+from cptune.measurement import Measurement, available_cores
 from cptune.workload import WIRE_DTYPES, Workload
 
 USAGE_ERROR = 2
@@ -70,10 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     shape = run.add_argument_group("workload (one attention layer)")
     shape.add_argument("--seq-len", type=_positive, default=4096, help="tokens per sequence (default 4096)")
     shape.add_argument("--heads", type=_positive, default=8, help="query heads (default 8)")
-    shape.add_argument("--kv-heads", type=_positive, default=None, help="KV heads (default: as many as --heads)")
+    shape.add_argument("--kv-heads", type=_positive, default=None,
+                       help="KV heads (default: as many as --heads)")
     shape.add_argument("--head-dim", type=_positive, default=64, help="head dimension (default 64)")
     shape.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
-    shape.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16", help="activation dtype (default bf16)")
+    shape.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
+                       help="activation dtype (default bf16)")
     shape.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
     sweep = run.add_argument_group("what to run")
     sweep.add_argument("--max-ranks", type=_positive, default=None,
@@ -98,7 +100,9 @@ def _workload(args: argparse.Namespace) -> Workload:
         raise UsageError(str(exc)) from None
 
 
-def _results_table(workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]) -> Table:
+def _results_table(
+    workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]
+) -> Table:
     table = Table(
         title=f"{workload.describe()} - fastest first",
         caption="ms per iteration, slowest rank; spread = p90 - p10; u = head group (Ulysses degree)",
@@ -118,8 +122,6 @@ def _results_table(workload: Workload, results: list[Measurement], failures: lis
 
 
 def cmd_measure(args: argparse.Namespace, console: Console) -> int:
-    from cptune.engines.mpi import available_cores
-
     workload = _workload(args)
     max_ranks = args.max_ranks or available_cores()
     configs = list(enumerate_configs(workload, max_ranks, args.strategies))
@@ -144,8 +146,8 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
         }, indent=2))
     else:
         console.print(_results_table(workload, results, failures))
-    for config, error in failures:
-        console.print(f"[red]{config.describe()} failed ({error.kind}):[/] {error}", highlight=False)
+    for config, failure in failures:
+        console.print(f"[red]{config.describe()} failed ({failure.kind}):[/] {failure}", highlight=False)
     return USAGE_ERROR if failures else 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cptune.workload import _check_positive_int
+from cptune.workload import check_positive_int
 
 #: The context strategies. A head group u > 1 puts Ulysses inside groups of u ranks and
 #: the named strategy across the ranks / u groups; "ulysses" alone means u = ranks.
@@ -13,26 +13,26 @@ STRATEGIES: tuple[str, ...] = ("allgather_kv", "ring", "ulysses")
 _TITLES = {"allgather_kv": "AllGather-KV", "ring": "Ring", "ulysses": "Ulysses"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CPConfig:
     """``strategy`` over ``ranks`` ranks; ``head_group`` is the Ulysses degree u (heads are
-    split over groups of u ranks by all-to-all). Defaults: u = ranks for "ulysses", else 1."""
+    split over groups of u ranks by all-to-all). Defaults: u = ranks for "ulysses", else 1;
+    ``head_group`` reads the resolved value."""
 
     strategy: str
     ranks: int
-    head_group: int | None = None
+    head_group: int
 
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
-            )
-        _check_positive_int("ranks", self.ranks)
-        if self.head_group is None:
-            object.__setattr__(self, "head_group", self.ranks if self.strategy == "ulysses" else 1)
-        _check_positive_int("head_group", self.head_group)
-        object.__setattr__(self, "ranks", int(self.ranks))
-        object.__setattr__(self, "head_group", int(self.head_group))
+    def __init__(self, strategy: str, ranks: int, head_group: int | None = None) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        check_positive_int("ranks", ranks)
+        if head_group is None:
+            head_group = ranks if strategy == "ulysses" else 1
+        check_positive_int("head_group", head_group)
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "ranks", int(ranks))
+        object.__setattr__(self, "head_group", int(head_group))
 
     @property
     def context_degree(self) -> int:

@@ -17,7 +17,7 @@ from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
 from cptune.layout import SequenceLayout
-from cptune.measurement import Measurement, describe_host, summarize
+from cptune.measurement import Measurement, available_cores, describe_host, summarize
 from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
@@ -27,8 +27,6 @@ Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
 def default_timeout(workload: Workload, config: CPConfig, iterations: int = 1) -> float:
     """A deadline no healthy run gets near: a minute of slack plus each iteration at a
     pessimistic 1 GFLOP/s and 100 MB/s per rank, stretched when ranks outnumber cores."""
-    from cptune.engines.mpi import available_cores
-
     cost = analytic_cost(workload, config)
     per_iteration = 1.0 + cost.flops / 1e9 + sum(cost.bytes_sent.values()) / 1e8
     crowding = max(1.0, config.ranks / available_cores())
@@ -94,12 +92,13 @@ def compute(
     _check_arrays(workload, q, k, v)
     engine = get_engine(backend)
     layout = SequenceLayout(workload, config)
-    outputs, _ = engine.run(workload, config, _scatter(layout, q, k, v), timeout or default_timeout(workload, config))
+    timeout = timeout or default_timeout(workload, config)
+    outputs, _ = engine.run(workload, config, _scatter(layout, q, k, v), timeout)
     return _gather(layout, outputs)
 
 
 @lru_cache(maxsize=1)
-def _reference_case(workload: Workload, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _reference_case(workload: Workload, seed: int) -> tuple[np.ndarray, ...]:
     """Inputs and their reference output, kept for the next configuration of the same workload."""
     q, k, v = make_inputs(workload, seed)
     return q, k, v, reference_attention(workload, q, k, v)
@@ -126,7 +125,8 @@ def measure(
     engine = get_engine(backend)
     layout = SequenceLayout(workload, config)
     q, k, v, reference = _reference_case(workload, seed)
-    outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v), timeout or default_timeout(workload, config))
+    run_timeout = timeout or default_timeout(workload, config)
+    outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v), run_timeout)
     error = relative_error(_gather(layout, outputs), reference)
     tolerance = TOLERANCE[workload.dtype]
     if not error <= tolerance:

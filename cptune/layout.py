@@ -43,9 +43,10 @@ class SequenceLayout:
             return [np.arange(g * size, (g + 1) * size) for g in range(c)]
         chunk = n // (2 * c)
         return [
-            np.concatenate(
-                [np.arange(g * chunk, (g + 1) * chunk), np.arange((2 * c - 1 - g) * chunk, (2 * c - g) * chunk)]
-            )
+            np.concatenate([
+                np.arange(g * chunk, (g + 1) * chunk),
+                np.arange((2 * c - 1 - g) * chunk, (2 * c - g) * chunk),
+            ])
             for g in range(c)
         ]
 

@@ -7,6 +7,7 @@ import platform
 import socket
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from typing import TypedDict
 
 import numpy as np
 
@@ -51,30 +52,45 @@ class Measurement:
         return data
 
 
-def summarize(timings: np.ndarray) -> dict[str, float | list[float]]:
+class TimingSummary(TypedDict):
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    compute_ms: float
+    comm_ms: float
+    samples_ms: list[float]
+
+
+def summarize(timings: np.ndarray) -> TimingSummary:
     """Turn seconds [rank, iteration, (wall, compute, comm)] into the figures of a
     ``Measurement``: per-iteration latency is the slowest rank's wall time; the phase split
     is that of the rank with the largest median wall time."""
     latency_ms = timings[:, :, 0].max(axis=0) * 1e3
     slowest = int(np.argmax(np.median(timings[:, :, 0], axis=1)))
-    return {
-        "median_ms": float(np.median(latency_ms)),
-        "p10_ms": float(np.percentile(latency_ms, 10)),
-        "p90_ms": float(np.percentile(latency_ms, 90)),
-        "compute_ms": float(np.median(timings[slowest, :, 1]) * 1e3),
-        "comm_ms": float(np.median(timings[slowest, :, 2]) * 1e3),
-        "samples_ms": [float(x) for x in latency_ms],
-    }
+    return TimingSummary(
+        median_ms=float(np.median(latency_ms)),
+        p10_ms=float(np.percentile(latency_ms, 10)),
+        p90_ms=float(np.percentile(latency_ms, 90)),
+        compute_ms=float(np.median(timings[slowest, :, 1]) * 1e3),
+        comm_ms=float(np.median(timings[slowest, :, 2]) * 1e3),
+        samples_ms=[float(x) for x in latency_ms],
+    )
 
 
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (what the ranks share)."""
+    return len(os.sched_getaffinity(0))
 
 
 def describe_host() -> dict[str, str]:
@@ -83,7 +99,7 @@ def describe_host() -> dict[str, str]:
     return {
         "hostname": socket.gethostname(),
         "cpu": _cpu_model(),
-        "cores": str(len(os.sched_getaffinity(0))),
+        "cores": str(available_cores()),
         "memory_gib": f"{memory / 2**30:.1f}",
         "system": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),

@@ -15,45 +15,55 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 }
 
 
-def _check_positive_int(name: str, value: object) -> None:
+def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Workload:
     """One attention layer: ``batch`` sequences of ``seq_len`` tokens, ``heads`` query
     heads of ``head_dim`` and ``kv_heads`` key/value heads (None: as many as query heads;
-    fewer means GQA, one means MQA)."""
+    fewer means GQA, one means MQA). Validated on construction: a bad value raises
+    ``ValueError`` naming the field."""
 
     seq_len: int
     heads: int
     head_dim: int
-    kv_heads: int | None = None
-    batch: int = 1
-    dtype: str = "bf16"
-    causal: bool = False
+    kv_heads: int
+    batch: int
+    dtype: str
+    causal: bool
 
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "heads", "head_dim", "batch"):
-            _check_positive_int(name, getattr(self, name))
-        if self.kv_heads is None:
-            object.__setattr__(self, "kv_heads", self.heads)
-        _check_positive_int("kv_heads", self.kv_heads)
-        if self.heads % self.kv_heads:
+    def __init__(
+        self,
+        seq_len: int,
+        heads: int,
+        head_dim: int,
+        kv_heads: int | None = None,
+        batch: int = 1,
+        dtype: str = "bf16",
+        causal: bool = False,
+    ) -> None:
+        kv_heads = heads if kv_heads is None else kv_heads
+        sizes = dict(seq_len=seq_len, heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch)
+        for name, value in sizes.items():
+            check_positive_int(name, value)
+        if heads % kv_heads:
             raise ValueError(
-                f"kv_heads: {self.heads} query heads cannot share {self.kv_heads} KV heads "
+                f"kv_heads: {heads} query heads cannot share {kv_heads} KV heads "
                 f"evenly (heads must be a multiple of kv_heads)"
             )
-        if self.dtype not in WIRE_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.causal, (bool, np.bool_)):
-            raise ValueError(f"causal must be True or False, got {self.causal!r}")
-        for name in ("seq_len", "heads", "head_dim", "batch", "kv_heads"):
-            object.__setattr__(self, name, int(getattr(self, name)))
-        object.__setattr__(self, "causal", bool(self.causal))
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(WIRE_DTYPES)}, got {dtype!r}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise ValueError(f"causal must be True or False, got {causal!r}")
+        for name, value in sizes.items():
+            object.__setattr__(self, name, int(value))
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "causal", bool(causal))
 
     @property
     def wire_dtype(self) -> np.dtype:

@@ -16,7 +16,7 @@ def pool_processes(marker: str) -> list[int]:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next(l for l in (entry / "status").read_text().splitlines() if l.startswith("State:"))
+            state = next(s for s in (entry / "status").read_text().splitlines() if s.startswith("State:"))
         except (OSError, StopIteration):
             continue
         if marker in cmdline and "zombie" not in state:

@@ -10,10 +10,9 @@ import time
 import pytest
 
 import cptune
+from conftest import TESTS, pool_processes
 from cptune import CPConfig, EngineError, Workload
 from cptune.reference import make_inputs
-
-from conftest import TESTS, pool_processes
 
 WORKLOAD = Workload(seq_len=32, heads=4, head_dim=8, dtype="fp32")
 CONFIG = CPConfig("ring", 2)

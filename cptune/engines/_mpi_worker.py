@@ -16,8 +16,8 @@ import socket
 import sys
 import threading
 import time
-import tracemalloc
 import traceback
+import tracemalloc
 from collections.abc import Iterator
 
 import numpy as np
@@ -50,13 +50,13 @@ class MpiOps:
     separately (``compute_s``, ``comm_s``: seconds this rank spent in each, communication
     counting only the time it waited, not transfers hidden behind compute)."""
 
-    def __init__(self, workload: Workload, comms: dict[str, object]) -> None:
+    def __init__(self, workload: Workload, comms: dict[str, MPI.Comm]) -> None:
         self.workload = workload
         self.wire = workload.wire_dtype
         self.comms = comms
         self.compute_s = 0.0
         self.comm_s = 0.0
-        self._in_flight: list[object] = []
+        self._in_flight: list[MPI.Request] = []
 
     def _poll(self) -> None:
         MPI.Request.Testall(self._in_flight)
@@ -142,7 +142,7 @@ class MpiOps:
 class RankTask:
     """One configuration on this rank: its inputs, communicators and how to run it."""
 
-    def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, object], rank: int) -> None:
+    def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, MPI.Comm], rank: int) -> None:
         self.workload = Workload(**header["workload"])
         self.config = CPConfig(**header["config"])
         self.layout = SequenceLayout(self.workload, self.config)
@@ -197,7 +197,7 @@ class Worker:
             self.world.Split(0 if self.rank < r else MPI.UNDEFINED, self.rank)
             for r in range(1, self.world.Get_size() + 1)
         ]
-        self.group_comms: dict[tuple[int, int], dict[str, object]] = {}
+        self.group_comms: dict[tuple[int, int], dict[str, MPI.Comm]] = {}
         self.task: RankTask | None = None
 
     def hello(self) -> None:
@@ -208,7 +208,7 @@ class Worker:
             "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
         })
 
-    def comms_for(self, config: CPConfig) -> dict[str, object]:
+    def comms_for(self, config: CPConfig) -> dict[str, MPI.Comm]:
         key = (config.ranks, config.head_group)
         if key not in self.group_comms:
             comm = self.prefix[config.ranks - 1]

@@ -28,7 +28,7 @@ def send(sock: socket.socket, header: dict[str, Any], arrays: Sequence[np.ndarra
     sock.sendall(_LENGTH.pack(len(body)) + body)
     for a in arrays:
         if a.nbytes:
-            sock.sendall(memoryview(a).cast("B"))
+            sock.sendall(a.data.cast("B"))
 
 
 def _read_into(sock: socket.socket, view: memoryview) -> None:
@@ -55,6 +55,6 @@ def receive(sock: socket.socket) -> Message:
             raise ConnectionError(f"unexpected array dtype {spec['dtype']!r}")
         a = np.empty(tuple(int(n) for n in spec["shape"]), dtype=spec["dtype"])
         if a.nbytes:
-            _read_into(sock, memoryview(a).cast("B"))
+            _read_into(sock, a.data.cast("B"))
         arrays.append(a)
     return header, arrays

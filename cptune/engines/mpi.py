@@ -10,6 +10,7 @@ ranks watch the driver too: if it is killed, they exit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
@@ -28,15 +29,12 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
+from cptune.measurement import available_cores
 from cptune.workload import Workload
 
 WORKER = [sys.executable, "-m", "cptune.engines._mpi_worker"]
 
 _OUTPUT_TAIL_LINES = 15
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 def find_mpiexec() -> str:
@@ -116,7 +114,9 @@ class _Pool:
         lines = text.splitlines()[-_OUTPUT_TAIL_LINES:]
         return "\n".join("    " + line for line in lines) if lines else "    (no output)"
 
-    def request(self, messages: dict[int, protocol.Message], timeout: float, what: str) -> dict[int, protocol.Message]:
+    def request(
+        self, messages: dict[int, protocol.Message], timeout: float, what: str
+    ) -> dict[int, protocol.Message]:
         """Send each rank its message and collect every reply; on any failure stop the pool
         and raise one ``EngineError`` naming the rank(s) and what happened."""
         try:
@@ -168,10 +168,8 @@ class _Pool:
         return replies
 
     def _crashed(self, what: str, how: str) -> None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            pass
         code = self.proc.returncode
         killed = code is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL, 137)
         hint = " (killed: possibly out of memory)" if killed else ""
@@ -185,14 +183,10 @@ class _Pool:
     def close(self) -> None:
         """Ask the ranks to exit; force them after a grace period."""
         for sock in self.socks.values():
-            try:
+            with contextlib.suppress(OSError):
                 protocol.send(sock, {"op": "exit"})
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            pass
         self.kill()
 
     def kill(self) -> None:
@@ -200,15 +194,11 @@ class _Pool:
         if self.log.closed:
             return
         for pid in self.pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self.proc.wait()
         for sock in self.socks.values():
             sock.close()
@@ -236,7 +226,9 @@ class MPIEngine:
             self._pool = _Pool(ranks, self.worker, self.start_timeout)
         return self._pool
 
-    def _request(self, messages: dict[int, protocol.Message], timeout: float, what: str) -> dict[int, protocol.Message]:
+    def _request(
+        self, messages: dict[int, protocol.Message], timeout: float, what: str
+    ) -> dict[int, protocol.Message]:
         pool = self._pool
         assert pool is not None
         try:
@@ -255,7 +247,7 @@ class MPIEngine:
         """Run ``config`` once with rank r holding ``shards[r]`` (q, k, v in the API layout);
         returns each rank's output shard and peak bytes. The ranks keep the inputs for
         ``time``."""
-        pool = self._pool_for(config.ranks)
+        self._pool_for(config.ranks)
         header = {
             "op": "run",
             "workload": workload.to_dict(),
