@@ -50,8 +50,9 @@ class MpiOps:
     separately (``compute_s``, ``comm_s``: seconds this rank spent in each, communication
     counting only the time it waited, not transfers hidden behind compute)."""
 
-    def __init__(self, workload: Workload, comms: dict[str, MPI.Comm]) -> None:
+    def __init__(self, workload: Workload, comms: dict[str, MPI.Comm], threads: int) -> None:
         self.workload = workload
+        self.threads = threads
         self.wire = workload.wire_dtype
         self.comms = comms
         self.compute_s = 0.0
@@ -67,6 +68,7 @@ class MpiOps:
             q, kv, q_pos, k_pos,
             causal=self.workload.causal,
             seq_len=self.workload.seq_len,
+            threads=self.threads,
             poll=self._poll if self._in_flight else None,
         )
         self.compute_s += time.perf_counter() - start
@@ -143,6 +145,7 @@ class RankTask:
     """One configuration on this rank: its inputs, communicators and how to run it."""
 
     def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, MPI.Comm], rank: int) -> None:
+        self.threads = int(header["threads"])
         self.workload = Workload(**header["workload"])
         self.config = CPConfig(**header["config"])
         self.layout = SequenceLayout(self.workload, self.config)
@@ -154,7 +157,7 @@ class RankTask:
         self.input_bytes = self.q.nbytes + self.kv.nbytes
 
     def iteration(self) -> tuple[np.ndarray, MpiOps]:
-        ops = MpiOps(self.workload, self.comms)
+        ops = MpiOps(self.workload, self.comms, self.threads)
         out = run_strategy(ops, self.layout, self.rank, self.q, self.kv)
         return np.asarray(out, dtype=self.workload.wire_dtype), ops
 
@@ -222,7 +225,7 @@ class Worker:
 
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
         if header["op"] == "run":
-            threadpool_limits(limits=header["threads"], user_api="blas")
+            threadpool_limits(limits=1, user_api="blas")  # the kernel threads over heads
             config = CPConfig(**header["config"])
             self.task = RankTask(header, arrays, self.comms_for(config), self.rank)
             return self.task.run_once()

@@ -18,7 +18,9 @@ the diagonal are masked.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -82,57 +84,84 @@ def attention(
     *,
     causal: bool,
     seq_len: int,
+    threads: int = 1,
     poll: Callable[[], object] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention of ``q`` [B, H, sq, D] over ``kv`` [2, B, K, sk, D] -> (out [B, H, sq, D],
     lse [B, H, sq]), both float32. Keys at positions >= ``seq_len`` are padding and masked;
-    rows that see no key get out 0 and lse -inf. ``poll`` is called between blocks (the MPI
-    engine progresses in-flight transfers there)."""
+    rows that see no key get out 0 and lse -inf.
+
+    ``threads`` > 1 spreads the heads over that many threads, each running single-threaded
+    BLAS (the caller limits BLAS to one thread): softmax passes then use every core too,
+    which a multi-threaded GEMM alone does not. ``poll`` is called between blocks by one
+    thread (the MPI engine progresses in-flight transfers there)."""
+    scaled_q = q.astype(np.float32) * np.float32(1.0 / np.sqrt(q.shape[-1]))
+    query_norms = np.sqrt(np.einsum("bhqd,bhqd->bhq", scaled_q, scaled_q))
     result = None
     for start in range(0, max(len(k_pos), 1), KEY_CHUNK):
         chunk = slice(start, start + KEY_CHUNK)
-        part = _attention_chunk(q, kv[..., chunk, :], q_pos, k_pos[chunk], causal, seq_len, poll)
+        part = _attention_chunk(
+            scaled_q, query_norms, kv[..., chunk, :], q_pos, k_pos[chunk], causal, seq_len, threads, poll
+        )
         result = merge(result, part)
     assert result is not None
     return result
 
 
+@functools.cache
+def _executor(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="cptune-attention")
+
+
 def _attention_chunk(
     q: np.ndarray,
+    query_norms: np.ndarray,
     kv: np.ndarray,
     q_pos: np.ndarray,
     k_pos: np.ndarray,
     causal: bool,
     seq_len: int,
+    threads: int,
     poll: Callable[[], object] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
+    """One key chunk; ``q`` is float32 and already scaled by 1/sqrt(head_dim)."""
     batch, heads, sq, dim = q.shape
-    kv_heads = kv.shape[2]
-    group = heads // kv_heads
-    scale = np.float32(1.0 / np.sqrt(dim))
+    group = heads // kv.shape[2]
     out = np.zeros((batch, heads, sq, dim), dtype=np.float32)
     lse = np.full((batch, heads, sq), -np.inf, dtype=np.float32)
     plan = _plan(q_pos, k_pos, causal, seq_len)
     widest = max((sum(b - a for a, b, _ in segs) * (j - i) for i, j, segs in plan), default=0)
-    buffer = np.empty(widest, dtype=np.float32)
-    for b in range(batch):
-        for kv_head in range(kv_heads):
-            keys = kv[0, b, kv_head].astype(np.float32, copy=False)
-            values = kv[1, b, kv_head].astype(np.float32, copy=False)
-            key_norms = np.sqrt(np.einsum("kd,kd->k", keys, keys))
-            values_small = bool(np.abs(values).max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
-            for head in range(kv_head * group, (kv_head + 1) * group):
-                scaled_q = q[b, head].astype(np.float32) * scale
-                query_norms = np.sqrt(np.einsum("qd,qd->q", scaled_q, scaled_q))
-                for i, j, segments in plan:
-                    if segments:
-                        bound = query_norms[i:j].max() * max(key_norms[a:z].max() for a, z, _ in segments)
-                        block = (scaled_q[i:j], keys, values, q_pos[i:j], k_pos, segments, buffer,
-                                 out[b, head, i:j], lse[b, head, i:j])
-                        if not (values_small and bound <= _UNSHIFTED_EXP_LIMIT and _attend_unshifted(*block)):
-                            _attend_block(*block)
-                    if poll is not None:
-                        poll()
+    keys = kv[0].astype(np.float32, copy=False)
+    values = kv[1].astype(np.float32, copy=False)
+    key_norms = np.sqrt(np.einsum("bksd,bksd->bks", keys, keys))
+    values_small = bool(np.abs(values).max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
+
+    def attend_heads(items: list[tuple[int, int]], poll: Callable[[], object] | None) -> None:
+        buffer = np.empty(widest, dtype=np.float32)
+        for b, head in items:
+            head_q, head_keys, head_values = q[b, head], keys[b, head // group], values[b, head // group]
+            q_norms, k_norms = query_norms[b, head], key_norms[b, head // group]
+            for i, j, segments in plan:
+                if segments:
+                    block = (head_q[i:j], head_keys, head_values, q_pos[i:j], k_pos, segments, buffer,
+                             out[b, head, i:j], lse[b, head, i:j])
+                    bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _ in segments)
+                    unshifted_safe = values_small and bound <= _UNSHIFTED_EXP_LIMIT
+                    if not (unshifted_safe and _attend_unshifted(*block)):
+                        _attend_block(*block)
+                if poll is not None:
+                    poll()
+
+    items = [(b, head) for b in range(batch) for head in range(heads)]
+    workers = min(threads, len(items))
+    if workers <= 1:
+        attend_heads(items, poll)
+    else:
+        shares = [items[n::workers] for n in range(workers)]
+        jobs = [_executor(threads).submit(attend_heads, share, poll if n == 0 else None)
+                for n, share in enumerate(shares)]
+        for job in jobs:
+            job.result()
     return out, lse
 
 

@@ -1,0 +1,78 @@
+"""The numpy attention kernel and merge, against the float64 reference, on their edges."""
+
+import numpy as np
+import pytest
+
+from cptune import Workload
+from cptune.engines import _numpy_kernels as kernels
+from cptune.reference import make_inputs, reference_attention, relative_error
+
+
+def run(workload, q, k, v, **options):
+    """Kernel on full sequences in the internal layout, back to [batch, seq, heads, dim]."""
+    positions = np.arange(workload.seq_len)
+    kv = np.stack([k, v]).transpose(0, 1, 3, 2, 4)
+    out, lse = kernels.attention(q.transpose(0, 2, 1, 3), kv, positions, positions,
+                                 causal=workload.causal, seq_len=workload.seq_len, **options)
+    return out.transpose(0, 2, 1, 3), lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("magnitude", [1.0, 40.0], ids=["unshifted-exp", "exact-path"])
+def test_both_softmax_paths_match_reference(causal, magnitude):
+    """Large logits (|q||k| beyond the safe bound) must take the max-shifted path and still
+    be right; ordinary ones take the unshifted path."""
+    workload = Workload(seq_len=300, heads=2, head_dim=16, dtype="fp32", causal=causal)
+    q, k, v = make_inputs(workload, seed=1)
+    q = q * np.float32(magnitude)
+    out, lse = run(workload, q, k, v)
+    assert np.all(np.isfinite(lse))
+    assert relative_error(out, reference_attention(workload, q, k, v)) < 2e-5
+
+
+def test_key_chunks_are_merged(monkeypatch):
+    monkeypatch.setattr(kernels, "KEY_CHUNK", 64)
+    workload = Workload(seq_len=200, heads=3, head_dim=8, kv_heads=1, dtype="fp32", causal=True)
+    q, k, v = make_inputs(workload, seed=2)
+    out, _ = run(workload, q, k, v)
+    assert relative_error(out, reference_attention(workload, q, k, v)) < 2e-5
+
+
+def test_threads_give_the_same_result():
+    workload = Workload(seq_len=129, heads=4, head_dim=16, kv_heads=2, batch=2, dtype="fp32")
+    q, k, v = make_inputs(workload, seed=3)
+    one, _ = run(workload, q, k, v, threads=1)
+    two, _ = run(workload, q, k, v, threads=2)
+    np.testing.assert_array_equal(one, two)
+
+
+def test_rows_that_see_no_key():
+    """Queries before every key (causal) get output 0 and log-sum-exp -inf, and merging
+    such a partial changes nothing."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 1, 4, 8), dtype=np.float32)
+    kv = rng.standard_normal((2, 1, 1, 4, 8), dtype=np.float32)
+    q_pos, k_pos = np.arange(0, 4), np.arange(2, 6)  # queries 0, 1 see none of keys 2..5
+    out, lse = kernels.attention(q, kv, q_pos, k_pos, causal=True, seq_len=10)
+    assert np.all(out[..., :2, :] == 0) and np.all(np.isneginf(lse[..., :2]))
+    assert np.all(np.isfinite(lse[..., 2:]))
+    empty = (np.zeros_like(out), np.full_like(lse, -np.inf))
+    merged_out, merged_lse = kernels.merge((out.copy(), lse.copy()), empty)
+    np.testing.assert_allclose(merged_out, out)
+    np.testing.assert_array_equal(merged_lse, lse)
+
+
+def test_padding_keys_are_ignored():
+    """Keys at positions >= seq_len carry garbage and must not change the result."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 6, 8), dtype=np.float32)
+    kv = rng.standard_normal((2, 1, 2, 8, 8), dtype=np.float32)
+    q_pos, k_pos = np.arange(6), np.arange(8)
+    clean, _ = kernels.attention(q, kv[..., :6, :], q_pos, k_pos[:6], causal=False, seq_len=6)
+    kv[..., 6:, :] = 1e4
+    padded, _ = kernels.attention(q, kv, q_pos, k_pos, causal=False, seq_len=6)
+    np.testing.assert_allclose(padded, clean, rtol=1e-6)
+
+
+def test_position_runs():
+    assert kernels.position_runs(np.array([0, 1, 2, 7, 8, 3])) == [(0, 3), (3, 5), (5, 6)]
