@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import InfeasibleConfigError
 from cptune.workload import Workload
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB': a size a person reads at a glance."""
+    size, unit = float(n), "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -63,8 +71,8 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
         need = analytic_cost(workload, config).peak_bytes
         if need > memory_limit:
             reasons.append(
-                f"needs about {need / 2**30:.2f} GiB per rank, over the limit of "
-                f"{memory_limit / 2**30:.2f} GiB; use more ranks or a shorter sequence"
+                f"needs about {format_bytes(need)} per rank, over the limit of "
+                f"{format_bytes(memory_limit)}; use more ranks or a shorter sequence"
             )
     return reasons
 
@@ -84,16 +92,20 @@ def enumerate_configs(
     max_ranks: int,
     strategies: tuple[str, ...] = STRATEGIES,
     memory_limit: int | None = None,
-) -> Iterator[CPConfig]:
+) -> list[CPConfig]:
     """Every feasible configuration on 1..max_ranks ranks, each distinct computation once:
     one rank is plain local attention (listed once, as "ring" when allowed), and a context
     strategy whose head group spans all ranks is pure Ulysses (listed as "ulysses")."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
+    strategies = tuple(dict.fromkeys(strategies))  # each name once, in the order given
     unknown = set(strategies) - set(STRATEGIES)
-    if unknown:
-        raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
+    if unknown or not strategies:
+        raise ValueError(
+            f"strategies must name some of {', '.join(STRATEGIES)}, got {list(strategies) or 'none'}"
+        )
     one_rank = "ring" if "ring" in strategies else strategies[0]
+    configs = []
     for n in range(1, max_ranks + 1):
         for strategy in strategies:
             if n == 1:
@@ -102,6 +114,5 @@ def enumerate_configs(
                 candidates = [CPConfig("ulysses", n)]
             else:
                 candidates = [CPConfig(strategy, n, u) for u in _divisors(n) if u < n]
-            for config in candidates:
-                if not feasibility(workload, config, memory_limit):
-                    yield config
+            configs += [c for c in candidates if not feasibility(workload, c, memory_limit)]
+    return configs

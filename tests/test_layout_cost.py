@@ -1,0 +1,380 @@
+"""SequenceLayout (padding, zigzag, groups) and analytic_cost, checked by brute force."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from cptune import CPConfig, Workload, analytic_cost, feasibility
+from cptune.cost import COLLECTIVES
+from cptune.layout import SequenceLayout
+from cptune.reference import make_inputs
+
+# Every (ranks, head_group) with head_group | ranks, up to 8 ranks.
+SPLITS = [(n, u) for n in range(1, 9) for u in range(1, n + 1) if n % u == 0]
+SEQ_LENS = [8, 13, 37, 64, 101]
+
+
+def split_id(split):
+    return f"n{split[0]}u{split[1]}"
+
+
+def layout_for(seq_len, causal, n, u):
+    # The layout only reads seq_len and causal; 8 heads/d8 keep every u <= 8 valid.
+    return SequenceLayout(Workload(seq_len, 8, 8, causal=causal), CPConfig("ring", n, u))
+
+
+def group_ranks(layout, g):
+    u = layout.head_group
+    return range(g * u, (g + 1) * u)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("split", SPLITS, ids=split_id)
+def test_rank_positions_partition_padded_sequence(split, causal):
+    n, u = split
+    for seq_len in SEQ_LENS:
+        layout = layout_for(seq_len, causal, n, u)
+        pieces = [layout.rank_positions(r) for r in range(n)]
+        assert all(len(p) == layout.padded_len // n for p in pieces)
+        everything = np.concatenate(pieces)
+        assert len(everything) == layout.padded_len
+        assert np.array_equal(np.sort(everything), np.arange(layout.padded_len))
+        # the context order also covers every position once
+        assert np.array_equal(np.sort(layout.context_positions()), np.arange(layout.padded_len))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("split", SPLITS, ids=split_id)
+def test_padded_len_is_smallest_multiple_of_granularity(split, causal):
+    n, u = split
+    c = n // u
+    granularity = math.lcm(n, 2 * c) if causal and c > 1 else n
+    for seq_len in SEQ_LENS + [n, n + 1, 2 * n - 1]:
+        layout = layout_for(seq_len, causal, n, u)
+        padded = layout.padded_len
+        assert padded >= seq_len
+        assert padded % granularity == 0
+        assert padded - granularity < seq_len  # nothing smaller would do
+        assert padded % n == 0
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("split", SPLITS, ids=split_id)
+def test_block_positions_concatenate_rank_positions(split, causal):
+    n, u = split
+    c = n // u
+    for seq_len in SEQ_LENS:
+        layout = layout_for(seq_len, causal, n, u)
+        for g in range(c):
+            expected = np.concatenate([layout.rank_positions(r) for r in group_ranks(layout, g)])
+            assert np.array_equal(layout.block_positions(g), expected)
+            block = layout.block_positions(g)
+            assert np.array_equal(layout.real_query_positions(g), block[block < seq_len])
+        assert np.array_equal(
+            layout.context_positions(), np.concatenate([layout.block_positions(g) for g in range(c)])
+        )
+
+
+@pytest.mark.parametrize("split", [s for s in SPLITS if s[0] // s[1] > 1], ids=split_id)
+def test_zigzag_blocks_hold_mirrored_chunks(split):
+    n, u = split
+    c = n // u
+    for seq_len in SEQ_LENS:
+        layout = layout_for(seq_len, True, n, u)
+        assert layout.zigzag
+        chunk = layout.padded_len // (2 * c)
+        for g in range(c):
+            expected = np.concatenate([
+                np.arange(g * chunk, (g + 1) * chunk),
+                np.arange((2 * c - 1 - g) * chunk, (2 * c - g) * chunk),
+            ])
+            assert np.array_equal(layout.block_positions(g), expected)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=split_id)
+def test_non_causal_or_single_block_is_contiguous(split):
+    n, u = split
+    c = n // u
+    for causal in (False, True):
+        layout = layout_for(37, causal, n, u)
+        if causal and c > 1:
+            continue
+        assert not layout.zigzag
+        size = layout.padded_len // c
+        for g in range(c):
+            assert np.array_equal(layout.block_positions(g), np.arange(g * size, (g + 1) * size))
+
+
+def causal_pairs(queries, seq_len):
+    """Visible (query, key) pairs counted directly from the mask."""
+    keys = np.arange(seq_len)
+    queries = queries[queries < seq_len]
+    return int((keys[None, :] <= queries[:, None]).sum())
+
+
+@pytest.mark.parametrize("split", [s for s in SPLITS if s[0] // s[1] > 1], ids=split_id)
+def test_zigzag_balances_causal_work(split):
+    n, u = split
+    c = n // u
+    # seq_len a multiple of the granularity: no padding, so blocks are exactly balanced
+    seq_len = 3 * math.lcm(n, 2 * c)
+    layout = layout_for(seq_len, True, n, u)
+    assert layout.padded_len == seq_len
+    work = [causal_pairs(layout.block_positions(g), seq_len) for g in range(c)]
+    assert len(set(work)) == 1, work
+    assert sum(work) == seq_len * (seq_len + 1) // 2
+    # a contiguous split would be badly unbalanced: the zigzag is doing something
+    size = seq_len // c
+    contiguous = [causal_pairs(np.arange(g * size, (g + 1) * size), seq_len) for g in range(c)]
+    assert max(contiguous) > max(work)
+
+
+def test_zigzag_with_padding_only_lightens_the_block_holding_the_last_chunk():
+    # 1001 tokens on 8 ranks pad to 1008: the 7 padding tokens sit in the last chunk,
+    # which block 0 holds; every other block keeps the full, equal share.
+    layout = layout_for(1001, True, 8, 1)
+    assert layout.padded_len == 1008
+    work = [causal_pairs(layout.block_positions(g), 1001) for g in range(8)]
+    assert len(set(work[1:])) == 1
+    assert work[0] < work[1]
+    assert sum(work) == 1001 * 1002 // 2
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=split_id)
+def test_head_and_context_groups_are_consistent(split):
+    n, u = split
+    c = n // u
+    layout = layout_for(64, True, n, u)
+    head_groups = {tuple(layout.head_group_ranks(r)) for r in range(n)}
+    context_groups = {tuple(layout.context_group_ranks(r)) for r in range(n)}
+    assert len(head_groups) == c and all(len(grp) == u for grp in head_groups)
+    assert len(context_groups) == u and all(len(grp) == c for grp in context_groups)
+    # each family of groups partitions the ranks
+    assert sorted(r for grp in head_groups for r in grp) == list(range(n))
+    assert sorted(r for grp in context_groups for r in grp) == list(range(n))
+    for r in range(n):
+        heads, context = layout.head_group_ranks(r), layout.context_group_ranks(r)
+        assert r in heads and r in context
+        assert set(heads) & set(context) == {r}
+        assert layout.head_group_of(r) == heads[0] // u
+        # the g-th member of the context group sits in head group g
+        assert [layout.head_group_of(q) for q in context] == list(range(c))
+        # all members of a head group share one context block
+        assert {layout.head_group_of(q) for q in heads} == {layout.head_group_of(r)}
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+FLOP_WORKLOADS = [
+    dict(seq_len=37, heads=8, head_dim=8, batch=2),
+    dict(seq_len=64, heads=8, head_dim=4, kv_heads=2),
+    dict(seq_len=13, heads=4, head_dim=16, kv_heads=1, batch=3),
+]
+
+
+def brute_force_flops(workload, config):
+    layout = SequenceLayout(workload, config)
+    u, c = config.head_group, config.context_degree
+    keys = np.arange(workload.seq_len)
+    busiest = 0
+    for g in range(c):
+        queries = np.concatenate([layout.rank_positions(g * u + j) for j in range(u)])
+        queries = queries[queries < workload.seq_len]  # padding queries are dropped
+        visible = np.ones((queries.size, keys.size), dtype=bool)
+        if workload.causal:
+            visible &= keys[None, :] <= queries[:, None]
+        busiest = max(busiest, int(visible.sum()))
+    return 4 * workload.batch * workload.head_dim * (workload.heads // u) * busiest
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", FLOP_WORKLOADS, ids=lambda s: f"s{s['seq_len']}h{s['heads']}")
+def test_flops_match_brute_force(shape, causal, strategy):
+    workload = Workload(**shape, causal=causal)
+    checked = 0
+    for n, u in SPLITS:
+        config = CPConfig("ulysses" if u == n and n > 1 else strategy, n, u)
+        if feasibility(workload, config):
+            continue
+        cost = analytic_cost(workload, config)
+        assert cost.flops == brute_force_flops(workload, config), config
+        assert cost.padded_seq_len == SequenceLayout(workload, config).padded_len
+        checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flops_on_one_rank_are_the_whole_attention(causal):
+    s, h, d, b = 50, 4, 8, 2
+    cost = analytic_cost(Workload(s, h, d, batch=b, causal=causal), CPConfig("ring", 1))
+    pairs = s * (s + 1) // 2 if causal else s * s
+    assert cost.flops == 4 * b * d * h * pairs
+
+
+def test_flops_shrink_with_ranks_but_not_below_an_even_share():
+    workload = Workload(4096, 8, 64, causal=True)
+    total = analytic_cost(workload, CPConfig("ring", 1)).flops
+    for config in [CPConfig("ring", 8), CPConfig("ulysses", 8), CPConfig("ring", 8, 2)]:
+        flops = analytic_cost(workload, config).flops
+        assert total / 8 <= flops <= total / 8 * 1.01, config
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def per_rank_input_bytes(workload, n):
+    """Bytes of Q, K, V and O one rank holds before Ulysses, from the real array shapes of
+    the padded sequence."""
+    assert not workload.causal  # padding to a multiple of n only (no zigzag granularity)
+    padded = -(-workload.seq_len // n) * n
+    shaped = Workload(padded, workload.heads, workload.head_dim, kv_heads=workload.kv_heads,
+                      batch=workload.batch, dtype=workload.dtype)
+    q, k, v = make_inputs(shaped)
+    return Fraction(q.nbytes, n), Fraction(k.nbytes + v.nbytes, n), Fraction(q.nbytes, n)
+
+
+BYTE_CASES = [
+    (dict(seq_len=64, heads=8, head_dim=16, batch=2), 4, 4),
+    (dict(seq_len=64, heads=8, head_dim=16), 8, 2),
+    (dict(seq_len=50, heads=8, head_dim=16, kv_heads=2), 4, 4),  # GQA, replicated x2, padded
+    (dict(seq_len=64, heads=8, head_dim=16, kv_heads=2), 8, 8),  # replicated x4
+    (dict(seq_len=64, heads=8, head_dim=16, kv_heads=4), 8, 2),  # KV heads split evenly
+    (dict(seq_len=37, heads=6, head_dim=8, kv_heads=1, dtype="fp32"), 6, 3),  # MQA x3
+    (dict(seq_len=64, heads=12, head_dim=8, kv_heads=4), 6, 2),
+]
+
+
+@pytest.mark.parametrize("shape, n, u", BYTE_CASES, ids=lambda x: str(x) if isinstance(x, int) else None)
+def test_all_to_all_bytes_from_shapes(shape, n, u):
+    workload = Workload(**shape)
+    q_bytes, kv_bytes, o_bytes = per_rank_input_bytes(workload, n)
+    replication = 1 if workload.kv_heads % u == 0 else u // workload.kv_heads
+    strategies = ["ulysses"] if u == n else ["ring", "allgather_kv"]
+    for strategy in strategies:
+        config = CPConfig(strategy, n, u)
+        assert feasibility(workload, config) == []
+        cost = analytic_cost(workload, config)
+        expected = Fraction(u - 1, u) * (q_bytes + replication * kv_bytes + o_bytes)
+        assert cost.kv_replication == replication
+        assert cost.bytes_sent["all_to_all"] == expected
+        assert cost.comm_steps["all_to_all"] == 3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(seq_len=64, heads=8, head_dim=16),
+        dict(seq_len=45, heads=8, head_dim=8, kv_heads=2, batch=2),
+        dict(seq_len=100, heads=4, head_dim=8, kv_heads=1, dtype="fp32"),
+    ],
+    ids=["mha", "gqa", "mqa"],
+)
+def test_ring_and_allgather_move_the_same_kv(shape, causal):
+    workload = Workload(**shape, causal=causal)
+    w = workload.wire_dtype.itemsize
+    for n, u in SPLITS:
+        c = n // u
+        if c == 1:
+            continue
+        ring_config, gather_config = CPConfig("ring", n, u), CPConfig("allgather_kv", n, u)
+        if feasibility(workload, ring_config):
+            continue
+        ring, gather = analytic_cost(workload, ring_config), analytic_cost(workload, gather_config)
+        assert ring.bytes_sent["p2p"] == gather.bytes_sent["all_gather"] > 0
+        assert ring.bytes_sent["all_gather"] == 0 and gather.bytes_sent["p2p"] == 0
+        assert ring.bytes_sent["all_to_all"] == gather.bytes_sent["all_to_all"]
+        assert ring.comm_steps["p2p"] == c - 1 and ring.comm_steps["all_gather"] == 0
+        assert gather.comm_steps["all_gather"] == 1 and gather.comm_steps["p2p"] == 0
+        # independently: each rank's K/V for its block (after Ulysses) reaches c - 1 others
+        layout = SequenceLayout(workload, ring_config)
+        block_tokens = layout.block_positions(0).size
+        kv_heads_after = max(workload.kv_heads, u) // u if u > 1 else workload.kv_heads
+        kv_block = 2 * workload.batch * block_tokens * kv_heads_after * workload.head_dim * w
+        assert gather.bytes_sent["all_gather"] == (c - 1) * kv_block
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_no_head_group_means_no_all_to_all(strategy, n):
+    cost = analytic_cost(Workload(64, 8, 16, kv_heads=2), CPConfig(strategy, n))
+    assert cost.bytes_sent["all_to_all"] == 0
+    assert cost.comm_steps["all_to_all"] == 0
+    assert cost.kv_replication == 1
+    assert sum(cost.bytes_sent.values()) > 0
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather_kv", "ulysses"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_one_rank_sends_nothing(strategy, causal):
+    cost = analytic_cost(Workload(37, 8, 16, kv_heads=2, causal=causal), CPConfig(strategy, 1))
+    assert set(cost.bytes_sent) == set(COLLECTIVES)
+    assert all(v == 0 for v in cost.bytes_sent.values())
+    assert all(v == 0 for v in cost.comm_steps.values())
+    assert cost.padded_seq_len == 37
+    assert cost.peak_bytes > 0
+
+
+def test_pure_ulysses_sends_only_all_to_all():
+    cost = analytic_cost(Workload(64, 8, 16), CPConfig("ulysses", 8))
+    assert cost.bytes_sent["all_to_all"] > 0
+    assert cost.bytes_sent["all_gather"] == cost.bytes_sent["p2p"] == 0
+
+
+@pytest.mark.parametrize(
+    "config", [CPConfig("ring", 4), CPConfig("allgather_kv", 4, 2), CPConfig("ulysses", 4),
+               CPConfig("ring", 8, 2), CPConfig("ring", 1)],
+    ids=lambda c: f"{c.label}-{c.ranks}",
+)
+def test_fp32_doubles_bf16_bytes(config):
+    shape = dict(seq_len=61, heads=8, head_dim=16, kv_heads=2, batch=2, causal=True)
+    bf16 = analytic_cost(Workload(**shape, dtype="bf16"), config)
+    fp16 = analytic_cost(Workload(**shape, dtype="fp16"), config)
+    fp32 = analytic_cost(Workload(**shape, dtype="fp32"), config)
+    for kind in COLLECTIVES:
+        assert fp32.bytes_sent[kind] == 2 * bf16.bytes_sent[kind]
+        assert fp16.bytes_sent[kind] == bf16.bytes_sent[kind]
+    assert fp32.comm_steps == bf16.comm_steps
+    assert fp32.flops == bf16.flops
+    assert fp32.peak_bytes > bf16.peak_bytes
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def test_peak_bytes_positive_for_every_feasible_config():
+    from cptune.feasibility import enumerate_configs
+
+    for workload in [Workload(8, 4, 4), Workload(64, 8, 16, kv_heads=2, causal=True)]:
+        for config in enumerate_configs(workload, 8):
+            assert analytic_cost(workload, config).peak_bytes > 0, config
+
+
+@pytest.mark.parametrize("u", [1, 2])
+@pytest.mark.parametrize("n", [16, 32, 64])
+def test_allgather_kv_needs_more_memory_than_ring_at_large_c(n, u):
+    workload = Workload(2**16, 16, 128, kv_heads=4, causal=True)
+    ring = analytic_cost(workload, CPConfig("ring", n, u))
+    gather = analytic_cost(workload, CPConfig("allgather_kv", n, u))
+    assert gather.peak_bytes >= ring.peak_bytes
+    # and the gap grows with the context degree: AllGather-KV holds all c K/V blocks
+    assert gather.peak_bytes > ring.peak_bytes
+
+
+def test_ring_memory_keeps_falling_with_ranks():
+    workload = Workload(2**16, 16, 128, causal=True)
+    peaks = [analytic_cost(workload, CPConfig("ring", n)).peak_bytes for n in (1, 4, 16, 64)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    gather_gap = [
+        analytic_cost(workload, CPConfig("allgather_kv", n)).peak_bytes
+        - analytic_cost(workload, CPConfig("ring", n)).peak_bytes
+        for n in (4, 16, 64)
+    ]
+    assert gather_gap == sorted(gather_gap)
