@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -143,12 +144,12 @@ def _attention_chunk(
             q_norms, k_norms = query_norms[b, head], key_norms[b, head // group]
             for i, j, segments in plan:
                 if segments:
-                    block = (head_q[i:j], head_keys, head_values, q_pos[i:j], k_pos, segments, buffer,
-                             out[b, head, i:j], lse[b, head, i:j])
+                    block = Block(head_q[i:j], head_keys, head_values, q_pos[i:j], k_pos, segments, buffer,
+                                  out[b, head, i:j], lse[b, head, i:j])
                     bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _ in segments)
                     unshifted_safe = values_small and bound <= _UNSHIFTED_EXP_LIMIT
-                    if not (unshifted_safe and _attend_unshifted(*block)):
-                        _attend_block(*block)
+                    if not (unshifted_safe and _attend_unshifted(block)):
+                        _attend_shifted(block)
                 if poll is not None:
                     poll()
 
@@ -165,20 +166,52 @@ def _attention_chunk(
     return out, lse
 
 
-def _attend_block(
-    q: np.ndarray,
-    keys: np.ndarray,
-    values: np.ndarray,
-    q_pos: np.ndarray,
-    k_pos: np.ndarray,
-    segments: list[Segment],
-    buffer: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
-) -> None:
-    """One query block over its key segments with the exact max-shifted softmax, writing
-    ``out`` and ``lse`` in place."""
-    scores = _scores(q, keys, q_pos, k_pos, segments, buffer)
+class Block(NamedTuple):
+    """One query row block of one head and what it reads and writes."""
+
+    q: np.ndarray  # [rows, D], scaled
+    keys: np.ndarray  # [keys, D] of the head's KV head
+    values: np.ndarray
+    q_pos: np.ndarray  # [rows]
+    k_pos: np.ndarray  # [keys]
+    segments: list[Segment]
+    buffer: np.ndarray  # scratch for the scores
+    out: np.ndarray  # [rows, D], written
+    lse: np.ndarray  # [rows], written
+
+
+def _scores(block: Block) -> list[np.ndarray]:
+    """Q K^T for each key segment, in slices of the block's buffer, masked where needed."""
+    rows = block.q.shape[0]
+    scores = []
+    offset = 0
+    for start, stop, masked in block.segments:
+        s = block.buffer[offset : offset + rows * (stop - start)].reshape(rows, stop - start)
+        offset += s.size
+        np.matmul(block.q, block.keys[start:stop].T, out=s)
+        if masked:
+            np.putmask(s, block.k_pos[None, start:stop] > block.q_pos[:, None], -np.inf)
+        scores.append(s)
+    return scores
+
+
+def _exp_and_combine(block: Block, scores: list[np.ndarray]) -> np.ndarray:
+    """exp the (shifted) scores in place and write sum_k p V to ``block.out``; returns the
+    row sums."""
+    total = np.zeros(scores[0].shape[0], dtype=np.float32)
+    for n, (s, (start, stop, _)) in enumerate(zip(scores, block.segments, strict=True)):
+        np.exp(s, out=s)
+        total += s.sum(axis=1)
+        if n == 0:
+            np.matmul(s, block.values[start:stop], out=block.out)
+        else:
+            np.add(block.out, s @ block.values[start:stop], out=block.out)
+    return total
+
+
+def _attend_shifted(block: Block) -> None:
+    """The block with the exact max-shifted softmax."""
+    scores = _scores(block)
     row_max = scores[0].max(axis=1)
     for s in scores[1:]:
         np.maximum(row_max, s.max(axis=1), out=row_max)
@@ -187,64 +220,21 @@ def _attend_block(
         row_max[~seen] = 0.0  # rows with no visible key: exp(-inf - 0) = 0 below
     for s in scores:
         np.subtract(s, row_max[:, None], out=s)
-    total = _exp_and_combine(scores, values, segments, out)
+    total = _exp_and_combine(block, scores)
     with np.errstate(divide="ignore"):
-        np.add(row_max, np.log(total), out=lse)
+        np.add(row_max, np.log(total), out=block.lse)
     total[total == 0] = 1.0
-    out /= total[:, None]
+    np.divide(block.out, total[:, None], out=block.out)
 
 
-def _scores(
-    q: np.ndarray, keys: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-    segments: list[Segment], buffer: np.ndarray,
-) -> list[np.ndarray]:
-    """Q K^T for each key segment, in slices of ``buffer``, masked where needed."""
-    rows = q.shape[0]
-    scores = []
-    offset = 0
-    for start, stop, masked in segments:
-        s = buffer[offset : offset + rows * (stop - start)].reshape(rows, stop - start)
-        offset += s.size
-        np.matmul(q, keys[start:stop].T, out=s)
-        if masked:
-            np.putmask(s, k_pos[None, start:stop] > q_pos[:, None], -np.inf)
-        scores.append(s)
-    return scores
-
-
-def _exp_and_combine(
-    scores: list[np.ndarray], values: np.ndarray, segments: list[Segment], out: np.ndarray
-) -> np.ndarray:
-    """exp the (shifted) scores in place, write sum_k p V to ``out``; returns the row sums."""
-    total = np.zeros(scores[0].shape[0], dtype=np.float32)
-    for n, (s, (start, stop, _)) in enumerate(zip(scores, segments, strict=True)):
-        np.exp(s, out=s)
-        total += s.sum(axis=1)
-        if n == 0:
-            np.matmul(s, values[start:stop], out=out)
-        else:
-            out += s @ values[start:stop]
-    return total
-
-
-def _attend_unshifted(
-    q: np.ndarray,
-    keys: np.ndarray,
-    values: np.ndarray,
-    q_pos: np.ndarray,
-    k_pos: np.ndarray,
-    segments: list[Segment],
-    buffer: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
-) -> bool:
+def _attend_unshifted(block: Block) -> bool:
     """The block without the max shift (the caller checked exp cannot overflow). Returns
     False, writing nothing final, if some row's sum is too small to trust."""
-    total = _exp_and_combine(_scores(q, keys, q_pos, k_pos, segments, buffer), values, segments, out)
+    total = _exp_and_combine(block, _scores(block))
     if total.min() < _SMALLEST_UNSHIFTED_SUM:
         return False
-    np.log(total, out=lse)
-    out /= total[:, None]
+    np.log(total, out=block.lse)
+    np.divide(block.out, total[:, None], out=block.out)
     return True
 
 
