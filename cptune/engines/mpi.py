@@ -26,13 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
+import cptune
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
 from cptune.measurement import available_cores
 from cptune.workload import Workload
 
-WORKER = [sys.executable, "-m", "cptune.engines._mpi_worker"]
+# -P: the ranks must not import a cptune from their working directory; PYTHONPATH (set
+# when the pool starts) points them at the very package this process imported.
+WORKER = [sys.executable, "-P", "-m", "cptune.engines._mpi_worker"]
 
 _OUTPUT_TAIL_LINES = 15
 
@@ -67,6 +70,8 @@ class _Pool:
         mpiexec = find_mpiexec()
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
+        package_root = str(Path(cptune.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         command = [mpiexec, "-n", str(size), *worker,
                    "--socket", str(self.dir / "driver.sock"), "--driver-pid", str(os.getpid())]
         self.proc = subprocess.Popen(

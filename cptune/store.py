@@ -1,0 +1,349 @@
+"""Every measurement, kept: SQLAlchemy 2 over SQLite by default, any SQLAlchemy URL allowed.
+
+A store is opened with ``Store(url)``: the schema is brought up to date by the Alembic
+migrations in ``cptune.db`` (version table ``cptune_alembic_version``, so Optuna's own
+tables and ``alembic_version`` can live in the same database). SQLite runs in WAL mode with
+a busy timeout and takes its write lock at the start of each transaction (BEGIN
+IMMEDIATE), so several searches can share one file without "database is locked" errors.
+Each measurement is committed on its own: an interrupted search loses at most the one in
+flight.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from importlib.resources import files
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Engine,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    select,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+
+from cptune import __version__
+from cptune.config import CPConfig
+from cptune.errors import CPTuneError
+from cptune.hardware import Hardware
+from cptune.measurement import Measurement
+from cptune.workload import Workload
+
+DEFAULT_DB = "cptune.db"
+VERSION_TABLE = "cptune_alembic_version"
+#: Measurement statuses: "ok", or the kind of the EngineError that ended the run.
+STATUSES = ("ok", "crash", "timeout", "error", "out_of_memory", "wrong_output")
+_BUSY_TIMEOUT_MS = 60_000
+
+
+class StoreError(CPTuneError):
+    """The database cannot be opened or used; the message says which and what to do."""
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class HardwareRow(Base):
+    __tablename__ = "hardware"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(32), unique=True)
+    host: Mapped[str] = mapped_column(String(255))
+    cpu_model: Mapped[str] = mapped_column(String(255))
+    cpu_count: Mapped[int] = mapped_column(Integer)
+    gpu_model: Mapped[str | None] = mapped_column(String(255))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    interconnect: Mapped[str] = mapped_column(String(255))
+    mpi_library: Mapped[str | None] = mapped_column(String(255))
+    nccl_version: Mapped[str | None] = mapped_column(String(64))
+    tensorrt_version: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    def to_hardware(self) -> Hardware:
+        return Hardware(
+            host=self.host, cpu_model=self.cpu_model, cpu_count=self.cpu_count, gpu_model=self.gpu_model,
+            gpu_count=self.gpu_count, interconnect=self.interconnect, mpi_library=self.mpi_library,
+            nccl_version=self.nccl_version, tensorrt_version=self.tensorrt_version,
+        )
+
+
+class WorkloadRow(Base):
+    __tablename__ = "workloads"
+    __table_args__ = (
+        UniqueConstraint("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal",
+                         name="uq_workload_shape"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    seq_len: Mapped[int] = mapped_column(Integer)
+    heads: Mapped[int] = mapped_column(Integer)
+    kv_heads: Mapped[int] = mapped_column(Integer)
+    head_dim: Mapped[int] = mapped_column(Integer)
+    batch: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(8))
+    causal: Mapped[bool] = mapped_column(Boolean)
+
+    def to_workload(self) -> Workload:
+        return Workload(
+            seq_len=self.seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
+            batch=self.batch, dtype=self.dtype, causal=self.causal,
+        )
+
+
+class MeasurementRow(Base):
+    __tablename__ = "measurements"
+    __table_args__ = (
+        # "what has this hardware measured for this workload" (resume, cost-model training)
+        Index("ix_measurements_hardware_workload", "hardware_id", "workload_id", "status"),
+        # "how does this configuration do across workloads" (the model's features)
+        Index("ix_measurements_config", "strategy", "ranks", "head_group"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"))
+    strategy: Mapped[str] = mapped_column(String(32))
+    ranks: Mapped[int] = mapped_column(Integer)
+    head_group: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    median_ms: Mapped[float | None] = mapped_column(Float)
+    p10_ms: Mapped[float | None] = mapped_column(Float)
+    p90_ms: Mapped[float | None] = mapped_column(Float)
+    compute_ms: Mapped[float | None] = mapped_column(Float)
+    comm_ms: Mapped[float | None] = mapped_column(Float)
+    peak_bytes: Mapped[int | None] = mapped_column(Integer)
+    max_error: Mapped[float | None] = mapped_column(Float)
+    samples_ms: Mapped[list[float] | None] = mapped_column(JSON)
+    warmup: Mapped[int | None] = mapped_column(Integer)
+    repeats: Mapped[int | None] = mapped_column(Integer)
+    engine: Mapped[str] = mapped_column(String(32))
+    cptune_version: Mapped[str] = mapped_column(String(32))
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    hardware: Mapped[HardwareRow] = relationship()
+    workload: Mapped[WorkloadRow] = relationship()
+
+    @property
+    def config(self) -> CPConfig:
+        return CPConfig(self.strategy, self.ranks, self.head_group)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One stored measurement or failure, flattened for listing and export."""
+
+    id: int
+    hardware: str
+    workload: Workload
+    config: CPConfig
+    status: str
+    median_ms: float | None
+    p10_ms: float | None
+    p90_ms: float | None
+    compute_ms: float | None
+    comm_ms: float | None
+    peak_bytes: int | None
+    max_error: float | None
+    error: str | None
+    engine: str
+    measured_at: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "id": self.id, "hardware": self.hardware, **self.workload.to_dict(), **self.config.to_dict(),
+            "status": self.status, "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
+            "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
+            "max_error": self.max_error, "error": self.error, "engine": self.engine,
+            "measured_at": self.measured_at,
+        }
+
+
+def database_url(db: str | None = None) -> str:
+    """The SQLAlchemy URL for ``db``: a URL as given, a file path as SQLite, None as
+    $CPTUNE_DB or ./cptune.db."""
+    db = db or os.environ.get("CPTUNE_DB") or DEFAULT_DB
+    if "://" in db:
+        return db
+    return f"sqlite:///{Path(db).expanduser().resolve()}"
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    """WAL, a busy timeout, foreign keys, and BEGIN IMMEDIATE so writers queue instead of
+    failing when two of them upgrade read locks at once."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        dbapi_connection.isolation_level = None  # transactions are begun below
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):  # type: ignore[no-untyped-def]
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _migrate(engine: Engine) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(files("cptune.db")))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+class Store:
+    """Opens (and migrates) the database at ``db``; see ``database_url``."""
+
+    def __init__(self, db: str | None = None) -> None:
+        self.url = database_url(db)
+        try:
+            url = make_url(self.url)
+            self.engine = create_engine(self.url)
+        except (ArgumentError, ImportError, ValueError) as exc:
+            raise StoreError(f"cannot use database {self.url!r}: {exc}; pass a file path or a "
+                             f"SQLAlchemy URL such as postgresql://user@host/cptune") from None
+        if url.get_backend_name() == "sqlite":
+            _sqlite_setup(self.engine)
+        try:
+            _migrate(self.engine)
+        except DatabaseError as exc:
+            self.engine.dispose()
+            raise StoreError(
+                f"cannot open database {self.url}: {exc.orig}. Nothing was changed; if the file is "
+                f"not a cptune database (or is damaged), move it away or pass another --db"
+            ) from None
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: committed when the block ends, rolled back if it raises."""
+        try:
+            with Session(self.engine) as session, session.begin():
+                yield session
+        except OperationalError as exc:
+            raise StoreError(f"database {self.url} failed: {exc.orig}") from None
+
+    def _hardware_row(self, session: Session, hardware: Hardware) -> HardwareRow:
+        row = session.scalar(select(HardwareRow).where(HardwareRow.fingerprint == hardware.fingerprint))
+        if row is None:
+            row = HardwareRow(fingerprint=hardware.fingerprint, created_at=datetime.now(UTC),
+                              **asdict(hardware))
+            session.add(row)
+            session.flush()
+        return row
+
+    def _workload_row(self, session: Session, workload: Workload) -> WorkloadRow:
+        shape = workload.to_dict()
+        row = session.scalar(select(WorkloadRow).filter_by(**shape))
+        if row is None:
+            row = WorkloadRow(**shape)
+            session.add(row)
+            session.flush()
+        return row
+
+    def add_measurement(self, hardware: Hardware, measurement: Measurement) -> int:
+        """Keep a successful measurement; returns its id."""
+        m = measurement
+        with self.session() as session:
+            row = MeasurementRow(
+                hardware=self._hardware_row(session, hardware),
+                workload=self._workload_row(session, m.workload),
+                **m.config.to_dict(), status="ok", error=None,
+                median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms, compute_ms=m.compute_ms,
+                comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
+                warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
+                measured_at=datetime.fromisoformat(m.measured_at),
+            )
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def add_failure(
+        self, hardware: Hardware, workload: Workload, config: CPConfig, status: str, error: str, engine: str
+    ) -> int:
+        """Keep a run that failed (``status`` from ``STATUSES``) with its reason; returns its id."""
+        if status not in STATUSES or status == "ok":
+            raise ValueError(f"failure status must be one of {STATUSES[1:]}, got {status!r}")
+        with self.session() as session:
+            row = MeasurementRow(
+                hardware=self._hardware_row(session, hardware),
+                workload=self._workload_row(session, workload),
+                **config.to_dict(), status=status, error=error, engine=engine,
+                cptune_version=__version__, measured_at=datetime.now(UTC),
+            )
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, str]:
+        """Configurations already run on ``hardware`` for ``workload``, with the latest status."""
+        with self.session() as session:
+            rows = session.execute(
+                select(MeasurementRow.strategy, MeasurementRow.ranks, MeasurementRow.head_group,
+                       MeasurementRow.status)
+                .join(HardwareRow).join(WorkloadRow)
+                .where(HardwareRow.fingerprint == hardware.fingerprint)
+                .where(*(getattr(WorkloadRow, key) == value for key, value in workload.to_dict().items()))
+                .order_by(MeasurementRow.id)
+            ).all()
+        return {CPConfig(s, n, u): status for s, n, u, status in rows}
+
+    def results(self, **filters: object) -> list[Result]:
+        """Stored rows, oldest first. Filters: any Workload field, ``strategy``, ``ranks``,
+        ``status`` and ``hardware`` (fingerprint)."""
+        workload_fields = set(Workload.__dataclass_fields__)
+        query = select(MeasurementRow, WorkloadRow, HardwareRow).join(WorkloadRow).join(HardwareRow)
+        for key, value in filters.items():
+            if value is None:
+                continue
+            if key in workload_fields:
+                query = query.where(getattr(WorkloadRow, key) == value)
+            elif key in ("strategy", "ranks", "head_group", "status"):
+                query = query.where(getattr(MeasurementRow, key) == value)
+            elif key == "hardware":
+                query = query.where(HardwareRow.fingerprint == value)
+            else:
+                raise ValueError(f"unknown filter {key!r}")
+        with self.session() as session:
+            return [
+                Result(
+                    id=m.id, hardware=h.fingerprint, workload=w.to_workload(), config=m.config,
+                    status=m.status, median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms,
+                    compute_ms=m.compute_ms, comm_ms=m.comm_ms, peak_bytes=m.peak_bytes,
+                    max_error=m.max_error, error=m.error, engine=m.engine,
+                    measured_at=m.measured_at.isoformat(timespec="seconds"),
+                )
+                for m, w, h in session.execute(query.order_by(MeasurementRow.id)).all()
+            ]

@@ -1,0 +1,1 @@
+"""Shipped search spaces (TOML), installed as ``cptune.search_spaces``."""

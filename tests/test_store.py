@@ -1,0 +1,158 @@
+"""The store: migrations, round trips, bad files, Optuna in the same file, concurrent writers."""
+
+import subprocess
+import sys
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+import cptune
+from cptune import CPConfig, Workload
+from cptune.hardware import Hardware, this_host
+from cptune.store import VERSION_TABLE, Base, Store, StoreError, database_url
+
+HARDWARE = Hardware(host="h1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
+                    interconnect="shared memory (one host)", mpi_library="MPICH 5")
+WORKLOAD = Workload(seq_len=64, heads=4, head_dim=16, kv_heads=2, dtype="bf16", causal=True)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Store(str(tmp_path / "results.db")) as opened:
+        yield opened
+
+
+def test_migrations_build_exactly_the_models(store):
+    with store.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        assert compare_metadata(context, Base.metadata) == []
+        assert context.get_current_revision() is not None
+
+
+def test_sqlite_runs_in_wal_mode(store):
+    with store.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_real_measurement_round_trip(store):
+    m = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=0, repeats=3)
+    hardware = this_host(m.host["mpi_library"])
+    row_id = store.add_measurement(hardware, m)
+    (result,) = store.results()
+    assert result.id == row_id and result.status == "ok" and result.error is None
+    assert result.workload == WORKLOAD and result.config == CPConfig("ring", 2)
+    assert (result.median_ms, result.p10_ms, result.p90_ms) == (m.median_ms, m.p10_ms, m.p90_ms)
+    assert (result.compute_ms, result.comm_ms, result.peak_bytes) == (m.compute_ms, m.comm_ms, m.peak_bytes)
+    assert result.max_error == m.max_error and result.engine == "mpi"
+    assert result.hardware == hardware.fingerprint
+    assert store.measured(hardware, WORKLOAD) == {CPConfig("ring", 2): "ok"}
+
+
+def test_failures_are_kept_with_their_reason(store):
+    store.add_failure(HARDWARE, WORKLOAD, CPConfig("ulysses", 2), "timeout", "rank 1 hung", "mpi")
+    store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "rank 0 died", "mpi")
+    results = store.results(status="timeout")
+    assert [(r.config, r.error, r.median_ms) for r in results] == [
+        (CPConfig("ulysses", 2), "rank 1 hung", None)
+    ]
+    assert store.measured(HARDWARE, WORKLOAD) == {
+        CPConfig("ulysses", 2): "timeout", CPConfig("ring", 2): "crash"
+    }
+    with pytest.raises(ValueError, match="status"):
+        store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "ok", "", "mpi")
+
+
+def test_results_filter_by_workload_and_hardware(store):
+    other = Workload(seq_len=128, heads=4, head_dim=16)
+    other_host = Hardware(**{**HARDWARE.__dict__, "host": "h2"})
+    store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
+    store.add_failure(HARDWARE, other, CPConfig("ring", 2), "crash", "y", "mpi")
+    store.add_failure(other_host, other, CPConfig("ring", 2), "crash", "z", "mpi")
+    assert [r.error for r in store.results(seq_len=128)] == ["y", "z"]
+    assert [r.error for r in store.results(hardware=other_host.fingerprint)] == ["z"]
+    assert store.measured(HARDWARE, other) == {CPConfig("ring", 2): "crash"}
+    with pytest.raises(ValueError, match="unknown filter"):
+        store.results(colour="red")
+
+
+def test_reopening_keeps_everything(tmp_path):
+    path = str(tmp_path / "results.db")
+    with Store(path) as first:
+        first.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
+    with Store(path) as second:
+        assert len(second.results()) == 1
+
+
+def test_a_file_that_is_not_a_database_is_refused_untouched(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes, not a database" * 100)
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="not a database") as refused:
+        Store(str(path))
+    assert "move it away or pass another --db" in str(refused.value)
+    assert path.read_bytes() == before
+
+
+def test_bad_url_is_a_clear_error():
+    with pytest.raises(StoreError, match="cannot use database"):
+        Store("nosuchdialect://somewhere/db")
+
+
+def test_database_url(monkeypatch, tmp_path):
+    monkeypatch.delenv("CPTUNE_DB", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert database_url() == f"sqlite:///{tmp_path / 'cptune.db'}"
+    monkeypatch.setenv("CPTUNE_DB", "postgresql://u@h/cptune")
+    assert database_url() == "postgresql://u@h/cptune"
+    assert database_url("x.db") == f"sqlite:///{tmp_path / 'x.db'}"
+
+
+@pytest.mark.parametrize("optuna_first", [True, False], ids=["optuna-first", "cptune-first"])
+def test_optuna_tables_share_the_file(tmp_path, optuna_first):
+    import optuna
+
+    url = database_url(str(tmp_path / "shared.db"))
+
+    def make_study():
+        storage = optuna.storages.RDBStorage(url)
+        study = optuna.create_study(storage=storage, study_name="s")
+        study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+        return optuna.load_study(study_name="s", storage=storage)
+
+    if optuna_first:
+        make_study()
+    with Store(url) as store:
+        store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
+    study = make_study() if not optuna_first else optuna.load_study(study_name="s", storage=url)
+    assert len(study.trials) == 2
+    with Store(url) as store:
+        assert len(store.results()) == 1
+
+
+WRITER = """
+import sys
+from cptune import CPConfig, Workload
+from cptune.hardware import Hardware
+from cptune.store import Store
+hardware = Hardware(host=sys.argv[2], cpu_model="c", cpu_count=2, gpu_model=None, gpu_count=0,
+                    interconnect="i", mpi_library=None)
+with Store(sys.argv[1]) as store:
+    for n in range(60):
+        store.add_failure(hardware, Workload(seq_len=64 + n % 3, heads=4, head_dim=8),
+                          CPConfig("ring", 2), "crash", f"{sys.argv[2]}-{n}", "mpi")
+"""
+
+
+def test_two_writers_on_one_sqlite_file(tmp_path):
+    """Two processes open a fresh file at once (both migrate) and write in parallel: no
+    'database is locked', no lost rows."""
+    path = str(tmp_path / "shared.db")
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, path, name], stderr=subprocess.PIPE, text=True)
+               for name in ("a", "b")]
+    errors = [w.communicate(timeout=120)[1] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    with Store(path) as store:
+        rows = store.results()
+    assert len(rows) == 120
+    assert {r.error for r in rows} == {f"{w}-{n}" for w in "ab" for n in range(60)}
