@@ -1,14 +1,21 @@
-"""The ``cptune`` command line."""
+"""The ``cptune`` command line: ``search``, ``results`` and ``measure``.
+
+Bad input (flags, space files, databases) ends with one line naming the problem and the
+fix, and exit code 2; never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -17,13 +24,17 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
 from cptune.feasibility import enumerate_configs
+from cptune.hardware import this_host
 from cptune.measurement import Measurement, available_cores
+from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
 
 USAGE_ERROR = 2
+#: Workload defaults of ``cptune measure`` (a small demo shape).
+_MEASURE_DEFAULTS = {"seq_len": 4096, "heads": 8, "head_dim": 64}
 
 
-class UsageError(Exception):
+class UsageError(CPTuneError):
     """Bad input from the user: reported in one line, exit code 2."""
 
 
@@ -51,6 +62,44 @@ def _non_negative(text: str) -> int:
     return 0 if text.strip() == "0" else _positive(text)
 
 
+def _positive_list(text: str) -> tuple[int, ...]:
+    values = tuple(_positive(part) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated whole numbers, e.g. 1024,2048")
+    return values
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _add_shape(parser: argparse.ArgumentParser, defaults: dict[str, int] | None) -> None:
+    """Flags that describe one attention layer (defaults only for ``measure``)."""
+    d = defaults or {}
+    shape = parser.add_argument_group("workload (one attention layer)")
+    if "seq_len" in d:
+        shape.add_argument("--seq-len", type=_positive, default=d["seq_len"],
+                           help=f"tokens per sequence (default {d['seq_len']})")
+    else:
+        shape.add_argument("--seq-lens", type=_positive_list, help="sequence lengths, e.g. 1024,2048")
+    shape.add_argument("--heads", type=_positive, default=d.get("heads"), help="query heads")
+    shape.add_argument("--kv-heads", type=_positive, default=None,
+                       help="KV heads (default: as many as --heads)")
+    shape.add_argument("--head-dim", type=_positive, default=d.get("head_dim"), help="head dimension")
+    shape.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
+    shape.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
+                       help="activation dtype (default bf16)")
+    shape.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    shape.add_argument("--strategies", type=_strategies, default=None,
+                       help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cptune",
@@ -58,60 +107,82 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"cptune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    db_help = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
+
+    search = commands.add_parser(
+        "search",
+        help="search the CP configurations of a model on this hardware and store every result",
+        description=(
+            "For each sequence length of a search space, run Optuna trials over strategy, rank "
+            "count and head group: every configuration is run on real ranks, checked against a "
+            "float64 reference, timed, and stored. Configurations already measured on this "
+            "hardware are not run again. SPACE is a TOML file or a built-in space name "
+            f"(default: {DEMO_SPACE}); or describe one model with the workload flags."
+        ),
+    )
+    search.add_argument("space", nargs="?",
+                        help=f"search space file or built-in name (default {DEMO_SPACE})")
+    search.add_argument("--db", help=db_help)
+    search.add_argument("--trials", type=_positive,
+                        help="trial budget per sequence length (default: the space's)")
+    search.add_argument("--timeout", type=_seconds, help="time budget per sequence length, in seconds")
+    search.add_argument("--max-ranks", type=_positive, help="largest rank count (default: this host's cores)")
+    search.add_argument("--ranks", type=_positive_list,
+                        help="rank counts to try, e.g. 1,2 (with workload flags)")
+    search.add_argument("--backend", choices=["mpi"], default="mpi", help="engine (default mpi)")
+    search.add_argument("--remeasure", action="store_true", help="run configurations even if already stored")
+    _add_shape(search, None)
+
+    results = commands.add_parser("results", help="list stored measurements",
+                                  description="List what the database holds, oldest first.")
+    results.add_argument("--db", help=db_help)
+    results.add_argument("--seq-len", type=_positive)
+    results.add_argument("--heads", type=_positive)
+    results.add_argument("--head-dim", type=_positive)
+    results.add_argument("--strategy", choices=STRATEGIES)
+    results.add_argument("--ranks", type=_positive)
+    results.add_argument("--status", help="ok, or a failure kind (crash, timeout, error, ...)")
+    fmt = results.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="a JSON list of objects")
+    fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
 
     run = commands.add_parser(
         "measure",
-        help="measure every feasible configuration of one workload on real ranks",
+        help="measure every feasible configuration of one workload (nothing stored)",
         description=(
             "Run every feasible strategy / rank count / head group for one attention workload "
             "on real MPI ranks, check each output against a float64 reference, and print their "
             "latencies. With no flags: a small demo workload."
         ),
     )
-    shape = run.add_argument_group("workload (one attention layer)")
-    shape.add_argument("--seq-len", type=_positive, default=4096, help="tokens per sequence (default 4096)")
-    shape.add_argument("--heads", type=_positive, default=8, help="query heads (default 8)")
-    shape.add_argument("--kv-heads", type=_positive, default=None,
-                       help="KV heads (default: as many as --heads)")
-    shape.add_argument("--head-dim", type=_positive, default=64, help="head dimension (default 64)")
-    shape.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
-    shape.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
-                       help="activation dtype (default bf16)")
-    shape.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
-    sweep = run.add_argument_group("what to run")
-    sweep.add_argument("--max-ranks", type=_positive, default=None,
-                       help="largest rank count (default: this host's cores)")
-    sweep.add_argument("--strategies", type=_strategies, default=STRATEGIES,
-                       help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
-    sweep.add_argument("--warmup", type=_non_negative, default=2, help="untimed iterations (default 2)")
-    sweep.add_argument("--repeats", type=_positive, default=10, help="timed iterations (default 10)")
-    sweep.add_argument("--timeout", type=float, default=None,
-                       help="seconds before a configuration's run is stopped (default: scaled to its size)")
+    _add_shape(run, _MEASURE_DEFAULTS)
+    run.add_argument("--max-ranks", type=_positive, default=None,
+                     help="largest rank count (default: this host's cores)")
+    run.add_argument("--warmup", type=_non_negative, default=2, help="untimed iterations (default 2)")
+    run.add_argument("--repeats", type=_positive, default=10, help="timed iterations (default 10)")
+    run.add_argument("--timeout", type=_seconds, default=None,
+                     help="seconds before a configuration's run is stopped (default: scaled to its size)")
     run.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     return parser
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _workload(args: argparse.Namespace, seq_len: int) -> Workload:
     try:
-        return Workload(
-            seq_len=args.seq_len, heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
-            batch=args.batch, dtype=args.dtype, causal=args.causal,
-        )
+        return Workload(seq_len=seq_len, heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
+                        batch=args.batch, dtype=args.dtype, causal=args.causal)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _results_table(
+# --------------------------------------------------------------------------- measure
+
+
+def _measurements_table(
     workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]
 ) -> Table:
-    table = Table(
-        title=f"{workload.describe()} - fastest first",
-        caption="ms per iteration, slowest rank; spread = p90 - p10; peak = MiB per rank; "
-        "ulysses2xring2 = 2-way Ulysses x 2-way Ring",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,  # fits 80 columns, so CI logs and narrow terminals show every figure
-    )
+    table = _table(f"{workload.describe()} - fastest first",
+                   "ms per iteration, slowest rank; spread = p90 - p10; peak = MiB per rank; "
+                   "ulysses2xring2 = 2-way Ulysses x 2-way Ring")
     for column in ("config", "ranks", "median", "spread", "compute", "comm", "peak", "error"):
         table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for m in sorted(results, key=lambda m: m.median_ms):
@@ -125,10 +196,15 @@ def _results_table(
     return table
 
 
+def _table(title: str, caption: str) -> Table:
+    # collapse_padding: fits 80 columns, so CI logs and narrow terminals show every figure
+    return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
 def cmd_measure(args: argparse.Namespace, console: Console) -> int:
-    workload = _workload(args)
+    workload = _workload(args, args.seq_len)
     max_ranks = args.max_ranks or available_cores()
-    configs = list(enumerate_configs(workload, max_ranks, args.strategies))
+    configs = enumerate_configs(workload, max_ranks, args.strategies or STRATEGIES)
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -149,23 +225,155 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
             "failures": [{"config": c.to_dict(), "kind": e.kind, "error": str(e)} for c, e in failures],
         }, indent=2))
     else:
-        console.print(_results_table(workload, results, failures))
+        console.print(_measurements_table(workload, results, failures))
     for config, failure in failures:
         console.print(f"[red]{config.describe()} failed ({failure.kind}):[/] {failure}", highlight=False)
     return USAGE_ERROR if failures else 0
 
 
+# --------------------------------------------------------------------------- search
+
+
+def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
+    missing = [flag for flag, value in (("--heads", args.heads), ("--head-dim", args.head_dim),
+                                        ("--seq-lens", args.seq_lens)) if value is None]
+    if missing:
+        raise UsageError(f"a workload given by flags needs {', '.join(missing)} "
+                         f"(or name a search space file instead)")
+    for seq_len in args.seq_lens:
+        _workload(args, seq_len)  # refuses a bad shape in the user's terms
+    return SearchSpace(
+        name="flags", description="workload from command-line flags", source=None,
+        heads=args.heads, kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim, batch=args.batch,
+        dtype=args.dtype, causal=args.causal, seq_lens=tuple(dict.fromkeys(args.seq_lens)), ranks=args.ranks,
+        strategies=args.strategies or STRATEGIES, trials=None, measure=MeasureSettings(),
+    )
+
+
+def _load_search_space(args: argparse.Namespace) -> tuple[SearchSpace, str]:
+    flags_given = any(v is not None for v in (args.heads, args.head_dim, args.seq_lens, args.kv_heads,
+                                              args.strategies, args.ranks)) or args.causal
+    if args.space and flags_given:
+        raise UsageError("give either a search space or workload flags (--heads, --seq-lens, ...), not both")
+    if flags_given:
+        return _space_from_flags(args), "command-line flags"
+    path = resolve_space(args.space or DEMO_SPACE)
+    return load_space(path), str(path)
+
+
+def _best_table(space: SearchSpace, best: dict[int, tuple[CPConfig, float] | None]) -> Table:
+    table = _table(f"{space.name}: fastest configuration so far",
+                   "median ms per iteration of the slowest rank, on this hardware")
+    for column in ("seq_len", "config", "ranks", "median ms"):
+        table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
+    for seq_len, pick in best.items():
+        if pick is None:
+            table.add_row(str(seq_len), "-", "-", "-")
+        else:
+            table.add_row(str(seq_len), pick[0].label, str(pick[0].ranks), f"{pick[1]:.2f}")
+    return table
+
+
+def cmd_search(args: argparse.Namespace, console: Console) -> int:
+    from cptune.search import WorkloadSearch
+    from cptune.store import Store
+
+    space, where = _load_search_space(args)
+    available = args.max_ranks or available_cores()
+    counts = tuple(n for n in space.rank_counts(available) if args.max_ranks is None or n <= args.max_ranks)
+    if not counts:
+        raise UsageError(f"--max-ranks {args.max_ranks} leaves none of the space's rank counts")
+    space = dataclasses.replace(space, ranks=counts)
+    check_runnable(space, available, where)
+    hardware = this_host()
+    with Store(args.db) as store:
+        console.print(f"searching [bold]{space.name}[/] ({where}) on {hardware.describe()} "
+                      f"[dim]{hardware.fingerprint}[/]; results in {store.url}", highlight=False)
+        best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console)
+        new_runs = failed = 0
+        with Live(Group(progress, _best_table(space, best)), console=console, refresh_per_second=4) as live:
+            for workload in space.workloads():
+                configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
+                           if c.ranks in counts]
+                task = progress.add_task(f"seq {workload.seq_len}", total=args.trials or space.trials
+                                         or len(configs))
+
+                def on_trial(outcome, task=task, seq_len=workload.seq_len):  # type: ignore[no-untyped-def]
+                    nonlocal new_runs, failed
+                    new_runs += not outcome.reused
+                    failed += outcome.status != "ok"
+                    current = best[seq_len]
+                    if outcome.median_ms is not None and (current is None or outcome.median_ms < current[1]):
+                        best[seq_len] = (outcome.config, outcome.median_ms)
+                    progress.advance(task)
+                    live.update(Group(progress, _best_table(space, best)))
+
+                search = WorkloadSearch(
+                    workload, configs, store, hardware, warmup=space.measure.warmup,
+                    repeats=space.measure.repeats, run_timeout=space.measure.timeout,
+                    trials=args.trials or space.trials, time_budget=args.timeout,
+                    remeasure=args.remeasure, backend=args.backend, on_trial=on_trial,
+                )
+                for config, (status, median, _) in search.known().items():
+                    current = best[workload.seq_len]
+                    if status == "ok" and median is not None and (current is None or median < current[1]):
+                        best[workload.seq_len] = (config, median)
+                progress.update(task, completed=len(search.known()))
+                search.run()
+                live.update(Group(progress, _best_table(space, best)))
+    console.print(f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
+                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""), highlight=False)
+    return 0
+
+
+# --------------------------------------------------------------------------- results
+
+
+def cmd_results(args: argparse.Namespace, console: Console) -> int:
+    from cptune.store import Store
+
+    filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
+               "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
+    with Store(args.db) as store:
+        rows = store.results(**filters)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return 0
+    if args.csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].to_dict()) if rows else ["id"])
+        writer.writeheader()
+        writer.writerows(r.to_dict() for r in rows)
+        return 0
+    table = _table(f"{len(rows)} stored result(s)", "median ms per iteration of the slowest rank")
+    for column in ("id", "seq_len", "heads", "config", "ranks", "status", "median ms", "hardware"):
+        table.add_column(column, justify="left" if column in ("config", "status", "hardware") else "right")
+    for r in rows:
+        median = f"{r.median_ms:.2f}" if r.median_ms is not None else "-"
+        heads = f"{r.workload.heads}/{r.workload.kv_heads}"
+        status = r.status if r.status == "ok" else f"[red]{r.status}[/]"
+        table.add_row(str(r.id), str(r.workload.seq_len), heads, r.config.label, str(r.config.ranks),
+                      status, median, r.hardware)
+    console.print(table)
+    return 0
+
+
+COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console(stderr=args.json if hasattr(args, "json") else False)
+    machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
+    console = Console(stderr=machine_output)
     try:
-        return cmd_measure(args, console)
-    except (UsageError, CPTuneError) as error:
+        return COMMANDS[args.command](args, console)
+    except CPTuneError as error:
         console.print(f"[red]cptune: error:[/] {error}", highlight=False)
         return USAGE_ERROR
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]")
+        console.print("[yellow]interrupted[/]: every finished measurement is stored; rerun to resume")
         return 130
 
 

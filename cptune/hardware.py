@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from importlib import metadata
 
 from cptune.measurement import available_cores, describe_host
 
@@ -39,7 +40,18 @@ class Hardware:
         return f"{self.host}: {devices}, {self.interconnect}"
 
 
-def this_host(mpi_library: str | None) -> Hardware:
+def mpi_library() -> str | None:
+    """The MPI library mpi4py loads here, from package metadata (no MPI start-up needed),
+    so every caller derives the same fingerprint."""
+    for package in ("mpich", "openmpi", "impi-rt"):
+        try:
+            return f"{package} {metadata.version(package)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def this_host() -> Hardware:
     """This machine as the MPI engine uses it: its CPU cores, linked by shared memory."""
     facts = describe_host()
     return Hardware(
@@ -49,5 +61,5 @@ def this_host(mpi_library: str | None) -> Hardware:
         gpu_model=None,
         gpu_count=0,
         interconnect="shared memory (one host)",
-        mpi_library=mpi_library,
+        mpi_library=mpi_library(),
     )

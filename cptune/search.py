@@ -100,6 +100,7 @@ class WorkloadSearch:
     repeats: int = 10
     run_timeout: float | None = None
     trials: int | None = None
+    time_budget: float | None = None  # seconds for the whole study; None: no limit
     remeasure: bool = False
     backend: str | Engine = "mpi"
     on_trial: Callable[[TrialOutcome], None] | None = None
@@ -171,7 +172,7 @@ class WorkloadSearch:
                 trial.set_user_attr("error", outcome.error)
             return outcome.median_ms if outcome.median_ms is not None else FAILED_LATENCY_MS
 
-        study.optimize(objective, n_trials=budget)
+        study.optimize(objective, n_trials=budget, timeout=self.time_budget)
         return outcomes
 
     def _outcome(self, config: CPConfig, known: dict[CPConfig, Known]) -> TrialOutcome:

@@ -19,7 +19,7 @@ def store(tmp_path):
 
 def search(store, **options):
     options = {"warmup": 0, "repeats": 2, **options}
-    return WorkloadSearch(WORKLOAD, options.pop("configs", CONFIGS), store, this_host("test"), **options)
+    return WorkloadSearch(WORKLOAD, options.pop("configs", CONFIGS), store, this_host(), **options)
 
 
 def test_small_space_is_covered_once_and_resumes(store):
@@ -66,7 +66,7 @@ def test_tpe_never_proposes_an_infeasible_point(store):
     workload = Workload(seq_len=48, heads=6, head_dim=8, kv_heads=3, dtype="fp32")
     configs = enumerate_configs(workload, 4)
     assert len(configs) > 4
-    host = this_host("test")
+    host = this_host()
     outcomes = WorkloadSearch(workload, configs, store, host, warmup=0, repeats=1, trials=4).run()
     assert len(outcomes) == 4
     for o in outcomes:
@@ -74,7 +74,7 @@ def test_tpe_never_proposes_an_infeasible_point(store):
 
 
 def test_tpe_is_warm_started_from_other_lengths(store):
-    host = this_host("test")
+    host = this_host()
     shorter = Workload(seq_len=48, heads=4, head_dim=16, dtype="fp32")
     WorkloadSearch(shorter, enumerate_configs(shorter, 2), store, host, warmup=0, repeats=1).run()
     best = min((r for r in store.results() if r.status == "ok"), key=lambda r: r.median_ms).config

@@ -37,7 +37,7 @@ def test_sqlite_runs_in_wal_mode(store):
 
 def test_real_measurement_round_trip(store):
     m = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=0, repeats=3)
-    hardware = this_host(m.host["mpi_library"])
+    hardware = this_host()
     row_id = store.add_measurement(hardware, m)
     (result,) = store.results()
     assert result.id == row_id and result.status == "ok" and result.error is None

@@ -1,0 +1,487 @@
+"""Search spaces: which workloads to tune and which configurations to try, read from TOML.
+
+A search space names one model's attention layer, the sequence lengths it runs at, and the
+rank counts and strategies worth trying. It is validated completely when loaded, so a typo
+or an impossible model is reported before any rank starts, as one line naming the file, the
+TOML key and what to change. Built-in spaces ship in ``cptune.search_spaces``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+import json
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+from cptune.config import STRATEGIES, CPConfig
+from cptune.errors import CPTuneError
+from cptune.feasibility import enumerate_configs, feasibility
+from cptune.workload import WIRE_DTYPES, Workload
+
+#: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
+DEMO_SPACE = "demo"
+
+#: Allowed keys of each table, in the order the file format documents them.
+TOP_KEYS = ("name", "description", "model", "sweep", "measure")
+MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
+SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials")
+MEASURE_KEYS = ("warmup", "repeats", "timeout")
+
+#: A line the user can copy for each key, shown when the key is missing or mistyped.
+_EXAMPLES = {
+    "name": 'name = "my-model"',
+    "description": 'description = "what this space measures"',
+    "model": "[model] with heads = 24 and head_dim = 128",
+    "sweep": "[sweep] with seq_lens = [4096, 8192]",
+    "measure": "[measure] with warmup = 2 and repeats = 10",
+    "model.heads": "heads = 24",
+    "model.kv_heads": "kv_heads = 8",
+    "model.head_dim": "head_dim = 128",
+    "model.batch": "batch = 1",
+    "model.dtype": 'dtype = "bf16"',
+    "model.causal": "causal = false",
+    "sweep.seq_lens": "seq_lens = [4096, 8192]",
+    "sweep.ranks": 'ranks = "auto" or ranks = [2, 4, 8]',
+    "sweep.strategies": 'strategies = ["ring", "ulysses"]',
+    "sweep.trials": "trials = 40",
+    "measure.warmup": "warmup = 2",
+    "measure.repeats": "repeats = 10",
+    "measure.timeout": "timeout = 600",
+}
+
+
+class SpaceError(CPTuneError, ValueError):
+    """A search space that cannot be used, raised before anything runs. The message reads
+    ``"{file}: {key}: {reason}"``: the file as given, the dotted TOML key (or where in the
+    file, for a syntax error) and what is wrong with what to do about it."""
+
+    def __init__(self, file: str, key: str, reason: str) -> None:
+        super().__init__(f"{file}: {key}: {reason}")
+        self.file = file
+        self.key = key
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How each configuration is timed: untimed ``warmup`` iterations, then ``repeats``
+    timed ones; ``timeout`` (seconds per configuration) None means scaled to its size."""
+
+    warmup: int = 2
+    repeats: int = 10
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        # Direct construction gets the same limits the TOML loader enforces.
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0
+        ):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """One model's attention layer at several sequence lengths, and the configurations to
+    try on it. Built by ``load_space``, which validates every field."""
+
+    name: str
+    description: str
+    #: The file it was loaded from (None when built in code).
+    source: Path | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    dtype: str
+    causal: bool
+    seq_lens: tuple[int, ...]
+    #: Rank counts to try; None means "auto": every count from 1 to the ranks available.
+    ranks: tuple[int, ...] | None
+    strategies: tuple[str, ...]
+    #: Optuna trial budget per workload; None means try every configuration in the space.
+    trials: int | None
+    measure: MeasureSettings
+
+    def workloads(self) -> list[Workload]:
+        """One Workload per sequence length, in the order the file lists them."""
+        return [
+            Workload(
+                seq_len=s, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
+                batch=self.batch, dtype=self.dtype, causal=self.causal,
+            )
+            for s in self.seq_lens
+        ]
+
+    def rank_counts(self, available: int) -> tuple[int, ...]:
+        """The rank counts to try: 1..available for "auto", else the file's list as given
+        (entries above ``available`` are kept: the MPI engine may oversubscribe)."""
+        if self.ranks is not None:
+            return self.ranks
+        if isinstance(available, bool) or not isinstance(available, int) or available < 1:
+            raise ValueError(f"available ranks must be a positive integer, got {available!r}")
+        return tuple(range(1, available + 1))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _toml_type(value: object) -> str:
+    """The TOML name of a parsed value's type, for messages the file's author reads."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, _dt.datetime):
+        return "a date-time"
+    if isinstance(value, _dt.date):
+        return "a date"
+    if isinstance(value, _dt.time):
+        return "a time"
+    return type(value).__name__
+
+
+def _show(value: object) -> str:
+    """``value`` as it would be written in TOML (shortened), so the user recognises it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        text = json.dumps(value)
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(value) + "}"
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_show(v) for v in value) + "]"
+    else:
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _got(value: object) -> str:
+    return f"got {_toml_type(value)} ({_show(value)})"
+
+
+def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class _Reader:
+    """Reads typed values out of a parsed TOML document, raising SpaceError with the file
+    name and the dotted key of the first value that does not fit."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+
+    def fail(self, key: str, reason: str) -> SpaceError:
+        return SpaceError(self.file, key, reason)
+
+    def example(self, key: str) -> str:
+        base = re.sub(r"\[\d+\]$", "", key)
+        return f"; e.g. {_EXAMPLES[base]}" if base in _EXAMPLES else ""
+
+    def check_keys(self, table: dict[str, Any], allowed: tuple[str, ...], prefix: str) -> None:
+        for key in table:
+            if key not in allowed:
+                where = f"{prefix}.{key}" if prefix else key
+                section = f"in [{prefix}]" if prefix else "at the top level"
+                raise self.fail(
+                    where,
+                    f"unknown key{_suggest(key, allowed)}; allowed {section}: "
+                    f"{', '.join(allowed)}",
+                )
+
+    def table(self, doc: dict[str, Any], key: str, required: bool) -> dict[str, Any] | None:
+        if key not in doc:
+            if required:
+                raise self.fail(key, f"missing required table; add {_EXAMPLES[key]}")
+            return None
+        value = doc[key]
+        if not isinstance(value, dict):
+            raise self.fail(key, f"expected a table ([{key}] section), {_got(value)}")
+        return value
+
+    def value(self, table: dict[str, Any], name: str, prefix: str, required: bool) -> Any:
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in table:
+            if required:
+                raise self.fail(key, f"missing required key{self.example(key)}")
+            return None
+        return table[name]
+
+    def integer(self, value: object, key: str, minimum: int) -> int:
+        wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected {wanted}, {_got(value)}{self.example(key)}")
+        if value < minimum:
+            raise self.fail(key, f"out of range: expected {wanted}, got {value}{self.example(key)}")
+        return value
+
+    def positive_number(self, value: object, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"expected a positive number of seconds, {_got(value)}{self.example(key)}")
+        if not value > 0 or value == float("inf"):
+            raise self.fail(
+                key, f"out of range: expected a positive number of seconds, got {_show(value)}"
+                f"{self.example(key)}"
+            )
+        return float(value)
+
+    def string(self, value: object, key: str, non_empty: bool) -> str:
+        if not isinstance(value, str):
+            raise self.fail(key, f"expected a string, {_got(value)}{self.example(key)}")
+        if non_empty and not value.strip():
+            raise self.fail(key, f"must not be empty{self.example(key)}")
+        return value
+
+    def boolean(self, value: object, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, f"expected a boolean (true or false), {_got(value)}{self.example(key)}")
+        return value
+
+    def array(self, value: object, key: str, item: Callable[[object, str], Any]) -> tuple[Any, ...]:
+        """A non-empty array without duplicates, each item read by ``item(value, key[i])``."""
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected an array, {_got(value)}{self.example(key)}")
+        if not value:
+            raise self.fail(key, f"must not be empty: list at least one value{self.example(key)}")
+        seen: dict[object, int] = {}
+        items = []
+        for i, raw in enumerate(value):
+            entry = item(raw, f"{key}[{i}]")
+            if entry in seen:
+                raise self.fail(
+                    f"{key}[{i}]",
+                    f"duplicate value {_show(entry)} (already {key}[{seen[entry]}]); list each value once",
+                )
+            seen[entry] = i
+            items.append(entry)
+        return tuple(items)
+
+
+def _read_file(file: str) -> dict[str, Any]:
+    """Parse the TOML file, turning every read or syntax failure into a SpaceError."""
+    try:
+        data = Path(file).read_bytes()
+    except FileNotFoundError:
+        raise SpaceError(
+            file, "(file)",
+            f"no such file; check the path (built-in spaces, usable by name: {', '.join(builtin_spaces())})",
+        ) from None
+    except OSError as exc:
+        raise SpaceError(file, "(file)", f"cannot read it: {exc.strerror or exc}; check the path") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpaceError(file, "(file)", f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                         "save the file as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        where = re.search(r"\s*\(at (line \d+, column \d+|end of document)\)\s*$", message)
+        location = where.group(1) if where else "(toml)"
+        problem = message[: where.start()] if where else message
+        raise SpaceError(
+            file, location,
+            f"invalid TOML: {problem}; fix the syntax there (strings need quotes, arrays brackets)",
+        ) from None
+
+
+def load_space(path: str | Path) -> SearchSpace:
+    """Read and validate a search space from a TOML file (see search_spaces/demo.toml for
+    the format). Raises SpaceError naming the file, the key and the fix for the first
+    problem found: unreadable file, bad TOML, unknown key, wrong type or range, or a model
+    Workload rejects."""
+    file = str(path)
+    doc = _read_file(file)
+    r = _Reader(file)
+
+    r.check_keys(doc, TOP_KEYS, "")
+    name = r.string(r.value(doc, "name", "", required=True), "name", non_empty=True)
+    raw_description = r.value(doc, "description", "", required=False)
+    description = "" if raw_description is None else r.string(raw_description, "description", non_empty=False)
+
+    model = r.table(doc, "model", required=True)
+    assert model is not None
+    r.check_keys(model, MODEL_KEYS, "model")
+    heads = r.integer(r.value(model, "heads", "model", required=True), "model.heads", 1)
+    head_dim = r.integer(r.value(model, "head_dim", "model", required=True), "model.head_dim", 1)
+    raw = r.value(model, "kv_heads", "model", required=False)
+    kv_heads = heads if raw is None else r.integer(raw, "model.kv_heads", 1)
+    raw = r.value(model, "batch", "model", required=False)
+    batch = 1 if raw is None else r.integer(raw, "model.batch", 1)
+    raw = r.value(model, "dtype", "model", required=False)
+    dtype = "bf16" if raw is None else r.string(raw, "model.dtype", non_empty=True)
+    if dtype not in WIRE_DTYPES:
+        raise r.fail("model.dtype", f"unknown dtype {_show(dtype)}{_suggest(dtype, list(WIRE_DTYPES))}; "
+                     f"choose one of {', '.join(WIRE_DTYPES)}")
+    raw = r.value(model, "causal", "model", required=False)
+    causal = False if raw is None else r.boolean(raw, "model.causal")
+
+    sweep = r.table(doc, "sweep", required=True)
+    assert sweep is not None
+    r.check_keys(sweep, SWEEP_KEYS, "sweep")
+    seq_lens = r.array(
+        r.value(sweep, "seq_lens", "sweep", required=True), "sweep.seq_lens",
+        lambda v, k: r.integer(v, k, 1),
+    )
+    ranks = _read_ranks(r, r.value(sweep, "ranks", "sweep", required=False))
+    raw = r.value(sweep, "strategies", "sweep", required=False)
+    strategies = (
+        STRATEGIES if raw is None else r.array(raw, "sweep.strategies", lambda v, k: _strategy(r, v, k))
+    )
+    raw = r.value(sweep, "trials", "sweep", required=False)
+    trials = None if raw is None else r.integer(raw, "sweep.trials", 1)
+
+    measure_table = r.table(doc, "measure", required=False) or {}
+    r.check_keys(measure_table, MEASURE_KEYS, "measure")
+    raw = r.value(measure_table, "warmup", "measure", required=False)
+    warmup = 2 if raw is None else r.integer(raw, "measure.warmup", 0)
+    raw = r.value(measure_table, "repeats", "measure", required=False)
+    repeats = 10 if raw is None else r.integer(raw, "measure.repeats", 1)
+    raw = r.value(measure_table, "timeout", "measure", required=False)
+    timeout = None if raw is None else r.positive_number(raw, "measure.timeout")
+
+    space = SearchSpace(
+        name=name, description=description, source=Path(path), heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, seq_lens=seq_lens, ranks=ranks,
+        strategies=strategies, trials=trials,
+        measure=MeasureSettings(warmup=warmup, repeats=repeats, timeout=timeout),
+    )
+    _check_workloads(r, space)
+    return space
+
+
+def _read_ranks(r: _Reader, raw: object) -> tuple[int, ...] | None:
+    """``"auto"`` (or absent) -> None; else a non-empty array of distinct positive ints."""
+    if raw is None or raw == "auto":
+        return None
+    if isinstance(raw, str):
+        raise r.fail("sweep.ranks", f'expected "auto" or an array of positive integers, {_got(raw)}'
+                     f"{r.example('sweep.ranks')}")
+    return r.array(raw, "sweep.ranks", lambda v, k: r.integer(v, k, 1))
+
+
+def _strategy(r: _Reader, value: object, key: str) -> str:
+    name = r.string(value, key, non_empty=True)
+    if name not in STRATEGIES:
+        raise r.fail(key, f"unknown strategy {_show(name)}{_suggest(name, STRATEGIES)}; "
+                     f"choose from {', '.join(STRATEGIES)}")
+    return name
+
+
+def _check_workloads(r: _Reader, space: SearchSpace) -> None:
+    """Build every Workload so a model it rejects is reported against the key at fault."""
+    for i, seq_len in enumerate(space.seq_lens):
+        try:
+            Workload(
+                seq_len=seq_len, heads=space.heads, head_dim=space.head_dim, kv_heads=space.kv_heads,
+                batch=space.batch, dtype=space.dtype, causal=space.causal,
+            )
+        except ValueError as exc:
+            text = str(exc)
+            field = re.match(r"(seq_len|kv_heads|heads|head_dim|batch|dtype|causal)\b:?\s*", text)
+            if field is None:
+                key = "model"
+            elif field.group(1) == "seq_len":
+                key = f"sweep.seq_lens[{i}]"
+            else:
+                key = f"model.{field.group(1)}"
+            # Drop Workload's own "field: " prefix: the key already names it.
+            if field is not None and text[field.end(1):].startswith(":"):
+                text = text[field.end():]
+            raise r.fail(key, text) from None
+
+
+# --------------------------------------------------------------------------- runnability
+
+
+def _candidates(strategy: str, ranks: int) -> list[CPConfig]:
+    """The configurations ``enumerate_configs`` would consider for one strategy on exactly
+    ``ranks`` ranks, feasible or not (so their reasons can be shown)."""
+    if ranks == 1:
+        return [CPConfig(strategy, 1)]
+    if strategy == "ulysses":
+        return [CPConfig("ulysses", ranks)]
+    return [CPConfig(strategy, ranks, u) for u in range(1, ranks) if ranks % u == 0]
+
+
+def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = None) -> None:
+    """Raise SpaceError if some sequence length has no feasible configuration among the
+    space's rank counts and strategies, naming it and giving the reasons for the largest
+    rank count tried. ``file`` names the space in the message (default: its source)."""
+    file = file if file is not None else str(space.source or space.name)
+    counts = space.rank_counts(available_ranks)
+    for i, workload in enumerate(space.workloads()):
+        feasible = [
+            c for c in enumerate_configs(workload, max(counts), space.strategies) if c.ranks in counts
+        ]
+        if feasible:
+            continue
+        largest = max(counts)
+        reasons: list[str] = []
+        for strategy in space.strategies:
+            for config in _candidates(strategy, largest):
+                for reason in feasibility(workload, config):
+                    line = f"{config.describe()}: {reason}"
+                    if line not in reasons:
+                        reasons.append(line)
+        listed = "".join(f"\n  - {line}" for line in reasons)
+        raise SpaceError(
+            file, f"sweep.seq_lens[{i}]",
+            f"seq_len {workload.seq_len} has no feasible configuration on ranks "
+            f"{', '.join(map(str, counts))} with strategies {', '.join(space.strategies)}; "
+            f"add rank counts or strategies in [sweep], or change [model]. "
+            f"On {largest} ranks:{listed}",
+        )
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+def builtin_spaces() -> dict[str, Traversable]:
+    """The spaces shipped in ``cptune.search_spaces``, by file stem (e.g. "flux1-dev")."""
+    package = resources.files("cptune.search_spaces")
+    found = {
+        entry.name.removesuffix(".toml"): entry
+        for entry in package.iterdir()
+        if entry.name.endswith(".toml") and entry.is_file()
+    }
+    return dict(sorted(found.items()))
+
+
+def resolve_space(name_or_path: str) -> Path:
+    """The file a space argument names: an existing file path wins, then a built-in name
+    (e.g. "demo", "flux1-dev"); otherwise SpaceError listing the built-in names."""
+    as_path = Path(name_or_path)
+    if as_path.is_file():
+        return as_path
+    builtins = builtin_spaces()
+    if name_or_path in builtins:
+        # The package is a plain directory in both editable and regular installs.
+        return Path(str(builtins[name_or_path]))
+    names = ", ".join(builtins)
+    close = _suggest(name_or_path, list(builtins))
+    raise SpaceError(
+        name_or_path, "(file)",
+        f"no such file and no built-in space of that name{close}; give the path of a .toml "
+        f"file or one of the built-in spaces: {names}",
+    )

@@ -1,0 +1,353 @@
+"""Search spaces: the shipped TOML files, the loader's refusals, runnability, resolution."""
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from cptune import STRATEGIES, CPConfig, CPTuneError, Workload, analytic_cost
+from cptune.space import (
+    DEMO_SPACE,
+    MeasureSettings,
+    SearchSpace,
+    SpaceError,
+    builtin_spaces,
+    check_runnable,
+    load_space,
+    resolve_space,
+)
+
+SHIPPED = ("demo", "flux1-dev", "llm-prefill-gqa", "video-dit")
+
+BASE = """\
+name = "t"
+description = "test space"
+
+[model]
+heads = 8
+head_dim = 16
+
+[sweep]
+seq_lens = [64, 128]
+strategies = ["ring", "ulysses"]
+
+[measure]
+warmup = 1
+repeats = 3
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "space.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def edited(old: str, new: str) -> str:
+    """BASE with one exact piece replaced (the piece must be there)."""
+    assert old in BASE, old
+    return BASE.replace(old, new, 1)
+
+
+def refusal(path: Path | str) -> str:
+    with pytest.raises(SpaceError) as raised:
+        load_space(path)
+    return str(raised.value)
+
+
+# --------------------------------------------------------------------------- shipped spaces
+
+
+def test_every_shipped_space_is_a_package_resource():
+    listed = {entry.name for entry in resources.files("cptune.search_spaces").iterdir()}
+    assert {f"{name}.toml" for name in SHIPPED} <= listed
+    assert tuple(builtin_spaces()) == SHIPPED  # sorted, keyed by stem
+    assert DEMO_SPACE in builtin_spaces()
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_space_loads_and_builds_its_workloads(name):
+    path = resolve_space(name)
+    space = load_space(path)
+    assert space.name == name
+    assert space.description
+    assert space.source == path
+    workloads = space.workloads()
+    assert [w.seq_len for w in workloads] == list(space.seq_lens)
+    for w in workloads:
+        assert (w.heads, w.kv_heads, w.head_dim, w.batch, w.dtype, w.causal) == (
+            space.heads, space.kv_heads, space.head_dim, space.batch, space.dtype, space.causal
+        )
+    check_runnable(space, 8, str(path))  # every length runs somewhere on 8 ranks
+
+
+def test_flux_space_matches_its_derivation():
+    space = load_space(resolve_space("flux1-dev"))
+    text_tokens = 512  # T5 max_sequence_length
+    image_tokens = [(side // 16) ** 2 for side in (1024, 2048)]  # VAE /8, then 2x2 patches
+    assert space.seq_lens == tuple(text_tokens + n for n in image_tokens) == (4608, 16896)
+    assert (space.heads, space.kv_heads, space.head_dim) == (24, 24, 3072 // 24)
+    assert (space.dtype, space.causal, space.batch) == ("bf16", False, 1)
+
+
+def test_video_space_matches_its_derivation():
+    space = load_space(resolve_space("video-dit"))
+    frames = (81 - 1) // 4 + 1  # Wan-VAE stride 4 in time, first frame kept
+    tokens = [frames * (h // 8 // 2) * (w // 8 // 2) for w, h in ((832, 480), (1280, 720))]
+    assert space.seq_lens == tuple(tokens) == (32760, 75600)
+    assert (space.heads, space.kv_heads, space.head_dim) == (40, 40, 5120 // 40)
+    assert (space.dtype, space.causal) == ("bf16", False)
+
+
+def test_llm_space_is_causal_gqa_up_to_the_context_length():
+    space = load_space(resolve_space("llm-prefill-gqa"))
+    assert (space.heads, space.kv_heads, space.head_dim) == (32, 8, 4096 // 32)
+    assert space.causal is True
+    assert space.seq_lens[0] == 8192 and max(space.seq_lens) == 131072
+    assert list(space.seq_lens) == sorted(set(space.seq_lens))
+
+
+def test_demo_space_is_small_enough_for_a_cpu():
+    space = load_space(resolve_space(DEMO_SPACE))
+    assert space.ranks is None  # "auto": follows the host's cores
+    assert space.strategies == STRATEGIES
+    iterations = space.measure.warmup + space.measure.repeats
+    flops = sum(analytic_cost(w, CPConfig("ring", 1)).flops for w in space.workloads())
+    # One configuration's whole sweep: under 1 TFLOP, i.e. ~10 s at the ~120 GFLOP/s two
+    # cores reach (benchmarks/results), a couple of minutes even at 10 GFLOP/s.
+    assert flops * iterations < 1e12, flops * iterations
+    check_runnable(space, 2, "demo")
+    check_runnable(space, 1, "demo")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_minimal_space_gets_the_documented_defaults(tmp_path):
+    path = write(tmp_path, 'name = "m"\n[model]\nheads = 6\nhead_dim = 32\n[sweep]\nseq_lens = [100]\n')
+    space = load_space(path)
+    assert space == SearchSpace(
+        name="m", description="", source=path, heads=6, kv_heads=6, head_dim=32, batch=1,
+        dtype="bf16", causal=False, seq_lens=(100,), ranks=None, strategies=STRATEGIES,
+        trials=None, measure=MeasureSettings(warmup=2, repeats=10, timeout=None),
+    )
+
+
+def test_full_space_reads_every_key(tmp_path):
+    text = """\
+name = "full"
+description = "all keys"
+[model]
+heads = 32
+kv_heads = 8
+head_dim = 128
+batch = 2
+dtype = "fp16"
+causal = true
+[sweep]
+seq_lens = [4096, 1024]
+ranks = [8, 2]
+strategies = ["ulysses", "ring"]
+trials = 12
+[measure]
+warmup = 0
+repeats = 1
+timeout = 600
+"""
+    space = load_space(str(write(tmp_path, text)))
+    assert (space.kv_heads, space.batch, space.dtype, space.causal) == (8, 2, "fp16", True)
+    assert space.seq_lens == (4096, 1024)  # order kept
+    assert space.ranks == (8, 2)
+    assert space.strategies == ("ulysses", "ring")  # order kept
+    assert space.trials == 12
+    assert space.measure == MeasureSettings(warmup=0, repeats=1, timeout=600.0)
+    assert isinstance(space.measure.timeout, float)
+    assert space.workloads()[1] == Workload(1024, 32, 128, kv_heads=8, batch=2, dtype="fp16", causal=True)
+
+
+BAD = [
+    # unknown keys, at the top and inside tables, with the allowed ones listed
+    ('name = "t"', 'name = "t"\nnmae = "u"', "nmae",
+     ["unknown key", "did you mean 'name'", "name, description, model, sweep, measure"]),
+    ("heads = 8", "heads = 8\nhaeds = 8", "model.haeds",
+     ["unknown key", "did you mean 'heads'", "heads, kv_heads, head_dim, batch, dtype, causal"]),
+    ("repeats = 3", "repeat = 3", "measure.repeat", ["unknown key", "did you mean 'repeats'"]),
+    ("[measure]", "[measure]\nflops = 1", "measure.flops", ["unknown key", "warmup, repeats, timeout"]),
+    ("[sweep]", "[sweep]\nstrategy = [\"ring\"]", "sweep.strategy",
+     ["unknown key", "did you mean 'strategies'"]),
+    # wrong types: expected and given both named
+    ("heads = 8", 'heads = "8"', "model.heads", ["expected a positive integer", 'got a string ("8")']),
+    ("head_dim = 16", "head_dim = 16.0", "model.head_dim", ["expected a positive integer", "got a float"]),
+    ("heads = 8", "heads = 8\nbatch = true", "model.batch", ["expected a positive integer", "got a boolean"]),
+    ("heads = 8", "heads = 8\ncausal = 1", "model.causal", ["expected a boolean", "got an integer"]),
+    ('name = "t"', "name = 5", "name", ["expected a string", "got an integer"]),
+    ("[sweep]\nseq_lens = [64, 128]", "[sweep]\nseq_lens = 64", "sweep.seq_lens",
+     ["expected an array", "got an integer"]),
+    ("seq_lens = [64, 128]", 'seq_lens = [64, "128"]', "sweep.seq_lens[1]",
+     ["expected a positive integer", "got a string"]),
+    ("seq_lens = [64, 128]", "seq_lens = [64, true]", "sweep.seq_lens[1]", ["got a boolean"]),
+    ("repeats = 3", 'repeats = 3\ntimeout = "10"', "measure.timeout",
+     ["expected a positive number of seconds", "got a string"]),
+    # out-of-range values
+    ("heads = 8", "heads = 0", "model.heads", ["out of range", "got 0"]),
+    ("warmup = 1", "warmup = -1", "measure.warmup", ["out of range", "integer >= 0"]),
+    ("repeats = 3", "repeats = 0", "measure.repeats", ["out of range", "got 0"]),
+    ("repeats = 3", "repeats = 3\ntimeout = 0", "measure.timeout", ["out of range", "positive"]),
+    ("seq_lens = [64, 128]", "seq_lens = [64, 128]\ntrials = 0", "sweep.trials", ["out of range"]),
+    ("seq_lens = [64, 128]", "seq_lens = [64, -128]", "sweep.seq_lens[1]", ["out of range", "-128"]),
+    ('name = "t"', 'name = "  "', "name", ["must not be empty"]),
+    # lists: empty, duplicated, unknown names
+    ("seq_lens = [64, 128]", "seq_lens = []", "sweep.seq_lens", ["must not be empty"]),
+    ("seq_lens = [64, 128]", "seq_lens = [64, 128, 64]", "sweep.seq_lens[2]",
+     ["duplicate value 64", "sweep.seq_lens[0]"]),
+    ('strategies = ["ring", "ulysses"]', 'strategies = ["ring", "rign"]', "sweep.strategies[1]",
+     ["unknown strategy", "did you mean 'ring'", "allgather_kv, ring, ulysses"]),
+    ('strategies = ["ring", "ulysses"]', "strategies = []", "sweep.strategies", ["must not be empty"]),
+    ('strategies = ["ring", "ulysses"]', 'strategies = ["ring", "ring"]', "sweep.strategies[1]",
+     ["duplicate"]),
+    ("seq_lens = [64, 128]", 'seq_lens = [64, 128]\nranks = "all"', "sweep.ranks",
+     ['expected "auto" or an array of positive integers', 'got a string ("all")']),
+    ("seq_lens = [64, 128]", "seq_lens = [64, 128]\nranks = [2, 0]", "sweep.ranks[1]", ["out of range"]),
+    ("seq_lens = [64, 128]", "seq_lens = [64, 128]\nranks = []", "sweep.ranks", ["must not be empty"]),
+    ("heads = 8", 'heads = 8\ndtype = "fp8"', "model.dtype", ["unknown dtype", "bf16, fp16, fp32"]),
+    # missing required keys and tables, with an example to copy
+    ("head_dim = 16", "", "model.head_dim", ["missing required key", "head_dim = 128"]),
+    ('name = "t"', "", "name", ["missing required key"]),
+    ('[sweep]\nseq_lens = [64, 128]\nstrategies = ["ring", "ulysses"]\n', "", "sweep",
+     ["missing required table", "[sweep]"]),
+    # a model Workload rejects: its own words, against the key at fault
+    ("heads = 8", "heads = 8\nkv_heads = 3", "model.kv_heads",
+     ["8 query heads cannot share 3 KV heads", "heads must be a multiple of kv_heads"]),
+]
+
+
+@pytest.mark.parametrize("old, new, key, fragments", BAD, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD)])
+def test_bad_space_is_refused_naming_file_key_and_problem(tmp_path, old, new, key, fragments):
+    path = write(tmp_path, edited(old, new))
+    message = refusal(path)
+    assert message.startswith(f"{path}: {key}: "), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_non_table_section_is_refused(tmp_path):
+    path = write(tmp_path, 'name = "t"\nmodel = 3\n[sweep]\nseq_lens = [64]\n')
+    message = refusal(path)
+    assert message.startswith(f"{path}: model: expected a table"), message
+    assert "got an integer (3)" in message
+
+
+def test_workload_rejection_reuses_workload_text(tmp_path):
+    with pytest.raises(ValueError) as direct:
+        Workload(64, 8, 16, kv_heads=3)
+    reason = str(direct.value).removeprefix("kv_heads: ")
+    message = refusal(write(tmp_path, edited("heads = 8", "heads = 8\nkv_heads = 3")))
+    assert message.endswith(f"model.kv_heads: {reason}"), message
+
+
+def test_invalid_toml_names_line_and_column(tmp_path):
+    path = write(tmp_path, 'name = "t"\n[model]\nheads = \nhead_dim = 16\n')
+    message = refusal(path)
+    assert message.startswith(f"{path}: line 3, column "), message
+    assert "invalid TOML" in message
+
+
+def test_missing_file_is_refused_with_the_builtin_names(tmp_path):
+    path = tmp_path / "nope.toml"
+    message = refusal(path)
+    assert message.startswith(f"{path}: (file): no such file"), message
+    assert all(name in message for name in SHIPPED)
+
+
+def test_unreadable_file_is_refused(tmp_path):
+    message = refusal(tmp_path)  # a directory, not a file
+    assert message.startswith(f"{tmp_path}: (file): cannot read"), message
+
+
+def test_space_error_is_a_cptune_error_and_a_value_error(tmp_path):
+    with pytest.raises(SpaceError) as raised:
+        load_space(tmp_path / "nope.toml")
+    assert isinstance(raised.value, CPTuneError) and isinstance(raised.value, ValueError)
+    assert raised.value.key == "(file)"
+    assert raised.value.file == str(tmp_path / "nope.toml")
+
+
+def test_measure_settings_refuse_bad_values_in_code():
+    for bad in (dict(warmup=-1), dict(repeats=0), dict(repeats=True), dict(timeout=0), dict(timeout="5")):
+        with pytest.raises(ValueError):
+            MeasureSettings(**bad)
+
+
+# --------------------------------------------------------------------------- runnable, ranks
+
+
+def test_check_runnable_refuses_a_space_where_nothing_runs(tmp_path):
+    text = (
+        'name = "x"\n[model]\nheads = 3\nhead_dim = 16\n'
+        '[sweep]\nseq_lens = [64]\nranks = [2]\nstrategies = ["ulysses"]\n'
+    )
+    path = write(tmp_path, text)
+    space = load_space(path)  # loads: each field is fine on its own
+    with pytest.raises(SpaceError) as raised:
+        check_runnable(space, 8, str(path))
+    message = str(raised.value)
+    assert message.startswith(f"{path}: sweep.seq_lens[0]: seq_len 64 has no feasible configuration")
+    assert "On 2 ranks" in message and "Ulysses limit: 3 heads" in message
+
+
+def test_check_runnable_names_the_failing_length_and_the_largest_rank_count(tmp_path):
+    text = (
+        'name = "x"\n[model]\nheads = 8\nhead_dim = 16\n'
+        '[sweep]\nseq_lens = [64, 3]\nranks = [4, 8]\nstrategies = ["ring"]\n'
+    )
+    space = load_space(write(tmp_path, text))
+    with pytest.raises(SpaceError) as raised:
+        check_runnable(space, 2, "mine.toml")
+    message = str(raised.value)
+    assert message.startswith("mine.toml: sweep.seq_lens[1]: seq_len 3 "), message
+    assert "On 8 ranks" in message and "shorter than 8 ranks" in message
+    # with 1 rank in the list the same space runs
+    check_runnable(load_space(write(tmp_path, text.replace("[4, 8]", "[1, 8]"))), 2, "mine.toml")
+
+
+def test_rank_counts_auto_and_explicit(tmp_path):
+    auto = load_space(write(tmp_path, BASE))
+    assert auto.ranks is None
+    assert auto.rank_counts(4) == (1, 2, 3, 4)
+    assert auto.rank_counts(1) == (1,)
+    with pytest.raises(ValueError):
+        auto.rank_counts(0)
+    with_ranks = edited("seq_lens = [64, 128]", "seq_lens = [64, 128]\nranks = [8, 2]")
+    explicit = load_space(write(tmp_path, with_ranks))
+    assert explicit.rank_counts(4) == (8, 2)  # as given; above 4 is not refused (oversubscribe)
+    check_runnable(explicit, 4, "x")
+    named_auto = edited("seq_lens = [64, 128]", 'seq_lens = [64, 128]\nranks = "auto"')
+    assert load_space(write(tmp_path, named_auto)).ranks is None
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+def test_resolve_space_prefers_an_existing_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("demo").write_text(BASE)  # a local file named like a built-in wins
+    assert resolve_space("demo") == Path("demo")
+    assert load_space(resolve_space("demo")).name == "t"
+    other = write(tmp_path, BASE, "mine.toml")
+    assert resolve_space(str(other)) == other
+
+
+def test_resolve_space_finds_builtin_names():
+    path = resolve_space("flux1-dev")
+    assert path.is_file() and path.name == "flux1-dev.toml"
+    assert resolve_space(DEMO_SPACE).name == "demo.toml"
+
+
+def test_resolve_space_refuses_unknown_names_listing_the_builtins():
+    with pytest.raises(SpaceError) as raised:
+        resolve_space("flux1dev")
+    message = str(raised.value)
+    assert message.startswith("flux1dev: (file): no such file and no built-in space")
+    assert "did you mean 'flux1-dev'" in message
+    assert ", ".join(SHIPPED) in message
+
