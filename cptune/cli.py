@@ -227,7 +227,8 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
     else:
         console.print(_measurements_table(workload, results, failures))
     for config, failure in failures:
-        console.print(f"[red]{config.describe()} failed ({failure.kind}):[/] {failure}", highlight=False)
+        console.print(f"[red]{config.describe()} failed ({failure.kind}):[/] {failure}",
+                      highlight=False, soft_wrap=True)
     return USAGE_ERROR if failures else 0
 
 
@@ -324,7 +325,8 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                 search.run()
                 live.update(Group(progress, _best_table(space, best)))
     console.print(f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
-                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""), highlight=False)
+                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""),
+                  highlight=False, soft_wrap=True)
     return 0
 
 
@@ -370,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args, console)
     except CPTuneError as error:
-        console.print(f"[red]cptune: error:[/] {error}", highlight=False)
+        # soft_wrap: the terminal wraps, so a message or path copies out whole
+        console.print(f"[red]cptune: error:[/] {error}", highlight=False, soft_wrap=True)
         return USAGE_ERROR
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: every finished measurement is stored; rerun to resume")

@@ -1,0 +1,137 @@
+"""cptune search / results end to end, as a user runs them: interrupted, killed, in parallel."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cptune.store import Store
+
+CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
+# 3 lengths x (ring x1, ring x2, allgather_kv x2, ulysses x2) = 12 configurations
+SLOW = ["--heads", "8", "--head-dim", "64", "--seq-lens", "1024,1536,2048", "--ranks", "1,2"]
+QUICK = ["--heads", "4", "--head-dim", "16", "--seq-lens", "64,96", "--ranks", "1,2"]
+
+
+def cptune(*args, **kwargs):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def stored(db):
+    """(strategy, ranks, head_group, seq_len, status, median_ms) rows, read as SQLite sees them."""
+    with sqlite3.connect(db) as connection:
+        return connection.execute(
+            "SELECT strategy, ranks, head_group, seq_len, status, median_ms FROM measurements "
+            "JOIN workloads ON workloads.id = measurements.workload_id"
+        ).fetchall()
+
+
+def wait_for_rows(db, count, process, limit=120):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and process.poll() is None:
+        if os.path.exists(db):
+            try:
+                if len(stored(db)) >= count:
+                    return
+            except sqlite3.OperationalError:
+                pass  # tables not created yet
+        time.sleep(0.1)
+    pytest.fail(f"search stored fewer than {count} rows in time")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
+    db = str(tmp_path / "search.db")
+    search = subprocess.Popen([*CLI, "search", "--db", db, *SLOW], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    wait_for_rows(db, 2, search)
+    search.send_signal(how)
+    out, _ = search.communicate(timeout=60)
+    assert search.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL)
+    if how == signal.SIGINT:
+        assert "rerun to resume" in out
+    with Store(db) as store:  # opens cleanly, migrations already at head
+        kept = store.results()
+    assert 2 <= len(kept) < 12
+    assert all(r.status == "ok" and r.median_ms is not None and r.median_ms > 0 for r in kept)
+
+    rerun = cptune("search", "--db", db, *SLOW)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"{12 - len(kept)} configuration(s) measured now" in rerun.stdout
+    rows = stored(db)
+    keys = [row[:4] for row in rows]
+    assert len(rows) == 12 and len(set(keys)) == 12  # each configuration once
+
+
+@pytest.mark.slow
+def test_two_searches_share_one_sqlite_file(tmp_path):
+    db = str(tmp_path / "shared.db")
+    runs = [subprocess.Popen([*CLI, "search", "--db", db, "--heads", "4", "--head-dim", "16",
+                              "--seq-lens", seq_lens, "--ranks", "1,2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for seq_lens in ("64,96,128", "80,112,144")]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert not any("locked" in out for out in outputs)
+    rows = stored(db)
+    assert len(rows) == 24 and all(row[4] == "ok" for row in rows)
+    assert {row[3] for row in rows} == {64, 96, 128, 80, 112, 144}
+
+
+def test_search_then_results_json(tmp_path):
+    db = str(tmp_path / "r.db")
+    first = cptune("search", "--db", db, *QUICK)
+    assert first.returncode == 0, first.stderr
+    assert "8 configuration(s) measured now" in first.stdout
+    again = cptune("search", "--db", db, *QUICK)
+    assert "0 configuration(s) measured now" in again.stdout
+    listed = cptune("results", "--db", db, "--json")
+    rows = json.loads(listed.stdout)
+    assert len(rows) == 8
+    for row in rows:
+        assert {"seq_len", "heads", "kv_heads", "head_dim", "strategy", "ranks", "head_group", "status",
+                "median_ms", "error"} <= set(row)
+        assert row["status"] == "ok" and row["median_ms"] > 0 and row["error"] is None
+    csv_lines = cptune("results", "--db", db, "--csv", "--seq-len", "64").stdout.strip().splitlines()
+    assert csv_lines[0].startswith("id,") and len(csv_lines) == 1 + 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["search", "nosuchspace"], "no such file and no built-in space"),
+    (["search", "demo", "--heads", "8"], "not both"),
+    (["search", "--heads", "8", "--head-dim", "64"], "--seq-lens"),
+    (["search", "--heads", "3", "--head-dim", "8", "--seq-lens", "64", "--ranks", "2",
+      "--strategies", "ulysses"], "no feasible configuration"),
+    (["search", "--heads", "8", "--kv-heads", "3", "--head-dim", "8", "--seq-lens", "64"], "kv_heads"),
+    (["search", "--seq-lens", "64,x"], "--seq-lens"),
+])
+def test_bad_search_input_exits_2_without_traceback(tmp_path, args, message):
+    result = cptune(*args, "--db", str(tmp_path / "x.db"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "x.db").exists()  # refused before anything was opened
+
+
+def test_bad_space_file_exits_2(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text('name = "x"\n[model]\nhaeds = 8\nhead_dim = 64\n[sweep]\nseq_lens = [64]\n')
+    result = cptune("search", str(space), "--db", str(tmp_path / "x.db"))
+    assert result.returncode == 2
+    assert "space.toml" in result.stdout and "haeds" in result.stdout
+
+
+def test_corrupt_database_exits_2_and_is_kept(tmp_path):
+    db = tmp_path / "broken.db"
+    db.write_bytes(b"\x00garbage" * 512)
+    before = db.read_bytes()
+    result = cptune("results", "--db", str(db))
+    assert result.returncode == 2 and "not a database" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    assert db.read_bytes() == before
