@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ def faulty_engine():
     engines = []
 
     def make(mode: str) -> MPIEngine:
-        engine = MPIEngine(worker=[os.sys.executable, str(TESTS / "faulty_worker.py"), mode])
+        engine = MPIEngine(worker=[sys.executable, str(TESTS / "faulty_worker.py"), mode])
         engines.append(engine)
         return engine
 

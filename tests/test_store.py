@@ -148,7 +148,9 @@ def test_two_writers_on_one_sqlite_file(tmp_path):
     """Two processes open a fresh file at once (both migrate) and write in parallel: no
     'database is locked', no lost rows."""
     path = str(tmp_path / "shared.db")
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, path, name], stderr=subprocess.PIPE, text=True)
+    # -P: import the installed cptune, not the source tree in the working directory
+    writers = [subprocess.Popen([sys.executable, "-P", "-c", WRITER, path, name],
+                                stderr=subprocess.PIPE, text=True)
                for name in ("a", "b")]
     errors = [w.communicate(timeout=120)[1] for w in writers]
     assert [w.returncode for w in writers] == [0, 0], errors
