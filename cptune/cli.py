@@ -11,7 +11,8 @@ import csv
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from rich import box
 from rich.console import Console, Group
@@ -30,6 +31,7 @@ from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnabl
 from cptune.workload import WIRE_DTYPES, Workload
 
 USAGE_ERROR = 2
+Number = TypeVar("Number", int, float)
 #: Workload defaults of ``cptune measure`` (a small demo shape).
 _MEASURE_DEFAULTS = {"seq_len": 4096, "heads": 8, "head_dim": 64}
 
@@ -48,14 +50,23 @@ def _strategies(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _positive_number(convert: Callable[[str], Number], what: str) -> Callable[[str], Number]:
+    """An argparse type: ``convert`` the text, refusing what is not a number above zero."""
+
+    def parse(text: str) -> Number:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+_positive = _positive_number(int, "a whole number")
+_seconds = _positive_number(float, "a number of seconds")
 
 
 def _non_negative(text: str) -> int:
@@ -67,16 +78,6 @@ def _positive_list(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected comma-separated whole numbers, e.g. 1024,2048")
     return values
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def _add_shape(parser: argparse.ArgumentParser, defaults: dict[str, int] | None) -> None:

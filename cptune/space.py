@@ -136,27 +136,16 @@ class SearchSpace:
 # --------------------------------------------------------------------------- loading
 
 
+#: TOML type names by Python type, most specific first (bool is an int, datetime a date).
+_TOML_TYPES: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"), (list, "an array"),
+    (dict, "a table"), (_dt.datetime, "a date-time"), (_dt.date, "a date"), (_dt.time, "a time"),
+)
+
+
 def _toml_type(value: object) -> str:
     """The TOML name of a parsed value's type, for messages the file's author reads."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, _dt.datetime):
-        return "a date-time"
-    if isinstance(value, _dt.date):
-        return "a date"
-    if isinstance(value, _dt.time):
-        return "a time"
-    return type(value).__name__
+    return next((name for kind, name in _TOML_TYPES if isinstance(value, kind)), type(value).__name__)
 
 
 def _show(value: object) -> str:
