@@ -295,34 +295,38 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
         new_runs = failed = 0
+
+        def consider(seq_len: int, config: CPConfig, median_ms: float | None) -> None:
+            current = best[seq_len]
+            if median_ms is not None and (current is None or median_ms < current[1]):
+                best[seq_len] = (config, median_ms)
+
         with Live(Group(progress, _best_table(space, best)), console=console, refresh_per_second=4) as live:
             for workload in space.workloads():
                 configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
                            if c.ranks in counts]
-                task = progress.add_task(f"seq {workload.seq_len}", total=args.trials or space.trials
-                                         or len(configs))
+                trials = args.trials or space.trials
+                total = min(trials or len(configs), len(configs))
+                task = progress.add_task(f"seq {workload.seq_len}", total=total)
 
                 def on_trial(outcome, task=task, seq_len=workload.seq_len):  # type: ignore[no-untyped-def]
                     nonlocal new_runs, failed
                     new_runs += not outcome.reused
                     failed += outcome.status != "ok"
-                    current = best[seq_len]
-                    if outcome.median_ms is not None and (current is None or outcome.median_ms < current[1]):
-                        best[seq_len] = (outcome.config, outcome.median_ms)
+                    consider(seq_len, outcome.config, outcome.median_ms)
                     progress.advance(task)
                     live.update(Group(progress, _best_table(space, best)))
 
                 search = WorkloadSearch(
                     workload, configs, store, hardware, warmup=space.measure.warmup,
                     repeats=space.measure.repeats, run_timeout=space.measure.timeout,
-                    trials=args.trials or space.trials, time_budget=args.timeout,
+                    trials=trials, time_budget=args.timeout,
                     remeasure=args.remeasure, backend=args.backend, on_trial=on_trial,
                 )
-                for config, (status, median, _) in search.known().items():
-                    current = best[workload.seq_len]
-                    if status == "ok" and median is not None and (current is None or median < current[1]):
-                        best[workload.seq_len] = (config, median)
-                progress.update(task, completed=len(search.known()))
+                known = search.known()
+                for config, (_, median, _) in known.items():
+                    consider(workload.seq_len, config, median)
+                progress.update(task, completed=len(known))
                 search.run()
                 live.update(Group(progress, _best_table(space, best)))
     console.print(f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
