@@ -110,11 +110,8 @@ class WorkloadSearch:
         if self.remeasure:
             return {}
         wanted = set(self.configs)
-        known = {}
-        for r in self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint):
-            if r.config in wanted:
-                known[r.config] = (r.status, r.median_ms, r.error)
-        return known
+        measured = self.store.measured(self.hardware, self.workload)
+        return {c: (r.status, r.median_ms, r.error) for c, r in measured.items() if c in wanted}
 
     def _warm_starts(self) -> list[CPConfig]:
         """Best configuration per other sequence length of the same model, fastest first."""

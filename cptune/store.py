@@ -307,18 +307,10 @@ class Store:
             session.flush()
             return row.id
 
-    def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, str]:
-        """Configurations already run on ``hardware`` for ``workload``, with the latest status."""
-        with self.session() as session:
-            rows = session.execute(
-                select(MeasurementRow.strategy, MeasurementRow.ranks, MeasurementRow.head_group,
-                       MeasurementRow.status)
-                .join(HardwareRow).join(WorkloadRow)
-                .where(HardwareRow.fingerprint == hardware.fingerprint)
-                .where(*(getattr(WorkloadRow, key) == value for key, value in workload.to_dict().items()))
-                .order_by(MeasurementRow.id)
-            ).all()
-        return {CPConfig(s, n, u): status for s, n, u, status in rows}
+    def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, Result]:
+        """The latest stored result of each configuration run on ``hardware`` for ``workload``."""
+        rows = self.results(**workload.to_dict(), hardware=hardware.fingerprint)
+        return {r.config: r for r in rows}  # oldest first, so later rows win
 
     def results(self, **filters: object) -> list[Result]:
         """Stored rows, oldest first. Filters: any Workload field, ``strategy``, ``ranks``,

@@ -17,6 +17,10 @@ HARDWARE = Hardware(host="h1", cpu_model="test cpu", cpu_count=2, gpu_model=None
 WORKLOAD = Workload(seq_len=64, heads=4, head_dim=16, kv_heads=2, dtype="bf16", causal=True)
 
 
+def statuses(store, hardware, workload):
+    return {config: result.status for config, result in store.measured(hardware, workload).items()}
+
+
 @pytest.fixture
 def store(tmp_path):
     with Store(str(tmp_path / "results.db")) as opened:
@@ -46,7 +50,7 @@ def test_real_measurement_round_trip(store):
     assert (result.compute_ms, result.comm_ms, result.peak_bytes) == (m.compute_ms, m.comm_ms, m.peak_bytes)
     assert result.max_error == m.max_error and result.engine == "mpi"
     assert result.hardware == hardware.fingerprint
-    assert store.measured(hardware, WORKLOAD) == {CPConfig("ring", 2): "ok"}
+    assert statuses(store, hardware, WORKLOAD) == {CPConfig("ring", 2): "ok"}
 
 
 def test_failures_are_kept_with_their_reason(store):
@@ -56,7 +60,7 @@ def test_failures_are_kept_with_their_reason(store):
     assert [(r.config, r.error, r.median_ms) for r in results] == [
         (CPConfig("ulysses", 2), "rank 1 hung", None)
     ]
-    assert store.measured(HARDWARE, WORKLOAD) == {
+    assert statuses(store, HARDWARE, WORKLOAD) == {
         CPConfig("ulysses", 2): "timeout", CPConfig("ring", 2): "crash"
     }
     with pytest.raises(ValueError, match="status"):
@@ -71,7 +75,7 @@ def test_results_filter_by_workload_and_hardware(store):
     store.add_failure(other_host, other, CPConfig("ring", 2), "crash", "z", "mpi")
     assert [r.error for r in store.results(seq_len=128)] == ["y", "z"]
     assert [r.error for r in store.results(hardware=other_host.fingerprint)] == ["z"]
-    assert store.measured(HARDWARE, other) == {CPConfig("ring", 2): "crash"}
+    assert statuses(store, HARDWARE, other) == {CPConfig("ring", 2): "crash"}
     with pytest.raises(ValueError, match="unknown filter"):
         store.results(colour="red")
 
