@@ -33,6 +33,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    func,
     select,
 )
 from sqlalchemy.engine import make_url
@@ -40,6 +41,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 from cptune import __version__
+from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
@@ -145,6 +147,19 @@ class MeasurementRow(Base):
     @property
     def config(self) -> CPConfig:
         return CPConfig(self.strategy, self.ranks, self.head_group)
+
+
+class CalibrationRow(Base):
+    __tablename__ = "calibrations"
+    __table_args__ = (Index("ix_calibrations_hardware", "hardware_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    engine: Mapped[str] = mapped_column(String(32))
+    #: ``Calibration.to_dict()``: plain JSON, read back with ``Calibration.from_dict``.
+    data: Mapped[dict] = mapped_column(JSON)
+    cptune_version: Mapped[str] = mapped_column(String(32))
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 @dataclass(frozen=True)
@@ -306,6 +321,49 @@ class Store:
             session.add(row)
             session.flush()
             return row.id
+
+    def add_calibration(self, hardware: Hardware, calibration: Calibration) -> int:
+        """Keep a calibration of ``hardware``; returns its id."""
+        with self.session() as session:
+            row = CalibrationRow(
+                hardware_id=self._hardware_row(session, hardware).id, engine=calibration.engine,
+                data=calibration.to_dict(), cptune_version=__version__,
+                measured_at=datetime.fromisoformat(calibration.measured_at),
+            )
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def calibration(self, fingerprint: str) -> Calibration | None:
+        """The latest calibration of the hardware with ``fingerprint``, if any."""
+        query = (
+            select(CalibrationRow.data).join(HardwareRow, CalibrationRow.hardware_id == HardwareRow.id)
+            .where(HardwareRow.fingerprint == fingerprint).order_by(CalibrationRow.id.desc()).limit(1)
+        )
+        with self.session() as session:
+            data = session.scalar(query)
+        if data is None:
+            return None
+        try:
+            return Calibration.from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(
+                f"the stored calibration of {fingerprint} in {self.url} is damaged ({exc!r}); "
+                f"run cptune calibrate again to store a fresh one"
+            ) from None
+
+    def hardware(self) -> dict[str, Hardware]:
+        """Every hardware with something stored, by fingerprint."""
+        with self.session() as session:
+            return {row.fingerprint: row.to_hardware() for row in session.scalars(select(HardwareRow))}
+
+    def revision(self) -> tuple[int, int]:
+        """Changes whenever a measurement or calibration is added: the newest ids of each."""
+        with self.session() as session:
+            return (
+                session.scalar(select(func.max(MeasurementRow.id))) or 0,
+                session.scalar(select(func.max(CalibrationRow.id))) or 0,
+            )
 
     def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, Result]:
         """The latest stored result of each configuration run on ``hardware`` for ``workload``."""

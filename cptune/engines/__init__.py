@@ -7,6 +7,7 @@ first use and kept, with their worker pools, until the interpreter exits.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -28,6 +29,20 @@ class Engine(Protocol):
 
     def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
         """Repeat the last run: seconds [rank, iteration, (wall, compute, comm)]."""
+
+    def time_collective(
+        self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
+        timeout: float,
+    ) -> np.ndarray:
+        """Seconds [chunk, iteration] of the slowest rank: collective ``kind`` (see
+        ``cptune.cost.COLLECTIVES``) in groups of ``group`` among ``ranks`` ranks, ``chunks[i]``
+        bytes per peer."""
+
+    def time_attention(
+        self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Seconds [shape, iteration] of the slowest rank: the attention kernel on ``ranks``
+        ranks at once, each shape given as heads, seq_q, seq_k, head_dim."""
 
     def describe(self) -> dict[str, str]:
         """The engine's software versions."""

@@ -3,8 +3,10 @@
 Each rank connects to the driver's socket, then serves tasks until told to exit: "run"
 receives a configuration and this rank's input shard, runs the strategy once and returns
 its output shard; "time" repeats the same run with warm-up and returns per-iteration
-timings. Ranks that a task does not use wait on their socket, asleep. A watchdog exits the
-rank as soon as the driver process is gone, whatever the rank is doing.
+timings. "time_collective" and "time_attention" time one collective over a sweep of
+message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
+does not use wait on their socket, asleep. A watchdog exits the rank as soon as the driver
+process is gone, whatever the rank is doing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 import time
 import traceback
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -188,6 +190,51 @@ class RankTask:
         return {}, [timings]
 
 
+def _collective(kind: str, comm: MPI.Comm, chunk: int) -> Callable[[], object]:
+    """One ``kind`` collective over ``comm`` as the strategies use it, ``chunk`` bytes per
+    peer: all-to-all and all-gather send a chunk to each of the n - 1 others, the Ring's
+    stream step ("p2p") passes one chunk to the next rank while taking one from the previous."""
+    n, me = comm.Get_size(), comm.Get_rank()
+    if kind == "all_to_all":
+        send, received = np.ones(n * chunk, np.uint8), np.empty(n * chunk, np.uint8)
+        return lambda: comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
+    if kind == "all_gather":
+        send, received = np.ones(chunk, np.uint8), np.empty(n * chunk, np.uint8)
+        return lambda: comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
+    if kind == "p2p":
+        send, received = np.ones(chunk, np.uint8), np.empty(chunk, np.uint8)
+        return lambda: MPI.Request.Waitall([
+            comm.Irecv([received, MPI.BYTE], source=(me - 1) % n),
+            comm.Isend([send, MPI.BYTE], dest=(me + 1) % n),
+        ])
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]:
+    """The kernel on random non-causal inputs of ``shape`` (heads, seq_q, seq_k, head_dim)."""
+    rng = np.random.default_rng(0)
+    h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
+    q = rng.standard_normal((1, h, sq, d), dtype=np.float32)
+    kv = rng.standard_normal((2, 1, h, sk, d), dtype=np.float32)
+    q_pos, k_pos = np.arange(sq), np.arange(sk)
+    return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=False, seq_len=sk, threads=threads)
+
+
+def _time_each(
+    cases: Sequence[Callable[[], object]], barrier: MPI.Comm, warmup: int, repeats: int
+) -> np.ndarray:
+    """Seconds [case, iteration] on this rank; every iteration starts at a barrier."""
+    timings = np.zeros((len(cases), repeats))
+    for c, case in enumerate(cases):
+        for i in range(warmup + repeats):
+            barrier.Barrier()
+            start = time.perf_counter()
+            case()
+            if i >= warmup:
+                timings[c, i - warmup] = time.perf_counter() - start
+    return timings
+
+
 class Worker:
     """The serving loop of one rank."""
 
@@ -211,11 +258,13 @@ class Worker:
             "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
         })
 
-    def comms_for(self, config: CPConfig) -> dict[str, MPI.Comm]:
-        key = (config.ranks, config.head_group)
+    def comms_for(self, ranks: int, head_group: int) -> dict[str, MPI.Comm]:
+        """The first ``ranks`` ranks ("all"), their head groups of ``head_group`` consecutive
+        ranks ("heads") and the context groups across them ("context")."""
+        key = (ranks, head_group)
         if key not in self.group_comms:
-            comm = self.prefix[config.ranks - 1]
-            u = config.head_group
+            comm = self.prefix[ranks - 1]
+            u = head_group
             self.group_comms[key] = {
                 "all": comm,
                 "heads": comm.Split(self.rank // u, self.rank),
@@ -227,12 +276,22 @@ class Worker:
         if header["op"] == "run":
             threadpool_limits(limits=1, user_api="blas")  # the kernel threads over heads
             config = CPConfig(**header["config"])
-            self.task = RankTask(header, arrays, self.comms_for(config), self.rank)
+            comms = self.comms_for(config.ranks, config.head_group)
+            self.task = RankTask(header, arrays, comms, self.rank)
             return self.task.run_once()
         if header["op"] == "time":
             if self.task is None:
                 raise RuntimeError("'time' before any 'run'")
             return self.task.time(header["warmup"], header["repeats"])
+        if header["op"] == "time_collective":
+            comms = self.comms_for(header["ranks"], header["group"])
+            cases = [_collective(header["kind"], comms["heads"], chunk) for chunk in header["chunks"]]
+            return {}, [_time_each(cases, comms["all"], header["warmup"], header["repeats"])]
+        if header["op"] == "time_attention":
+            threadpool_limits(limits=1, user_api="blas")
+            cases = [_attention_case(shape, header["threads"]) for shape in header["shapes"]]
+            barrier = self.prefix[header["ranks"] - 1]
+            return {}, [_time_each(cases, barrier, header["warmup"], header["repeats"])]
         raise RuntimeError(f"unknown op {header['op']!r}")
 
     def serve(self) -> None:

@@ -275,6 +275,32 @@ class MPIEngine:
         replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what)
         return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
 
+    def time_collective(
+        self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
+        timeout: float,
+    ) -> np.ndarray:
+        """Seconds [chunk, iteration], slowest rank, of collective ``kind`` in groups of
+        ``group`` consecutive ranks among the first ``ranks`` (all groups at once), moving
+        ``chunks[i]`` bytes per peer."""
+        header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group,
+                  "chunks": [int(c) for c in chunks], "warmup": warmup, "repeats": repeats}
+        return self._time_on(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
+
+    def time_attention(
+        self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Seconds [shape, iteration], slowest rank, of the attention kernel on each shape
+        (heads, seq_q, seq_k, head_dim), ``ranks`` ranks computing at once on their share
+        of the cores."""
+        header = {"op": "time_attention", "ranks": ranks, "shapes": list(shapes),
+                  "threads": max(1, available_cores() // ranks), "warmup": warmup, "repeats": repeats}
+        return self._time_on(ranks, header, timeout, f"attention calibration on {ranks} ranks")
+
+    def _time_on(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:
+        self._pool_for(ranks)
+        replies = self._request({r: (header, []) for r in range(ranks)}, timeout, what)
+        return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
+
     def describe(self) -> dict[str, str]:
         """The engine's software, for the record of a measurement."""
         import mpi4py
