@@ -8,18 +8,15 @@ TOML key and what to change. Built-in spaces ship in ``cptune.search_spaces``.
 
 from __future__ import annotations
 
-import datetime as _dt
-import difflib
-import json
 import re
-import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from cptune._toml import _got, _Reader, _show, _suggest
+from cptune._toml import _read_file as _read_toml
 from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import enumerate_configs, feasibility
@@ -136,162 +133,14 @@ class SearchSpace:
 # --------------------------------------------------------------------------- loading
 
 
-#: TOML type names by Python type, most specific first (bool is an int, datetime a date).
-_TOML_TYPES: tuple[tuple[type, str], ...] = (
-    (bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"), (list, "an array"),
-    (dict, "a table"), (_dt.datetime, "a date-time"), (_dt.date, "a date"), (_dt.time, "a time"),
-)
-
-
-def _toml_type(value: object) -> str:
-    """The TOML name of a parsed value's type, for messages the file's author reads."""
-    return next((name for kind, name in _TOML_TYPES if isinstance(value, kind)), type(value).__name__)
-
-
-def _show(value: object) -> str:
-    """``value`` as it would be written in TOML (shortened), so the user recognises it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        text = json.dumps(value)
-    elif isinstance(value, dict):
-        text = "{" + ", ".join(value) + "}"
-    elif isinstance(value, list):
-        text = "[" + ", ".join(_show(v) for v in value) + "]"
-    else:
-        text = str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _got(value: object) -> str:
-    return f"got {_toml_type(value)} ({_show(value)})"
-
-
-def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-class _Reader:
-    """Reads typed values out of a parsed TOML document, raising SpaceError with the file
-    name and the dotted key of the first value that does not fit."""
-
-    def __init__(self, file: str) -> None:
-        self.file = file
-
-    def fail(self, key: str, reason: str) -> SpaceError:
-        return SpaceError(self.file, key, reason)
-
-    def example(self, key: str) -> str:
-        base = re.sub(r"\[\d+\]$", "", key)
-        return f"; e.g. {_EXAMPLES[base]}" if base in _EXAMPLES else ""
-
-    def check_keys(self, table: dict[str, Any], allowed: tuple[str, ...], prefix: str) -> None:
-        for key in table:
-            if key not in allowed:
-                where = f"{prefix}.{key}" if prefix else key
-                section = f"in [{prefix}]" if prefix else "at the top level"
-                raise self.fail(
-                    where,
-                    f"unknown key{_suggest(key, allowed)}; allowed {section}: "
-                    f"{', '.join(allowed)}",
-                )
-
-    def table(self, doc: dict[str, Any], key: str, required: bool) -> dict[str, Any] | None:
-        if key not in doc:
-            if required:
-                raise self.fail(key, f"missing required table; add {_EXAMPLES[key]}")
-            return None
-        value = doc[key]
-        if not isinstance(value, dict):
-            raise self.fail(key, f"expected a table ([{key}] section), {_got(value)}")
-        return value
-
-    def value(self, table: dict[str, Any], name: str, prefix: str, required: bool) -> Any:
-        key = f"{prefix}.{name}" if prefix else name
-        if name not in table:
-            if required:
-                raise self.fail(key, f"missing required key{self.example(key)}")
-            return None
-        return table[name]
-
-    def integer(self, value: object, key: str, minimum: int) -> int:
-        wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected {wanted}, {_got(value)}{self.example(key)}")
-        if value < minimum:
-            raise self.fail(key, f"out of range: expected {wanted}, got {value}{self.example(key)}")
-        return value
-
-    def positive_number(self, value: object, key: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"expected a positive number of seconds, {_got(value)}{self.example(key)}")
-        if not value > 0 or value == float("inf"):
-            raise self.fail(
-                key, f"out of range: expected a positive number of seconds, got {_show(value)}"
-                f"{self.example(key)}"
-            )
-        return float(value)
-
-    def string(self, value: object, key: str, non_empty: bool) -> str:
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, {_got(value)}{self.example(key)}")
-        if non_empty and not value.strip():
-            raise self.fail(key, f"must not be empty{self.example(key)}")
-        return value
-
-    def boolean(self, value: object, key: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected a boolean (true or false), {_got(value)}{self.example(key)}")
-        return value
-
-    def array(self, value: object, key: str, item: Callable[[object, str], Any]) -> tuple[Any, ...]:
-        """A non-empty array without duplicates, each item read by ``item(value, key[i])``."""
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected an array, {_got(value)}{self.example(key)}")
-        if not value:
-            raise self.fail(key, f"must not be empty: list at least one value{self.example(key)}")
-        seen: dict[object, int] = {}
-        items = []
-        for i, raw in enumerate(value):
-            entry = item(raw, f"{key}[{i}]")
-            if entry in seen:
-                raise self.fail(
-                    f"{key}[{i}]",
-                    f"duplicate value {_show(entry)} (already {key}[{seen[entry]}]); list each value once",
-                )
-            seen[entry] = i
-            items.append(entry)
-        return tuple(items)
-
-
 def _read_file(file: str) -> dict[str, Any]:
     """Parse the TOML file, turning every read or syntax failure into a SpaceError."""
-    try:
-        data = Path(file).read_bytes()
-    except FileNotFoundError:
-        raise SpaceError(
-            file, "(file)",
-            f"no such file; check the path (built-in spaces, usable by name: {', '.join(builtin_spaces())})",
-        ) from None
-    except OSError as exc:
-        raise SpaceError(file, "(file)", f"cannot read it: {exc.strerror or exc}; check the path") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpaceError(file, "(file)", f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                         "save the file as UTF-8") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        message = str(exc)
-        where = re.search(r"\s*\(at (line \d+, column \d+|end of document)\)\s*$", message)
-        location = where.group(1) if where else "(toml)"
-        problem = message[: where.start()] if where else message
-        raise SpaceError(
-            file, location,
-            f"invalid TOML: {problem}; fix the syntax there (strings need quotes, arrays brackets)",
-        ) from None
+
+    def missing() -> str:
+        names = ", ".join(builtin_spaces())
+        return f"no such file; check the path (built-in spaces, usable by name: {names})"
+
+    return _read_toml(file, SpaceError, missing)
 
 
 def load_space(path: str | Path) -> SearchSpace:
@@ -301,7 +150,7 @@ def load_space(path: str | Path) -> SearchSpace:
     Workload rejects."""
     file = str(path)
     doc = _read_file(file)
-    r = _Reader(file)
+    r = _Reader(file, error=SpaceError, examples=_EXAMPLES)
 
     r.check_keys(doc, TOP_KEYS, "")
     name = r.string(r.value(doc, "name", "", required=True), "name", non_empty=True)

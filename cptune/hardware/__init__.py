@@ -1,8 +1,26 @@
 """The hardware a measurement or a recommendation is for.
 
-``this_host()`` is the machine cptune runs on, reduced to a fingerprint (``Hardware``).
+``this_host()`` is the machine cptune runs on, reduced to a fingerprint (``Hardware``);
+``load_description`` reads a topology description of hardware the user does not have (a
+shipped name such as "h100-sxm-8", or a TOML file).
 """
 
+from cptune.hardware._description import (
+    HardwareDescription,
+    HardwareDescriptionError,
+    LinkTier,
+    builtin_descriptions,
+    load_description,
+)
 from cptune.hardware._host import Hardware, mpi_library, this_host
 
-__all__ = ["Hardware", "mpi_library", "this_host"]
+__all__ = [
+    "Hardware",
+    "HardwareDescription",
+    "HardwareDescriptionError",
+    "LinkTier",
+    "builtin_descriptions",
+    "load_description",
+    "mpi_library",
+    "this_host",
+]

@@ -1,0 +1,275 @@
+"""Hardware descriptions: the shipped files, ranks and links, fingerprints, the loader's refusals."""
+
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from cptune.errors import CPTuneError
+from cptune.hardware._description import (
+    HardwareDescription,
+    HardwareDescriptionError,
+    LinkTier,
+    builtin_descriptions,
+    load_description,
+)
+
+SHIPPED = {"a100-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8, "l40s-pcie-8": 8}
+
+BASE = """\
+description = "test machine"
+ranks_per_node = 4
+nodes = 2
+
+[device]
+name = "Test GPU"
+memory_gib = 16
+attention_tflops = { bf16 = 100, fp32 = 10 }
+
+[links.node]
+name = "fast"
+bandwidth_gbps = 200
+latency_us = 10
+
+[links.network]
+name = "slow"
+bandwidth_gbps = 25
+latency_us = 30
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "machine.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def edited(old: str, new: str) -> str:
+    """BASE with one exact piece replaced (the piece must be there)."""
+    assert old in BASE, old
+    return BASE.replace(old, new, 1)
+
+
+def refusal(name_or_path: Path | str) -> str:
+    with pytest.raises(HardwareDescriptionError) as raised:
+        load_description(name_or_path)
+    return str(raised.value)
+
+
+# --------------------------------------------------------------------------- shipped files
+
+
+def test_shipped_descriptions_are_package_resources():
+    folder = resources.files("cptune.hardware") / "descriptions"
+    assert sorted(entry.name for entry in folder.iterdir()) == sorted(f"{n}.toml" for n in SHIPPED)
+    assert list(builtin_descriptions()) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_description_loads(name):
+    description = load_description(name)
+    assert description.name == name
+    assert description.max_ranks == SHIPPED[name]
+    assert description.description and description.device
+    assert description.memory_bytes is not None and description.memory_bytes >= 48 * 2**30
+    flops = description.attention_flops
+    assert set(flops) == {"bf16", "fp16", "fp32"}
+    assert 1e14 <= flops["bf16"] <= 1e15  # 100..1000 TFLOP/s: a TFLOP/s figure, scaled once
+    assert flops["fp32"] < flops["bf16"]
+    assert 1e9 < description.node_link.bandwidth < 1e12  # GB/s, scaled to bytes/s
+    assert 1e-6 < description.node_link.latency < 1e-3  # microseconds, scaled to seconds
+    assert (description.network_link is None) == (description.nodes == 1)
+    assert description.describe().startswith(f"{SHIPPED[name]}x {description.device} ({name}), ")
+    assert description.source == str(builtin_descriptions()[name])
+
+
+def test_shipped_figures_are_read_in_their_units():
+    h100 = load_description("h100-sxm-8")
+    assert h100.memory_bytes == 80 * 2**30
+    assert h100.attention_flops == {"bf16": 600e12, "fp16": 600e12, "fp32": 33e12}
+    assert h100.node_link == LinkTier("NVLink 4 through NVSwitch", bandwidth=360e9, latency=12.5e-6)
+    assert h100.describe() == "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"
+    cluster = load_description("h100-sxm-2x8-ib")
+    assert cluster.network_link is not None
+    assert (cluster.network_link.bandwidth, cluster.network_link.latency) == (46e9, 46e-6)
+    # the cluster's nodes are the single-node file's
+    assert (cluster.node_link, cluster.attention_flops) == (h100.node_link, h100.attention_flops)
+
+
+def test_fingerprints_differ_between_files_and_survive_a_copy(tmp_path):
+    prints = {name: load_description(name).fingerprint for name in SHIPPED}
+    assert len(set(prints.values())) == len(SHIPPED)
+    for name, fingerprint in prints.items():
+        assert fingerprint.startswith("described:") and len(fingerprint) == len("described:") + 12
+        int(fingerprint.removeprefix("described:"), 16)
+        copy = tmp_path / f"{name}.toml"
+        shutil.copyfile(str(builtin_descriptions()[name]), copy)
+        copied = load_description(copy)
+        assert copied.source == str(copy) != load_description(name).source
+        assert copied.fingerprint == fingerprint
+        assert len({copied, load_description(name)}) == 2  # hashable; equal only with the same source
+
+
+def test_fingerprint_changes_with_any_figure(tmp_path):
+    base = load_description(write(tmp_path, BASE)).fingerprint
+    changed = load_description(write(tmp_path, edited("latency_us = 30", "latency_us = 31"))).fingerprint
+    assert changed != base
+
+
+def test_link_is_the_node_tier_inside_a_node_and_the_network_across():
+    cluster = load_description("h100-sxm-2x8-ib")
+    assert cluster.link(range(8)) is cluster.node_link
+    assert cluster.link([8, 15, 12]) is cluster.node_link  # all on node 1
+    assert cluster.link([3]) is cluster.node_link
+    assert cluster.network_link is not None
+    assert cluster.link([7, 8]) is cluster.network_link
+    assert cluster.link(range(16)) is cluster.network_link
+    assert cluster.network_link.bandwidth < cluster.node_link.bandwidth
+    single = load_description("h100-sxm-8")
+    assert single.link(range(8)) is single.node_link
+
+
+@pytest.mark.parametrize("ranks", [[], [16], [-1], [0, True], [0.5]])
+def test_link_refuses_ranks_the_machine_does_not_have(ranks):
+    with pytest.raises(ValueError):
+        load_description("h100-sxm-2x8-ib").link(ranks)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_full_file_is_read_with_every_unit(tmp_path):
+    path = write(tmp_path, BASE)
+    description = load_description(path)
+    assert description == HardwareDescription(
+        name="machine", description="test machine", device="Test GPU", ranks_per_node=4, nodes=2,
+        memory_bytes=16 * 2**30, attention_flops={"bf16": 100e12, "fp16": 100e12, "fp32": 10e12},
+        node_link=LinkTier("fast", 200e9, 10e-6), network_link=LinkTier("slow", 25e9, 30e-6),
+        source=str(path),
+    )
+    assert description.max_ranks == 8
+
+
+def test_minimal_file_gets_the_documented_defaults(tmp_path):
+    text = (
+        'ranks_per_node = 2\n[device]\nname = "g"\nattention_tflops = { bf16 = 1.5 }\n'
+        '[links.node]\nname = "n"\nbandwidth_gbps = 1\nlatency_us = 2\n'
+    )
+    description = load_description(write(tmp_path, text))
+    assert (description.nodes, description.description, description.memory_bytes) == (1, "", None)
+    assert description.attention_flops == {"bf16": 1.5e12, "fp16": 1.5e12}  # no fp32 figure
+    assert description.network_link is None
+
+
+def test_a_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, BASE, name="h100-sxm-8")  # a file named like a shipped description
+    assert load_description("h100-sxm-8").device == "Test GPU"
+
+
+BAD = [
+    # unknown and misspelt keys, with the allowed ones listed
+    ("nodes = 2", "nodes = 2\nnode = 2", "node", ["unknown key", "did you mean 'nodes'", "ranks_per_node"]),
+    ('name = "Test GPU"', 'name = "Test GPU"\nmemory_gb = 16', "device.memory_gb",
+     ["unknown key", "did you mean 'memory_gib'", "name, memory_gib, attention_tflops"]),
+    ("latency_us = 10", "latency_us = 10\nbandwith_gbps = 1", "links.node.bandwith_gbps",
+     ["unknown key", "did you mean 'bandwidth_gbps'"]),
+    ("[links.network]", "[links.netwrok]", "links.netwrok", ["unknown key", "did you mean 'network'"]),
+    # wrong types, expected and given both named
+    ("ranks_per_node = 4", 'ranks_per_node = "4"', "ranks_per_node",
+     ["expected a positive integer", 'got a string ("4")']),
+    ("nodes = 2", "nodes = 2.0", "nodes", ["expected a positive integer", "got a float"]),
+    ("bandwidth_gbps = 200", 'bandwidth_gbps = "200"', "links.node.bandwidth_gbps",
+     ["expected a positive number of GB/s", "got a string"]),
+    ("latency_us = 30", "latency_us = true", "links.network.latency_us",
+     ["expected a positive number of microseconds", "got a boolean"]),
+    ('name = "Test GPU"', "name = 3", "device.name", ["expected a string", "got an integer"]),
+    ("attention_tflops = { bf16 = 100, fp32 = 10 }", "attention_tflops = 100", "device.attention_tflops",
+     ["expected a table", "got an integer"]),
+    ('[device]\nname = "Test GPU"\nmemory_gib = 16\nattention_tflops = { bf16 = 100, fp32 = 10 }\n',
+     "device = 3\n", "device", ["expected a table ([device] section)", "got an integer (3)"]),
+    # non-positive numbers
+    ("ranks_per_node = 4", "ranks_per_node = 0", "ranks_per_node", ["out of range", "got 0"]),
+    ("nodes = 2", "nodes = -1", "nodes", ["out of range", "got -1"]),
+    ("bandwidth_gbps = 25", "bandwidth_gbps = 0", "links.network.bandwidth_gbps",
+     ["out of range", "positive number of GB/s", "got 0"]),
+    ("latency_us = 10", "latency_us = -2.5", "links.node.latency_us", ["out of range", "got -2.5"]),
+    ("memory_gib = 16", "memory_gib = 0", "device.memory_gib", ["out of range", "GiB"]),
+    ("bf16 = 100", "bf16 = -100", "device.attention_tflops.bf16", ["out of range", "TFLOP/s"]),
+    ("latency_us = 10", "latency_us = inf", "links.node.latency_us", ["out of range", "inf"]),
+    ('name = "fast"', 'name = " "', "links.node.name", ["must not be empty"]),
+    # dtypes: unknown, and bf16 required
+    ("bf16 = 100", "bf16 = 100, bf61 = 3", "device.attention_tflops.bf61",
+     ["unknown dtype", "did you mean 'bf16'", "bf16, fp16, fp32"]),
+    ("bf16 = 100", "fp8 = 100", "device.attention_tflops.fp8", ["unknown dtype", "bf16, fp16, fp32"]),
+    ("bf16 = 100, fp32 = 10", "fp16 = 100", "device.attention_tflops.bf16",
+     ["missing required key", "bf16 = 600"]),
+    # missing required keys and tables, with an example to copy
+    ("ranks_per_node = 4\n", "", "ranks_per_node", ["missing required key", "ranks_per_node = 8"]),
+    ('name = "Test GPU"\n', "", "device.name", ["missing required key"]),
+    ("latency_us = 10\n", "", "links.node.latency_us", ["missing required key", "latency_us = 12.5"]),
+    ('[links.node]\nname = "fast"\nbandwidth_gbps = 200\nlatency_us = 10\n', "", "links.node",
+     ["missing required table", "[links.node]"]),
+    # the network tier: required for several nodes, refused for one
+    ('[links.network]\nname = "slow"\nbandwidth_gbps = 25\nlatency_us = 30\n', "", "links.network",
+     ["missing required table", "nodes = 2", "[links.network]"]),
+    ("nodes = 2", "nodes = 1", "links.network", ["given but nodes = 1", "remove [links.network]"]),
+]
+
+
+@pytest.mark.parametrize("old, new, key, fragments", BAD, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD)])
+def test_bad_description_is_refused_naming_file_key_and_problem(tmp_path, old, new, key, fragments):
+    path = write(tmp_path, edited(old, new))
+    message = refusal(path)
+    assert message.startswith(f"{path}: {key}: "), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_toml_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path, edited("nodes = 2", "nodes = "))
+    message = refusal(path)
+    assert message.startswith(f"{path}: line 3, column "), message
+    assert "invalid TOML" in message
+
+
+def test_unknown_name_lists_the_shipped_ones():
+    message = refusal("h100-sxm8")
+    assert message.startswith("h100-sxm8: (file): no such file and no shipped hardware description"), message
+    assert "did you mean 'h100-sxm-8'" in message
+    assert "path of a .toml file" in message
+    assert all(name in message for name in SHIPPED)
+
+
+def test_missing_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "nope.toml"
+    message = refusal(path)
+    assert message.startswith(f"{path}: (file): no such file"), message
+    assert all(name in message for name in SHIPPED)
+
+
+def test_error_is_a_cptune_error_and_a_value_error_with_its_parts(tmp_path):
+    path = write(tmp_path, edited("nodes = 2", "nodes = 0"))
+    with pytest.raises(HardwareDescriptionError) as raised:
+        load_description(str(path))
+    error = raised.value
+    assert isinstance(error, CPTuneError) and isinstance(error, ValueError)
+    assert (error.file, error.key) == (str(path), "nodes")
+    assert str(error) == f"{error.file}: {error.key}: {error.reason}"
+
+
+def test_direct_construction_checks_the_structure():
+    good = load_description("h100-sxm-2x8-ib")
+    fields = dict(
+        name="x", description="", device="d", ranks_per_node=8, nodes=2, memory_bytes=None,
+        attention_flops={"bf16": 1e12}, node_link=good.node_link, network_link=good.network_link, source="x",
+    )
+    HardwareDescription(**fields)  # the baseline is accepted
+    bad_fields = (
+        dict(nodes=0), dict(ranks_per_node=True), dict(network_link=None), dict(nodes=1),
+        dict(attention_flops={"fp16": 1e12}), dict(attention_flops={"bf16": 1, "x": 2}),
+    )
+    for bad in bad_fields:
+        with pytest.raises(ValueError):
+            HardwareDescription(**{**fields, **bad})
