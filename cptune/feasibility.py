@@ -87,15 +87,10 @@ def check_feasible(workload: Workload, config: CPConfig, memory_limit: int | Non
         )
 
 
-def enumerate_configs(
-    workload: Workload,
-    max_ranks: int,
-    strategies: tuple[str, ...] = STRATEGIES,
-    memory_limit: int | None = None,
-) -> list[CPConfig]:
-    """Every feasible configuration on 1..max_ranks ranks, each distinct computation once:
-    one rank is plain local attention (listed once, as "ring" when allowed), and a context
-    strategy whose head group spans all ranks is pure Ulysses (listed as "ulysses")."""
+def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES) -> list[CPConfig]:
+    """Every distinct configuration on 1..max_ranks ranks, feasible or not: one rank is plain
+    local attention (listed once, as "ring" when allowed), and a context strategy whose head
+    group spans all ranks is pure Ulysses (listed as "ulysses")."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     strategies = tuple(dict.fromkeys(strategies))  # each name once, in the order given
@@ -109,10 +104,20 @@ def enumerate_configs(
     for n in range(1, max_ranks + 1):
         for strategy in strategies:
             if n == 1:
-                candidates = [CPConfig(strategy, 1)] if strategy == one_rank else []
+                configs += [CPConfig(strategy, 1)] if strategy == one_rank else []
             elif strategy == "ulysses":
-                candidates = [CPConfig("ulysses", n)]
+                configs.append(CPConfig("ulysses", n))
             else:
-                candidates = [CPConfig(strategy, n, u) for u in _divisors(n) if u < n]
-            configs += [c for c in candidates if not feasibility(workload, c, memory_limit)]
+                configs += [CPConfig(strategy, n, u) for u in _divisors(n) if u < n]
     return configs
+
+
+def enumerate_configs(
+    workload: Workload,
+    max_ranks: int,
+    strategies: tuple[str, ...] = STRATEGIES,
+    memory_limit: int | None = None,
+) -> list[CPConfig]:
+    """Every feasible configuration on 1..max_ranks ranks, each distinct computation once
+    (see ``candidate_configs``)."""
+    return [c for c in candidate_configs(max_ranks, strategies) if not feasibility(workload, c, memory_limit)]
