@@ -1,0 +1,156 @@
+"""The physical prior: a configuration's latency from its analytic terms and the hardware's rates.
+
+``analytic_cost`` counts what a configuration does (FLOPs, bytes per collective, steps);
+a ``Profile`` says how fast a hardware does it. A calibrated host measured its rates
+(``cptune calibrate``); a described one has them from a topology file (datasheets and
+published benchmarks). The prior is what carries predictions where no measurement reaches:
+longer sequences, more ranks, hardware that is only calibrated or only described.
+
+    compute     = FLOPs of the busiest rank / attention rate per rank
+    all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent / bandwidth   (head group)
+    all-gather  = latency + bytes sent / bandwidth                         (context group)
+    Ring        = c - 1 stream steps, each overlapped with attention on the block in hand:
+                  compute / c + (c - 1) * max(compute / c, latency + block bytes / bandwidth)
+    latency     = compute + all-to-all + all-gather + the Ring's exposed communication
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from cptune.calibration import Calibration
+from cptune.config import CPConfig
+from cptune.cost import analytic_cost
+from cptune.hardware import Hardware, HardwareDescription
+from cptune.workload import Workload
+
+
+class Profile(Protocol):
+    """How fast one hardware computes attention and runs each collective."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def max_ranks(self) -> int: ...
+
+    @property
+    def memory_limit(self) -> int | None:
+        """Bytes per rank a configuration may hold, or None when not limited."""
+
+    def describe(self) -> str: ...
+
+    def attention_rate(self, workload: Workload, ranks: int) -> float:
+        """Attention FLOP/s of one rank when ``ranks`` ranks compute at once."""
+
+    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
+        """(latency s, bandwidth B/s) of collective ``kind`` among global ranks ``members``
+        while ``ranks`` ranks run."""
+
+
+@dataclass(frozen=True)
+class CalibratedProfile:
+    """A host with a stored calibration (measured rates)."""
+
+    hardware: Hardware
+    calibration: Calibration
+
+    @property
+    def fingerprint(self) -> str:
+        return self.hardware.fingerprint
+
+    @property
+    def max_ranks(self) -> int:
+        return self.calibration.max_ranks
+
+    @property
+    def memory_limit(self) -> int | None:
+        return None
+
+    def describe(self) -> str:
+        return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
+
+    def attention_rate(self, workload: Workload, ranks: int) -> float:
+        return self.calibration.attention_rate(ranks, workload.head_dim)
+
+    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
+        fit = self.calibration.collective(kind, ranks, len(members))
+        return fit.latency_s, fit.bandwidth
+
+
+@dataclass(frozen=True)
+class DescribedProfile:
+    """Hardware known from a description file: rates from datasheets and benchmarks."""
+
+    description: HardwareDescription
+
+    @property
+    def fingerprint(self) -> str:
+        return self.description.fingerprint
+
+    @property
+    def max_ranks(self) -> int:
+        return self.description.max_ranks
+
+    @property
+    def memory_limit(self) -> int | None:
+        return self.description.memory_bytes
+
+    def describe(self) -> str:
+        return self.description.describe()
+
+    def attention_rate(self, workload: Workload, ranks: int) -> float:
+        rates = self.description.attention_flops
+        if workload.dtype not in rates:
+            raise ValueError(
+                f"{self.description.source} gives no {workload.dtype} attention rate "
+                f"(has {', '.join(sorted(rates))}); add it under [device] attention_tflops"
+            )
+        return rates[workload.dtype]
+
+    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
+        link = self.description.link(members)
+        return link.latency, link.bandwidth
+
+
+@dataclass(frozen=True)
+class PriorTime:
+    """The prior's latency of one configuration, in seconds, split by what it is spent on."""
+
+    compute_s: float
+    all_to_all_s: float
+    all_gather_s: float
+    ring_exposed_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.total_s - self.compute_s
+
+
+def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
+    """The physical prior of ``config`` on ``workload`` (see the module docstring). The
+    groups are those of rank 0: ranks 0..u-1 share heads, ranks 0, u, 2u, ... the context."""
+    cost = analytic_cost(workload, config)
+    n, u, c = config.ranks, config.head_group, config.context_degree
+    compute = cost.flops / profile.attention_rate(workload, n)
+
+    def comm(kind: str, members: list[int], nbytes: float, calls: int) -> float:
+        latency, bandwidth = profile.collective(kind, n, members)
+        return calls * latency + nbytes / bandwidth
+
+    heads, context = list(range(u)), list(range(0, n, u))
+    all_to_all = comm("all_to_all", heads, cost.bytes_sent["all_to_all"], 3) if u > 1 else 0.0
+    all_gather = 0.0
+    if cost.comm_steps["all_gather"]:
+        all_gather = comm("all_gather", context, cost.bytes_sent["all_gather"], 1)
+    ring_exposed = 0.0
+    if steps := cost.comm_steps["p2p"]:
+        step = comm("p2p", context, cost.bytes_sent["p2p"] / steps, 1)
+        block = compute / c
+        ring_exposed = block + steps * max(block, step) - compute
+    return PriorTime(compute, all_to_all, all_gather, ring_exposed)
