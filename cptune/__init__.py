@@ -1,7 +1,8 @@
 """cptune: measure the context-parallel attention strategies on your hardware and pick one.
 
 The vocabulary (``Workload``, ``CPConfig``, ``feasibility``, ``analytic_cost``) describes
-what could run; ``compute`` and ``measure`` run it for real on MPI ranks.
+what could run; ``compute`` and ``measure`` run it for real on MPI ranks; ``recommend``
+picks a configuration from measurements and the cost model; ``evaluate`` scores that model.
 """
 
 from cptune.config import STRATEGIES, CPConfig
@@ -14,6 +15,22 @@ from cptune.workload import Workload
 
 __version__ = "0.1.0"
 
+#: Imported on first use: they bring scikit-learn and SQLAlchemy, which the MPI ranks
+#: (importing this package) never need.
+_LAZY = {
+    "evaluate": "cptune.evaluation",
+    "recommend": "cptune.recommend",
+    "Recommendation": "cptune.recommend",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'cptune' has no attribute {name!r}")
+
 __all__ = [
     "STRATEGIES",
     "AnalyticCost",
@@ -22,10 +39,13 @@ __all__ = [
     "EngineError",
     "InfeasibleConfigError",
     "Measurement",
+    "Recommendation",
     "Workload",
     "analytic_cost",
     "compute",
     "enumerate_configs",
+    "evaluate",
     "feasibility",
     "measure",
+    "recommend",
 ]

@@ -1,4 +1,5 @@
-"""The ``cptune`` command line: ``search``, ``results`` and ``measure``.
+"""The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``
+and ``recommend``.
 
 Bad input (flags, space files, databases) ends with one line naming the problem and the
 fix, and exit code 2; never a traceback.
@@ -12,7 +13,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rich import box
 from rich.console import Console, Group
@@ -21,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cptune import __version__
+from cptune.calibration import Calibration, calibrate
 from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
@@ -29,6 +31,9 @@ from cptune.hardware import this_host
 from cptune.measurement import Measurement, available_cores
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
+
+if TYPE_CHECKING:
+    from cptune.store import Store
 
 USAGE_ERROR = 2
 Number = TypeVar("Number", int, float)
@@ -132,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
     search.add_argument("--backend", choices=["mpi"], default="mpi", help="engine (default mpi)")
     search.add_argument("--remeasure", action="store_true", help="run configurations even if already stored")
+    search.add_argument("--no-calibrate", action="store_true",
+                        help="skip the calibration a first search on new hardware runs (the cost "
+                             "model needs one; cptune calibrate adds it later)")
     _add_shape(search, None)
 
     results = commands.add_parser("results", help="list stored measurements",
@@ -164,6 +172,57 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=_seconds, default=None,
                      help="seconds before a configuration's run is stopped (default: scaled to its size)")
     run.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure this host's collective latency/bandwidth and attention rate (about a minute)",
+        description=(
+            "For each rank count, time every collective the strategies use over a sweep of "
+            "message sizes (fitted to latency + bytes / bandwidth) and the attention kernel on "
+            "a few shapes; store the result for this hardware. The cost model's prior stands on it."
+        ),
+    )
+    calibrate.add_argument("--db", help=db_help)
+    calibrate.add_argument("--max-ranks", type=_positive,
+                           help="largest rank count (default: this host's cores)")
+    calibrate.add_argument("--repeats", type=_positive, default=7,
+                           help="timed iterations per point (default 7)")
+
+    fit = commands.add_parser(
+        "fit",
+        help="cross-validate the cost model on the stored measurements",
+        description=(
+            "Fit the cost model holding out each sequence length in turn (and each hardware, "
+            "when the database has several) and print, per held-out group: top-1 accuracy, "
+            "regret (latency of the pick / best measured), Spearman rank correlation and MAPE."
+        ),
+    )
+    fit.add_argument("--db", help=db_help)
+
+    rec = commands.add_parser(
+        "recommend",
+        help="the fastest configuration for a workload, measured or predicted",
+        description=(
+            "Rank every feasible configuration of one attention workload by latency: measured "
+            "where this database has it, predicted by the cost model (or its physical prior) "
+            "elsewhere, and say why the others cannot run."
+        ),
+    )
+    rec.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
+    rec.add_argument("--heads", type=_positive, required=True, help="query heads")
+    rec.add_argument("--head-dim", type=_positive, required=True, help="head dimension")
+    rec.add_argument("--kv-heads", type=_positive, help="KV heads (default: as many as --heads)")
+    rec.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
+    rec.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
+                     help="activation dtype (default bf16)")
+    rec.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    rec.add_argument("--ranks", type=_positive,
+                     help="exactly this many ranks (default: any up to the hardware's)")
+    rec.add_argument("--hardware", help="this host (default), a stored fingerprint, a shipped "
+                                        "description (h100-sxm-8, a100-sxm-8, l40s-pcie-8, "
+                                        "h100-sxm-2x8-ib) or a TOML file")
+    rec.add_argument("--db", help=db_help)
+    rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     return parser
 
 
@@ -291,6 +350,10 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     with Store(args.db) as store:
         console.print(f"searching [bold]{space.name}[/] ({where}) on {hardware.describe()} "
                       f"[dim]{hardware.fingerprint}[/]; results in {store.url}", highlight=False)
+        if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
+            console.print(f"this hardware has no calibration yet: calibrating 1..{max(counts)} ranks first "
+                          f"(the cost model's prior needs it; --no-calibrate skips)", highlight=False)
+            _calibrate(store, max(counts), 7, console)
         best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
@@ -366,7 +429,111 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure}
+# --------------------------------------------------------------------------- calibrate
+
+
+def _calibration_tables(calibration: Calibration) -> list[Table]:
+    comms = _table("collectives: time = latency + bytes sent per rank / bandwidth",
+                   "bus bw: nccl-tests' bus bandwidth at the largest message (bytes sent per rank / s)")
+    for column in ("collective", "ranks", "group", "latency us", "fit GB/s", "bus bw GB/s"):
+        comms.add_column(column, justify="left" if column == "collective" else "right", no_wrap=True)
+    for f in calibration.collectives:
+        comms.add_row(f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
+                      f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}")
+    compute = _table("attention compute rate", "every rank computing at once on its share of the cores")
+    for column in ("ranks", "head_dim", "GFLOP/s per rank", "GFLOP/s total"):
+        compute.add_column(column, justify="right", no_wrap=True)
+    for r in calibration.compute:
+        compute.add_row(str(r.ranks), str(r.head_dim), f"{r.flops_per_s / 1e9:.1f}",
+                        f"{r.flops_per_s * r.ranks / 1e9:.1f}")
+    return [comms, compute]
+
+
+def _calibrate(store: Store, max_ranks: int, repeats: int, console: Console) -> Calibration:
+    hardware = this_host()
+    with console.status("calibrating") as status:
+        calibration = calibrate(max_ranks, repeats=repeats,
+                                progress=lambda step: status.update(f"calibrating: {step}"))
+    store.add_calibration(hardware, calibration)
+    return calibration
+
+
+def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from cptune.store import Store
+
+    max_ranks = args.max_ranks or available_cores()
+    with Store(args.db) as store:
+        hardware = this_host()
+        console.print(f"calibrating {hardware.describe()} [dim]{hardware.fingerprint}[/] on 1..{max_ranks} "
+                      f"ranks; results in {store.url}", highlight=False)
+        calibration = _calibrate(store, max_ranks, args.repeats, console)
+    for table in _calibration_tables(calibration):
+        console.print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def cmd_fit(args: argparse.Namespace, console: Console) -> int:
+    from cptune.cost_model import training_set
+    from cptune.evaluation import cross_validate_groups
+    from cptune.store import Store
+
+    with Store(args.db) as store:
+        data = training_set(store)
+    if data.uncalibrated:
+        console.print(f"[yellow]left out[/]: measurements of {', '.join(sorted(data.uncalibrated))}, which "
+                      f"have no calibration (run cptune calibrate there)", highlight=False, soft_wrap=True)
+    if not data.cases:
+        raise UsageError(f"no calibrated measurements in {store.url}: run cptune search first")
+    groupings = ["seq_len"] + (["hardware"] if len(data.profiles) > 1 else [])
+    for by in groupings:
+        evaluation = cross_validate_groups(data.cases, data.latencies_s, by)
+        table = _table(f"cost model, holding out each {by.replace('_', ' ')} in turn",
+                       f"{len(data.cases)} measurements; regret = measured latency of the pick / best "
+                       f"measured (mean and worst over workloads); median regret "
+                       f"{evaluation.median_regret:.3f}")
+        for column in ("held out", "workloads", "configs", "top-1", "regret", "worst", "spearman", "MAPE %"):
+            table.add_column(column, justify="left" if column == "held out" else "right", no_wrap=True)
+        for g in evaluation.groups:
+            table.add_row(g.held_out, str(g.decisions), str(g.samples), f"{g.top1:.2f}", f"{g.regret:.3f}",
+                          f"{g.worst_regret:.3f}", f"{g.spearman:.2f}", f"{g.mape:.1f}")
+        console.print(table)
+    return 0
+
+
+# --------------------------------------------------------------------------- recommend
+
+
+def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
+    from cptune.recommend import recommend
+
+    workload = _workload(args, args.seq_len)
+    pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db)
+    if args.json:
+        print(json.dumps(pick.to_dict(), indent=2))
+        return 0
+    table = _table(f"{workload.describe()}\non {pick.hardware}",
+                   "ms per attention call, slowest rank; interval: p10-p90 when measured, the model's "
+                   "10-90% band when predicted")
+    for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
+        table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
+    for i, c in enumerate(pick.candidates, start=1):
+        style = "bold green" if i == 1 else ""
+        table.add_row(str(i), c.config.label, str(c.config.ranks), f"{c.latency_ms:.3g}",
+                      f"{c.low_ms:.3g}-{c.high_ms:.3g}", c.source, style=style)
+    console.print(table)
+    console.print(f"[bold]pick:[/] {pick.config.describe()}, {pick.latency_ms:.3g} ms ({pick.source})",
+                  highlight=False)
+    for config, reasons in pick.infeasible.items():
+        console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
+                      highlight=False, soft_wrap=True)
+    return 0
+
+
+COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure,
+            "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

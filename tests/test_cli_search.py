@@ -10,11 +10,13 @@ import time
 
 import pytest
 
+from cptune.hardware import this_host
 from cptune.store import Store
 
 CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 # 3 lengths x (ring x1, ring x2, allgather_kv x2, ulysses x2) = 12 configurations
-SLOW = ["--heads", "8", "--head-dim", "64", "--seq-lens", "1024,1536,2048", "--ranks", "1,2"]
+SLOW = ["--heads", "8", "--head-dim", "64", "--seq-lens", "1024,1536,2048", "--ranks", "1,2",
+        "--no-calibrate"]
 QUICK = ["--heads", "4", "--head-dim", "16", "--seq-lens", "64,96", "--ranks", "1,2"]
 
 
@@ -73,7 +75,7 @@ def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
 def test_two_searches_share_one_sqlite_file(tmp_path):
     db = str(tmp_path / "shared.db")
     runs = [subprocess.Popen([*CLI, "search", "--db", db, "--heads", "4", "--head-dim", "16",
-                              "--seq-lens", seq_lens, "--ranks", "1,2"],
+                              "--seq-lens", seq_lens, "--ranks", "1,2", "--no-calibrate"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for seq_lens in ("64,96,128", "80,112,144")]
     outputs = [run.communicate(timeout=300)[0] for run in runs]
@@ -84,13 +86,18 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
     assert {row[3] for row in rows} == {64, 96, 128, 80, 112, 144}
 
 
-def test_search_then_results_json(tmp_path):
+def test_search_calibrates_new_hardware_then_results_json(tmp_path):
     db = str(tmp_path / "r.db")
     first = cptune("search", "--db", db, *QUICK)
     assert first.returncode == 0, first.stderr
+    assert "no calibration yet: calibrating 1..2 ranks first" in first.stdout
     assert "8 configuration(s) measured now" in first.stdout
+    with Store(db) as store:
+        calibration = store.calibration(this_host().fingerprint)
+    assert calibration is not None and calibration.max_ranks == 2
     again = cptune("search", "--db", db, *QUICK)
     assert "0 configuration(s) measured now" in again.stdout
+    assert "calibrating" not in again.stdout
     listed = cptune("results", "--db", db, "--json")
     rows = json.loads(listed.stdout)
     assert len(rows) == 8

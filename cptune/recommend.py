@@ -1,0 +1,204 @@
+"""Recommendations: the fastest configuration for a workload on a hardware, and the evidence.
+
+Each feasible configuration gets a latency from the best evidence there is: its own
+measurement (``measured``), the cost model fitted on this hardware's measurements
+(``model``), or the physical prior alone (``prior``, for hardware that is only calibrated or
+only described). The fastest wins; with ``ranks=None`` that may use fewer ranks than the
+hardware has.
+
+The model is fitted in memory from the database and refitted when the database gains
+measurements or calibrations; nothing is ever unpickled. After the first call for a
+database, a recommendation costs one small query plus the predictions.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from cptune.config import STRATEGIES, CPConfig
+from cptune.cost_model import Case, CostModel, training_set
+from cptune.errors import CPTuneError, InfeasibleConfigError
+from cptune.feasibility import candidate_configs, feasibility
+from cptune.hardware import HardwareDescriptionError, load_description, this_host
+from cptune.prior import CalibratedProfile, DescribedProfile, Profile
+from cptune.store import Result, Store, database_url
+from cptune.workload import Workload
+
+SOURCES: tuple[str, ...] = ("measured", "model", "prior")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One feasible configuration with its latency (ms), interval and where they come from;
+    ``measurement_id`` names the stored row when measured."""
+
+    config: CPConfig
+    latency_ms: float
+    low_ms: float
+    high_ms: float
+    source: str
+    measurement_id: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            **self.config.to_dict(), "label": self.config.label, "latency_ms": self.latency_ms,
+            "low_ms": self.low_ms, "high_ms": self.high_ms, "source": self.source,
+            "measurement_id": self.measurement_id,
+        }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
+    hardware ``fingerprint`` names; ``infeasible`` gives each excluded config's reasons."""
+
+    workload: Workload
+    hardware: str
+    fingerprint: str
+    candidates: tuple[Candidate, ...]
+    infeasible: dict[CPConfig, list[str]]
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def config(self) -> CPConfig:
+        return self.best.config
+
+    @property
+    def latency_ms(self) -> float:
+        return self.best.latency_ms
+
+    @property
+    def interval_ms(self) -> tuple[float, float]:
+        return self.best.low_ms, self.best.high_ms
+
+    @property
+    def source(self) -> str:
+        return self.best.source
+
+    @property
+    def alternatives(self) -> tuple[Candidate, ...]:
+        return self.candidates[1:]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "workload": self.workload.to_dict(), "hardware": self.hardware, "fingerprint": self.fingerprint,
+            "config": self.config.to_dict(), "latency_ms": self.latency_ms,
+            "interval_ms": list(self.interval_ms), "source": self.source,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "infeasible": [
+                {**c.to_dict(), "label": c.label, "reasons": r} for c, r in self.infeasible.items()
+            ],
+        }
+
+
+class _Advisor:
+    """One database's fitted model and measurements, refreshed when the database changes."""
+
+    def __init__(self, url: str) -> None:
+        self.store = Store(url)
+        self.revision: tuple[int, int] | None = None
+        self.model = CostModel()
+        self.profiles: dict[str, CalibratedProfile] = {}
+        self.measured: dict[tuple[str, Workload, CPConfig], Result] = {}
+
+    def refresh(self) -> None:
+        revision = self.store.revision()
+        if revision == self.revision:
+            return
+        data = training_set(self.store)
+        self.model = CostModel().fit(data.cases, data.latencies_s)
+        self.profiles = data.profiles
+        self.measured = {(r.hardware, r.workload, r.config): r for r in data.results}
+        self.revision = revision
+
+    def profile(self, hardware: str | None) -> Profile:
+        """This host, a stored fingerprint (or a unique prefix of one), or a description."""
+        if hardware in (None, "host"):
+            host = _this_host()
+            if host.fingerprint not in self.profiles:
+                raise CPTuneError(
+                    f"this host ({host.describe()}, {host.fingerprint}) has no calibration in "
+                    f"{self.store.url}: run cptune calibrate (about a minute), or name a hardware "
+                    f"description with --hardware"
+                )
+            return self.profiles[host.fingerprint]
+        assert hardware is not None
+        stored = [fp for fp in self.store.hardware() if fp.startswith(hardware.lower())]
+        if len(hardware) >= 4 and len(stored) == 1:
+            if stored[0] not in self.profiles:
+                raise CPTuneError(
+                    f"hardware {stored[0]} has measurements but no calibration in {self.store.url}; "
+                    f"run cptune calibrate on that machine with this database"
+                )
+            return self.profiles[stored[0]]
+        try:
+            return DescribedProfile(load_description(hardware))
+        except HardwareDescriptionError as exc:
+            known = ", ".join(sorted(self.profiles)) or "none"
+            raise CPTuneError(f"{exc} (calibrated fingerprints in {self.store.url}: {known})") from None
+
+
+_this_host = functools.cache(this_host)
+_advisors: dict[str, _Advisor] = {}
+
+
+def _advisor(db: str | None) -> _Advisor:
+    url = database_url(db)
+    if url not in _advisors:
+        _advisors[url] = _Advisor(url)
+    advisor = _advisors[url]
+    advisor.refresh()
+    return advisor
+
+
+def recommend(
+    workload: Workload, ranks: int | None = None, hardware: str | None = None, db: str | None = None
+) -> Recommendation:
+    """The fastest feasible configuration for ``workload``.
+
+    ``ranks``: exactly this many ranks, or None for any count up to the hardware's.
+    ``hardware``: None for this host (needs a calibration), a stored fingerprint, a shipped
+    description name (e.g. "h100-sxm-8") or a description file. ``db``: a SQLAlchemy URL or
+    a file path (default: $CPTUNE_DB or ./cptune.db)."""
+    advisor = _advisor(db)
+    profile = advisor.profile(hardware)
+    if ranks is not None and not 1 <= ranks <= profile.max_ranks:
+        raise CPTuneError(
+            f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
+        )
+    configs = [c for c in candidate_configs(ranks or profile.max_ranks, STRATEGIES)
+               if ranks is None or c.ranks == ranks]
+    reasons = {c: feasibility(workload, c, profile.memory_limit) for c in configs}
+    feasible = [c for c in configs if not reasons[c]]
+    infeasible = {c: r for c, r in reasons.items() if r}
+    if not feasible:
+        listed = "".join(f"\n  - {c.label} on {c.ranks}: {'; '.join(r)}" for c, r in infeasible.items())
+        raise InfeasibleConfigError(
+            f"no configuration can run {workload.describe()} on {profile.describe()}:{listed}",
+            [reason for r in infeasible.values() for reason in r],
+        )
+    candidates = []
+    to_predict = []
+    for config in feasible:
+        result = advisor.measured.get((profile.fingerprint, workload, config))
+        if result is not None and result.median_ms is not None:
+            low, high = result.p10_ms or result.median_ms, result.p90_ms or result.median_ms
+            candidates.append(Candidate(config, result.median_ms, low, high, "measured", result.id))
+        else:
+            to_predict.append(Case(workload, config, profile))
+    if to_predict:
+        estimates, lows, highs = advisor.model.predict_interval(to_predict)
+        for case, estimate, low_s, high_s in zip(to_predict, estimates, lows, highs, strict=True):
+            source = "model" if advisor.model.corrects(case) else "prior"
+            candidates.append(
+                Candidate(case.config, float(estimate) * 1e3, float(low_s) * 1e3, float(high_s) * 1e3, source)
+            )
+    candidates.sort(key=lambda c: c.latency_ms)
+    return Recommendation(
+        workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
+        candidates=tuple(candidates), infeasible=infeasible,
+    )
