@@ -12,7 +12,10 @@ about a minute:
   peers per second, which for all-gather and all-to-all is algbw * (n - 1) / n and for
   send/recv is algbw;
 - the attention kernel on a few shapes, every rank computing at once on its share of the
-  cores, so a rank count's rate includes the contention between its ranks.
+  cores, so a rank count's rate includes the contention between its ranks. The rate
+  depends on the work per call (small blocks pay fixed costs), the head_dim (the GEMMs'
+  inner dimension) and the mask, so each is timed at two sizes, both head_dims and with
+  and without a causal mask; the prior interpolates between them.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from cptune.engines import Engine, get_engine
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
-#: Attention shapes timed per rank count: one context block of a few heads at head_dim 64
-#: and 128 (the rate depends on head_dim through the GEMMs' inner dimension).
-ATTENTION_SHAPES: tuple[dict[str, int], ...] = (
-    {"heads": 4, "seq_q": 512, "seq_k": 2048, "head_dim": 64},
-    {"heads": 4, "seq_q": 512, "seq_k": 2048, "head_dim": 128},
+#: Attention shapes timed per rank count: a few heads' query block against its keys, at two
+#: sizes (a factor 4 of work apart), head_dim 64 and 128, without and with a causal mask.
+ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
+    {"heads": 4, "seq_q": seq_q, "seq_k": 4 * seq_q, "head_dim": head_dim, "causal": causal}
+    for head_dim in (64, 128)
+    for causal in (0, 1)
+    for seq_q in (512, 1024)
 )
 _TIMEOUT_S = 120.0
 
@@ -62,7 +67,8 @@ class CollectiveFit:
 
 @dataclass(frozen=True)
 class ComputeRate:
-    """The attention kernel's rate per rank with ``ranks`` ranks computing at once."""
+    """The attention kernel's rate per rank with ``ranks`` ranks computing at once. Causal
+    shapes put the queries at the last ``seq_q`` of ``seq_k`` positions (a diagonal block)."""
 
     ranks: int
     heads: int
@@ -70,10 +76,18 @@ class ComputeRate:
     seq_k: int
     head_dim: int
     seconds: float
+    causal: bool = False
+
+    @property
+    def flops(self) -> int:
+        """Useful FLOPs, counted as ``analytic_cost`` does: 4 * head_dim per visible pair."""
+        q, k = self.seq_q, self.seq_k
+        pairs = q * (k - q) + q * (q + 1) // 2 if self.causal else q * k
+        return 4 * self.heads * self.head_dim * pairs
 
     @property
     def flops_per_s(self) -> float:
-        return 4 * self.heads * self.seq_q * self.seq_k * self.head_dim / self.seconds
+        return self.flops / self.seconds
 
 
 @dataclass(frozen=True)
@@ -97,13 +111,24 @@ class Calibration:
             raise ValueError(f"the calibration has no {kind} measurements")
         return min(fits, key=lambda f: (f.group != group, abs(f.group - group), abs(f.ranks - ranks)))
 
-    def attention_rate(self, ranks: int, head_dim: int) -> float:
-        """FLOP/s one of ``ranks`` ranks computes attention at, for the calibrated head_dim
-        nearest ``head_dim`` (in ratio)."""
-        at_ranks = [r for r in self.compute if r.ranks == min(ranks, self.max_ranks)]
+    def attention_rate(
+        self, ranks: int, head_dim: int, causal: bool = False, flops: float | None = None
+    ) -> float:
+        """FLOP/s one of ``ranks`` ranks computes attention at, from the shapes calibrated
+        with the head_dim nearest ``head_dim`` (in ratio) and the same mask (when any):
+        interpolated in log-log over the work per call ``flops`` (held constant beyond the
+        calibrated sizes), or their geometric mean when ``flops`` is None."""
+        nearest_ranks = min({r.ranks for r in self.compute}, key=lambda n: (abs(n - ranks), n))
+        at_ranks = [r for r in self.compute if r.ranks == nearest_ranks]
         nearest = min({abs(np.log(r.head_dim / head_dim)) for r in at_ranks})
-        rates = [r.flops_per_s for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
-        return float(np.exp(np.mean(np.log(rates))))
+        points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
+        points = [r for r in points if r.causal == causal] or points
+        log_rates = np.log([r.flops_per_s for r in points])
+        if flops is None:
+            return float(np.exp(np.mean(log_rates)))
+        order = np.argsort([r.flops for r in points])
+        log_flops = np.log([points[i].flops for i in order])
+        return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -123,11 +148,14 @@ class Calibration:
 
 
 def fit_latency_bandwidth(sizes: np.ndarray, times: np.ndarray) -> tuple[float, float]:
-    """Non-negative (latency, 1/bandwidth) minimising the relative error of
-    ``latency + size / bandwidth`` against ``times``: small messages weigh as much as large."""
+    """Non-negative (latency, bandwidth) minimising the relative error of
+    ``latency + size / bandwidth`` against ``times``: small messages weigh as much as large.
+    Timings that do not grow with size give the bandwidth seen at the largest size."""
     weights = 1.0 / times
     (latency, inverse_bandwidth), _ = nnls(np.column_stack([weights, sizes * weights]), np.ones_like(times))
-    return float(latency), float(1.0 / inverse_bandwidth) if inverse_bandwidth > 0 else float("inf")
+    if inverse_bandwidth <= 0:
+        return float(latency), float(sizes[-1] / times[-1])
+    return float(latency), float(1.0 / inverse_bandwidth)
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -172,8 +200,11 @@ def calibrate(
         report(f"attention on {ranks} rank(s)")
         timings = engine.time_attention(ranks, ATTENTION_SHAPES, warmup, repeats, _TIMEOUT_S)
         seconds = np.median(timings, axis=1)
-        compute += [ComputeRate(ranks=ranks, **shape, seconds=float(t))
-                    for shape, t in zip(ATTENTION_SHAPES, seconds, strict=True)]
+        compute += [
+            ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
+                        head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
+            for s, t in zip(ATTENTION_SHAPES, seconds, strict=True)
+        ]
         for group in group_sizes(ranks):
             for kind in COLLECTIVES:
                 report(f"{kind} on {ranks} ranks in groups of {group}")

@@ -441,11 +441,12 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
         comms.add_row(f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
                       f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}")
     compute = _table("attention compute rate", "every rank computing at once on its share of the cores")
-    for column in ("ranks", "head_dim", "GFLOP/s per rank", "GFLOP/s total"):
-        compute.add_column(column, justify="right", no_wrap=True)
+    for column in ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank", "GFLOP/s total"):
+        compute.add_column(column, justify="left" if column == "mask" else "right", no_wrap=True)
     for r in calibration.compute:
-        compute.add_row(str(r.ranks), str(r.head_dim), f"{r.flops_per_s / 1e9:.1f}",
-                        f"{r.flops_per_s * r.ranks / 1e9:.1f}")
+        mask = "causal" if r.causal else "full"
+        compute.add_row(str(r.ranks), str(r.head_dim), mask, f"{r.flops / 1e9:.2f}",
+                        f"{r.flops_per_s / 1e9:.1f}", f"{r.flops_per_s * r.ranks / 1e9:.1f}")
     return [comms, compute]
 
 
@@ -482,11 +483,15 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
 
     with Store(args.db) as store:
         data = training_set(store)
-    if data.uncalibrated:
-        console.print(f"[yellow]left out[/]: measurements of {', '.join(sorted(data.uncalibrated))}, which "
-                      f"have no calibration (run cptune calibrate there)", highlight=False, soft_wrap=True)
+    uncalibrated = ", ".join(sorted(data.uncalibrated))
+    if not data.cases and uncalibrated:
+        raise UsageError(f"the measurements in {store.url} are of hardware with no calibration "
+                         f"({uncalibrated}): run cptune calibrate on it with this database")
     if not data.cases:
-        raise UsageError(f"no calibrated measurements in {store.url}: run cptune search first")
+        raise UsageError(f"no measurements in {store.url}: run cptune search first")
+    if uncalibrated:
+        console.print(f"[yellow]left out[/]: measurements of {uncalibrated}, which have no calibration "
+                      f"(run cptune calibrate there)", highlight=False, soft_wrap=True)
     groupings = ["seq_len"] + (["hardware"] if len(data.profiles) > 1 else [])
     for by in groupings:
         evaluation = cross_validate_groups(data.cases, data.latencies_s, by)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.ensemble import GradientBoostingRegressor
+from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.prior import CalibratedProfile, PriorTime, Profile, prior_time
@@ -124,6 +125,7 @@ class CostModel(RegressorMixin, BaseEstimator):
 
     def predict_interval(self, X: Sequence[Case]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Latency, low and high edge of the interval, in seconds, for each case."""
+        check_is_fitted(self, "prior_interval_")
         cases = list(X)
         priors = [case.prior() for case in cases]
         prior = np.array([p.total_s for p in priors])

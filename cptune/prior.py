@@ -6,7 +6,8 @@ a ``Profile`` says how fast a hardware does it. A calibrated host measured its r
 published benchmarks). The prior is what carries predictions where no measurement reaches:
 longer sequences, more ranks, hardware that is only calibrated or only described.
 
-    compute     = FLOPs of the busiest rank / attention rate per rank
+    compute     = FLOPs of the busiest rank / attention rate per rank (at the work per kernel
+                  call: calibrated rates fall for small blocks)
     all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent / bandwidth   (head group)
     all-gather  = latency + bytes sent / bandwidth                         (context group)
     Ring        = c - 1 stream steps, each overlapped with attention on the block in hand:
@@ -41,8 +42,9 @@ class Profile(Protocol):
 
     def describe(self) -> str: ...
 
-    def attention_rate(self, workload: Workload, ranks: int) -> float:
-        """Attention FLOP/s of one rank when ``ranks`` ranks compute at once."""
+    def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
+        """Attention FLOP/s of one rank doing ``flops`` of work when ``ranks`` ranks compute
+        at once."""
 
     def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of collective ``kind`` among global ranks ``members``
@@ -71,8 +73,8 @@ class CalibratedProfile:
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
 
-    def attention_rate(self, workload: Workload, ranks: int) -> float:
-        return self.calibration.attention_rate(ranks, workload.head_dim)
+    def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
+        return self.calibration.attention_rate(ranks, workload.head_dim, workload.causal, flops)
 
     def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
         fit = self.calibration.collective(kind, ranks, len(members))
@@ -100,7 +102,7 @@ class DescribedProfile:
     def describe(self) -> str:
         return self.description.describe()
 
-    def attention_rate(self, workload: Workload, ranks: int) -> float:
+    def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         rates = self.description.attention_flops
         if workload.dtype not in rates:
             raise ValueError(
@@ -137,7 +139,9 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     groups are those of rank 0: ranks 0..u-1 share heads, ranks 0, u, 2u, ... the context."""
     cost = analytic_cost(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
-    compute = cost.flops / profile.attention_rate(workload, n)
+    ring = config.strategy == "ring"
+    per_call = cost.flops / c if ring else cost.flops  # the Ring attends block by block
+    compute = cost.flops / profile.attention_rate(workload, n, per_call)
 
     def comm(kind: str, members: list[int], nbytes: float, calls: int) -> float:
         latency, bandwidth = profile.collective(kind, n, members)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost_model import Case, CostModel, training_set
@@ -135,14 +136,21 @@ class _Advisor:
                     f"run cptune calibrate on that machine with this database"
                 )
             return self.profiles[stored[0]]
+        path = Path(hardware)
         try:
-            return DescribedProfile(load_description(hardware))
+            return _described(hardware, path.stat().st_mtime_ns if path.is_file() else None)
         except HardwareDescriptionError as exc:
             known = ", ".join(sorted(self.profiles)) or "none"
             raise CPTuneError(f"{exc} (calibrated fingerprints in {self.store.url}: {known})") from None
 
 
 _this_host = functools.cache(this_host)
+
+
+@functools.lru_cache(maxsize=32)
+def _described(name_or_path: str, modified: int | None) -> DescribedProfile:
+    """A description, read once per name (and per modification time of a file)."""
+    return DescribedProfile(load_description(name_or_path))
 _advisors: dict[str, _Advisor] = {}
 
 
@@ -176,9 +184,9 @@ def recommend(
     feasible = [c for c in configs if not reasons[c]]
     infeasible = {c: r for c, r in reasons.items() if r}
     if not feasible:
-        listed = "".join(f"\n  - {c.label} on {c.ranks}: {'; '.join(r)}" for c, r in infeasible.items())
+        listed = " | ".join(f"{c.label} on {c.ranks}: {'; '.join(r)}" for c, r in infeasible.items())
         raise InfeasibleConfigError(
-            f"no configuration can run {workload.describe()} on {profile.describe()}:{listed}",
+            f"no configuration can run {workload.describe()} on {profile.describe()}: {listed}",
             [reason for r in infeasible.values() for reason in r],
         )
     candidates = []

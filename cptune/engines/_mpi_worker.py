@@ -211,13 +211,15 @@ def _collective(kind: str, comm: MPI.Comm, chunk: int) -> Callable[[], object]:
 
 
 def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]:
-    """The kernel on random non-causal inputs of ``shape`` (heads, seq_q, seq_k, head_dim)."""
+    """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal); causal
+    queries sit at the last seq_q key positions, a diagonal block."""
     rng = np.random.default_rng(0)
     h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
+    causal = bool(shape.get("causal", False))
     q = rng.standard_normal((1, h, sq, d), dtype=np.float32)
     kv = rng.standard_normal((2, 1, h, sk, d), dtype=np.float32)
-    q_pos, k_pos = np.arange(sq), np.arange(sk)
-    return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=False, seq_len=sk, threads=threads)
+    q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
+    return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
 
 
 def _time_each(
