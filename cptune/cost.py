@@ -7,6 +7,7 @@ differ (padding, causal blocks) the busiest rank's figure is reported.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -57,6 +58,7 @@ def _visible_pairs(layout: SequenceLayout, group: int) -> int:
     return int(queries.size) * layout.workload.seq_len
 
 
+@functools.lru_cache(maxsize=4096)  # pure; recommendations ask for the same pairs often (read-only result)
 def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` (see ``AnalyticCost``).
 

@@ -359,11 +359,10 @@ class Store:
 
     def revision(self) -> tuple[int, int]:
         """Changes whenever a measurement or calibration is added: the newest ids of each."""
+        query = select(func.max(MeasurementRow.id), select(func.max(CalibrationRow.id)).scalar_subquery())
         with self.session() as session:
-            return (
-                session.scalar(select(func.max(MeasurementRow.id))) or 0,
-                session.scalar(select(func.max(CalibrationRow.id))) or 0,
-            )
+            measurements, calibrations = session.execute(query).one()
+        return measurements or 0, calibrations or 0
 
     def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, Result]:
         """The latest stored result of each configuration run on ``hardware`` for ``workload``."""

@@ -1,5 +1,6 @@
 """The store: migrations, round trips, bad files, Optuna in the same file, concurrent writers."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ def test_failures_are_kept_with_their_reason(store):
 
 def test_results_filter_by_workload_and_hardware(store):
     other = Workload(seq_len=128, heads=4, head_dim=16)
-    other_host = Hardware(**{**HARDWARE.__dict__, "host": "h2"})
+    other_host = dataclasses.replace(HARDWARE, host="h2")
     store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
     store.add_failure(HARDWARE, other, CPConfig("ring", 2), "crash", "y", "mpi")
     store.add_failure(other_host, other, CPConfig("ring", 2), "crash", "z", "mpi")

@@ -39,6 +39,7 @@ it crosses).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -156,7 +157,7 @@ class HardwareDescription:
         """Every rank of every node."""
         return self.ranks_per_node * self.nodes
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """``"described:"`` and 12 hex digits hashing every field except ``source``, so a
         copy of the file describes the same hardware."""

@@ -7,6 +7,7 @@ one machine never answer questions about another.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -29,9 +30,9 @@ class Hardware:
     nccl_version: str | None = None
     tensorrt_version: str | None = None
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """A stable 16-hex-digit hash of every field."""
+        """A stable 16-hex-digit hash of every field (computed once: recommendations ask often)."""
         canonical = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
