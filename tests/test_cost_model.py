@@ -1,0 +1,333 @@
+"""The cost model as a scikit-learn estimator, what it learns, and how picks are scored (no MPI)."""
+
+import inspect
+import itertools
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.model_selection import GroupKFold, cross_validate
+from sklearn.utils.validation import check_is_fitted
+
+from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
+from cptune.config import CPConfig
+from cptune.cost import COLLECTIVES
+from cptune.cost_model import MIN_SAMPLES, Case, CostModel, features, training_set
+from cptune.errors import CPTuneError
+from cptune.evaluation import GroupScore, cross_validate_groups, evaluate, score_group
+from cptune.feasibility import enumerate_configs
+from cptune.hardware import Hardware
+from cptune.measurement import Measurement
+from cptune.prior import CalibratedProfile
+from cptune.store import Store
+from cptune.workload import Workload
+
+
+def host(name: str) -> Hardware:
+    return Hardware(host=name, cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
+                    interconnect="shared memory (one host)", mpi_library="MPICH 5")
+
+
+def calibration(max_ranks: int = 4, latency: float = 50e-6, bandwidth: float = 0.3e9,
+                rate: float = 50e9) -> Calibration:
+    """Every collective at ``latency`` + bytes / ``bandwidth``; attention at ``rate`` /
+    sqrt(ranks) per rank (ranks contend), for head_dim 64 and 128."""
+    fits = tuple(
+        CollectiveFit(kind=kind, ranks=n, group=g, latency_s=latency, bandwidth=bandwidth,
+                      bus_bandwidth=bandwidth, sizes=(1024,), times_s=(latency,))
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+    )
+    compute = tuple(
+        ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,
+                    seconds=4 * 4 * 512 * 2048 * d / (rate / n**0.5))
+        for n in range(1, max_ranks + 1) for d in (64, 128)
+    )
+    return Calibration("mpi", fits, compute, "2025-01-01T00:00:00+00:00")
+
+
+PROFILE = CalibratedProfile(host("fitted"), calibration())
+OTHER = CalibratedProfile(host("never-fitted"), calibration(bandwidth=1e9, rate=80e9))
+TRAIN_LENGTHS = (1024, 1536, 2048, 3072, 4096)
+#: The synthetic truth: the prior times a factor per strategy, growing a little with ranks.
+FACTOR = {"ring": 1.3, "ulysses": 0.8, "allgather_kv": 1.0}
+
+
+def truth(case: Case) -> float:
+    return case.prior().total_s * FACTOR[case.config.strategy] * (1 + 0.05 * np.log2(case.config.ranks))
+
+
+def cases_at(seq_len: int, profile=PROFILE) -> list[Case]:
+    workload = Workload(seq_len=seq_len, heads=8, head_dim=64)
+    return [Case(workload, config, profile) for config in enumerate_configs(workload, 4)]
+
+
+@pytest.fixture(scope="module")
+def train():
+    cases = [case for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len)]
+    return cases, np.array([truth(case) for case in cases])
+
+
+@pytest.fixture(scope="module")
+def fitted(train):
+    return CostModel().fit(*train)
+
+
+def small() -> CostModel:
+    """A quicker model for tests that fit many times."""
+    return CostModel(n_estimators=40, learning_rate=0.2)
+
+
+# --------------------------------------------------------------------------- scikit-learn conventions
+
+
+def test_get_params_returns_the_init_parameters_and_clone_copies_them():
+    names = [p for p in inspect.signature(CostModel.__init__).parameters if p != "self"]
+    model = CostModel(n_estimators=17, max_depth=2, interval=(0.2, 0.8), prior_band=3.0)
+    params = model.get_params()
+    assert sorted(params) == sorted(names)
+    assert params["n_estimators"] == 17 and params["interval"] == (0.2, 0.8) and params["prior_band"] == 3.0
+    copy = clone(model)
+    assert copy is not model and copy.get_params() == params
+    model.set_params(max_depth=5)
+    assert model.max_depth == 5 and copy.max_depth == 2
+
+
+def test_clone_of_a_fitted_model_is_unfitted(fitted):
+    copy = clone(fitted)
+    with pytest.raises(NotFittedError):
+        check_is_fitted(copy)
+
+
+def test_fit_returns_self_and_sets_only_underscore_attributes(train):
+    model = small()
+    before = set(vars(model))
+    assert model.fit(*train) is model
+    check_is_fitted(model)
+    added = set(vars(model)) - before
+    assert {"correction_", "fingerprints_", "prior_interval_", "n_samples_"} <= added
+    assert all(name.endswith("_") and not name.startswith("_") for name in added)
+    assert model.n_samples_ == len(train[0]) and model.fingerprints_ == frozenset({PROFILE.fingerprint})
+
+
+def test_an_unfitted_model_refuses_to_predict():
+    model = CostModel()
+    with pytest.raises(NotFittedError):
+        check_is_fitted(model)
+    with pytest.raises((NotFittedError, AttributeError)):
+        model.predict(cases_at(1024)[:2])
+
+
+def test_fit_refuses_non_positive_or_mismatched_latencies():
+    cases = cases_at(1024)[:3]
+    with pytest.raises(ValueError, match="positive latency"):
+        CostModel().fit(cases, [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="positive latency"):
+        CostModel().fit(cases, [1.0, 1.0])
+
+
+def test_cross_validate_runs_on_a_list_of_cases(train):
+    cases, y = train
+    groups = [case.workload.seq_len for case in cases]
+    scores = cross_validate(small(), cases, y, groups=groups, cv=GroupKFold(n_splits=3),
+                            return_estimator=True)
+    assert len(scores["test_score"]) == 3
+    assert np.all(np.isfinite(scores["test_score"]))
+    assert all(isinstance(e, CostModel) and e.correction_ is not None for e in scores["estimator"])
+
+
+def test_features_are_finite_and_one_row_per_case(train):
+    cases, _ = train
+    table = features(cases, [case.prior() for case in cases])
+    assert table.shape[0] == len(cases) and np.all(np.isfinite(table))
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_learns_the_correction_on_the_training_lengths(fitted, train):
+    cases, y = train
+    prior = np.array([case.prior().total_s for case in cases])
+    assert np.max(np.abs(prior / y - 1)) > 0.25  # the prior alone is far off
+    assert np.max(np.abs(fitted.predict(cases) / y - 1)) < 0.10
+    assert all(fitted.corrects(case) for case in cases)
+
+
+def test_ranks_configs_right_on_a_longer_held_out_length(fitted):
+    held_out = cases_at(2 * max(TRAIN_LENGTHS))
+    true = np.array([truth(case) for case in held_out])
+    predicted = fitted.predict(held_out)
+    prior = np.array([case.prior().total_s for case in held_out])
+    # the prior alone picks another configuration: the correction is what gets this right
+    assert int(np.argmin(prior)) != int(np.argmin(true))
+    assert int(np.argmin(predicted)) == int(np.argmin(true))
+    assert np.max(np.abs(predicted / true - 1)) < 0.10
+    # every pair whose truth differs by more than 3% is ordered as the truth orders it
+    for i, j in itertools.combinations(range(len(held_out)), 2):
+        if abs(true[i] / true[j] - 1) > 0.03:
+            assert (predicted[i] < predicted[j]) == (true[i] < true[j]), (
+                held_out[i].config.label, held_out[i].config.ranks,
+                held_out[j].config.label, held_out[j].config.ranks,
+            )
+
+
+def test_hardware_not_fitted_on_gets_the_pure_prior(fitted):
+    elsewhere = cases_at(2048, OTHER)
+    assert OTHER.fingerprint != PROFILE.fingerprint
+    assert not any(fitted.corrects(case) for case in elsewhere)
+    estimate, low, high = fitted.predict_interval(elsewhere)
+    prior = np.array([case.prior().total_s for case in elsewhere])
+    np.testing.assert_array_equal(estimate, prior)
+    # the prior-only band is at least prior_band wide each way
+    assert np.all(low <= prior / 2.0 * (1 + 1e-12)) and np.all(high >= prior * 2.0 * (1 - 1e-12))
+
+
+def test_below_min_samples_there_is_no_correction(train):
+    cases, y = train
+    model = CostModel().fit(cases[: MIN_SAMPLES - 1], y[: MIN_SAMPLES - 1])
+    assert model.correction_ is None and model.n_samples_ == MIN_SAMPLES - 1
+    assert not model.corrects(cases[0])
+    prior = np.array([case.prior().total_s for case in cases[:5]])
+    np.testing.assert_array_equal(model.predict(cases[:5]), prior)
+    enough = CostModel(n_estimators=5).fit(cases[:MIN_SAMPLES], y[:MIN_SAMPLES])
+    assert enough.correction_ is not None and enough.corrects(cases[0])
+
+
+def test_prior_interval_widens_to_the_prior_error_seen_in_fitting():
+    cases = cases_at(1024)[:4]
+    # measured 5x the prior: the prior-only interval must reach at least 5x up
+    model = CostModel().fit(cases, [5 * case.prior().total_s for case in cases])
+    assert model.prior_interval_[0] <= 0.5 and model.prior_interval_[1] >= 5.0 * (1 - 1e-9)
+
+
+def test_predict_interval_brackets_the_estimate(fitted):
+    cases = cases_at(1536) + cases_at(8192) + cases_at(2048, OTHER)
+    estimate, low, high = fitted.predict_interval(cases)
+    assert estimate.shape == low.shape == high.shape == (len(cases),)
+    assert np.all(low > 0) and np.all(low <= estimate) and np.all(estimate <= high)
+    np.testing.assert_array_equal(fitted.predict(cases), estimate)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _case(seq_len: int, config: CPConfig) -> Case:
+    return Case(Workload(seq_len=seq_len, heads=8, head_dim=64), config, PROFILE)
+
+
+def test_score_group_by_hand():
+    a, b, c = CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("allgather_kv", 2)
+    cases = [_case(1024, a), _case(1024, b), _case(1024, c), _case(2048, a), _case(2048, b)]
+    measured = np.array([1.0, 2.0, 4.0, 10.0, 8.0])
+    predicted = np.array([1.5, 1.0, 5.0, 9.0, 9.5])
+    # decision 1024: pick b (predicted 1.0), measured 2.0, best 1.0 -> regret 2.0, a miss
+    # decision 2048: pick a (predicted 9.0), measured 10.0, best 8.0 -> regret 1.25, a miss
+    score = score_group("seq_len 1024", cases, measured, predicted)
+    assert isinstance(score, GroupScore)
+    assert score.held_out == "seq_len 1024" and score.decisions == 2 and score.samples == 5
+    assert score.top1 == 0.0
+    assert score.regret == pytest.approx((2.0 + 1.25) / 2)
+    assert score.worst_regret == pytest.approx(2.0)
+    errors = [0.5 / 1.0, 1.0 / 2.0, 1.0 / 4.0, 1.0 / 10.0, 1.5 / 8.0]
+    assert score.mape == pytest.approx(100 * np.mean(errors))
+    # spearman only for decisions with more than two configurations: 1024's ranks
+    # predicted (2, 1, 3) vs measured (1, 2, 3) -> 1 - 6 * 2 / (3 * 8) = 0.5
+    assert score.spearman == pytest.approx(0.5)
+
+
+def test_score_group_perfect_picks():
+    a, b = CPConfig("ring", 2), CPConfig("ulysses", 2)
+    cases = [_case(1024, a), _case(1024, b), _case(2048, a), _case(2048, b)]
+    measured = np.array([1.0, 2.0, 3.0, 2.5])
+    score = score_group("x", cases, measured, measured * 1.1)
+    assert score.top1 == 1.0 and score.regret == 1.0 and score.worst_regret == 1.0
+    assert score.mape == pytest.approx(10.0)
+    assert np.isnan(score.spearman)  # no decision has three configurations
+
+
+def test_cross_validate_groups_refuses_a_single_group():
+    cases = cases_at(1024)
+    latencies = np.array([truth(case) for case in cases])
+    with pytest.raises(CPTuneError, match="at least two groups"):
+        cross_validate_groups(cases, latencies, by="seq_len")
+    with pytest.raises(CPTuneError, match="at least two groups"):
+        cross_validate_groups(cases, latencies, by="hardware")
+    with pytest.raises(ValueError, match="by must be one of"):
+        cross_validate_groups(cases, latencies, by="ranks")
+
+
+def test_cross_validate_groups_scores_each_held_out_length(train):
+    cases, y = train
+    cases, y = cases[: 3 * len(cases_at(1024))], y[: 3 * len(cases_at(1024))]  # three lengths
+    evaluation = cross_validate_groups(cases, y, by="seq_len", model=small())
+    assert evaluation.by == "seq_len"
+    assert [g.held_out for g in evaluation.groups] == [f"seq_len {n}" for n in TRAIN_LENGTHS[:3]]
+    per_length = len(cases_at(1024))
+    for group in evaluation.groups:
+        assert group.decisions == 1 and group.samples == per_length
+        assert 1.0 <= group.regret <= group.worst_regret and 0.0 <= group.top1 <= 1.0
+        assert np.isfinite(group.mape) and group.mape >= 0
+    assert evaluation.median_regret >= 1.0 and evaluation.worst_regret >= evaluation.median_regret
+
+
+def test_cross_validate_groups_by_hardware(train):
+    cases, y = train
+    mixed = cases[:20] + cases_at(2048, OTHER)
+    latencies = np.concatenate([y[:20], [truth(case) for case in cases_at(2048, OTHER)]])
+    evaluation = cross_validate_groups(mixed, latencies, by="hardware", model=small())
+    assert sorted(g.held_out for g in evaluation.groups) == sorted(
+        f"hardware {p.fingerprint}" for p in (PROFILE, OTHER)
+    )
+    assert sum(g.samples for g in evaluation.groups) == len(mixed)
+
+
+# --------------------------------------------------------------------------- from a store
+
+
+def _measurement(case: Case, ms: float) -> Measurement:
+    return Measurement(
+        workload=case.workload, config=case.config, median_ms=ms, p10_ms=ms, p90_ms=ms, compute_ms=ms,
+        comm_ms=0.0, peak_bytes=1, max_error=0.0, engine="mpi", host={}, warmup=0, repeats=1,
+        samples_ms=[ms],
+    )
+
+
+def test_training_set_reads_the_latest_ok_measurement_of_calibrated_hardware(tmp_path):
+    db = str(tmp_path / "t.db")
+    ring, ulysses = cases_at(1024)[1], cases_at(1024)[-1]
+    with Store(db) as store:
+        store.add_calibration(PROFILE.hardware, PROFILE.calibration)
+        store.add_measurement(PROFILE.hardware, _measurement(ring, 5.0))
+        store.add_measurement(PROFILE.hardware, _measurement(ring, 4.0))  # the latest wins
+        store.add_measurement(PROFILE.hardware, _measurement(ulysses, 3.0))
+        store.add_failure(PROFILE.hardware, ring.workload, CPConfig("ring", 3), "timeout", "hung", "mpi")
+        store.add_measurement(OTHER.hardware, _measurement(ring, 1.0))  # no calibration
+        data = training_set(store)
+    assert {(c.config, lat) for c, lat in zip(data.cases, data.latencies_s, strict=True)} == {
+        (ring.config, 4.0e-3), (ulysses.config, 3.0e-3)
+    }
+    assert all(c.profile.fingerprint == PROFILE.fingerprint for c in data.cases)
+    assert data.profiles[PROFILE.fingerprint].calibration == PROFILE.calibration
+    assert data.uncalibrated == frozenset({OTHER.fingerprint})
+
+
+def test_evaluate_cross_validates_a_database(tmp_path):
+    db = str(tmp_path / "e.db")
+    with Store(db) as store:
+        store.add_calibration(PROFILE.hardware, PROFILE.calibration)
+        for seq_len in TRAIN_LENGTHS[:2]:
+            for case in cases_at(seq_len):
+                store.add_measurement(PROFILE.hardware, _measurement(case, truth(case) * 1e3))
+    evaluation = evaluate(db, by="seq_len", model=small())
+    assert [g.held_out for g in evaluation.groups] == [f"seq_len {n}" for n in TRAIN_LENGTHS[:2]]
+    assert all(g.samples == len(cases_at(1024)) for g in evaluation.groups)
+
+
+def test_evaluate_says_what_is_missing(tmp_path):
+    with pytest.raises(CPTuneError, match="cptune search"):
+        evaluate(str(tmp_path / "empty.db"))
+    db = str(tmp_path / "uncalibrated.db")
+    with Store(db) as store:
+        store.add_measurement(PROFILE.hardware, _measurement(cases_at(1024)[0], 2.0))
+    with pytest.raises(CPTuneError, match="cptune calibrate"):
+        evaluate(db)

@@ -1,0 +1,412 @@
+"""The physical prior and the calibration it stands on, with hand-chosen rates (no MPI)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cptune.calibration import (
+    MESSAGE_SIZES,
+    Calibration,
+    CollectiveFit,
+    ComputeRate,
+    fit_latency_bandwidth,
+    group_sizes,
+)
+from cptune.config import CPConfig
+from cptune.cost import COLLECTIVES, analytic_cost
+from cptune.feasibility import enumerate_configs
+from cptune.hardware import Hardware, HardwareDescription, LinkTier, load_description
+from cptune.prior import CalibratedProfile, DescribedProfile, prior_time
+from cptune.workload import Workload
+
+HOST = Hardware(host="prior-test", cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
+                interconnect="shared memory (one host)", mpi_library="MPICH 5")
+#: (latency s, bandwidth B/s) per collective kind: distinct, so a mixed-up kind shows.
+LINKS = {"all_to_all": (30e-6, 2e9), "all_gather": (20e-6, 3e9), "p2p": (10e-6, 4e9)}
+#: Attention FLOP/s per rank by head_dim (the same for every rank count unless scaled).
+RATES = {64: 8e9, 128: 12e9}
+SHAPE = {"heads": 4, "seq_q": 512, "seq_k": 2048}
+
+
+def rate_entry(ranks: int, head_dim: int, flops_per_s: float) -> ComputeRate:
+    """A ComputeRate whose flops_per_s is ``flops_per_s`` (seconds chosen to match)."""
+    flops = 4 * SHAPE["heads"] * SHAPE["seq_q"] * SHAPE["seq_k"] * head_dim
+    return ComputeRate(ranks=ranks, **SHAPE, head_dim=head_dim, seconds=flops / flops_per_s)
+
+
+def make_calibration(max_ranks: int = 4, links=None, rates=None, rank_scale: float = 1.0) -> Calibration:
+    """Every group size of every rank count up to ``max_ranks``, with the same fit per kind;
+    a rank count's compute rate is RATES / ranks ** rank_scale."""
+    links, rates = links or LINKS, rates or RATES
+    fits = tuple(
+        CollectiveFit(kind=kind, ranks=n, group=g, latency_s=links[kind][0], bandwidth=links[kind][1],
+                      bus_bandwidth=links[kind][1], sizes=(1024, 4096), times_s=(1e-5, 2e-5))
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+    )
+    compute = tuple(rate_entry(n, d, r / n**rank_scale)
+                    for n in range(1, max_ranks + 1) for d, r in rates.items())
+    return Calibration(engine="mpi", collectives=fits, compute=compute,
+                       measured_at="2025-01-02T03:04:05+00:00")
+
+
+def profile(**kwargs) -> CalibratedProfile:
+    return CalibratedProfile(HOST, make_calibration(**kwargs))
+
+
+W = Workload(seq_len=2048, heads=8, head_dim=64)
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def test_compute_rate_reports_the_chosen_flop_rate():
+    assert rate_entry(2, 64, 5e9).flops_per_s == pytest.approx(5e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_compute_term_is_flops_over_the_rate(head_dim):
+    p = profile(rank_scale=0.5)  # rates differ per rank count, so the right count must be used
+    workload = Workload(seq_len=1536, heads=8, head_dim=head_dim, kv_heads=2, causal=True)
+    configs = enumerate_configs(workload, 4)
+    assert len(configs) > 5
+    for config in configs:
+        expected_rate = RATES[head_dim] / config.ranks**0.5
+        flops = analytic_cost(workload, config).flops
+        assert prior_time(workload, config, p).compute_s == pytest.approx(flops / expected_rate, rel=1e-9)
+
+
+def test_one_rank_is_compute_only():
+    t = prior_time(W, CPConfig("ring", 1), profile())
+    assert t.compute_s > 0
+    assert (t.all_to_all_s, t.all_gather_s, t.ring_exposed_s) == (0.0, 0.0, 0.0)
+    assert t.total_s == t.compute_s and t.comm_s == 0.0
+
+
+# --------------------------------------------------------------------------- ring overlap
+
+
+def test_ring_hides_a_transfer_shorter_than_each_step_of_compute():
+    fast = {**LINKS, "p2p": (1e-9, 1e15)}
+    t = prior_time(W, CPConfig("ring", 4), profile(links=fast))
+    assert t.ring_exposed_s == pytest.approx(0.0, abs=1e-12 * t.compute_s)
+    assert t.total_s == pytest.approx(t.compute_s, rel=1e-12)
+
+
+def test_ring_exposes_the_part_of_a_slow_transfer_compute_cannot_hide():
+    slow_latency, slow_bandwidth = 1e-3, 1e6
+    slow = {**LINKS, "p2p": (slow_latency, slow_bandwidth)}
+    config = CPConfig("ring", 4)
+    t = prior_time(W, config, profile(links=slow))
+    cost = analytic_cost(W, config)
+    steps = cost.comm_steps["p2p"]
+    assert steps == 3
+    step = slow_latency + cost.bytes_sent["p2p"] / steps / slow_bandwidth
+    block = t.compute_s / 4
+    assert step > block  # the premise: communication-bound
+    assert t.ring_exposed_s > 0
+    assert t.ring_exposed_s == pytest.approx(steps * (step - block), rel=1e-9)
+    assert (t.all_to_all_s, t.all_gather_s) == (0.0, 0.0)
+
+
+def test_ring_exposure_shrinks_as_compute_grows_per_step():
+    """Same link; a longer sequence has more compute per byte, so less of the Ring is exposed."""
+    slow = {**LINKS, "p2p": (1e-4, 5e6)}
+    p = profile(links=slow)
+    short = prior_time(Workload(seq_len=512, heads=8, head_dim=64), CPConfig("ring", 4), p)
+    long = prior_time(Workload(seq_len=16384, heads=8, head_dim=64), CPConfig("ring", 4), p)
+    assert short.ring_exposed_s > 0
+    assert long.ring_exposed_s / long.total_s < short.ring_exposed_s / short.total_s
+    assert long.ring_exposed_s == pytest.approx(0.0, abs=1e-12 * long.compute_s)
+
+
+# --------------------------------------------------------------------------- all-to-all, all-gather
+
+
+def test_all_to_all_is_three_calls_plus_bytes_over_bandwidth_and_grows_with_bytes():
+    latency, bandwidth = LINKS["all_to_all"]
+    p = profile()
+    terms = []
+    for seq_len in (1024, 2048, 4096, 8192):
+        workload = Workload(seq_len=seq_len, heads=8, head_dim=64)
+        config = CPConfig("ulysses", 4)
+        nbytes = analytic_cost(workload, config).bytes_sent["all_to_all"]
+        t = prior_time(workload, config, p)
+        assert t.all_to_all_s == pytest.approx(3 * latency + nbytes / bandwidth, rel=1e-12)
+        terms.append(t.all_to_all_s)
+    assert terms == sorted(terms) and len(set(terms)) == 4
+    # the bandwidth part doubles with the bytes
+    assert terms[2] - 3 * latency == pytest.approx(2 * (terms[1] - 3 * latency), rel=1e-9)
+
+
+def test_pure_ulysses_has_no_all_gather_or_ring_term():
+    t = prior_time(W, CPConfig("ulysses", 4), profile())
+    assert t.all_to_all_s > 0
+    assert t.all_gather_s == 0.0 and t.ring_exposed_s == 0.0
+    assert t.total_s == pytest.approx(t.compute_s + t.all_to_all_s, rel=1e-12)
+
+
+def test_allgather_kv_pays_one_all_gather_call_and_no_other_collective():
+    latency, bandwidth = LINKS["all_gather"]
+    config = CPConfig("allgather_kv", 4)
+    t = prior_time(W, config, profile())
+    nbytes = analytic_cost(W, config).bytes_sent["all_gather"]
+    assert nbytes > 0
+    assert t.all_gather_s == pytest.approx(latency + nbytes / bandwidth, rel=1e-12)
+    assert t.all_to_all_s == 0.0 and t.ring_exposed_s == 0.0
+
+
+def test_hybrid_pays_both_its_collectives():
+    t = prior_time(W, CPConfig("allgather_kv", 4, 2), profile())
+    assert t.all_to_all_s > 0 and t.all_gather_s > 0 and t.ring_exposed_s == 0.0
+
+
+# --------------------------------------------------------------------------- described hardware
+
+
+class Recording:
+    """A Profile that records which collective each term asked about."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    fingerprint = property(lambda self: self.inner.fingerprint)
+    max_ranks = property(lambda self: self.inner.max_ranks)
+    memory_limit = property(lambda self: self.inner.memory_limit)
+
+    def describe(self):
+        return self.inner.describe()
+
+    def attention_rate(self, workload, ranks, *rest):
+        return self.inner.attention_rate(workload, ranks, *rest)
+
+    def collective(self, kind, ranks, members):
+        answer = self.inner.collective(kind, ranks, members)
+        self.calls.append((kind, tuple(members), answer))
+        return answer
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    return load_description("h100-sxm-2x8-ib")
+
+
+def test_a_ring_across_two_nodes_uses_the_network_tier(two_nodes):
+    node, network = two_nodes.node_link, two_nodes.network_link
+    assert network.bandwidth < node.bandwidth  # the premise of the shipped file
+    workload = Workload(seq_len=16384, heads=16, head_dim=128)
+
+    across = Recording(DescribedProfile(two_nodes))
+    t16 = prior_time(workload, CPConfig("ring", 16), across)
+    (call,) = across.calls
+    assert call[0] == "p2p" and call[1] == tuple(range(16))
+    assert call[2] == (network.latency, network.bandwidth)
+
+    inside = Recording(DescribedProfile(two_nodes))
+    t8 = prior_time(workload, CPConfig("ring", 8), inside)
+    (call,) = inside.calls
+    assert call[1] == tuple(range(8)) and call[2] == (node.latency, node.bandwidth)
+
+    # per byte, a step across nodes is slower than a step inside one
+    assert 1 / across.calls[0][2][1] > 1 / inside.calls[0][2][1]
+    # and the prior's Ring term follows the network's figures (communication-bound here)
+    cost = analytic_cost(workload, CPConfig("ring", 16))
+    steps = cost.comm_steps["p2p"]
+    step = network.latency + cost.bytes_sent["p2p"] / steps / network.bandwidth
+    block = t16.compute_s / 16
+    assert step > block
+    assert t16.ring_exposed_s == pytest.approx(block + steps * step - t16.compute_s, rel=1e-9)
+    assert t16.ring_exposed_s > t8.ring_exposed_s
+
+
+def test_a_ulysses_head_group_of_eight_stays_on_nvlink(two_nodes):
+    node, network = two_nodes.node_link, two_nodes.network_link
+    workload = Workload(seq_len=16384, heads=16, head_dim=128)
+    config = CPConfig("ring", 16, 8)  # 8-way Ulysses inside each node x 2-way Ring across
+    recording = Recording(DescribedProfile(two_nodes))
+    t = prior_time(workload, config, recording)
+    calls = {kind: (members, answer) for kind, members, answer in recording.calls}
+    assert calls["all_to_all"] == (tuple(range(8)), (node.latency, node.bandwidth))
+    assert calls["p2p"] == ((0, 8), (network.latency, network.bandwidth))
+    nbytes = analytic_cost(workload, config).bytes_sent["all_to_all"]
+    assert t.all_to_all_s == pytest.approx(3 * node.latency + nbytes / node.bandwidth, rel=1e-12)
+    # pure 16-way Ulysses spans both nodes: its all-to-all goes over the network
+    pure = Recording(DescribedProfile(two_nodes))
+    prior_time(workload, CPConfig("ulysses", 16), pure)
+    assert pure.calls[0][2] == (network.latency, network.bandwidth)
+
+
+def test_described_compute_term_uses_the_dtype_rate():
+    h100 = load_description("h100-sxm-8")
+    workload = Workload(seq_len=8192, heads=24, head_dim=128, dtype="bf16")
+    config = CPConfig("ulysses", 8)
+    t = prior_time(workload, config, DescribedProfile(h100))
+    assert t.compute_s == pytest.approx(analytic_cost(workload, config).flops / h100.attention_flops["bf16"])
+
+
+def test_described_profile_without_a_dtype_rate_says_which_key_to_add():
+    link = LinkTier(name="test link", bandwidth=1e11, latency=1e-5)
+    description = HardwareDescription(
+        name="no-fp32", description="", device="test device", ranks_per_node=2, nodes=1,
+        memory_bytes=None, attention_flops={"bf16": 1e14, "fp16": 1e14}, node_link=link,
+        network_link=None, source="no-fp32.toml",
+    )
+    with pytest.raises(ValueError, match="attention_tflops"):
+        prior_time(Workload(seq_len=64, heads=2, head_dim=16, dtype="fp32"), CPConfig("ring", 2),
+                   DescribedProfile(description))
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def test_fit_recovers_latency_and_bandwidth_from_exact_points():
+    sizes = np.array(MESSAGE_SIZES, dtype=float)
+    latency, bandwidth = 25e-6, 3.5e9
+    fitted_latency, fitted_bandwidth = fit_latency_bandwidth(sizes, latency + sizes / bandwidth)
+    assert fitted_latency == pytest.approx(latency, rel=1e-6)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_fit_stays_non_negative_on_noisy_points():
+    rng = np.random.default_rng(7)
+    sizes = np.array(MESSAGE_SIZES, dtype=float)
+    for _ in range(20):
+        # nearly no latency: noise alone would push an unconstrained fit below zero
+        times = (1e-9 + sizes / 2e9) * rng.uniform(0.7, 1.3, sizes.size)
+        latency, bandwidth = fit_latency_bandwidth(sizes, times)
+        assert latency >= 0.0 and bandwidth > 0.0
+        assert 1e9 < bandwidth < 4e9
+
+
+def test_fit_of_flat_times_is_all_latency():
+    sizes = np.array(MESSAGE_SIZES, dtype=float)
+    latency, bandwidth = fit_latency_bandwidth(sizes, np.full(sizes.size, 5e-5))
+    assert latency == pytest.approx(5e-5, rel=1e-6)
+    # no size term: the bandwidth seen at the largest size, finite so it stores as JSON
+    assert bandwidth == pytest.approx(sizes[-1] / 5e-5) and math.isfinite(bandwidth)
+
+
+def test_group_sizes_are_the_divisors_above_one():
+    assert group_sizes(1) == []
+    assert group_sizes(2) == [2]
+    assert group_sizes(12) == [2, 3, 4, 6, 12]
+
+
+def test_collective_fit_time():
+    fit = CollectiveFit(kind="p2p", ranks=2, group=2, latency_s=1e-5, bandwidth=1e9, bus_bandwidth=1e9,
+                        sizes=(1,), times_s=(1e-5,))
+    assert fit.time(0) == 0.0
+    assert fit.time(2e6, calls=3) == pytest.approx(3e-5 + 2e-3)
+
+
+def test_calibration_round_trips_through_json():
+    calibration = make_calibration(max_ranks=4)
+    data = json.loads(json.dumps(calibration.to_dict()))  # what the store keeps
+    back = Calibration.from_dict(data)
+    assert back == calibration
+    assert isinstance(back.collectives[0].sizes, tuple) and isinstance(back.compute[0], ComputeRate)
+    assert back.max_ranks == 4
+
+
+def test_collective_falls_back_to_the_nearest_rank_count():
+    fits = tuple(
+        CollectiveFit(kind="p2p", ranks=n, group=g, latency_s=n * 1e-6 + g * 1e-7, bandwidth=1e9,
+                      bus_bandwidth=1e9, sizes=(1,), times_s=(1.0,))
+        for n, g in [(2, 2), (4, 2), (4, 4), (8, 2)]
+    )
+    calibration = Calibration("mpi", fits, (rate_entry(1, 64, 1e9),), "2025-01-01T00:00:00+00:00")
+
+    def picked(ranks, group):
+        fit = calibration.collective("p2p", ranks, group)
+        return fit.ranks, fit.group
+
+    assert picked(4, 2) == (4, 2)  # calibrated: exact
+    assert picked(5, 2) == (4, 2)  # nearest rank count with that group
+    assert picked(7, 2) == (8, 2)
+    assert picked(16, 4) == (4, 4)  # only 4 ranks have groups of 4
+    with pytest.raises(ValueError, match="all_gather"):
+        calibration.collective("all_gather", 2, 2)
+
+
+def test_attention_rate_picks_the_nearest_head_dim_in_ratio():
+    calibration = make_calibration(max_ranks=2)
+    assert calibration.attention_rate(1, 64) == pytest.approx(RATES[64])
+    assert calibration.attention_rate(1, 128) == pytest.approx(RATES[128])
+    assert calibration.attention_rate(1, 80) == pytest.approx(RATES[64])  # 80/64 < 128/80
+    assert calibration.attention_rate(1, 100) == pytest.approx(RATES[128])  # 128/100 < 100/64
+    assert calibration.attention_rate(1, 16) == pytest.approx(RATES[64])
+    assert calibration.attention_rate(1, 256) == pytest.approx(RATES[128])
+
+
+def test_attention_rate_beyond_the_calibrated_ranks_uses_the_largest():
+    calibration = make_calibration(max_ranks=2, rank_scale=1.0)
+    assert calibration.attention_rate(2, 64) == pytest.approx(RATES[64] / 2)
+    assert calibration.attention_rate(8, 64) == pytest.approx(RATES[64] / 2)
+
+
+def sized_calibration(max_ranks: int = 1) -> Calibration:
+    """Head_dim 64 on every rank count: 1 GFLOP/s on a small call, 4 GFLOP/s on a call 16x
+    larger; causal calls at half those rates. Collectives as in ``make_calibration``."""
+    def entry(ranks, seq_q, rate, causal):
+        shape = ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64, seconds=1.0,
+                            causal=causal)
+        return ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64,
+                           seconds=shape.flops / rate, causal=causal)
+
+    compute = tuple(entry(n, seq_q, rate / (1 + causal), causal)
+                    for n in range(1, max_ranks + 1)
+                    for seq_q, rate in ((256, 1e9), (1024, 4e9)) for causal in (False, True))
+    return Calibration("mpi", make_calibration(max_ranks).collectives, compute, "2025-01-01T00:00:00+00:00")
+
+
+def test_causal_compute_rate_counts_only_visible_pairs():
+    dense = ComputeRate(ranks=1, heads=2, seq_q=4, seq_k=8, head_dim=16, seconds=1.0)
+    causal = ComputeRate(ranks=1, heads=2, seq_q=4, seq_k=8, head_dim=16, seconds=1.0, causal=True)
+    assert dense.flops == 4 * 2 * 16 * 4 * 8
+    # queries at the last 4 of 8 positions see 5, 6, 7 and 8 keys
+    assert causal.flops == 4 * 2 * 16 * (5 + 6 + 7 + 8)
+    assert causal.flops_per_s == causal.flops
+
+
+def test_attention_rate_interpolates_over_the_work_per_call():
+    calibration = sized_calibration()
+    small, large = sorted(r.flops for r in calibration.compute if not r.causal)
+    assert large == 16 * small
+    assert calibration.attention_rate(1, 64, flops=small) == pytest.approx(1e9)
+    assert calibration.attention_rate(1, 64, flops=large) == pytest.approx(4e9)
+    assert calibration.attention_rate(1, 64, flops=4 * small) == pytest.approx(2e9)  # log-log midpoint
+    assert calibration.attention_rate(1, 64, flops=small / 100) == pytest.approx(1e9)  # held beyond
+    assert calibration.attention_rate(1, 64, flops=large * 100) == pytest.approx(4e9)
+    assert calibration.attention_rate(1, 64) == pytest.approx(2e9)  # no size: geometric mean
+
+
+def test_attention_rate_uses_the_shapes_with_the_same_mask():
+    calibration = sized_calibration()
+    causal_large = max(r.flops for r in calibration.compute if r.causal)
+    assert calibration.attention_rate(1, 64, causal=True, flops=causal_large) == pytest.approx(2e9)
+    assert calibration.attention_rate(1, 64, causal=True) == pytest.approx(1e9)
+    # a calibration without causal shapes answers causal questions from the others
+    dense_only = make_calibration(max_ranks=1)
+    assert dense_only.attention_rate(1, 64, causal=True) == pytest.approx(RATES[64])
+
+
+def test_ring_compute_is_rated_at_the_work_of_one_block():
+    p = CalibratedProfile(HOST, sized_calibration(max_ranks=4))
+    workload = Workload(seq_len=768, heads=8, head_dim=64)
+    ring, ulysses = CPConfig("ring", 4), CPConfig("ulysses", 4)
+    flops = analytic_cost(workload, ring).flops
+    assert analytic_cost(workload, ulysses).flops == flops  # the same work per rank...
+    ring_rate = p.calibration.attention_rate(4, 64, False, flops / 4)
+    ulysses_rate = p.calibration.attention_rate(4, 64, False, flops)
+    assert ring_rate < ulysses_rate  # ...but the Ring does it in 4 smaller calls
+    assert prior_time(workload, ring, p).compute_s == pytest.approx(flops / ring_rate)
+    assert prior_time(workload, ulysses, p).compute_s == pytest.approx(flops / ulysses_rate)
+
+
+def test_a_stored_calibration_without_mask_fields_still_loads():
+    data = json.loads(json.dumps(make_calibration(max_ranks=2).to_dict()))
+    for rate in data["compute"]:
+        del rate["causal"]  # stored before causal shapes were calibrated
+    assert all(not r.causal for r in Calibration.from_dict(data).compute)

@@ -1,0 +1,232 @@
+"""recommend(): measured where stored, else the model or the prior; on a temporary database
+with a hand-built calibration and hand-made measurements (no MPI)."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
+from cptune.config import CPConfig
+from cptune.cost import COLLECTIVES
+from cptune.errors import CPTuneError, InfeasibleConfigError
+from cptune.feasibility import candidate_configs
+from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
+from cptune.measurement import Measurement
+from cptune.recommend import SOURCES, recommend
+from cptune.store import Store
+from cptune.workload import Workload
+
+MAX_RANKS = 4
+W = Workload(seq_len=1024, heads=8, head_dim=64)
+OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu_model=None, gpu_count=0,
+                      interconnect="shared memory (one host)", mpi_library="MPICH 5")
+
+
+def make_calibration(max_ranks: int = MAX_RANKS) -> Calibration:
+    fits = tuple(
+        CollectiveFit(kind=kind, ranks=n, group=g, latency_s=30e-6, bandwidth=1e9, bus_bandwidth=1e9,
+                      sizes=(1024,), times_s=(31e-6,))
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+    )
+    compute = tuple(
+        ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,
+                    seconds=4 * 4 * 512 * 2048 * d / (20e9 / n**0.5))
+        for n in range(1, max_ranks + 1) for d in (64, 128)
+    )
+    return Calibration("mpi", fits, compute, "2025-01-01T00:00:00+00:00")
+
+
+def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
+    return Measurement(
+        workload=workload, config=config, median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.2 * ms,
+        compute_ms=0.8 * ms, comm_ms=0.2 * ms, peak_bytes=2**20, max_error=1e-3, engine="mpi", host={},
+        warmup=1, repeats=3, samples_ms=[0.9 * ms, ms, 1.2 * ms],
+    )
+
+
+@pytest.fixture
+def db(tmp_path):
+    """A database with this host's calibration and no measurements."""
+    path = str(tmp_path / "r.db")
+    with Store(path) as store:
+        store.add_calibration(this_host(), make_calibration())
+    return path
+
+
+def add(db: str, *measurements: Measurement, hardware: Hardware | None = None) -> None:
+    with Store(db) as store:
+        for m in measurements:
+            store.add_measurement(hardware or this_host(), m)
+
+
+def by_config(recommendation):
+    return {c.config: c for c in recommendation.candidates}
+
+
+def latencies(recommendation):
+    return [c.latency_ms for c in recommendation.candidates]
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def test_stored_config_is_measured_the_others_come_from_the_prior(db):
+    add(db, measurement(W, CPConfig("ring", 2), 7.5))
+    rec = recommend(W, db=db)
+    candidates = by_config(rec)
+    measured = candidates[CPConfig("ring", 2)]
+    assert measured.source == "measured" and measured.latency_ms == 7.5
+    assert (measured.low_ms, measured.high_ms) == (0.9 * 7.5, 1.2 * 7.5)
+    assert measured.measurement_id is not None
+    others = [c for c in rec.candidates if c.config != CPConfig("ring", 2)]
+    assert others and all(c.source == "prior" for c in others)  # fewer than MIN_SAMPLES: no correction
+    assert all(c.low_ms <= c.latency_ms <= c.high_ms for c in others)
+    assert latencies(rec) == sorted(latencies(rec))
+    assert rec.config == rec.candidates[0].config and rec.latency_ms == rec.candidates[0].latency_ms
+    assert rec.alternatives == rec.candidates[1:]
+    assert rec.fingerprint == this_host().fingerprint
+    assert rec.interval_ms == (rec.candidates[0].low_ms, rec.candidates[0].high_ms)
+
+
+def test_enough_measurements_let_the_model_predict_the_rest(db):
+    # 9 measurements over three lengths: the correction is fitted; 1024 has only two of its own
+    stored = [(seq_len, config) for seq_len in (512, 768) for config in
+              (CPConfig("ring", 1), CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("ulysses", 4))]
+    stored += [(1024, CPConfig("ring", 1))]
+    add(db, *(measurement(Workload(seq_len=s, heads=8, head_dim=64), c, 1.0 + 0.1 * c.ranks + s / 512)
+              for s, c in stored))
+    rec = recommend(W, db=db)
+    sources = {c.config: c.source for c in rec.candidates}
+    assert sources[CPConfig("ring", 1)] == "measured"
+    assert {s for c, s in sources.items() if c != CPConfig("ring", 1)} == {"model"}
+    assert set(sources.values()) <= set(SOURCES)
+    assert latencies(rec) == sorted(latencies(rec))
+
+
+def test_measurements_of_another_hardware_do_not_answer_for_this_host(db):
+    with Store(db) as store:
+        store.add_calibration(OTHER_HOST, make_calibration())
+    add(db, measurement(W, CPConfig("ulysses", 4), 1e-6), hardware=OTHER_HOST)
+    rec = recommend(W, db=db)
+    assert all(c.source == "prior" for c in rec.candidates)
+    assert by_config(rec)[CPConfig("ulysses", 4)].latency_ms != 1e-6
+    # the other host is reachable by a prefix of its fingerprint, and there it is measured
+    there = recommend(W, hardware=OTHER_HOST.fingerprint[:8], db=db)
+    assert there.fingerprint == OTHER_HOST.fingerprint
+    assert there.source == "measured" and there.config == CPConfig("ulysses", 4)
+
+
+# --------------------------------------------------------------------------- which configs
+
+
+def test_ranks_keeps_only_that_rank_count(db):
+    rec = recommend(W, ranks=2, db=db)
+    assert rec.candidates and {c.config.ranks for c in rec.candidates} == {2}
+    assert set(by_config(rec)) == {CPConfig("allgather_kv", 2), CPConfig("ring", 2), CPConfig("ulysses", 2)}
+    assert all(c.ranks == 2 for c in rec.infeasible)
+
+
+def test_no_ranks_considers_one_to_the_calibrated_maximum(db):
+    rec = recommend(W, db=db)
+    considered = set(by_config(rec)) | set(rec.infeasible)
+    assert considered == set(candidate_configs(MAX_RANKS))
+    assert {c.ranks for c in by_config(rec)} == set(range(1, MAX_RANKS + 1))
+    assert not set(by_config(rec)) & set(rec.infeasible)
+
+
+def test_infeasible_configs_come_with_their_reasons(db):
+    six_heads = Workload(seq_len=1024, heads=6, head_dim=64)
+    rec = recommend(six_heads, db=db)
+    assert CPConfig("ulysses", 4) not in by_config(rec)
+    reasons = rec.infeasible[CPConfig("ulysses", 4)]
+    assert reasons and any("Ulysses limit" in r for r in reasons)
+    assert CPConfig("ulysses", 2) in by_config(rec)  # 6 heads split over 2
+    assert all(r for r in rec.infeasible.values())
+
+
+def test_a_workload_no_config_can_run_raises(db):
+    with pytest.raises(InfeasibleConfigError) as caught:
+        recommend(Workload(seq_len=1, heads=8, head_dim=64), ranks=2, db=db)
+    assert caught.value.reasons and any("shorter than 2 ranks" in r for r in caught.value.reasons)
+
+
+def test_ranks_beyond_the_hardware_is_refused(db):
+    with pytest.raises(CPTuneError, match=f"between 1 and {MAX_RANKS}"):
+        recommend(W, ranks=MAX_RANKS + 1, db=db)
+
+
+# --------------------------------------------------------------------------- which hardware
+
+
+def test_a_shipped_description_predicts_from_the_prior(db):
+    add(db, measurement(W, CPConfig("ring", 2), 7.5))  # this host's: must not be used
+    workload = Workload(seq_len=16896, heads=24, head_dim=128)
+    rec = recommend(workload, hardware="h100-sxm-8", db=db)
+    h100 = load_description("h100-sxm-8")
+    assert rec.fingerprint == h100.fingerprint
+    assert all(c.source == "prior" for c in rec.candidates)
+    assert max(c.config.ranks for c in rec.candidates) == h100.max_ranks
+    assert latencies(rec) == sorted(latencies(rec))
+
+
+def test_unknown_hardware_names_the_shipped_descriptions(db):
+    with pytest.raises(CPTuneError) as caught:
+        recommend(W, hardware="h200-sxm-8", db=db)
+    message = str(caught.value)
+    for name in builtin_descriptions():
+        assert name in message
+    assert "h100-sxm-8" in message
+
+
+def test_this_host_without_a_calibration_says_to_calibrate(tmp_path):
+    path = str(tmp_path / "r.db")
+    add(path, measurement(W, CPConfig("ring", 2), 7.5))  # measured, never calibrated
+    with pytest.raises(CPTuneError, match="cptune calibrate"):
+        recommend(W, db=path)
+    with pytest.raises(CPTuneError, match="cptune calibrate"):
+        recommend(W, db=str(tmp_path / "empty.db"))
+
+
+# --------------------------------------------------------------------------- refresh, output
+
+
+def test_a_new_measurement_changes_the_answer(db):
+    add(db, measurement(W, CPConfig("ring", 1), 50.0))
+    first = recommend(W, db=db)
+    loser = first.candidates[-1].config
+    assert loser != first.config
+    add(db, measurement(W, loser, 1e-3))
+    second = recommend(W, db=db)
+    assert second.config == loser and second.source == "measured" and second.latency_ms == 1e-3
+    # and a later measurement of the same config replaces the earlier one
+    add(db, measurement(W, loser, 1e4))
+    third = recommend(W, db=db)
+    assert third.config != loser and by_config(third)[loser].latency_ms == 1e4
+
+
+def test_a_new_calibration_is_picked_up(db):
+    before = by_config(recommend(W, db=db))[CPConfig("ring", 1)].latency_ms
+    faster = make_calibration()
+    faster = replace(faster, compute=tuple(replace(r, seconds=r.seconds / 10) for r in faster.compute),
+                     measured_at="2025-02-01T00:00:00+00:00")
+    with Store(db) as store:
+        store.add_calibration(this_host(), faster)
+    after = by_config(recommend(W, db=db))[CPConfig("ring", 1)].latency_ms
+    assert after == pytest.approx(before / 10)
+
+
+def test_to_dict_is_json(db):
+    add(db, measurement(W, CPConfig("ring", 2), 7.5))
+    rec = recommend(Workload(seq_len=1024, heads=6, head_dim=64), db=db)
+    data = json.loads(json.dumps(rec.to_dict()))
+    assert data["config"] == rec.config.to_dict() and data["source"] == rec.source
+    assert data["latency_ms"] == rec.latency_ms and data["fingerprint"] == rec.fingerprint
+    assert data["workload"]["heads"] == 6
+    assert len(data["candidates"]) == len(rec.candidates)
+    assert [c["latency_ms"] for c in data["candidates"]] == latencies(rec)
+    assert {c["label"] for c in data["candidates"]} >= {"ring", "ulysses"}
+    infeasible = {(i["strategy"], i["ranks"], i["head_group"]): i["reasons"] for i in data["infeasible"]}
+    assert infeasible[("ulysses", 4, 4)] == rec.infeasible[CPConfig("ulysses", 4)]
+    assert np.isfinite(data["interval_ms"]).all()
