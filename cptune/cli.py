@@ -511,6 +511,11 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
 # --------------------------------------------------------------------------- recommend
 
 
+def _ms(value: float) -> str:
+    """Three significant digits, without exponents: 0.731, 12.5, 1870."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
 def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.recommend import recommend
 
@@ -526,10 +531,10 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for i, c in enumerate(pick.candidates, start=1):
         style = "bold green" if i == 1 else ""
-        table.add_row(str(i), c.config.label, str(c.config.ranks), f"{c.latency_ms:.3g}",
-                      f"{c.low_ms:.3g}-{c.high_ms:.3g}", c.source, style=style)
+        table.add_row(str(i), c.config.label, str(c.config.ranks), _ms(c.latency_ms),
+                      f"{_ms(c.low_ms)}-{_ms(c.high_ms)}", c.source, style=style)
     console.print(table)
-    console.print(f"[bold]pick:[/] {pick.config.describe()}, {pick.latency_ms:.3g} ms ({pick.source})",
+    console.print(f"[bold]pick:[/] {pick.config.describe()}, {_ms(pick.latency_ms)} ms ({pick.source})",
                   highlight=False)
     for config, reasons in pick.infeasible.items():
         console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
