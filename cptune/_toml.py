@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cptune.errors import CPTuneError
+
 #: Builds the error a loader raises from (file, dotted key, reason).
 ErrorFactory = Callable[[str, str, str], Exception]
 
@@ -53,6 +55,16 @@ def _got(value: object) -> str:
 def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class TomlFileError(CPTuneError, ValueError):
+    """A TOML input file that cannot be used; the message reads ``"{file}: {key}: {reason}"``."""
+
+    def __init__(self, file: str, key: str, reason: str) -> None:
+        super().__init__(f"{file}: {key}: {reason}")
+        self.file = file
+        self.key = key
+        self.reason = reason
 
 
 class _Reader:

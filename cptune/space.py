@@ -15,10 +15,9 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from cptune._toml import _got, _Reader, _show, _suggest
+from cptune._toml import TomlFileError, _got, _Reader, _show, _suggest
 from cptune._toml import _read_file as _read_toml
 from cptune.config import STRATEGIES, CPConfig
-from cptune.errors import CPTuneError
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.workload import WIRE_DTYPES, Workload
 
@@ -54,16 +53,10 @@ _EXAMPLES = {
 }
 
 
-class SpaceError(CPTuneError, ValueError):
+class SpaceError(TomlFileError):
     """A search space that cannot be used, raised before anything runs. The message reads
     ``"{file}: {key}: {reason}"``: the file as given, the dotted TOML key (or where in the
     file, for a syntax error) and what is wrong with what to do about it."""
-
-    def __init__(self, file: str, key: str, reason: str) -> None:
-        super().__init__(f"{file}: {key}: {reason}")
-        self.file = file
-        self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True)

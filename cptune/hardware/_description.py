@@ -49,9 +49,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from cptune._toml import TomlFileError, _Reader, _show, _suggest
 from cptune._toml import _read_file as _read_toml
-from cptune._toml import _Reader, _show, _suggest
-from cptune.errors import CPTuneError
 from cptune.workload import WIRE_DTYPES
 
 #: Allowed keys of each table, in the order the file format documents them.
@@ -90,16 +89,10 @@ _EXAMPLES = {
 }
 
 
-class HardwareDescriptionError(CPTuneError, ValueError):
+class HardwareDescriptionError(TomlFileError):
     """A hardware description that cannot be used. The message reads
     ``"{file}: {key}: {reason}"``: the file (or name) as given, the dotted TOML key (or where
     in the file, for a syntax error) and what is wrong with what to do about it."""
-
-    def __init__(self, file: str, key: str, reason: str) -> None:
-        super().__init__(f"{file}: {key}: {reason}")
-        self.file = file
-        self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True)
