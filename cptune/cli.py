@@ -27,7 +27,7 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
 from cptune.feasibility import enumerate_configs
-from cptune.hardware import this_host
+from cptune.hardware import Hardware, this_host
 from cptune.measurement import Measurement, available_cores
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
@@ -353,7 +353,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
             console.print(f"this hardware has no calibration yet: calibrating 1..{max(counts)} ranks first "
                           f"(the cost model's prior needs it; --no-calibrate skips)", highlight=False)
-            _calibrate(store, max(counts), 7, console)
+            _calibrate(store, hardware, max(counts), 7, console)
         best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
@@ -450,8 +450,9 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
     return [comms, compute]
 
 
-def _calibrate(store: Store, max_ranks: int, repeats: int, console: Console) -> Calibration:
-    hardware = this_host()
+def _calibrate(
+    store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console
+) -> Calibration:
     with console.status("calibrating") as status:
         calibration = calibrate(max_ranks, repeats=repeats,
                                 progress=lambda step: status.update(f"calibrating: {step}"))
@@ -467,7 +468,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
         hardware = this_host()
         console.print(f"calibrating {hardware.describe()} [dim]{hardware.fingerprint}[/] on 1..{max_ranks} "
                       f"ranks; results in {store.url}", highlight=False)
-        calibration = _calibrate(store, max_ranks, args.repeats, console)
+        calibration = _calibrate(store, hardware, max_ranks, args.repeats, console)
     for table in _calibration_tables(calibration):
         console.print(table)
     return 0
@@ -477,19 +478,10 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from cptune.cost_model import training_set
-    from cptune.evaluation import cross_validate_groups
-    from cptune.store import Store
+    from cptune.evaluation import cross_validate_groups, load_training
 
-    with Store(args.db) as store:
-        data = training_set(store)
-    uncalibrated = ", ".join(sorted(data.uncalibrated))
-    if not data.cases and uncalibrated:
-        raise UsageError(f"the measurements in {store.url} are of hardware with no calibration "
-                         f"({uncalibrated}): run cptune calibrate on it with this database")
-    if not data.cases:
-        raise UsageError(f"no measurements in {store.url}: run cptune search first")
-    if uncalibrated:
+    data = load_training(args.db)
+    if uncalibrated := ", ".join(sorted(data.uncalibrated)):
         console.print(f"[yellow]left out[/]: measurements of {uncalibrated}, which have no calibration "
                       f"(run cptune calibrate there)", highlight=False, soft_wrap=True)
     groupings = ["seq_len"] + (["hardware"] if len(data.profiles) > 1 else [])

@@ -24,7 +24,7 @@ from scipy.stats import spearmanr
 from sklearn.base import clone
 from sklearn.model_selection import GroupKFold
 
-from cptune.cost_model import Case, CostModel, training_set
+from cptune.cost_model import Case, CostModel, TrainingSet, training_set
 from cptune.errors import CPTuneError
 from cptune.store import Store
 
@@ -114,12 +114,22 @@ def cross_validate_groups(
     return Evaluation(by=by, groups=tuple(scores))
 
 
+def load_training(db: str | None = None) -> TrainingSet:
+    """The training set of ``db``; a ``CPTuneError`` saying what to run when it is empty."""
+    with Store(db) as store:
+        data = training_set(store)
+    if not data.cases and data.uncalibrated:
+        raise CPTuneError(
+            f"the measurements in {store.url} are of hardware with no calibration "
+            f"({', '.join(sorted(data.uncalibrated))}): run cptune calibrate on it with this database"
+        )
+    if not data.cases:
+        raise CPTuneError(f"no measurements in {store.url}: run cptune search first")
+    return data
+
+
 def evaluate(db: str | None = None, by: str = "seq_len", model: CostModel | None = None) -> Evaluation:
     """Cross-validate the cost model on the measurements of ``db`` (default as for the
     CLI), holding out whole sequence lengths or whole hardware fingerprints."""
-    with Store(db) as store:
-        data = training_set(store)
-    if not data.cases:
-        hint = " (measured hardware lacks a calibration: run cptune calibrate)" if data.uncalibrated else ""
-        raise CPTuneError(f"no measurements to evaluate in {store.url}{hint}; run cptune search first")
+    data = load_training(db)
     return cross_validate_groups(data.cases, data.latencies_s, by, model)

@@ -104,6 +104,7 @@ class _Advisor:
         self.revision: tuple[int, int] | None = None
         self.model = CostModel()
         self.profiles: dict[str, CalibratedProfile] = {}
+        self.fingerprints: list[str] = []
         self.measured: dict[tuple[str, Workload, CPConfig], Result] = {}
 
     def refresh(self) -> None:
@@ -113,6 +114,7 @@ class _Advisor:
         data = training_set(self.store)
         self.model = CostModel().fit(data.cases, data.latencies_s)
         self.profiles = data.profiles
+        self.fingerprints = list(self.store.hardware())  # rows come only with measurements or calibrations
         self.measured = {(r.hardware, r.workload, r.config): r for r in data.results}
         self.revision = revision
 
@@ -128,7 +130,7 @@ class _Advisor:
                 )
             return self.profiles[host.fingerprint]
         assert hardware is not None
-        stored = [fp for fp in self.store.hardware() if fp.startswith(hardware.lower())]
+        stored = [fp for fp in self.fingerprints if fp.startswith(hardware.lower())]
         if len(hardware) >= 4 and len(stored) == 1:
             if stored[0] not in self.profiles:
                 raise CPTuneError(
