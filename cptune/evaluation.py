@@ -90,27 +90,40 @@ def score_group(name: str, cases: Sequence[Case], measured: np.ndarray, predicte
     )
 
 
-def cross_validate_groups(
+def held_out_predictions(
     cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
-) -> Evaluation:
-    """Hold out each group in turn (``GroupKFold`` with one fold per group), fit a clone of
-    ``model`` on the rest, and score its predictions on the held-out group."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each case's group name and its latency (s) predicted by a clone of ``model`` fitted on
+    every other group (``GroupKFold``, one fold per group): what the model says about data
+    it has not seen."""
     if by not in GROUPINGS:
         raise ValueError(f"by must be one of {', '.join(GROUPINGS)}, got {by!r}")
     cases = list(cases)
     groups = np.array([_group_of(case, by) for case in cases])
-    names = sorted(set(groups), key=lambda g: (len(g), g))
-    if len(names) < 2:
+    count = len(set(groups))
+    if count < 2:
         raise CPTuneError(
             f"cross-validation by {by} needs measurements of at least two groups, found "
-            f"{len(names)}; measure more with cptune search"
+            f"{count}; measure more with cptune search"
         )
-    scores = []
-    for train, test in GroupKFold(n_splits=len(names)).split(cases, latencies, groups):
+    predicted = np.empty(len(cases))
+    for train, test in GroupKFold(n_splits=count).split(cases, latencies, groups):
         fitted = clone(model or CostModel()).fit([cases[i] for i in train], latencies[train])
-        predicted = fitted.predict([cases[i] for i in test])
-        scores.append(score_group(groups[test[0]], [cases[i] for i in test], latencies[test], predicted))
-    scores.sort(key=lambda s: names.index(s.held_out))
+        predicted[test] = fitted.predict([cases[i] for i in test])
+    return groups, predicted
+
+
+def cross_validate_groups(
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
+) -> Evaluation:
+    """Hold out each group in turn and score the held-out predictions of each group."""
+    cases = list(cases)
+    groups, predicted = held_out_predictions(cases, latencies, by, model)
+    names = sorted(set(groups), key=lambda g: (len(g), g))
+    scores = []
+    for name in names:
+        members = np.flatnonzero(groups == name)
+        scores.append(score_group(name, [cases[i] for i in members], latencies[members], predicted[members]))
     return Evaluation(by=by, groups=tuple(scores))
 
 
