@@ -2,7 +2,8 @@
 
 The vocabulary (``Workload``, ``CPConfig``, ``feasibility``, ``analytic_cost``) describes
 what could run; ``compute`` and ``measure`` run it for real on MPI ranks; ``recommend``
-picks a configuration from measurements and the cost model; ``evaluate`` scores that model.
+picks a configuration from measurements and the cost model; ``evaluate`` scores that model;
+``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s.
 """
 
 from cptune.config import STRATEGIES, CPConfig
@@ -21,6 +22,9 @@ _LAZY = {
     "evaluate": "cptune.evaluation",
     "recommend": "cptune.recommend",
     "Recommendation": "cptune.recommend",
+    "Plan": "cptune.plans",
+    "load_plan": "cptune.plans",
+    "export_plan": "cptune.plans.export",
 }
 
 
@@ -39,13 +43,16 @@ __all__ = [
     "EngineError",
     "InfeasibleConfigError",
     "Measurement",
+    "Plan",
     "Recommendation",
     "Workload",
     "analytic_cost",
     "compute",
     "enumerate_configs",
     "evaluate",
+    "export_plan",
     "feasibility",
+    "load_plan",
     "measure",
     "recommend",
 ]

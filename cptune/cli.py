@@ -1,5 +1,5 @@
-"""The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``
-and ``recommend``.
+"""The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``,
+``recommend`` and ``export``.
 
 Bad input (flags, space files, databases) ends with one line naming the problem and the
 fix, and exit code 2; never a traceback.
@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cptune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     db_help = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
+    hardware_help = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
+                     "a100-sxm-8, l40s-pcie-8, h100-sxm-2x8-ib) or a TOML file")
 
     search = commands.add_parser(
         "search",
@@ -218,11 +220,30 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
     rec.add_argument("--ranks", type=_positive,
                      help="exactly this many ranks (default: any up to the hardware's)")
-    rec.add_argument("--hardware", help="this host (default), a stored fingerprint, a shipped "
-                                        "description (h100-sxm-8, a100-sxm-8, l40s-pcie-8, "
-                                        "h100-sxm-2x8-ib) or a TOML file")
+    rec.add_argument("--hardware", help=hardware_help)
     rec.add_argument("--db", help=db_help)
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+
+    export = commands.add_parser(
+        "export",
+        help="write a plan: the configuration to run per sequence-length bucket, for a deployment",
+        description=(
+            "For each sequence length of a search space (or of the workload flags), take the "
+            "recommended configuration - measured where the database has it, predicted elsewhere "
+            "- and write them as a JSON plan with their evidence and the launch command. A "
+            "deployment loads it with cptune.load_plan (or any JSON Schema reader: the schema "
+            "ships as cptune/plans/plan.schema.json)."
+        ),
+    )
+    export.add_argument("space", nargs="?",
+                        help=f"search space file or built-in name (default {DEMO_SPACE})")
+    export.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
+    export.add_argument("--hardware", help=hardware_help)
+    export.add_argument("--ranks", dest="plan_ranks", type=_positive,
+                        help="exactly this many ranks (default: the fastest count up to the hardware's)")
+    export.add_argument("--db", help=db_help)
+    _add_shape(export, None)
+    export.set_defaults(ranks=None)  # the search-space reader's rank list: not a flag of export
     return parser
 
 
@@ -534,8 +555,35 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from cptune.plans.export import export_plan
+
+    space, _ = _load_search_space(args)
+    plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
+                       strategies=space.strategies)
+    path = plan.write(args.output)
+    table = _table(f"plan for {plan.describe_shape()}\non {plan.hardware.description}",
+                   "latency: ms per attention call, slowest rank; measured = median of the stored "
+                   "measurement, model/prior = predicted")
+    for column in ("seq_len range", "tuned at", "config", "ranks", "latency ms", "source", "measurements"):
+        table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
+    for b in plan.buckets:
+        ids = ",".join(map(str, b.measurement_ids[:3])) + ("..." if len(b.measurement_ids) > 3 else "")
+        table.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
+                      _ms(b.latency_ms), b.source, ids or "-")
+    console.print(table)
+    console.print(f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
+                  f"(Slurm: {' '.join(plan.launch.srun)} <your program>)", highlight=False, soft_wrap=True)
+    console.print(f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
 COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure,
-            "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend}
+            "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

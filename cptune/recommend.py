@@ -14,6 +14,7 @@ database, a recommendation costs one small query plus the predictions.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,22 +166,32 @@ def _advisor(db: str | None) -> _Advisor:
     return advisor
 
 
+def hardware_profile(hardware: str | None = None, db: str | None = None) -> Profile:
+    """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
+    return _advisor(db).profile(hardware)
+
+
 def recommend(
-    workload: Workload, ranks: int | None = None, hardware: str | None = None, db: str | None = None
+    workload: Workload,
+    ranks: int | None = None,
+    hardware: str | None = None,
+    db: str | None = None,
+    strategies: Sequence[str] = STRATEGIES,
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
     ``ranks``: exactly this many ranks, or None for any count up to the hardware's.
     ``hardware``: None for this host (needs a calibration), a stored fingerprint, a shipped
     description name (e.g. "h100-sxm-8") or a description file. ``db``: a SQLAlchemy URL or
-    a file path (default: $CPTUNE_DB or ./cptune.db)."""
+    a file path (default: $CPTUNE_DB or ./cptune.db). ``strategies``: the context strategies
+    to consider (default all)."""
     advisor = _advisor(db)
     profile = advisor.profile(hardware)
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
         )
-    configs = [c for c in candidate_configs(ranks or profile.max_ranks, STRATEGIES)
+    configs = [c for c in candidate_configs(ranks or profile.max_ranks, tuple(strategies))
                if ranks is None or c.ranks == ranks]
     reasons = {c: feasibility(workload, c, profile.memory_limit) for c in configs}
     feasible = [c for c in configs if not reasons[c]]

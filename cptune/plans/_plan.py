@@ -1,0 +1,423 @@
+"""A tuned plan: the configuration to run per sequence-length bucket, and how to launch it.
+
+The file is JSON described by the shipped ``plan.schema.json``, so a C++ deployment reads it
+without Python. ``load_plan`` refuses, with the line and the reason, a file that is not
+JSON, breaks the schema, contradicts itself (buckets that overlap, a config the shape
+cannot run) or no longer matches its digest (edited after export). A plan tuned for other
+hardware, or asked about another attention shape, is refused unless the caller forces it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from cptune.config import CPConfig
+from cptune.errors import CPTuneError
+from cptune.feasibility import feasibility
+from cptune.workload import Workload
+
+SCHEMA_VERSION = 1
+#: The workload fields a plan is tuned for; the sequence length is what it selects on.
+SHAPE_FIELDS: tuple[str, ...] = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
+#: Larger files are refused before parsing: a plan is a few KiB.
+MAX_PLAN_BYTES = 4 * 2**20
+#: A measured host's fingerprint, or a description's.
+FINGERPRINT = re.compile(r"[0-9a-f]{16}|described:[0-9a-f]{12}")
+
+
+class PlanError(CPTuneError, ValueError):
+    """A plan file that cannot be used: unreadable, malformed, inconsistent or tampered."""
+
+
+class PlanMismatchError(PlanError):
+    """A valid plan asked to serve hardware or an attention shape it was not tuned for."""
+
+
+@dataclass(frozen=True)
+class PlanHardware:
+    """The hardware a plan was tuned on: a measured host or a topology description."""
+
+    fingerprint: str
+    description: str
+    #: "host" (calibrated and measured) or "described" (a topology description).
+    kind: str
+    #: The description's name, e.g. "h100-sxm-8"; None for a host.
+    name: str | None
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Sequence lengths ``min_seq_len..max_seq_len`` run ``config``, chosen at ``seq_len``."""
+
+    min_seq_len: int
+    max_seq_len: int
+    seq_len: int
+    config: CPConfig
+    latency_ms: float
+    interval_ms: tuple[float, float]
+    #: "measured", "model" or "prior": the evidence behind the choice.
+    source: str
+    #: The stored measurements behind it, the pick's first; empty when predicted.
+    measurement_ids: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "min_seq_len": self.min_seq_len, "max_seq_len": self.max_seq_len, "seq_len": self.seq_len,
+            "config": self.config.to_dict(), "label": self.config.label, "latency_ms": self.latency_ms,
+            "interval_ms": list(self.interval_ms), "source": self.source,
+            "measurement_ids": list(self.measurement_ids),
+        }
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where one rank runs: its node, its rank within the node, and its device."""
+
+    rank: int
+    node: int
+    local_rank: int
+    #: "cpu" (the MPI engine) or "cuda:<local rank>".
+    device: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start the ranks: argument vectors to which the deployment appends its program."""
+
+    ranks: int
+    nodes: int
+    ranks_per_node: int
+    mpiexec: tuple[str, ...]
+    srun: tuple[str, ...]
+    devices: tuple[Device, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": self.ranks, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+            "mpiexec": list(self.mpiexec), "srun": list(self.srun),
+            "devices": [vars(d).copy() for d in self.devices],
+        }
+
+
+def launch_for(ranks: int, ranks_per_node: int, gpus: bool) -> Launch:
+    """The launch of ``ranks`` ranks packed ``ranks_per_node`` to a node (MPICH's mpiexec,
+    Slurm's srun), one GPU per rank when ``gpus``."""
+    per_node = min(ranks, ranks_per_node)
+    nodes = -(-ranks // per_node)
+    mpiexec = ["mpiexec", "-n", str(ranks)] + (["-ppn", str(per_node)] if nodes > 1 else [])
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}"]
+    if gpus:
+        srun.append("--gpus-per-task=1")
+    devices = tuple(
+        Device(rank, rank // per_node, rank % per_node, f"cuda:{rank % per_node}" if gpus else "cpu")
+        for rank in range(ranks)
+    )
+    return Launch(ranks, nodes, per_node, tuple(mpiexec), tuple(srun), devices)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The configuration per sequence-length bucket for one attention ``shape`` on one
+    ``hardware``. ``select`` answers a length; ``to_json`` writes the file ``load_plan`` reads."""
+
+    hardware: PlanHardware
+    #: The Workload fields of ``SHAPE_FIELDS``.
+    shape: Mapping[str, int | str | bool]
+    buckets: tuple[Bucket, ...]
+    launch: Launch
+    cptune_version: str
+    created_at: str
+    #: The file it was loaded from (None when built in memory).
+    source: str | None = None
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.buckets[-1].max_seq_len
+
+    def workload(self, seq_len: int) -> Workload:
+        """This plan's attention shape at ``seq_len`` tokens."""
+        return Workload(seq_len=seq_len, **self.shape)  # type: ignore[arg-type]
+
+    def describe_shape(self) -> str:
+        """The attention shape in words, e.g. "8 heads x d64, batch 1, bf16"."""
+        return self.workload(1).describe().removeprefix("seq 1 x ")
+
+    def bucket(self, seq_len: int) -> Bucket:
+        """The bucket holding ``seq_len``; PlanError beyond the longest tuned length."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise PlanError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if seq_len > self.max_seq_len:
+            raise PlanError(
+                f"seq_len {seq_len} is beyond this plan's longest bucket ({self.max_seq_len} tokens): "
+                f"export a plan whose --seq-lens reach {seq_len}"
+            )
+        starts = [b.min_seq_len for b in self.buckets]
+        return self.buckets[bisect.bisect_right(starts, seq_len) - 1]
+
+    def select(self, request: int | Workload, force: bool = False) -> CPConfig:
+        """The configuration for a sequence length, or for a ``Workload`` whose shape must be
+        the plan's (``PlanMismatchError`` otherwise, unless ``force``)."""
+        if isinstance(request, Workload):
+            differences = [
+                f"{field} {self.shape[field]!r} in the plan, {getattr(request, field)!r} asked"
+                for field in SHAPE_FIELDS if getattr(request, field) != self.shape[field]
+            ]
+            if differences and not force:
+                raise PlanMismatchError(
+                    f"this plan was tuned for another attention shape ({'; '.join(differences)}): "
+                    f"export a plan for this shape with cptune export, or pass force=True"
+                )
+            return self.bucket(request.seq_len).config
+        return self.bucket(request).config
+
+    def check_hardware(self, hardware: str | None = None, force: bool = False) -> None:
+        """Refuse (``PlanMismatchError``) unless the plan was tuned for ``hardware``: None for
+        this host, a fingerprint, or a hardware description's name or file."""
+        if force:
+            return
+        if hardware is None:
+            from cptune.hardware import this_host
+
+            host = this_host()
+            here, what = host.fingerprint, f"this host ({host.describe()}, {host.fingerprint})"
+        elif hardware == self.hardware.fingerprint:
+            return
+        elif FINGERPRINT.fullmatch(hardware):
+            here, what = hardware, f"hardware {hardware}"
+        else:
+            from cptune.hardware import HardwareDescriptionError, load_description
+
+            try:
+                description = load_description(hardware)
+            except HardwareDescriptionError as exc:
+                raise PlanError(f"hardware {hardware!r} is neither a fingerprint nor a description: "
+                                f"{exc}") from None
+            here, what = description.fingerprint, f"{description.describe()} ({description.fingerprint})"
+        if here != self.hardware.fingerprint:
+            if self.hardware.kind == "described":
+                fix = (f"if this machine is that hardware, name it: hardware={self.hardware.name!r}; "
+                       f"else export a plan for it")
+            else:
+                fix = "export a plan on this hardware (cptune search, then cptune export)"
+            raise PlanMismatchError(
+                f"{self.source or 'this plan'} was tuned for {self.hardware.description} "
+                f"({self.hardware.fingerprint}), not {what}: {fix}, or pass force=True"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON data, without its digest."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "cptune_version": self.cptune_version,
+            "created_at": self.created_at,
+            "hardware": vars(self.hardware).copy(),
+            "shape": dict(self.shape),
+            "buckets": [b.to_dict() for b in self.buckets],
+            "launch": self.launch.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """The file's text: the plan and its digest, indented for people to read."""
+        data = self.to_dict()
+        data["digest"] = digest(data)
+        return _readable(data) + "\n"
+
+    def write(self, path: str | Path) -> Path:
+        """Write the plan to ``path`` whole or not at all (a temporary file, then a rename)."""
+        target = Path(path)
+        partial = target.with_name(target.name + ".partial")
+        try:
+            partial.write_text(self.to_json(), encoding="utf-8")
+            partial.replace(target)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            raise PlanError(f"cannot write the plan to {target}: {exc.strerror}") from None
+        return target
+
+
+def _readable(value: Any, indent: str = "") -> str:
+    """JSON indented by two spaces, with each list or object of plain values on one line
+    when it fits: a file a person reads top to bottom."""
+    flat = json.dumps(value)
+    containers = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    if containers is None or (len(flat) + len(indent) <= 100
+                              and not any(isinstance(v, dict | list) for v in containers)):
+        return flat
+    inner = indent + "  "
+    if isinstance(value, dict):
+        items = [f"{inner}{json.dumps(k)}: {_readable(v, inner)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + f"\n{indent}}}"
+    return "[\n" + ",\n".join(inner + _readable(v, inner) for v in value) + f"\n{indent}]"
+
+
+def digest(data: Mapping[str, Any]) -> str:
+    """SHA-256 of ``data`` without its "digest" key, serialised canonically."""
+    content = {key: value for key, value in data.items() if key != "digest"}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def plan_schema() -> dict[str, Any]:
+    """The shipped JSON Schema of a plan file."""
+    text = (resources.files("cptune.plans") / "plan.schema.json").read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def load_plan(path: str | Path, hardware: str | None = None, force: bool = False) -> Plan:
+    """Read and validate the plan at ``path``.
+
+    Refuses (``PlanError``, with the line and the reason) a file that is not JSON, breaks
+    ``plan.schema.json``, contradicts itself or no longer matches its digest; and
+    (``PlanMismatchError``) a plan tuned for other hardware than ``hardware`` - None for this
+    host, a fingerprint, or a description name or file - unless ``force``."""
+    name = str(path)
+    text = _read(Path(path))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{name}: line {exc.lineno} column {exc.colno}: not valid JSON: {exc.msg}") from None
+    locate = _Locator(name, text)
+    _check_schema(data, locate)
+    if data["digest"] != digest(data):
+        raise locate.error(("digest",), "the content does not match its digest: the file was changed "
+                                        "after export; export the plan again (cptune export)")
+    plan = _plan_from(data, name, locate)
+    plan.check_hardware(hardware, force)
+    return plan
+
+
+def _read(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_PLAN_BYTES:
+            raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan (at most "
+                            f"{MAX_PLAN_BYTES}); is this a plan written by cptune export?")
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no such file; write one with cptune export -o {path}") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"{path}: not UTF-8 text, so not a plan written by cptune export") from None
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read it: {exc.strerror}") from None
+
+
+def _check_schema(data: Any, locate: _Locator) -> None:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import best_match
+
+    validator = Draft202012Validator(plan_schema(), format_checker=Draft202012Validator.FORMAT_CHECKER)
+    error = best_match(validator.iter_errors(data))
+    if error is not None:
+        path = tuple(error.absolute_path)
+        if error.validator == "additionalProperties":  # point at the first unexpected key
+            path += (min(set(error.instance) - set(error.schema.get("properties", {}))),)
+        raise locate.error(path, error.message)
+
+
+def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
+    """Build the plan from schema-valid data, refusing what the schema cannot express."""
+    shape = data["shape"]
+    try:
+        Workload(seq_len=1, **shape)
+    except ValueError as exc:
+        raise locate.error(("shape",), str(exc)) from None
+    buckets: list[Bucket] = []
+    for i, entry in enumerate(data["buckets"]):
+        at = ("buckets", i)
+        start = 1 if i == 0 else buckets[-1].max_seq_len + 1
+        if entry["min_seq_len"] != start:
+            raise locate.error(at + ("min_seq_len",), f"must be {start}: buckets start at 1 and each "
+                                                       f"starts one past the previous max_seq_len")
+        if not entry["min_seq_len"] <= entry["seq_len"] <= entry["max_seq_len"]:
+            raise locate.error(at + ("seq_len",), "must lie within min_seq_len..max_seq_len")
+        config = CPConfig(**entry["config"])
+        reasons = feasibility(Workload(seq_len=entry["seq_len"], **shape), config)
+        if reasons:
+            raise locate.error(at + ("config",), f"{config.describe()} cannot run this shape: {reasons[0]}")
+        if config.ranks > data["launch"]["ranks"]:
+            raise locate.error(at + ("config", "ranks"), f"{config.ranks} ranks, but the launch starts "
+                                                          f"only {data['launch']['ranks']}")
+        if entry["label"] != config.label:
+            raise locate.error(at + ("label",), f"must be {config.label!r}, the label of its config")
+        low, high = entry["interval_ms"]
+        buckets.append(Bucket(
+            entry["min_seq_len"], entry["max_seq_len"], entry["seq_len"], config, entry["latency_ms"],
+            (low, high), entry["source"], tuple(entry["measurement_ids"]),
+        ))
+    launch = data["launch"]
+    devices = tuple(Device(**d) for d in launch["devices"])
+    if [d.rank for d in devices] != list(range(launch["ranks"])):
+        raise locate.error(("launch", "devices"), f"must list ranks 0..{launch['ranks'] - 1} in order")
+    return Plan(
+        hardware=PlanHardware(**data["hardware"]),
+        shape=dict(shape),
+        buckets=tuple(buckets),
+        launch=Launch(launch["ranks"], launch["nodes"], launch["ranks_per_node"], tuple(launch["mpiexec"]),
+                      tuple(launch["srun"]), devices),
+        cptune_version=data["cptune_version"],
+        created_at=data["created_at"],
+        source=name,
+    )
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+_SCALAR = re.compile(r'"(?:[^"\\]|\\.)*"|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null')
+
+
+class _Locator:
+    """The line each value of a JSON text starts on, by its path (keys and indices), for
+    errors a person can find in the file."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self.name = name
+        self.text = text
+        self.newlines = [i for i, c in enumerate(text) if c == "\n"]
+        self.lines: dict[tuple[str | int, ...], int] = {}
+        self._value(0, ())
+
+    def error(self, path: Sequence[str | int], reason: str) -> PlanError:
+        path = tuple(path)
+        while path and path not in self.lines:
+            path = path[:-1]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "(top)"
+        return PlanError(f"{self.name}: line {self.lines.get(path, 1)}: {where}: {reason}")
+
+    def _skip(self, i: int) -> int:
+        match = _SPACE.match(self.text, i)
+        assert match is not None  # the pattern matches the empty string
+        return match.end()
+
+    def _value(self, i: int, path: tuple[str | int, ...]) -> int:
+        """Record the line of the value at ``i`` (and of everything inside it); return its end."""
+        i = self._skip(i)
+        self.lines[path] = bisect.bisect_left(self.newlines, i) + 1
+        opening = self.text[i]
+        if opening not in "{[":
+            match = _SCALAR.match(self.text, i)
+            assert match is not None  # the text parsed as JSON before it is located
+            return match.end()
+        closing, i, index = ("}" if opening == "{" else "]"), self._skip(i + 1), 0
+        while self.text[i] != closing:
+            if opening == "{":
+                key = _SCALAR.match(self.text, i)
+                assert key is not None
+                i = self._skip(key.end()) + 1  # past the colon
+                i = self._value(i, path + (json.loads(key.group()),))
+            else:
+                i = self._value(i, path + (index,))
+                index += 1
+            i = self._skip(i)
+            if self.text[i] == ",":
+                i = self._skip(i + 1)
+        return i + 1

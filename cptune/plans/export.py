@@ -1,0 +1,76 @@
+"""Build a plan from recommendations: one bucket per tuned sequence length.
+
+Kept apart from loading, which a deployment does: this side brings the cost model
+(scikit-learn, SQLAlchemy), loading needs only json and jsonschema.
+
+A length between two tuned lengths a < b falls in the bucket of the nearer one by ratio
+(the boundary is sqrt(a * b)): attention cost grows with S^2, so the closer workload in
+cost is the closer one on a log scale. Lengths above the longest tuned one are refused by
+``Plan.bucket``: the plan has no evidence there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from cptune import __version__
+from cptune.config import STRATEGIES
+from cptune.errors import CPTuneError
+from cptune.plans._plan import SHAPE_FIELDS, Bucket, Plan, PlanHardware, launch_for
+from cptune.prior import DescribedProfile
+from cptune.recommend import hardware_profile, recommend
+from cptune.workload import Workload
+
+
+def bucket_bounds(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """(min, max) lengths served by each tuned length of ascending ``seq_lens``: contiguous
+    from 1 to the longest, split at the geometric mean of neighbours."""
+    bounds = []
+    start = 1
+    for here, after in zip(seq_lens, [*seq_lens[1:], None], strict=True):
+        end = here if after is None else math.isqrt(here * after)
+        bounds.append((start, end))
+        start = end + 1
+    return bounds
+
+
+def export_plan(
+    workloads: Sequence[Workload],
+    ranks: int | None = None,
+    hardware: str | None = None,
+    db: str | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+) -> Plan:
+    """A plan for ``workloads`` (one attention shape at several sequence lengths): the
+    ``recommend`` pick at each length (same ``ranks``, ``hardware``, ``db``, ``strategies``)
+    with its evidence, and the launch of as many ranks as the largest pick uses."""
+    if not workloads:
+        raise CPTuneError("a plan needs at least one sequence length")
+    shape = {field: getattr(workloads[0], field) for field in SHAPE_FIELDS}
+    if other := next((w for w in workloads if {f: getattr(w, f) for f in SHAPE_FIELDS} != shape), None):
+        raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
+                          f"{other.describe()}: export one plan per shape")
+    profile = hardware_profile(hardware, db)
+    lengths = sorted({w.seq_len for w in workloads})
+    buckets = []
+    for seq_len, (low, high) in zip(lengths, bucket_bounds(lengths), strict=True):
+        pick = recommend(Workload(seq_len=seq_len, **shape), ranks, hardware, db, strategies)
+        # the pick's measurement first, then those it beat; none when the pick is predicted
+        ids = [c.measurement_id for c in pick.candidates if c.measurement_id is not None]
+        evidence = tuple(ids) if pick.source == "measured" else ()
+        buckets.append(Bucket(low, high, seq_len, pick.config, pick.latency_ms, pick.interval_ms,
+                              pick.source, evidence))
+    used = max(b.config.ranks for b in buckets)
+    if isinstance(profile, DescribedProfile):
+        description = profile.description
+        plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
+        launch = launch_for(used, description.ranks_per_node, gpus=True)
+    else:
+        plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "host", None)
+        launch = launch_for(used, used, gpus=False)
+    return Plan(
+        hardware=plan_hardware, shape=shape, buckets=tuple(buckets), launch=launch,
+        cptune_version=__version__, created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )

@@ -1,0 +1,266 @@
+"""Plans: exported from recommendations, validated against the shipped schema, refused with the
+line and the reason when broken, and refused on other hardware or shapes unless forced."""
+
+import json
+import re
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+from test_recommend import add, make_calibration, measurement
+
+from cptune.config import CPConfig
+from cptune.errors import CPTuneError
+from cptune.feasibility import candidate_configs, feasibility
+from cptune.hardware import load_description, this_host
+from cptune.plans import PlanError, PlanMismatchError, load_plan, plan_schema
+from cptune.plans._plan import digest
+from cptune.plans.export import bucket_bounds, export_plan
+from cptune.store import Store
+from cptune.workload import Workload
+
+SHAPE = {"heads": 8, "head_dim": 64}
+SHORT, LONG = 1024, 4096
+FAST_SHORT, FAST_LONG = CPConfig("ring", 2), CPConfig("ulysses", 4)
+CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
+
+
+def at(seq_len: int, **shape) -> Workload:
+    return Workload(seq_len=seq_len, **(SHAPE | shape))
+
+
+@pytest.fixture
+def db(tmp_path):
+    """This host calibrated, every config measured at SHORT and LONG; FAST_SHORT and FAST_LONG win."""
+    path = str(tmp_path / "p.db")
+    with Store(path) as store:
+        store.add_calibration(this_host(), make_calibration())
+    for seq_len, fastest in ((SHORT, FAST_SHORT), (LONG, FAST_LONG)):
+        configs = [c for c in candidate_configs(4) if not feasibility(at(seq_len), c)]
+        add(path, *(measurement(at(seq_len), c, (5.0 if c == fastest else 9.0 + i) * seq_len / SHORT)
+                    for i, c in enumerate(configs)))
+    return path
+
+
+@pytest.fixture
+def plan_file(db, tmp_path):
+    return export_plan([at(SHORT), at(LONG)], db=db).write(tmp_path / "plan.json")
+
+
+def ids_of(db, seq_len, config):
+    with Store(db) as store:
+        return [r.id for r in store.results(**at(seq_len).to_dict()) if r.config == config]
+
+
+# --------------------------------------------------------------------------- buckets and selection
+
+
+@pytest.mark.parametrize("lengths, bounds", [
+    ([4096], [(1, 4096)]),
+    ([1024, 4096], [(1, 2048), (2049, 4096)]),
+    ([4608, 16896], [(1, 8823), (8824, 16896)]),
+    ([1000, 1001, 5000], [(1, 1000), (1001, 2237), (2238, 5000)]),
+])
+def test_buckets_are_contiguous_from_1_and_split_at_the_geometric_mean(lengths, bounds):
+    assert bucket_bounds(lengths) == bounds
+
+
+def test_export_picks_the_fastest_measured_config_with_its_measurement(db):
+    plan = export_plan([at(LONG), at(SHORT)], db=db)
+    short, long = plan.buckets
+    assert (short.seq_len, short.config, short.source) == (SHORT, FAST_SHORT, "measured")
+    assert (long.seq_len, long.config, long.source) == (LONG, FAST_LONG, "measured")
+    assert short.latency_ms == 5.0 and long.latency_ms == 20.0
+    assert short.measurement_ids[0] == ids_of(db, SHORT, FAST_SHORT)[-1]
+    assert len(short.measurement_ids) == len(set(short.measurement_ids)) > 1  # the pick and those it beat
+    assert plan.launch.ranks == 4 and plan.launch.mpiexec == ("mpiexec", "-n", "4")
+    assert [d.device for d in plan.launch.devices] == ["cpu"] * 4
+    assert plan.hardware.kind == "host" and plan.hardware.fingerprint == this_host().fingerprint
+
+
+def test_select_takes_the_bucket_nearer_by_ratio(plan_file):
+    plan = load_plan(plan_file)
+    assert plan.select(1) == plan.select(SHORT) == plan.select(2048) == FAST_SHORT
+    assert plan.select(2049) == plan.select(3000) == plan.select(LONG) == FAST_LONG
+    assert plan.select(at(3000)) == FAST_LONG
+
+
+@pytest.mark.parametrize("seq_len, message", [
+    (LONG + 1, "beyond this plan's longest bucket (4096 tokens)"),
+    (0, "positive integer"),
+    (2.5, "positive integer"),
+])
+def test_select_refuses_lengths_the_plan_does_not_cover(plan_file, seq_len, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        load_plan(plan_file).select(seq_len)
+
+
+def test_select_refuses_another_shape_unless_forced(plan_file):
+    plan = load_plan(plan_file)
+    other = at(3000, heads=16, dtype="fp32")
+    with pytest.raises(PlanMismatchError) as refused:
+        plan.select(other)
+    assert "heads 8 in the plan, 16 asked" in str(refused.value)
+    assert "dtype 'bf16' in the plan, 'fp32' asked" in str(refused.value)
+    assert plan.select(other, force=True) == FAST_LONG
+
+
+def test_ranks_pins_the_rank_count_of_every_bucket(db):
+    plan = export_plan([at(SHORT), at(LONG)], ranks=2, db=db)
+    assert {b.config.ranks for b in plan.buckets} == {2}
+    assert plan.buckets[0].config == FAST_SHORT and plan.launch.ranks == 2
+
+
+def test_export_refuses_mixed_shapes(db):
+    with pytest.raises(CPTuneError, match="one attention shape"):
+        export_plan([at(SHORT), at(LONG, heads=16)], db=db)
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def test_the_file_validates_against_the_shipped_schema_and_round_trips(db, plan_file):
+    data = json.loads(plan_file.read_text())
+    jsonschema.validate(data, plan_schema(), cls=jsonschema.Draft202012Validator)
+    assert data["schema_version"] == 1 and data["digest"] == digest(data)
+    assert data["shape"] == {"heads": 8, "kv_heads": 8, "head_dim": 64, "batch": 1, "dtype": "bf16",
+                             "causal": False}
+    loaded = load_plan(plan_file)
+    exported = export_plan([at(SHORT), at(LONG)], db=db)
+    assert loaded.buckets == exported.buckets and loaded.launch == exported.launch
+    assert loaded.hardware == exported.hardware and loaded.source == str(plan_file)
+
+
+def line_of(text: str, needle: str) -> int:
+    return text[: text.index(needle)].count("\n") + 1
+
+
+def resigned(data: dict) -> str:
+    """A copy edited by someone who also recomputed the digest."""
+    data["digest"] = digest(data)
+    return json.dumps(data, indent=2)
+
+
+def edit_value(text: str, old: str, new: str) -> str:
+    assert text.count(old) >= 1
+    return text.replace(old, new, 1)
+
+
+# (how the copy is broken, the text on the reported line, the reason)
+BROKEN = {
+    "truncated": (lambda t, d: t[: t.index('"launch"')], None, "not valid JSON"),
+    # JSON parsers report the token where the comma was expected: the next line
+    "missing comma": (lambda t, d: edit_value(t, '"seq_len": 1024,', '"seq_len": 1024'), '"config"',
+                      "Expecting ',' delimiter"),
+    "unknown strategy": (lambda t, d: edit_value(t, '"strategy": "ring"', '"strategy": "rign"'),
+                         '"strategy": "rign"', "'rign' is not one of"),
+    "missing launch": (lambda t, d: json.dumps({k: v for k, v in d.items() if k != "launch"}, indent=2),
+                       "{", "'launch' is a required property"),
+    "unexpected key": (lambda t, d: edit_value(t, '"source": "measured"', '"source": "measured", "speed": 1'),
+                       '"speed": 1', "Additional properties are not allowed ('speed' was unexpected)"),
+    "negative latency": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": -5.0'),
+                         '"latency_ms": -5.0', "-5.0 is less than or equal to the minimum of 0"),
+    "edited after export": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": 4.0'),
+                            '"digest"', "does not match its digest"),
+    "resigned infeasible head group": (
+        lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "config": {
+            "strategy": "ring", "ranks": 3, "head_group": 3}, "label": "ulysses3xring1"}, d["buckets"][1]]}),
+        '"config"', "cannot run this shape"),
+    "resigned gap between buckets": (
+        lambda t, d: resigned({**d, "buckets": [d["buckets"][0], {**d["buckets"][1], "min_seq_len": 2100}]}),
+        '"min_seq_len": 2100', "must be 2049"),
+    "resigned wrong label": (
+        lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "label": "ulysses"}, d["buckets"][1]]}),
+        '"label": "ulysses"', "must be 'ring'"),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_hand_broken_copy_is_refused_with_its_line_and_reason(plan_file, tmp_path, name):
+    break_it, marker, reason = BROKEN[name]
+    text = plan_file.read_text()
+    broken = break_it(text, json.loads(text))
+    copy = tmp_path / "broken.json"
+    copy.write_text(broken)
+    with pytest.raises(PlanError) as refused:
+        load_plan(copy)
+    message = str(refused.value)
+    assert message.startswith(f"{copy}: line ") and reason in message
+    if marker is not None:
+        assert f": line {line_of(broken, marker)}" in message
+
+
+def test_missing_and_non_plan_files_are_refused(tmp_path):
+    with pytest.raises(PlanError, match="no such file; write one with cptune export"):
+        load_plan(tmp_path / "absent.json")
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(PlanError, match="not UTF-8"):
+        load_plan(binary)
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+def test_a_plan_for_other_hardware_is_refused_unless_forced(plan_file):
+    assert load_plan(plan_file, hardware=this_host().fingerprint).buckets
+    h100 = load_description("h100-sxm-8")
+    with pytest.raises(PlanMismatchError, match=re.escape(f"not {h100.describe()}")):
+        load_plan(plan_file, hardware="h100-sxm-8")
+    with pytest.raises(PlanMismatchError, match="not hardware 0123456789abcdef"):
+        load_plan(plan_file, hardware="0123456789abcdef")
+    assert load_plan(plan_file, hardware="h100-sxm-8", force=True).select(SHORT) == FAST_SHORT
+
+
+def test_a_described_plan_launches_gpus_and_is_refused_on_this_host(db, tmp_path):
+    plan = export_plan([at(16896, heads=24, head_dim=128)], ranks=16, hardware="h100-sxm-2x8-ib", db=db)
+    (bucket,) = plan.buckets
+    assert bucket.source == "prior" and bucket.measurement_ids == () and bucket.config.ranks == 16
+    launch = plan.launch
+    assert (launch.ranks, launch.nodes, launch.ranks_per_node) == (16, 2, 8)
+    assert launch.mpiexec == ("mpiexec", "-n", "16", "-ppn", "8")
+    assert "--gpus-per-task=1" in launch.srun and "--nodes=2" in launch.srun
+    assert [(d.node, d.device) for d in launch.devices[7:9]] == [(0, "cuda:7"), (1, "cuda:0")]
+    path = plan.write(tmp_path / "h100.json")
+    with pytest.raises(PlanMismatchError, match=re.escape("name it: hardware='h100-sxm-2x8-ib'")):
+        load_plan(path)
+    assert load_plan(path, hardware="h100-sxm-2x8-ib").select(10_000).ranks == 16
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def run(*args, cwd=None):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_cli_export_then_load_in_another_process_without_the_model(db, tmp_path):
+    out = tmp_path / "cli-plan.json"
+    done = run("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens", f"{SHORT},{LONG}",
+               "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "mpiexec -n 4 <your program>" in done.stdout and f"wrote {out}" in done.stdout
+    script = (f"import sys, cptune; plan = cptune.load_plan({str(out)!r}); "
+              f"print(plan.select(3000).label, plan.select(3000).ranks, plan.select(1500).label, "
+              f"'sklearn' in sys.modules, 'sqlalchemy' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=60)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["ulysses", "4", "ring", "False", "False"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "h200-nvl-9"], "no shipped hardware description of that name"),
+    (["--ranks", "9"], "ranks must be between 1 and 4"),
+    (["--ranks", "4", "--strategies", "ulysses", "--heads", "6"], "no configuration can run"),
+    (["-o", "/nonexistent-dir/plan.json"], "cannot write the plan to /nonexistent-dir/plan.json"),
+])
+def test_cli_export_bad_input_exits_2_in_one_line(db, tmp_path, args, message):
+    shape = ["--heads", "8", "--head-dim", "64", "--seq-lens", f"{SHORT},{LONG}"]
+    flags = dict(zip(shape[::2], shape[1::2], strict=True))
+    flags.update(dict(zip(args[::2], args[1::2], strict=True)))
+    given = [part for pair in flags.items() for part in pair]
+    done = run("export", "--db", db, *given, cwd=tmp_path)
+    assert done.returncode == 2
+    assert message in done.stdout and "Traceback" not in done.stdout + done.stderr
+    assert len(done.stdout.strip().splitlines()) <= 3  # one message, wrapped at most by the terminal
