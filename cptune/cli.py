@@ -1,5 +1,5 @@
 """The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``,
-``recommend`` and ``export``.
+``recommend``, ``export`` and ``report``.
 
 Bad input (flags, space files, databases) ends with one line naming the problem and the
 fix, and exit code 2; never a traceback.
@@ -13,6 +13,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from rich import box
@@ -28,7 +29,7 @@ from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, this_host
-from cptune.measurement import Measurement, available_cores
+from cptune.measurement import Measurement, available_cores, format_ms
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
 
@@ -244,6 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--db", help=db_help)
     _add_shape(export, None)
     export.set_defaults(ranks=None)  # the search-space reader's rank list: not a flag of export
+
+    report = commands.add_parser(
+        "report",
+        help="figures and an HTML page (or terminal tables) of what the database holds",
+        description=(
+            "Draw, for each hardware and attention shape: latency against rank count per strategy, "
+            "speedup and parallel efficiency, the strategy map (measured where measured, predicted "
+            "elsewhere, marked so) and the cost model's held-out predictions against the "
+            "measurements. Writes PNG files and one self-contained report.html; --text prints "
+            "the same data as tables instead."
+        ),
+    )
+    report.add_argument("--db", help=db_help)
+    report.add_argument("-o", "--output-dir", default="cptune-report",
+                        help="directory for the PNGs and report.html (default cptune-report)")
+    report.add_argument("--hardware", help="a stored fingerprint or 4+ of its leading characters "
+                                           "(default: every hardware with measurements)")
+    report.add_argument("--text", action="store_true", help="print tables in the terminal; write no files")
     return parser
 
 
@@ -524,11 +543,6 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
 # --------------------------------------------------------------------------- recommend
 
 
-def _ms(value: float) -> str:
-    """Three significant digits, without exponents: 0.731, 12.5, 1870."""
-    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
-
-
 def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.recommend import recommend
 
@@ -544,10 +558,10 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for i, c in enumerate(pick.candidates, start=1):
         style = "bold green" if i == 1 else ""
-        table.add_row(str(i), c.config.label, str(c.config.ranks), _ms(c.latency_ms),
-                      f"{_ms(c.low_ms)}-{_ms(c.high_ms)}", c.source, style=style)
+        table.add_row(str(i), c.config.label, str(c.config.ranks), format_ms(c.latency_ms),
+                      f"{format_ms(c.low_ms)}-{format_ms(c.high_ms)}", c.source, style=style)
     console.print(table)
-    console.print(f"[bold]pick:[/] {pick.config.describe()}, {_ms(pick.latency_ms)} ms ({pick.source})",
+    console.print(f"[bold]pick:[/] {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})",
                   highlight=False)
     for config, reasons in pick.infeasible.items():
         console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
@@ -573,7 +587,7 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     for b in plan.buckets:
         ids = ",".join(map(str, b.measurement_ids[:3])) + ("..." if len(b.measurement_ids) > 3 else "")
         table.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
-                      _ms(b.latency_ms), b.source, ids or "-")
+                      format_ms(b.latency_ms), b.source, ids or "-")
     console.print(table)
     console.print(f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
                   f"(Slurm: {' '.join(plan.launch.srun)} <your program>)", highlight=False, soft_wrap=True)
@@ -582,8 +596,31 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- report
+
+
+def cmd_report(args: argparse.Namespace, console: Console) -> int:
+    from cptune.report import gather, text_tables, write_report
+
+    with console.status("reading the database and predicting the strategy map"):
+        data = gather(args.db, args.hardware)
+    if args.text:
+        for table in text_tables(data):
+            console.print(table)
+        return 0
+    with console.status("drawing"):
+        try:
+            written = write_report(data, Path(args.output_dir))
+        except OSError as exc:
+            raise UsageError(f"cannot write the report to {args.output_dir}: {exc.strerror or exc}") from None
+    console.print(f"wrote {len(written) - 1} figure(s) and {written[-1]}: open it in a browser",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
 COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure,
-            "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend, "export": cmd_export}
+            "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend, "export": cmd_export,
+            "report": cmd_report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,6 +61,11 @@ class TimingSummary(TypedDict):
     samples_ms: list[float]
 
 
+def format_ms(value: float) -> str:
+    """A latency in ms as people read it: three significant digits, no exponent (0.731, 12.5, 1870)."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
 def summarize(timings: np.ndarray) -> TimingSummary:
     """Turn seconds [rank, iteration, (wall, compute, comm)] into the figures of a
     ``Measurement``: per-iteration latency is the slowest rank's wall time; the phase split

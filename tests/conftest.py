@@ -4,7 +4,12 @@ from pathlib import Path
 
 import pytest
 
+from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
+from cptune.config import CPConfig
+from cptune.cost import COLLECTIVES
 from cptune.engines.mpi import MPIEngine
+from cptune.measurement import Measurement
+from cptune.workload import Workload
 
 TESTS = Path(__file__).parent
 
@@ -23,6 +28,30 @@ def pool_processes(marker: str) -> list[int]:
         if marker in cmdline and "zombie" not in state:
             found.append(int(entry.name))
     return found
+
+
+def make_calibration(max_ranks: int = 4) -> Calibration:
+    """A hand-built calibration of 1..``max_ranks`` ranks: no MPI run needed."""
+    fits = tuple(
+        CollectiveFit(kind=kind, ranks=n, group=g, latency_s=30e-6, bandwidth=1e9, bus_bandwidth=1e9,
+                      sizes=(1024,), times_s=(31e-6,))
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+    )
+    compute = tuple(
+        ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,
+                    seconds=4 * 4 * 512 * 2048 * d / (20e9 / n**0.5))
+        for n in range(1, max_ranks + 1) for d in (64, 128)
+    )
+    return Calibration("mpi", fits, compute, "2025-01-01T00:00:00+00:00")
+
+
+def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
+    """A made-up successful measurement of median ``ms`` (p10 0.9x, p90 1.2x)."""
+    return Measurement(
+        workload=workload, config=config, median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.2 * ms,
+        compute_ms=0.8 * ms, comm_ms=0.2 * ms, peak_bytes=2**20, max_error=1e-3, engine="mpi", host={},
+        warmup=1, repeats=3, samples_ms=[0.9 * ms, ms, 1.2 * ms],
+    )
 
 
 @pytest.fixture

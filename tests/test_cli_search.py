@@ -86,7 +86,7 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
     assert {row[3] for row in rows} == {64, 96, 128, 80, 112, 144}
 
 
-def test_search_calibrates_new_hardware_then_results_json(tmp_path):
+def test_search_calibrates_then_results_export_and_report(tmp_path):
     db = str(tmp_path / "r.db")
     first = cptune("search", "--db", db, *QUICK)
     assert first.returncode == 0, first.stderr
@@ -107,6 +107,23 @@ def test_search_calibrates_new_hardware_then_results_json(tmp_path):
         assert row["status"] == "ok" and row["median_ms"] > 0 and row["error"] is None
     csv_lines = cptune("results", "--db", db, "--csv", "--seq-len", "64").stdout.strip().splitlines()
     assert csv_lines[0].startswith("id,") and len(csv_lines) == 1 + 4
+
+    # export a plan, load it in another process, select between the two buckets (1-78, 79-96)
+    plan = tmp_path / "plan.json"
+    exported = cptune("export", "--db", db, *QUICK[:6], "-o", str(plan))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    script = (f"import cptune; c = cptune.load_plan({str(plan)!r}).select(80); "
+              f"print(c.strategy, c.ranks, c.head_group)")
+    loaded = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=60)
+    fastest = min((r for r in rows if r["seq_len"] == 96), key=lambda r: r["median_ms"])
+    assert loaded.stdout.split() == [fastest["strategy"], str(fastest["ranks"]), str(fastest["head_group"])]
+
+    report = cptune("report", "--db", db, "-o", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stdout + report.stderr
+    pngs = sorted(f.name for f in (tmp_path / "report").glob("*.png"))
+    assert pngs == ["4x16-bf16-latency-vs-ranks.png", "4x16-bf16-speedup.png", "4x16-bf16-strategy-map.png",
+                    "predicted-vs-measured.png"]
+    assert "data:image/png;base64," in (tmp_path / "report" / "report.html").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,8 +8,9 @@ import sys
 
 import jsonschema
 import pytest
-from test_recommend import add, make_calibration, measurement
+from test_recommend import add
 
+from conftest import make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import candidate_configs, feasibility

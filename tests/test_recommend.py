@@ -7,9 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
+from conftest import make_calibration, measurement
 from cptune.config import CPConfig
-from cptune.cost import COLLECTIVES
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
@@ -22,28 +21,6 @@ MAX_RANKS = 4
 W = Workload(seq_len=1024, heads=8, head_dim=64)
 OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu_model=None, gpu_count=0,
                       interconnect="shared memory (one host)", mpi_library="MPICH 5")
-
-
-def make_calibration(max_ranks: int = MAX_RANKS) -> Calibration:
-    fits = tuple(
-        CollectiveFit(kind=kind, ranks=n, group=g, latency_s=30e-6, bandwidth=1e9, bus_bandwidth=1e9,
-                      sizes=(1024,), times_s=(31e-6,))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
-    )
-    compute = tuple(
-        ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,
-                    seconds=4 * 4 * 512 * 2048 * d / (20e9 / n**0.5))
-        for n in range(1, max_ranks + 1) for d in (64, 128)
-    )
-    return Calibration("mpi", fits, compute, "2025-01-01T00:00:00+00:00")
-
-
-def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
-    return Measurement(
-        workload=workload, config=config, median_ms=ms, p10_ms=0.9 * ms, p90_ms=1.2 * ms,
-        compute_ms=0.8 * ms, comm_ms=0.2 * ms, peak_bytes=2**20, max_error=1e-3, engine="mpi", host={},
-        warmup=1, repeats=3, samples_ms=[0.9 * ms, ms, 1.2 * ms],
-    )
 
 
 @pytest.fixture

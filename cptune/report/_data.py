@@ -1,0 +1,433 @@
+"""What a report shows, read from a database into plain frozen dataclasses.
+
+``gather`` does every query and every prediction; the figures, the HTML page and the
+terminal tables only lay out what it returns, so each number they show is traceable to a
+stored measurement (by id) or to a named prediction source ("model" or "prior").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import pairwise
+
+import numpy as np
+
+from cptune import __version__
+from cptune.config import CPConfig
+from cptune.cost_model import TrainingSet, training_set
+from cptune.errors import CPTuneError, InfeasibleConfigError
+from cptune.evaluation import held_out_predictions
+from cptune.recommend import recommend
+from cptune.store import Result, Store
+from cptune.workload import Workload
+
+#: The family of every rank-1 configuration: on one rank each strategy is plain local
+#: attention, so they are one baseline rather than a point on each strategy's line.
+ONE_RANK = "1 rank"
+
+
+def rank_count(n: int) -> str:
+    """A column header: "1 rank", "4 ranks"."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def label(config: CPConfig) -> str:
+    """The configuration's label, "local" on one rank (where every strategy is plain attention)."""
+    return "local" if config.ranks == 1 else config.label
+
+
+def family(config: CPConfig) -> str:
+    """The strategy family a configuration belongs to across rank counts: its label without
+    the context degree ("ring", "ulysses", "ulysses2xring"), or ``ONE_RANK``."""
+    if config.ranks == 1:
+        return ONE_RANK
+    if config.strategy == "ulysses" or config.head_group == 1:
+        return config.strategy
+    return f"ulysses{config.head_group}x{config.strategy}"
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """An attention layer without its sequence length: what one set of figures is about."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    dtype: str
+    causal: bool
+
+    @classmethod
+    def of(cls, workload: Workload) -> Shape:
+        return cls(workload.heads, workload.kv_heads, workload.head_dim, workload.batch, workload.dtype,
+                   workload.causal)
+
+    def workload(self, seq_len: int) -> Workload:
+        return Workload(seq_len=seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
+                        batch=self.batch, dtype=self.dtype, causal=self.causal)
+
+    def describe(self) -> str:
+        """E.g. "8/2kv heads x d64, batch 1, bf16 causal" (``Workload.describe`` without the length)."""
+        kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
+        mask = " causal" if self.causal else ""
+        return f"{self.heads}{kv} heads x d{self.head_dim}, batch {self.batch}, {self.dtype}{mask}"
+
+    @property
+    def slug(self) -> str:
+        """A file-name part, e.g. "8x64-bf16" or "32-8kvx128-b4-fp16-causal"."""
+        kv = "" if self.kv_heads == self.heads else f"-{self.kv_heads}kv"
+        batch = "" if self.batch == 1 else f"-b{self.batch}"
+        mask = "-causal" if self.causal else ""
+        return f"{self.heads}{kv}x{self.head_dim}{batch}-{self.dtype}{mask}"
+
+
+@dataclass(frozen=True)
+class LatencyPoint:
+    """One stored measurement: ``label`` on ``ranks`` ranks; p10/p90 are the median when not stored."""
+
+    ranks: int
+    label: str
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    measurement_id: int
+
+
+@dataclass(frozen=True)
+class Series:
+    """One strategy family's measurements at one sequence length, by rank count."""
+
+    family: str
+    points: tuple[LatencyPoint, ...]
+
+
+@dataclass(frozen=True)
+class LatencyPanel:
+    """Latency against rank count at one sequence length; the ``ONE_RANK`` series (the
+    fastest rank-1 measurement, if any) comes first, the families follow by name."""
+
+    seq_len: int
+    series: tuple[Series, ...]
+
+
+@dataclass(frozen=True)
+class SpeedupPoint:
+    """The fastest measured configuration on ``ranks`` ranks against the fastest on one."""
+
+    ranks: int
+    label: str
+    latency_ms: float
+    speedup: float
+    efficiency: float
+    measurement_id: int
+
+
+@dataclass(frozen=True)
+class SpeedupCurve:
+    """Speedup and parallel efficiency at one sequence length that has a rank-1 measurement."""
+
+    seq_len: int
+    one_rank_ms: float
+    points: tuple[SpeedupPoint, ...]
+
+
+@dataclass(frozen=True)
+class MapCell:
+    """The winner among the configurations on exactly ``ranks`` ranks at ``seq_len``.
+
+    ``status`` is "measured" when every feasible rival was measured, else "predicted";
+    ``source`` is where the winner's own latency comes from ("measured", "model", "prior")."""
+
+    seq_len: int
+    ranks: int
+    label: str
+    latency_ms: float
+    status: str
+    source: str
+    measurement_id: int | None
+
+    @property
+    def measured(self) -> bool:
+        return self.status == "measured"
+
+
+@dataclass(frozen=True)
+class ShapeReport:
+    """Everything about one attention shape on one hardware."""
+
+    shape: Shape
+    latency: tuple[LatencyPanel, ...]
+    speedup: tuple[SpeedupCurve, ...]
+    strategy_map: tuple[MapCell, ...]
+    #: The sequence lengths that have measurements (the map also holds predicted ones).
+    measured_lengths: tuple[int, ...]
+
+    @property
+    def map_lengths(self) -> tuple[int, ...]:
+        return tuple(sorted({c.seq_len for c in self.strategy_map}))
+
+    @property
+    def rank_counts(self) -> tuple[int, ...]:
+        """1 to the most ranks measured, as the map's and the tables' columns."""
+        most = max(p.ranks for panel in self.latency for s in panel.series for p in s.points)
+        return tuple(range(1, most + 1))
+
+    def latency_rows(self) -> list[tuple[int, str, dict[int, LatencyPoint]]]:
+        """The latency table's rows: (seq_len, family, its points by rank count)."""
+        return [(panel.seq_len, s.family, {p.ranks: p for p in s.points})
+                for panel in self.latency for s in panel.series]
+
+    def map_grid(self) -> dict[tuple[int, int], MapCell]:
+        """The strategy map's cells by (seq_len, ranks); a missing key is a cell nothing can run."""
+        return {(c.seq_len, c.ranks): c for c in self.strategy_map}
+
+
+@dataclass(frozen=True)
+class PredictionPoint:
+    """A measurement against the cost model's held-out prediction and the prior's, in ms."""
+
+    measurement_id: int
+    workload: Workload
+    label: str
+    ranks: int
+    measured_ms: float
+    model_ms: float
+    prior_ms: float
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Predicted against measured on one hardware; MAPE in percent."""
+
+    points: tuple[PredictionPoint, ...]
+    model_mape: float
+    prior_mape: float
+
+    def by_seq_len(self) -> list[tuple[int, int, float, float]]:
+        """(seq_len, measurements, model MAPE, prior MAPE) for each sequence length."""
+        lengths = sorted({p.workload.seq_len for p in self.points})
+        rows = []
+        for seq_len in lengths:
+            points = [p for p in self.points if p.workload.seq_len == seq_len]
+            measured = [p.measured_ms for p in points]
+            rows.append((seq_len, len(points), mape((p.model_ms for p in points), measured),
+                         mape((p.prior_ms for p in points), measured)))
+        return rows
+
+
+@dataclass(frozen=True)
+class HardwareReport:
+    """One hardware fingerprint's section of the report."""
+
+    fingerprint: str
+    description: str
+    calibrated: bool
+    shapes: tuple[ShapeReport, ...]
+    accuracy: Accuracy | None
+    #: Why something is missing (no calibration, too few lengths to hold one out, ...).
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReportData:
+    """A report of the database at ``url``: one ``HardwareReport`` per fingerprint shown."""
+
+    url: str
+    generated_at: str
+    version: str
+    hardware: tuple[HardwareReport, ...]
+    #: Whether the database holds measurements of more than one hardware (file names then
+    #: start with the fingerprint, so reports of each can share a directory).
+    several_hardware: bool
+
+
+def mape(predicted: Iterable[float], measured: Iterable[float]) -> float:
+    """Mean absolute percentage error of ``predicted`` against ``measured``."""
+    p, m = np.asarray(list(predicted), dtype=float), np.asarray(list(measured), dtype=float)
+    return float(np.mean(np.abs(p - m) / m) * 100)
+
+
+def _median(result: Result) -> float:
+    assert result.median_ms is not None  # gather keeps only results that have one
+    return result.median_ms
+
+
+def _point(result: Result) -> LatencyPoint:
+    median = _median(result)
+    return LatencyPoint(result.config.ranks, label(result.config), median, result.p10_ms or median,
+                        result.p90_ms or median, result.id)
+
+
+def _fastest(results: Iterable[Result]) -> dict[tuple[int, int], Result]:
+    """The fastest measurement at each (seq_len, ranks)."""
+    best: dict[tuple[int, int], Result] = {}
+    for r in results:
+        key = (r.workload.seq_len, r.config.ranks)
+        if key not in best or _median(r) < _median(best[key]):
+            best[key] = r
+    return best
+
+
+def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
+    # keyed by (seq_len, family, ranks): configurations sharing one (the rank-1 ones) keep the fastest
+    chosen: dict[tuple[int, str, int], LatencyPoint] = {}
+    for r in results:
+        point, key = _point(r), (r.workload.seq_len, family(r.config), r.config.ranks)
+        if key not in chosen or point.median_ms < chosen[key].median_ms:
+            chosen[key] = point
+    by_length: dict[int, dict[str, list[LatencyPoint]]] = defaultdict(lambda: defaultdict(list))
+    for (seq_len, name, _), point in chosen.items():
+        by_length[seq_len][name].append(point)
+    return tuple(
+        LatencyPanel(seq_len, tuple(
+            Series(name, tuple(sorted(points, key=lambda p: p.ranks)))
+            for name, points in sorted(families.items(), key=lambda item: (item[0] != ONE_RANK, item[0]))
+        ))
+        for seq_len, families in sorted(by_length.items())
+    )
+
+
+def _speedup_curves(fastest: dict[tuple[int, int], Result]) -> tuple[SpeedupCurve, ...]:
+    curves = []
+    for seq_len in sorted({s for s, _ in fastest}):
+        if (seq_len, 1) not in fastest:
+            continue
+        one = _median(fastest[(seq_len, 1)])
+        points = []
+        for (length, ranks), result in sorted(fastest.items()):
+            if length == seq_len:
+                p = _point(result)
+                points.append(SpeedupPoint(ranks, p.label, p.median_ms, one / p.median_ms,
+                                           one / p.median_ms / ranks, p.measurement_id))
+        curves.append(SpeedupCurve(seq_len, one, tuple(points)))
+    return tuple(curves)
+
+
+def _round_length(value: float) -> int:
+    """A length near ``value`` on a grid of 16 steps per octave (1448 -> 1472)."""
+    step = 2 ** max(0, math.floor(math.log2(value)) - 4)
+    return max(1, round(value / step) * step)
+
+
+def map_lengths(measured: Iterable[int]) -> tuple[int, ...]:
+    """The measured lengths, the geometric midpoints between neighbours, and 2x and 4x the
+    longest: where the map shows what the model expects between and beyond the measurements."""
+    lengths = sorted(set(measured))
+    between = [_round_length(math.sqrt(a * b)) for a, b in pairwise(lengths)]
+    return tuple(sorted({*lengths, *between, 2 * lengths[-1], 4 * lengths[-1]}))
+
+
+def _measured_cell(result: Result) -> MapCell:
+    p = _point(result)
+    return MapCell(result.workload.seq_len, p.ranks, p.label, p.median_ms, "measured", "measured",
+                   p.measurement_id)
+
+
+def _strategy_map(
+    shape: Shape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str, url: str,
+    notes: list[str],
+) -> tuple[MapCell, ...]:
+    """The map from ``recommend`` at every length and rank count; where it cannot answer,
+    the fastest measurement, if any (and why in ``notes``)."""
+    cells = []
+    for seq_len in map_lengths(s for s, _ in fastest):
+        for n in range(1, ranks + 1):
+            try:
+                pick = recommend(shape.workload(seq_len), ranks=n, hardware=fingerprint, db=url)
+            except InfeasibleConfigError:
+                continue  # nothing runs there (e.g. fewer tokens than ranks): the cell stays empty
+            except CPTuneError as exc:
+                notes.append(f"strategy map: measured cells only where predictions failed ({exc})")
+                if (seq_len, n) in fastest:
+                    cells.append(_measured_cell(fastest[(seq_len, n)]))
+                continue
+            status = "measured" if all(c.source == "measured" for c in pick.candidates) else "predicted"
+            cells.append(MapCell(seq_len, n, label(pick.config), pick.latency_ms, status, pick.source,
+                                 pick.best.measurement_id))
+    return tuple(cells)
+
+
+def _accuracy(training: TrainingSet, fingerprints: list[str]) -> tuple[dict[str, Accuracy], str | None]:
+    """Held-out model predictions (each seq_len left out in turn, over the whole database as
+    ``cptune evaluate`` does) and the prior alone, per hardware; or why they are missing."""
+    if not any(r.hardware in fingerprints for r in training.results):
+        return {}, None
+    try:
+        _, predicted_s = held_out_predictions(training.cases, training.latencies_s, by="seq_len")
+    except CPTuneError as exc:
+        return {}, f"predicted against measured skipped: {exc}"
+    points: dict[str, list[PredictionPoint]] = defaultdict(list)
+    for case, result, measured_s, model_s in zip(
+        training.cases, training.results, training.latencies_s, predicted_s, strict=True
+    ):
+        points[result.hardware].append(PredictionPoint(
+            result.id, result.workload, label(result.config), result.config.ranks, float(measured_s) * 1e3,
+            float(model_s) * 1e3, case.prior().total_s * 1e3,
+        ))
+    return {
+        fp: Accuracy(tuple(p), mape((x.model_ms for x in p), (x.measured_ms for x in p)),
+                     mape((x.prior_ms for x in p), (x.measured_ms for x in p)))
+        for fp, p in points.items() if fp in fingerprints
+    }, None
+
+
+def _select(hardware: str, fingerprints: list[str], url: str) -> str:
+    matches = [fp for fp in fingerprints if fp.startswith(hardware.lower())]
+    if len(hardware) < 4 or len(matches) != 1:
+        raise CPTuneError(
+            f"hardware {hardware!r} names no single fingerprint with measurements in {url} (give 4 or "
+            f"more leading characters of one of: {', '.join(fingerprints)})"
+        )
+    return matches[0]
+
+
+def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
+    """Read the database ``db`` (default as for the CLI) into a ``ReportData``: the latest
+    successful measurement of each (hardware, workload, configuration), grouped by hardware
+    and attention shape, with the strategy map and the held-out predictions.
+
+    ``hardware``: a fingerprint or a unique prefix of 4 or more characters; None for every
+    hardware with measurements. A ``CPTuneError`` when there is nothing to report."""
+    with Store(db) as store:
+        url = store.url
+        latest = {(r.hardware, r.workload, r.config): r for r in store.results(status="ok")}
+        described = store.hardware()
+        training = training_set(store)
+    kept = [r for r in latest.values() if r.median_ms is not None]
+    if not kept:
+        raise CPTuneError(f"no measurements in {url}: run cptune search first")
+    fingerprints = sorted({r.hardware for r in kept})
+    chosen = fingerprints if hardware is None else [_select(hardware, fingerprints, url)]
+    accuracy, accuracy_note = _accuracy(training, chosen)
+
+    sections = []
+    for fp in chosen:
+        calibrated = fp in training.profiles
+        notes: list[str] = []
+        if not calibrated:
+            notes.append(
+                f"hardware {fp} has no calibration in {url}: the strategy map shows measured cells only "
+                f"and nothing is predicted; run cptune calibrate on that machine with this database"
+            )
+        elif accuracy_note:
+            notes.append(accuracy_note)
+        by_shape: dict[Shape, list[Result]] = defaultdict(list)
+        for r in kept:
+            if r.hardware == fp:
+                by_shape[Shape.of(r.workload)].append(r)
+        shapes = []
+        for shape, results in sorted(by_shape.items(), key=lambda item: item[0]):
+            fastest = _fastest(results)
+            most = max(n for _, n in fastest)
+            cells = (_strategy_map(shape, fastest, most, fp, url, notes) if calibrated
+                     else tuple(_measured_cell(r) for _, r in sorted(fastest.items())))
+            shapes.append(ShapeReport(shape, _latency_panels(results), _speedup_curves(fastest), cells,
+                                      tuple(sorted({s for s, _ in fastest}))))
+        sections.append(HardwareReport(fp, described[fp].describe(), calibrated, tuple(shapes),
+                                       accuracy.get(fp), tuple(dict.fromkeys(notes))))
+    return ReportData(url, datetime.now(UTC).isoformat(timespec="seconds"), __version__, tuple(sections),
+                      len(fingerprints) > 1)

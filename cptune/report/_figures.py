@@ -1,0 +1,226 @@
+"""The report's figures as PNG bytes, drawn with matplotlib's Agg canvas.
+
+Each figure is a ``matplotlib.figure.Figure`` on its own ``FigureCanvasAgg``: no pyplot, no
+global state, no display needed, and the same data always gives the same picture (fixed
+sizes per panel, fixed dpi). Measured points are filled; predicted ones are hollow or
+hatched, and the legend says which.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterable, Sequence
+
+from matplotlib import colormaps
+from matplotlib.artist import Artist
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from cptune.report._data import ONE_RANK, HardwareReport, ReportData, ShapeReport
+
+DPI = 110
+#: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
+LATENCY, SPEEDUP, STRATEGY_MAP = "latency-vs-ranks", "speedup", "strategy-map"
+ACCURACY = "predicted-vs-measured"
+#: A panel's y axis turns logarithmic when its values span more than this factor.
+LOG_SPAN = 10.0
+#: How each kind of map cell is drawn: (face filled?, hatch, legend text), by (status, source).
+_CELL_STYLES = {
+    ("measured", "measured"): (True, "", "measured"),
+    ("predicted", "model"): (False, "", "predicted (model)"),
+    ("predicted", "prior"): (False, "////", "predicted (prior)"),
+    ("predicted", "measured"): (False, "....", "predicted (winner measured, rivals not)"),
+}
+
+
+def file_name(data: ReportData, hardware: HardwareReport, shape: ShapeReport | None, kind: str) -> str:
+    """E.g. "8x64-bf16-latency-vs-ranks.png"; prefixed with the fingerprint's first 8
+    characters when the database holds several hardware."""
+    prefix = f"{hardware.fingerprint[:8]}-" if data.several_hardware else ""
+    middle = f"{shape.shape.slug}-" if shape is not None else ""
+    return f"{prefix}{middle}{kind}.png"
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return buffer.getvalue()
+
+
+def _colors(names: Iterable[str]) -> dict[str, str]:
+    """One color per name, assigned in sorted order: the same data always gets the same colors."""
+    ordered = sorted(set(names))
+    palette = colormaps["tab10" if len(ordered) <= 10 else "tab20"]
+    return {name: to_hex(palette(i % palette.N)) for i, name in enumerate(ordered)}
+
+
+def _hardware_title(hardware: HardwareReport) -> str:
+    # a "$" in a host or CPU name would otherwise start matplotlib's math mode
+    return f"{hardware.description} [{hardware.fingerprint[:8]}]".replace("$", r"\$")
+
+
+def _rank_axis(axes: Axes, ranks: Sequence[int]) -> None:
+    """Rank counts on a base-2 log axis, ticked at exactly the given counts."""
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(list(ranks), [str(r) for r in ranks])
+    axes.minorticks_off()
+    axes.set_xlim(min(ranks) / 1.25, max(ranks) * 1.25)
+
+
+def _grid(count: int, columns: int = 3) -> tuple[int, int]:
+    cols = min(columns, count)
+    return math.ceil(count / cols), cols
+
+
+def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
+    """Latency against rank count, one panel per sequence length, one line per strategy
+    family with p10-p90 error bars; the 1-rank run is a dotted baseline across the panel."""
+    rows, cols = _grid(len(shape.latency))
+    figure = Figure(figsize=(3.9 * cols + 1.8, 3.3 * rows + 0.8), dpi=DPI, layout="constrained")
+    grid = figure.subplots(rows, cols, squeeze=False)
+    colors = _colors(s.family for panel in shape.latency for s in panel.series if s.family != ONE_RANK)
+    ranks = shape.rank_counts
+    for axes, panel in zip(grid.flat, shape.latency, strict=False):
+        low = min(p.p10_ms for s in panel.series for p in s.points)
+        high = max(p.p90_ms for s in panel.series for p in s.points)
+        for series in panel.series:
+            xs = [p.ranks for p in series.points]
+            ys = [p.median_ms for p in series.points]
+            bars = [[p.median_ms - p.p10_ms for p in series.points],
+                    [p.p90_ms - p.median_ms for p in series.points]]
+            if series.family == ONE_RANK:
+                axes.axhline(ys[0], color="0.4", linestyle=":", linewidth=1)
+                axes.errorbar(xs, ys, yerr=bars, fmt="D", color="black", capsize=3,
+                              label=f"{ONE_RANK} (local attention)")
+            else:
+                axes.errorbar(xs, ys, yerr=bars, fmt="-o", color=colors[series.family], capsize=3,
+                              markersize=4, label=series.family)
+        if high / low > LOG_SPAN:
+            axes.set_yscale("log")
+        _rank_axis(axes, ranks)
+        axes.set_title(f"seq_len {panel.seq_len}", fontsize=10)
+        axes.set_xlabel("ranks")
+        axes.set_ylabel("latency (ms)")
+        axes.grid(alpha=0.3)
+    for axes in grid.flat[len(shape.latency):]:
+        axes.set_visible(False)
+    handles: dict[str, Artist] = {}
+    for axes in grid.flat[: len(shape.latency)]:
+        for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    figure.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=8,
+                  title="median, bars p10-p90", title_fontsize=8)
+    figure.suptitle(f"Latency against rank count: {shape.shape.describe()}\n{_hardware_title(hardware)}",
+                    fontsize=11)
+    return _png(figure)
+
+
+def speedup_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None:
+    """Speedup of the fastest measured configuration over the fastest 1-rank run, and the
+    parallel efficiency (speedup / ranks), one line per sequence length; None when no length
+    has a 1-rank measurement."""
+    if not shape.speedup:
+        return None
+    figure = Figure(figsize=(10.5, 4.2), dpi=DPI, layout="constrained")
+    speed, efficiency = figure.subplots(1, 2)
+    ranks = shape.rank_counts
+    speed.plot(ranks, ranks, linestyle="--", color="0.5", linewidth=1, label="ideal")
+    efficiency.axhline(1.0, linestyle="--", color="0.5", linewidth=1, label="ideal")
+    colors = {curve.seq_len: to_hex(colormaps["viridis"](i / max(1, len(shape.speedup) - 1) * 0.85))
+              for i, curve in enumerate(shape.speedup)}
+    for curve in shape.speedup:
+        xs = [p.ranks for p in curve.points]
+        label = f"seq_len {curve.seq_len}"
+        speed.plot(xs, [p.speedup for p in curve.points], "-o", color=colors[curve.seq_len], label=label)
+        efficiency.plot(xs, [p.efficiency for p in curve.points], "-o", color=colors[curve.seq_len],
+                        label=label)
+    for axes in (speed, efficiency):
+        _rank_axis(axes, ranks)
+        axes.set_xlabel("ranks")
+        axes.grid(alpha=0.3)
+    speed.set_ylabel("speedup over 1 rank (x)")
+    speed.set_title("speedup: T(1 rank) / T(n ranks), fastest measured of each", fontsize=9)
+    efficiency.set_ylabel("parallel efficiency (speedup / ranks)")
+    efficiency.set_ylim(bottom=0)
+    efficiency.set_title("efficiency", fontsize=9)
+    efficiency.legend(fontsize=8, loc="best")
+    figure.suptitle(f"Speedup and efficiency: {shape.shape.describe()}\n{_hardware_title(hardware)}",
+                    fontsize=11)
+    return _png(figure)
+
+
+def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
+    """The winning configuration at each sequence length and rank count: filled squares
+    (with the label) where every rival was measured, hollow or hatched where any was predicted."""
+    lengths, ranks = shape.map_lengths, shape.rank_counts
+    figure = Figure(figsize=(max(6.0, 1.1 * len(lengths) + 3.5), 1.0 * len(ranks) + 2.2), dpi=DPI,
+                    layout="constrained")
+    axes = figure.subplots()
+    colors = _colors(c.label for c in shape.strategy_map)
+    seen_styles: list[tuple[str, str]] = []
+    for cell in shape.strategy_map:
+        filled, hatch, _ = _CELL_STYLES[(cell.status, cell.source)]
+        color = colors[cell.label]
+        axes.scatter([cell.seq_len], [cell.ranks], marker="s", s=330, linewidths=1.6, edgecolors=color,
+                     facecolors=color if filled else "none", hatch=hatch or None)
+        if filled:
+            axes.annotate(cell.label, (cell.seq_len, cell.ranks), xytext=(0, 12), textcoords="offset points",
+                          ha="center", fontsize=6)
+        if (cell.status, cell.source) not in seen_styles:
+            seen_styles.append((cell.status, cell.source))
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(list(lengths), [str(n) for n in lengths], rotation=45, ha="right")
+    axes.minorticks_off()
+    axes.set_xlim(lengths[0] / 1.4, lengths[-1] * 1.4)
+    axes.set_yticks(list(ranks))
+    axes.set_ylim(0.4, len(ranks) + 0.7)
+    axes.set_xlabel("sequence length (tokens, log scale)")
+    axes.set_ylabel("ranks (exactly)")
+    axes.grid(alpha=0.2)
+    handles: list[Line2D | Patch] = [
+        Line2D([], [], marker="s", linestyle="none", markersize=9, color=color, label=label)
+        for label, color in colors.items()
+    ]
+    for key in sorted(seen_styles, key=list(_CELL_STYLES).index):
+        filled, hatch, text = _CELL_STYLES[key]
+        handles.append(Patch(facecolor="0.45" if filled else "none", edgecolor="0.45", hatch=hatch or None,
+                             label=text))
+    figure.legend(handles=handles, loc="outside right center", fontsize=8)
+    figure.suptitle(f"Fastest configuration: {shape.shape.describe()}\n{_hardware_title(hardware)}",
+                    fontsize=11)
+    return _png(figure)
+
+
+def accuracy_figure(hardware: HardwareReport) -> bytes | None:
+    """Predicted against measured latency, log-log: the cost model with each sequence length
+    held out (filled circles) and the prior alone (x), with y = x; None without predictions."""
+    if hardware.accuracy is None:
+        return None
+    accuracy = hardware.accuracy
+    figure = Figure(figsize=(6.4, 5.6), dpi=DPI, layout="constrained")
+    axes = figure.subplots()
+    measured = [p.measured_ms for p in accuracy.points]
+    axes.scatter(measured, [p.model_ms for p in accuracy.points], marker="o", s=22, color="tab:blue",
+                 label=f"cost model, seq_len held out (MAPE {accuracy.model_mape:.1f}%)")
+    axes.scatter(measured, [p.prior_ms for p in accuracy.points], marker="x", s=26, color="tab:red",
+                 label=f"prior alone (MAPE {accuracy.prior_mape:.1f}%)")
+    values = [v for p in accuracy.points for v in (p.measured_ms, p.model_ms, p.prior_ms)]
+    edge = (min(values) / 1.3, max(values) * 1.3)
+    axes.plot(edge, edge, linestyle="--", color="0.4", linewidth=1, label="y = x (exact)")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlim(edge)
+    axes.set_ylim(edge)
+    axes.set_aspect("equal")
+    axes.set_xlabel("measured latency (ms)")
+    axes.set_ylabel("predicted latency (ms)")
+    axes.grid(alpha=0.3, which="both")
+    axes.legend(fontsize=8, loc="best")
+    figure.suptitle(f"Predicted against measured ({len(measured)} measurements)\n"
+                    f"{_hardware_title(hardware)}", fontsize=11)
+    return _png(figure)

@@ -1,0 +1,205 @@
+"""The report as PNG files and one self-contained HTML page.
+
+The page embeds every figure as a ``data:image/png`` URI and its CSS inline: it has no
+scripts and no links, so it can be mailed, archived or opened offline as one file. Every
+text that comes from the database goes through ``html.escape``.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+
+from cptune.measurement import format_ms
+from cptune.report._data import HardwareReport, ReportData, ShapeReport, rank_count
+from cptune.report._figures import (
+    ACCURACY,
+    LATENCY,
+    SPEEDUP,
+    STRATEGY_MAP,
+    accuracy_figure,
+    file_name,
+    latency_figure,
+    speedup_figure,
+    strategy_map_figure,
+)
+
+_CAPTIONS = {
+    LATENCY: "Median latency per attention call (slowest rank) against the number of ranks, one panel per "
+             "sequence length and one line per strategy family, bars spanning p10-p90 and the dotted line "
+             "marking the fastest 1-rank run; every point is a measurement, none is predicted.",
+    SPEEDUP: "Speedup of the fastest measured configuration at each rank count over the fastest 1-rank "
+             "run (left) and parallel efficiency, speedup divided by ranks (right), against the dashed "
+             "ideal; every point is a measurement, none is predicted.",
+    STRATEGY_MAP: "The fastest configuration on exactly that many ranks at each sequence length: filled "
+                  "squares are measured (every rival measured), hollow squares are predicted by the cost "
+                  "model, hatched ones by the prior alone, dotted ones have a measured winner but some "
+                  "rival predicted.",
+    ACCURACY: "Predicted against measured latency of every measurement of this hardware: filled circles "
+              "are the cost model's predictions with that sequence length held out of its training, x "
+              "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE.",
+}
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; margin-top: 2em; } h3 { margin-top: 1.6em; }
+code { background: #f3f3f3; padding: 0 .25em; }
+figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { font-size: .9em; color: #555; max-width: 60em; }
+table { border-collapse: collapse; margin: .8em 0; font-size: .9em; }
+th, td { border: 1px solid #ddd; padding: .25em .6em; text-align: right; }
+th { background: #f5f5f5; } td.name, th.name { text-align: left; }
+td.predicted { color: #777; font-style: italic; }
+caption { caption-side: bottom; font-size: .85em; color: #555; text-align: left; padding-top: .3em; }
+.note { background: #fff6dd; border-left: 4px solid #e0b000; padding: .4em .8em; margin: .6em 0; }
+.meta { color: #555; }
+"""
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], caption: str, names: int = 1) -> str:
+    """An HTML table; ``headers`` and ``caption`` are plain text, ``rows`` already-escaped
+    HTML cells (a cell may carry its own ``<td ...>``), the first ``names`` columns left-aligned."""
+    head = "".join(f'<th class="name">{escape(h)}</th>' if i < names else f"<th>{escape(h)}</th>"
+                   for i, h in enumerate(headers))
+    body = "".join(
+        "<tr>" + "".join(c if c.startswith("<td") else (f'<td class="name">{c}</td>' if i < names
+                                                      else f"<td>{c}</td>") for i, c in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
+    return (f"<table><caption>{escape(caption)}</caption><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table>")
+
+
+def _latency_table(shape: ShapeReport) -> str:
+    ranks = shape.rank_counts
+    rows = []
+    for seq_len, name, points in shape.latency_rows():
+        cells = [escape(str(seq_len)), escape(name)]
+        for n in ranks:
+            p = points.get(n)
+            if p is None:
+                cells.append("")
+                continue
+            spread = f"p10-p90 {format_ms(p.p10_ms)}-{format_ms(p.p90_ms)} ms"
+            cells.append(f'<td title="{escape(p.label)}: {spread}, measurement {p.measurement_id}">'
+                         f"{escape(format_ms(p.median_ms))}</td>")
+        rows.append(cells)
+    return _table(["seq_len", "strategy", *(rank_count(n) for n in ranks)], rows,
+                  "median ms per attention call, slowest rank; all measured", names=2)
+
+
+def _speedup_table(shape: ShapeReport) -> str:
+    rows = [
+        [escape(str(curve.seq_len)), escape(str(p.ranks)), escape(p.label), escape(format_ms(p.latency_ms)),
+         escape(f"{p.speedup:.2f}x"), escape(f"{p.efficiency:.0%}")]
+        for curve in shape.speedup for p in curve.points
+    ]
+    return _table(["seq_len", "ranks", "fastest measured", "ms", "speedup", "efficiency"], rows,
+                  "speedup = fastest 1-rank ms / fastest ms on that many ranks; efficiency = speedup / ranks",
+                  names=1)
+
+
+def _map_table(shape: ShapeReport) -> str:
+    grid, ranks = shape.map_grid(), shape.rank_counts
+    rows = []
+    for seq_len in shape.map_lengths:
+        measured = seq_len in shape.measured_lengths
+        cells = [escape(f"{seq_len}" if measured else f"{seq_len} (not measured)")]
+        for n in ranks:
+            cell = grid.get((seq_len, n))
+            if cell is None:
+                cells.append("")
+            elif cell.measured:
+                cells.append(f"{escape(cell.label)}<br><small>{format_ms(cell.latency_ms)} ms</small>")
+            else:
+                cells.append(f'<td class="predicted">{escape(cell.label)}*<br><small>'
+                             f"{escape(format_ms(cell.latency_ms))} ms, {escape(cell.source)}</small></td>")
+        rows.append(cells)
+    return _table(["seq_len", *(rank_count(n) for n in ranks)], rows,
+                  "* predicted: some rival on that many ranks was not measured, so the comparison rests on "
+                  "the cost model or the prior (the small text names the winner's source); empty: nothing "
+                  "can run there")
+
+
+def _accuracy_table(hardware: HardwareReport) -> str:
+    assert hardware.accuracy is not None
+    accuracy = hardware.accuracy
+    rows = [[escape(str(seq_len)), escape(str(count)), escape(f"{model:.1f}%"), escape(f"{prior:.1f}%")]
+            for seq_len, count, model, prior in accuracy.by_seq_len()]
+    rows.append(["all", escape(str(len(accuracy.points))), escape(f"{accuracy.model_mape:.1f}%"),
+                 escape(f"{accuracy.prior_mape:.1f}%")])
+    return _table(["seq_len held out", "measurements", "model MAPE", "prior MAPE"], rows,
+                  "mean absolute percentage error against the measured medians")
+
+
+@dataclass
+class _Output:
+    """Where the figures go, and every file written so far."""
+
+    data: ReportData
+    out_dir: Path
+    written: list[Path] = field(default_factory=list)
+
+    def figure(self, hardware: HardwareReport, shape: ShapeReport | None, kind: str, png: bytes) -> str:
+        """Write ``png`` and return its HTML figure, the image embedded, with its caption."""
+        name = file_name(self.data, hardware, shape, kind)
+        path = self.out_dir / name
+        path.write_bytes(png)
+        self.written.append(path)
+        source = base64.b64encode(png).decode("ascii")
+        return (f'<figure><img src="data:image/png;base64,{source}" alt="{escape(name)}">'
+                f"<figcaption>{escape(_CAPTIONS[kind])} <code>{escape(name)}</code></figcaption></figure>")
+
+
+def _hardware_section(hardware: HardwareReport, out: _Output) -> str:
+    parts = [f"<h2>{escape(hardware.description)}</h2>",
+             f'<p class="meta">fingerprint <code>{escape(hardware.fingerprint)}</code>, '
+             f"{'calibrated' if hardware.calibrated else 'not calibrated'}</p>"]
+    parts += [f'<p class="note">{escape(note)}</p>' for note in hardware.notes]
+    for shape in hardware.shapes:
+        parts.append(f"<h3>{escape(shape.shape.describe())}</h3>")
+        parts += [out.figure(hardware, shape, LATENCY, latency_figure(hardware, shape)),
+                  _latency_table(shape)]
+        speedup = speedup_figure(hardware, shape)
+        if speedup is None:
+            parts.append('<p class="note">no sequence length has a 1-rank measurement: no speedup figure</p>')
+        else:
+            parts += [out.figure(hardware, shape, SPEEDUP, speedup), _speedup_table(shape)]
+        parts += [out.figure(hardware, shape, STRATEGY_MAP, strategy_map_figure(hardware, shape)),
+                  _map_table(shape)]
+    accuracy = accuracy_figure(hardware)
+    if accuracy is not None:
+        parts += ["<h3>Predicted against measured</h3>", out.figure(hardware, None, ACCURACY, accuracy),
+                  _accuracy_table(hardware)]
+    return "\n".join(parts)
+
+
+def write_report(data: ReportData, out_dir: Path) -> list[Path]:
+    """Write every figure as a PNG into ``out_dir`` (created if needed) and ``report.html``,
+    which embeds them; returns the written paths, the HTML last."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = _Output(data, out_dir)
+    sections = [_hardware_section(hardware, out) for hardware in data.hardware]
+    page = f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>cptune report</title>
+<style>{_CSS}</style>
+</head>
+<body>
+<h1>cptune report</h1>
+<p class="meta">database <code>{escape(data.url)}</code>; generated {escape(data.generated_at)} by cptune
+{escape(data.version)}. Latencies are medians per attention call of the slowest rank, in ms.
+Measured points are filled; predicted ones are hollow or hatched (figures) or marked * (tables).</p>
+{"".join(sections)}
+</body>
+</html>
+"""
+    html_path = out_dir / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return [*out.written, html_path]
