@@ -580,14 +580,14 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
                        strategies=space.strategies)
     path = plan.write(args.output)
     table = _table(f"plan for {plan.describe_shape()}\non {plan.hardware.description}",
-                   "latency: ms per attention call, slowest rank; measured = median of the stored "
-                   "measurement, model/prior = predicted")
-    for column in ("seq_len range", "tuned at", "config", "ranks", "latency ms", "source", "measurements"):
+                   "ms per attention call, slowest rank: the median of the pick's stored measurement, "
+                   "or predicted (model/prior); the plan lists every measurement compared")
+    for column in ("seq_len range", "tuned at", "config", "ranks", "ms", "source", "measurement"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for b in plan.buckets:
-        ids = ",".join(map(str, b.measurement_ids[:3])) + ("..." if len(b.measurement_ids) > 3 else "")
+        pick_id = str(b.measurement_ids[0]) if b.measurement_ids else "-"
         table.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
-                      format_ms(b.latency_ms), b.source, ids or "-")
+                      format_ms(b.latency_ms), b.source, pick_id)
     console.print(table)
     console.print(f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
                   f"(Slurm: {' '.join(plan.launch.srun)} <your program>)", highlight=False, soft_wrap=True)
