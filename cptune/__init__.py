@@ -12,7 +12,7 @@ from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
 from cptune.execute import compute, measure
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.measurement import Measurement
-from cptune.workload import Workload
+from cptune.workload import AttentionShape, Workload
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "STRATEGIES",
     "AnalyticCost",
+    "AttentionShape",
     "CPConfig",
     "CPTuneError",
     "EngineError",

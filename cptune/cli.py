@@ -579,7 +579,7 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
     plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
                        strategies=space.strategies)
     path = plan.write(args.output)
-    table = _table(f"plan for {plan.describe_shape()}\non {plan.hardware.description}",
+    table = _table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
                    "ms per attention call, slowest rank: the median of the pick's stored measurement, "
                    "or predicted (model/prior); the plan lists every measurement compared")
     for column in ("seq_len range", "tuned at", "config", "ranks", "ms", "source", "measurement"):

@@ -75,13 +75,13 @@ class Workload:
         """Query heads per KV head (1 for MHA)."""
         return self.heads // self.kv_heads
 
+    @property
+    def shape(self) -> AttentionShape:
+        """This layer without its sequence length."""
+        return AttentionShape(self.heads, self.kv_heads, self.head_dim, self.batch, self.dtype, self.causal)
+
     def describe(self) -> str:
-        kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
-        mask = " causal" if self.causal else ""
-        return (
-            f"seq {self.seq_len} x {self.heads}{kv} heads x d{self.head_dim}, "
-            f"batch {self.batch}, {self.dtype}{mask}"
-        )
+        return f"seq {self.seq_len} x {self.shape.describe()}"
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -93,3 +93,34 @@ class Workload:
             "dtype": self.dtype,
             "causal": self.causal,
         }
+
+
+@dataclass(frozen=True, order=True)
+class AttentionShape:
+    """One attention layer without its sequence length: what a plan is tuned for and a
+    report draws, over several lengths. Validated as ``Workload`` validates it."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    dtype: str
+    causal: bool
+
+    def __post_init__(self) -> None:
+        self.at(1)  # raises ValueError naming the bad field
+
+    def at(self, seq_len: int) -> Workload:
+        """This layer at ``seq_len`` tokens."""
+        return Workload(seq_len=seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
+                        batch=self.batch, dtype=self.dtype, causal=self.causal)
+
+    def describe(self) -> str:
+        """E.g. "16/4kv heads x d128, batch 1, bf16 causal"."""
+        kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
+        mask = " causal" if self.causal else ""
+        return f"{self.heads}{kv} heads x d{self.head_dim}, batch {self.batch}, {self.dtype}{mask}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "batch": self.batch, "dtype": self.dtype, "causal": self.causal}

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from cptune import STRATEGIES, CPConfig, InfeasibleConfigError, Workload, analytic_cost
+from cptune import STRATEGIES, AttentionShape, CPConfig, InfeasibleConfigError, Workload, analytic_cost
 from cptune.feasibility import check_feasible, enumerate_configs, feasibility, kv_replication
 
 BASE = dict(seq_len=64, heads=8, head_dim=16)
@@ -391,3 +391,14 @@ def test_enumerate_checks_arguments_at_once():
         enumerate_configs(workload, 4, ())
     with pytest.raises(ValueError, match="strategies"):
         enumerate_configs(workload, 4, ("ring", "zigzag"))
+
+
+def test_attention_shape_is_a_workload_without_its_length():
+    w = Workload(seq_len=4096, heads=16, head_dim=128, kv_heads=4, dtype="fp16", causal=True)
+    shape = w.shape
+    assert shape == AttentionShape(16, 4, 128, 1, "fp16", True)
+    assert shape.at(4096) == w and shape.at(100).seq_len == 100
+    assert shape.describe() == "16/4kv heads x d128, batch 1, fp16 causal"
+    assert w.describe() == f"seq 4096 x {shape.describe()}"
+    with pytest.raises(ValueError, match="kv_heads"):
+        AttentionShape(16, 3, 128, 1, "bf16", False)

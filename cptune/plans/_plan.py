@@ -22,11 +22,9 @@ from typing import Any
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import feasibility
-from cptune.workload import Workload
+from cptune.workload import AttentionShape, Workload
 
 SCHEMA_VERSION = 1
-#: The workload fields a plan is tuned for; the sequence length is what it selects on.
-SHAPE_FIELDS: tuple[str, ...] = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
 #: Larger files are refused before parsing: a plan is a few KiB.
 MAX_PLAN_BYTES = 4 * 2**20
 #: A measured host's fingerprint, or a description's.
@@ -129,8 +127,7 @@ class Plan:
     ``hardware``. ``select`` answers a length; ``to_json`` writes the file ``load_plan`` reads."""
 
     hardware: PlanHardware
-    #: The Workload fields of ``SHAPE_FIELDS``.
-    shape: Mapping[str, int | str | bool]
+    shape: AttentionShape
     buckets: tuple[Bucket, ...]
     launch: Launch
     cptune_version: str
@@ -141,14 +138,6 @@ class Plan:
     @property
     def max_seq_len(self) -> int:
         return self.buckets[-1].max_seq_len
-
-    def workload(self, seq_len: int) -> Workload:
-        """This plan's attention shape at ``seq_len`` tokens."""
-        return Workload(seq_len=seq_len, **self.shape)  # type: ignore[arg-type]
-
-    def describe_shape(self) -> str:
-        """The attention shape in words, e.g. "8 heads x d64, batch 1, bf16"."""
-        return self.workload(1).describe().removeprefix("seq 1 x ")
 
     def bucket(self, seq_len: int) -> Bucket:
         """The bucket holding ``seq_len``; PlanError beyond the longest tuned length."""
@@ -167,8 +156,10 @@ class Plan:
         the plan's (``PlanMismatchError`` otherwise, unless ``force``)."""
         if isinstance(request, Workload):
             differences = [
-                f"{field} {self.shape[field]!r} in the plan, {getattr(request, field)!r} asked"
-                for field in SHAPE_FIELDS if getattr(request, field) != self.shape[field]
+                f"{field} {planned!r} in the plan, {asked!r} asked"
+                for (field, planned), asked in zip(self.shape.to_dict().items(),
+                                                   request.shape.to_dict().values(), strict=True)
+                if planned != asked
             ]
             if differences and not force:
                 raise PlanMismatchError(
@@ -219,7 +210,7 @@ class Plan:
             "cptune_version": self.cptune_version,
             "created_at": self.created_at,
             "hardware": vars(self.hardware).copy(),
-            "shape": dict(self.shape),
+            "shape": self.shape.to_dict(),
             "buckets": [b.to_dict() for b in self.buckets],
             "launch": self.launch.to_dict(),
         }
@@ -327,9 +318,8 @@ def _check_schema(data: Any, locate: _Locator) -> None:
 
 def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
     """Build the plan from schema-valid data, refusing what the schema cannot express."""
-    shape = data["shape"]
     try:
-        Workload(seq_len=1, **shape)
+        shape = AttentionShape(**data["shape"])
     except ValueError as exc:
         raise locate.error(("shape",), str(exc)) from None
     buckets: list[Bucket] = []
@@ -342,7 +332,7 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
         if not entry["min_seq_len"] <= entry["seq_len"] <= entry["max_seq_len"]:
             raise locate.error(at + ("seq_len",), "must lie within min_seq_len..max_seq_len")
         config = CPConfig(**entry["config"])
-        reasons = feasibility(Workload(seq_len=entry["seq_len"], **shape), config)
+        reasons = feasibility(shape.at(entry["seq_len"]), config)
         if reasons:
             raise locate.error(at + ("config",), f"{config.describe()} cannot run this shape: {reasons[0]}")
         if config.ranks > data["launch"]["ranks"]:
@@ -361,7 +351,7 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
         raise locate.error(("launch", "devices"), f"must list ranks 0..{launch['ranks'] - 1} in order")
     return Plan(
         hardware=PlanHardware(**data["hardware"]),
-        shape=dict(shape),
+        shape=shape,
         buckets=tuple(buckets),
         launch=Launch(launch["ranks"], launch["nodes"], launch["ranks_per_node"], tuple(launch["mpiexec"]),
                       tuple(launch["srun"]), devices),

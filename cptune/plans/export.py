@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from cptune import __version__
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
-from cptune.plans._plan import SHAPE_FIELDS, Bucket, Plan, PlanHardware, launch_for
+from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
 from cptune.prior import DescribedProfile
 from cptune.recommend import hardware_profile, recommend
 from cptune.workload import Workload
@@ -48,15 +48,15 @@ def export_plan(
     with its evidence, and the launch of as many ranks as the largest pick uses."""
     if not workloads:
         raise CPTuneError("a plan needs at least one sequence length")
-    shape = {field: getattr(workloads[0], field) for field in SHAPE_FIELDS}
-    if other := next((w for w in workloads if {f: getattr(w, f) for f in SHAPE_FIELDS} != shape), None):
+    shape = workloads[0].shape
+    if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
     profile = hardware_profile(hardware, db)
     lengths = sorted({w.seq_len for w in workloads})
     buckets = []
     for seq_len, (low, high) in zip(lengths, bucket_bounds(lengths), strict=True):
-        pick = recommend(Workload(seq_len=seq_len, **shape), ranks, hardware, db, strategies)
+        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies)
         # the pick's measurement first, then those it beat; none when the pick is predicted
         ids = [c.measurement_id for c in pick.candidates if c.measurement_id is not None]
         evidence = tuple(ids) if pick.source == "measured" else ()

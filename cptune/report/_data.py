@@ -23,7 +23,7 @@ from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.evaluation import held_out_predictions
 from cptune.recommend import recommend
 from cptune.store import Result, Store
-from cptune.workload import Workload
+from cptune.workload import AttentionShape, Workload
 
 #: The family of every rank-1 configuration: on one rank each strategy is plain local
 #: attention, so they are one baseline rather than a point on each strategy's line.
@@ -50,39 +50,12 @@ def family(config: CPConfig) -> str:
     return f"ulysses{config.head_group}x{config.strategy}"
 
 
-@dataclass(frozen=True, order=True)
-class Shape:
-    """An attention layer without its sequence length: what one set of figures is about."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    batch: int
-    dtype: str
-    causal: bool
-
-    @classmethod
-    def of(cls, workload: Workload) -> Shape:
-        return cls(workload.heads, workload.kv_heads, workload.head_dim, workload.batch, workload.dtype,
-                   workload.causal)
-
-    def workload(self, seq_len: int) -> Workload:
-        return Workload(seq_len=seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-                        batch=self.batch, dtype=self.dtype, causal=self.causal)
-
-    def describe(self) -> str:
-        """E.g. "8/2kv heads x d64, batch 1, bf16 causal" (``Workload.describe`` without the length)."""
-        kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
-        mask = " causal" if self.causal else ""
-        return f"{self.heads}{kv} heads x d{self.head_dim}, batch {self.batch}, {self.dtype}{mask}"
-
-    @property
-    def slug(self) -> str:
-        """A file-name part, e.g. "8x64-bf16" or "32-8kvx128-b4-fp16-causal"."""
-        kv = "" if self.kv_heads == self.heads else f"-{self.kv_heads}kv"
-        batch = "" if self.batch == 1 else f"-b{self.batch}"
-        mask = "-causal" if self.causal else ""
-        return f"{self.heads}{kv}x{self.head_dim}{batch}-{self.dtype}{mask}"
+def slug(shape: AttentionShape) -> str:
+    """A file-name part, e.g. "8x64-bf16" or "32-8kvx128-b4-fp16-causal"."""
+    kv = "" if shape.kv_heads == shape.heads else f"-{shape.kv_heads}kv"
+    batch = "" if shape.batch == 1 else f"-b{shape.batch}"
+    mask = "-causal" if shape.causal else ""
+    return f"{shape.heads}{kv}x{shape.head_dim}{batch}-{shape.dtype}{mask}"
 
 
 @dataclass(frozen=True)
@@ -159,7 +132,7 @@ class MapCell:
 class ShapeReport:
     """Everything about one attention shape on one hardware."""
 
-    shape: Shape
+    shape: AttentionShape
     latency: tuple[LatencyPanel, ...]
     speedup: tuple[SpeedupCurve, ...]
     strategy_map: tuple[MapCell, ...]
@@ -328,7 +301,7 @@ def _measured_cell(result: Result) -> MapCell:
 
 
 def _strategy_map(
-    shape: Shape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str, url: str,
+    shape: AttentionShape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str, url: str,
     notes: list[str],
 ) -> tuple[MapCell, ...]:
     """The map from ``recommend`` at every length and rank count; where it cannot answer,
@@ -337,7 +310,7 @@ def _strategy_map(
     for seq_len in map_lengths(s for s, _ in fastest):
         for n in range(1, ranks + 1):
             try:
-                pick = recommend(shape.workload(seq_len), ranks=n, hardware=fingerprint, db=url)
+                pick = recommend(shape.at(seq_len), ranks=n, hardware=fingerprint, db=url)
             except InfeasibleConfigError:
                 continue  # nothing runs there (e.g. fewer tokens than ranks): the cell stays empty
             except CPTuneError as exc:
@@ -415,10 +388,10 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
             )
         elif accuracy_note:
             notes.append(accuracy_note)
-        by_shape: dict[Shape, list[Result]] = defaultdict(list)
+        by_shape: dict[AttentionShape, list[Result]] = defaultdict(list)
         for r in kept:
             if r.hardware == fp:
-                by_shape[Shape.of(r.workload)].append(r)
+                by_shape[r.workload.shape].append(r)
         shapes = []
         for shape, results in sorted(by_shape.items(), key=lambda item: item[0]):
             fastest = _fastest(results)

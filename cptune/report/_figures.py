@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from cptune.report._data import ONE_RANK, HardwareReport, ReportData, ShapeReport
+from cptune.report._data import ONE_RANK, HardwareReport, ReportData, ShapeReport, slug
 
 DPI = 110
 #: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
@@ -42,7 +42,7 @@ def file_name(data: ReportData, hardware: HardwareReport, shape: ShapeReport | N
     """E.g. "8x64-bf16-latency-vs-ranks.png"; prefixed with the fingerprint's first 8
     characters when the database holds several hardware."""
     prefix = f"{hardware.fingerprint[:8]}-" if data.several_hardware else ""
-    middle = f"{shape.shape.slug}-" if shape is not None else ""
+    middle = f"{slug(shape.shape)}-" if shape is not None else ""
     return f"{prefix}{middle}{kind}.png"
 
 
