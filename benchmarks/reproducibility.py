@@ -3,7 +3,8 @@
 For every workload measured on this host in both databases (two separate measurement runs
 of the same configurations), picks the fastest configuration by the first run and prints
 its regret judged by the second (latency of that pick / best latency in the second run).
-No model can be scored below this floor with measurements of that quality.
+No model can be scored below this floor with measurements of that quality. It also
+prints how far one configuration's latency moves between the runs.
 
     python benchmarks/reproducibility.py --first run1.db --second run2.db
 """
@@ -36,9 +37,10 @@ def main() -> None:
     parser.add_argument("--second", required=True)
     args = parser.parse_args()
     first, second = latest_medians(args.first), latest_medians(args.second)
-    regrets = []
+    regrets, ratios = [], []
     for workload in sorted(set(first) & set(second), key=lambda w: (w.heads, w.seq_len)):
         common = set(first[workload]) & set(second[workload])
+        ratios += [second[workload][c] / first[workload][c] for c in common]
         pick = min(common, key=first[workload].__getitem__)
         best = min(common, key=second[workload].__getitem__)
         regrets.append(second[workload][pick] / second[workload][best])
@@ -46,6 +48,9 @@ def main() -> None:
               f"{best.label} on {best.ranks}: regret {regrets[-1]:.3f}")
     print(f"regret of the first run's picks in the second: median {np.median(regrets):.3f}, "
           f"worst {max(regrets):.3f} over {len(regrets)} workloads")
+    p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
+    print(f"one configuration's latency, second run / first: median {p50:.2f}, p10 {p10:.2f}, p90 {p90:.2f}, "
+          f"range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} configurations")
 
 
 if __name__ == "__main__":
