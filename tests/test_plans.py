@@ -162,6 +162,9 @@ BROKEN = {
                        '"speed": 1', "Additional properties are not allowed ('speed' was unexpected)"),
     "negative latency": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": -5.0'),
                          '"latency_ms": -5.0', "-5.0 is less than or equal to the minimum of 0"),
+    "not a number": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": NaN'),
+                     '"latency_ms": NaN', "not valid JSON: NaN (only Python reads it)"),
+    "nested too deeply": (lambda t, d: "[" * 5000 + "]" * 5000, None, "nested too deeply"),
     "edited after export": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": 4.0'),
                             '"digest"', "does not match its digest"),
     "resigned infeasible head group": (
@@ -187,7 +190,7 @@ def test_a_hand_broken_copy_is_refused_with_its_line_and_reason(plan_file, tmp_p
     with pytest.raises(PlanError) as refused:
         load_plan(copy)
     message = str(refused.value)
-    assert message.startswith(f"{copy}: line ") and reason in message
+    assert message.startswith(f"{copy}: ") and reason in message
     if marker is not None:
         assert f": line {line_of(broken, marker)}" in message
 

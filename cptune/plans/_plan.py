@@ -276,10 +276,15 @@ def load_plan(path: str | Path, hardware: str | None = None, force: bool = False
     name = str(path)
     text = _read(Path(path))
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant)
+        locate = _Locator(name, text)
     except json.JSONDecodeError as exc:
         raise PlanError(f"{name}: line {exc.lineno} column {exc.colno}: not valid JSON: {exc.msg}") from None
-    locate = _Locator(name, text)
+    except _NotJSON as exc:
+        line = text.count("\n", 0, constant.start()) + 1 if (constant := _CONSTANT.search(text)) else 1
+        raise PlanError(f"{name}: line {line}: not valid JSON: {exc} (only Python reads it)") from None
+    except RecursionError:
+        raise PlanError(f"{name}: nested too deeply to be a plan written by cptune export") from None
     _check_schema(data, locate)
     if data["digest"] != digest(data):
         raise locate.error(("digest",), "the content does not match its digest: the file was changed "
@@ -287,6 +292,18 @@ def load_plan(path: str | Path, hardware: str | None = None, force: bool = False
     plan = _plan_from(data, name, locate)
     plan.check_hardware(hardware, force)
     return plan
+
+
+class _NotJSON(ValueError):
+    """NaN or Infinity: Python's json reads them, JSON (and a C++ reader) does not."""
+
+
+#: Where such a constant stands as a value.
+_CONSTANT = re.compile(r"[:\[,]\s*(-?Infinity|NaN)\b")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJSON(name)
 
 
 def _read(path: Path) -> str:
