@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jsonschema
+import numpy as np
 import pytest
 from test_recommend import add
 
@@ -85,6 +86,7 @@ def test_select_takes_the_bucket_nearer_by_ratio(plan_file):
     assert plan.select(1) == plan.select(SHORT) == plan.select(2048) == FAST_SHORT
     assert plan.select(2049) == plan.select(3000) == plan.select(LONG) == FAST_LONG
     assert plan.select(at(3000)) == FAST_LONG
+    assert plan.select(np.int64(3000)) == FAST_LONG
 
 
 @pytest.mark.parametrize("seq_len, message", [

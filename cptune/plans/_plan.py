@@ -22,7 +22,7 @@ from typing import Any
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import feasibility
-from cptune.workload import AttentionShape, Workload
+from cptune.workload import AttentionShape, Workload, check_positive_int
 
 SCHEMA_VERSION = 1
 #: Larger files are refused before parsing: a plan is a few KiB.
@@ -141,8 +141,11 @@ class Plan:
 
     def bucket(self, seq_len: int) -> Bucket:
         """The bucket holding ``seq_len``; PlanError beyond the longest tuned length."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise PlanError(f"seq_len must be a positive integer, got {seq_len!r}")
+        try:
+            check_positive_int("seq_len", seq_len)  # numpy integers too: deployments compute lengths
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        seq_len = int(seq_len)
         if seq_len > self.max_seq_len:
             raise PlanError(
                 f"seq_len {seq_len} is beyond this plan's longest bucket ({self.max_seq_len} tokens): "
