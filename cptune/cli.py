@@ -345,8 +345,8 @@ def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
         _workload(args, seq_len)  # refuses a bad shape in the user's terms
     return SearchSpace(
         name="flags", description="workload from command-line flags", source=None,
-        heads=args.heads, kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim, batch=args.batch,
-        dtype=args.dtype, causal=args.causal, seq_lens=tuple(dict.fromkeys(args.seq_lens)), ranks=args.ranks,
+        shape=_workload(args, args.seq_lens[0]).shape, seq_lens=tuple(dict.fromkeys(args.seq_lens)),
+        ranks=args.ranks,
         strategies=args.strategies or STRATEGIES, trials=None, measure=MeasureSettings(),
     )
 

@@ -19,7 +19,7 @@ from cptune._toml import TomlFileError, _got, _Reader, _show, _suggest
 from cptune._toml import _read_file as _read_toml
 from cptune.config import STRATEGIES, CPConfig
 from cptune.feasibility import enumerate_configs, feasibility
-from cptune.workload import WIRE_DTYPES, Workload
+from cptune.workload import WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
 DEMO_SPACE = "demo"
@@ -89,12 +89,7 @@ class SearchSpace:
     description: str
     #: The file it was loaded from (None when built in code).
     source: Path | None
-    heads: int
-    kv_heads: int
-    head_dim: int
-    batch: int
-    dtype: str
-    causal: bool
+    shape: AttentionShape
     seq_lens: tuple[int, ...]
     #: Rank counts to try; None means "auto": every count from 1 to the ranks available.
     ranks: tuple[int, ...] | None
@@ -105,13 +100,7 @@ class SearchSpace:
 
     def workloads(self) -> list[Workload]:
         """One Workload per sequence length, in the order the file lists them."""
-        return [
-            Workload(
-                seq_len=s, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-                batch=self.batch, dtype=self.dtype, causal=self.causal,
-            )
-            for s in self.seq_lens
-        ]
+        return [self.shape.at(s) for s in self.seq_lens]
 
     def rank_counts(self, available: int) -> tuple[int, ...]:
         """The rank counts to try: 1..available for "auto", else the file's list as given
@@ -191,14 +180,12 @@ def load_space(path: str | Path) -> SearchSpace:
     raw = r.value(measure_table, "timeout", "measure", required=False)
     timeout = None if raw is None else r.positive_number(raw, "measure.timeout")
 
-    space = SearchSpace(
-        name=name, description=description, source=Path(path), heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, batch=batch, dtype=dtype, causal=causal, seq_lens=seq_lens, ranks=ranks,
+    return SearchSpace(
+        name=name, description=description, source=Path(path),
+        shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal), seq_lens=seq_lens, ranks=ranks,
         strategies=strategies, trials=trials,
         measure=MeasureSettings(warmup=warmup, repeats=repeats, timeout=timeout),
     )
-    _check_workloads(r, space)
-    return space
 
 
 def _read_ranks(r: _Reader, raw: object) -> tuple[int, ...] | None:
@@ -219,27 +206,20 @@ def _strategy(r: _Reader, value: object, key: str) -> str:
     return name
 
 
-def _check_workloads(r: _Reader, space: SearchSpace) -> None:
-    """Build every Workload so a model it rejects is reported against the key at fault."""
-    for i, seq_len in enumerate(space.seq_lens):
-        try:
-            Workload(
-                seq_len=seq_len, heads=space.heads, head_dim=space.head_dim, kv_heads=space.kv_heads,
-                batch=space.batch, dtype=space.dtype, causal=space.causal,
-            )
-        except ValueError as exc:
-            text = str(exc)
-            field = re.match(r"(seq_len|kv_heads|heads|head_dim|batch|dtype|causal)\b:?\s*", text)
-            if field is None:
-                key = "model"
-            elif field.group(1) == "seq_len":
-                key = f"sweep.seq_lens[{i}]"
-            else:
-                key = f"model.{field.group(1)}"
-            # Drop Workload's own "field: " prefix: the key already names it.
-            if field is not None and text[field.end(1):].startswith(":"):
-                text = text[field.end():]
-            raise r.fail(key, text) from None
+def _shape(r: _Reader, heads: int, kv_heads: int, head_dim: int, batch: int, dtype: str,
+           causal: bool) -> AttentionShape:
+    """The model's attention shape; a combination it rejects is reported against the key at fault."""
+    try:
+        return AttentionShape(heads, kv_heads, head_dim, batch, dtype, causal)
+    except ValueError as exc:
+        text = str(exc)
+        field = re.match(r"(kv_heads|heads|head_dim|batch|dtype|causal)\b:?\s*", text)
+        if field is None:
+            raise r.fail("model", text) from None
+        # Drop Workload's own "field: " prefix: the key already names it.
+        if text[field.end(1):].startswith(":"):
+            text = text[field.end():]
+        raise r.fail(f"model.{field.group(1)}", text) from None
 
 
 # --------------------------------------------------------------------------- runnability

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cptune import STRATEGIES, CPConfig, CPTuneError, Workload, analytic_cost
+from cptune import STRATEGIES, AttentionShape, CPConfig, CPTuneError, Workload, analytic_cost
 from cptune.space import (
     DEMO_SPACE,
     MeasureSettings,
@@ -76,7 +76,8 @@ def test_shipped_space_loads_and_builds_its_workloads(name):
     assert [w.seq_len for w in workloads] == list(space.seq_lens)
     for w in workloads:
         assert (w.heads, w.kv_heads, w.head_dim, w.batch, w.dtype, w.causal) == (
-            space.heads, space.kv_heads, space.head_dim, space.batch, space.dtype, space.causal
+            space.shape.heads, space.shape.kv_heads, space.shape.head_dim, space.shape.batch,
+            space.shape.dtype, space.shape.causal
         )
     check_runnable(space, 8, str(path))  # every length runs somewhere on 8 ranks
 
@@ -86,8 +87,8 @@ def test_flux_space_matches_its_derivation():
     text_tokens = 512  # T5 max_sequence_length
     image_tokens = [(side // 16) ** 2 for side in (1024, 2048)]  # VAE /8, then 2x2 patches
     assert space.seq_lens == tuple(text_tokens + n for n in image_tokens) == (4608, 16896)
-    assert (space.heads, space.kv_heads, space.head_dim) == (24, 24, 3072 // 24)
-    assert (space.dtype, space.causal, space.batch) == ("bf16", False, 1)
+    assert (space.shape.heads, space.shape.kv_heads, space.shape.head_dim) == (24, 24, 3072 // 24)
+    assert (space.shape.dtype, space.shape.causal, space.shape.batch) == ("bf16", False, 1)
 
 
 def test_video_space_matches_its_derivation():
@@ -95,14 +96,14 @@ def test_video_space_matches_its_derivation():
     frames = (81 - 1) // 4 + 1  # Wan-VAE stride 4 in time, first frame kept
     tokens = [frames * (h // 8 // 2) * (w // 8 // 2) for w, h in ((832, 480), (1280, 720))]
     assert space.seq_lens == tuple(tokens) == (32760, 75600)
-    assert (space.heads, space.kv_heads, space.head_dim) == (40, 40, 5120 // 40)
-    assert (space.dtype, space.causal) == ("bf16", False)
+    assert (space.shape.heads, space.shape.kv_heads, space.shape.head_dim) == (40, 40, 5120 // 40)
+    assert (space.shape.dtype, space.shape.causal) == ("bf16", False)
 
 
 def test_llm_space_is_causal_gqa_up_to_the_context_length():
     space = load_space(resolve_space("llm-prefill-gqa"))
-    assert (space.heads, space.kv_heads, space.head_dim) == (32, 8, 4096 // 32)
-    assert space.causal is True
+    assert (space.shape.heads, space.shape.kv_heads, space.shape.head_dim) == (32, 8, 4096 // 32)
+    assert space.shape.causal is True
     assert space.seq_lens[0] == 8192 and max(space.seq_lens) == 131072
     assert list(space.seq_lens) == sorted(set(space.seq_lens))
 
@@ -127,8 +128,8 @@ def test_minimal_space_gets_the_documented_defaults(tmp_path):
     path = write(tmp_path, 'name = "m"\n[model]\nheads = 6\nhead_dim = 32\n[sweep]\nseq_lens = [100]\n')
     space = load_space(path)
     assert space == SearchSpace(
-        name="m", description="", source=path, heads=6, kv_heads=6, head_dim=32, batch=1,
-        dtype="bf16", causal=False, seq_lens=(100,), ranks=None, strategies=STRATEGIES,
+        name="m", description="", source=path, shape=AttentionShape(6, 6, 32, 1, "bf16", False),
+        seq_lens=(100,), ranks=None, strategies=STRATEGIES,
         trials=None, measure=MeasureSettings(warmup=2, repeats=10, timeout=None),
     )
 
@@ -155,7 +156,7 @@ repeats = 1
 timeout = 600
 """
     space = load_space(str(write(tmp_path, text)))
-    assert (space.kv_heads, space.batch, space.dtype, space.causal) == (8, 2, "fp16", True)
+    assert space.shape == AttentionShape(32, 8, 128, 2, "fp16", True)
     assert space.seq_lens == (4096, 1024)  # order kept
     assert space.ranks == (8, 2)
     assert space.strategies == ("ulysses", "ring")  # order kept
