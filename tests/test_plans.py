@@ -9,7 +9,7 @@ import sys
 import jsonschema
 import numpy as np
 import pytest
-from test_recommend import add
+from test_recommend import OTHER_HOST, add
 
 from conftest import make_calibration, measurement
 from cptune.config import CPConfig
@@ -270,3 +270,17 @@ def test_cli_export_bad_input_exits_2_in_one_line(db, tmp_path, args, message):
     assert done.returncode == 2
     assert message in done.stdout and "Traceback" not in done.stdout + done.stderr
     assert len(done.stdout.strip().splitlines()) <= 3  # one message, wrapped at most by the terminal
+
+
+def test_a_plan_for_a_stored_fingerprint_uses_its_measurements(db, tmp_path):
+    with Store(db) as store:
+        store.add_calibration(OTHER_HOST, make_calibration())
+    add(db, measurement(at(SHORT), CPConfig("allgather_kv", 2), 1.0), hardware=OTHER_HOST)
+    plan = export_plan([at(SHORT)], ranks=2, hardware=OTHER_HOST.fingerprint[:8], db=db)
+    (bucket,) = plan.buckets
+    assert plan.hardware.fingerprint == OTHER_HOST.fingerprint and plan.hardware.kind == "host"
+    assert (bucket.config, bucket.source, bucket.latency_ms) == (CPConfig("allgather_kv", 2), "measured", 1.0)
+    path = plan.write(tmp_path / "other.json")
+    with pytest.raises(PlanMismatchError, match="export a plan on this hardware"):
+        load_plan(path)
+    assert load_plan(path, hardware=OTHER_HOST.fingerprint).select(SHORT) == CPConfig("allgather_kv", 2)
