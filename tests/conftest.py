@@ -1,6 +1,8 @@
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +54,26 @@ def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
         compute_ms=0.8 * ms, comm_ms=0.2 * ms, peak_bytes=2**20, max_error=1e-3, engine="mpi", host={},
         warmup=1, repeats=3, samples_ms=[0.9 * ms, ms, 1.2 * ms],
     )
+
+
+def write_toml(tmp_path: Path, text: str, name: str) -> Path:
+    """``text`` written to ``tmp_path / name``; the file's path."""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def replaced_once(base: str, old: str, new: str) -> str:
+    """``base`` with one exact piece replaced (the piece must be there)."""
+    assert old in base, old
+    return base.replace(old, new, 1)
+
+
+def refusal_of(load: Callable[[Any], object], error: type[Exception], source: object) -> str:
+    """The message of the ``error`` that ``load(source)`` must raise."""
+    with pytest.raises(error) as raised:
+        load(source)
+    return str(raised.value)
 
 
 @pytest.fixture

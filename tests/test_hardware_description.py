@@ -1,11 +1,12 @@
 """Hardware descriptions: the shipped files, ranks and links, fingerprints, the loader's refusals."""
 
+import functools
 import shutil
 from importlib import resources
-from pathlib import Path
 
 import pytest
 
+from conftest import refusal_of, replaced_once, write_toml
 from cptune.errors import CPTuneError
 from cptune.hardware._description import (
     HardwareDescription,
@@ -39,22 +40,9 @@ latency_us = 30
 """
 
 
-def write(tmp_path: Path, text: str, name: str = "machine.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def edited(old: str, new: str) -> str:
-    """BASE with one exact piece replaced (the piece must be there)."""
-    assert old in BASE, old
-    return BASE.replace(old, new, 1)
-
-
-def refusal(name_or_path: Path | str) -> str:
-    with pytest.raises(HardwareDescriptionError) as raised:
-        load_description(name_or_path)
-    return str(raised.value)
+write = functools.partial(write_toml, name="machine.toml")
+edited = functools.partial(replaced_once, BASE)
+refusal = functools.partial(refusal_of, load_description, HardwareDescriptionError)
 
 
 # --------------------------------------------------------------------------- shipped files

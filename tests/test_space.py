@@ -1,10 +1,12 @@
 """Search spaces: the shipped TOML files, the loader's refusals, runnability, resolution."""
 
+import functools
 from importlib import resources
 from pathlib import Path
 
 import pytest
 
+from conftest import refusal_of, replaced_once, write_toml
 from cptune import STRATEGIES, AttentionShape, CPConfig, CPTuneError, Workload, analytic_cost
 from cptune.space import (
     DEMO_SPACE,
@@ -37,22 +39,9 @@ repeats = 3
 """
 
 
-def write(tmp_path: Path, text: str, name: str = "space.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def edited(old: str, new: str) -> str:
-    """BASE with one exact piece replaced (the piece must be there)."""
-    assert old in BASE, old
-    return BASE.replace(old, new, 1)
-
-
-def refusal(path: Path | str) -> str:
-    with pytest.raises(SpaceError) as raised:
-        load_space(path)
-    return str(raised.value)
+write = functools.partial(write_toml, name="space.toml")
+edited = functools.partial(replaced_once, BASE)
+refusal = functools.partial(refusal_of, load_space, SpaceError)
 
 
 # --------------------------------------------------------------------------- shipped spaces
@@ -334,7 +323,7 @@ def test_resolve_space_prefers_an_existing_file(tmp_path, monkeypatch):
     Path("demo").write_text(BASE)  # a local file named like a built-in wins
     assert resolve_space("demo") == Path("demo")
     assert load_space(resolve_space("demo")).name == "t"
-    other = write(tmp_path, BASE, "mine.toml")
+    other = write(tmp_path, BASE, name="mine.toml")
     assert resolve_space(str(other)) == other
 
 
