@@ -22,6 +22,7 @@ from typing import Any
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import feasibility
+from cptune.hardware import HardwareDescriptionError, load_description, this_host
 from cptune.workload import AttentionShape, Workload, check_positive_int
 
 SCHEMA_VERSION = 1
@@ -178,8 +179,6 @@ class Plan:
         if force:
             return
         if hardware is None:
-            from cptune.hardware import this_host
-
             host = this_host()
             here, what = host.fingerprint, f"this host ({host.describe()}, {host.fingerprint})"
         elif hardware == self.hardware.fingerprint:
@@ -187,8 +186,6 @@ class Plan:
         elif FINGERPRINT.fullmatch(hardware):
             here, what = hardware, f"hardware {hardware}"
         else:
-            from cptune.hardware import HardwareDescriptionError, load_description
-
             try:
                 description = load_description(hardware)
             except HardwareDescriptionError as exc:
