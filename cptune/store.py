@@ -12,6 +12,7 @@ flight.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -190,6 +191,15 @@ class Result:
             "max_error": self.max_error, "error": self.error, "engine": self.engine,
             "measured_at": self.measured_at,
         }
+
+
+def display_url(url: str) -> str:
+    """``url`` as it may be shown or written anywhere (messages, reports): any password
+    replaced by ``***``, also in text SQLAlchemy cannot parse."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", url)
 
 
 def database_url(db: str | None = None) -> str:
