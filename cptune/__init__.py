@@ -17,12 +17,15 @@ from cptune.workload import AttentionShape, Workload
 __version__ = "0.1.0"
 
 #: Imported on first use: they bring scikit-learn and SQLAlchemy, which the MPI ranks
-#: (importing this package) never need.
+#: (importing this package) never need. No name here may also be a submodule of cptune:
+#: importing a submodule binds its name on the package, hiding the lazy one.
 _LAZY = {
     "evaluate": "cptune.evaluation",
-    "recommend": "cptune.recommend",
-    "Recommendation": "cptune.recommend",
+    "recommend": "cptune.recommendation",
+    "Recommendation": "cptune.recommendation",
     "Plan": "cptune.plans",
+    "PlanError": "cptune.plans",
+    "PlanMismatchError": "cptune.plans",
     "load_plan": "cptune.plans",
     "export_plan": "cptune.plans.export",
 }
@@ -45,6 +48,8 @@ __all__ = [
     "InfeasibleConfigError",
     "Measurement",
     "Plan",
+    "PlanError",
+    "PlanMismatchError",
     "Recommendation",
     "Workload",
     "analytic_cost",

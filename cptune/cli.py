@@ -544,7 +544,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
-    from cptune.recommend import recommend
+    from cptune.recommendation import recommend
 
     workload = _workload(args, args.seq_len)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db)

@@ -13,7 +13,7 @@ from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
 from cptune.measurement import Measurement
-from cptune.recommend import SOURCES, recommend
+from cptune.recommendation import SOURCES, recommend
 from cptune.store import Store
 from cptune.workload import Workload
 

@@ -20,7 +20,7 @@ from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
 from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
 from cptune.prior import DescribedProfile
-from cptune.recommend import hardware_profile, recommend
+from cptune.recommendation import hardware_profile, recommend
 from cptune.workload import Workload
 
 

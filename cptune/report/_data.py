@@ -21,7 +21,7 @@ from cptune.config import CPConfig
 from cptune.cost_model import TrainingSet, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.evaluation import held_out_predictions
-from cptune.recommend import recommend
+from cptune.recommendation import recommend
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
 
