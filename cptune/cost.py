@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from cptune.config import CPConfig
 from cptune.feasibility import kv_replication
 from cptune.layout import SequenceLayout
@@ -48,14 +46,18 @@ class AnalyticCost:
 
 
 def _visible_pairs(layout: SequenceLayout, group: int) -> int:
-    """(query, key) pairs block ``group``'s real queries attend to.
+    """(query, key) pairs block ``group``'s real queries attend to, counted in closed form
+    (no position arrays: any length costs the same).
 
     Non-causal: every real query sees all ``seq_len`` real keys. Causal: the query at
-    position p sees keys 0..p, so p + 1 pairs."""
-    queries = layout.real_query_positions(group)
-    if layout.workload.causal:
-        return int(np.sum(queries + 1))
-    return int(queries.size) * layout.workload.seq_len
+    position p sees keys 0..p, so p + 1 pairs; over real positions a..a+r-1 that sums to
+    r * a + r * (r + 1) / 2."""
+    seq_len = layout.workload.seq_len
+    pairs = 0
+    for start, stop in layout.block_ranges(group):
+        real = max(0, min(stop, seq_len) - start)  # padding sits at the end
+        pairs += real * start + real * (real + 1) // 2 if layout.workload.causal else real * seq_len
+    return pairs
 
 
 @functools.lru_cache(maxsize=4096)  # pure; recommendations ask for the same pairs often (read-only result)

@@ -14,6 +14,7 @@ chunks ``g`` and ``2c - 1 - g``, so every block has the same share of the causal
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -34,20 +35,23 @@ class SequenceLayout:
         self.zigzag = workload.causal and self.context_degree > 1
         granularity = math.lcm(self.ranks, 2 * self.context_degree) if self.zigzag else self.ranks
         self.padded_len = -(-workload.seq_len // granularity) * granularity
-        self._blocks = self._split_blocks()
 
-    def _split_blocks(self) -> list[np.ndarray]:
+    def block_ranges(self, group: int) -> list[tuple[int, int]]:
+        """The position ranges [start, stop) context block ``group`` holds, in order: one,
+        or two zigzag chunks. Arithmetic only, so the analytic cost of any length is free."""
         c, n = self.context_degree, self.padded_len
         if not self.zigzag:
             size = n // c
-            return [np.arange(g * size, (g + 1) * size) for g in range(c)]
+            return [(group * size, (group + 1) * size)]
         chunk = n // (2 * c)
+        return [(group * chunk, (group + 1) * chunk), ((2 * c - 1 - group) * chunk, (2 * c - group) * chunk)]
+
+    @functools.cached_property
+    def _blocks(self) -> list[np.ndarray]:
+        """Token positions of every context block (what running a configuration needs)."""
         return [
-            np.concatenate([
-                np.arange(g * chunk, (g + 1) * chunk),
-                np.arange((2 * c - 1 - g) * chunk, (2 * c - g) * chunk),
-            ])
-            for g in range(c)
+            np.concatenate([np.arange(start, stop) for start, stop in self.block_ranges(g)])
+            for g in range(self.context_degree)
         ]
 
     def block_positions(self, group: int) -> np.ndarray:

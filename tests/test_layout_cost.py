@@ -378,3 +378,14 @@ def test_ring_memory_keeps_falling_with_ranks():
         for n in (4, 16, 64)
     ]
     assert gather_gap == sorted(gather_gap)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_costing_a_huge_length_allocates_nothing(causal):
+    # 10^10 tokens: position arrays would need 74.5 GiB; the counts are arithmetic
+    seq_len = 10**10
+    cost = analytic_cost(Workload(seq_len, heads=8, head_dim=64, causal=causal), CPConfig("ring", 4))
+    pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+    assert cost.padded_seq_len == seq_len
+    whole = 4 * 8 * 64 * pairs  # one rank's FLOPs; the busiest of 4 does a quarter, give or take 1%
+    assert whole <= 4 * cost.flops <= whole * 101 // 100
