@@ -159,15 +159,18 @@ class TrainingSet:
     uncalibrated: frozenset[str]
 
 
-def training_set(store: Store) -> TrainingSet:
-    """Read ``store`` into cases and their measured latencies."""
+def training_set(store: Store, include_oversubscribed: bool = False) -> TrainingSet:
+    """Read ``store`` into cases and their measured latencies. Excluded measurements are
+    left out, and so are oversubscribed ones unless ``include_oversubscribed``."""
     hardware = store.hardware()
     profiles = {
         fingerprint: CalibratedProfile(host, calibration)
         for fingerprint, host in hardware.items()
         if (calibration := store.calibration(fingerprint)) is not None
     }
-    latest = {(r.hardware, r.workload, r.config): r for r in store.results(status="ok")}
+    oversubscribed = None if include_oversubscribed else False  # None: no filter
+    usable = store.results(status="ok", excluded=False, oversubscribed=oversubscribed)
+    latest = {(r.hardware, r.workload, r.config): r for r in usable}
     kept = [r for r in latest.values() if r.hardware in profiles and r.median_ms]
     return TrainingSet(
         cases=[Case(r.workload, r.config, profiles[r.hardware]) for r in kept],

@@ -127,10 +127,11 @@ def cross_validate_groups(
     return Evaluation(by=by, groups=tuple(scores))
 
 
-def load_training(db: str | None = None) -> TrainingSet:
-    """The training set of ``db``; a ``CPTuneError`` saying what to run when it is empty."""
-    with Store(db) as store:
-        data = training_set(store)
+def load_training(db: str | None = None, include_oversubscribed: bool = False) -> TrainingSet:
+    """The training set of ``db`` (see ``training_set``); a ``CPTuneError`` saying what to
+    run when it is empty."""
+    with Store(db, create=False) as store:
+        data = training_set(store, include_oversubscribed)
     if not data.cases and data.uncalibrated:
         raise CPTuneError(
             f"the measurements in {store.url} are of hardware with no calibration "

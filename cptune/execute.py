@@ -17,7 +17,7 @@ from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
 from cptune.layout import SequenceLayout
-from cptune.measurement import Measurement, available_cores, describe_host, summarize
+from cptune.measurement import Measurement, available_cores, describe_host, oversubscribed, summarize
 from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
@@ -118,7 +118,8 @@ def measure(
 
     Raises ``InfeasibleConfigError`` before any process starts, and ``EngineError`` when the
     run fails (kind: crash, timeout, error, out_of_memory) or its output is wrong
-    (kind "wrong_output"): a wrong configuration never yields a timing."""
+    (kind "wrong_output"): a wrong configuration never yields a timing. More ranks than
+    this host's cores run, but the result says it was ``oversubscribed``."""
     check_feasible(workload, config)
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
@@ -149,4 +150,5 @@ def measure(
         host=describe_host() | engine.describe(),
         warmup=warmup,
         repeats=repeats,
+        oversubscribed=oversubscribed(config.ranks),
     )

@@ -22,7 +22,8 @@ class Measurement:
     Latencies are per iteration of the slowest rank (all ranks start each iteration
     together). ``compute_ms`` and ``comm_ms`` are the medians of the slowest rank (largest
     median iteration time): time in attention math, and time spent waiting on
-    communication that compute did not hide."""
+    communication that compute did not hide. ``oversubscribed``: the run had more ranks
+    than this host's cores, so its timings include ranks waiting for a core."""
 
     workload: Workload
     config: CPConfig
@@ -39,6 +40,7 @@ class Measurement:
     repeats: int
     samples_ms: list[float] = field(repr=False)
     measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    oversubscribed: bool = False
 
     @property
     def spread_ms(self) -> float:
@@ -98,9 +100,19 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def oversubscribed(ranks: int) -> bool:
+    """Whether ``ranks`` ranks on this host share cores (more ranks than ``available_cores``)."""
+    return ranks > available_cores()
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, shared by every rank it runs."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def describe_host() -> dict[str, str]:
     """Facts of this machine that decide how fast a configuration runs."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = host_memory_bytes()
     return {
         "hostname": socket.gethostname(),
         "cpu": _cpu_model(),

@@ -36,9 +36,8 @@ class Profile(Protocol):
     @property
     def max_ranks(self) -> int: ...
 
-    @property
-    def memory_limit(self) -> int | None:
-        """Bytes per rank a configuration may hold, or None when not limited."""
+    def memory_limit(self, ranks: int) -> int | None:
+        """Bytes per rank a configuration of ``ranks`` ranks may hold, or None when not limited."""
 
     def describe(self) -> str: ...
 
@@ -53,10 +52,12 @@ class Profile(Protocol):
 
 @dataclass(frozen=True)
 class CalibratedProfile:
-    """A host with a stored calibration (measured rates)."""
+    """A host with a stored calibration (measured rates). ``memory_bytes``: the host's
+    memory, which all its ranks share (known for this machine only)."""
 
     hardware: Hardware
     calibration: Calibration
+    memory_bytes: int | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -66,9 +67,8 @@ class CalibratedProfile:
     def max_ranks(self) -> int:
         return self.calibration.max_ranks
 
-    @property
-    def memory_limit(self) -> int | None:
-        return None
+    def memory_limit(self, ranks: int) -> int | None:
+        return None if self.memory_bytes is None else self.memory_bytes // ranks
 
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
@@ -95,9 +95,8 @@ class DescribedProfile:
     def max_ranks(self) -> int:
         return self.description.max_ranks
 
-    @property
-    def memory_limit(self) -> int | None:
-        return self.description.memory_bytes
+    def memory_limit(self, ranks: int) -> int | None:
+        return self.description.memory_bytes  # each rank has a device of its own
 
     def describe(self) -> str:
         return self.description.describe()

@@ -13,7 +13,9 @@ database, a recommendation costs one small query plus the predictions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,9 @@ from cptune.cost_model import Case, CostModel, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import HardwareDescriptionError, load_description, this_host
+from cptune.measurement import host_memory_bytes
 from cptune.prior import CalibratedProfile, DescribedProfile, Profile
-from cptune.store import Result, Store, database_url
+from cptune.store import Result, Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
@@ -98,10 +101,13 @@ class Recommendation:
 
 
 class _Advisor:
-    """One database's fitted model and measurements, refreshed when the database changes."""
+    """One database's fitted model and measurements, refreshed when the database changes.
+    ``store`` None: the default database does not exist (yet), so only described hardware,
+    from the prior alone, can be answered; nothing is created."""
 
-    def __init__(self, url: str) -> None:
-        self.store = Store(url)
+    def __init__(self, url: str, store: Store | None) -> None:
+        self.url = url
+        self.store = store
         self.revision: tuple[int, int] | None = None
         self.model = CostModel()
         self.profiles: dict[str, CalibratedProfile] = {}
@@ -109,6 +115,9 @@ class _Advisor:
         self.measured: dict[tuple[str, Workload, CPConfig], Result] = {}
 
     def refresh(self) -> None:
+        if self.store is None:
+            self.model = CostModel().fit([], [])
+            return
         revision = self.store.revision()
         if revision == self.revision:
             return
@@ -123,31 +132,45 @@ class _Advisor:
         """This host, a stored fingerprint (or a unique prefix of one), or a description."""
         if hardware in (None, "host"):
             host = _this_host()
+            if self.store is None:
+                raise StoreError(
+                    f"no database at {missing_database(self.url)}: this host's recommendations stand on its "
+                    f"calibration: run cptune calibrate (about a minute) or cptune search first, or name a "
+                    f"hardware description with --hardware"
+                )
             if host.fingerprint not in self.profiles:
                 raise CPTuneError(
                     f"this host ({host.describe()}, {host.fingerprint}) has no calibration in "
-                    f"{self.store.url}: run cptune calibrate (about a minute), or name a hardware "
+                    f"{display_url(self.url)}: run cptune calibrate (about a minute), or name a hardware "
                     f"description with --hardware"
                 )
-            return self.profiles[host.fingerprint]
+            return _with_memory(self.profiles[host.fingerprint])
         assert hardware is not None
         stored = [fp for fp in self.fingerprints if fp.startswith(hardware.lower())]
         if len(hardware) >= 4 and len(stored) == 1:
             if stored[0] not in self.profiles:
                 raise CPTuneError(
-                    f"hardware {stored[0]} has measurements but no calibration in {self.store.url}; "
+                    f"hardware {stored[0]} has measurements but no calibration in {display_url(self.url)}; "
                     f"run cptune calibrate on that machine with this database"
                 )
-            return self.profiles[stored[0]]
+            return _with_memory(self.profiles[stored[0]])
         path = Path(hardware)
         try:
             return _described(hardware, path.stat().st_mtime_ns if path.is_file() else None)
         except HardwareDescriptionError as exc:
             known = ", ".join(sorted(self.profiles)) or "none"
-            raise CPTuneError(f"{exc} (calibrated fingerprints in {self.store.url}: {known})") from None
+            where = display_url(self.url)
+            raise CPTuneError(f"{exc} (calibrated fingerprints in {where}: {known})") from None
 
 
 _this_host = functools.cache(this_host)
+
+
+def _with_memory(profile: CalibratedProfile) -> CalibratedProfile:
+    """``profile`` with this machine's memory, when it is this machine: the limit its ranks share."""
+    if profile.fingerprint != _this_host().fingerprint:
+        return profile
+    return dataclasses.replace(profile, memory_bytes=host_memory_bytes())
 
 
 @functools.lru_cache(maxsize=32)
@@ -158,9 +181,15 @@ _advisors: dict[str, _Advisor] = {}
 
 
 def _advisor(db: str | None) -> _Advisor:
+    """The advisor of ``db``. A database that does not exist is never created: named (``db``
+    or $CPTUNE_DB), it is refused; the default one stands for an empty database."""
     url = database_url(db)
     if url not in _advisors:
-        _advisors[url] = _Advisor(url)
+        if db is None and not os.environ.get("CPTUNE_DB") and missing_database(url) is not None:
+            advisor = _Advisor(url, None)  # not kept: the file may be created later
+            advisor.refresh()
+            return advisor
+        _advisors[url] = _Advisor(url, Store(url, create=False))
     advisor = _advisors[url]
     advisor.refresh()
     return advisor
@@ -193,7 +222,7 @@ def recommend(
         )
     configs = [c for c in candidate_configs(ranks or profile.max_ranks, tuple(strategies))
                if ranks is None or c.ranks == ranks]
-    reasons = {c: feasibility(workload, c, profile.memory_limit) for c in configs}
+    reasons = {c: feasibility(workload, c, profile.memory_limit(c.ranks)) for c in configs}
     feasible = [c for c in configs if not reasons[c]]
     infeasible = {c: r for c, r in reasons.items() if r}
     if not feasible:

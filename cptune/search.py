@@ -30,6 +30,7 @@ from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.execute import measure
 from cptune.hardware import Hardware
+from cptune.measurement import oversubscribed
 from cptune.store import Store
 from cptune.workload import Workload
 
@@ -117,7 +118,8 @@ class WorkloadSearch:
         """Best configuration per other sequence length of the same model, fastest first."""
         shape = {k: v for k, v in self.workload.to_dict().items() if k != "seq_len"}
         best: dict[int, tuple[float, CPConfig]] = {}
-        for r in self.store.results(**shape, hardware=self.hardware.fingerprint, status="ok"):
+        for r in self.store.results(**shape, hardware=self.hardware.fingerprint, status="ok", excluded=False,
+                                    oversubscribed=False):
             seq, median = r.workload.seq_len, r.median_ms
             if median is None or seq == self.workload.seq_len or r.config not in self.configs:
                 continue
@@ -182,7 +184,8 @@ class WorkloadSearch:
                         repeats=self.repeats, timeout=self.run_timeout)
         except EngineError as error:
             engine = get_engine(self.backend).name
-            self.store.add_failure(self.hardware, self.workload, config, error.kind, str(error), engine)
+            self.store.add_failure(self.hardware, self.workload, config, error.kind, str(error), engine,
+                                   oversubscribed=oversubscribed(config.ranks))
             return TrialOutcome(config, error.kind, None, str(error), reused=False)
         self.store.add_measurement(self.hardware, m)
         return TrialOutcome(config, "ok", m.median_ms, None, reused=False)

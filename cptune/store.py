@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -141,6 +141,11 @@ class MeasurementRow(Base):
     engine: Mapped[str] = mapped_column(String(32))
     cptune_version: Mapped[str] = mapped_column(String(32))
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    #: Ran more ranks than the host has cores (``--oversubscribe``): its timings measure
+    #: the sharing, so the model and the picks leave it out unless asked.
+    oversubscribed: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: Set aside by the user (``cptune results --exclude``): kept, but used for nothing.
+    excluded: Mapped[bool] = mapped_column(Boolean, default=False)
 
     hardware: Mapped[HardwareRow] = relationship()
     workload: Mapped[WorkloadRow] = relationship()
@@ -182,6 +187,8 @@ class Result:
     error: str | None
     engine: str
     measured_at: str
+    oversubscribed: bool = False
+    excluded: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -189,7 +196,7 @@ class Result:
             "status": self.status, "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
             "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
             "max_error": self.max_error, "error": self.error, "engine": self.engine,
-            "measured_at": self.measured_at,
+            "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
         }
 
 
@@ -229,32 +236,66 @@ def _sqlite_setup(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _migrate(engine: Engine) -> None:
+def missing_database(url: str) -> Path | None:
+    """The file of a SQLite ``url`` when it does not exist (opening it would create it)."""
+    parsed = make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" \
+            or parsed.query.get("mode") == "memory":
+        return None
+    path = Path(database.removeprefix("file:"))
+    return None if path.exists() else path
+
+
+def _migrate(engine: Engine, url: str) -> None:
+    """Bring the schema to this cptune's head; a database of a newer cptune (a revision
+    this one does not know) is refused before anything is written."""
     from alembic import command
     from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
 
     config = Config()
     config.set_main_option("script_location", str(files("cptune.db")))
+    scripts = ScriptDirectory.from_config(config)
     with engine.begin() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        current = context.get_current_revision()
+        if current is not None and current not in {script.revision for script in scripts.walk_revisions()}:
+            raise StoreError(
+                f"database {display_url(url)} was written by a newer cptune (schema revision {current!r}; "
+                f"this cptune {__version__} knows up to {scripts.get_current_head()!r}): upgrade cptune "
+                f"to use it, or pass another --db. Nothing was changed"
+            )
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
 
 
 class Store:
-    """Opens (and migrates) the database at ``db``; see ``database_url``."""
+    """Opens (and migrates) the database at ``db``; see ``database_url``. With
+    ``create=False`` (what reading commands use) a SQLite file that does not exist is
+    refused rather than created."""
 
-    def __init__(self, db: str | None = None) -> None:
+    def __init__(self, db: str | None = None, create: bool = True) -> None:
         self.url = database_url(db)
         try:
             url = make_url(self.url)
+            missing = missing_database(self.url)
             self.engine = create_engine(self.url)
         except (ArgumentError, ImportError, ValueError) as exc:
-            raise StoreError(f"cannot use database {self.url!r}: {exc}; pass a file path or a "
+            raise StoreError(f"cannot use database {display_url(self.url)!r}: {exc}; pass a file path or a "
                              f"SQLAlchemy URL such as postgresql://user@host/cptune") from None
+        if missing is not None and not create:
+            self.engine.dispose()
+            raise StoreError(f"no database at {missing}: check the path (--db or $CPTUNE_DB), or create "
+                             f"one with cptune search or cptune calibrate")
         if url.get_backend_name() == "sqlite":
             _sqlite_setup(self.engine)
         try:
-            _migrate(self.engine)
+            _migrate(self.engine, self.url)
+        except StoreError:
+            self.engine.dispose()
+            raise
         except DatabaseError as exc:
             self.engine.dispose()
             raise StoreError(
@@ -264,6 +305,19 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def require_writable(self) -> None:
+        """Raise ``StoreError`` unless results can be written here: checked before a
+        search or calibration spends time measuring (a no-op write, rolled back)."""
+        try:
+            with self.engine.connect() as connection, connection.begin() as transaction:
+                connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = version_num")
+                transaction.rollback()
+        except DatabaseError as exc:
+            raise StoreError(
+                f"cannot write to database {display_url(self.url)}: {exc.orig}. Nothing was measured; "
+                f"make it writable or pass another --db"
+            ) from None
 
     def __enter__(self) -> Store:
         return self
@@ -309,14 +363,15 @@ class Store:
                 median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms, compute_ms=m.compute_ms,
                 comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
-                measured_at=datetime.fromisoformat(m.measured_at),
+                measured_at=datetime.fromisoformat(m.measured_at), oversubscribed=m.oversubscribed,
             )
             session.add(row)
             session.flush()
             return row.id
 
     def add_failure(
-        self, hardware: Hardware, workload: Workload, config: CPConfig, status: str, error: str, engine: str
+        self, hardware: Hardware, workload: Workload, config: CPConfig, status: str, error: str, engine: str,
+        oversubscribed: bool = False,
     ) -> int:
         """Keep a run that failed (``status`` from ``STATUSES``) with its reason; returns its id."""
         if status not in STATUSES or status == "ok":
@@ -326,7 +381,7 @@ class Store:
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, workload),
                 **config.to_dict(), status=status, error=error, engine=engine,
-                cptune_version=__version__, measured_at=datetime.now(UTC),
+                cptune_version=__version__, measured_at=datetime.now(UTC), oversubscribed=oversubscribed,
             )
             session.add(row)
             session.flush()
@@ -375,13 +430,43 @@ class Store:
         return measurements or 0, calibrations or 0
 
     def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, Result]:
-        """The latest stored result of each configuration run on ``hardware`` for ``workload``."""
-        rows = self.results(**workload.to_dict(), hardware=hardware.fingerprint)
+        """The latest stored result of each configuration run on ``hardware`` for
+        ``workload``, excluded rows left out (a search runs those configurations again)."""
+        rows = self.results(**workload.to_dict(), hardware=hardware.fingerprint, excluded=False)
         return {r.config: r for r in rows}  # oldest first, so later rows win
+
+    def _rows(self, session: Session, ids: Iterable[int]) -> list[MeasurementRow]:
+        """The rows with ``ids``; a ``StoreError`` naming any that do not exist."""
+        wanted = sorted(set(ids))
+        rows = list(session.scalars(select(MeasurementRow).where(MeasurementRow.id.in_(wanted))))
+        if unknown := sorted(set(wanted) - {row.id for row in rows}):
+            raise StoreError(f"no measurement with id {', '.join(map(str, unknown))} in "
+                             f"{display_url(self.url)} (cptune results lists the ids); nothing was changed")
+        return rows
+
+    def set_excluded(self, ids: Iterable[int], excluded: bool = True) -> list[int]:
+        """Exclude (or include again) the measurements ``ids``: an excluded row stays stored
+        but the model, the picks and the search's resume ignore it. Returns the ids whose
+        mark changed; all ids must exist, else nothing changes."""
+        with self.session() as session:
+            changed = [row for row in self._rows(session, ids) if row.excluded != excluded]
+            for row in changed:
+                row.excluded = excluded
+            return [row.id for row in changed]
+
+    def delete(self, ids: Iterable[int]) -> list[Result]:
+        """Delete the measurements ``ids`` for good; returns what they were. All ids must
+        exist, else nothing is deleted."""
+        with self.session() as session:
+            rows = self._rows(session, ids)
+            gone = [_result(row, row.workload, row.hardware) for row in rows]
+            for row in rows:
+                session.delete(row)
+        return gone
 
     def results(self, **filters: object) -> list[Result]:
         """Stored rows, oldest first. Filters: any Workload field, ``strategy``, ``ranks``,
-        ``status`` and ``hardware`` (fingerprint)."""
+        ``status``, ``oversubscribed``, ``excluded`` and ``hardware`` (fingerprint)."""
         workload_fields = set(Workload.__dataclass_fields__)
         query = select(MeasurementRow, WorkloadRow, HardwareRow).join(WorkloadRow).join(HardwareRow)
         for key, value in filters.items():
@@ -389,20 +474,22 @@ class Store:
                 continue
             if key in workload_fields:
                 query = query.where(getattr(WorkloadRow, key) == value)
-            elif key in ("strategy", "ranks", "head_group", "status"):
+            elif key in ("strategy", "ranks", "head_group", "status", "oversubscribed", "excluded"):
                 query = query.where(getattr(MeasurementRow, key) == value)
             elif key == "hardware":
                 query = query.where(HardwareRow.fingerprint == value)
             else:
                 raise ValueError(f"unknown filter {key!r}")
         with self.session() as session:
-            return [
-                Result(
-                    id=m.id, hardware=h.fingerprint, workload=w.to_workload(), config=m.config,
-                    status=m.status, median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms,
-                    compute_ms=m.compute_ms, comm_ms=m.comm_ms, peak_bytes=m.peak_bytes,
-                    max_error=m.max_error, error=m.error, engine=m.engine,
-                    measured_at=m.measured_at.isoformat(timespec="seconds"),
-                )
-                for m, w, h in session.execute(query.order_by(MeasurementRow.id)).all()
-            ]
+            return [_result(m, w, h) for m, w, h in session.execute(query.order_by(MeasurementRow.id)).all()]
+
+
+def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
+    return Result(
+        id=m.id, hardware=h.fingerprint, workload=w.to_workload(), config=m.config,
+        status=m.status, median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms,
+        compute_ms=m.compute_ms, comm_ms=m.comm_ms, peak_bytes=m.peak_bytes,
+        max_error=m.max_error, error=m.error, engine=m.engine,
+        measured_at=m.measured_at.isoformat(timespec="seconds"),
+        oversubscribed=m.oversubscribed, excluded=m.excluded,
+    )

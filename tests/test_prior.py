@@ -174,7 +174,10 @@ class Recording:
 
     fingerprint = property(lambda self: self.inner.fingerprint)
     max_ranks = property(lambda self: self.inner.max_ranks)
-    memory_limit = property(lambda self: self.inner.memory_limit)
+
+    def memory_limit(self, ranks):
+        return self.inner.memory_limit(ranks)
+
 
     def describe(self):
         return self.inner.describe()

@@ -365,9 +365,10 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
 
     ``hardware``: a fingerprint or a unique prefix of 4 or more characters; None for every
     hardware with measurements. A ``CPTuneError`` when there is nothing to report."""
-    with Store(db) as store:
+    with Store(db, create=False) as store:
         url = store.url
-        latest = {(r.hardware, r.workload, r.config): r for r in store.results(status="ok")}
+        usable = store.results(status="ok", excluded=False, oversubscribed=False)
+        latest = {(r.hardware, r.workload, r.config): r for r in usable}
         described = store.hardware()
         training = training_set(store)
     kept = [r for r in latest.values() if r.median_ms is not None]
