@@ -1,8 +1,10 @@
 """The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``,
 ``recommend``, ``export`` and ``report``.
 
-Bad input (flags, space files, databases) ends with one line naming the problem and the
-fix, and exit code 2; never a traceback.
+Bad input (flags, space files, databases) ends with one line on stderr naming the problem
+and the fix, and exit code 2; never a traceback. Normal output goes to stdout (to stderr
+when stdout carries --json or --csv); errors and warnings always to stderr. Text from users
+and messages is printed as text, never as Rich markup.
 """
 
 from __future__ import annotations
@@ -11,16 +13,19 @@ import argparse
 import csv
 import dataclasses
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from cptune import __version__
 from cptune.calibration import Calibration, calibrate
@@ -44,6 +49,40 @@ _MEASURE_DEFAULTS = {"seq_len": 4096, "heads": 8, "head_dim": 64}
 
 class UsageError(CPTuneError):
     """Bad input from the user: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A flag error in one line and where to get help, instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+#: Errors and warnings: always stderr, whatever stdout carries.
+_STDERR = Console(stderr=True)
+Part = str | tuple[str, str]
+
+
+def _say(console: Console, *parts: Part) -> None:
+    """Print one message: each part plain text (never markup) or (text, style). Soft-wrapped:
+    the terminal wraps it, so a path or command copies out whole."""
+    console.print(Text.assemble(*parts), highlight=False, soft_wrap=True)
+
+
+def _warn(*parts: Part) -> None:
+    _say(_STDERR, *parts)
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    """Measurement ids, e.g. 12,15 (as cptune results lists them)."""
+    try:
+        ids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        ids = ()
+    if not ids or min(ids) < 1:
+        raise argparse.ArgumentTypeError(f"expected measurement ids like 12,15 (cptune results lists them), "
+                                         f"got {text!r}")
+    return ids
 
 
 def _strategies(text: str) -> tuple[str, ...]:
@@ -108,13 +147,16 @@ def _add_shape(parser: argparse.ArgumentParser, defaults: dict[str, int] | None)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cptune",
         description="Measure context-parallel attention strategies on this machine and pick one.",
     )
     parser.add_argument("--version", action="version", version=f"cptune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     db_help = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
+    oversubscribe_help = ("allow more ranks than this host's cores: such runs time ranks waiting for a "
+                          "core, so they are stored marked oversubscribed and left out of the model and "
+                          "the picks")
     hardware_help = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
                      "a100-sxm-8, l40s-pcie-8, h100-sxm-2x8-ib) or a TOML file")
 
@@ -143,10 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--no-calibrate", action="store_true",
                         help="skip the calibration a first search on new hardware runs (the cost "
                              "model needs one; cptune calibrate adds it later)")
+    search.add_argument("--oversubscribe", action="store_true", help=oversubscribe_help)
     _add_shape(search, None)
 
     results = commands.add_parser("results", help="list stored measurements",
-                                  description="List what the database holds, oldest first.")
+                                  description=(
+                                      "List what the database holds, oldest first; excluded and "
+                                      "oversubscribed measurements are marked. --exclude, --include "
+                                      "and --delete change the rows with the ids listed."))
     results.add_argument("--db", help=db_help)
     results.add_argument("--seq-len", type=_positive)
     results.add_argument("--heads", type=_positive)
@@ -157,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = results.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="a JSON list of objects")
     fmt.add_argument("--csv", action="store_true", help="CSV with a header row")
+    fmt.add_argument("--exclude", type=_ids, metavar="ID[,ID...]",
+                     help="keep these measurements but leave them out of the model and the picks")
+    fmt.add_argument("--include", type=_ids, metavar="ID[,ID...]", help="take excluded measurements back")
+    fmt.add_argument("--delete", type=_ids, metavar="ID[,ID...]", help="delete these measurements for good")
 
     run = commands.add_parser(
         "measure",
@@ -190,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="largest rank count (default: this host's cores)")
     calibrate.add_argument("--repeats", type=_positive, default=7,
                            help="timed iterations per point (default 7)")
+    calibrate.add_argument("--oversubscribe", action="store_true",
+                           help="allow --max-ranks above this host's cores (those rates time the sharing)")
 
     fit = commands.add_parser(
         "fit",
@@ -201,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     fit.add_argument("--db", help=db_help)
+    fit.add_argument("--include-oversubscribed", action="store_true",
+                     help="also train on measurements that ran more ranks than their host's cores")
 
     rec = commands.add_parser(
         "recommend",
@@ -297,8 +351,10 @@ def _measurements_table(
 
 
 def _table(title: str, caption: str) -> Table:
-    # collapse_padding: fits 80 columns, so CI logs and narrow terminals show every figure
-    return Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # collapse_padding: fits 80 columns, so CI logs and narrow terminals show every figure;
+    # title and caption as Text: they carry names from users' files, never markup
+    return Table(title=Text(title, style="table.title"), caption=Text(caption, style="table.caption"),
+                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
 
 
 def cmd_measure(args: argparse.Namespace, console: Console) -> int:
@@ -327,8 +383,7 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
     else:
         console.print(_measurements_table(workload, results, failures))
     for config, failure in failures:
-        console.print(f"[red]{config.describe()} failed ({failure.kind}):[/] {failure}",
-                      highlight=False, soft_wrap=True)
+        _warn((f"{config.describe()} failed ({failure.kind}):", "red"), f" {failure}")
     return USAGE_ERROR if failures else 0
 
 
@@ -380,20 +435,25 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.store import Store
 
     space, where = _load_search_space(args)
-    available = args.max_ranks or available_cores()
+    cores = available_cores()
+    available = args.max_ranks or cores
     counts = tuple(n for n in space.rank_counts(available) if args.max_ranks is None or n <= args.max_ranks)
     if not counts:
         raise UsageError(f"--max-ranks {args.max_ranks} leaves none of the space's rank counts")
+    if over := ", ".join(str(n) for n in counts if n > cores):
+        _refuse_oversubscription(f"ranks {over} of {where}", cores, args.oversubscribe)
     space = dataclasses.replace(space, ranks=counts)
     check_runnable(space, available, where)
     hardware = this_host()
     with Store(args.db) as store:
-        console.print(f"searching [bold]{space.name}[/] ({where}) on {hardware.describe()} "
-                      f"[dim]{hardware.fingerprint}[/]; results in {store.url}", highlight=False)
+        store.require_writable()
+        _say(console, "searching ", (space.name, "bold"), f" ({where}) on {hardware.describe()} ",
+             (hardware.fingerprint, "dim"), f"; results in {store.url}")
         if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
-            console.print(f"this hardware has no calibration yet: calibrating 1..{max(counts)} ranks first "
-                          f"(the cost model's prior needs it; --no-calibrate skips)", highlight=False)
-            _calibrate(store, hardware, max(counts), 7, console)
+            calibrated = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
+            _say(console, f"this hardware has no calibration yet: calibrating 1..{calibrated} ranks first "
+                          f"(the cost model's prior needs it; --no-calibrate skips)")
+            _calibrate(store, hardware, calibrated, 7, console)
         best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
@@ -432,10 +492,22 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                 progress.update(task, completed=len(known))
                 search.run()
                 live.update(Group(progress, _best_table(space, best)))
-    console.print(f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
-                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""),
-                  highlight=False, soft_wrap=True)
+        if not console.is_terminal:
+            console.line()  # Rich ends the last frame with a newline only on a terminal
+    _say(console, f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
+                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""))
     return 0
+
+
+def _refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
+    """A ``UsageError`` for rank counts (``asked``, in words) above this host's ``cores``,
+    unless ``allowed``."""
+    if not allowed:
+        raise UsageError(
+            f"{asked}: more ranks than this host's {cores} cores, and ranks sharing a core time the "
+            f"sharing, not the strategy. Use at most {cores} ranks, or add --oversubscribe to run them "
+            f"anyway (stored marked oversubscribed, left out of the model and the picks)"
+        )
 
 
 # --------------------------------------------------------------------------- results
@@ -446,7 +518,16 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
 
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
-    with Store(args.db) as store:
+    with Store(args.db, create=False) as store:
+        if args.exclude or args.include:
+            return _set_excluded(store, args.exclude or args.include, args.exclude is not None, console)
+        if args.delete:
+            gone = store.delete(args.delete)
+            _say(console, f"deleted {len(gone)} measurement(s) from {store.url}:")
+            for r in gone:
+                _say(console, f"  {r.id}: {r.config.describe()}, {r.workload.describe()}, {r.status}, "
+                              f"measured {r.measured_at}")
+            return 0
         rows = store.results(**filters)
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
@@ -462,10 +543,30 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
     for r in rows:
         median = f"{r.median_ms:.2f}" if r.median_ms is not None else "-"
         heads = f"{r.workload.heads}/{r.workload.kv_heads}"
-        status = r.status if r.status == "ok" else f"[red]{r.status}[/]"
+        status = Text(r.status, style="" if r.status == "ok" else "red")
+        for mark, marked in (("oversubscribed", r.oversubscribed), ("excluded", r.excluded)):
+            if marked:
+                status.append(f", {mark}", style="yellow")
         table.add_row(str(r.id), str(r.workload.seq_len), heads, r.config.label, str(r.config.ranks),
-                      status, median, r.hardware)
+                      status, median, Text(r.hardware))
     console.print(table)
+    if marked := sum(r.oversubscribed or r.excluded for r in rows):
+        _say(console, f"{marked} marked oversubscribed or excluded: kept, but left out of the model and the "
+                      f"picks (cptune results --include ID takes an excluded one back)")
+    return 0
+
+
+def _set_excluded(store: Store, ids: tuple[int, ...], excluded: bool, console: Console) -> int:
+    changed = store.set_excluded(ids, excluded)
+    unchanged = sorted(set(ids) - set(changed))
+    done = "excluded" if excluded else "included again"
+    listed = f": {', '.join(map(str, changed))}" if changed else ""
+    _say(console, f"{done} {len(changed)} measurement(s){listed}")
+    if unchanged:
+        _say(console, f"already {'excluded' if excluded else 'included'}: {', '.join(map(str, unchanged))}")
+    if excluded and changed:
+        _say(console, f"they stay stored but the model, the picks and a search's resume ignore them; "
+                      f"cptune results --include {','.join(map(str, changed))} takes them back")
     return 0
 
 
@@ -503,11 +604,15 @@ def _calibrate(
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     from cptune.store import Store
 
-    max_ranks = args.max_ranks or available_cores()
+    cores = available_cores()
+    max_ranks = args.max_ranks or cores
+    if max_ranks > cores:
+        _refuse_oversubscription(f"--max-ranks {max_ranks}", cores, args.oversubscribe)
     with Store(args.db) as store:
+        store.require_writable()
         hardware = this_host()
-        console.print(f"calibrating {hardware.describe()} [dim]{hardware.fingerprint}[/] on 1..{max_ranks} "
-                      f"ranks; results in {store.url}", highlight=False)
+        _say(console, f"calibrating {hardware.describe()} ", (hardware.fingerprint, "dim"),
+             f" on 1..{max_ranks} ranks; results in {store.url}")
         calibration = _calibrate(store, hardware, max_ranks, args.repeats, console)
     for table in _calibration_tables(calibration):
         console.print(table)
@@ -520,10 +625,10 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     from cptune.evaluation import cross_validate_groups, load_training
 
-    data = load_training(args.db)
+    data = load_training(args.db, args.include_oversubscribed)
     if uncalibrated := ", ".join(sorted(data.uncalibrated)):
-        console.print(f"[yellow]left out[/]: measurements of {uncalibrated}, which have no calibration "
-                      f"(run cptune calibrate there)", highlight=False, soft_wrap=True)
+        _warn(("left out", "yellow"), f": measurements of {uncalibrated}, which have no calibration "
+                                      f"(run cptune calibrate there)")
     groupings = ["seq_len"] + (["hardware"] if len(data.profiles) > 1 else [])
     for by in groupings:
         evaluation = cross_validate_groups(data.cases, data.latencies_s, by)
@@ -561,11 +666,10 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         table.add_row(str(i), c.config.label, str(c.config.ranks), format_ms(c.latency_ms),
                       f"{format_ms(c.low_ms)}-{format_ms(c.high_ms)}", c.source, style=style)
     console.print(table)
-    console.print(f"[bold]pick:[/] {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})",
-                  highlight=False)
+    _say(console, ("pick:", "bold"),
+         f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
     for config, reasons in pick.infeasible.items():
-        console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
-                      highlight=False, soft_wrap=True)
+        _say(console, (f"cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}", "dim"))
     return 0
 
 
@@ -589,10 +693,9 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
         table.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
                       format_ms(b.latency_ms), b.source, pick_id)
     console.print(table)
-    console.print(f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
-                  f"(Slurm: {' '.join(plan.launch.srun)} <your program>)", highlight=False, soft_wrap=True)
-    console.print(f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})",
-                  highlight=False, soft_wrap=True)
+    _say(console, f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
+                  f"(Slurm: {' '.join(plan.launch.srun)} <your program>)")
+    _say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")
     return 0
 
 
@@ -613,8 +716,7 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
             written = write_report(data, Path(args.output_dir))
         except OSError as exc:
             raise UsageError(f"cannot write the report to {args.output_dir}: {exc.strerror or exc}") from None
-    console.print(f"wrote {len(written) - 1} figure(s) and {written[-1]}: open it in a browser",
-                  highlight=False, soft_wrap=True)
+    _say(console, f"wrote {len(written) - 1} figure(s) and {written[-1]}: open it in a browser")
     return 0
 
 
@@ -627,16 +729,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
-    console = Console(stderr=machine_output)
+    console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
+    # Optuna logs every trial an exception ends (Ctrl-C included) with its traceback; the
+    # search reports its own failures
+    logging.getLogger("optuna").setLevel(logging.ERROR)
     try:
         return COMMANDS[args.command](args, console)
     except CPTuneError as error:
-        # soft_wrap: the terminal wraps, so a message or path copies out whole
-        console.print(f"[red]cptune: error:[/] {error}", highlight=False, soft_wrap=True)
+        _warn(("cptune: error:", "red"), f" {error}")
         return USAGE_ERROR
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: every finished measurement is stored; rerun to resume")
+        _warn(("interrupted", "yellow"), ": every finished measurement is stored; rerun to resume")
         return 130
+    except BrokenPipeError:
+        # the reader left (cptune results --csv | head -1): nothing more to say, and the
+        # interpreter's last flush must not fail on the closed pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 import cptune
+from conftest import measurement
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware, this_host
 from cptune.store import VERSION_TABLE, Base, Store, StoreError, database_url
@@ -163,3 +164,106 @@ def test_two_writers_on_one_sqlite_file(tmp_path):
         rows = store.results()
     assert len(rows) == 120
     assert {r.error for r in rows} == {f"{w}-{n}" for w in "ab" for n in range(60)}
+
+
+# --------------------------------------------------------------------------- marks, refusals
+
+
+def _database_at(path, revision):
+    """A SQLite file migrated only up to ``revision`` (as an older cptune left it)."""
+    from importlib.resources import files
+
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    config = Config()
+    config.set_main_option("script_location", str(files("cptune.db")))
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+    return engine
+
+
+def test_migration_0003_marks_old_rows_that_ran_more_ranks_than_cores(tmp_path):
+    path = tmp_path / "old.db"
+    engine = _database_at(path, "0002")
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO hardware (id, fingerprint, host, cpu_model, cpu_count, gpu_count, interconnect, "
+            "created_at) VALUES (1, 'f1', 'h', 'cpu', 2, 0, 'shm', '2026-01-01 00:00:00')")
+        connection.exec_driver_sql(
+            "INSERT INTO workloads (id, seq_len, heads, kv_heads, head_dim, batch, dtype, causal) "
+            "VALUES (1, 64, 4, 4, 16, 1, 'bf16', 0)")
+        for row_id, ranks in ((1, 2), (2, 4)):
+            connection.exec_driver_sql(
+                "INSERT INTO measurements (id, hardware_id, workload_id, strategy, ranks, head_group, "
+                "status, median_ms, engine, cptune_version, measured_at) VALUES "
+                f"({row_id}, 1, 1, 'ring', {ranks}, 1, 'ok', 1.0, 'mpi', '0.1.0', '2026-01-01 00:00:00')")
+    engine.dispose()
+    with Store(str(path)) as store:
+        marks = {r.config.ranks: (r.oversubscribed, r.excluded) for r in store.results()}
+    assert marks == {2: (False, False), 4: (True, False)}
+
+
+def test_a_measurement_records_whether_it_was_oversubscribed(store):
+    store.add_measurement(HARDWARE, measurement(WORKLOAD, CPConfig("ring", 2), 1.0))
+    store.add_measurement(HARDWARE, dataclasses.replace(measurement(WORKLOAD, CPConfig("ring", 4), 9.0),
+                                                        oversubscribed=True))
+    assert [r.oversubscribed for r in store.results()] == [False, True]
+    assert [r.config.ranks for r in store.results(oversubscribed=False)] == [2]
+
+
+def test_excluded_rows_are_kept_reversibly_and_deleted_rows_are_gone(store):
+    ids = [store.add_measurement(HARDWARE, measurement(WORKLOAD, CPConfig("ring", n), n)) for n in (1, 2)]
+    assert store.set_excluded([ids[1]]) == [ids[1]]
+    assert store.set_excluded([ids[1]]) == []  # already excluded: nothing changes
+    assert [r.excluded for r in store.results()] == [False, True]
+    assert list(store.measured(HARDWARE, WORKLOAD)) == [CPConfig("ring", 1)]  # a search runs it again
+    assert store.set_excluded([ids[1]], excluded=False) == [ids[1]]
+    assert len(store.measured(HARDWARE, WORKLOAD)) == 2
+    (gone,) = store.delete([ids[0]])
+    assert gone.id == ids[0] and gone.config == CPConfig("ring", 1)
+    assert [r.id for r in store.results()] == [ids[1]]
+
+
+@pytest.mark.parametrize("change", ["exclude", "delete"])
+def test_unknown_ids_change_nothing(store, change):
+    kept = store.add_measurement(HARDWARE, measurement(WORKLOAD, CPConfig("ring", 1), 1.0))
+    ids = [kept, kept + 5, kept + 1]
+    with pytest.raises(StoreError, match=f"no measurement with id {kept + 1}, {kept + 5} in .*nothing was"):
+        store.set_excluded(ids) if change == "exclude" else store.delete(ids)
+    (result,) = store.results()
+    assert result.id == kept and not result.excluded
+
+
+def test_reading_never_creates_a_database(tmp_path):
+    with pytest.raises(StoreError, match="no database at .*nope.db: check the path"):
+        Store(str(tmp_path / "nope.db"), create=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_database_of_a_newer_cptune_is_refused_untouched(tmp_path):
+    path = tmp_path / "newer.db"
+    with Store(str(path)) as store:
+        store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
+        with store.engine.begin() as connection:
+            connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = '0042'")
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match=r"by a newer cptune \(schema revision '0042'.*Nothing was changed"):
+        Store(str(path))
+    assert path.read_bytes() == before
+
+
+def test_a_read_only_database_is_refused_before_any_write(tmp_path):
+    path = tmp_path / "ro.db"
+    with Store(str(path)) as store:
+        store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
+    with Store(f"sqlite:///file:{path}?mode=ro&uri=true") as read_only:
+        assert len(read_only.results()) == 1  # reading works
+        with pytest.raises(StoreError, match="cannot write to database .*Nothing was measured"):
+            read_only.require_writable()
+    with Store(str(path)) as writable:
+        writable.require_writable()
+        assert len(writable.results()) == 1
