@@ -28,12 +28,14 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
 from cptune.feasibility import enumerate_configs
-from cptune.hardware import Hardware, this_host
+from cptune.engines import BACKENDS
+from cptune.hardware import Hardware, this_gpu_node, this_host
 from cptune.measurement import Measurement, available_cores, format_ms
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
 
 if TYPE_CHECKING:
+    from cptune.engines.tensorrt import NodeProbe
     from cptune.store import Store
 
 USAGE_ERROR = 2
@@ -107,6 +109,33 @@ def _add_shape(parser: argparse.ArgumentParser, defaults: dict[str, int] | None)
                        help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
 
 
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKENDS, default="mpi",
+                        help="engine: mpi (CPU ranks, the default) or tensorrt (one GPU per rank, "
+                             "pip install 'cptune[tensorrt]')")
+
+
+def _gpu_node(backend: str, ranks: int | None) -> NodeProbe | None:
+    """For ``--backend tensorrt``: this node's GPUs, after the preflight (one line, exit 2,
+    naming what is missing for ``ranks`` ranks, or 1 when not given); None for mpi."""
+    if backend != "tensorrt":
+        return None
+    from cptune.engines.tensorrt import preflight, probe_node
+
+    node = probe_node()
+    preflight(ranks or 1, node)
+    return node
+
+
+def _capacity(node: NodeProbe | None) -> int:
+    """Ranks the backend runs here by default: one per GPU, or one per CPU core."""
+    return len(node.gpus) if node is not None else available_cores()
+
+
+def _this_hardware(node: NodeProbe | None) -> Hardware:
+    return this_gpu_node(node.gpus) if node is not None else this_host()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cptune",
@@ -138,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--max-ranks", type=_positive, help="largest rank count (default: this host's cores)")
     search.add_argument("--ranks", type=_positive_list,
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
-    search.add_argument("--backend", choices=["mpi"], default="mpi", help="engine (default mpi)")
+    _add_backend(search)
     search.add_argument("--remeasure", action="store_true", help="run configurations even if already stored")
     search.add_argument("--no-calibrate", action="store_true",
                         help="skip the calibration a first search on new hardware runs (the cost "
@@ -175,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=_seconds, default=None,
                      help="seconds before a configuration's run is stopped (default: scaled to its size)")
     run.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+    _add_backend(run)
 
     calibrate = commands.add_parser(
         "calibrate",
@@ -190,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="largest rank count (default: this host's cores)")
     calibrate.add_argument("--repeats", type=_positive, default=7,
                            help="timed iterations per point (default 7)")
+    _add_backend(calibrate)
 
     fit = commands.add_parser(
         "fit",
@@ -303,7 +334,8 @@ def _table(title: str, caption: str) -> Table:
 
 def cmd_measure(args: argparse.Namespace, console: Console) -> int:
     workload = _workload(args, args.seq_len)
-    max_ranks = args.max_ranks or available_cores()
+    node = _gpu_node(args.backend, args.max_ranks)
+    max_ranks = args.max_ranks or _capacity(node)
     configs = enumerate_configs(workload, max_ranks, args.strategies or STRATEGIES)
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []
@@ -314,8 +346,8 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
         for config in configs:
             progress.update(task, description=f"measuring {config.describe()}")
             try:
-                results.append(measure(workload, config, warmup=args.warmup, repeats=args.repeats,
-                                       timeout=args.timeout))
+                results.append(measure(workload, config, backend=args.backend, warmup=args.warmup,
+                                       repeats=args.repeats, timeout=args.timeout))
             except EngineError as error:
                 failures.append((config, error))
             progress.advance(task)
@@ -380,20 +412,25 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.store import Store
 
     space, where = _load_search_space(args)
-    available = args.max_ranks or available_cores()
+    node = _gpu_node(args.backend, args.max_ranks)
+    available = args.max_ranks or _capacity(node)
     counts = tuple(n for n in space.rank_counts(available) if args.max_ranks is None or n <= args.max_ranks)
     if not counts:
         raise UsageError(f"--max-ranks {args.max_ranks} leaves none of the space's rank counts")
     space = dataclasses.replace(space, ranks=counts)
     check_runnable(space, available, where)
-    hardware = this_host()
+    if node is not None:
+        from cptune.engines.tensorrt import preflight
+
+        preflight(max(counts), node)
+    hardware = _this_hardware(node)
     with Store(args.db) as store:
         console.print(f"searching [bold]{space.name}[/] ({where}) on {hardware.describe()} "
                       f"[dim]{hardware.fingerprint}[/]; results in {store.url}", highlight=False)
         if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
             console.print(f"this hardware has no calibration yet: calibrating 1..{max(counts)} ranks first "
                           f"(the cost model's prior needs it; --no-calibrate skips)", highlight=False)
-            _calibrate(store, hardware, max(counts), 7, console)
+            _calibrate(store, hardware, max(counts), 7, console, args.backend)
         best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
@@ -491,10 +528,10 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
 
 
 def _calibrate(
-    store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console
+    store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console, backend: str
 ) -> Calibration:
     with console.status("calibrating") as status:
-        calibration = calibrate(max_ranks, repeats=repeats,
+        calibration = calibrate(max_ranks, backend=backend, repeats=repeats,
                                 progress=lambda step: status.update(f"calibrating: {step}"))
     store.add_calibration(hardware, calibration)
     return calibration
@@ -503,12 +540,13 @@ def _calibrate(
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     from cptune.store import Store
 
-    max_ranks = args.max_ranks or available_cores()
+    node = _gpu_node(args.backend, args.max_ranks)
+    max_ranks = args.max_ranks or _capacity(node)
     with Store(args.db) as store:
-        hardware = this_host()
+        hardware = _this_hardware(node)
         console.print(f"calibrating {hardware.describe()} [dim]{hardware.fingerprint}[/] on 1..{max_ranks} "
                       f"ranks; results in {store.url}", highlight=False)
-        calibration = _calibrate(store, hardware, max_ranks, args.repeats, console)
+        calibration = _calibrate(store, hardware, max_ranks, args.repeats, console, args.backend)
     for table in _calibration_tables(calibration):
         console.print(table)
     return 0

@@ -1,7 +1,9 @@
 """Engines run a configuration on real ranks: one module each, behind ``Engine``.
 
-``mpi`` (the default) runs anywhere: MPI processes with numpy math. Engines are created on
-first use and kept, with their worker pools, until the interpreter exits.
+``mpi`` (the default) runs anywhere: MPI processes with numpy math. ``tensorrt`` runs each
+rank's ONNX graph as a TensorRT engine on one GPU per rank (written for GPU nodes, not yet
+run on one). Engines are created on first use and kept, with their worker pools, until
+the interpreter exits.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.workload import Workload
 
-BACKENDS: tuple[str, ...] = ("mpi",)
+BACKENDS: tuple[str, ...] = ("mpi", "tensorrt")
 
 
 class Engine(Protocol):
     name: str
+    #: The collective kinds (see ``cptune.cost.COLLECTIVES``) this engine's strategies use,
+    #: which ``calibrate`` times.
+    collectives: tuple[str, ...]
 
     def run(
         self, workload: Workload, config: CPConfig,
@@ -62,9 +67,14 @@ def get_engine(backend: str | Engine) -> Engine:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend not in _engines:
-        from cptune.engines.mpi import MPIEngine
+        if backend == "tensorrt":
+            from cptune.engines.tensorrt import TensorRTEngine
 
-        _engines[backend] = MPIEngine()
+            _engines[backend] = TensorRTEngine()
+        else:
+            from cptune.engines.mpi import MPIEngine
+
+            _engines[backend] = MPIEngine()
     return _engines[backend]
 
 

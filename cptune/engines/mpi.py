@@ -217,6 +217,8 @@ class MPIEngine:
     """Runs configurations on a persistent pool of MPI ranks on this host."""
 
     name = "mpi"
+    #: The Ring's stream step is send/recv ("p2p") here.
+    collectives: tuple[str, ...] = ("all_to_all", "all_gather", "p2p")
 
     def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
         self.worker = list(worker)
