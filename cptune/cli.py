@@ -25,10 +25,10 @@ from rich.table import Table
 from cptune import __version__
 from cptune.calibration import Calibration, calibrate
 from cptune.config import STRATEGIES, CPConfig
+from cptune.engines import BACKENDS
 from cptune.errors import CPTuneError, EngineError
 from cptune.execute import measure
 from cptune.feasibility import enumerate_configs
-from cptune.engines import BACKENDS
 from cptune.hardware import Hardware, this_gpu_node, this_host
 from cptune.measurement import Measurement, available_cores, format_ms
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space

@@ -90,5 +90,6 @@ def case_graphs(case: dict, ranks: int, rank: int) -> list[onnx.ModelProto]:
     """Rank ``rank``'s graphs of one calibration request: ``{"collective": kind, "group":
     g, "chunks": [bytes per peer, ...]}`` or ``{"shapes": [attention shape, ...]}``."""
     if "collective" in case:
-        return [collective_graph(case["collective"], ranks, case["group"], rank, chunk) for chunk in case["chunks"]]
+        kind, group = case["collective"], case["group"]
+        return [collective_graph(kind, ranks, group, rank, chunk) for chunk in case["chunks"]]
     return [attention_graph(shape) for shape in case["shapes"]]

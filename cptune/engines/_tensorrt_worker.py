@@ -145,7 +145,8 @@ class GpuRank:
         error, *values = result
         if error != self.cudart.cudaError_t.cudaSuccess:
             _, text = self.cudart.cudaGetErrorString(error)
-            raise RuntimeError(f"CUDA error on cuda:{self.device}: {text.decode() if isinstance(text, bytes) else text}")
+            text = text.decode() if isinstance(text, bytes) else text
+            raise RuntimeError(f"CUDA error on cuda:{self.device}: {text}")
         return values[0] if len(values) == 1 else tuple(values)
 
     def communicator(self, comm: MPI.Comm) -> Any:
@@ -174,6 +175,11 @@ class GpuRank:
         config = builder.create_builder_config()
         # Layer names in the engine, so the profiler can tell DistCollective layers apart.
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+        # TensorRT 10.16+ refuses a network with IDistCollectiveLayer unless this preview
+        # feature is on (as Torch-TensorRT and Polygraphy's tests set it); a 11.x that has
+        # dropped the flag (reported, not confirmed) needs nothing.
+        if (multidevice := getattr(trt.PreviewFeature, "MULTIDEVICE_RUNTIME_10_16", None)) is not None:
+            config.set_preview_feature(multidevice, True)
         # Every input has a static shape (``io_specs`` refuses others), so the network needs
         # no optimization profile; one with min = opt = max would say nothing more.
         serialized = builder.build_serialized_network(network, config)
@@ -235,10 +241,9 @@ class LoadedGraph:
         if self.engine is None:
             raise RuntimeError("TensorRT could not deserialize the engine")
         self.context = self.engine.create_execution_context()
-        if self.collectives:
-            # Collective call: blocks until every rank of the communicator has made it.
-            if not self.context.set_communicator(_communicator_capsule(communicator)):
-                raise RuntimeError("IExecutionContext.set_communicator refused the NCCL communicator")
+        # A collective call: it blocks until every rank of the communicator has made it.
+        if self.collectives and not self.context.set_communicator(_communicator_capsule(communicator)):
+            raise RuntimeError("IExecutionContext.set_communicator refused the NCCL communicator")
         for name, (shape, dtype) in self.specs.items():
             nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
             self.buffers[name] = gpu.cuda(gpu.cudart.cudaMalloc(nbytes))
@@ -281,8 +286,8 @@ class LoadedGraph:
         """Run once; the device milliseconds between CUDA events around ``execute_async_v3``."""
         gpu, cudart = self.gpu, self.gpu.cudart
         gpu.cuda(cudart.cudaEventRecord(gpu.start, gpu.stream))
-        # execute_async_v3 takes the stream handle as an integer (cudaStream_t converts).
-        if not self.context.execute_async_v3(int(gpu.stream)):
+        # The cuda-bindings stream goes in as it is, as Polygraphy's multi-device tests pass it.
+        if not self.context.execute_async_v3(gpu.stream):
             raise RuntimeError("IExecutionContext.execute_async_v3 failed (see the log above)")
         gpu.cuda(cudart.cudaEventRecord(gpu.end, gpu.stream))
         gpu.cuda(cudart.cudaStreamSynchronize(gpu.stream))
@@ -367,7 +372,7 @@ class TensorRTWorker(Worker):
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
         op = header["op"]
         if op == "prepare":
-            from cptune.engines.onnx import rank_graph  # the graph layer (onnx, no GPU)
+            from cptune.engines._onnx_graph import rank_graph  # the graph layer (onnx, no GPU)
 
             self._drop()
             workload, config = Workload(**header["workload"]), CPConfig(**header["config"])

@@ -3,7 +3,7 @@ per rank, the ranks' DistCollective layers talking over NCCL.
 
 Written for GPU nodes and NOT YET RUN ON ONE: cptune is developed where there is no GPU
 and TensorRT's libraries cannot be installed. What can be decided without a GPU is
-decided and checked in the graph layer (``cptune.engines.onnx``: the graphs run on MPI
+decided and checked in the graph layer (``cptune.engines._onnx_graph``: the graphs run on MPI
 ranks with ONNX's reference runtime); this layer only builds, loads, runs and times them.
 
 It runs under the MPI engine's supervised pool (``MPIEngine``): one rank per GPU, started
@@ -43,7 +43,9 @@ BUILD_TIMEOUT_S = 1800.0
 #: TensorRT's DistCollective layers need compute capability 8.0 (Ampere) or newer.
 MIN_COMPUTE_CAPABILITY = 80
 #: Python modules the ranks import, and the package each comes from.
-GPU_MODULES: dict[str, str] = {"tensorrt": "tensorrt", "nccl.core": "nccl4py", "cuda.bindings.runtime": "cuda-bindings"}
+GPU_MODULES: dict[str, str] = {
+    "tensorrt": "tensorrt", "nccl.core": "nccl4py", "cuda.bindings.runtime": "cuda-bindings",
+}
 INSTALL_HINT = "pip install 'cptune[tensorrt]' (TensorRT's libraries download from NVIDIA's package server)"
 
 
@@ -71,13 +73,13 @@ def _import_problem(module: str) -> str | None:
     return None
 
 
-def probe_node(import_problem: Callable[[str], str | None] = _import_problem) -> NodeProbe:
+def probe_node() -> NodeProbe:
     """Ask the driver (nvidia-smi) for the GPUs and try importing each GPU package."""
     try:
         gpus, problem = tuple(list_gpus()), None
     except OSError as exc:
         gpus, problem = (), str(exc)
-    missing = {module: reason for module in GPU_MODULES if (reason := import_problem(module))}
+    missing = {module: reason for module in GPU_MODULES if (reason := _import_problem(module))}
     return NodeProbe(gpus, problem, missing)
 
 
@@ -201,7 +203,8 @@ class TensorRTEngine(MPIEngine):
         time is shown here, never in a latency."""
         import mpi4py
 
-        info = {"engine": self.name, "mpi4py": mpi4py.__version__, "tensorrt": tensorrt_version() or "unknown"}
+        info = {"engine": self.name, "mpi4py": mpi4py.__version__,
+                "tensorrt": tensorrt_version() or "unknown"}
         if self._pool is not None:
             info["mpi_library"] = self._pool.mpi_library
         return info | self._built

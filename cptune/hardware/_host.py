@@ -165,7 +165,9 @@ def parse_topology(text: str, indices: Sequence[int]) -> str:
             links.add(rows[a][header.index(wanted[j])])
     nvlink = sorted(link for link in links if link.startswith("NV"))
     other = sorted(links - set(nvlink))
-    parts = ([f"NVLink ({', '.join(nvlink)})"] if nvlink else []) + ([f"PCIe ({', '.join(other)})"] if other else [])
+    parts = [f"NVLink ({', '.join(nvlink)})"] if nvlink else []
+    if other:
+        parts.append(f"PCIe ({', '.join(other)})")
     return " and ".join(parts)
 
 
