@@ -18,7 +18,7 @@ from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
 from cptune.layout import SequenceLayout
 from cptune.measurement import Measurement, available_cores, describe_host, summarize
-from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
+from cptune.reference import make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
 Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -131,7 +131,7 @@ def measure(
     run_timeout = timeout or default_timeout(workload, config)
     outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v), run_timeout)
     error = relative_error(_gather(layout, outputs), reference)
-    tolerance = TOLERANCE[workload.dtype]
+    tolerance = engine.tolerance[workload.dtype]
     if not error <= tolerance:
         raise EngineError(
             "wrong_output",

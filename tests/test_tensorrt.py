@@ -6,6 +6,7 @@ cannot run them."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -204,6 +205,8 @@ def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monk
         engine.close()
     assert failure.value.kind == "error"
     assert re.match(r"rank \d failed running building the engines of Ulysses on 2 ranks", str(failure.value))
+    if importlib.util.find_spec("tensorrt") is None:  # the graph was made; the GPU stack is what is missing
+        assert "No module named 'tensorrt'" in str(failure.value)
     assert pool_processes("cptune.engines._tensorrt_worker") == []
 
 
@@ -416,3 +419,22 @@ def test_gpu_tests_skip_with_the_preflight_reason_here():
         pytest.skip("this machine has an NVIDIA driver")
     with pytest.raises(pytest.skip.Exception, match="needs NVIDIA GPUs"):
         gpu_node_or_skip(1)
+
+
+def test_measure_holds_each_engine_to_its_own_tolerance():
+    """The same correct run passes under the MPI engine's tolerance and is refused as
+    wrong_output under a stricter one: the check reads the engine's, not a global table."""
+    from cptune.engines.mpi import MPIEngine
+
+    class Exacting(MPIEngine):
+        tolerance = {"fp32": 0.0}
+
+    w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
+    engine = Exacting()
+    try:
+        with pytest.raises(EngineError) as failure:
+            cptune.measure(w, CPConfig("ring", 2), backend=engine, warmup=0, repeats=1)
+    finally:
+        engine.close()
+    assert failure.value.kind == "wrong_output"
+    assert TensorRTEngine.tolerance["bf16"] == 2e-2 and TensorRTEngine.tolerance["fp32"] == 2e-5

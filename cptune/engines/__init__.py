@@ -11,7 +11,7 @@ interpreter exits.
 from __future__ import annotations
 
 import atexit
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +31,9 @@ class Engine(Protocol):
     #: The collective kinds (see ``cptune.cost.COLLECTIVES``) this engine's strategies use,
     #: which ``calibrate`` times.
     collectives: tuple[str, ...]
+    #: The largest relative error of an output, per workload dtype, ``measure`` accepts
+    #: (``cptune.reference.TOLERANCE`` unless the engine computes in another precision).
+    tolerance: Mapping[str, float]
 
     def run(
         self, workload: Workload, config: CPConfig,

@@ -16,9 +16,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from cptune.engines._onnx_dialect import dist_collective, opset_import
+from cptune.engines._onnx_graph import OPSET
 
-#: ONNX opset of the calibration graphs: ``Attention`` exists from 23.
-OPSET = 23
 #: Element type the collectives move (bytes are what is calibrated; 2 per element).
 COLLECTIVE_DTYPE = TensorProto.FLOAT16
 #: Element type of the attention calibration: the default workload dtype (bf16).
@@ -27,9 +26,11 @@ ATTENTION_DTYPE = TensorProto.BFLOAT16
 
 def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto],
            name: str, initializers: Sequence[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    """A model as the rank graphs are written: the same opsets and IR version."""
     graph = helper.make_graph(nodes, name, inputs, outputs, initializer=list(initializers))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), opset_import()],
-                             producer_name="cptune")
+    standard = helper.make_opsetid("", OPSET)
+    return helper.make_model(graph, opset_imports=[standard, opset_import()], producer_name="cptune",
+                             ir_version=helper.find_min_ir_version_for([standard]))
 
 
 def group_members(ranks: int, group: int, rank: int) -> list[int]:

@@ -22,12 +22,13 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import cptune
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
+from cptune.reference import TOLERANCE
 
 # -P: the ranks must not import a cptune from their working directory; PYTHONPATH (set
 # when the pool starts) points them at the very package this process imported.
@@ -212,6 +213,9 @@ class WorkerPool:
 class PooledEngine:
     """Base of the engines whose ranks run in a ``WorkerPool``: keeps one pool, grows it when
     a run needs more ranks, and forgets it after any failure (the pool stopped itself)."""
+
+    #: The largest relative error of an output, per workload dtype, ``measure`` accepts.
+    tolerance: Mapping[str, float] = TOLERANCE
 
     def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
         self.worker = list(worker)
