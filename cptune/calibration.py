@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 import numpy as np
 from scipy.optimize import nnls
 
+from cptune.cost import COLLECTIVES
 from cptune.engines import Engine, get_engine
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
@@ -163,19 +164,15 @@ def group_sizes(ranks: int) -> list[int]:
     return [g for g in range(2, ranks + 1) if ranks % g == 0]
 
 
-#: Collectives that move one chunk per call (a stream step), not one per peer.
-_ONE_CHUNK = frozenset({"p2p", "broadcast"})
-
-
 def _per_peer(kind: str, group: int, sent: int) -> int:
-    return sent if kind in _ONE_CHUNK else max(1, sent // (group - 1))
+    return sent if kind == "p2p" else max(1, sent // (group - 1))
 
 
 def _measure_collective(
     engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int
 ) -> CollectiveFit:
     chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
-    sizes = np.array([c if kind in _ONE_CHUNK else c * (group - 1) for c in chunks], dtype=float)
+    sizes = np.array([c if kind == "p2p" else c * (group - 1) for c in chunks], dtype=float)
     timings = engine.time_collective(kind, ranks, group, chunks, warmup, repeats, _TIMEOUT_S)
     seconds = np.median(timings, axis=1)
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)
@@ -209,7 +206,7 @@ def calibrate(
             for s, t in zip(ATTENTION_SHAPES, seconds, strict=True)
         ]
         for group in group_sizes(ranks):
-            for kind in engine.collectives:
+            for kind in COLLECTIVES:
                 report(f"{kind} on {ranks} ranks in groups of {group}")
                 collectives.append(_measure_collective(engine, kind, ranks, group, warmup, repeats))
     return Calibration(

@@ -133,7 +133,14 @@ def _capacity(node: NodeProbe | None) -> int:
 
 
 def _this_hardware(node: NodeProbe | None) -> Hardware:
-    return this_gpu_node(node.gpus) if node is not None else this_host()
+    """This host's fingerprint as the backend sees it: its GPUs for tensorrt, else its cores."""
+    if node is None:
+        return this_host()
+    try:
+        return this_gpu_node(node.gpus)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read this node's GPU facts for its fingerprint ({exc}); "
+                         f"check that nvidia-smi works here") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -438,3 +438,24 @@ def test_measure_holds_each_engine_to_its_own_tolerance():
         engine.close()
     assert failure.value.kind == "wrong_output"
     assert TensorRTEngine.tolerance["bf16"] == 2e-2 and TensorRTEngine.tolerance["fp32"] == 2e-5
+
+
+def test_a_cuda_visible_devices_that_hides_every_gpu_is_named(monkeypatch):
+    monkeypatch.setattr("cptune.hardware._host._nvidia_smi", lambda *arguments: QUERY_H100)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    probe = probe_node()
+    assert probe.gpus == ()
+    with pytest.raises(BackendUnavailableError, match=r"CUDA_VISIBLE_DEVICES='7' selects none of the 4 GPUs"):
+        preflight(1, probe)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert [g.index for g in probe_node().gpus] == [3, 1]
+
+
+def test_the_gpu_fingerprint_reads_the_drivers_answers(monkeypatch):
+    answers = {("topo", "-m"): TOPO_NVLINK, ("-q",): SMI_HEADER}
+    monkeypatch.setattr("cptune.hardware._host._nvidia_smi", lambda *arguments: answers[arguments])
+    from cptune.hardware import this_gpu_node
+
+    hardware = this_gpu_node(parse_gpu_query(QUERY_H100)[:2])
+    assert hardware.gpu_count == 2 and hardware.interconnect == "NVLink (NV18)"
+    assert hardware.gpu_model.endswith("(sm_90, driver 570.124.06, CUDA 12.8)")

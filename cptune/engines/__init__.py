@@ -28,9 +28,6 @@ class Engine(Protocol):
     #: Whether ``time`` and calibration measure anything (False: a correctness-only engine,
     #: which ``measure`` and ``calibrate`` refuse before running).
     timed: bool
-    #: The collective kinds (see ``cptune.cost.COLLECTIVES``) this engine's strategies use,
-    #: which ``calibrate`` times.
-    collectives: tuple[str, ...]
     #: The largest relative error of an output, per workload dtype, ``measure`` accepts
     #: (``cptune.reference.TOLERANCE`` unless the engine computes in another precision).
     tolerance: Mapping[str, float]

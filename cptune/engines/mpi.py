@@ -21,8 +21,6 @@ class MPIEngine(PooledEngine):
 
     name = "mpi"
     timed = True
-    #: The Ring's stream step is send/recv ("p2p") here.
-    collectives: tuple[str, ...] = ("all_to_all", "all_gather", "p2p")
 
     def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
         super().__init__(worker, start_timeout)

@@ -120,9 +120,6 @@ class TensorRTEngine(MPIEngine):
     """Runs configurations as TensorRT engines, one rank per GPU of this node."""
 
     name = "tensorrt"
-    #: Collective kinds this engine's strategies use: the Ring's stream step is one
-    #: broadcast per step (TensorRT has no point-to-point layer).
-    collectives: tuple[str, ...] = ("all_to_all", "all_gather", "broadcast")
     #: bf16 is real bfloat16 here (8 significant bits: inputs rounded to it alone are off by
     #: up to 2^-9 ~ 2e-3, and ONNX's reference runtime puts these graphs at ~7e-3), not the
     #: MPI engine's float16 wire; 2e-2 (about five bf16 units in the last place) still

@@ -191,7 +191,13 @@ def list_gpus() -> list[GpuInfo]:
     """The CUDA GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied); ``OSError``
     naming the reason when the driver cannot be asked."""
     text = _nvidia_smi(f"--query-gpu={','.join(GPU_QUERY_FIELDS)}", "--format=csv,noheader")
-    return visible_gpus(parse_gpu_query(text), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    listed, selection = parse_gpu_query(text), os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = visible_gpus(listed, selection)
+    if listed and not visible:
+        raise OSError(
+            f"CUDA_VISIBLE_DEVICES={selection!r} selects none of the {len(listed)} GPUs the driver lists"
+        )
+    return visible
 
 
 def _first_version(*packages: str) -> str | None:
