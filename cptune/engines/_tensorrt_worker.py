@@ -329,6 +329,8 @@ class LoadedGraph:
                 self.context.report_to_profiler()
                 split[i] = np.array(split_layer_times(layers, self.collectives)) / 1e3
         finally:
+            # Detach, so a later timed pass runs unwatched (pybind11 turns None into a null
+            # profiler; not confirmed on TensorRT 11).
             self.context.profiler = None
         return split
 
@@ -359,8 +361,11 @@ class TensorRTWorker(Worker):
         return self._gpu
 
     def _load(self, model: onnx.ModelProto, comm: MPI.Comm) -> tuple[LoadedGraph, float | None]:
-        engine, build_seconds = self.gpu.engine_for(serialize(model), comm)
+        """``model``'s engine on this rank, every step collective over ``comm``. The NCCL
+        communicator comes first, as in NVIDIA's sample: nccl4py then loads libnccl before
+        TensorRT looks it up by name, so both use the same library (as they must)."""
         communicator = self.gpu.communicator(comm) if collective_layer_names(model) else None
+        engine, build_seconds = self.gpu.engine_for(serialize(model), comm)
         return LoadedGraph(self.gpu, engine, model, communicator), build_seconds
 
     def _drop(self) -> None:
