@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cptune.config import CPConfig
+from cptune.engines._pool import WorkerPool
 from cptune.engines.mpi import MPIEngine
 from cptune.errors import CPTuneError
 from cptune.hardware._host import GpuInfo, list_gpus, tensorrt_version
@@ -117,7 +118,8 @@ def preflight(ranks: int, probe: NodeProbe) -> None:
 
 
 class TensorRTEngine(MPIEngine):
-    """Runs configurations as TensorRT engines, one rank per GPU of this node."""
+    """Runs configurations as TensorRT engines, one rank per GPU of this node. The pool and
+    ``time`` are the MPI engine's; the ranks are ``_tensorrt_worker``."""
 
     name = "tensorrt"
     #: bf16 is real bfloat16 here (8 significant bits: inputs rounded to it alone are off by
@@ -135,7 +137,7 @@ class TensorRTEngine(MPIEngine):
         self._node: NodeProbe | None = None
         self._built: dict[str, str] = {}
 
-    def _pool_for(self, ranks: int):  # type: ignore[no-untyped-def]
+    def _pool_for(self, ranks: int) -> WorkerPool:
         """The pool, after ``preflight``: a library caller gets the same one-line reason as
         the command line, before any process starts."""
         if self._node is None:
@@ -143,10 +145,10 @@ class TensorRTEngine(MPIEngine):
         preflight(ranks, self._node)
         return super()._pool_for(ranks)
 
-    def _note_build(self, replies: dict, what: str) -> None:
+    def _note_build(self, replies: dict) -> None:
         """Keep the last build's facts for ``describe``: seconds (slowest rank) or "cached"."""
         seconds = [h["build_seconds"] for h, _ in replies.values() if h.get("build_seconds") is not None]
-        self._built = {"build_s": f"{max(seconds):.1f}" if seconds else "cached", "built": what}
+        self._built = {"build_s": f"{max(seconds):.1f}" if seconds else "cached"}
         first = replies[min(replies)][0]
         for key in ("gpu", "tensorrt"):
             if key in first:
@@ -166,7 +168,7 @@ class TensorRTEngine(MPIEngine):
         what = config.describe()
         replies = self._request({r: (prepare, []) for r in range(config.ranks)}, BUILD_TIMEOUT_S,
                                 f"building the engines of {what}")
-        self._note_build(replies, what)
+        self._note_build(replies)
         replies = self._request({r: ({"op": "run"}, list(shard)) for r, shard in enumerate(shards)},
                                 timeout, what)
         self._timed_ranks = config.ranks
@@ -179,7 +181,7 @@ class TensorRTEngine(MPIEngine):
         self._pool_for(ranks)
         prepare = {"op": "prepare_cases", "ranks": ranks, "case": case}
         replies = self._request({r: (prepare, []) for r in range(ranks)}, BUILD_TIMEOUT_S, f"building {what}")
-        self._note_build(replies, what)
+        self._note_build(replies)
         timing = {"op": "time_cases", "warmup": warmup, "repeats": repeats}
         replies = self._request({r: (timing, []) for r in range(ranks)}, timeout, what)
         return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
