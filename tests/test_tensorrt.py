@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -459,3 +460,58 @@ def test_the_gpu_fingerprint_reads_the_drivers_answers(monkeypatch):
     hardware = this_gpu_node(parse_gpu_query(QUERY_H100)[:2])
     assert hardware.gpu_count == 2 and hardware.interconnect == "NVLink (NV18)"
     assert hardware.gpu_model.endswith("(sm_90, driver 570.124.06, CUDA 12.8)")
+
+
+# --------------------------------------------------------------------------- the rank side, on a stand-in
+
+
+FAKE_GPU_STACK = Path(__file__).parent / "fake_gpu_stack"
+
+
+@pytest.fixture
+def stand_in_engine(monkeypatch, tmp_path):
+    """A TensorRT engine whose ranks import ``tests/fake_gpu_stack`` (see its README) in
+    place of TensorRT, nccl4py and cuda-bindings, with its engine cache in ``tmp_path``."""
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_GPU_STACK))
+    monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path))
+    engine = TensorRTEngine(probe=lambda: node())
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize(("config", "dtype"), [
+    (CPConfig("ring", 2), "fp32"), (CPConfig("ulysses", 2), "bf16"), (CPConfig("allgather_kv", 1), "fp16"),
+], ids=["ring2-fp32", "ulysses2-bf16", "one-rank-fp16"])
+def test_rank_side_runs_checks_times_and_caches_on_a_stand_in(stand_in_engine, tmp_path, config, dtype):
+    """The worker's whole path on real MPI ranks, TensorRT replaced by the stand-in: the
+    rank graph goes through build, cache, deserialize and device buffers, the output
+    passes measure's reference check, timing has the [rank, iteration, 3] shape with the
+    DistCollective layers counted as communication, and a second run loads the cache."""
+    workload = Workload(seq_len=24, heads=4, kv_heads=2, head_dim=8, dtype=dtype, causal=True)
+    first = cptune.measure(workload, config, backend=stand_in_engine, warmup=1, repeats=2)
+    assert first.engine == "tensorrt" and first.median_ms > 0 and first.compute_ms > 0
+    assert (first.comm_ms > 0) == (config.ranks > 1)
+    assert first.max_error <= stand_in_engine.tolerance[dtype]
+    assert first.host["build_s"] != "cached" and first.host["tensorrt"] == "0.0-fake"
+    engines = sorted((tmp_path / "engines").glob("*.engine"))
+    assert len(engines) == config.ranks  # causal rank graphs differ: one engine each
+    second = cptune.measure(workload, config, backend=stand_in_engine, warmup=0, repeats=1)
+    assert second.host["build_s"] == "cached"
+    assert sorted((tmp_path / "engines").glob("*.engine")) == engines
+
+
+def test_calibration_runs_its_graphs_on_a_stand_in(stand_in_engine, tmp_path):
+    """Every rank of a group runs the same collective graph: rank 0 builds it once and
+    broadcasts it; the timing comes back as [chunk, iteration]."""
+    seconds = stand_in_engine.time_collective("broadcast", 2, 2, [1024, 4096], 1, 3, timeout=120)
+    assert seconds.shape == (2, 3) and np.all(seconds > 0)
+    assert len(list((tmp_path / "engines").glob("*.engine"))) == 2  # one per chunk size, not per rank
+    shapes = [{"heads": 2, "seq_q": 4, "seq_k": 16, "head_dim": 8, "causal": c} for c in (0, 1)]
+    seconds = stand_in_engine.time_attention(2, shapes, warmup=0, repeats=2, timeout=120)
+    assert seconds.shape == (2, 2) and np.all(seconds > 0)
+
+
+def test_members_of_a_group_get_the_same_collective_graph():
+    same = [graphs.collective_graph("all_gather", 4, 2, rank, 64).SerializeToString() for rank in (0, 1)]
+    other = graphs.collective_graph("all_gather", 4, 2, 2, 64).SerializeToString()
+    assert same[0] == same[1] and other != same[0]

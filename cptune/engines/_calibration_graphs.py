@@ -45,7 +45,8 @@ def collective_graph(kind: str, ranks: int, group: int, rank: int, chunk_bytes: 
     """Rank ``rank``'s graph of one collective ``kind`` in its group of ``group`` among
     ``ranks``, ``chunk_bytes`` per peer as the strategies use it: all_to_all sends a chunk
     to each member, all_gather one chunk to all, broadcast (the Ring's stream step on this
-    engine) one chunk from the group's first member to the others."""
+    engine) one chunk from the group's first member to the others. The members of a group
+    get the same graph (so one engine is built for them)."""
     members = group_members(ranks, group, rank)
     elements = max(1, chunk_bytes // 2)
     if kind == "all_to_all":
@@ -61,7 +62,7 @@ def collective_graph(kind: str, ranks: int, group: int, rank: int, chunk_bytes: 
     else:
         raise ValueError(f"no calibration graph for collective {kind!r}")
     return _model([node], [helper.make_tensor_value_info("x", COLLECTIVE_DTYPE, shape_in)],
-                  [helper.make_tensor_value_info("y", COLLECTIVE_DTYPE, shape_out)], f"{kind}_rank{rank}")
+                  [helper.make_tensor_value_info("y", COLLECTIVE_DTYPE, shape_out)], f"calibration_{kind}")
 
 
 def causal_mask(seq_q: int, seq_k: int) -> np.ndarray:
