@@ -515,3 +515,14 @@ def test_members_of_a_group_get_the_same_collective_graph():
     same = [graphs.collective_graph("all_gather", 4, 2, rank, 64).SerializeToString() for rank in (0, 1)]
     other = graphs.collective_graph("all_gather", 4, 2, 2, 64).SerializeToString()
     assert same[0] == same[1] and other != same[0]
+
+
+def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_in_engine, monkeypatch):
+    monkeypatch.setenv("FAKE_TENSORRT_HANG_RANK", "1")
+    w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
+    with pytest.raises(EngineError) as failure:
+        cptune.compute(w, CPConfig("ring", 2), *make_inputs(w), backend=stand_in_engine, timeout=5)
+    assert failure.value.kind == "timeout"  # rank 0 waits on rank 1 in a collective: both overrun
+    assert "did not finish Ring on 2 ranks within 5 s" in str(failure.value)
+    assert stand_in_engine._pool is None
+    assert pool_processes("cptune.engines._tensorrt_worker") == []
