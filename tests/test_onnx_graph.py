@@ -188,7 +188,18 @@ def test_fused_attention_unless_the_ring_needs_the_log_sum_exp(workload, config)
             assert "ReduceMax" not in ops and "MatMul" not in ops
 
 
-def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_constant():
+def mask_of(model, attention):
+    """The boolean mask input of ``attention``, evaluated: LessOrEqual of two position
+    constants (the masks are baked into the graph, as vectors, not [q, k] tables)."""
+    (node,) = [n for n in model.graph.node if n.output[0] == attention.input[3]]
+    assert node.op_type == "LessOrEqual"
+    constants = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    keys, limits = (constants[name] for name in node.input)
+    assert keys.shape[0] == 1 and limits.shape[1] == 1
+    return keys <= limits
+
+
+def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_mask():
     unpadded = Workload(16, 4, 8, causal=True, dtype="fp16")
     (attention,) = [n for n in rank_graph(unpadded, CPConfig("ulysses", 2), 0).graph.node
                     if n.op_type == "Attention"]
@@ -197,10 +208,18 @@ def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_constant():
     # zigzag AllGather-KV: queries at two chunks, keys in block order: a real mask
     model = rank_graph(unpadded, CPConfig("allgather_kv", 2), 0)
     (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
-    mask = next(i for i in model.graph.initializer if i.name == attention.input[3])
     layout = SequenceLayout(unpadded, CPConfig("allgather_kv", 2))
     q_pos, k_pos = layout.block_positions(0), layout.context_positions()
-    assert np.array_equal(onnx.numpy_helper.to_array(mask), k_pos[None, :] <= q_pos[:, None])
+    assert np.array_equal(mask_of(model, attention), k_pos[None, :] <= q_pos[:, None])
+    # padding keys (seq 13 padded to 16) are never visible, causal or not
+    for causal in (False, True):
+        padded = Workload(13, 4, 8, causal=causal, dtype="fp16")
+        model = rank_graph(padded, CPConfig("allgather_kv", 2), 1)
+        (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
+        layout = SequenceLayout(padded, CPConfig("allgather_kv", 2))
+        q_pos, k_pos = layout.block_positions(1), layout.context_positions()
+        expected = (k_pos[None, :] < 13) & ((k_pos[None, :] <= q_pos[:, None]) | (not causal))
+        assert np.array_equal(mask_of(model, attention), expected)
     # no mask at all without causality or padding
     full = Workload(16, 4, 8, dtype="fp16")
     (attention,) = [n for n in rank_graph(full, CPConfig("allgather_kv", 2), 1).graph.node
