@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,10 +150,10 @@ class GraphBuilder:
         self._sink.append(helper.make_node(op, list(inputs), [out.name], name=self.fresh(op), **attributes))
         return out
 
-    def memo(self, key: tuple[object, ...], make: object) -> Sym:
+    def memo(self, key: tuple[object, ...], make: Callable[[], Sym]) -> Sym:
         """The value ``make()`` built once per ``key`` (a cast, a scaled Q, a K/V split)."""
         if key not in self._memo:
-            self._memo[key] = make()  # type: ignore[operator]
+            self._memo[key] = make()
         return self._memo[key]
 
     def constant(self, array: np.ndarray, stem: str, dtype: int | None = None) -> str:
@@ -197,18 +197,18 @@ class GraphBuilder:
     def request(self, call: _Attention) -> None:
         self._sink.append(call)
 
-    def finish(self, expand: object) -> list[NodeProto]:
+    def finish(self, expand: Callable[[_Attention], None]) -> list[NodeProto]:
         """The final node list: each attention placeholder replaced, in place, by the nodes
         ``expand(call)`` appends."""
         nodes: list[NodeProto | _Attention] = []
         self._sink = nodes
         for item in self._items:
             if isinstance(item, _Attention):
-                expand(item)  # type: ignore[operator]
+                expand(item)
             else:
                 nodes.append(item)
         self._sink = self._items
-        return nodes  # type: ignore[return-value]
+        return [node for node in nodes if isinstance(node, NodeProto)]
 
 
 def _transpose_perm(ndim: int, a: int, b: int) -> list[int]:
