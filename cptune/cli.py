@@ -1,5 +1,5 @@
 """The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``,
-``recommend``, ``export`` and ``report``.
+``recommend``, ``export``, ``report`` and ``export-graph``.
 
 Bad input (flags, space files, databases) ends with one line naming the problem and the
 fix, and exit code 2; never a traceback.
@@ -25,10 +25,10 @@ from rich.table import Table
 from cptune import __version__
 from cptune.calibration import Calibration, calibrate
 from cptune.config import STRATEGIES, CPConfig
-from cptune.engines import BACKENDS
-from cptune.errors import CPTuneError, EngineError
+from cptune.engines import BACKENDS, get_engine, untimed
+from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
 from cptune.execute import measure
-from cptune.feasibility import enumerate_configs
+from cptune.feasibility import check_feasible, enumerate_configs
 from cptune.hardware import Hardware, this_gpu_node, this_host
 from cptune.measurement import Measurement, available_cores, format_ms
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
@@ -111,8 +111,8 @@ def _add_shape(parser: argparse.ArgumentParser, defaults: dict[str, int] | None)
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="mpi",
-                        help="engine: mpi (CPU ranks, the default) or tensorrt (one GPU per rank, "
-                             "pip install 'cptune[tensorrt]')")
+                        help="engine: mpi (CPU ranks, the default), tensorrt (one GPU per rank, "
+                             "pip install 'cptune[tensorrt]') or onnx (checks graphs, does not time)")
 
 
 def _gpu_node(backend: str, ranks: int | None) -> NodeProbe | None:
@@ -301,6 +301,33 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--hardware", help="a stored fingerprint or 4+ of its leading characters "
                                            "(default: every hardware with measurements)")
     report.add_argument("--text", action="store_true", help="print tables in the terminal; write no files")
+
+    graph = commands.add_parser(
+        "export-graph",
+        help="write each rank's ONNX graph of one configuration, for a TensorRT deployment",
+        description=(
+            "Write rank0.onnx ... rankN-1.onnx: one attention layer of the configuration as each "
+            "rank runs it (standard ONNX ops plus TensorRT's DistCollective nodes), the very graphs "
+            "the onnx engine checks on real ranks, and manifest.json (workload, configuration, each "
+            "rank's tokens, input/output shapes, SHA-256 of each file). A deployment builds its "
+            "TensorRT engines from these files."
+        ),
+    )
+    layer = graph.add_argument_group("workload (one attention layer)")
+    layer.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
+    layer.add_argument("--heads", type=_positive, required=True, help="query heads")
+    layer.add_argument("--kv-heads", type=_positive, default=None,
+                       help="KV heads (default: as many as --heads)")
+    layer.add_argument("--head-dim", type=_positive, required=True, help="head dimension")
+    layer.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
+    layer.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
+                       help="activation dtype (default bf16)")
+    layer.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    graph.add_argument("--strategy", choices=STRATEGIES, required=True, help="context strategy")
+    graph.add_argument("--ranks", type=_positive, required=True, help="ranks (one graph each)")
+    graph.add_argument("--head-group", type=_positive, default=None,
+                       help="Ulysses degree u (default: all ranks for ulysses, else 1)")
+    graph.add_argument("-o", "--output-dir", required=True, help="directory to write the graphs into")
     return parser
 
 
@@ -418,6 +445,8 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import WorkloadSearch
     from cptune.store import Store
 
+    if not get_engine(args.backend).timed:
+        raise untimed(args.backend)
     space, where = _load_search_space(args)
     node = _gpu_node(args.backend, args.max_ranks)
     available = args.max_ranks or _capacity(node)
@@ -663,9 +692,43 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- export-graph
+
+
+def cmd_export_graph(args: argparse.Namespace, console: Console) -> int:
+    from cptune.engines.onnx import export_graphs
+
+    workload = _workload(args, args.seq_len)
+    try:
+        config = CPConfig(args.strategy, args.ranks, args.head_group)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        check_feasible(workload, config)
+    except InfeasibleConfigError as exc:
+        reasons = "; ".join(exc.reasons)
+        raise UsageError(f"{config.describe()} cannot run {workload.describe()}: {reasons}") from None
+    try:
+        manifest_path = export_graphs(workload, config, Path(args.output_dir))
+    except OSError as exc:
+        raise UsageError(f"cannot write the graphs to {args.output_dir}: {exc.strerror or exc}") from None
+    manifest = json.loads(manifest_path.read_text())
+    table = _table(f"{config.describe()} for {workload.describe()}",
+                   "one ONNX graph per rank; tokens = the positions each rank holds, as [start, stop) runs")
+    for column in ("rank", "file", "nodes", "tokens", "sha256"):
+        table.add_column(column, justify="right" if column in ("rank", "nodes") else "left", no_wrap=True)
+    for r in manifest["ranks"]:
+        tokens = " ".join(f"{a}-{b}" for a, b in r["tokens"])
+        table.add_row(str(r["rank"]), r["file"], str(r["nodes"]), tokens, r["sha256"][:12])
+    console.print(table)
+    console.print(f"wrote {len(manifest['ranks'])} graph(s) and {manifest_path}",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
 COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure,
             "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend, "export": cmd_export,
-            "report": cmd_report}
+            "report": cmd_report, "export-graph": cmd_export_graph}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -438,7 +438,7 @@ def test_measure_holds_each_engine_to_its_own_tolerance():
     finally:
         engine.close()
     assert failure.value.kind == "wrong_output"
-    assert TensorRTEngine.tolerance["bf16"] == 2e-2 and TensorRTEngine.tolerance["fp32"] == 2e-5
+    assert TensorRTEngine.tolerance["bf16"] == 3e-2 and TensorRTEngine.tolerance["fp32"] == 2e-5
 
 
 def test_a_cuda_visible_devices_that_hides_every_gpu_is_named(monkeypatch):

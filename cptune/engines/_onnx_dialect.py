@@ -12,15 +12,21 @@ Attributes, all written on every node (the importer has no defaults for them):
   all_gather/gather multiply it by ``nb_rank``, reduce_scatter/scatter divide it,
   all_to_all cuts it into ``nb_rank`` equal chunks (chunk j to member j) and concatenates
   what arrives in member order.
-- ``reduce_op``: one of ``REDUCE_OPS``; "none" exactly for the non-reducing operations.
+- ``reduce_op``: one of ``REDUCE_OPS``; "none" exactly for the non-reducing operations, as
+  TensorRT 11's operator page requires ("For ALL_GATHER, BROADCAST, ALL_TO_ALL, GATHER, and
+  SCATTER, reduce_op must be NONE"; Polygraphy's shard.py writes "sum" on its all_gathers).
 - ``root``: -1 for rootless operations; for broadcast/reduce/gather/scatter the root's
-  **global** rank (a rank of the whole world, which must be one of ``groups`` when groups
-  are given). TensorRT's Python API documents ``groups`` as "an ordered list of
-  participating ranks; its order defines the group-local rank, used to remap ``root``":
-  the root is named as a world rank and TensorRT finds its group-local index by its place
-  in ``groups``, as NCCL's split communicators need. No public source found shows a
-  grouped rooted collective being built, so this reading is unverified on a GPU; it is
-  decided here and only here (``dist_collective``), so correcting it is one line.
+  **global** rank (a rank of the whole world, one of ``groups`` when groups are given).
+  Sources: the operator page (docs.nvidia.com/deeplearning/tensorrt/11.0.0/_static/
+  operators/DistCollective.html) calls ``root`` "the root rank" and ``groups`` an "array of
+  rank IDs defining a communication group", one rank space for both; the 11.4 Python
+  bindings describe ``groups`` as ordered, "its order defines the group-local rank, used to
+  remap root", i.e. TensorRT turns the given root into its index in ``groups``, as NCCL's
+  split communicators need. Neither says it in so many words, and onnx-tensorrt's 11.x
+  importer source (onnxOpImporters.cpp) was not among the sources reachable here; no
+  public example builds a grouped rooted collective. So this reading is unverified on a
+  GPU; it is decided here and only here (``dist_collective``), so correcting it is one
+  line, and the onnx engine executes it the same way (``_onnx_rank``).
 - ``groups`` (INTS): the ordered global ranks taking part; empty means all ranks. Always
   written, as INTS even when empty (``make_node`` cannot type an empty list).
 - ``group_size``: ``len(groups)`` (0 when empty).

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,8 +91,8 @@ class _Attention:
 
     q: Sym
     kv: Sym
-    visible: np.ndarray  # [q, k] bool: pair attended
-    real_rows: np.ndarray  # [q] bool: query is a real token (padding rows' output is dropped)
+    q_pos: np.ndarray  # token position of each query row
+    k_pos: np.ndarray  # ... and of each key
     out_names: dict[int, str] = field(default_factory=dict)  # dtype -> name requested
     lse_name: str | None = None  # requested: the block must be spelled out
 
@@ -150,10 +150,10 @@ class GraphBuilder:
         self._sink.append(helper.make_node(op, list(inputs), [out.name], name=self.fresh(op), **attributes))
         return out
 
-    def memo(self, key: tuple[object, ...], make: object) -> Sym:
+    def memo(self, key: tuple[object, ...], make: Callable[[], Sym]) -> Sym:
         """The value ``make()`` built once per ``key`` (a cast, a scaled Q, a K/V split)."""
         if key not in self._memo:
-            self._memo[key] = make()  # type: ignore[operator]
+            self._memo[key] = make()
         return self._memo[key]
 
     def constant(self, array: np.ndarray, stem: str, dtype: int | None = None) -> str:
@@ -197,18 +197,18 @@ class GraphBuilder:
     def request(self, call: _Attention) -> None:
         self._sink.append(call)
 
-    def finish(self, expand: object) -> list[NodeProto]:
+    def finish(self, expand: Callable[[_Attention], None]) -> list[NodeProto]:
         """The final node list: each attention placeholder replaced, in place, by the nodes
         ``expand(call)`` appends."""
         nodes: list[NodeProto | _Attention] = []
         self._sink = nodes
         for item in self._items:
             if isinstance(item, _Attention):
-                expand(item)  # type: ignore[operator]
+                expand(item)
             else:
                 nodes.append(item)
         self._sink = self._items
-        return nodes  # type: ignore[return-value]
+        return [node for node in nodes if isinstance(node, NodeProto)]
 
 
 def _transpose_perm(ndim: int, a: int, b: int) -> list[int]:
@@ -252,13 +252,7 @@ class OnnxOps:
     # ---- Primitives ---------------------------------------------------------------------
 
     def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
-        wl = self.workload
-        visible = k_pos[None, :] < wl.seq_len
-        if wl.causal:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        visible = np.broadcast_to(visible, (len(q_pos), len(k_pos)))
-        real_rows = q_pos < wl.seq_len
-        call = _Attention(self.wire(q), self.wire(kv), np.array(visible), real_rows)
+        call = _Attention(self.wire(q), self.wire(kv), np.asarray(q_pos), np.asarray(k_pos))
         self.g.request(call)
         return Partial(_Out(call), _Lse(call))
 
@@ -410,20 +404,50 @@ class OnnxOps:
             if dtype != made.dtype:
                 self.g.node("Cast", [made.name], "cast", made.shape, dtype, output=name, to=dtype)
 
+    def _mask_kind(self, q_pos: np.ndarray, k_pos: np.ndarray) -> str:
+        """What masking the real queries at ``q_pos`` need over keys at ``k_pos`` (padding
+        queries' rows are dropped, so they may see anything): "none"; "causal", the plain
+        lower triangle (queries and keys the same consecutive positions); or "mask"."""
+        wl = self.workload
+        real_queries = q_pos[q_pos < wl.seq_len]
+        real_keys = k_pos < wl.seq_len
+        if real_queries.size == 0:
+            return "none"
+        if not wl.causal:
+            return "none" if real_keys.all() else "mask"
+        if real_keys.all() and k_pos.max() <= real_queries.min():
+            return "none"
+        if np.array_equal(q_pos, k_pos) and bool(np.all(np.diff(q_pos) == 1)):
+            return "causal"
+        return "mask"
+
+    def _visible(self, q_pos: np.ndarray, k_pos: np.ndarray) -> Sym:
+        """The [queries, keys] boolean mask, computed in the graph from two position vectors
+        (constants of the two lengths, not of their product): a key is visible if it is a
+        real token at or before the query (causal) or any real token."""
+        wl = self.workload
+        never = np.iinfo(np.int32).max  # a padding key's stand-in position
+        keys = np.where(k_pos < wl.seq_len, k_pos, never).astype(np.int32)[None, :]
+        limits = (q_pos if wl.causal else np.full(len(q_pos), wl.seq_len - 1)).astype(np.int32)[:, None]
+        key_name, limit_name = self.g.constant(keys, "key_positions"), self.g.constant(limits, "query_limits")
+        return self.g.memo(
+            ("visible", key_name, limit_name),
+            lambda: self.g.node(
+                "LessOrEqual", [key_name, limit_name], "visible", (len(q_pos), len(k_pos)), TensorProto.BOOL
+            ),
+        )
+
     def _fused(self, call: _Attention) -> Sym:
         """The ONNX ``Attention`` op: no statistics out, the default 1/sqrt(d) scale."""
         g = self.g
         key, value = self._key_value(call.kv)
-        rows = call.real_rows
-        sq, sk = call.visible.shape
         inputs = [call.q.name, key.name, value.name]
         attributes: dict[str, object] = {}
-        if call.visible[rows].all():
-            pass
-        elif sq == sk and np.array_equal(call.visible[rows], np.tri(sq, dtype=bool)[rows]):
+        kind = self._mask_kind(call.q_pos, call.k_pos)
+        if kind == "causal":
             attributes["is_causal"] = 1
-        else:
-            inputs.append(g.constant(call.visible, "mask"))
+        elif kind == "mask":
+            inputs.append(self._visible(call.q_pos, call.k_pos).name)
         return g.node(
             "Attention",
             inputs,
@@ -491,11 +515,23 @@ class OnnxOps:
         scores = self.as_dtype(
             g.node("MatMul", [scaled.name, keys_t.name], "scores", (*lead, sq, sk), q.dtype), FLOAT
         )
-        if not call.visible.all():
-            bias = np.where(call.visible, np.float32(0), np.float32(MASKED)).astype(np.float32)
-            scores = g.node(
-                "Add", [scores.name, g.constant(bias, "mask_bias")], "scores_masked", scores.shape, FLOAT
+        if self._mask_kind(call.q_pos, call.k_pos) != "none":
+            visible = self._visible(call.q_pos, call.k_pos)
+            bias = g.memo(
+                ("bias", visible.name),
+                lambda: g.node(
+                    "Where",
+                    [
+                        visible.name,
+                        g.constant(np.float32(0), "zero"),
+                        g.constant(np.float32(MASKED), "masked"),
+                    ],
+                    "mask_bias",
+                    visible.shape,
+                    FLOAT,
+                ),
             )
+            scores = g.node("Add", [scores.name, bias.name], "scores_masked", scores.shape, FLOAT)
         axes = g.ints([-1], "axes")
         row_max = g.node("ReduceMax", [scores.name, axes], "row_max", (*lead, sq, 1), FLOAT, keepdims=1)
         shifted = g.node("Sub", [scores.name, row_max.name], "scores_shifted", scores.shape, FLOAT)

@@ -28,7 +28,7 @@ from cptune.engines import untimed
 from cptune.engines._numpy_kernels import position_runs
 from cptune.engines._onnx_dialect import DOMAIN, DOMAIN_VERSION
 from cptune.engines._onnx_graph import OPSET, io_shapes, rank_graphs
-from cptune.engines._pool import WORKER, PooledEngine
+from cptune.engines._pool import PooledEngine
 from cptune.layout import SequenceLayout
 from cptune.workload import Workload
 
@@ -41,9 +41,6 @@ class OnnxEngine(PooledEngine):
 
     name = "onnx"
     timed = False
-
-    def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
-        super().__init__(worker, start_timeout)
 
     def run(
         self,

@@ -123,10 +123,10 @@ class TensorRTEngine(MPIEngine):
 
     name = "tensorrt"
     #: bf16 is real bfloat16 here (8 significant bits: inputs rounded to it alone are off by
-    #: up to 2^-9 ~ 2e-3, and ONNX's reference runtime puts these graphs at ~7e-3), not the
-    #: MPI engine's float16 wire; 2e-2 (about five bf16 units in the last place) still
-    #: catches a wrong lowering, whose error is of order one.
-    tolerance: Mapping[str, float] = TOLERANCE | {"bf16": 2e-2}
+    #: up to 2^-9 ~ 2e-3), not the MPI engine's float16 wire: held to 3e-2, the bound the
+    #: same graphs are checked to on ONNX's reference runtime. A wrong lowering is off by
+    #: far more (of order one).
+    tolerance: Mapping[str, float] = TOLERANCE | {"bf16": 3e-2}
 
     def __init__(
         self, worker: Sequence[str] = WORKER, start_timeout: float = 180.0,
