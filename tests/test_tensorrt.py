@@ -526,3 +526,16 @@ def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_i
     assert "did not finish Ring on 2 ranks within 5 s" in str(failure.value)
     assert stand_in_engine._pool is None
     assert pool_processes("cptune.engines._tensorrt_worker") == []
+
+
+def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in_engine, monkeypatch):
+    """calibrate() asks the TensorRT engine for the Ring's broadcast (no p2p) and gets a fit
+    for every kind and group; sizes shrunk so the reference runtime stays quick."""
+    monkeypatch.setattr("cptune.calibration.MESSAGE_SIZES", (1024, 4096, 16384))
+    monkeypatch.setattr("cptune.calibration.ATTENTION_SHAPES", tuple(
+        {"heads": 2, "seq_q": q, "seq_k": 4 * q, "head_dim": 8, "causal": c} for c in (0, 1) for q in (4, 8)))
+    calibration = calibrate(2, backend=stand_in_engine, warmup=0, repeats=2)
+    assert calibration.engine == "tensorrt"
+    assert sorted((f.kind, f.ranks, f.group) for f in calibration.collectives) == [
+        ("all_gather", 2, 2), ("all_to_all", 2, 2), ("broadcast", 2, 2)]
+    assert len(calibration.compute) == 2 * 4 and all(r.seconds > 0 for r in calibration.compute)
