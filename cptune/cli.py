@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cptune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     db_help = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
+    max_ranks_help = "largest rank count (default: this host's cores; its GPUs with --backend tensorrt)"
     hardware_help = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
                      "a100-sxm-8, l40s-pcie-8, h100-sxm-2x8-ib) or a TOML file")
 
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--trials", type=_positive,
                         help="trial budget per sequence length (default: the space's)")
     search.add_argument("--timeout", type=_seconds, help="time budget per sequence length, in seconds")
-    search.add_argument("--max-ranks", type=_positive, help="largest rank count (default: this host's cores)")
+    search.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
     search.add_argument("--ranks", type=_positive_list,
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
     _add_backend(search)
@@ -204,8 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_shape(run, _MEASURE_DEFAULTS)
-    run.add_argument("--max-ranks", type=_positive, default=None,
-                     help="largest rank count (default: this host's cores)")
+    run.add_argument("--max-ranks", type=_positive, default=None, help=max_ranks_help)
     run.add_argument("--warmup", type=_non_negative, default=2, help="untimed iterations (default 2)")
     run.add_argument("--repeats", type=_positive, default=10, help="timed iterations (default 10)")
     run.add_argument("--timeout", type=_seconds, default=None,
@@ -223,8 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     calibrate.add_argument("--db", help=db_help)
-    calibrate.add_argument("--max-ranks", type=_positive,
-                           help="largest rank count (default: this host's cores)")
+    calibrate.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
     calibrate.add_argument("--repeats", type=_positive, default=7,
                            help="timed iterations per point (default 7)")
     _add_backend(calibrate)
