@@ -118,7 +118,7 @@ def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None
 
     def nvidia_smi(*arguments):
         if query is None:
-            raise FileNotFoundError("nvidia-smi is not on PATH (no NVIDIA driver here)")
+            raise FileNotFoundError("nvidia-smi is not on PATH: no NVIDIA driver here")
         return query
 
     monkeypatch.setattr("cptune.hardware._host._nvidia_smi", nvidia_smi)

@@ -175,7 +175,7 @@ def _nvidia_smi(*arguments: str) -> str:
     """The output of nvidia-smi with ``arguments``; ``OSError`` when it is missing or fails."""
     executable = shutil.which("nvidia-smi")
     if executable is None:
-        raise FileNotFoundError("nvidia-smi is not on PATH (no NVIDIA driver here)")
+        raise FileNotFoundError("nvidia-smi is not on PATH: no NVIDIA driver here")
     try:
         done = subprocess.run([executable, *arguments], capture_output=True, text=True,
                               timeout=_NVIDIA_SMI_TIMEOUT_S, check=False)
