@@ -1,11 +1,11 @@
-"""One rank of the MPI engine's worker pool (run by mpiexec, never by users).
+"""One rank of the engines' worker pool (run by mpiexec, never by users).
 
 Each rank connects to the driver's socket, then serves tasks until told to exit: "run"
-receives a configuration and this rank's input shard, runs the strategy once with the
-engine the request names (``RANK_TASKS``: every engine's ranks live in this one supervised
-pool) and returns its output shard; "time" repeats the same run with warm-up and returns
-per-iteration timings. "time_collective" and "time_attention" time one collective over a sweep of
-message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
+receives a configuration and this rank's input shard, runs it once with the engine the
+request names (``RANK_TASKS``: every engine's ranks live in this one supervised pool) and
+returns its output shard; "time" repeats the same run with warm-up and returns
+per-iteration timings. "time_collective" and "time_attention" time one collective over a
+sweep of message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
 does not use wait on their socket, asleep. A watchdog exits the rank as soon as the driver
 process is gone, whatever the rank is doing.
 """
