@@ -20,9 +20,9 @@ tasks differ:
   against the reference before anything is timed).
 - "time": per iteration, all ranks start at an MPI barrier; CUDA events around
   ``execute_async_v3`` give the device time. The split into compute and communication
-  comes from TensorRT's per-layer profiler in a second, separate pass of as many
-  iterations (a profiler slows what it watches, so it never touches the latency):
-  time in DistCollective layers vs the rest.
+  comes from TensorRT's per-layer profiler in a second pass of as many iterations, in a
+  second execution context (a profiler serializes the layers and cannot be detached, so
+  it never touches the latency): mean time in DistCollective layers vs the rest.
 - "prepare_cases" / "time_cases": the calibration graphs (one collective or one
   attention op each), built and loaded first, then timed like "time".
 
@@ -236,21 +236,27 @@ class LoadedGraph:
         self.inputs = [value.name for value in model.graph.input]
         self.outputs = [value.name for value in model.graph.output]
         self.collectives = collective_layer_names(model)
-        self.buffers: dict[str, int] = {}
+        self.communicator = communicator
         self.engine = gpu.runtime.deserialize_cuda_engine(engine_bytes)
         if self.engine is None:
             raise RuntimeError("TensorRT could not deserialize the engine")
-        self.context = self.engine.create_execution_context()
-        # A collective call: it blocks until every rank of the communicator has made it.
-        if self.collectives and not self.context.set_communicator(_communicator_capsule(communicator)):
-            raise RuntimeError("IExecutionContext.set_communicator refused the NCCL communicator")
-        for name, (shape, dtype) in self.specs.items():
-            nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
-            self.buffers[name] = gpu.cuda(gpu.cudart.cudaMalloc(nbytes))
-            if name in self.inputs:
-                self.context.set_input_shape(name, shape)
-            self.context.set_tensor_address(name, self.buffers[name])
+        self.buffers = {name: gpu.cuda(gpu.cudart.cudaMalloc(max(1, int(np.prod(shape)) * dtype.itemsize)))
+                        for name, (shape, dtype) in self.specs.items()}
         self.io_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in self.specs.values())
+        self.context = self._new_context()
+
+    def _new_context(self) -> Any:
+        """An execution context on the graph's device buffers, with the NCCL communicator
+        when the graph communicates: a collective call, as ``set_communicator`` blocks until
+        every rank of the communicator has made it."""
+        context = self.engine.create_execution_context()
+        if self.collectives and not context.set_communicator(_communicator_capsule(self.communicator)):
+            raise RuntimeError("IExecutionContext.set_communicator refused the NCCL communicator")
+        for name, (shape, _) in self.specs.items():
+            if name in self.inputs:
+                context.set_input_shape(name, shape)
+            context.set_tensor_address(name, self.buffers[name])
+        return context
 
     @property
     def peak_bytes(self) -> int:
@@ -282,12 +288,13 @@ class LoadedGraph:
                                         cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
         return host.astype(np.float32)
 
-    def execute(self) -> float:
-        """Run once; the device milliseconds between CUDA events around ``execute_async_v3``."""
+    def execute(self, context: Any = None) -> float:
+        """Run once (in ``context``, default the graph's own); the device milliseconds
+        between CUDA events around ``execute_async_v3``."""
         gpu, cudart = self.gpu, self.gpu.cudart
         gpu.cuda(cudart.cudaEventRecord(gpu.start, gpu.stream))
         # The cuda-bindings stream goes in as it is, as Polygraphy's multi-device tests pass it.
-        if not self.context.execute_async_v3(gpu.stream):
+        if not (context or self.context).execute_async_v3(gpu.stream):
             raise RuntimeError("IExecutionContext.execute_async_v3 failed (see the log above)")
         gpu.cuda(cudart.cudaEventRecord(gpu.end, gpu.stream))
         gpu.cuda(cudart.cudaStreamSynchronize(gpu.stream))
@@ -305,34 +312,33 @@ class LoadedGraph:
         return seconds
 
     def profile(self, barrier: MPI.Comm, repeats: int) -> np.ndarray:
-        """Seconds [iteration, (compute, comm)] from TensorRT's per-layer profiler, over
-        ``repeats`` more iterations (also started at a barrier)."""
+        """Seconds [iteration, (compute, comm)] from TensorRT's per-layer profiler over
+        ``repeats`` more iterations (each started at a barrier): every layer's mean time,
+        split by ``split_layer_times``, the same for every row. The profiled iterations run
+        in a second execution context, dropped afterwards: a profiler serializes the layers
+        and cannot be detached (``context.profiler = None`` is refused and the old one stays,
+        as NVIDIA's TensorRT cookbook shows), so the timed context never carries one."""
         trt = self.gpu.trt
-        layers: dict[str, float] = {}
+        layers: dict[str, list[float]] = {}
 
         class LayerTimes(trt.IProfiler):  # type: ignore[name-defined,misc]
             def __init__(self) -> None:
                 trt.IProfiler.__init__(self)
 
             def report_layer_time(self, layer_name: str, ms: float) -> None:
-                layers[layer_name] = layers.get(layer_name, 0.0) + ms
+                layers.setdefault(layer_name, []).append(ms)
 
-        self.context.profiler = LayerTimes()
-        # Time each layer during enqueue but report only when asked (after the stream is done).
-        self.context.enqueue_emits_profile = False
-        split = np.zeros((repeats, 2))
+        profiled = self._new_context()
+        profiled.profiler = LayerTimes()  # reports every execution (enqueue_emits_profile is on)
         try:
-            for i in range(repeats):
+            for _ in range(repeats):
                 barrier.Barrier()
-                self.execute()
-                layers.clear()
-                self.context.report_to_profiler()
-                split[i] = np.array(split_layer_times(layers, self.collectives)) / 1e3
+                self.execute(profiled)
         finally:
-            # Detach, so a later timed pass runs unwatched (pybind11 turns None into a null
-            # profiler; not confirmed on TensorRT 11).
-            self.context.profiler = None
-        return split
+            del profiled
+        mean_ms = {name: sum(times) / len(times) for name, times in layers.items()}
+        compute_ms, comm_ms = split_layer_times(mean_ms, self.collectives)
+        return np.tile([compute_ms / 1e3, comm_ms / 1e3], (repeats, 1))
 
     def close(self) -> None:
         """Free the context, then the engine, then the device buffers."""

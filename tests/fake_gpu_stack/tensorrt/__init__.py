@@ -125,7 +125,7 @@ class IExecutionContext:
         self.session = ReferenceEvaluator(model, new_ops=[collective_op(_COMMS)])
         self.addresses: dict[str, int] = {}
         self.shapes: dict[str, tuple] = {}
-        self.profiler = None
+        self._profiler = None
         self.enqueue_emits_profile = True
         self.communicator_set = False
         self.types = {
@@ -133,6 +133,15 @@ class IExecutionContext:
                      np.dtype(helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)))
             for v in [*model.graph.input, *model.graph.output]
         }
+
+    @property
+    def profiler(self):
+        return self._profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:
+        if profiler is not None:  # as TensorRT: None is refused and the old profiler stays
+            self._profiler = profiler
 
     def set_communicator(self, capsule) -> bool:
         valid = ctypes.pythonapi.PyCapsule_IsValid
@@ -167,11 +176,7 @@ class IExecutionContext:
             out = np.ascontiguousarray(out, dtype=dtype)
             assert out.shape == shape
             ctypes.memmove(self.addresses[value.name], out.ctypes.data, out.nbytes)
-        if self.profiler is not None and self.enqueue_emits_profile:
-            self.report_to_profiler()
-        return True
-
-    def report_to_profiler(self) -> bool:
-        for node in self.model.graph.node:
-            self.profiler.report_layer_time(node.name, 0.01)
+        if self._profiler is not None and self.enqueue_emits_profile:
+            for node in self.model.graph.node:
+                self._profiler.report_layer_time(node.name, 0.01)
         return True
