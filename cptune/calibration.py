@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 import numpy as np
 from scipy.optimize import nnls
 
-from cptune.cost import COLLECTIVES
-from cptune.engines import Engine, get_engine
+from cptune.cost import STREAM_KINDS, engine_collectives
+from cptune.engines import Engine, get_engine, untimed
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -165,14 +165,14 @@ def group_sizes(ranks: int) -> list[int]:
 
 
 def _per_peer(kind: str, group: int, sent: int) -> int:
-    return sent if kind == "p2p" else max(1, sent // (group - 1))
+    return sent if kind in STREAM_KINDS else max(1, sent // (group - 1))
 
 
 def _measure_collective(
     engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int
 ) -> CollectiveFit:
     chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
-    sizes = np.array([c if kind == "p2p" else c * (group - 1) for c in chunks], dtype=float)
+    sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in chunks], dtype=float)
     timings = engine.time_collective(kind, ranks, group, chunks, warmup, repeats, _TIMEOUT_S)
     seconds = np.median(timings, axis=1)
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)
@@ -194,6 +194,8 @@ def calibrate(
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     engine = get_engine(backend)
+    if not engine.timed:
+        raise untimed(engine.name)
     report = progress or (lambda _: None)
     collectives, compute = [], []
     for ranks in range(1, max_ranks + 1):
@@ -206,7 +208,7 @@ def calibrate(
             for s, t in zip(ATTENTION_SHAPES, seconds, strict=True)
         ]
         for group in group_sizes(ranks):
-            for kind in COLLECTIVES:
+            for kind in engine_collectives(engine.name):
                 report(f"{kind} on {ranks} ranks in groups of {group}")
                 collectives.append(_measure_collective(engine, kind, ranks, group, warmup, repeats))
     return Calibration(

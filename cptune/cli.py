@@ -1,5 +1,5 @@
 """The ``cptune`` command line: ``search``, ``results``, ``measure``, ``calibrate``, ``fit``,
-``recommend``, ``export`` and ``report``.
+``recommend``, ``export``, ``report`` and ``export-graph``.
 
 Bad input (flags, space files, databases) ends with one line on stderr naming the problem
 and the fix, and exit code 2; never a traceback. Normal output goes to stdout (to stderr
@@ -30,15 +30,17 @@ from rich.text import Text
 from cptune import __version__
 from cptune.calibration import Calibration, calibrate
 from cptune.config import STRATEGIES, CPConfig
-from cptune.errors import CPTuneError, EngineError
+from cptune.engines import BACKENDS, get_engine, untimed
+from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
 from cptune.execute import measure
-from cptune.feasibility import enumerate_configs
-from cptune.hardware import Hardware, this_host
+from cptune.feasibility import check_feasible, enumerate_configs
+from cptune.hardware import Hardware, this_gpu_node, this_host
 from cptune.measurement import Measurement, available_cores, format_ms
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
 
 if TYPE_CHECKING:
+    from cptune.engines.tensorrt import NodeProbe
     from cptune.store import Store
 
 USAGE_ERROR = 2
@@ -146,6 +148,40 @@ def _add_shape(parser: argparse.ArgumentParser, defaults: dict[str, int] | None)
                        help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
 
 
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKENDS, default="mpi",
+                        help="engine: mpi (CPU ranks, the default), tensorrt (one GPU per rank, "
+                             "pip install 'cptune[tensorrt]') or onnx (checks graphs, does not time)")
+
+
+def _gpu_node(backend: str, ranks: int | None) -> NodeProbe | None:
+    """For ``--backend tensorrt``: this node's GPUs, after the preflight (one line, exit 2,
+    naming what is missing for ``ranks`` ranks, or 1 when not given); None for mpi."""
+    if backend != "tensorrt":
+        return None
+    from cptune.engines.tensorrt import preflight, probe_node
+
+    node = probe_node()
+    preflight(ranks or 1, node)
+    return node
+
+
+def _capacity(node: NodeProbe | None) -> int:
+    """Ranks the backend runs here by default: one per GPU, or one per CPU core."""
+    return len(node.gpus) if node is not None else available_cores()
+
+
+def _this_hardware(node: NodeProbe | None) -> Hardware:
+    """This host's fingerprint as the backend sees it: its GPUs for tensorrt, else its cores."""
+    if node is None:
+        return this_host()
+    try:
+        return this_gpu_node(node.gpus)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read this node's GPU facts for its fingerprint ({exc}); "
+                         f"check that nvidia-smi works here") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cptune",
@@ -157,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     oversubscribe_help = ("allow more ranks than this host's cores: such runs time ranks waiting for a "
                           "core, so they are stored marked oversubscribed and left out of the model and "
                           "the picks")
+    max_ranks_help = "largest rank count (default: this host's cores; its GPUs with --backend tensorrt)"
     hardware_help = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
                      "a100-sxm-8, l40s-pcie-8, h100-sxm-2x8-ib) or a TOML file")
 
@@ -177,10 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--trials", type=_positive,
                         help="trial budget per sequence length (default: the space's)")
     search.add_argument("--timeout", type=_seconds, help="time budget per sequence length, in seconds")
-    search.add_argument("--max-ranks", type=_positive, help="largest rank count (default: this host's cores)")
+    search.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
     search.add_argument("--ranks", type=_positive_list,
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
-    search.add_argument("--backend", choices=["mpi"], default="mpi", help="engine (default mpi)")
+    _add_backend(search)
     search.add_argument("--remeasure", action="store_true", help="run configurations even if already stored")
     search.add_argument("--no-calibrate", action="store_true",
                         help="skip the calibration a first search on new hardware runs (the cost "
@@ -218,13 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_shape(run, _MEASURE_DEFAULTS)
-    run.add_argument("--max-ranks", type=_positive, default=None,
-                     help="largest rank count (default: this host's cores)")
+    run.add_argument("--max-ranks", type=_positive, default=None, help=max_ranks_help)
     run.add_argument("--warmup", type=_non_negative, default=2, help="untimed iterations (default 2)")
     run.add_argument("--repeats", type=_positive, default=10, help="timed iterations (default 10)")
     run.add_argument("--timeout", type=_seconds, default=None,
                      help="seconds before a configuration's run is stopped (default: scaled to its size)")
     run.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+    _add_backend(run)
 
     calibrate = commands.add_parser(
         "calibrate",
@@ -236,12 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     calibrate.add_argument("--db", help=db_help)
-    calibrate.add_argument("--max-ranks", type=_positive,
-                           help="largest rank count (default: this host's cores)")
+    calibrate.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
     calibrate.add_argument("--repeats", type=_positive, default=7,
                            help="timed iterations per point (default 7)")
     calibrate.add_argument("--oversubscribe", action="store_true",
                            help="allow --max-ranks above this host's cores (those rates time the sharing)")
+    _add_backend(calibrate)
 
     fit = commands.add_parser(
         "fit",
@@ -317,6 +354,33 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--hardware", help="a stored fingerprint or 4+ of its leading characters "
                                            "(default: every hardware with measurements)")
     report.add_argument("--text", action="store_true", help="print tables in the terminal; write no files")
+
+    graph = commands.add_parser(
+        "export-graph",
+        help="write each rank's ONNX graph of one configuration, for a TensorRT deployment",
+        description=(
+            "Write rank0.onnx ... rankN-1.onnx: one attention layer of the configuration as each "
+            "rank runs it (standard ONNX ops plus TensorRT's DistCollective nodes), the very graphs "
+            "the onnx engine checks on real ranks, and manifest.json (workload, configuration, each "
+            "rank's tokens, input/output shapes, SHA-256 of each file). A deployment builds its "
+            "TensorRT engines from these files."
+        ),
+    )
+    layer = graph.add_argument_group("workload (one attention layer)")
+    layer.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
+    layer.add_argument("--heads", type=_positive, required=True, help="query heads")
+    layer.add_argument("--kv-heads", type=_positive, default=None,
+                       help="KV heads (default: as many as --heads)")
+    layer.add_argument("--head-dim", type=_positive, required=True, help="head dimension")
+    layer.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
+    layer.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
+                       help="activation dtype (default bf16)")
+    layer.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    graph.add_argument("--strategy", choices=STRATEGIES, required=True, help="context strategy")
+    graph.add_argument("--ranks", type=_positive, required=True, help="ranks (one graph each)")
+    graph.add_argument("--head-group", type=_positive, default=None,
+                       help="Ulysses degree u (default: all ranks for ulysses, else 1)")
+    graph.add_argument("-o", "--output-dir", required=True, help="directory to write the graphs into")
     return parser
 
 
@@ -359,7 +423,8 @@ def _table(title: str, caption: str) -> Table:
 
 def cmd_measure(args: argparse.Namespace, console: Console) -> int:
     workload = _workload(args, args.seq_len)
-    max_ranks = args.max_ranks or available_cores()
+    node = _gpu_node(args.backend, args.max_ranks)
+    max_ranks = args.max_ranks or _capacity(node)
     configs = enumerate_configs(workload, max_ranks, args.strategies or STRATEGIES)
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []
@@ -370,8 +435,8 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
         for config in configs:
             progress.update(task, description=f"measuring {config.describe()}")
             try:
-                results.append(measure(workload, config, warmup=args.warmup, repeats=args.repeats,
-                                       timeout=args.timeout))
+                results.append(measure(workload, config, backend=args.backend, warmup=args.warmup,
+                                       repeats=args.repeats, timeout=args.timeout))
             except EngineError as error:
                 failures.append((config, error))
             progress.advance(task)
@@ -434,17 +499,25 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import WorkloadSearch
     from cptune.store import Store
 
+    if not get_engine(args.backend).timed:
+        raise untimed(args.backend)
     space, where = _load_search_space(args)
-    cores = available_cores()
+    node = _gpu_node(args.backend, args.max_ranks)
+    cores = _capacity(node)  # one rank per core, or per GPU with --backend tensorrt
     available = args.max_ranks or cores
     counts = tuple(n for n in space.rank_counts(available) if args.max_ranks is None or n <= args.max_ranks)
     if not counts:
         raise UsageError(f"--max-ranks {args.max_ranks} leaves none of the space's rank counts")
-    if over := ", ".join(str(n) for n in counts if n > cores):
+    over = ", ".join(str(n) for n in counts if n > cores)
+    if over and node is None:  # tensorrt: the preflight below refuses more ranks than GPUs
         _refuse_oversubscription(f"ranks {over} of {where}", cores, args.oversubscribe)
     space = dataclasses.replace(space, ranks=counts)
     check_runnable(space, available, where)
-    hardware = this_host()
+    if node is not None:
+        from cptune.engines.tensorrt import preflight
+
+        preflight(max(counts), node)
+    hardware = _this_hardware(node)
     with Store(args.db) as store:
         store.require_writable()
         _say(console, "searching ", (space.name, "bold"), f" ({where}) on {hardware.describe()} ",
@@ -453,7 +526,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
             calibrated = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
             _say(console, f"this hardware has no calibration yet: calibrating 1..{calibrated} ranks first "
                           f"(the cost model's prior needs it; --no-calibrate skips)")
-            _calibrate(store, hardware, calibrated, 7, console)
+            _calibrate(store, hardware, calibrated, 7, console, args.backend)
         best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
@@ -592,10 +665,10 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
 
 
 def _calibrate(
-    store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console
+    store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console, backend: str
 ) -> Calibration:
     with console.status("calibrating") as status:
-        calibration = calibrate(max_ranks, repeats=repeats,
+        calibration = calibrate(max_ranks, backend=backend, repeats=repeats,
                                 progress=lambda step: status.update(f"calibrating: {step}"))
     store.add_calibration(hardware, calibration)
     return calibration
@@ -604,16 +677,17 @@ def _calibrate(
 def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     from cptune.store import Store
 
-    cores = available_cores()
+    node = _gpu_node(args.backend, args.max_ranks)
+    cores = _capacity(node)
     max_ranks = args.max_ranks or cores
-    if max_ranks > cores:
+    if max_ranks > cores and node is None:  # tensorrt: the preflight refused more ranks than GPUs
         _refuse_oversubscription(f"--max-ranks {max_ranks}", cores, args.oversubscribe)
     with Store(args.db) as store:
         store.require_writable()
-        hardware = this_host()
+        hardware = _this_hardware(node)
         _say(console, f"calibrating {hardware.describe()} ", (hardware.fingerprint, "dim"),
              f" on 1..{max_ranks} ranks; results in {store.url}")
-        calibration = _calibrate(store, hardware, max_ranks, args.repeats, console)
+        calibration = _calibrate(store, hardware, max_ranks, args.repeats, console, args.backend)
     for table in _calibration_tables(calibration):
         console.print(table)
     return 0
@@ -720,9 +794,43 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- export-graph
+
+
+def cmd_export_graph(args: argparse.Namespace, console: Console) -> int:
+    from cptune.engines.onnx import export_graphs
+
+    workload = _workload(args, args.seq_len)
+    try:
+        config = CPConfig(args.strategy, args.ranks, args.head_group)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        check_feasible(workload, config)
+    except InfeasibleConfigError as exc:
+        reasons = "; ".join(exc.reasons)
+        raise UsageError(f"{config.describe()} cannot run {workload.describe()}: {reasons}") from None
+    try:
+        manifest_path = export_graphs(workload, config, Path(args.output_dir))
+    except OSError as exc:
+        raise UsageError(f"cannot write the graphs to {args.output_dir}: {exc.strerror or exc}") from None
+    manifest = json.loads(manifest_path.read_text())
+    table = _table(f"{config.describe()} for {workload.describe()}",
+                   "one ONNX graph per rank; tokens = the positions each rank holds, as [start, stop) runs")
+    for column in ("rank", "file", "nodes", "tokens", "sha256"):
+        table.add_column(column, justify="right" if column in ("rank", "nodes") else "left", no_wrap=True)
+    for r in manifest["ranks"]:
+        tokens = " ".join(f"{a}-{b}" for a, b in r["tokens"])
+        table.add_row(str(r["rank"]), r["file"], str(r["nodes"]), tokens, r["sha256"][:12])
+    console.print(table)
+    console.print(f"wrote {len(manifest['ranks'])} graph(s) and {manifest_path}",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+
 COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure,
             "calibrate": cmd_calibrate, "fit": cmd_fit, "recommend": cmd_recommend, "export": cmd_export,
-            "report": cmd_report}
+            "report": cmd_report, "export-graph": cmd_export_graph}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

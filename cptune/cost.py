@@ -19,9 +19,24 @@ FP32_BYTES = 4
 #: Rows of the score matrix the numpy kernel holds at once (its query block size).
 SCORE_BLOCK_ROWS = 128
 
-#: Collective kinds traffic is counted under. "p2p" is the Ring's K/V stream step:
-#: send/recv on MPI, one broadcast per step on engines without point-to-point.
-COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p")
+#: Collective kinds traffic is counted under. The Ring's K/V stream step is "p2p" (send/recv)
+#: on engines with point-to-point, and "broadcast" (one per step, the step's source as root)
+#: on engines without it: TensorRT has no point-to-point layer.
+COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p", "broadcast")
+#: The kinds of the Ring's stream step: each step moves one block (bus-bandwidth factor 1).
+STREAM_KINDS: tuple[str, ...] = ("p2p", "broadcast")
+#: Engines whose ranks can send point-to-point.
+POINT_TO_POINT_ENGINES = frozenset({"mpi"})
+
+
+def stream_kind(engine: str) -> str:
+    """How ``engine`` expresses the Ring's stream step: "p2p" or "broadcast"."""
+    return "p2p" if engine in POINT_TO_POINT_ENGINES else "broadcast"
+
+
+def engine_collectives(engine: str) -> tuple[str, ...]:
+    """The collective kinds ``engine``'s runs use (what its calibration must time)."""
+    return "all_to_all", "all_gather", stream_kind(engine)
 
 
 @dataclass(frozen=True)
@@ -61,8 +76,9 @@ def _visible_pairs(layout: SequenceLayout, group: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # pure; recommendations ask for the same pairs often (read-only result)
-def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
-    """Count the physical work of ``config`` on ``workload`` (see ``AnalyticCost``).
+def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> AnalyticCost:
+    """Count the physical work of ``config`` on ``workload`` as ``engine`` runs it (see
+    ``AnalyticCost``; engines differ only in the Ring's stream step).
 
     With N ranks, head group u, context degree c = N / u, padded length S, batch B, heads H,
     KV heads K (K' = K * replication after Ulysses), head_dim D and wire width w bytes:
@@ -71,7 +87,10 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
       (u - 1) / u * B * (S / N) * (2H + 2K') * D * w.
     - all-gather (AllGather-KV, c > 1): each rank's K/V block reaches the c - 1 others:
       (c - 1) * 2 * B * (S / c) * (K' / u) * D * w, in one step.
-    - p2p (Ring, c > 1): the same volume, in c - 1 steps of one block each.
+    - p2p (Ring, c > 1, engines with point-to-point): the same volume, in c - 1 steps of
+      one block each.
+    - broadcast (Ring, c > 1, engines without): c steps, each broadcasting one block from
+      its source (the step's root) to the c - 1 others: c blocks, bus-bandwidth factor 1.
     - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
@@ -97,8 +116,10 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
         bytes_sent["all_gather"] = (c - 1) * kv_block
         steps["all_gather"] = 1
     elif c > 1 and config.strategy == "ring":
-        bytes_sent["p2p"] = (c - 1) * kv_block
-        steps["p2p"] = c - 1
+        kind = stream_kind(engine)
+        stream_steps = c - 1 if kind == "p2p" else c
+        bytes_sent[kind] = stream_steps * kv_block
+        steps[kind] = stream_steps
 
     inputs = b * rank_tokens * (h + 2 * workload.kv_heads) * d * w
     output = b * rank_tokens * h * d * w

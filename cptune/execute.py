@@ -13,12 +13,12 @@ import numpy as np
 
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost
-from cptune.engines import Engine, get_engine
+from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
 from cptune.layout import SequenceLayout
 from cptune.measurement import Measurement, available_cores, describe_host, oversubscribed, summarize
-from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
+from cptune.reference import make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
 Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -116,20 +116,23 @@ def measure(
     """Check ``config``'s output against the float64 reference on seeded random inputs, then
     time ``repeats`` iterations after ``warmup`` on real ranks.
 
-    Raises ``InfeasibleConfigError`` before any process starts, and ``EngineError`` when the
-    run fails (kind: crash, timeout, error, out_of_memory) or its output is wrong
-    (kind "wrong_output"): a wrong configuration never yields a timing. More ranks than
-    this host's cores run, but the result says it was ``oversubscribed``."""
+    Raises ``InfeasibleConfigError`` before any process starts, ``UntimedEngineError`` for
+    an engine that does not time (onnx), and ``EngineError`` when the run fails (kind: crash,
+    timeout, error, out_of_memory) or its output is wrong (kind "wrong_output"): a wrong
+    configuration never yields a timing. More ranks than this host's cores run, but the
+    result says it was ``oversubscribed``."""
     check_feasible(workload, config)
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     engine = get_engine(backend)
+    if not engine.timed:
+        raise untimed(engine.name)
     layout = SequenceLayout(workload, config)
     q, k, v, reference = _reference_case(workload, seed)
     run_timeout = timeout or default_timeout(workload, config)
     outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v), run_timeout)
     error = relative_error(_gather(layout, outputs), reference)
-    tolerance = TOLERANCE[workload.dtype]
+    tolerance = engine.tolerance[workload.dtype]
     if not error <= tolerance:
         raise EngineError(
             "wrong_output",

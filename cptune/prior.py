@@ -12,6 +12,8 @@ longer sequences, more ranks, hardware that is only calibrated or only described
     all-gather  = latency + bytes sent / bandwidth                         (context group)
     Ring        = c - 1 stream steps, each overlapped with attention on the block in hand:
                   compute / c + (c - 1) * max(compute / c, latency + block bytes / bandwidth)
+                  (p2p; with broadcasts, engines without point-to-point, the first of c steps
+                  is exposed too)
     latency     = compute + all-to-all + all-gather + the Ring's exposed communication
 """
 
@@ -22,7 +24,7 @@ from typing import Protocol
 
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
-from cptune.cost import analytic_cost
+from cptune.cost import STREAM_KINDS, analytic_cost
 from cptune.hardware import Hardware, HardwareDescription
 from cptune.workload import Workload
 
@@ -133,10 +135,11 @@ class PriorTime:
         return self.total_s - self.compute_s
 
 
-def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
-    """The physical prior of ``config`` on ``workload`` (see the module docstring). The
-    groups are those of rank 0: ranks 0..u-1 share heads, ranks 0, u, 2u, ... the context."""
-    cost = analytic_cost(workload, config)
+def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: str = "mpi") -> PriorTime:
+    """The physical prior of ``config`` on ``workload`` as ``engine`` runs it (see the module
+    docstring). The groups are those of rank 0: ranks 0..u-1 share heads, ranks 0, u, 2u, ...
+    the context."""
+    cost = analytic_cost(workload, config, engine)
     n, u, c = config.ranks, config.head_group, config.context_degree
     ring = config.strategy == "ring"
     per_call = cost.flops / c if ring else cost.flops  # the Ring attends block by block
@@ -152,8 +155,11 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     if cost.comm_steps["all_gather"]:
         all_gather = comm("all_gather", context, cost.bytes_sent["all_gather"], 1)
     ring_exposed = 0.0
-    if steps := cost.comm_steps["p2p"]:
-        step = comm("p2p", context, cost.bytes_sent["p2p"] / steps, 1)
-        block = compute / c
-        ring_exposed = block + steps * max(block, step) - compute
+    for kind in STREAM_KINDS:  # the Ring's stream step, however the engine expresses it
+        if steps := cost.comm_steps[kind]:
+            step = comm(kind, context, cost.bytes_sent[kind] / steps, 1)
+            block = compute / c
+            # c - 1 steps hide behind the previous block's attention; a step beyond those
+            # (a broadcast of the rank's own block) has nothing to hide behind.
+            ring_exposed = (steps - (c - 1)) * step + block + (c - 1) * max(block, step) - compute
     return PriorTime(compute, all_to_all, all_gather, ring_exposed)

@@ -8,7 +8,7 @@ import pytest
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import CPConfig
-from cptune.cost import COLLECTIVES
+from cptune.cost import engine_collectives
 from cptune.engines.mpi import MPIEngine
 from cptune.measurement import Measurement
 from cptune.workload import Workload
@@ -37,7 +37,7 @@ def make_calibration(max_ranks: int = 4) -> Calibration:
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=30e-6, bandwidth=1e9, bus_bandwidth=1e9,
                       sizes=(1024,), times_s=(31e-6,))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in engine_collectives("mpi")
     )
     compute = tuple(
         ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,

@@ -12,7 +12,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import CPConfig
-from cptune.cost import COLLECTIVES
+from cptune.cost import engine_collectives
 from cptune.cost_model import MIN_SAMPLES, Case, CostModel, features, training_set
 from cptune.errors import CPTuneError
 from cptune.evaluation import GroupScore, cross_validate_groups, evaluate, score_group
@@ -36,7 +36,7 @@ def calibration(max_ranks: int = 4, latency: float = 50e-6, bandwidth: float = 0
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=latency, bandwidth=bandwidth,
                       bus_bandwidth=bandwidth, sizes=(1024,), times_s=(latency,))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in engine_collectives("mpi")
     )
     compute = tuple(
         ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,

@@ -299,6 +299,15 @@ def test_ring_and_allgather_move_the_same_kv(shape, causal):
         kv_heads_after = max(workload.kv_heads, u) // u if u > 1 else workload.kv_heads
         kv_block = 2 * workload.batch * block_tokens * kv_heads_after * workload.head_dim * w
         assert gather.bytes_sent["all_gather"] == (c - 1) * kv_block
+        # without point-to-point (onnx, tensorrt) the stream is c broadcasts of one block each
+        for engine in ("onnx", "tensorrt"):
+            broadcast = analytic_cost(workload, ring_config, engine)
+            assert broadcast.bytes_sent["broadcast"] == c * kv_block
+            assert broadcast.comm_steps["broadcast"] == c
+            assert broadcast.bytes_sent["p2p"] == broadcast.comm_steps["p2p"] == 0
+            assert broadcast.bytes_sent["all_to_all"] == ring.bytes_sent["all_to_all"]
+        assert ring.bytes_sent["broadcast"] == 0  # the default engine (mpi) sends p2p
+        assert analytic_cost(workload, gather_config, "onnx") == gather  # only the Ring differs
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])

@@ -15,7 +15,7 @@ from cptune.calibration import (
     group_sizes,
 )
 from cptune.config import CPConfig
-from cptune.cost import COLLECTIVES, analytic_cost
+from cptune.cost import analytic_cost, engine_collectives
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, HardwareDescription, LinkTier, load_description
 from cptune.prior import CalibratedProfile, DescribedProfile, prior_time
@@ -43,7 +43,7 @@ def make_calibration(max_ranks: int = 4, links=None, rates=None, rank_scale: flo
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=links[kind][0], bandwidth=links[kind][1],
                       bus_bandwidth=links[kind][1], sizes=(1024, 4096), times_s=(1e-5, 2e-5))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in COLLECTIVES
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in engine_collectives("mpi")
     )
     compute = tuple(rate_entry(n, d, r / n**rank_scale)
                     for n in range(1, max_ranks + 1) for d, r in rates.items())
@@ -108,6 +108,29 @@ def test_ring_exposes_the_part_of_a_slow_transfer_compute_cannot_hide():
     assert t.ring_exposed_s > 0
     assert t.ring_exposed_s == pytest.approx(steps * (step - block), rel=1e-9)
     assert (t.all_to_all_s, t.all_gather_s) == (0.0, 0.0)
+
+
+def test_a_broadcast_ring_also_exposes_its_first_step():
+    """Without point-to-point the Ring broadcasts each of its c blocks; the broadcast of the
+    rank's own block has no attention to hide behind, the other c - 1 overlap as with p2p."""
+    latency, bandwidth = 1e-4, 1e8
+    links = {**LINKS, "broadcast": (latency, bandwidth)}
+    fits = tuple(
+        CollectiveFit(kind=kind, ranks=n, group=g, latency_s=links[kind][0], bandwidth=links[kind][1],
+                      bus_bandwidth=links[kind][1], sizes=(1024, 4096), times_s=(1e-5, 2e-5))
+        for n in range(2, 5) for g in group_sizes(n) for kind in engine_collectives("tensorrt")
+    )
+    base = make_calibration()
+    calibration = Calibration(engine="tensorrt", collectives=fits, compute=base.compute,
+                              measured_at=base.measured_at)
+    config = CPConfig("ring", 4)
+    t = prior_time(W, config, CalibratedProfile(HOST, calibration), engine="tensorrt")
+    cost = analytic_cost(W, config, "tensorrt")
+    assert cost.comm_steps["broadcast"] == 4
+    step = latency + cost.bytes_sent["broadcast"] / 4 / bandwidth
+    block = t.compute_s / 4
+    assert t.ring_exposed_s == pytest.approx(step + 3 * max(block, step) - 3 * block, rel=1e-9)
+    assert t.ring_exposed_s >= step * (1 - 1e-9)  # at least the own block's broadcast
 
 
 def test_ring_exposure_shrinks_as_compute_grows_per_step():

@@ -1,25 +1,36 @@
 """Engines run a configuration on real ranks: one module each, behind ``Engine``.
 
-``mpi`` (the default) runs anywhere: MPI processes with numpy math. Engines are created on
-first use and kept, with their worker pools, until the interpreter exits.
+``mpi`` (the default) runs anywhere: MPI processes with numpy math. ``onnx`` runs each
+rank's ONNX graph (the one a TensorRT deployment builds) with ONNX's reference runtime on
+MPI processes: it checks correctness and does not time. ``tensorrt`` builds the same graphs
+into TensorRT engines and runs them on one GPU per rank (written for GPU nodes, not yet run
+on one). Engines are created on first use and kept, with their worker pools, until the
+interpreter exits.
 """
 
 from __future__ import annotations
 
 import atexit
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from cptune.config import CPConfig
+from cptune.errors import CPTuneError
 from cptune.workload import Workload
 
-BACKENDS: tuple[str, ...] = ("mpi",)
+BACKENDS: tuple[str, ...] = ("mpi", "onnx", "tensorrt")
 
 
 class Engine(Protocol):
     name: str
+    #: Whether ``time`` and calibration measure anything (False: a correctness-only engine,
+    #: which ``measure`` and ``calibrate`` refuse before running).
+    timed: bool
+    #: The largest relative error of an output, per workload dtype, ``measure`` accepts
+    #: (``cptune.reference.TOLERANCE`` unless the engine computes in another precision).
+    tolerance: Mapping[str, float]
 
     def run(
         self, workload: Workload, config: CPConfig,
@@ -51,6 +62,19 @@ class Engine(Protocol):
         """Stop the engine's processes."""
 
 
+class UntimedEngineError(CPTuneError, ValueError):
+    """A correctness-only engine was asked to time something."""
+
+
+def untimed(engine: str) -> UntimedEngineError:
+    """The error for timing with ``engine``, which only checks correctness."""
+    return UntimedEngineError(
+        f"the {engine} engine checks that each configuration's graphs compute the right "
+        f"attention and does not time them: use compute(..., backend={engine!r}) to check a "
+        f"configuration, and backend 'mpi' to measure one"
+    )
+
+
 _engines: dict[str, Engine] = {}
 
 
@@ -62,9 +86,18 @@ def get_engine(backend: str | Engine) -> Engine:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend not in _engines:
-        from cptune.engines.mpi import MPIEngine
+        if backend == "onnx":
+            from cptune.engines.onnx import OnnxEngine
 
-        _engines[backend] = MPIEngine()
+            _engines[backend] = OnnxEngine()
+        elif backend == "tensorrt":
+            from cptune.engines.tensorrt import TensorRTEngine
+
+            _engines[backend] = TensorRTEngine()
+        else:
+            from cptune.engines.mpi import MPIEngine
+
+            _engines[backend] = MPIEngine()
     return _engines[backend]
 
 

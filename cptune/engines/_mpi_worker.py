@@ -1,10 +1,11 @@
-"""One rank of the MPI engine's worker pool (run by mpiexec, never by users).
+"""One rank of the engines' worker pool (run by mpiexec, never by users).
 
 Each rank connects to the driver's socket, then serves tasks until told to exit: "run"
-receives a configuration and this rank's input shard, runs the strategy once and returns
-its output shard; "time" repeats the same run with warm-up and returns per-iteration
-timings. "time_collective" and "time_attention" time one collective over a sweep of
-message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
+receives a configuration and this rank's input shard, runs it once with the engine the
+request names (``RANK_TASKS``: every engine's ranks live in this one supervised pool) and
+returns its output shard; "time" repeats the same run with warm-up and returns
+per-iteration timings. "time_collective" and "time_attention" time one collective over a
+sweep of message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
 does not use wait on their socket, asleep. A watchdog exits the rank as soon as the driver
 process is gone, whatever the rank is doing.
 """
@@ -12,6 +13,7 @@ process is gone, whatever the rank is doing.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import select
 import socket
@@ -21,6 +23,7 @@ import time
 import traceback
 import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -237,6 +240,21 @@ def _time_each(
     return timings
 
 
+#: Modules holding the rank side (a ``RankTask`` class) of engines other than "mpi", imported
+#: on a rank's first run of that engine, so a rank loads only what its runs need.
+RANK_TASKS: dict[str, str] = {"onnx": "cptune.engines._onnx_rank"}
+
+
+def _task_class(engine: str) -> type:
+    """The ``RankTask`` of ``engine``: built from a "run" request's header, arrays, the group
+    communicators and this rank; it answers ``run_once()`` and ``time(warmup, repeats)``."""
+    if engine == "mpi":
+        return RankTask
+    if engine not in RANK_TASKS:
+        raise RuntimeError(f"unknown engine {engine!r}")
+    return importlib.import_module(RANK_TASKS[engine]).RankTask
+
+
 class Worker:
     """The serving loop of one rank."""
 
@@ -250,7 +268,7 @@ class Worker:
             for r in range(1, self.world.Get_size() + 1)
         ]
         self.group_comms: dict[tuple[int, int], dict[str, MPI.Comm]] = {}
-        self.task: RankTask | None = None
+        self.task: Any = None  # the last run's RankTask, of whichever engine
 
     def hello(self) -> None:
         protocol.send(self.sock, {
@@ -279,7 +297,7 @@ class Worker:
             threadpool_limits(limits=1, user_api="blas")  # the kernel threads over heads
             config = CPConfig(**header["config"])
             comms = self.comms_for(config.ranks, config.head_group)
-            self.task = RankTask(header, arrays, comms, self.rank)
+            self.task = _task_class(header["engine"])(header, arrays, comms, self.rank)
             return self.task.run_once()
         if header["op"] == "time":
             if self.task is None:

@@ -1,246 +1,30 @@
 """The MPI engine: strategies on real processes, mpi4py over the MPICH wheel, numpy math.
 
-The calling process never initialises MPI. It starts ``mpiexec`` with a pool of worker
-ranks (``cptune.engines._mpi_worker``) once, keeps it for every later run (a search does
-not pay process start-up per trial) and talks to each rank over a private Unix socket.
-Every wait has a deadline; a rank that raises, dies or overruns ends the pool with one
-``EngineError`` and no process left behind, and a fresh pool starts on the next call. The
-ranks watch the driver too: if it is killed, they exit.
+Its ranks run in the shared supervised pool (``cptune.engines._pool``): started once and
+kept, a deadline on every wait, one ``EngineError`` and no process left behind on failure.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import selectors
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-import cptune
 from cptune.config import CPConfig
-from cptune.engines import _protocol as protocol
-from cptune.errors import EngineError
+from cptune.engines._pool import WORKER, PooledEngine
 from cptune.measurement import available_cores
 from cptune.workload import Workload
 
-# -P: the ranks must not import a cptune from their working directory; PYTHONPATH (set
-# when the pool starts) points them at the very package this process imported.
-WORKER = [sys.executable, "-P", "-m", "cptune.engines._mpi_worker"]
 
-_OUTPUT_TAIL_LINES = 15
-
-
-def find_mpiexec() -> str:
-    """The mpiexec that belongs to the MPI mpi4py loads: the MPICH wheel puts it next to
-    this Python's scripts. Its directory also holds hydra's proxy, which mpiexec needs."""
-    scripts = sysconfig.get_path("scripts")
-    found = shutil.which("mpiexec", path=os.pathsep.join([scripts, os.environ.get("PATH", "")]))
-    if found is None:
-        raise EngineError(
-            "launch",
-            "no mpiexec found: install the MPI library wheel into this environment "
-            "(pip install mpich) or put an MPICH mpiexec on PATH",
-        )
-    return found
-
-
-class _Pool:
-    """``size`` worker ranks under one mpiexec, each connected to this process."""
-
-    def __init__(self, size: int, worker: Sequence[str], start_timeout: float) -> None:
-        self.size = size
-        self.dir = Path(tempfile.mkdtemp(prefix="cptune-pool-"))
-        self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
-        self.socks: dict[int, socket.socket] = {}
-        self.pids: list[int] = []
-        self.mpi_library = ""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.dir / "driver.sock"))
-        listener.listen(size)
-        mpiexec = find_mpiexec()
-        env = dict(os.environ)
-        env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
-        package_root = str(Path(cptune.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        command = [mpiexec, "-n", str(size), *worker,
-                   "--socket", str(self.dir / "driver.sock"), "--driver-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
-        )
-        try:
-            self._accept(listener, start_timeout)
-        except BaseException:
-            self.kill()
-            raise
-        finally:
-            listener.close()
-
-    def _accept(self, listener: socket.socket, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        listener.settimeout(0.2)
-        while len(self.socks) < self.size:
-            if self.proc.poll() is not None:
-                raise EngineError(
-                    "launch",
-                    f"the MPI worker pool exited during start-up (code {self.proc.returncode}):\n"
-                    f"{self.output_tail()}",
-                )
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    "launch",
-                    f"only {len(self.socks)} of {self.size} ranks started within {timeout:.0f} s; "
-                    f"the machine may be overloaded. Output so far:\n{self.output_tail()}",
-                )
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(max(1.0, deadline - time.monotonic()))
-            hello, _ = protocol.receive(conn)
-            conn.settimeout(None)
-            self.socks[hello["rank"]] = conn
-            self.pids += [hello["pid"], hello["parent_pid"]]
-            self.mpi_library = hello["mpi_library"]
-
-    def output_tail(self) -> str:
-        self.log.flush()
-        text = (self.dir / "ranks.log").read_text(errors="replace").strip()
-        lines = text.splitlines()[-_OUTPUT_TAIL_LINES:]
-        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
-
-    def request(
-        self, messages: dict[int, protocol.Message], timeout: float, what: str
-    ) -> dict[int, protocol.Message]:
-        """Send each rank its message and collect every reply; on any failure stop the pool
-        and raise one ``EngineError`` naming the rank(s) and what happened."""
-        try:
-            try:
-                for rank, (header, arrays) in messages.items():
-                    protocol.send(self.socks[rank], header, arrays)
-            except OSError as exc:
-                self._crashed(what, f"lost contact with a rank ({exc})")
-            return self._collect(set(messages), timeout, what)
-        except BaseException:  # the ranks' state is unknown (also after Ctrl-C): stop them
-            self.kill()
-            raise
-
-    def _collect(self, waiting: set[int], timeout: float, what: str) -> dict[int, protocol.Message]:
-        deadline = time.monotonic() + timeout
-        replies: dict[int, protocol.Message] = {}
-        with selectors.DefaultSelector() as selector:
-            for rank in waiting:
-                selector.register(self.socks[rank], selectors.EVENT_READ, rank)
-            while waiting:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    ranks = ", ".join(map(str, sorted(waiting)))
-                    raise EngineError(
-                        "timeout",
-                        f"rank(s) {ranks} did not finish {what} within {timeout:.0f} s, so the "
-                        f"ranks were stopped. If the workload is just slow, allow more time "
-                        f"(timeout=...); a hang points at a deadlock in the strategy.",
-                    )
-                if self.proc.poll() is not None:
-                    self._crashed(what, f"mpiexec exited with code {self.proc.returncode}")
-                for key, _ in selector.select(timeout=min(remaining, 0.25)):
-                    rank = key.data
-                    sock = self.socks[rank]
-                    sock.settimeout(max(1.0, deadline - time.monotonic()))
-                    try:
-                        header, arrays = protocol.receive(sock)
-                    except OSError:  # closed, reset or stalled mid-message
-                        self._crashed(what, f"rank {rank} died")
-                    sock.settimeout(None)
-                    if not header.get("ok"):
-                        raise EngineError(
-                            header.get("kind", "error"),
-                            f"rank {rank} failed running {what}:\n{header.get('error', '').rstrip()}",
-                        )
-                    replies[rank] = (header, arrays)
-                    waiting.discard(rank)
-                    selector.unregister(sock)
-        return replies
-
-    def _crashed(self, what: str, how: str) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=2.0)
-        code = self.proc.returncode
-        killed = code is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL, 137)
-        hint = " (killed: possibly out of memory)" if killed else ""
-        tail = self.output_tail()
-        self.kill()
-        raise EngineError(
-            "crash",
-            f"a rank crashed while running {what}: {how}{hint}. Last output of the ranks:\n{tail}",
-        )
-
-    def close(self) -> None:
-        """Ask the ranks to exit; force them after a grace period."""
-        for sock in self.socks.values():
-            with contextlib.suppress(OSError):
-                protocol.send(sock, {"op": "exit"})
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5.0)
-        self.kill()
-
-    def kill(self) -> None:
-        """Stop every process of the pool now and remove its files (idempotent)."""
-        if self.log.closed:
-            return
-        for pid in self.pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        for sock in self.socks.values():
-            sock.close()
-        self.socks.clear()
-        self.pids.clear()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class MPIEngine:
+class MPIEngine(PooledEngine):
     """Runs configurations on a persistent pool of MPI ranks on this host."""
 
     name = "mpi"
+    timed = True
 
     def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
-        self.worker = list(worker)
-        self.start_timeout = start_timeout
-        self._pool: _Pool | None = None
+        super().__init__(worker, start_timeout)
         self._timed_ranks = 0
-
-    def _pool_for(self, ranks: int) -> _Pool:
-        if self._pool is not None and (self._pool.size < ranks or self._pool.proc.poll() is not None):
-            self.close()
-        if self._pool is None:
-            self._pool = _Pool(ranks, self.worker, self.start_timeout)
-        return self._pool
-
-    def _request(
-        self, messages: dict[int, protocol.Message], timeout: float, what: str
-    ) -> dict[int, protocol.Message]:
-        pool = self._pool
-        assert pool is not None
-        try:
-            return pool.request(messages, timeout, what)
-        except BaseException:
-            self._pool = None  # request() already stopped it
-            raise
 
     def run(
         self,
@@ -255,6 +39,7 @@ class MPIEngine:
         self._pool_for(config.ranks)
         header = {
             "op": "run",
+            "engine": self.name,
             "workload": workload.to_dict(),
             "config": config.to_dict(),
             "threads": max(1, available_cores() // config.ranks),
@@ -309,8 +94,3 @@ class MPIEngine:
         if self._pool is not None:
             info["mpi_library"] = self._pool.mpi_library
         return info
-
-    def close(self) -> None:
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            pool.close()

@@ -12,9 +12,10 @@ from cptune.hardware._description import (
     builtin_descriptions,
     load_description,
 )
-from cptune.hardware._host import Hardware, mpi_library, this_host
+from cptune.hardware._host import GpuInfo, Hardware, mpi_library, this_gpu_node, this_host
 
 __all__ = [
+    "GpuInfo",
     "Hardware",
     "HardwareDescription",
     "HardwareDescriptionError",
@@ -22,5 +23,6 @@ __all__ = [
     "builtin_descriptions",
     "load_description",
     "mpi_library",
+    "this_gpu_node",
     "this_host",
 ]

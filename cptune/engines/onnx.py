@@ -1,0 +1,146 @@
+"""The onnx engine: every configuration as per-rank ONNX graphs, run on real MPI ranks.
+
+The driver writes each rank's graph (``cptune.engines._onnx_graph``), serializes it and
+sends the bytes with the rank's inputs; each rank runs exactly those bytes with ONNX's
+reference runtime, its ``DistCollective`` nodes as MPI collectives
+(``cptune.engines._onnx_rank``). The ranks live in the same supervised pool as the MPI
+engine's (``cptune.engines._pool``). It checks that the graphs a TensorRT deployment would
+build compute the right attention; it does not time them (numpy on a CPU says nothing
+about a GPU), so ``measure`` and ``calibrate`` refuse it.
+
+``export_graphs`` writes the same graphs to files with a manifest, for a deployment that
+builds its own TensorRT engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+import cptune
+from cptune.config import CPConfig
+from cptune.engines import untimed
+from cptune.engines._numpy_kernels import position_runs
+from cptune.engines._onnx_dialect import DOMAIN, DOMAIN_VERSION
+from cptune.engines._onnx_graph import OPSET, io_shapes, rank_graphs
+from cptune.engines._pool import PooledEngine
+from cptune.layout import SequenceLayout
+from cptune.workload import Workload
+
+MANIFEST = "manifest.json"
+_ONNX_TYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class OnnxEngine(PooledEngine):
+    """Runs each rank's exported ONNX graph on a pool of MPI ranks (correctness only)."""
+
+    name = "onnx"
+    timed = False
+
+    def run(
+        self,
+        workload: Workload,
+        config: CPConfig,
+        shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        timeout: float,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """Run ``config``'s graphs once, rank r holding ``shards[r]``: each rank's output
+        shard (float32) and 0 peak bytes (not measured)."""
+        graphs = [
+            np.frombuffer(model.SerializeToString(), dtype=np.uint8)
+            for model in rank_graphs(workload, config)
+        ]
+        self._pool_for(config.ranks)
+        header = {
+            "op": "run",
+            "engine": self.name,
+            "workload": workload.to_dict(),
+            "config": config.to_dict(),
+        }
+        replies = self._request(
+            {rank: (header, [*shard, graphs[rank]]) for rank, shard in enumerate(shards)},
+            timeout,
+            f"{config.describe()} as ONNX graphs",
+        )
+        return [replies[r][1][0] for r in range(config.ranks)], [0] * config.ranks
+
+    def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
+        raise untimed(self.name)
+
+    def time_collective(
+        self,
+        kind: str,
+        ranks: int,
+        group: int,
+        chunks: Sequence[int],
+        warmup: int,
+        repeats: int,
+        timeout: float,
+    ) -> np.ndarray:
+        raise untimed(self.name)
+
+    def time_attention(
+        self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        raise untimed(self.name)
+
+    def describe(self) -> dict[str, str]:
+        import mpi4py
+
+        return {
+            "engine": self.name,
+            "onnx": onnx.__version__,
+            "mpi4py": mpi4py.__version__,
+            "numpy": np.__version__,
+        }
+
+
+def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path:
+    """Write ``rank<r>.onnx`` for every rank of ``config`` and a JSON manifest (workload,
+    configuration, opsets, each rank's tokens as [start, stop) runs, input/output shapes and
+    the SHA-256 of its file) into ``directory``; returns the manifest's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    layout = SequenceLayout(workload, config)
+    shapes = io_shapes(workload, config)
+    dtype = _ONNX_TYPES[workload.dtype]
+    ranks = []
+    for rank, model in enumerate(rank_graphs(workload, config)):
+        data = model.SerializeToString()
+        path = directory / f"rank{rank}.onnx"
+        path.write_bytes(data)
+        positions = layout.rank_positions(rank)
+        ranks.append(
+            {
+                "rank": rank,
+                "file": path.name,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "nodes": len(model.graph.node),
+                "tokens": [
+                    [int(positions[a]), int(positions[b - 1]) + 1] for a, b in position_runs(positions)
+                ],
+                "inputs": {name: {"shape": list(shapes[name]), "dtype": dtype} for name in ("q", "k", "v")},
+                "outputs": {"out": {"shape": list(shapes["out"]), "dtype": dtype}},
+            }
+        )
+    manifest = {
+        "format": "cptune-onnx-graphs",
+        "version": 1,
+        "cptune": cptune.__version__,
+        "onnx": onnx.__version__,
+        "opsets": {"": OPSET, DOMAIN: DOMAIN_VERSION},
+        "workload": workload.to_dict(),
+        "config": config.to_dict(),
+        "padded_seq_len": layout.padded_len,
+        "layout": "q, k, v and out are [batch, tokens, heads, head_dim]; rank r holds the token "
+        "positions in its 'tokens' runs, in order; positions >= seq_len are padding "
+        "(inputs zero, outputs dropped)",
+        "ranks": ranks,
+    }
+    out = directory / MANIFEST
+    out.write_text(json.dumps(manifest, indent=2) + "\n")
+    return out

@@ -1,0 +1,555 @@
+"""The TensorRT engine where there is no GPU: it imports without TensorRT, refuses in one
+line what a node lacks, keys and writes its engine cache safely, reads the GPU node's
+fingerprint from the driver's text, and its calibration graphs are valid ONNX that compute
+attention correctly. The GPU tests at the end skip, with their reason, where the node
+cannot run them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+import cptune
+from conftest import pool_processes
+from cptune import CPConfig, EngineError, Workload
+from cptune.calibration import calibrate
+from cptune.cli import main
+from cptune.engines import _calibration_graphs as graphs
+from cptune.engines._engine_cache import EngineCache, cache_dir, engine_key
+from cptune.engines._onnx_dialect import collective_attributes
+from cptune.engines._onnx_graph import rank_graph
+from cptune.engines._tensorrt_worker import io_specs, split_layer_times, to_device_dtype
+from cptune.engines.tensorrt import BackendUnavailableError, NodeProbe, TensorRTEngine, preflight, probe_node
+from cptune.hardware import Hardware
+from cptune.hardware._host import (
+    GpuInfo,
+    gpu_hardware,
+    parse_cuda_version,
+    parse_gpu_query,
+    parse_topology,
+    visible_gpus,
+)
+from cptune.reference import make_inputs
+
+# --------------------------------------------------------------------------- recorded driver text
+
+QUERY_H100 = """\
+0, GPU-1b2c3d4e-0000-1111-2222-333344445555, NVIDIA H100 80GB HBM3, 9.0, 570.124.06
+1, GPU-2b2c3d4e-0000-1111-2222-333344445555, NVIDIA H100 80GB HBM3, 9.0, 570.124.06
+2, GPU-3b2c3d4e-0000-1111-2222-333344445555, NVIDIA H100 80GB HBM3, 9.0, 570.124.06
+3, GPU-4b2c3d4e-0000-1111-2222-333344445555, NVIDIA H100 80GB HBM3, 9.0, 570.124.06
+"""
+QUERY_V100 = """\
+0, GPU-aaaa0000-0000-1111-2222-333344445555, Tesla V100-SXM2-32GB, 7.0, 535.183.01
+1, GPU-bbbb0000-0000-1111-2222-333344445555, Tesla V100-SXM2-32GB, 7.0, 535.183.01
+"""
+TOPO_NVLINK = """\
+\x1b[4mGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m
+GPU0\t X \tNV18\tNV18\tNV18\tSYS\t0-55,112-167\t0\t\tN/A
+GPU1\tNV18\t X \tNV18\tNV18\tSYS\t0-55,112-167\t0\t\tN/A
+GPU2\tNV18\tNV18\t X \tNV18\tSYS\t56-111,168-223\t1\t\tN/A
+GPU3\tNV18\tNV18\tNV18\t X \tSYS\t56-111,168-223\t1\t\tN/A
+NIC0\tSYS\tSYS\tSYS\tSYS\t X \t\t\t\t
+
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
+  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
+  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
+  PIX  = Connection traversing at most a single PCIe bridge
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+TOPO_MIXED = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV4\tPIX\tSYS\t0-31\t0
+GPU1\tNV4\t X \tSYS\tPIX\t0-31\t0
+GPU2\tPIX\tSYS\t X \tNV4\t32-63\t1
+GPU3\tSYS\tPIX\tNV4\t X \t32-63\t1
+"""
+SMI_HEADER = "| NVIDIA-SMI 570.124.06     Driver Version: 570.124.06     CUDA Version: 12.8     |"
+
+
+def node(query: str = QUERY_H100, missing: dict[str, str] | None = None) -> NodeProbe:
+    return NodeProbe(tuple(parse_gpu_query(query)), None, missing or {})
+
+
+# --------------------------------------------------------------------------- imports
+
+
+def test_runtime_modules_import_without_the_gpu_packages():
+    """Even where TensorRT, nccl4py and cuda-bindings are installed, importing the engine
+    must not import them (they load only on the ranks, when a task needs them)."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('tensorrt', 'nccl', 'cuda'):\n"
+        "            raise ImportError(f'{name} blocked by the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import cptune.engines.tensorrt, cptune.engines._tensorrt_worker\n"
+        "import cptune.engines._calibration_graphs\n"
+        "from cptune.engines import get_engine\n"
+        "assert get_engine('tensorrt').name == 'tensorrt'\n"
+        "assert not {'tensorrt', 'nccl', 'cuda'} & {m.split('.')[0] for m in sys.modules}\n"
+        "print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "imported"
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None) -> None:
+    """Make the node's probe see ``query`` as nvidia-smi's answer (None: no nvidia-smi) and
+    ``missing`` packages fail to import; the checks themselves run as they are."""
+
+    def nvidia_smi(*arguments):
+        if query is None:
+            raise FileNotFoundError("nvidia-smi is not on PATH: no NVIDIA driver here")
+        return query
+
+    monkeypatch.setattr("cptune.hardware._host._nvidia_smi", nvidia_smi)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("cptune.engines.tensorrt._import_problem", lambda module: (missing or {}).get(module))
+
+
+BRANCHES = {
+    "no GPU": (None, None, [], "has no CUDA GPU (nvidia-smi is not on PATH"),
+    "TensorRT missing": (QUERY_H100, {"tensorrt": "ModuleNotFoundError: No module named 'tensorrt'"}, [],
+                         "needs tensorrt, which cannot be imported here"),
+    "fewer GPUs than ranks": (QUERY_H100, None, ["--max-ranks", "8"],
+                              "8 ranks need 8 GPUs, but this node has 4"),
+    "older than SM80": (QUERY_V100, None, [], "GPU 0 (Tesla V100-SXM2-32GB) is 7.0"),
+}
+COMMANDS = {
+    "search": ["search", "--heads", "8", "--head-dim", "64", "--seq-lens", "256"],
+    "calibrate": ["calibrate"],
+    "measure": ["measure"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_preflight_exits_2_with_one_line(monkeypatch, capsys, tmp_path, command, branch):
+    query, missing, extra, message = BRANCHES[branch]
+    inject(monkeypatch, query, missing)
+    db = tmp_path / "x.db"
+    args = [*COMMANDS[command], "--backend", "tensorrt", *extra]
+    code = main([*args, "--db", str(db)] if command != "measure" else args)
+    out = capsys.readouterr()
+    text = (out.out + out.err).strip()
+    assert code == 2
+    assert message in text
+    assert len(text.splitlines()) == 1, text
+    assert "Traceback" not in text
+    assert not db.exists()  # refused before the database was opened
+
+
+def test_preflight_messages_say_how_to_get_what_is_missing():
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'cptune\[tensorrt\]'"):
+        preflight(2, node(missing={"nccl.core": "ModuleNotFoundError: No module named 'nccl'"}))
+    with pytest.raises(BackendUnavailableError, match="--max-ranks 4"):
+        preflight(5, node())
+    with pytest.raises(BackendUnavailableError, match="--backend mpi"):
+        preflight(1, NodeProbe((), "nvidia-smi failed: No devices were found", {}))
+    preflight(4, node())  # four SM90 GPUs and every package: nothing to say
+
+
+def test_preflight_checks_only_the_gpus_the_ranks_use():
+    mixed = "0, GPU-a, NVIDIA A100-SXM4-80GB, 8.0, 550.54\n1, GPU-b, Tesla T4, 7.5, 550.54\n"
+    preflight(1, node(mixed))
+    with pytest.raises(BackendUnavailableError, match=r"GPU 1 \(Tesla T4\) is 7.5"):
+        preflight(2, node(mixed))
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA driver")
+def test_search_with_tensorrt_here_exits_2_with_one_line(tmp_path):
+    """No injection: this machine, as it is, has no GPU."""
+    done = subprocess.run([sys.executable, "-m", "cptune.cli", "search", "--backend", "tensorrt",
+                           "--db", str(tmp_path / "x.db")], capture_output=True, text=True, timeout=120)
+    text = (done.stdout + done.stderr).strip()
+    assert done.returncode == 2
+    assert "--backend tensorrt needs NVIDIA GPUs" in text and len(text.splitlines()) == 1
+    assert "Traceback" not in text
+
+
+def test_library_callers_get_the_preflight_before_any_process_starts(tmp_path):
+    engine = TensorRTEngine(probe=lambda: NodeProbe((), "nvidia-smi is not on PATH", {}))
+    w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
+    with pytest.raises(BackendUnavailableError, match="no CUDA GPU"):
+        cptune.compute(w, CPConfig("ulysses", 2), *make_inputs(w), backend=engine)
+    assert engine._pool is None
+
+
+def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monkeypatch):
+    """The node is said to be fine, but the ranks cannot import TensorRT here: the
+    supervised pool reports the rank's failure as one EngineError and leaves nothing."""
+    engine = TensorRTEngine(probe=lambda: node())
+    w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
+    try:
+        with pytest.raises(EngineError) as failure:
+            cptune.compute(w, CPConfig("ulysses", 2), *make_inputs(w), backend=engine, timeout=120)
+    finally:
+        engine.close()
+    assert failure.value.kind == "error"
+    assert re.match(r"rank \d failed running building the engines of Ulysses on 2 ranks", str(failure.value))
+    if importlib.util.find_spec("tensorrt") is None:  # the graph was made; the GPU stack is what is missing
+        assert "No module named 'tensorrt'" in str(failure.value)
+    assert pool_processes("cptune.engines._tensorrt_worker") == []
+
+
+# --------------------------------------------------------------------------- engine cache
+
+
+def test_engine_key_changes_with_graph_version_and_gpu():
+    base = engine_key(b"graph", "11.4.0.106", "NVIDIA H100 80GB HBM3", "9.0")
+    assert base == engine_key(b"graph", "11.4.0.106", "NVIDIA H100 80GB HBM3", "9.0")
+    others = {
+        engine_key(b"graph2", "11.4.0.106", "NVIDIA H100 80GB HBM3", "9.0"),
+        engine_key(b"graph", "11.5.0.1", "NVIDIA H100 80GB HBM3", "9.0"),
+        engine_key(b"graph", "11.4.0.106", "NVIDIA A100-SXM4-80GB", "9.0"),
+        engine_key(b"graph", "11.4.0.106", "NVIDIA H100 80GB HBM3", "10.0"),
+    }
+    assert base not in others and len(others) == 4
+
+
+def test_engine_cache_round_trip_is_atomic_and_refuses_damaged_entries(tmp_path):
+    cache = EngineCache(tmp_path / "engines")
+    key = engine_key(b"g", "11.4", "gpu", "9.0")
+    assert cache.load(key) is None
+    cache.store(key, b"\x01serialized engine", 12.5)
+    assert cache.load(key) == b"\x01serialized engine"
+    assert sorted(p.name for p in (tmp_path / "engines").iterdir()) == [f"{key}.engine", f"{key}.json"]
+    (tmp_path / "engines" / f"{key}.engine").write_bytes(b"\x01serialized eng")  # truncated
+    assert cache.load(key) is None
+    (tmp_path / "engines" / f"{key}.json").write_text("{not json")
+    assert cache.load(key) is None
+
+
+def test_engine_cache_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    cache = EngineCache(tmp_path)
+
+    def broken_replace(source, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("cptune.engines._engine_cache.os.replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        cache.store("k", b"engine", 1.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c" / "engines"
+    monkeypatch.delenv("CPTUNE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache_dir() == tmp_path / "x" / "cptune" / "engines"
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+
+def test_gpu_query_and_visible_devices():
+    gpus = parse_gpu_query(QUERY_H100 + "garbage line\n")
+    assert [g.index for g in gpus] == [0, 1, 2, 3]
+    assert gpus[0] == GpuInfo(0, "GPU-1b2c3d4e-0000-1111-2222-333344445555", "NVIDIA H100 80GB HBM3", "9.0",
+                              "570.124.06")
+    assert gpus[0].sm == 90 and parse_gpu_query(QUERY_V100)[0].sm == 70
+    assert [g.index for g in visible_gpus(gpus, None)] == [0, 1, 2, 3]
+    assert [g.index for g in visible_gpus(gpus, "2,0")] == [2, 0]
+    assert [g.index for g in visible_gpus(gpus, "GPU-3b2c,1")] == [2, 1]
+    assert [g.index for g in visible_gpus(gpus, "1,7,2")] == [1]  # CUDA stops at the unknown entry
+    assert visible_gpus(gpus, "") == []
+
+
+def test_topology_in_the_drivers_terms():
+    assert parse_topology(TOPO_NVLINK, [0, 1, 2, 3]) == "NVLink (NV18)"
+    assert parse_topology(TOPO_MIXED, [0, 1, 2, 3]) == "NVLink (NV4) and PCIe (PIX, SYS)"
+    assert parse_topology(TOPO_MIXED, [0, 1]) == "NVLink (NV4)"
+    assert parse_topology(TOPO_MIXED, [0, 2]) == "PCIe (PIX)"
+    assert parse_topology(TOPO_MIXED, [3]) == "single GPU"
+    with pytest.raises(ValueError, match="GPU0 and GPU5"):
+        parse_topology(TOPO_MIXED, [0, 5])
+
+
+def test_cuda_version_from_either_form():
+    assert parse_cuda_version(SMI_HEADER) == "12.8"
+    assert parse_cuda_version("    CUDA Version                          : 13.0\n") == "13.0"
+    assert parse_cuda_version("no driver") is None
+
+
+def test_gpu_fingerprint_holds_the_node_facts(monkeypatch):
+    monkeypatch.setattr("cptune.hardware._host.nccl_version", lambda: "2.27.7")
+    monkeypatch.setattr("cptune.hardware._host.tensorrt_version", lambda: "11.4.0.106")
+    gpus = parse_gpu_query(QUERY_H100)
+    hardware = gpu_hardware(gpus, TOPO_NVLINK, "12.8")
+    assert hardware.gpu_model == "NVIDIA H100 80GB HBM3 (sm_90, driver 570.124.06, CUDA 12.8)"
+    assert hardware.gpu_count == 4 and hardware.interconnect == "NVLink (NV18)"
+    assert (hardware.nccl_version, hardware.tensorrt_version) == ("2.27.7", "11.4.0.106")
+    assert gpu_hardware(gpus[:2], TOPO_NVLINK, "12.8").fingerprint != hardware.fingerprint
+    assert gpu_hardware(gpus, TOPO_NVLINK, "13.0").fingerprint != hardware.fingerprint
+
+
+def test_cpu_host_fingerprint_is_unchanged():
+    """The value main computed for these facts before GPU fingerprints existed."""
+    cpu = Hardware(host="node-1", cpu_model="Some CPU", cpu_count=2, gpu_model=None, gpu_count=0,
+                   interconnect="shared memory (one host)", mpi_library="mpich 4.3.1")
+    assert cpu.fingerprint == "e98b8de11af8f74c"
+
+
+# --------------------------------------------------------------------------- rank-side pure parts
+
+
+def test_layer_times_split_into_compute_and_communication():
+    layers = {"q_transpose + q_cast": 0.5, "exchange_kv": 2.0, "{ForeignNode[exchange_out...out_cast]}": 1.0,
+              "attention": 3.0, "{ForeignNode[scores...merge]}": 4.0, "exchange_kv_2": 0.25}
+    compute, comm = split_layer_times(layers, {"exchange_kv", "exchange_out"})
+    assert (compute, comm) == (0.5 + 3.0 + 4.0 + 0.25, 2.0 + 1.0)
+
+
+def test_io_specs_and_bfloat16_inputs():
+    model = graphs.attention_graph({"heads": 2, "seq_q": 4, "seq_k": 8, "head_dim": 8, "causal": 1})
+    specs = io_specs(model)
+    assert specs["q"][0] == (1, 2, 4, 8) and specs["k"][0] == (1, 2, 8, 8) and specs["out"][0] == (1, 2, 4, 8)
+    assert specs["q"][1].name == "bfloat16"
+    x = np.array([1.0, 1.0 + 2**-9, 3.140625, -2.0], dtype=np.float32)
+    converted = to_device_dtype(x, specs["q"][1])
+    assert converted.dtype.itemsize == 2 and converted.flags.c_contiguous
+    assert converted.astype(np.float32).tolist() == [1.0, 1.0, 3.140625, -2.0]  # 1 + 2^-9 rounds to even
+
+
+# --------------------------------------------------------------------------- calibration graphs
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_gather", "broadcast"])
+def test_collective_graphs_are_valid_and_grouped_like_the_mpi_engine(kind):
+    for rank in range(4):
+        model = graphs.collective_graph(kind, ranks=4, group=2, rank=rank, chunk_bytes=4096)
+        onnx.checker.check_model(model, full_check=True)
+        (node,) = model.graph.node
+        attributes = collective_attributes(node)
+        members = [0, 1] if rank < 2 else [2, 3]
+        assert attributes["collective_operation"] == kind
+        assert attributes["groups"] == members and attributes["nb_rank"] == 2
+        assert attributes["root"] == (members[0] if kind == "broadcast" else -1)
+        shapes = {name: spec[0] for name, spec in io_specs(model).items()}
+        per_peer = 4096 // 2  # float16 elements
+        assert shapes["x"] == {"all_to_all": (2 * per_peer,)}.get(kind, (per_peer,))
+        assert shapes["y"] == {"all_gather": (2 * per_peer,)}.get(kind, shapes["x"])
+    with pytest.raises(ValueError, match="groups of 3 among 4"):
+        graphs.collective_graph(kind, ranks=4, group=3, rank=0, chunk_bytes=64)
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_attention_graph_computes_attention(causal):
+    shape = {"heads": 2, "seq_q": 5, "seq_k": 12, "head_dim": 8, "causal": causal}
+    model = graphs.attention_graph(shape, dtype=onnx.TensorProto.FLOAT)
+    onnx.checker.check_model(model, full_check=True)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 5, 8), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 2, 12, 8), dtype=np.float32) for _ in range(2))
+    (out,) = ReferenceEvaluator(model).run(None, {"q": q, "k": k, "v": v})
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) / np.sqrt(8)
+    if causal:  # queries are the last 5 of 12 positions
+        scores = np.where(graphs.causal_mask(5, 12), scores, -np.inf)
+        assert graphs.causal_mask(5, 12)[0].sum() == 8 and graphs.causal_mask(5, 12)[-1].all()
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(axis=-1, keepdims=True), v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_requests_make_one_graph_per_point():
+    request = {"collective": "all_gather", "group": 2, "chunks": [1024, 4096, 16384]}
+    collective = graphs.case_graphs(request, 2, 1)
+    assert [io_specs(m)["x"][0] for m in collective] == [(512,), (2048,), (8192,)]
+    attention = graphs.case_graphs({"shapes": [{"heads": 4, "seq_q": 8, "seq_k": 32, "head_dim": 64,
+                                                "causal": 0}]}, 2, 0)
+    assert len(attention) == 1 and attention[0].graph.node[0].op_type == "Attention"
+
+
+# --------------------------------------------------------------------------- on GPUs
+
+
+def gpu_node_or_skip(ranks: int) -> None:
+    """Skip, with the preflight's own reason, where this node cannot run ``ranks`` ranks."""
+    try:
+        preflight(ranks, probe_node())
+    except BackendUnavailableError as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [CPConfig("ulysses", 1), CPConfig("allgather_kv", 2), CPConfig("ring", 2),
+                                    CPConfig("ulysses", 2)], ids=lambda c: c.label + str(c.ranks))
+def test_tensorrt_output_matches_the_reference_and_times(config, tmp_path, monkeypatch):
+    gpu_node_or_skip(config.ranks)
+    monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path))  # the ranks start with it: a fresh engine
+    engine = TensorRTEngine()
+    workload = Workload(seq_len=256, heads=4, kv_heads=2, head_dim=64, dtype="fp16", causal=True)
+    try:
+        measured = cptune.measure(workload, config, backend=engine, warmup=1, repeats=3)
+        again = cptune.measure(workload, config, backend=engine, warmup=1, repeats=3)
+    finally:
+        engine.close()
+    assert measured.engine == "tensorrt" and measured.median_ms > 0
+    assert measured.compute_ms + measured.comm_ms > 0
+    assert measured.host["build_s"] != "cached"  # a fresh cache: built, and the time reported
+    assert again.host["build_s"] == "cached"
+
+
+@pytest.mark.gpu
+def test_tensorrt_calibration_times_every_collective(tmp_path, monkeypatch):
+    gpu_node_or_skip(2)
+    monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path))
+    engine = TensorRTEngine()
+    try:
+        calibration = calibrate(2, backend=engine, warmup=1, repeats=3)
+    finally:
+        engine.close()
+    assert {f.kind for f in calibration.collectives} == {"all_to_all", "all_gather", "broadcast"}
+    assert all(rate.seconds > 0 for rate in calibration.compute)
+
+
+def test_gpu_tests_skip_with_the_preflight_reason_here():
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None and shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA driver")
+    with pytest.raises(pytest.skip.Exception, match="needs NVIDIA GPUs"):
+        gpu_node_or_skip(1)
+
+
+def test_measure_holds_each_engine_to_its_own_tolerance():
+    """The same correct run passes under the MPI engine's tolerance and is refused as
+    wrong_output under a stricter one: the check reads the engine's, not a global table."""
+    from cptune.engines.mpi import MPIEngine
+
+    class Exacting(MPIEngine):
+        tolerance = {"fp32": 0.0}
+
+    w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
+    engine = Exacting()
+    try:
+        with pytest.raises(EngineError) as failure:
+            cptune.measure(w, CPConfig("ring", 2), backend=engine, warmup=0, repeats=1)
+    finally:
+        engine.close()
+    assert failure.value.kind == "wrong_output"
+    assert TensorRTEngine.tolerance["bf16"] == 3e-2 and TensorRTEngine.tolerance["fp32"] == 2e-5
+
+
+def test_a_cuda_visible_devices_that_hides_every_gpu_is_named(monkeypatch):
+    monkeypatch.setattr("cptune.hardware._host._nvidia_smi", lambda *arguments: QUERY_H100)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    probe = probe_node()
+    assert probe.gpus == ()
+    with pytest.raises(BackendUnavailableError, match=r"CUDA_VISIBLE_DEVICES='7' selects none of the 4 GPUs"):
+        preflight(1, probe)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert [g.index for g in probe_node().gpus] == [3, 1]
+
+
+def test_the_gpu_fingerprint_reads_the_drivers_answers(monkeypatch):
+    answers = {("topo", "-m"): TOPO_NVLINK, ("-q",): SMI_HEADER}
+    monkeypatch.setattr("cptune.hardware._host._nvidia_smi", lambda *arguments: answers[arguments])
+    from cptune.hardware import this_gpu_node
+
+    hardware = this_gpu_node(parse_gpu_query(QUERY_H100)[:2])
+    assert hardware.gpu_count == 2 and hardware.interconnect == "NVLink (NV18)"
+    assert hardware.gpu_model.endswith("(sm_90, driver 570.124.06, CUDA 12.8)")
+
+
+# --------------------------------------------------------------------------- the rank side, on a stand-in
+
+
+FAKE_GPU_STACK = Path(__file__).parent / "fake_gpu_stack"
+
+
+@pytest.fixture
+def stand_in_engine(monkeypatch, tmp_path):
+    """A TensorRT engine whose ranks import ``tests/fake_gpu_stack`` (see its README) in
+    place of TensorRT, nccl4py and cuda-bindings, with its engine cache in ``tmp_path``."""
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_GPU_STACK))
+    monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path))
+    engine = TensorRTEngine(probe=lambda: node())
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize(("config", "dtype"), [
+    (CPConfig("ring", 2), "fp32"), (CPConfig("ulysses", 2), "bf16"), (CPConfig("allgather_kv", 1), "fp16"),
+], ids=["ring2-fp32", "ulysses2-bf16", "one-rank-fp16"])
+def test_rank_side_runs_checks_times_and_caches_on_a_stand_in(stand_in_engine, tmp_path, config, dtype):
+    """The worker's whole path on real MPI ranks, TensorRT replaced by the stand-in: the
+    rank graph goes through build, cache, deserialize and device buffers, the output
+    passes measure's reference check, timing has the [rank, iteration, 3] shape with the
+    DistCollective layers counted as communication, and a second run loads the cache."""
+    workload = Workload(seq_len=24, heads=4, kv_heads=2, head_dim=8, dtype=dtype, causal=True)
+    first = cptune.measure(workload, config, backend=stand_in_engine, warmup=1, repeats=2)
+    assert first.engine == "tensorrt" and first.median_ms > 0
+    # The stand-in's profiler reports 0.01 ms per node: the split counts DistCollective nodes.
+    nodes = rank_graph(workload, config, 0).graph.node
+    collectives = sum(n.op_type == "DistCollective" for n in nodes)
+    assert (collectives > 0) == (config.ranks > 1)
+    assert first.comm_ms == pytest.approx(0.01 * collectives)
+    assert first.compute_ms == pytest.approx(0.01 * (len(nodes) - collectives))
+    assert first.max_error <= stand_in_engine.tolerance[dtype]
+    assert first.host["build_s"] != "cached" and first.host["tensorrt"] == "0.0-fake"
+    engines = sorted((tmp_path / "engines").glob("*.engine"))
+    assert len(engines) == config.ranks  # causal rank graphs differ: one engine each
+    second = cptune.measure(workload, config, backend=stand_in_engine, warmup=0, repeats=1)
+    assert second.host["build_s"] == "cached"
+    assert sorted((tmp_path / "engines").glob("*.engine")) == engines
+
+
+def test_calibration_runs_its_graphs_on_a_stand_in(stand_in_engine, tmp_path):
+    """Every rank of a group runs the same collective graph: rank 0 builds it once and
+    broadcasts it; the timing comes back as [chunk, iteration]."""
+    seconds = stand_in_engine.time_collective("broadcast", 2, 2, [1024, 4096], 1, 3, timeout=120)
+    assert seconds.shape == (2, 3) and np.all(seconds > 0)
+    assert len(list((tmp_path / "engines").glob("*.engine"))) == 2  # one per chunk size, not per rank
+    shapes = [{"heads": 2, "seq_q": 4, "seq_k": 16, "head_dim": 8, "causal": c} for c in (0, 1)]
+    seconds = stand_in_engine.time_attention(2, shapes, warmup=0, repeats=2, timeout=120)
+    assert seconds.shape == (2, 2) and np.all(seconds > 0)
+
+
+def test_members_of_a_group_get_the_same_collective_graph():
+    same = [graphs.collective_graph("all_gather", 4, 2, rank, 64).SerializeToString() for rank in (0, 1)]
+    other = graphs.collective_graph("all_gather", 4, 2, 2, 64).SerializeToString()
+    assert same[0] == same[1] and other != same[0]
+
+
+def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_in_engine, monkeypatch):
+    monkeypatch.setenv("FAKE_TENSORRT_HANG_RANK", "1")
+    w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
+    with pytest.raises(EngineError) as failure:
+        cptune.compute(w, CPConfig("ring", 2), *make_inputs(w), backend=stand_in_engine, timeout=5)
+    assert failure.value.kind == "timeout"  # rank 0 waits on rank 1 in a collective: both overrun
+    assert "did not finish Ring on 2 ranks within 5 s" in str(failure.value)
+    assert stand_in_engine._pool is None
+    assert pool_processes("cptune.engines._tensorrt_worker") == []
+
+
+def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in_engine, monkeypatch):
+    """calibrate() asks the TensorRT engine for the Ring's broadcast (no p2p) and gets a fit
+    for every kind and group; sizes shrunk so the reference runtime stays quick."""
+    monkeypatch.setattr("cptune.calibration.MESSAGE_SIZES", (1024, 4096, 16384))
+    monkeypatch.setattr("cptune.calibration.ATTENTION_SHAPES", tuple(
+        {"heads": 2, "seq_q": q, "seq_k": 4 * q, "head_dim": 8, "causal": c} for c in (0, 1) for q in (4, 8)))
+    calibration = calibrate(2, backend=stand_in_engine, warmup=0, repeats=2)
+    assert calibration.engine == "tensorrt"
+    assert sorted((f.kind, f.ranks, f.group) for f in calibration.collectives) == [
+        ("all_gather", 2, 2), ("all_to_all", 2, 2), ("broadcast", 2, 2)]
+    assert len(calibration.compute) == 2 * 4 and all(r.seconds > 0 for r in calibration.compute)
