@@ -377,7 +377,7 @@ def _best_table(space: SearchSpace, best: dict[int, tuple[CPConfig, float] | Non
 
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import WorkloadSearch
-    from cptune.store import Store
+    from cptune.store import Store, display_url
 
     space, where = _load_search_space(args)
     available = args.max_ranks or available_cores()
@@ -433,7 +433,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                 search.run()
                 live.update(Group(progress, _best_table(space, best)))
     console.print(f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
-                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""),
+                  f"see them with: cptune results" + (f" --db {display_url(args.db)}" if args.db else ""),
                   highlight=False, soft_wrap=True)
     return 0
 
@@ -442,7 +442,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_results(args: argparse.Namespace, console: Console) -> int:
-    from cptune.store import Store
+    from cptune.store import RESULT_COLUMNS, Store
 
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
@@ -452,7 +452,7 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
     if args.csv:
-        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].to_dict()) if rows else ["id"])
+        writer = csv.DictWriter(sys.stdout, fieldnames=RESULT_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(r.to_dict() for r in rows)
         return 0
