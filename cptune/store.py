@@ -340,7 +340,8 @@ class Store:
             self.engine.dispose()
             fix = ("if the file is not a cptune database (or is damaged), move it away or pass another --db"
                    if backend == "sqlite" else
-                   "check that the server is up and the URL's host, port, user, password and database name")
+                   "check that the server is up, the URL's host, port, user, password and database name, "
+                   "and that the user may create tables there")
             reason = self._explain(exc.orig)
             reason += "" if reason.endswith((".", "?", "!")) else "."
             raise StoreError(f"cannot open database {self.url}: {reason} Nothing was changed; {fix}"
