@@ -5,8 +5,10 @@ migrations in ``cptune.db`` (version table ``cptune_alembic_version``, so Optuna
 tables and ``alembic_version`` can live in the same database). SQLite runs in WAL mode with
 a busy timeout and takes its write lock at the start of each transaction (BEGIN
 IMMEDIATE), so several searches can share one file without "database is locked" errors.
-Each measurement is committed on its own: an interrupted search loses at most the one in
-flight.
+On PostgreSQL (``postgresql://``, psycopg 3) migrations run under an advisory lock and rows
+that writers share (hardware, workloads) are added under a savepoint, so searches can share
+a database there too. Each measurement is committed on its own: an interrupted search loses
+at most the one in flight. A URL is shown only with its password hidden (``display_url``).
 """
 
 from __future__ import annotations
