@@ -99,32 +99,29 @@ def test_round_trip(postgres_url):
 def test_a_row_added_by_another_writer_meanwhile_is_shared(postgres_url):
     """Writer A adds the hardware and workload rows and has not committed; writer B, adding
     the same ones, waits on the unique constraint and then must use A's rows, not fail."""
+    outcome: list[object] = []
+
+    def writer_b() -> None:
+        try:
+            outcome.append(store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "b", "mpi"))
+        except Exception as exc:  # reported below, in the test's thread
+            outcome.append(exc)
+
+    waiting = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+               "AND wait_event_type = 'Lock'")
     with Store(postgres_url) as store:
-        session_a = store.session()
-        session = session_a.__enter__()
-        store._hardware_row(session, HARDWARE)
-        store._workload_row(session, WORKLOAD)
-        outcome: list[object] = []
-
-        def writer_b() -> None:
-            try:
-                row_id = store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "b", "mpi")
-                outcome.append(row_id)
-            except Exception as exc:  # reported below, in the test's thread
-                outcome.append(exc)
-
         b = threading.Thread(target=writer_b)
-        b.start()
-        with store.engine.connect() as watcher:  # wait until B is blocked on A's uncommitted rows
-            query = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                     "AND wait_event_type = 'Lock'")
-            while b.is_alive() and not watcher.exec_driver_sql(query).scalar():
-                watcher.rollback()
-        session_a.__exit__(None, None, None)  # A commits
-        b.join(timeout=60)
+        with store.session() as session:  # writer A
+            store._hardware_row(session, HARDWARE)
+            store._workload_row(session, WORKLOAD)
+            b.start()
+            with store.engine.connect() as watcher:  # until B waits on A's uncommitted rows
+                while b.is_alive() and not watcher.exec_driver_sql(waiting).scalar():
+                    watcher.rollback()
+        b.join(timeout=60)  # A has committed
         assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
         (row,) = store.results()
-        assert row.error == "b" and row.hardware == HARDWARE.fingerprint
+    assert row.error == "b" and row.hardware == HARDWARE.fingerprint
 
 
 WRITER = """
