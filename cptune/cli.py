@@ -497,7 +497,7 @@ def _best_table(space: SearchSpace, best: dict[int, tuple[CPConfig, float] | Non
 
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import WorkloadSearch
-    from cptune.store import Store
+    from cptune.store import Store, display_url
 
     if not get_engine(args.backend).timed:
         raise untimed(args.backend)
@@ -568,7 +568,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         if not console.is_terminal:
             console.line()  # Rich ends the last frame with a newline only on a terminal
     _say(console, f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
-                  f"see them with: cptune results" + (f" --db {args.db}" if args.db else ""))
+                  f"see them with: cptune results" + (f" --db {display_url(args.db)}" if args.db else ""))
     return 0
 
 
@@ -587,7 +587,7 @@ def _refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
 
 
 def cmd_results(args: argparse.Namespace, console: Console) -> int:
-    from cptune.store import Store
+    from cptune.store import RESULT_COLUMNS, Store
 
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
@@ -606,7 +606,7 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
     if args.csv:
-        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0].to_dict()) if rows else ["id"])
+        writer = csv.DictWriter(sys.stdout, fieldnames=RESULT_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(r.to_dict() for r in rows)
         return 0

@@ -5,8 +5,10 @@ migrations in ``cptune.db`` (version table ``cptune_alembic_version``, so Optuna
 tables and ``alembic_version`` can live in the same database). SQLite runs in WAL mode with
 a busy timeout and takes its write lock at the start of each transaction (BEGIN
 IMMEDIATE), so several searches can share one file without "database is locked" errors.
-Each measurement is committed on its own: an interrupted search loses at most the one in
-flight.
+On PostgreSQL (``postgresql://``, psycopg 3) migrations run under an advisory lock and rows
+that writers share (hardware, workloads) are added under a savepoint, so searches can share
+a database there too. Each measurement is committed on its own: an interrupted search loses
+at most the one in flight. A URL is shown only with its password hidden (``display_url``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import unquote
 
 from sqlalchemy import (
     JSON,
@@ -38,7 +42,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 from cptune import __version__
@@ -54,6 +58,8 @@ VERSION_TABLE = "cptune_alembic_version"
 #: Measurement statuses: "ok", or the kind of the EngineError that ended the run.
 STATUSES = ("ok", "crash", "timeout", "error", "out_of_memory", "wrong_output")
 _BUSY_TIMEOUT_MS = 60_000
+#: PostgreSQL advisory lock key held while migrating ("cptune" in ASCII).
+_MIGRATION_LOCK = 0x637074756E65
 
 
 class StoreError(CPTuneError):
@@ -168,6 +174,14 @@ class CalibrationRow(Base):
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+#: The keys of ``Result.to_dict``, in order: known without a row (a CSV header).
+RESULT_COLUMNS = (
+    "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy",
+    "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms", "peak_bytes",
+    "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded",
+)
+
+
 @dataclass(frozen=True)
 class Result:
     """One stored measurement or failure, flattened for listing and export."""
@@ -186,6 +200,7 @@ class Result:
     max_error: float | None
     error: str | None
     engine: str
+    #: ISO 8601 in UTC, with its offset, whatever the database keeps.
     measured_at: str
     oversubscribed: bool = False
     excluded: bool = False
@@ -200,21 +215,57 @@ class Result:
         }
 
 
+#: ``user:password@`` in a URL, up to the last ``@``: a password may hold an unencoded ``@``.
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)(.*)@")
+#: ``password=...`` in a URL's query or a libpq DSN.
+_KEY_PASSWORD = re.compile(r"(?i)(\bpassword\s*=\s*)([^&\s]*)")
+#: The driver cptune installs for PostgreSQL (the ``postgres`` extra) and the URL form it takes.
+POSTGRES_DRIVER = "postgresql+psycopg"
+
+
 def display_url(url: str) -> str:
     """``url`` as it may be shown or written anywhere (messages, reports): any password
-    replaced by ``***``, also in text SQLAlchemy cannot parse."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", url)
+    replaced by ``***``, whether SQLAlchemy can parse the URL or not."""
+    return _KEY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
+
+
+def _passwords(url: str) -> list[str]:
+    """Every form of ``url``'s password that an error message might echo, longest first."""
+    found = {m[2] for m in _URL_PASSWORD.finditer(url)} | {m[2] for m in _KEY_PASSWORD.finditer(url)}
+    with suppress(ArgumentError, ValueError):
+        found.add(make_url(url).password or "")
+    found |= {unquote(p) for p in found}
+    return sorted((p for p in found if p), key=len, reverse=True)
+
+
+def _redact(text: str, passwords: list[str]) -> str:
+    """``text`` (an error from SQLAlchemy or a driver, which may echo the URL or a DSN) on one
+    line, with each of ``passwords`` and any password in a URL or DSN replaced by ``***``."""
+    for password in passwords:
+        text = text.replace(password, "***")
+    return display_url(" ".join(text.split()))
+
+
+def _missing_driver_hint(backend: str) -> str:
+    if backend == "postgresql":
+        return ("pip install 'cptune[postgres]' (psycopg 3) and write the URL as "
+                "postgresql://user:password@host/database")
+    return "install the Python package that provides it"
+
+
+def _utc(moment: datetime) -> datetime:
+    """``moment`` in UTC; a naive one (SQLite keeps no offset) is UTC, as cptune writes it."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def database_url(db: str | None = None) -> str:
-    """The SQLAlchemy URL for ``db``: a URL as given, a file path as SQLite, None as
+    """The SQLAlchemy URL for ``db``: a URL as given (a plain ``postgresql://`` one gets
+    psycopg 3, the driver of the ``postgres`` extra), a file path as SQLite, None as
     $CPTUNE_DB or ./cptune.db."""
     db = db or os.environ.get("CPTUNE_DB") or DEFAULT_DB
     if "://" in db:
-        return db
+        scheme, rest = db.split("://", 1)
+        return f"{POSTGRES_DRIVER}://{rest}" if scheme in ("postgresql", "postgres") else db
     return f"sqlite:///{Path(db).expanduser().resolve()}"
 
 
@@ -259,6 +310,9 @@ def _migrate(engine: Engine, url: str) -> None:
     config.set_main_option("script_location", str(files("cptune.db")))
     scripts = ScriptDirectory.from_config(config)
     with engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            # two processes opening a new database at once: the second waits, then finds it migrated
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
         current = context.get_current_revision()
         if current is not None and current not in {script.revision for script in scripts.walk_revisions()}:
@@ -271,37 +325,74 @@ def _migrate(engine: Engine, url: str) -> None:
         command.upgrade(config, "head")
 
 
+Row = TypeVar("Row", HardwareRow, WorkloadRow)
+
+
+def _get_or_add(session: Session, model: type[Row], key: dict[str, object], **rest: object) -> Row:
+    """The row of ``model`` with ``key`` (unique), added if missing. Another writer may add it
+    at the same moment (PostgreSQL lets both look first): the later insert then fails on the
+    unique constraint inside a savepoint, and the row the other committed is used."""
+    query = select(model).filter_by(**key)
+    row = session.scalar(query)
+    if row is None:
+        try:
+            with session.begin_nested():
+                row = model(**key, **rest)
+                session.add(row)
+        except IntegrityError:
+            row = session.scalar(query)
+    assert row is not None
+    return row
+
+
 class Store:
     """Opens (and migrates) the database at ``db``; see ``database_url``. With
     ``create=False`` (what reading commands use) a SQLite file that does not exist is
     refused rather than created."""
 
     def __init__(self, db: str | None = None, create: bool = True) -> None:
-        self.url = database_url(db)
+        url = database_url(db)
+        #: The URL as it may be shown or written: its password lives only inside the engine.
+        self.url = display_url(url)
+        self._passwords = _passwords(url)
+        usage = "pass a file path or a SQLAlchemy URL such as postgresql://user:password@host/database"
         try:
-            url = make_url(self.url)
-            missing = missing_database(self.url)
-            self.engine = create_engine(self.url)
-        except (ArgumentError, ImportError, ValueError) as exc:
-            raise StoreError(f"cannot use database {display_url(self.url)!r}: {exc}; pass a file path or a "
-                             f"SQLAlchemy URL such as postgresql://user@host/cptune") from None
+            backend = make_url(url).get_backend_name()
+            missing = missing_database(url)
+            self.engine = create_engine(url)
+        except ImportError as exc:
+            raise StoreError(f"cannot use database {self.url}: its driver {exc.name or exc} is not "
+                             f"installed; {_missing_driver_hint(backend)}") from None
+        except ArgumentError as exc:
+            raise StoreError(f"cannot use database {self.url}: {self._explain(exc)}; {usage}") from None
+        except ValueError:  # the text may hold pieces of a password the URL split wrongly
+            raise StoreError(f"cannot use database {self.url}: the URL does not parse (a port that is not "
+                             f"a number, or a password with @ : / not %-encoded?); {usage}") from None
         if missing is not None and not create:
             self.engine.dispose()
             raise StoreError(f"no database at {missing}: check the path (--db or $CPTUNE_DB), or create "
                              f"one with cptune search or cptune calibrate")
-        if url.get_backend_name() == "sqlite":
+        if backend == "sqlite":
             _sqlite_setup(self.engine)
         try:
             _migrate(self.engine, self.url)
         except StoreError:
             self.engine.dispose()
             raise
-        except DatabaseError as exc:
+        except DBAPIError as exc:
             self.engine.dispose()
-            raise StoreError(
-                f"cannot open database {self.url}: {exc.orig}. Nothing was changed; if the file is "
-                f"not a cptune database (or is damaged), move it away or pass another --db"
-            ) from None
+            fix = ("if the file is not a cptune database (or is damaged), move it away or pass another --db"
+                   if backend == "sqlite" else
+                   "check that the server is up, the URL's host, port, user, password and database name, "
+                   "and that the user may create tables there")
+            reason = self._explain(exc.orig)
+            reason += "" if reason.endswith((".", "?", "!")) else "."
+            raise StoreError(f"cannot open database {self.url}: {reason} Nothing was changed; {fix}"
+                             ) from None
+
+    def _explain(self, error: BaseException) -> str:
+        """The text of a driver's or SQLAlchemy's ``error`` on one line, with no password."""
+        return _redact(str(error), self._passwords)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -313,9 +404,9 @@ class Store:
             with self.engine.connect() as connection, connection.begin() as transaction:
                 connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = version_num")
                 transaction.rollback()
-        except DatabaseError as exc:
+        except DBAPIError as exc:
             raise StoreError(
-                f"cannot write to database {display_url(self.url)}: {exc.orig}. Nothing was measured; "
+                f"cannot write to database {self.url}: {self._explain(exc.orig)}. Nothing was measured; "
                 f"make it writable or pass another --db"
             ) from None
 
@@ -332,25 +423,14 @@ class Store:
             with Session(self.engine) as session, session.begin():
                 yield session
         except OperationalError as exc:
-            raise StoreError(f"database {self.url} failed: {exc.orig}") from None
+            raise StoreError(f"database {self.url} failed: {self._explain(exc.orig)}") from None
 
     def _hardware_row(self, session: Session, hardware: Hardware) -> HardwareRow:
-        row = session.scalar(select(HardwareRow).where(HardwareRow.fingerprint == hardware.fingerprint))
-        if row is None:
-            row = HardwareRow(fingerprint=hardware.fingerprint, created_at=datetime.now(UTC),
-                              **asdict(hardware))
-            session.add(row)
-            session.flush()
-        return row
+        return _get_or_add(session, HardwareRow, {"fingerprint": hardware.fingerprint},
+                           created_at=datetime.now(UTC), **asdict(hardware))
 
     def _workload_row(self, session: Session, workload: Workload) -> WorkloadRow:
-        shape = workload.to_dict()
-        row = session.scalar(select(WorkloadRow).filter_by(**shape))
-        if row is None:
-            row = WorkloadRow(**shape)
-            session.add(row)
-            session.flush()
-        return row
+        return _get_or_add(session, WorkloadRow, workload.to_dict())
 
     def add_measurement(self, hardware: Hardware, measurement: Measurement) -> int:
         """Keep a successful measurement; returns its id."""
@@ -363,7 +443,7 @@ class Store:
                 median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms, compute_ms=m.compute_ms,
                 comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
-                measured_at=datetime.fromisoformat(m.measured_at), oversubscribed=m.oversubscribed,
+                measured_at=_utc(datetime.fromisoformat(m.measured_at)), oversubscribed=m.oversubscribed,
             )
             session.add(row)
             session.flush()
@@ -393,7 +473,7 @@ class Store:
             row = CalibrationRow(
                 hardware_id=self._hardware_row(session, hardware).id, engine=calibration.engine,
                 data=calibration.to_dict(), cptune_version=__version__,
-                measured_at=datetime.fromisoformat(calibration.measured_at),
+                measured_at=_utc(datetime.fromisoformat(calibration.measured_at)),
             )
             session.add(row)
             session.flush()
@@ -490,6 +570,6 @@ def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
         status=m.status, median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms,
         compute_ms=m.compute_ms, comm_ms=m.comm_ms, peak_bytes=m.peak_bytes,
         max_error=m.max_error, error=m.error, engine=m.engine,
-        measured_at=m.measured_at.isoformat(timespec="seconds"),
+        measured_at=_utc(m.measured_at).isoformat(timespec="seconds"),
         oversubscribed=m.oversubscribed, excluded=m.excluded,
     )

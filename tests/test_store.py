@@ -1,6 +1,8 @@
 """The store: migrations, round trips, bad files, Optuna in the same file, concurrent writers."""
 
+import csv
 import dataclasses
+import io
 import subprocess
 import sys
 
@@ -11,8 +13,9 @@ from alembic.migration import MigrationContext
 import cptune
 from conftest import measurement
 from cptune import CPConfig, Workload
+from cptune.cli import main
 from cptune.hardware import Hardware, this_host
-from cptune.store import VERSION_TABLE, Base, Store, StoreError, database_url
+from cptune.store import RESULT_COLUMNS, VERSION_TABLE, Base, Store, StoreError, database_url
 
 HARDWARE = Hardware(host="h1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
                     interconnect="shared memory (one host)", mpi_library="MPICH 5")
@@ -110,7 +113,7 @@ def test_database_url(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert database_url() == f"sqlite:///{tmp_path / 'cptune.db'}"
     monkeypatch.setenv("CPTUNE_DB", "postgresql://u@h/cptune")
-    assert database_url() == "postgresql://u@h/cptune"
+    assert database_url() == "postgresql+psycopg://u@h/cptune"
     assert database_url("x.db") == f"sqlite:///{tmp_path / 'x.db'}"
 
 
@@ -267,3 +270,25 @@ def test_a_read_only_database_is_refused_before_any_write(tmp_path):
     with Store(str(path)) as writable:
         writable.require_writable()
         assert len(writable.results()) == 1
+def test_results_csv_has_a_header_even_when_empty_and_plain_line_ends(tmp_path, capsys):
+    db = str(tmp_path / "empty.db")
+    Store(db).close()
+    assert main(["results", "--db", db, "--csv"]) == 0
+    assert capsys.readouterr().out == ",".join(RESULT_COLUMNS) + "\n"
+
+
+def test_results_csv_gives_utc_timestamps_with_their_offset(tmp_path, capsys):
+    """Measured at 14:00 in UTC+2: stored and listed as 12:00+00:00 (SQLite keeps no offset)."""
+    db = str(tmp_path / "r.db")
+    made = dataclasses.replace(measurement(WORKLOAD, CPConfig("ring", 2), 2.0),
+                               measured_at="2026-01-01T14:00:00+02:00")
+    with Store(db) as store:
+        store.add_measurement(HARDWARE, made)
+        store.add_failure(HARDWARE, WORKLOAD, CPConfig("ulysses", 2), "crash", "rank 1 died", "mpi")
+        assert list(store.results()[0].to_dict()) == list(RESULT_COLUMNS)
+    assert main(["results", "--db", db, "--csv"]) == 0
+    out = capsys.readouterr().out
+    assert "\r" not in out and out.endswith("\n")
+    ok, failed = csv.DictReader(io.StringIO(out))
+    assert ok["measured_at"] == "2026-01-01T12:00:00+00:00" and ok["median_ms"] == "2.0"
+    assert failed["measured_at"].endswith("+00:00") and failed["error"] == "rank 1 died"

@@ -301,8 +301,8 @@ def _measured_cell(result: Result) -> MapCell:
 
 
 def _strategy_map(
-    shape: AttentionShape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str, url: str,
-    notes: list[str],
+    shape: AttentionShape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str,
+    db: str | None, notes: list[str],
 ) -> tuple[MapCell, ...]:
     """The map from ``recommend`` at every length and rank count; where it cannot answer,
     the fastest measurement, if any (and why in ``notes``)."""
@@ -310,7 +310,7 @@ def _strategy_map(
     for seq_len in map_lengths(s for s, _ in fastest):
         for n in range(1, ranks + 1):
             try:
-                pick = recommend(shape.at(seq_len), ranks=n, hardware=fingerprint, db=url)
+                pick = recommend(shape.at(seq_len), ranks=n, hardware=fingerprint, db=db)
             except InfeasibleConfigError:
                 continue  # nothing runs there (e.g. fewer tokens than ranks): the cell stays empty
             except CPTuneError as exc:
@@ -366,7 +366,7 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
     ``hardware``: a fingerprint or a unique prefix of 4 or more characters; None for every
     hardware with measurements. A ``CPTuneError`` when there is nothing to report."""
     with Store(db, create=False) as store:
-        url = store.url
+        url = store.url  # shown in the report: no password
         usable = store.results(status="ok", excluded=False, oversubscribed=False)
         latest = {(r.hardware, r.workload, r.config): r for r in usable}
         described = store.hardware()
@@ -397,7 +397,7 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
         for shape, results in sorted(by_shape.items(), key=lambda item: item[0]):
             fastest = _fastest(results)
             most = max(n for _, n in fastest)
-            cells = (_strategy_map(shape, fastest, most, fp, url, notes) if calibrated
+            cells = (_strategy_map(shape, fastest, most, fp, db, notes) if calibrated
                      else tuple(_measured_cell(r) for _, r in sorted(fastest.items())))
             shapes.append(ShapeReport(shape, _latency_panels(results), _speedup_curves(fastest), cells,
                                       tuple(sorted({s for s, _ in fastest}))))
