@@ -330,7 +330,7 @@ def _accuracy(training: TrainingSet, fingerprints: list[str]) -> tuple[dict[str,
     if not any(r.hardware in fingerprints for r in training.results):
         return {}, None
     try:
-        _, predicted_s = held_out_predictions(training.cases, training.latencies_s, by="seq_len")
+        _, predicted_s, _, _ = held_out_predictions(training.cases, training.latencies_s, by="seq_len")
     except CPTuneError as exc:
         return {}, f"predicted against measured skipped: {exc}"
     points: dict[str, list[PredictionPoint]] = defaultdict(list)
