@@ -17,7 +17,8 @@ from itertools import pairwise
 import numpy as np
 
 from cptune import __version__
-from cptune.config import CPConfig
+from cptune.calibration import Calibration
+from cptune.config import LOCAL, CPConfig
 from cptune.cost_model import TrainingSet, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.evaluation import held_out_predictions
@@ -25,26 +26,18 @@ from cptune.recommend import recommend
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
 
-#: The family of every rank-1 configuration: on one rank each strategy is plain local
-#: attention, so they are one baseline rather than a point on each strategy's line.
-ONE_RANK = "1 rank"
-
 
 def rank_count(n: int) -> str:
     """A column header: "1 rank", "4 ranks"."""
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
-def label(config: CPConfig) -> str:
-    """The configuration's label, "local" on one rank (where every strategy is plain attention)."""
-    return "local" if config.ranks == 1 else config.label
-
-
 def family(config: CPConfig) -> str:
     """The strategy family a configuration belongs to across rank counts: its label without
-    the context degree ("ring", "ulysses", "ulysses2xring"), or ``ONE_RANK``."""
+    the context degree ("ring", "ulysses", "ulysses2xring"), or ``LOCAL`` on one rank (every
+    strategy is plain attention there: one baseline, not a point on each strategy's line)."""
     if config.ranks == 1:
-        return ONE_RANK
+        return LOCAL
     if config.strategy == "ulysses" or config.head_group == 1:
         return config.strategy
     return f"ulysses{config.head_group}x{config.strategy}"
@@ -80,7 +73,7 @@ class Series:
 
 @dataclass(frozen=True)
 class LatencyPanel:
-    """Latency against rank count at one sequence length; the ``ONE_RANK`` series (the
+    """Latency against rank count at one sequence length; the ``LOCAL`` series (the
     fastest rank-1 measurement, if any) comes first, the families follow by name."""
 
     seq_len: int
@@ -113,7 +106,9 @@ class MapCell:
     """The winner among the configurations on exactly ``ranks`` ranks at ``seq_len``.
 
     ``status`` is "measured" when every feasible rival was measured, else "predicted";
-    ``source`` is where the winner's own latency comes from ("measured", "model", "prior")."""
+    ``source`` is where the winner's own latency comes from ("measured", "model", "prior").
+    ``runner_up`` is the next fastest configuration there and ``margin`` how much slower it
+    is (0.08: 8% slower); None when the winner had no rival."""
 
     seq_len: int
     ranks: int
@@ -122,10 +117,34 @@ class MapCell:
     status: str
     source: str
     measurement_id: int | None
+    runner_up: str | None = None
+    margin: float | None = None
 
     @property
     def measured(self) -> bool:
         return self.status == "measured"
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where one measured configuration's time goes, and its memory: the slowest rank's
+    median compute and exposed communication (ms) and the peak bytes one rank held."""
+
+    seq_len: int
+    label: str
+    ranks: int
+    median_ms: float
+    compute_ms: float | None
+    comm_ms: float | None
+    peak_bytes: int | None
+    measurement_id: int
+
+    @property
+    def comm_share(self) -> float | None:
+        """Communication's share of compute + communication, or None when not stored."""
+        if self.compute_ms is None or self.comm_ms is None or self.compute_ms + self.comm_ms <= 0:
+            return None
+        return self.comm_ms / (self.compute_ms + self.comm_ms)
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,8 @@ class ShapeReport:
     strategy_map: tuple[MapCell, ...]
     #: The sequence lengths that have measurements (the map also holds predicted ones).
     measured_lengths: tuple[int, ...]
+    #: Every measured configuration's compute / communication split and memory, by length.
+    breakdown: tuple[Breakdown, ...] = ()
 
     @property
     def map_lengths(self) -> tuple[int, ...]:
@@ -145,9 +166,9 @@ class ShapeReport:
 
     @property
     def rank_counts(self) -> tuple[int, ...]:
-        """1 to the most ranks measured, as the map's and the tables' columns."""
-        most = max(p.ranks for panel in self.latency for s in panel.series for p in s.points)
-        return tuple(range(1, most + 1))
+        """The rank counts measured, as the map's and the tables' columns (only those: a
+        sweep of 1, 8 and 64 ranks gets three columns, not 64)."""
+        return tuple(sorted({p.ranks for panel in self.latency for s in panel.series for p in s.points}))
 
     def latency_rows(self) -> list[tuple[int, str, dict[int, LatencyPoint]]]:
         """The latency table's rows: (seq_len, family, its points by rank count)."""
@@ -170,15 +191,24 @@ class PredictionPoint:
     measured_ms: float
     model_ms: float
     prior_ms: float
+    #: The model's held-out interval (ms).
+    low_ms: float
+    high_ms: float
+
+    @property
+    def covered(self) -> bool:
+        return self.low_ms <= self.measured_ms <= self.high_ms
 
 
 @dataclass(frozen=True)
 class Accuracy:
-    """Predicted against measured on one hardware; MAPE in percent."""
+    """Predicted against measured on one hardware; MAPE in percent; ``model_coverage`` the
+    fraction of measurements inside the model's held-out interval."""
 
     points: tuple[PredictionPoint, ...]
     model_mape: float
     prior_mape: float
+    model_coverage: float
 
     def by_seq_len(self) -> list[tuple[int, int, float, float]]:
         """(seq_len, measurements, model MAPE, prior MAPE) for each sequence length."""
@@ -203,6 +233,8 @@ class HardwareReport:
     accuracy: Accuracy | None
     #: Why something is missing (no calibration, too few lengths to hold one out, ...).
     notes: tuple[str, ...]
+    #: The stored calibration the prior stands on (collective fits, attention rates).
+    calibration: Calibration | None = None
 
 
 @dataclass(frozen=True)
@@ -231,18 +263,24 @@ def _median(result: Result) -> float:
 
 def _point(result: Result) -> LatencyPoint:
     median = _median(result)
-    return LatencyPoint(result.config.ranks, label(result.config), median, result.p10_ms or median,
+    return LatencyPoint(result.config.ranks, result.config.label, median, result.p10_ms or median,
                         result.p90_ms or median, result.id)
 
 
-def _fastest(results: Iterable[Result]) -> dict[tuple[int, int], Result]:
-    """The fastest measurement at each (seq_len, ranks)."""
-    best: dict[tuple[int, int], Result] = {}
+def _by_cell(results: Iterable[Result]) -> dict[tuple[int, int], list[Result]]:
+    """The measurements at each (seq_len, ranks), fastest first."""
+    cells: dict[tuple[int, int], list[Result]] = defaultdict(list)
     for r in results:
-        key = (r.workload.seq_len, r.config.ranks)
-        if key not in best or _median(r) < _median(best[key]):
-            best[key] = r
-    return best
+        cells[(r.workload.seq_len, r.config.ranks)].append(r)
+    return {key: sorted(rs, key=_median) for key, rs in cells.items()}
+
+
+def _breakdown(results: Iterable[Result]) -> tuple[Breakdown, ...]:
+    return tuple(
+        Breakdown(r.workload.seq_len, r.config.label, r.config.ranks, _median(r), r.compute_ms, r.comm_ms,
+                  r.peak_bytes, r.id)
+        for r in sorted(results, key=lambda r: (r.workload.seq_len, r.config.ranks, _median(r)))
+    )
 
 
 def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
@@ -258,7 +296,7 @@ def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
     return tuple(
         LatencyPanel(seq_len, tuple(
             Series(name, tuple(sorted(points, key=lambda p: p.ranks)))
-            for name, points in sorted(families.items(), key=lambda item: (item[0] != ONE_RANK, item[0]))
+            for name, points in sorted(families.items(), key=lambda item: (item[0] != LOCAL, item[0]))
         ))
         for seq_len, families in sorted(by_length.items())
     )
@@ -294,33 +332,42 @@ def map_lengths(measured: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted({*lengths, *between, 2 * lengths[-1], 4 * lengths[-1]}))
 
 
-def _measured_cell(result: Result) -> MapCell:
-    p = _point(result)
-    return MapCell(result.workload.seq_len, p.ranks, p.label, p.median_ms, "measured", "measured",
-                   p.measurement_id)
+def _margin(winner_ms: float, runner_up_ms: float) -> float:
+    return runner_up_ms / winner_ms - 1
+
+
+def _measured_cell(measured: list[Result]) -> MapCell:
+    """The fastest of ``measured`` (one cell's measurements, fastest first), against the next."""
+    p = _point(measured[0])
+    runner_up = measured[1] if len(measured) > 1 else None
+    return MapCell(measured[0].workload.seq_len, p.ranks, p.label, p.median_ms, "measured", "measured",
+                   p.measurement_id, runner_up.config.label if runner_up else None,
+                   _margin(p.median_ms, _median(runner_up)) if runner_up else None)
 
 
 def _strategy_map(
-    shape: AttentionShape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str, url: str,
-    notes: list[str],
+    shape: AttentionShape, cells_measured: dict[tuple[int, int], list[Result]], ranks: tuple[int, ...],
+    fingerprint: str, url: str, notes: list[str],
 ) -> tuple[MapCell, ...]:
-    """The map from ``recommend`` at every length and rank count; where it cannot answer,
-    the fastest measurement, if any (and why in ``notes``)."""
+    """The map from ``recommend`` at every length and measured rank count; where it cannot
+    answer, the fastest measurement, if any (and why in ``notes``)."""
     cells = []
-    for seq_len in map_lengths(s for s, _ in fastest):
-        for n in range(1, ranks + 1):
+    for seq_len in map_lengths(s for s, _ in cells_measured):
+        for n in ranks:
             try:
                 pick = recommend(shape.at(seq_len), ranks=n, hardware=fingerprint, db=url)
             except InfeasibleConfigError:
                 continue  # nothing runs there (e.g. fewer tokens than ranks): the cell stays empty
             except CPTuneError as exc:
                 notes.append(f"strategy map: measured cells only where predictions failed ({exc})")
-                if (seq_len, n) in fastest:
-                    cells.append(_measured_cell(fastest[(seq_len, n)]))
+                if (seq_len, n) in cells_measured:
+                    cells.append(_measured_cell(cells_measured[(seq_len, n)]))
                 continue
             status = "measured" if all(c.source == "measured" for c in pick.candidates) else "predicted"
-            cells.append(MapCell(seq_len, n, label(pick.config), pick.latency_ms, status, pick.source,
-                                 pick.best.measurement_id))
+            second = pick.alternatives[0] if pick.alternatives else None
+            cells.append(MapCell(seq_len, n, pick.config.label, pick.latency_ms, status, pick.source,
+                                 pick.best.measurement_id, second.config.label if second else None,
+                                 _margin(pick.latency_ms, second.latency_ms) if second else None))
     return tuple(cells)
 
 
@@ -330,20 +377,22 @@ def _accuracy(training: TrainingSet, fingerprints: list[str]) -> tuple[dict[str,
     if not any(r.hardware in fingerprints for r in training.results):
         return {}, None
     try:
-        _, predicted_s, _, _ = held_out_predictions(training.cases, training.latencies_s, by="seq_len")
+        _, predicted_s, low_s, high_s = held_out_predictions(training.cases, training.latencies_s,
+                                                             by="seq_len")
     except CPTuneError as exc:
         return {}, f"predicted against measured skipped: {exc}"
     points: dict[str, list[PredictionPoint]] = defaultdict(list)
-    for case, result, measured_s, model_s in zip(
-        training.cases, training.results, training.latencies_s, predicted_s, strict=True
+    for case, result, measured_s, model_s, low, high in zip(
+        training.cases, training.results, training.latencies_s, predicted_s, low_s, high_s, strict=True
     ):
         points[result.hardware].append(PredictionPoint(
-            result.id, result.workload, label(result.config), result.config.ranks, float(measured_s) * 1e3,
-            float(model_s) * 1e3, case.prior().total_s * 1e3,
+            result.id, result.workload, result.config.label, result.config.ranks, float(measured_s) * 1e3,
+            float(model_s) * 1e3, case.prior().total_s * 1e3, float(low) * 1e3, float(high) * 1e3,
         ))
     return {
         fp: Accuracy(tuple(p), mape((x.model_ms for x in p), (x.measured_ms for x in p)),
-                     mape((x.prior_ms for x in p), (x.measured_ms for x in p)))
+                     mape((x.prior_ms for x in p), (x.measured_ms for x in p)),
+                     float(np.mean([x.covered for x in p])))
         for fp, p in points.items() if fp in fingerprints
     }, None
 
@@ -394,13 +443,16 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
                 by_shape[r.workload.shape].append(r)
         shapes = []
         for shape, results in sorted(by_shape.items(), key=lambda item: item[0]):
-            fastest = _fastest(results)
-            most = max(n for _, n in fastest)
-            cells = (_strategy_map(shape, fastest, most, fp, url, notes) if calibrated
-                     else tuple(_measured_cell(r) for _, r in sorted(fastest.items())))
+            measured = _by_cell(results)
+            fastest = {key: rs[0] for key, rs in measured.items()}
+            ranks = tuple(sorted({n for _, n in measured}))
+            cells = (_strategy_map(shape, measured, ranks, fp, url, notes) if calibrated
+                     else tuple(_measured_cell(rs) for _, rs in sorted(measured.items())))
             shapes.append(ShapeReport(shape, _latency_panels(results), _speedup_curves(fastest), cells,
-                                      tuple(sorted({s for s, _ in fastest}))))
+                                      tuple(sorted({s for s, _ in measured})), _breakdown(results)))
+        profile = training.profiles.get(fp)
         sections.append(HardwareReport(fp, described[fp].describe(), calibrated, tuple(shapes),
-                                       accuracy.get(fp), tuple(dict.fromkeys(notes))))
+                                       accuracy.get(fp), tuple(dict.fromkeys(notes)),
+                                       profile.calibration if profile else None))
     return ReportData(url, datetime.now(UTC).isoformat(timespec="seconds"), __version__, tuple(sections),
                       len(fingerprints) > 1)

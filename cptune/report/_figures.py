@@ -2,8 +2,8 @@
 
 Each figure is a ``matplotlib.figure.Figure`` on its own ``FigureCanvasAgg``: no pyplot, no
 global state, no display needed, and the same data always gives the same picture (fixed
-sizes per panel, fixed dpi). Measured points are filled; predicted ones are hollow or
-hatched, and the legend says which.
+sizes per panel, fixed dpi, bounded however many ranks or lengths there are). Measured points
+are filled; predicted ones are hollow or hatched, and the legend says which.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from cptune.report._data import ONE_RANK, HardwareReport, ReportData, ShapeReport, slug
+from cptune.config import LOCAL
+from cptune.report._data import HardwareReport, ReportData, ShapeReport, slug
 
 DPI = 110
 #: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
@@ -29,6 +31,12 @@ LATENCY, SPEEDUP, STRATEGY_MAP = "latency-vs-ranks", "speedup", "strategy-map"
 ACCURACY = "predicted-vs-measured"
 #: A panel's y axis turns logarithmic when its values span more than this factor.
 LOG_SPAN = 10.0
+#: Rank-count axes label every count up to this many counts, else only powers of two.
+LABELLED_COUNTS = 12
+#: Series at one rank count sit this far apart sideways (in octaves) so none hides another.
+SIDESTEP = 0.04
+#: The strategy map's largest size in inches (width, height), however many cells it has.
+MAP_MAX_SIZE = (16.0, 9.0)
 #: How each kind of map cell is drawn: (face filled?, hatch, legend text), by (status, source).
 _CELL_STYLES = {
     ("measured", "measured"): (True, "", "measured"),
@@ -64,12 +72,35 @@ def _hardware_title(hardware: HardwareReport) -> str:
     return f"{hardware.description} [{hardware.fingerprint[:8]}]".replace("$", r"\$")
 
 
+def _count_labels(counts: Sequence[int]) -> list[str]:
+    """Tick labels for rank counts: every count when few, else powers of two and the last
+    (the others stay ticked, unlabelled, so labels never overlap)."""
+    few = len(counts) <= LABELLED_COUNTS
+    return [str(n) if few or n & (n - 1) == 0 or n == counts[-1] else "" for n in counts]
+
+
 def _rank_axis(axes: Axes, ranks: Sequence[int]) -> None:
     """Rank counts on a base-2 log axis, ticked at exactly the given counts."""
     axes.set_xscale("log", base=2)
-    axes.set_xticks(list(ranks), [str(r) for r in ranks])
+    axes.set_xticks(list(ranks), _count_labels(ranks))
     axes.minorticks_off()
     axes.set_xlim(min(ranks) / 1.25, max(ranks) * 1.25)
+
+
+def _log_ticks(axes: Axes, low: float, high: float) -> None:
+    """Both axes of a log-log plot over ``low``-``high``: major ticks at 1, 2, 5 x 10^k (only
+    10^k beyond three decades) labelled as plain numbers, minor ticks unlabelled, so labels
+    never crowd whatever the span."""
+    subs = (1.0,) if high / low > 1e3 else (1.0, 2.0, 5.0)
+    for axis in (axes.xaxis, axes.yaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=subs))
+        axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(NullFormatter())
+
+
+def _sidestep(index: int, count: int) -> float:
+    """The factor that moves series ``index`` of ``count`` sideways on a log-2 axis."""
+    return float(2 ** ((index - (count - 1) / 2) * SIDESTEP))
 
 
 def _grid(count: int, columns: int = 3) -> tuple[int, int]:
@@ -79,27 +110,29 @@ def _grid(count: int, columns: int = 3) -> tuple[int, int]:
 
 def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     """Latency against rank count, one panel per sequence length, one line per strategy
-    family with p10-p90 error bars; the 1-rank run is a dotted baseline across the panel."""
+    family with p10-p90 error bars, each family nudged sideways so markers at one rank count
+    stay visible; the 1-rank run is a dotted baseline across the panel."""
     rows, cols = _grid(len(shape.latency))
     figure = Figure(figsize=(3.9 * cols + 1.8, 3.3 * rows + 0.8), dpi=DPI, layout="constrained")
     grid = figure.subplots(rows, cols, squeeze=False)
-    colors = _colors(s.family for panel in shape.latency for s in panel.series if s.family != ONE_RANK)
+    families = sorted({s.family for panel in shape.latency for s in panel.series if s.family != LOCAL})
+    colors = _colors(families)
     ranks = shape.rank_counts
     for axes, panel in zip(grid.flat, shape.latency, strict=False):
         low = min(p.p10_ms for s in panel.series for p in s.points)
         high = max(p.p90_ms for s in panel.series for p in s.points)
         for series in panel.series:
-            xs = [p.ranks for p in series.points]
             ys = [p.median_ms for p in series.points]
             bars = [[p.median_ms - p.p10_ms for p in series.points],
                     [p.p90_ms - p.median_ms for p in series.points]]
-            if series.family == ONE_RANK:
+            if series.family == LOCAL:
                 axes.axhline(ys[0], color="0.4", linestyle=":", linewidth=1)
-                axes.errorbar(xs, ys, yerr=bars, fmt="D", color="black", capsize=3,
-                              label=f"{ONE_RANK} (local attention)")
+                axes.errorbar([p.ranks for p in series.points], ys, yerr=bars, fmt="D", color="black",
+                              capsize=3, label=f"{LOCAL} (1 rank)")
             else:
-                axes.errorbar(xs, ys, yerr=bars, fmt="-o", color=colors[series.family], capsize=3,
-                              markersize=4, label=series.family)
+                step = _sidestep(families.index(series.family), len(families))
+                axes.errorbar([p.ranks * step for p in series.points], ys, yerr=bars, fmt="-o",
+                              color=colors[series.family], capsize=3, markersize=4, label=series.family)
         if high / low > LOG_SPAN:
             axes.set_yscale("log")
         _rank_axis(axes, ranks)
@@ -155,32 +188,39 @@ def speedup_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None
 
 
 def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
-    """The winning configuration at each sequence length and rank count: filled squares
-    (with the label) where every rival was measured, hollow or hatched where any was predicted."""
+    """The winning configuration at each sequence length and measured rank count: filled
+    squares (with the label) where every rival was measured, hollow or hatched where any was
+    predicted. Rows are the rank counts that exist, evenly spaced; the figure grows with
+    them up to ``MAP_MAX_SIZE`` and the squares shrink to fit."""
     lengths, ranks = shape.map_lengths, shape.rank_counts
-    figure = Figure(figsize=(max(6.0, 1.1 * len(lengths) + 3.5), 1.0 * len(ranks) + 2.2), dpi=DPI,
-                    layout="constrained")
+    width = min(MAP_MAX_SIZE[0], max(6.0, 1.1 * len(lengths) + 3.5))
+    height = min(MAP_MAX_SIZE[1], 1.0 * len(ranks) + 2.2)
+    # a square fills at most 60% of its row and of its column (in points)
+    side = min(18.0, 0.6 * 72 * (height - 2.2) / len(ranks), 0.6 * 72 * (width - 3.5) / len(lengths))
+    figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     axes = figure.subplots()
     colors = _colors(c.label for c in shape.strategy_map)
+    row = {n: i for i, n in enumerate(ranks)}
     seen_styles: list[tuple[str, str]] = []
     for cell in shape.strategy_map:
         filled, hatch, _ = _CELL_STYLES[(cell.status, cell.source)]
         color = colors[cell.label]
-        axes.scatter([cell.seq_len], [cell.ranks], marker="s", s=330, linewidths=1.6, edgecolors=color,
-                     facecolors=color if filled else "none", hatch=hatch or None)
-        if filled:
-            axes.annotate(cell.label, (cell.seq_len, cell.ranks), xytext=(0, 12), textcoords="offset points",
-                          ha="center", fontsize=6)
+        axes.scatter([cell.seq_len], [row[cell.ranks]], marker="s", s=side**2, linewidths=1.6,
+                     edgecolors=color, facecolors=color if filled else "none", hatch=hatch or None)
+        if filled and side >= 12:
+            margin = "" if cell.margin is None else f"\n+{cell.margin:.0%} vs {cell.runner_up}"
+            axes.annotate(f"{cell.label}{margin}", (cell.seq_len, row[cell.ranks]), xytext=(0, side / 2 + 2),
+                          textcoords="offset points", ha="center", va="bottom", fontsize=5.5)
         if (cell.status, cell.source) not in seen_styles:
             seen_styles.append((cell.status, cell.source))
     axes.set_xscale("log", base=2)
     axes.set_xticks(list(lengths), [str(n) for n in lengths], rotation=45, ha="right")
     axes.minorticks_off()
     axes.set_xlim(lengths[0] / 1.4, lengths[-1] * 1.4)
-    axes.set_yticks(list(ranks))
-    axes.set_ylim(0.4, len(ranks) + 0.7)
+    axes.set_yticks(range(len(ranks)), _count_labels(ranks))
+    axes.set_ylim(-0.6, len(ranks) - 0.3)
     axes.set_xlabel("sequence length (tokens, log scale)")
-    axes.set_ylabel("ranks (exactly)")
+    axes.set_ylabel("ranks (exactly; the counts measured)")
     axes.grid(alpha=0.2)
     handles: list[Line2D | Patch] = [
         Line2D([], [], marker="s", linestyle="none", markersize=9, color=color, label=label)
@@ -206,7 +246,8 @@ def accuracy_figure(hardware: HardwareReport) -> bytes | None:
     axes = figure.subplots()
     measured = [p.measured_ms for p in accuracy.points]
     axes.scatter(measured, [p.model_ms for p in accuracy.points], marker="o", s=22, color="tab:blue",
-                 label=f"cost model, seq_len held out (MAPE {accuracy.model_mape:.1f}%)")
+                 label=f"cost model, seq_len held out (MAPE {accuracy.model_mape:.1f}%,\n"
+                       f"{accuracy.model_coverage:.0%} inside its 10-90% band)")
     axes.scatter(measured, [p.prior_ms for p in accuracy.points], marker="x", s=26, color="tab:red",
                  label=f"prior alone (MAPE {accuracy.prior_mape:.1f}%)")
     values = [v for p in accuracy.points for v in (p.measured_ms, p.model_ms, p.prior_ms)]
@@ -216,6 +257,7 @@ def accuracy_figure(hardware: HardwareReport) -> bytes | None:
     axes.set_yscale("log")
     axes.set_xlim(edge)
     axes.set_ylim(edge)
+    _log_ticks(axes, *edge)
     axes.set_aspect("equal")
     axes.set_xlabel("measured latency (ms)")
     axes.set_ylabel("predicted latency (ms)")
