@@ -22,6 +22,7 @@ from cptune.config import LOCAL, CPConfig
 from cptune.cost_model import TrainingSet, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.evaluation import held_out_predictions
+from cptune.measurement import format_ms
 from cptune.recommend import recommend
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
@@ -210,15 +211,16 @@ class Accuracy:
     prior_mape: float
     model_coverage: float
 
-    def by_seq_len(self) -> list[tuple[int, int, float, float]]:
-        """(seq_len, measurements, model MAPE, prior MAPE) for each sequence length."""
+    def by_seq_len(self) -> list[tuple[int, int, float, float, float]]:
+        """(seq_len, measurements, model MAPE, prior MAPE, model coverage) for each sequence length."""
         lengths = sorted({p.workload.seq_len for p in self.points})
         rows = []
         for seq_len in lengths:
             points = [p for p in self.points if p.workload.seq_len == seq_len]
             measured = [p.measured_ms for p in points]
             rows.append((seq_len, len(points), mape((p.model_ms for p in points), measured),
-                         mape((p.prior_ms for p in points), measured)))
+                         mape((p.prior_ms for p in points), measured),
+                         float(np.mean([p.covered for p in points]))))
         return rows
 
 
@@ -248,6 +250,44 @@ class ReportData:
     #: Whether the database holds measurements of more than one hardware (file names then
     #: start with the fingerprint, so reports of each can share a directory).
     several_hardware: bool
+
+
+def margin_text(cell: MapCell, named: bool = True) -> str:
+    """E.g. "+8% vs ring" (``named``) or "+8%": how much slower the runner-up is; "" when the
+    winner had no rival."""
+    if cell.margin is None:
+        return ""
+    return f"+{cell.margin:.0%} vs {cell.runner_up}" if named else f"+{cell.margin:.0%}"
+
+
+def calibration_rows(calibration: Calibration) -> tuple[list[list[str]], list[list[str]]]:
+    """The calibration as table rows: each collective fit (kind, ranks, group, latency us,
+    fitted GB/s, bus GB/s), and each attention rate (ranks, head_dim, mask, GFLOP per call,
+    GFLOP/s per rank)."""
+    collectives = [[f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
+                    f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}"]
+                   for f in sorted(calibration.collectives, key=lambda f: (f.kind, f.ranks, f.group))]
+    compute = [[str(r.ranks), str(r.head_dim), "causal" if r.causal else "full", f"{r.flops / 1e9:.2f}",
+                f"{r.flops_per_s / 1e9:.1f}"]
+               for r in sorted(calibration.compute, key=lambda r: (r.ranks, r.head_dim, r.causal, r.flops))]
+    return collectives, compute
+
+
+COLLECTIVE_COLUMNS = ("collective", "ranks", "group", "latency us", "fit GB/s", "bus GB/s")
+COMPUTE_COLUMNS = ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank")
+BREAKDOWN_COLUMNS = ("seq_len", "config", "ranks", "median", "compute", "comm", "comm %", "peak")
+
+
+def breakdown_rows(shape: ShapeReport) -> list[list[str]]:
+    """The compute / communication split (ms) and peak memory (MiB per rank) of every
+    measured configuration."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else format_ms(value)
+
+    return [[str(b.seq_len), b.label, str(b.ranks), format_ms(b.median_ms), ms(b.compute_ms), ms(b.comm_ms),
+             "-" if b.comm_share is None else f"{b.comm_share:.0%}",
+             "-" if b.peak_bytes is None else f"{b.peak_bytes / 2**20:.0f}"]
+            for b in shape.breakdown]
 
 
 def mape(predicted: Iterable[float], measured: Iterable[float]) -> float:
