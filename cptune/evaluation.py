@@ -19,8 +19,8 @@ the physical prior alone (no learned correction), and a fixed rule - always the
 configuration that was fastest in the most decisions of the training folds (among those
 measured for the decision; a rule picks, it predicts no latency, so it has no MAPE or
 coverage). ``correction_verdict`` decides whether ``recommend`` applies the learned
-correction: only when, out of fold, it is no worse than the prior alone on mean regret and
-on MAPE.
+correction: only when, out of fold, it is no worse than the prior alone on MAPE and on mean
+regret (within ``REGRET_TOLERANCE``: picks that close are a tie, and then the numbers decide).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ from cptune.errors import CPTuneError
 from cptune.store import Store
 
 GROUPINGS: tuple[str, ...] = ("seq_len", "hardware")
+#: Mean regrets this close (relative) count as equal when judging the correction: repeated
+#: medians of one configuration differ by about that much.
+REGRET_TOLERANCE = 0.01
 #: The methods ``compare`` scores, in the order ``cptune fit`` shows them.
 MODEL, PRIOR, FIXED_RULE = "cost model", "prior alone", "fixed rule"
 
@@ -241,7 +244,7 @@ def compare(
 def correction_verdict(model: CostModel, cases: Sequence[Case], latencies: np.ndarray) -> CorrectionVerdict:
     """Whether the learned correction of ``model`` (fitted on ``cases``) should be applied:
     its out-of-fold predictions against the prior alone on the same cases, by mean regret
-    and MAPE; it is applied only when worse on neither."""
+    and MAPE; it is applied only when worse on neither (regret within ``REGRET_TOLERANCE``)."""
     if model.out_of_fold_ is None:
         reason = (f"fewer than {MIN_SAMPLES} measurements" if model.learn_correction and
                   model.n_samples_ < MIN_SAMPLES else "no correction fitted")
@@ -250,7 +253,7 @@ def correction_verdict(model: CostModel, cases: Sequence[Case], latencies: np.nd
     prior = np.array([case.prior().total_s for case in cases])
     learned = score_group("correction", cases, latencies, model.out_of_fold_)
     alone = score_group("prior", cases, latencies, prior)
-    applied = learned.regret <= alone.regret and learned.mape <= alone.mape
+    applied = learned.regret <= alone.regret * (1 + REGRET_TOLERANCE) and learned.mape <= alone.mape
     verdict = "no worse than the prior alone" if applied else "worse than the prior alone"
     reason = (f"held out, the learned correction is {verdict}: regret {learned.regret:.3f} vs "
               f"{alone.regret:.3f}, MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%")

@@ -23,7 +23,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from cptune.config import LOCAL
-from cptune.report._data import HardwareReport, ReportData, ShapeReport, slug
+from cptune.report._data import Accuracy, HardwareReport, ReportData, ShapeReport, slug
 
 DPI = 110
 #: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
@@ -241,7 +241,11 @@ def accuracy_figure(hardware: HardwareReport) -> bytes | None:
     held out (filled circles) and the prior alone (x), with y = x; None without predictions."""
     if hardware.accuracy is None:
         return None
-    accuracy = hardware.accuracy
+    return _png(accuracy_plot(hardware, hardware.accuracy))
+
+
+def accuracy_plot(hardware: HardwareReport, accuracy: Accuracy) -> Figure:
+    """The figure ``accuracy_figure`` draws."""
     figure = Figure(figsize=(6.4, 5.6), dpi=DPI, layout="constrained")
     axes = figure.subplots()
     measured = [p.measured_ms for p in accuracy.points]
@@ -265,4 +269,4 @@ def accuracy_figure(hardware: HardwareReport) -> bytes | None:
     axes.legend(fontsize=8, loc="best")
     figure.suptitle(f"Predicted against measured ({len(measured)} measurements)\n"
                     f"{_hardware_title(hardware)}", fontsize=11)
-    return _png(figure)
+    return figure
