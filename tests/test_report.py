@@ -164,13 +164,13 @@ def test_predicted_against_measured_holds_every_latest_measurement(data, stored)
 def test_write_report_writes_the_figures_and_a_self_contained_page(written, data, stored):
     names = [p.name for p in written]
     assert names == ["8x64-bf16-latency-vs-ranks.png", "8x64-bf16-speedup.png", "8x64-bf16-strategy-map.png",
-                     "predicted-vs-measured.png", "report.html"]
+                     "8x64-bf16-compute-vs-communication.png", "predicted-vs-measured.png", "report.html"]
     page = written[-1].read_text()
     for png in written[:-1]:
         content = png.read_bytes()
         assert content.startswith(PNG) and len(content) > 10_000
         assert f"data:image/png;base64,{base64.b64encode(content).decode()}" in page
-    assert page.count("data:image/png;base64,") == 4
+    assert page.count("data:image/png;base64,") == 5
     assert not re.search(r"https?://|<script", page, re.IGNORECASE)
     assert data.hardware[0].fingerprint in page and data.url in page
     for result in stored.values():
@@ -233,10 +233,11 @@ def test_missing_calibration_and_single_length_are_noted(two_hosts, tmp_path):
     paths = write_report(only, tmp_path)
     prefix = f"{OTHER_HOST.fingerprint[:8]}-8x64-bf16"
     assert [p.name for p in paths] == [f"{prefix}-latency-vs-ranks.png", f"{prefix}-speedup.png",
-                                       f"{prefix}-strategy-map.png", "report.html"]
+                                       f"{prefix}-strategy-map.png", f"{prefix}-compute-vs-communication.png",
+                                       "report.html"]
     page = paths[-1].read_text()
     assert "at least two groups" in page and "ms, prior<br>" in page
-    assert page.count("data:image/png;base64,") == 3
+    assert page.count("data:image/png;base64,") == 4
 
 
 @pytest.mark.parametrize("prefix", ["zzzz", "ab", ""])

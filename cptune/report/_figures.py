@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from matplotlib import colormaps
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
+from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
@@ -28,7 +29,9 @@ from cptune.report._data import Accuracy, HardwareReport, ReportData, ShapeRepor
 DPI = 110
 #: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
 LATENCY, SPEEDUP, STRATEGY_MAP = "latency-vs-ranks", "speedup", "strategy-map"
-ACCURACY = "predicted-vs-measured"
+BREAKDOWN, ACCURACY = "compute-vs-communication", "predicted-vs-measured"
+#: The breakdown figure shows at most this many configurations per length, the fastest.
+BREAKDOWN_BARS = 12
 #: A panel's y axis turns logarithmic when its values span more than this factor.
 LOG_SPAN = 10.0
 #: Rank-count axes label every count up to this many counts, else only powers of two.
@@ -87,12 +90,12 @@ def _rank_axis(axes: Axes, ranks: Sequence[int]) -> None:
     axes.set_xlim(min(ranks) / 1.25, max(ranks) * 1.25)
 
 
-def _log_ticks(axes: Axes, low: float, high: float) -> None:
-    """Both axes of a log-log plot over ``low``-``high``: major ticks at 1, 2, 5 x 10^k (only
-    10^k beyond three decades) labelled as plain numbers, minor ticks unlabelled, so labels
-    never crowd whatever the span."""
+def _log_ticks(axes: Sequence[Axis], low: float, high: float) -> None:
+    """Log axes over ``low``-``high``: major ticks at 1, 2, 5 x 10^k (only 10^k beyond three
+    decades) labelled as plain numbers, minor ticks unlabelled, so labels never crowd
+    whatever the span."""
     subs = (1.0,) if high / low > 1e3 else (1.0, 2.0, 5.0)
-    for axis in (axes.xaxis, axes.yaxis):
+    for axis in axes:
         axis.set_major_locator(LogLocator(base=10, subs=subs))
         axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         axis.set_minor_formatter(NullFormatter())
@@ -135,6 +138,7 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
                               color=colors[series.family], capsize=3, markersize=4, label=series.family)
         if high / low > LOG_SPAN:
             axes.set_yscale("log")
+            _log_ticks((axes.yaxis,), low, high)
         _rank_axis(axes, ranks)
         axes.set_title(f"seq_len {panel.seq_len}", fontsize=10)
         axes.set_xlabel("ranks")
@@ -236,6 +240,45 @@ def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     return _png(figure)
 
 
+def breakdown_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None:
+    """Where each measured configuration's time goes, one panel per sequence length, the
+    fastest ``BREAKDOWN_BARS`` configurations as horizontal bars: the slowest rank's compute,
+    its exposed communication, and the rest of the call (waiting on slower ranks, overhead);
+    None when no measurement stored the split."""
+    split = [b for b in shape.breakdown if b.compute_ms is not None and b.comm_ms is not None]
+    lengths = sorted({b.seq_len for b in split})
+    if not lengths:
+        return None
+    rows, cols = _grid(len(lengths), columns=2)
+    bars = min(BREAKDOWN_BARS, max(sum(1 for b in split if b.seq_len == n) for n in lengths))
+    figure = Figure(figsize=(6.2 * cols + 1.6, (0.22 * bars + 1.2) * rows + 0.8), dpi=DPI,
+                    layout="constrained")
+    grid = figure.subplots(rows, cols, squeeze=False)
+    parts = (("compute", "tab:blue"), ("exposed communication", "tab:orange"), ("rest of the call", "0.8"))
+    for axes, seq_len in zip(grid.flat, lengths, strict=False):
+        shown = sorted((b for b in split if b.seq_len == seq_len), key=lambda b: b.median_ms)[:BREAKDOWN_BARS]
+        names = [f"{b.label} x{b.ranks}" if b.ranks > 1 else b.label for b in shown]
+        compute = [b.compute_ms or 0.0 for b in shown]
+        comm = [b.comm_ms or 0.0 for b in shown]
+        rest = [max(0.0, b.median_ms - c - m) for b, c, m in zip(shown, compute, comm, strict=True)]
+        left = [0.0] * len(shown)
+        for (name, color), widths in zip(parts, (compute, comm, rest), strict=True):
+            axes.barh(names, widths, left=left, color=color, label=name, height=0.7)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        axes.invert_yaxis()  # the fastest on top
+        axes.tick_params(axis="y", labelsize=7)
+        axes.set_xlabel("ms per attention call (median; slowest rank's split)")
+        axes.set_title(f"seq_len {seq_len}", fontsize=10)
+        axes.grid(alpha=0.3, axis="x")
+    for axes in grid.flat[len(lengths):]:
+        axes.set_visible(False)
+    handles, labels = grid.flat[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right center", fontsize=8)
+    figure.suptitle(f"Compute against communication: {shape.shape.describe()}\n{_hardware_title(hardware)}",
+                    fontsize=11)
+    return _png(figure)
+
+
 def accuracy_figure(hardware: HardwareReport) -> bytes | None:
     """Predicted against measured latency, log-log: the cost model with each sequence length
     held out (filled circles) and the prior alone (x), with y = x; None without predictions."""
@@ -261,7 +304,7 @@ def accuracy_plot(hardware: HardwareReport, accuracy: Accuracy) -> Figure:
     axes.set_yscale("log")
     axes.set_xlim(edge)
     axes.set_ylim(edge)
-    _log_ticks(axes, *edge)
+    _log_ticks((axes.xaxis, axes.yaxis), *edge)
     axes.set_aspect("equal")
     axes.set_xlabel("measured latency (ms)")
     axes.set_ylabel("predicted latency (ms)")

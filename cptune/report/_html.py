@@ -28,10 +28,12 @@ from cptune.report._data import (
 )
 from cptune.report._figures import (
     ACCURACY,
+    BREAKDOWN,
     LATENCY,
     SPEEDUP,
     STRATEGY_MAP,
     accuracy_figure,
+    breakdown_figure,
     file_name,
     latency_figure,
     speedup_figure,
@@ -49,6 +51,10 @@ _CAPTIONS = {
                   "sequence length: filled squares are measured (every rival measured; with the margin "
                   "over the runner-up), hollow squares are predicted by the cost model, hatched ones by the "
                   "prior alone, dotted ones have a measured winner but some rival predicted.",
+    BREAKDOWN: "Where the time of each measured configuration goes, fastest first (at most "
+               "twelve per sequence length): the slowest rank's median time in attention math, its "
+               "communication that compute did not hide, and the rest of the call's median (waiting on "
+               "slower ranks, launch and copy overheads); every bar is a measurement.",
     ACCURACY: "Predicted against measured latency of every measurement of this hardware: filled circles "
               "are the cost model's predictions with that sequence length held out of its training, x "
               "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE and how "
@@ -214,7 +220,11 @@ def _hardware_section(hardware: HardwareReport, out: _Output) -> str:
         else:
             parts += [out.figure(hardware, shape, SPEEDUP, speedup), _speedup_table(shape)]
         parts += [out.figure(hardware, shape, STRATEGY_MAP, strategy_map_figure(hardware, shape)),
-                  _map_table(shape), _breakdown_table(shape)]
+                  _map_table(shape)]
+        breakdown = breakdown_figure(hardware, shape)
+        if breakdown is not None:
+            parts.append(out.figure(hardware, shape, BREAKDOWN, breakdown))
+        parts.append(_breakdown_table(shape))
     accuracy = accuracy_figure(hardware)
     if accuracy is not None:
         parts += ["<h3>Predicted against measured</h3>", out.figure(hardware, None, ACCURACY, accuracy),
