@@ -596,10 +596,16 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"[bold]pick:[/] {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})",
                   highlight=False)
-    if any(c.source != "measured" for c in pick.candidates):
-        correction = "applied" if pick.correction.applied else "not applied, predictions are the prior's"
-        console.print(f"[dim]learned correction {correction}: {pick.correction.reason}[/]",
+    sources = {c.source for c in pick.candidates}
+    if "model" in sources:
+        console.print(f"[dim]learned correction applied: {pick.correction.reason}[/]",
                       highlight=False, soft_wrap=True)
+    elif "prior" in sources and not pick.correction.applied:
+        console.print(f"[dim]learned correction not applied, predictions are the prior's: "
+                      f"{pick.correction.reason}[/]", highlight=False, soft_wrap=True)
+    elif "prior" in sources:
+        console.print("[dim]predictions are the prior's: the learned correction is fitted on other "
+                      "hardware[/]", highlight=False, soft_wrap=True)
     for config, reasons in pick.infeasible.items():
         console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
                       highlight=False, soft_wrap=True)
