@@ -182,6 +182,11 @@ def hardware_profile(hardware: str | None = None, db: str | None = None) -> Prof
     return _advisor(db).profile(hardware)
 
 
+def correction_verdict_of(db: str | None = None) -> CorrectionVerdict:
+    """Whether ``recommend`` applies the learned correction on ``db``'s measurements, and why."""
+    return _advisor(db).verdict
+
+
 def recommend(
     workload: Workload,
     ranks: int | None = None,

@@ -2,6 +2,7 @@
 calibration (no MPI): what gather reads, what write_report and text_tables show."""
 
 import base64
+import html
 import itertools
 import re
 import subprocess
@@ -343,6 +344,9 @@ def test_the_calibration_and_the_interval_coverage_are_shown(data, written):
     assert accuracy.model_coverage == pytest.approx(sum(covered) / len(covered))
     assert all(p.low_ms <= p.model_ms <= p.high_ms for p in accuracy.points)
     assert "inside band" in page
+    # and whether recommend applies the learned correction, as the strategy map's predictions show
+    assert accuracy.verdict.startswith("recommend applies the learned correction: held out")
+    assert accuracy.verdict in html.unescape(page)
 
 
 def png_size(png: bytes) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from cptune.cost_model import TrainingSet, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.evaluation import held_out_predictions
 from cptune.measurement import format_ms
-from cptune.recommend import recommend
+from cptune.recommend import correction_verdict_of, recommend
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
 
@@ -210,6 +210,8 @@ class Accuracy:
     model_mape: float
     prior_mape: float
     model_coverage: float
+    #: Whether recommend applies the learned correction on this database, and why.
+    verdict: str = ""
 
     def by_seq_len(self) -> list[tuple[int, int, float, float, float]]:
         """(seq_len, measurements, model MAPE, prior MAPE, model coverage) for each sequence length."""
@@ -411,7 +413,9 @@ def _strategy_map(
     return tuple(cells)
 
 
-def _accuracy(training: TrainingSet, fingerprints: list[str]) -> tuple[dict[str, Accuracy], str | None]:
+def _accuracy(
+    training: TrainingSet, fingerprints: list[str], url: str
+) -> tuple[dict[str, Accuracy], str | None]:
     """Held-out model predictions (each seq_len left out in turn, over the whole database as
     ``cptune evaluate`` does) and the prior alone, per hardware; or why they are missing."""
     if not any(r.hardware in fingerprints for r in training.results):
@@ -429,10 +433,12 @@ def _accuracy(training: TrainingSet, fingerprints: list[str]) -> tuple[dict[str,
             result.id, result.workload, result.config.label, result.config.ranks, float(measured_s) * 1e3,
             float(model_s) * 1e3, case.prior().total_s * 1e3, float(low) * 1e3, float(high) * 1e3,
         ))
+    verdict = correction_verdict_of(url)
+    use = "applies the learned correction" if verdict.applied else "uses the prior alone"
     return {
         fp: Accuracy(tuple(p), mape((x.model_ms for x in p), (x.measured_ms for x in p)),
                      mape((x.prior_ms for x in p), (x.measured_ms for x in p)),
-                     float(np.mean([x.covered for x in p])))
+                     float(np.mean([x.covered for x in p])), f"recommend {use}: {verdict.reason}")
         for fp, p in points.items() if fp in fingerprints
     }, None
 
@@ -464,7 +470,7 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
         raise CPTuneError(f"no measurements in {url}: run cptune search first")
     fingerprints = sorted({r.hardware for r in kept})
     chosen = fingerprints if hardware is None else [_select(hardware, fingerprints, url)]
-    accuracy, accuracy_note = _accuracy(training, chosen)
+    accuracy, accuracy_note = _accuracy(training, chosen, url)
 
     sections = []
     for fp in chosen:

@@ -183,7 +183,7 @@ def _accuracy_table(hardware: HardwareReport) -> str:
                  escape(f"{accuracy.prior_mape:.1f}%"), escape(f"{accuracy.model_coverage:.0%}")])
     return _table(["seq_len held out", "measurements", "model MAPE", "prior MAPE", "inside band"], rows,
                   "mean absolute percentage error against the measured medians; inside band: measurements "
-                  "within the model's held-out 10-90% interval (80% advertised)")
+                  f"within the model's held-out 10-90% interval (80% advertised). {accuracy.verdict}")
 
 
 @dataclass

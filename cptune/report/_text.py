@@ -87,7 +87,7 @@ def _accuracy(hardware: HardwareReport) -> Table:
     accuracy = hardware.accuracy
     table = _table(f"predicted against measured: {hardware.description} [{hardware.fingerprint[:8]}]",
                    "model: held out by seq_len; MAPE against the measured medians; inside band: measurements "
-                   "within the model's held-out 10-90% interval (80% advertised)")
+                   f"within the model's held-out 10-90% interval (80% advertised). {accuracy.verdict}")
     for name in ("seq_len held out", "measurements", "model MAPE", "prior MAPE", "inside band"):
         table.add_column(name, justify="right")
     for seq_len, count, model, prior, coverage in accuracy.by_seq_len():
