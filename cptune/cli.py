@@ -569,7 +569,8 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
         console.print(table)
     verdict = correction_verdict(CostModel().fit(data.cases, data.latencies_s), data.cases, data.latencies_s)
     use = "applies the learned correction" if verdict.applied else "uses the prior alone"
-    console.print(f"recommend {use} on this database: {verdict.reason}", highlight=False, soft_wrap=True)
+    console.print(f"recommend {use} on this database: {verdict.reason}", markup=False, highlight=False,
+                  soft_wrap=True)
     return 0
 
 
@@ -597,15 +598,15 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[bold]pick:[/] {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})",
                   highlight=False)
     sources = {c.source for c in pick.candidates}
+    correction = None
     if "model" in sources:
-        console.print(f"[dim]learned correction applied: {pick.correction.reason}[/]",
-                      highlight=False, soft_wrap=True)
+        correction = f"learned correction applied: {pick.correction.reason}"
     elif "prior" in sources and not pick.correction.applied:
-        console.print(f"[dim]learned correction not applied, predictions are the prior's: "
-                      f"{pick.correction.reason}[/]", highlight=False, soft_wrap=True)
+        correction = f"learned correction not applied, predictions are the prior's: {pick.correction.reason}"
     elif "prior" in sources:
-        console.print("[dim]predictions are the prior's: the learned correction is fitted on other "
-                      "hardware[/]", highlight=False, soft_wrap=True)
+        correction = "predictions are the prior's: the learned correction is fitted on other hardware"
+    if correction:
+        console.print(correction, style="dim", markup=False, highlight=False, soft_wrap=True)
     for config, reasons in pick.infeasible.items():
         console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
                       highlight=False, soft_wrap=True)

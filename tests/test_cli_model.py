@@ -141,7 +141,10 @@ def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(
                 store.add_measurement(profile.hardware, measurement(workload, config, ms))
     fit = subprocess.Popen([*CLI, "fit", "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
-    rec = cptune("recommend", "--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--db", db, "--json")
+    workload = ["--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--db", db]
+    said = subprocess.Popen([*CLI, "recommend", *workload], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    rec = cptune("recommend", *workload, "--json")
     out, err = fit.communicate(timeout=300)
     assert fit.returncode == 0, out + err
     # the summary's rows: a two-word method and its six scores
@@ -155,3 +158,5 @@ def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(
     assert rec.returncode == 0, rec.stdout + rec.stderr
     data = json.loads(rec.stdout)
     assert data["correction"]["applied"] is True and data["source"] == "model"
+    out, err = said.communicate(timeout=300)
+    assert said.returncode == 0 and "learned correction applied: held out" in out, out + err
