@@ -14,6 +14,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from cptune.workload import WIRE_DTYPES, Workload
 
 if TYPE_CHECKING:
     from cptune.engines.tensorrt import NodeProbe
+    from cptune.evaluation import GroupScore
     from cptune.store import Store
 
 USAGE_ERROR = 2
@@ -285,8 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="cross-validate the cost model on the stored measurements",
         description=(
             "Fit the cost model holding out each sequence length in turn (and each hardware, "
-            "when the database has several) and print, per held-out group: top-1 accuracy, "
-            "regret (latency of the pick / best measured), Spearman rank correlation and MAPE."
+            "when the database has several) and print, beside the prior alone and a fixed rule "
+            "(always the config fastest most often in the training folds), and per held-out "
+            "group: top-1 accuracy, regret (latency of the pick / best measured), Spearman rank "
+            "correlation, MAPE and the interval's coverage; then whether recommend applies the "
+            "learned correction."
         ),
     )
     fit.add_argument("--db", help=db_help)
@@ -696,26 +701,55 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
 # --------------------------------------------------------------------------- fit
 
 
+def _score_cells(score: GroupScore) -> list[str]:
+    """top-1, regret, worst, Spearman, MAPE and coverage of one score; "-" where it does not apply."""
+    def shown(value: float, form: str) -> str:
+        return "-" if math.isnan(value) else format(value, form)
+
+    return [f"{score.top1:.2f}", f"{score.regret:.3f}", f"{score.worst_regret:.3f}",
+            shown(score.spearman, ".2f"), shown(score.mape, ".1f"), shown(score.coverage * 100, ".0f")]
+
+
+_SCORE_COLUMNS = ("top-1", "regret", "worst", "rho", "MAPE%", "cover%")
+
+
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from cptune.evaluation import cross_validate_groups, load_training
+    from cptune.cost_model import CostModel
+    from cptune.evaluation import compare, correction_verdict, load_training
 
     data = load_training(args.db, args.include_oversubscribed)
     if uncalibrated := ", ".join(sorted(data.uncalibrated)):
         _warn(("left out", "yellow"), f": measurements of {uncalibrated}, which have no calibration "
                                       f"(run cptune calibrate there)")
     groupings = ["seq_len"] + (["hardware"] if len(data.profiles) > 1 else [])
+    band = CostModel().interval
     for by in groupings:
-        evaluation = cross_validate_groups(data.cases, data.latencies_s, by)
-        table = _table(f"cost model, holding out each {by.replace('_', ' ')} in turn",
-                       f"{len(data.cases)} measurements; regret = measured latency of the pick / best "
-                       f"measured (mean and worst over workloads); median regret "
-                       f"{evaluation.median_regret:.3f}")
-        for column in ("held out", "workloads", "configs", "top-1", "regret", "worst", "spearman", "MAPE %"):
+        held_out = by.replace("_", " ")
+        model, *baselines = compare(data.cases, data.latencies_s, by)
+        summary = _table(f"cost model against baselines, holding out each {held_out} in turn",
+                         f"{len(data.cases)} measurements, {model.overall.decisions} workloads; regret = "
+                         f"measured latency of the pick / best measured (mean, worst); rho = Spearman rank "
+                         f"correlation within a workload; cover = measurements "
+                         f"inside the {band[0]:.0%}-{band[1]:.0%} band (advertised "
+                         f"{band[1] - band[0]:.0%}); fixed rule = always the config fastest most often "
+                         f"in the training folds")
+        summary.add_column("method", no_wrap=True)
+        for column in _SCORE_COLUMNS:
+            summary.add_column(column, justify="right", no_wrap=True)
+        for evaluation in (model, *baselines):
+            summary.add_row(evaluation.method, *_score_cells(evaluation.overall))
+        console.print(summary)
+        table = _table(f"cost model, holding out each {held_out} in turn",
+                       f"median regret over held-out groups {model.median_regret:.3f}")
+        for column in ("held out", "workloads", "configs", *_SCORE_COLUMNS):
             table.add_column(column, justify="left" if column == "held out" else "right", no_wrap=True)
-        for g in evaluation.groups:
-            table.add_row(g.held_out, str(g.decisions), str(g.samples), f"{g.top1:.2f}", f"{g.regret:.3f}",
-                          f"{g.worst_regret:.3f}", f"{g.spearman:.2f}", f"{g.mape:.1f}")
+        for g in model.groups:
+            table.add_row(g.held_out, str(g.decisions), str(g.samples), *_score_cells(g))
         console.print(table)
+    verdict = correction_verdict(CostModel().fit(data.cases, data.latencies_s), data.cases, data.latencies_s)
+    use = "applies the learned correction" if verdict.applied else "uses the prior alone"
+    console.print(f"recommend {use} on this database: {verdict.reason}", markup=False, highlight=False,
+                  soft_wrap=True)
     return 0
 
 
@@ -742,6 +776,16 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     _say(console, ("pick:", "bold"),
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
+    sources = {c.source for c in pick.candidates}
+    correction = None
+    if "model" in sources:
+        correction = f"learned correction applied: {pick.correction.reason}"
+    elif "prior" in sources and not pick.correction.applied:
+        correction = f"learned correction not applied, predictions are the prior's: {pick.correction.reason}"
+    elif "prior" in sources:
+        correction = "predictions are the prior's: the learned correction is fitted on other hardware"
+    if correction:
+        _say(console, (correction, "dim"))
     for config, reasons in pick.infeasible.items():
         _say(console, (f"cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}", "dim"))
     return 0

@@ -10,6 +10,8 @@ from cptune.workload import check_positive_int
 #: the named strategy across the ranks / u groups; "ulysses" alone means u = ranks.
 STRATEGIES: tuple[str, ...] = ("allgather_kv", "ring", "ulysses")
 
+#: The label of every one-rank configuration.
+LOCAL = "local"
 _TITLES = {"allgather_kv": "AllGather-KV", "ring": "Ring", "ulysses": "Ulysses"}
 
 
@@ -41,7 +43,10 @@ class CPConfig:
 
     @property
     def label(self) -> str:
-        """Short name, e.g. "ring", "ulysses", "ulysses2xring2"."""
+        """Short name, e.g. "ring", "ulysses", "ulysses2xring2"; "local" on one rank, where
+        every strategy is plain attention (the one name tables, plans and reports use)."""
+        if self.ranks == 1:
+            return LOCAL
         if self.strategy == "ulysses" or self.head_group == 1:
             return self.strategy
         return f"ulysses{self.head_group}x{self.strategy}{self.context_degree}"
@@ -49,7 +54,7 @@ class CPConfig:
     def describe(self) -> str:
         """A sentence a user reads, e.g. "2-way Ulysses x 2-way Ring on 4 ranks"."""
         if self.ranks == 1:
-            return f"{_TITLES[self.strategy]} on 1 rank (local attention)"
+            return f"{LOCAL} attention on 1 rank"
         if self.strategy == "ulysses" or self.head_group == 1:
             return f"{_TITLES[self.strategy]} on {self.ranks} ranks"
         return (

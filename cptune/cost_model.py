@@ -7,11 +7,21 @@ workload, a configuration and the ``Profile`` of the hardware - and its target i
 measured latency in seconds.
 
 Prediction = prior x exp(correction). The correction is gradient boosting on the log of
-measured / prior, with quantile boosting at the interval's edges for the uncertainty. Trees
-cannot extrapolate: beyond the measured range they hold their edge value, so the prior's
-physics carries the trend (longer sequences, more ranks). The correction is applied only to
-hardware the model was fitted on; elsewhere the prediction is the prior's, with an interval
-at least a factor ``prior_band`` wide each way.
+measured / prior. Trees cannot extrapolate: beyond the measured range they hold their edge
+value, so the prior's physics carries the trend (longer sequences, more ranks). The
+correction is applied only to hardware the model was fitted on; elsewhere the prediction
+is the prior's, with the prior-only band (``prior_only_band``: at least a factor ``prior_band``
+wide each way).
+
+The learned correction's interval is conformal: ``fit`` also fits the correction on folds
+that each leave whole sequence lengths out, and the interval's edges are the quantiles of
+those out-of-fold errors log(measured / predicted) - the error the model makes on lengths
+it has not seen, which is how it is used. So the band is centred on the estimate's own
+error distribution, its edges never cross (one error distribution, two quantiles), and it
+is widened to contain the estimate (low <= estimate <= high, always). Its coverage on
+held-out measurements is what ``cptune fit`` reports. The same out-of-fold predictions
+(``out_of_fold_``) are what ``recommend`` judges the correction by against the prior alone
+(``cptune.evaluation.correction_verdict``).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.ensemble import GradientBoostingRegressor
+from sklearn.model_selection import GroupKFold, KFold
 from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
@@ -31,6 +42,8 @@ from cptune.workload import Workload
 
 #: Fewer measurements than this leave the correction out: the prior alone predicts.
 MIN_SAMPLES = 8
+#: At most this many folds for the out-of-fold errors that set the correction's interval.
+INTERVAL_FOLDS = 5
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,9 @@ class CostModel(RegressorMixin, BaseEstimator):
 
     Parameters: the boosting's ``n_estimators``, ``learning_rate``, ``max_depth`` and
     ``min_samples_leaf``; ``interval`` the quantiles of the reported interval; ``prior_band``
-    the narrowest factor a prior-only interval spans each way; ``random_state``."""
+    the narrowest factor a prior-only interval spans each way; ``learn_correction`` False
+    for the prior alone (a baseline, or when the correction does not help);
+    ``random_state``."""
 
     def __init__(
         self,
@@ -78,6 +93,7 @@ class CostModel(RegressorMixin, BaseEstimator):
         min_samples_leaf: int = 3,
         interval: tuple[float, float] = (0.1, 0.9),
         prior_band: float = 2.0,
+        learn_correction: bool = True,
         random_state: int = 0,
     ) -> None:
         self.n_estimators = n_estimators
@@ -86,13 +102,29 @@ class CostModel(RegressorMixin, BaseEstimator):
         self.min_samples_leaf = min_samples_leaf
         self.interval = interval
         self.prior_band = prior_band
+        self.learn_correction = learn_correction
         self.random_state = random_state
 
-    def _booster(self, **loss: object) -> GradientBoostingRegressor:
+    def _booster(self) -> GradientBoostingRegressor:
         return GradientBoostingRegressor(
             n_estimators=self.n_estimators, learning_rate=self.learning_rate, max_depth=self.max_depth,
-            min_samples_leaf=self.min_samples_leaf, subsample=0.8, random_state=self.random_state, **loss,
+            min_samples_leaf=self.min_samples_leaf, subsample=0.8, random_state=self.random_state,
         )
+
+    def _out_of_fold(self, table: np.ndarray, residual: np.ndarray, cases: list[Case]) -> np.ndarray:
+        """The correction each case gets from boosters fitted without it: folds of whole
+        sequence lengths (as the model is used: on lengths it has not seen), or of samples
+        when only one length was measured."""
+        lengths = np.array([case.workload.seq_len for case in cases])
+        count = len(set(lengths.tolist()))
+        if count >= 2:
+            folds = GroupKFold(n_splits=min(INTERVAL_FOLDS, count)).split(table, residual, lengths)
+        else:
+            folds = KFold(n_splits=INTERVAL_FOLDS, shuffle=True, random_state=self.random_state).split(table)
+        predicted = np.empty(len(residual))
+        for train, test in folds:
+            predicted[test] = self._booster().fit(table[train], residual[train]).predict(table[test])
+        return predicted
 
     def fit(self, X: Sequence[Case], y: Sequence[float] | np.ndarray) -> CostModel:
         """Learn the correction from measured latencies ``y`` (seconds) of cases ``X``."""
@@ -100,45 +132,60 @@ class CostModel(RegressorMixin, BaseEstimator):
         if len(cases) != len(latency) or not np.all(latency > 0):
             raise ValueError("fit needs one positive latency per case")
         priors = [case.prior() for case in cases]
-        residual = np.log(latency) - np.log([p.total_s for p in priors])
+        prior = np.array([p.total_s for p in priors])
+        residual = np.log(latency) - np.log(prior)
         self.fingerprints_ = frozenset(case.profile.fingerprint for case in cases)
         self.n_samples_ = len(cases)
-        low, high = np.quantile(residual, self.interval) if len(cases) else (0.0, 0.0)
         #: The prior's own error on the fitted data, as factors: the prior-only interval.
-        self.prior_interval_ = (
-            min(float(np.exp(low)), 1 / self.prior_band), max(float(np.exp(high)), self.prior_band)
-        )
-        if len(cases) < MIN_SAMPLES:
-            self.correction_ = None
+        self.prior_interval_ = self._prior_interval(residual)
+        self.correction_: GradientBoostingRegressor | None = None
+        #: Held-out latencies (s) of the fitted cases, from the out-of-fold corrections.
+        self.out_of_fold_: np.ndarray | None = None
+        #: The correction's interval as log factors around its estimate (low <= 0 <= high).
+        self.correction_interval_ = (0.0, 0.0)
+        if not self.learn_correction or len(cases) < MIN_SAMPLES:
             return self
         table = features(cases, priors)
-        self.correction_ = (
-            self._booster(loss="squared_error").fit(table, residual),
-            self._booster(loss="quantile", alpha=self.interval[0]).fit(table, residual),
-            self._booster(loss="quantile", alpha=self.interval[1]).fit(table, residual),
-        )
+        held_out = self._out_of_fold(table, residual, cases)
+        low, high = np.quantile(residual - held_out, self.interval)
+        self.correction_interval_ = (min(float(low), 0.0), max(float(high), 0.0))
+        self.out_of_fold_ = prior * np.exp(held_out)
+        self.correction_ = self._booster().fit(table, residual)
         return self
+
+    def _prior_interval(self, residual: np.ndarray) -> tuple[float, float]:
+        """The prior-only interval as factors of the prior: its error quantiles on the
+        fitted data, at least ``prior_band`` wide each way."""
+        low, high = np.quantile(residual, self.interval) if len(residual) else (0.0, 0.0)
+        return min(float(np.exp(low)), 1 / self.prior_band), max(float(np.exp(high)), self.prior_band)
+
+    def prior_only_band(self, cases: Sequence[Case], prior: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Low and high edge (s) of the prior-only interval of ``cases``, whose prior
+        latencies are ``prior`` (s): where the correction does not apply."""
+        return prior * self.prior_interval_[0], prior * self.prior_interval_[1]
 
     def corrects(self, case: Case) -> bool:
         """Whether the learned correction applies to ``case`` (its hardware was fitted on)."""
         return self.correction_ is not None and case.profile.fingerprint in self.fingerprints_
 
     def predict_interval(self, X: Sequence[Case]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Latency, low and high edge of the interval, in seconds, for each case."""
+        """Latency, low and high edge of the interval, in seconds, for each case;
+        low <= latency <= high."""
         check_is_fitted(self, "prior_interval_")
         cases = list(X)
         priors = [case.prior() for case in cases]
         prior = np.array([p.total_s for p in priors])
-        estimate, low, high = prior.copy(), prior * self.prior_interval_[0], prior * self.prior_interval_[1]
+        estimate = prior.copy()
+        low, high = self.prior_only_band(cases, prior)
         corrected = np.array([self.corrects(case) for case in cases], dtype=bool)
         if corrected.any():
             assert self.correction_ is not None
             table = features([c for c, k in zip(cases, corrected, strict=True) if k],
                              [p for p, k in zip(priors, corrected, strict=True) if k])
-            middle, lower, upper = (np.exp(model.predict(table)) for model in self.correction_)
-            estimate[corrected] = prior[corrected] * middle
-            low[corrected] = prior[corrected] * np.minimum(lower, middle)
-            high[corrected] = prior[corrected] * np.maximum(upper, middle)
+            estimate[corrected] = prior[corrected] * np.exp(self.correction_.predict(table))
+            below, above = self.correction_interval_
+            low[corrected] = estimate[corrected] * np.exp(below)
+            high[corrected] = estimate[corrected] * np.exp(above)
         return estimate, low, high
 
     def predict(self, X: Sequence[Case]) -> np.ndarray:

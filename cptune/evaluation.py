@@ -7,15 +7,25 @@ the configurations measured for it - and on the fit of the numbers themselves:
 - top-1: fraction of decisions whose pick is the fastest measured configuration;
 - regret: measured latency of the pick / the best measured latency (1.0 is perfect);
 - Spearman: rank correlation of predicted and measured latencies within a decision;
-- MAPE: mean absolute percentage error of the predicted latencies.
+- MAPE: mean absolute percentage error of the predicted latencies;
+- coverage: fraction of measurements inside the predicted interval (the model advertises
+  its ``interval`` quantiles, 80% by default).
 
 Groups are whole sequence lengths (``by="seq_len"``: the model never saw that length on
 any workload) or whole hardware fingerprints (``by="hardware"``: only the prior speaks).
+
+Every method is scored the same way beside two baselines a user would otherwise rely on:
+the physical prior alone (no learned correction), and a fixed rule - always the
+configuration that was fastest in the most decisions of the training folds (among those
+measured for the decision; a rule picks, it predicts no latency, so it has no MAPE or
+coverage). ``correction_verdict`` decides whether ``recommend`` applies the learned
+correction: only when, out of fold, it is no worse than the prior alone on MAPE and on mean
+regret (within ``REGRET_TOLERANCE``: picks that close are a tie, and then the numbers decide).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,16 +34,24 @@ from scipy.stats import spearmanr
 from sklearn.base import clone
 from sklearn.model_selection import GroupKFold
 
-from cptune.cost_model import Case, CostModel, TrainingSet, training_set
+from cptune.config import CPConfig
+from cptune.cost_model import MIN_SAMPLES, Case, CostModel, TrainingSet, training_set
 from cptune.errors import CPTuneError
 from cptune.store import Store
 
 GROUPINGS: tuple[str, ...] = ("seq_len", "hardware")
+#: Mean regrets this close (relative) count as equal when judging the correction: repeated
+#: medians of one configuration differ by about that much.
+REGRET_TOLERANCE = 0.01
+#: The methods ``compare`` scores, in the order ``cptune fit`` shows them.
+MODEL, PRIOR, FIXED_RULE = "cost model", "prior alone", "fixed rule"
 
 
 @dataclass(frozen=True)
 class GroupScore:
-    """The scores of one held-out group."""
+    """The scores of one held-out group; ``spearman``, ``mape`` and ``coverage`` are NaN
+    where they do not apply (no decision of three configurations; a method that predicts
+    no latency or no interval)."""
 
     held_out: str
     decisions: int
@@ -43,14 +61,18 @@ class GroupScore:
     worst_regret: float
     spearman: float
     mape: float
+    coverage: float
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Per held-out group scores, grouped ``by`` a sequence length or a hardware."""
+    """Per held-out group scores of one ``method``, grouped ``by`` a sequence length or a
+    hardware; ``overall`` scores every held-out prediction together."""
 
     by: str
     groups: tuple[GroupScore, ...]
+    overall: GroupScore
+    method: str = MODEL
 
     @property
     def median_regret(self) -> float:
@@ -61,44 +83,76 @@ class Evaluation:
         return max(g.worst_regret for g in self.groups)
 
 
+@dataclass(frozen=True)
+class CorrectionVerdict:
+    """Whether ``recommend`` applies the learned correction, and the out-of-fold scores of
+    the correction and of the prior alone it was decided on (None when nothing was fitted)."""
+
+    applied: bool
+    reason: str
+    correction: GroupScore | None
+    prior: GroupScore | None
+
+    def to_dict(self) -> dict[str, object]:
+        def scores(score: GroupScore | None) -> dict[str, float] | None:
+            return None if score is None else {"regret": score.regret, "mape": score.mape}
+
+        return {"applied": self.applied, "reason": self.reason, "correction": scores(self.correction),
+                "prior": scores(self.prior)}
+
+
 def _group_of(case: Case, by: str) -> str:
     return f"seq_len {case.workload.seq_len}" if by == "seq_len" else f"hardware {case.profile.fingerprint}"
 
 
-def score_group(name: str, cases: Sequence[Case], measured: np.ndarray, predicted: np.ndarray) -> GroupScore:
-    """Score predictions for ``cases`` against their measured latencies (same units)."""
+def _decisions(cases: Sequence[Case]) -> list[list[int]]:
+    """Indices of ``cases`` by decision: one per (hardware, workload)."""
     decisions: dict[tuple[str, object], list[int]] = defaultdict(list)
     for i, case in enumerate(cases):
         decisions[(case.profile.fingerprint, case.workload)].append(i)
+    return list(decisions.values())
+
+
+def score_group(
+    name: str,
+    cases: Sequence[Case],
+    measured: np.ndarray,
+    predicted: np.ndarray,
+    interval: tuple[np.ndarray, np.ndarray] | None = None,
+    latencies: bool = True,
+) -> GroupScore:
+    """Score predictions for ``cases`` against their measured latencies (same units), and
+    the ``interval`` (low, high) when given. ``latencies`` False: ``predicted`` is only a
+    preference (lower first), so there is no MAPE."""
     regrets, hits, correlations = [], [], []
-    for members in decisions.values():
+    for members in _decisions(cases):
         truth, guess = measured[members], predicted[members]
         regret = float(truth[int(np.argmin(guess))] / truth.min())
         regrets.append(regret)
         hits.append(regret == 1.0)
         if len(members) > 2:
             correlations.append(float(spearmanr(guess, truth).statistic))
+    coverage = float("nan")
+    if interval is not None:
+        low, high = interval
+        coverage = float(np.mean((low <= measured) & (measured <= high)))
     return GroupScore(
         held_out=name,
-        decisions=len(decisions),
+        decisions=len(regrets),
         samples=len(cases),
         top1=float(np.mean(hits)),
         regret=float(np.mean(regrets)),
         worst_regret=float(np.max(regrets)),
-        spearman=float(np.mean(correlations)) if correlations else float("nan"),
-        mape=float(np.mean(np.abs(predicted - measured) / measured) * 100),
+        spearman=float(np.nanmean(correlations)) if correlations else float("nan"),
+        mape=float(np.mean(np.abs(predicted - measured) / measured) * 100) if latencies else float("nan"),
+        coverage=coverage,
     )
 
 
-def held_out_predictions(
-    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each case's group name and its latency (s) predicted by a clone of ``model`` fitted on
-    every other group (``GroupKFold``, one fold per group): what the model says about data
-    it has not seen."""
+def _folds(cases: Sequence[Case], by: str) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """Each case's group name and the (train, test) index pairs holding out one group each."""
     if by not in GROUPINGS:
         raise ValueError(f"by must be one of {', '.join(GROUPINGS)}, got {by!r}")
-    cases = list(cases)
     groups = np.array([_group_of(case, by) for case in cases])
     count = len(set(groups))
     if count < 2:
@@ -106,25 +160,104 @@ def held_out_predictions(
             f"cross-validation by {by} needs measurements of at least two groups, found "
             f"{count}; measure more with cptune search"
         )
-    predicted = np.empty(len(cases))
-    for train, test in GroupKFold(n_splits=count).split(cases, latencies, groups):
+    return groups, list(GroupKFold(n_splits=count).split(groups, groups, groups))
+
+
+def held_out_predictions(
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each case's group name and its latency (s) and interval (low, high, s) predicted by
+    a clone of ``model`` fitted on every other group (``GroupKFold``, one fold per group):
+    what the model says about data it has not seen."""
+    cases = list(cases)
+    groups, folds = _folds(cases, by)
+    predicted, low, high = (np.empty(len(cases)) for _ in range(3))
+    for train, test in folds:
         fitted = clone(model or CostModel()).fit([cases[i] for i in train], latencies[train])
-        predicted[test] = fitted.predict([cases[i] for i in test])
-    return groups, predicted
+        predicted[test], low[test], high[test] = fitted.predict_interval([cases[i] for i in test])
+    return groups, predicted, low, high
+
+
+def _fixed_rule_preferences(
+    cases: Sequence[Case], latencies: np.ndarray, by: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each case's group name and its held-out preference under the fixed rule: 0 for the
+    configuration fastest in the most training decisions, 1 for the next, ... (configs never
+    fastest in training come last, fewest ranks first)."""
+    cases = list(cases)
+    groups, folds = _folds(cases, by)
+    preference = np.empty(len(cases))
+    for train, test in folds:
+        training = [cases[i] for i in train]
+        wins: Counter[CPConfig] = Counter(
+            training[members[int(np.argmin(latencies[train][members]))]].config
+            for members in _decisions(training)
+        )
+        order = sorted({cases[i].config for i in test},
+                       key=lambda c: (-wins[c], c.ranks, c.label, c.head_group))
+        rank = {config: position for position, config in enumerate(order)}
+        preference[test] = [rank[cases[i].config] for i in test]
+    return groups, preference
+
+
+def _evaluation(
+    method: str, by: str, cases: list[Case], latencies: np.ndarray, groups: np.ndarray, predicted: np.ndarray,
+    interval: tuple[np.ndarray, np.ndarray] | None, predicts_latency: bool = True,
+) -> Evaluation:
+    scores = []
+    for name in sorted(set(groups), key=lambda g: (len(g), g)):
+        members = np.flatnonzero(groups == name)
+        band = None if interval is None else (interval[0][members], interval[1][members])
+        scores.append(score_group(name, [cases[i] for i in members], latencies[members], predicted[members],
+                                  band, predicts_latency))
+    overall = score_group("all", cases, latencies, predicted, interval, predicts_latency)
+    return Evaluation(by=by, groups=tuple(scores), overall=overall, method=method)
 
 
 def cross_validate_groups(
-    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None,
+    method: str = MODEL,
 ) -> Evaluation:
     """Hold out each group in turn and score the held-out predictions of each group."""
     cases = list(cases)
-    groups, predicted = held_out_predictions(cases, latencies, by, model)
-    names = sorted(set(groups), key=lambda g: (len(g), g))
-    scores = []
-    for name in names:
-        members = np.flatnonzero(groups == name)
-        scores.append(score_group(name, [cases[i] for i in members], latencies[members], predicted[members]))
-    return Evaluation(by=by, groups=tuple(scores))
+    groups, predicted, low, high = held_out_predictions(cases, latencies, by, model)
+    return _evaluation(method, by, cases, latencies, groups, predicted, (low, high))
+
+
+def fixed_rule(cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len") -> Evaluation:
+    """The fixed-rule baseline (see the module docstring), held out and scored as the model is."""
+    cases = list(cases)
+    groups, preference = _fixed_rule_preferences(cases, latencies, by)
+    return _evaluation(FIXED_RULE, by, cases, latencies, groups, preference, None, predicts_latency=False)
+
+
+def compare(
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
+) -> tuple[Evaluation, Evaluation, Evaluation]:
+    """The cost model, the prior alone and the fixed rule, each held out ``by`` and scored alike."""
+    prior_only = clone(model or CostModel()).set_params(learn_correction=False)
+    return (cross_validate_groups(cases, latencies, by, model),
+            cross_validate_groups(cases, latencies, by, prior_only, method=PRIOR),
+            fixed_rule(cases, latencies, by))
+
+
+def correction_verdict(model: CostModel, cases: Sequence[Case], latencies: np.ndarray) -> CorrectionVerdict:
+    """Whether the learned correction of ``model`` (fitted on ``cases``) should be applied:
+    its out-of-fold predictions against the prior alone on the same cases, by mean regret
+    and MAPE; it is applied only when worse on neither (regret within ``REGRET_TOLERANCE``)."""
+    if model.out_of_fold_ is None:
+        reason = (f"fewer than {MIN_SAMPLES} measurements" if model.learn_correction and
+                  model.n_samples_ < MIN_SAMPLES else "no correction fitted")
+        return CorrectionVerdict(False, reason, None, None)
+    cases = list(cases)
+    prior = np.array([case.prior().total_s for case in cases])
+    learned = score_group("correction", cases, latencies, model.out_of_fold_)
+    alone = score_group("prior", cases, latencies, prior)
+    applied = learned.regret <= alone.regret * (1 + REGRET_TOLERANCE) and learned.mape <= alone.mape
+    verdict = "no worse than the prior alone" if applied else "worse than the prior alone"
+    reason = (f"held out, the learned correction is {verdict}: regret {learned.regret:.3f} vs "
+              f"{alone.regret:.3f}, MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%")
+    return CorrectionVerdict(applied, reason, learned, alone)
 
 
 def load_training(db: str | None = None, include_oversubscribed: bool = False) -> TrainingSet:

@@ -7,8 +7,10 @@ only described). The fastest wins; with ``ranks=None`` that may use fewer ranks 
 hardware has.
 
 The model is fitted in memory from the database and refitted when the database gains
-measurements or calibrations; nothing is ever unpickled. After the first call for a
-database, a recommendation costs one small query plus the predictions.
+measurements or calibrations; nothing is ever unpickled. The learned correction is applied
+only when, held out, it is no worse than the prior alone (``correction_verdict``, decided
+once per database revision); otherwise the predictions are the prior's, and say so. After
+the first call for a database, a recommendation costs one small query plus the predictions.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost_model import Case, CostModel, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
+from cptune.evaluation import CorrectionVerdict, correction_verdict
 from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import HardwareDescriptionError, load_description, this_host
 from cptune.measurement import host_memory_bytes
@@ -56,13 +59,15 @@ class Candidate:
 @dataclass(frozen=True)
 class Recommendation:
     """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
-    hardware ``fingerprint`` names; ``infeasible`` gives each excluded config's reasons."""
+    hardware ``fingerprint`` names; ``infeasible`` gives each excluded config's reasons;
+    ``correction`` whether the learned correction was applied to the predictions, and why."""
 
     workload: Workload
     hardware: str
     fingerprint: str
     candidates: tuple[Candidate, ...]
     infeasible: dict[CPConfig, list[str]]
+    correction: CorrectionVerdict
 
     @property
     def best(self) -> Candidate:
@@ -94,6 +99,7 @@ class Recommendation:
             "config": self.config.to_dict(), "latency_ms": self.latency_ms,
             "interval_ms": list(self.interval_ms), "source": self.source,
             "candidates": [c.to_dict() for c in self.candidates],
+            "correction": self.correction.to_dict(),
             "infeasible": [
                 {**c.to_dict(), "label": c.label, "reasons": r} for c, r in self.infeasible.items()
             ],
@@ -110,6 +116,7 @@ class _Advisor:
         self.store = store
         self.revision: tuple[int, int] | None = None
         self.model = CostModel()
+        self.verdict = CorrectionVerdict(False, "nothing fitted yet", None, None)
         self.profiles: dict[str, CalibratedProfile] = {}
         self.fingerprints: list[str] = []
         self.measured: dict[tuple[str, Workload, CPConfig], Result] = {}
@@ -122,7 +129,11 @@ class _Advisor:
         if revision == self.revision:
             return
         data = training_set(self.store)
-        self.model = CostModel().fit(data.cases, data.latencies_s)
+        model = CostModel().fit(data.cases, data.latencies_s)
+        self.verdict = correction_verdict(model, data.cases, data.latencies_s)
+        if not self.verdict.applied and model.correction_ is not None:
+            model = model.set_params(learn_correction=False).fit(data.cases, data.latencies_s)
+        self.model = model
         self.profiles = data.profiles
         self.fingerprints = list(self.store.hardware())  # rows come only with measurements or calibrations
         self.measured = {(r.hardware, r.workload, r.config): r for r in data.results}
@@ -200,6 +211,11 @@ def hardware_profile(hardware: str | None = None, db: str | None = None) -> Prof
     return _advisor(db).profile(hardware)
 
 
+def correction_verdict_of(db: str | None = None) -> CorrectionVerdict:
+    """Whether ``recommend`` applies the learned correction on ``db``'s measurements, and why."""
+    return _advisor(db).verdict
+
+
 def recommend(
     workload: Workload,
     ranks: int | None = None,
@@ -250,5 +266,5 @@ def recommend(
     candidates.sort(key=lambda c: c.latency_ms)
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
-        candidates=tuple(candidates), infeasible=infeasible,
+        candidates=tuple(candidates), infeasible=infeasible, correction=advisor.verdict,
     )

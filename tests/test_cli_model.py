@@ -120,3 +120,43 @@ def test_calibrate_then_recommend_from_the_prior(tmp_path):
     data = json.loads(result.stdout)
     assert data["source"] == "prior" and data["fingerprint"] == this_host().fingerprint
     assert {c["ranks"] for c in data["candidates"]} == {1, 2}
+
+
+def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(tmp_path):
+    from conftest import make_calibration, measurement
+    from cptune.cost_model import Case
+    from cptune.feasibility import enumerate_configs
+    from cptune.prior import CalibratedProfile
+    from cptune.workload import Workload
+
+    db = str(tmp_path / "fit.db")
+    profile = CalibratedProfile(this_host(), make_calibration())
+    factor = {"ring": 1.6, "ulysses": 0.6, "allgather_kv": 1.0}
+    with Store(db) as store:
+        store.add_calibration(profile.hardware, profile.calibration)
+        for seq_len in (512, 768, 1536, 2048):
+            workload = Workload(seq_len=seq_len, heads=8, head_dim=64)
+            for config in enumerate_configs(workload, 4):
+                ms = Case(workload, config, profile).prior().total_s * 1e3 * factor[config.strategy]
+                store.add_measurement(profile.hardware, measurement(workload, config, ms))
+    fit = subprocess.Popen([*CLI, "fit", "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    workload = ["--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--db", db]
+    said = subprocess.Popen([*CLI, "recommend", *workload], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    rec = cptune("recommend", *workload, "--json")
+    out, err = fit.communicate(timeout=300)
+    assert fit.returncode == 0, out + err
+    # the summary's rows: a two-word method and its six scores
+    rows = {" ".join(words[:2]): words[2:] for words in map(str.split, out.splitlines())
+            if len(words) == 8 and " ".join(words[:2]) in ("cost model", "prior alone", "fixed rule")}
+    model, prior, rule = rows["cost model"], rows["prior alone"], rows["fixed rule"]
+    assert len(model) == len(prior) == len(rule) == 6  # top-1, regret, worst, rho, MAPE, cover
+    assert float(model[4]) < float(prior[4]) and 0 <= int(model[5]) <= 100 and int(prior[5]) == 100
+    assert rule[4] == rule[5] == "-"  # a rule predicts no latency: no MAPE, no coverage
+    assert "cover%" in out and "recommend applies the learned correction" in out
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    data = json.loads(rec.stdout)
+    assert data["correction"]["applied"] is True and data["source"] == "model"
+    out, err = said.communicate(timeout=300)
+    assert said.returncode == 0 and "learned correction applied: held out" in out, out + err

@@ -15,7 +15,18 @@ from cptune.config import CPConfig
 from cptune.cost import engine_collectives
 from cptune.cost_model import MIN_SAMPLES, Case, CostModel, features, training_set
 from cptune.errors import CPTuneError
-from cptune.evaluation import GroupScore, cross_validate_groups, evaluate, score_group
+from cptune.evaluation import (
+    FIXED_RULE,
+    MODEL,
+    PRIOR,
+    GroupScore,
+    compare,
+    correction_verdict,
+    cross_validate_groups,
+    evaluate,
+    fixed_rule,
+    score_group,
+)
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
@@ -200,6 +211,54 @@ def test_prior_interval_widens_to_the_prior_error_seen_in_fitting():
     assert model.prior_interval_[0] <= 0.5 and model.prior_interval_[1] >= 5.0 * (1 - 1e-9)
 
 
+def noisy(lengths, sigma: float, seed: int = 7) -> tuple[list[Case], np.ndarray]:
+    """Cases at ``lengths`` measured at the synthetic truth times lognormal noise of ``sigma``."""
+    rng = np.random.default_rng(seed)
+    cases = [case for seq_len in lengths for case in cases_at(seq_len)]
+    return cases, np.array([truth(case) for case in cases]) * np.exp(rng.normal(0, sigma, len(cases)))
+
+
+def test_interval_is_centred_and_covers_held_out_lengths_as_advertised():
+    # each length held out in turn: the 10-90% band must hold about 80% of what was not seen,
+    # and never sit with the estimate on (or past) one edge
+    cases, measured = noisy(TRAIN_LENGTHS + (6144, 8192), sigma=0.1)
+    lengths = np.array([case.workload.seq_len for case in cases])
+    inside = []
+    for seq_len in sorted(set(lengths)):
+        test = lengths == seq_len
+        model = CostModel().fit([c for c, t in zip(cases, test, strict=True) if not t], measured[~test])
+        estimate, low, high = model.predict_interval([c for c, t in zip(cases, test, strict=True) if t])
+        assert np.all(low < estimate) and np.all(estimate < high)
+        inside += list((low <= measured[test]) & (measured[test] <= high))
+    assert 0.7 <= np.mean(inside) <= 0.95
+
+
+def test_interval_edges_never_cross_even_from_few_noisy_samples():
+    cases, measured = noisy(TRAIN_LENGTHS[:2], sigma=0.5, seed=3)
+    model = CostModel(min_samples_leaf=1).fit(cases, measured)
+    estimate, low, high = model.predict_interval(cases_at(3072) + cases_at(12288))
+    assert np.all(low <= estimate) and np.all(estimate <= high)
+    below, above = model.correction_interval_
+    assert below <= 0.0 <= above and above - below > 0.2  # half-sigma noise is not a thin band
+
+
+def test_without_learn_correction_the_model_is_the_prior_alone(train):
+    cases, y = train
+    model = CostModel(learn_correction=False).fit(*train)
+    assert model.correction_ is None and model.out_of_fold_ is None and not model.corrects(cases[0])
+    np.testing.assert_array_equal(model.predict(cases), [case.prior().total_s for case in cases])
+
+
+def test_out_of_fold_predictions_are_held_out(fitted, train):
+    cases, y = train
+    assert fitted.out_of_fold_ is not None and fitted.out_of_fold_.shape == y.shape
+    # held out, the correction is worse than in sample but still far better than the prior
+    in_sample = np.abs(fitted.predict(cases) / y - 1)
+    held_out = np.abs(fitted.out_of_fold_ / y - 1)
+    prior = np.abs(np.array([case.prior().total_s for case in cases]) / y - 1)
+    assert np.mean(held_out) > np.mean(in_sample) and np.mean(held_out) < np.mean(prior) / 2
+
+
 def test_predict_interval_brackets_the_estimate(fitted):
     cases = cases_at(1536) + cases_at(8192) + cases_at(2048, OTHER)
     estimate, low, high = fitted.predict_interval(cases)
@@ -222,7 +281,10 @@ def test_score_group_by_hand():
     predicted = np.array([1.5, 1.0, 5.0, 9.0, 9.5])
     # decision 1024: pick b (predicted 1.0), measured 2.0, best 1.0 -> regret 2.0, a miss
     # decision 2048: pick a (predicted 9.0), measured 10.0, best 8.0 -> regret 1.25, a miss
-    score = score_group("seq_len 1024", cases, measured, predicted)
+    band = (predicted * 0.8, predicted * 1.2)
+    score = score_group("seq_len 1024", cases, measured, predicted, band)
+    # 1.0 not in 1.2-1.8, 2.0 not in 0.8-1.2; 4.0 in 4.0-6.0, 10.0 in 7.2-10.8, 8.0 in 7.6-11.4
+    assert score.coverage == pytest.approx(3 / 5)
     assert isinstance(score, GroupScore)
     assert score.held_out == "seq_len 1024" and score.decisions == 2 and score.samples == 5
     assert score.top1 == 0.0
@@ -243,6 +305,59 @@ def test_score_group_perfect_picks():
     assert score.top1 == 1.0 and score.regret == 1.0 and score.worst_regret == 1.0
     assert score.mape == pytest.approx(10.0)
     assert np.isnan(score.spearman)  # no decision has three configurations
+    assert np.isnan(score.coverage)  # no interval given
+    preference = score_group("x", cases, measured, np.array([1.0, 0.0, 1.0, 0.0]), latencies=False)
+    assert preference.regret == pytest.approx((2.0 + 1.0) / 2) and np.isnan(preference.mape)
+
+
+def test_fixed_rule_picks_the_config_fastest_most_often_in_training():
+    a, b, c = CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("allgather_kv", 2)
+    lengths = (1024, 2048, 4096)
+    cases = [_case(n, config) for n in lengths for config in (a, b, c)]
+    # b wins at 1024 and 2048, a at 4096: holding out 4096, the rule picks b there (regret 3/1)
+    measured = np.array([2.0, 1.0, 3.0, 4.0, 2.0, 5.0, 1.0, 3.0, 2.0])
+    evaluation = fixed_rule(cases, measured, by="seq_len")
+    assert evaluation.method == FIXED_RULE
+    scores = {g.held_out: g for g in evaluation.groups}
+    assert scores["seq_len 4096"].regret == pytest.approx(3.0) and scores["seq_len 4096"].top1 == 0.0
+    # holding out 1024: b won 2048, a won 4096 - a tie broken by fewer ranks, then by label (b's "ulysses"
+    # sorts after a's "ring"): the rule picks a at 1024, measured 2.0 against the best 1.0
+    assert scores["seq_len 1024"].regret == pytest.approx(2.0)
+    assert np.isnan(evaluation.overall.mape) and np.isnan(evaluation.overall.coverage)
+    assert evaluation.overall.decisions == 3
+
+
+def test_compare_scores_the_model_the_prior_and_the_rule_alike(train):
+    cases, y = train
+    model, prior, rule = compare(cases, y, by="seq_len", model=small())
+    assert (model.method, prior.method, rule.method) == (MODEL, PRIOR, FIXED_RULE)
+    assert [g.held_out for g in model.groups] == [g.held_out for g in prior.groups] == [
+        g.held_out for g in rule.groups]
+    # the synthetic truth is the prior times a factor per strategy: the correction must help
+    assert model.overall.mape < prior.overall.mape / 2
+    assert model.overall.regret <= prior.overall.regret
+    assert 0.0 <= model.overall.coverage <= 1.0 and prior.overall.coverage == 1.0  # a 2x band at least
+
+
+def test_correction_verdict_rejects_a_correction_that_only_learned_noise():
+    # measurements are the prior times pure noise: whatever the boosters learn is noise, so held
+    # out the correction is worse than the prior alone and recommend must not apply it
+    rng = np.random.default_rng(11)
+    cases = [case for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len)]
+    measured = np.array([case.prior().total_s for case in cases]) * np.exp(rng.normal(0, 0.3, len(cases)))
+    verdict = correction_verdict(CostModel().fit(cases, measured), cases, measured)
+    assert not verdict.applied and "worse than the prior alone" in verdict.reason
+    assert verdict.correction is not None and verdict.prior is not None
+    assert verdict.correction.mape > verdict.prior.mape or verdict.correction.regret > verdict.prior.regret
+
+
+def test_correction_verdict_keeps_a_correction_that_helps(fitted, train):
+    verdict = correction_verdict(fitted, *train)
+    assert verdict.applied and verdict.correction is not None and verdict.prior is not None
+    assert verdict.correction.mape < verdict.prior.mape and verdict.correction.regret <= verdict.prior.regret
+    assert verdict.to_dict()["applied"] is True and set(verdict.to_dict()["correction"]) == {"regret", "mape"}
+    unfitted = correction_verdict(CostModel().fit(train[0][:3], train[1][:3]), train[0][:3], train[1][:3])
+    assert not unfitted.applied and "fewer than" in unfitted.reason
 
 
 def test_cross_validate_groups_refuses_a_single_group():

@@ -284,3 +284,15 @@ def test_a_plan_for_a_stored_fingerprint_uses_its_measurements(db, tmp_path):
     with pytest.raises(PlanMismatchError, match="export a plan on this hardware"):
         load_plan(path)
     assert load_plan(path, hardware=OTHER_HOST.fingerprint).select(SHORT) == CPConfig("allgather_kv", 2)
+
+
+def test_a_one_rank_plan_is_labelled_local_and_its_label_checked(db, tmp_path):
+    path = export_plan([at(SHORT), at(LONG)], ranks=1, db=db).write(tmp_path / "one.json")
+    data = json.loads(path.read_text())
+    assert [b["label"] for b in data["buckets"]] == ["local", "local"]
+    assert load_plan(path).select(SHORT).label == "local"
+    copy = tmp_path / "ring-labelled.json"
+    first, second = data["buckets"]
+    copy.write_text(resigned({**data, "buckets": [{**first, "label": "ring"}, second]}))
+    with pytest.raises(PlanError, match="must be 'local'"):
+        load_plan(copy)

@@ -402,3 +402,10 @@ def test_attention_shape_is_a_workload_without_its_length():
     assert w.describe() == f"seq 4096 x {shape.describe()}"
     with pytest.raises(ValueError, match="kv_heads"):
         AttentionShape(16, 3, 128, 1, "bf16", False)
+
+
+def test_one_rank_is_local_attention_whatever_the_strategy():
+    for strategy in STRATEGIES:
+        assert CPConfig(strategy, 1).label == "local"
+        assert CPConfig(strategy, 1).describe() == "local attention on 1 rank"
+    assert CPConfig("ring", 2).label == "ring" and CPConfig("ulysses", 4, 2).label == "ulysses"

@@ -17,17 +17,15 @@ from itertools import pairwise
 import numpy as np
 
 from cptune import __version__
-from cptune.config import CPConfig
+from cptune.calibration import Calibration
+from cptune.config import LOCAL, CPConfig
 from cptune.cost_model import TrainingSet, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.evaluation import held_out_predictions
-from cptune.recommendation import recommend
+from cptune.measurement import format_ms
+from cptune.recommendation import correction_verdict_of, recommend
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
-
-#: The family of every rank-1 configuration: on one rank each strategy is plain local
-#: attention, so they are one baseline rather than a point on each strategy's line.
-ONE_RANK = "1 rank"
 
 
 def rank_count(n: int) -> str:
@@ -35,16 +33,12 @@ def rank_count(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
-def label(config: CPConfig) -> str:
-    """The configuration's label, "local" on one rank (where every strategy is plain attention)."""
-    return "local" if config.ranks == 1 else config.label
-
-
 def family(config: CPConfig) -> str:
     """The strategy family a configuration belongs to across rank counts: its label without
-    the context degree ("ring", "ulysses", "ulysses2xring"), or ``ONE_RANK``."""
+    the context degree ("ring", "ulysses", "ulysses2xring"), or ``LOCAL`` on one rank (every
+    strategy is plain attention there: one baseline, not a point on each strategy's line)."""
     if config.ranks == 1:
-        return ONE_RANK
+        return LOCAL
     if config.strategy == "ulysses" or config.head_group == 1:
         return config.strategy
     return f"ulysses{config.head_group}x{config.strategy}"
@@ -80,7 +74,7 @@ class Series:
 
 @dataclass(frozen=True)
 class LatencyPanel:
-    """Latency against rank count at one sequence length; the ``ONE_RANK`` series (the
+    """Latency against rank count at one sequence length; the ``LOCAL`` series (the
     fastest rank-1 measurement, if any) comes first, the families follow by name."""
 
     seq_len: int
@@ -113,7 +107,9 @@ class MapCell:
     """The winner among the configurations on exactly ``ranks`` ranks at ``seq_len``.
 
     ``status`` is "measured" when every feasible rival was measured, else "predicted";
-    ``source`` is where the winner's own latency comes from ("measured", "model", "prior")."""
+    ``source`` is where the winner's own latency comes from ("measured", "model", "prior").
+    ``runner_up`` is the next fastest configuration there and ``margin`` how much slower it
+    is (0.08: 8% slower); None when the winner had no rival."""
 
     seq_len: int
     ranks: int
@@ -122,10 +118,34 @@ class MapCell:
     status: str
     source: str
     measurement_id: int | None
+    runner_up: str | None = None
+    margin: float | None = None
 
     @property
     def measured(self) -> bool:
         return self.status == "measured"
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where one measured configuration's time goes, and its memory: the slowest rank's
+    median compute and exposed communication (ms) and the peak bytes one rank held."""
+
+    seq_len: int
+    label: str
+    ranks: int
+    median_ms: float
+    compute_ms: float | None
+    comm_ms: float | None
+    peak_bytes: int | None
+    measurement_id: int
+
+    @property
+    def comm_share(self) -> float | None:
+        """Communication's share of compute + communication, or None when not stored."""
+        if self.compute_ms is None or self.comm_ms is None or self.compute_ms + self.comm_ms <= 0:
+            return None
+        return self.comm_ms / (self.compute_ms + self.comm_ms)
 
 
 @dataclass(frozen=True)
@@ -138,6 +158,8 @@ class ShapeReport:
     strategy_map: tuple[MapCell, ...]
     #: The sequence lengths that have measurements (the map also holds predicted ones).
     measured_lengths: tuple[int, ...]
+    #: Every measured configuration's compute / communication split and memory, by length.
+    breakdown: tuple[Breakdown, ...] = ()
 
     @property
     def map_lengths(self) -> tuple[int, ...]:
@@ -145,9 +167,9 @@ class ShapeReport:
 
     @property
     def rank_counts(self) -> tuple[int, ...]:
-        """1 to the most ranks measured, as the map's and the tables' columns."""
-        most = max(p.ranks for panel in self.latency for s in panel.series for p in s.points)
-        return tuple(range(1, most + 1))
+        """The rank counts measured, as the map's and the tables' columns (only those: a
+        sweep of 1, 8 and 64 ranks gets three columns, not 64)."""
+        return tuple(sorted({p.ranks for panel in self.latency for s in panel.series for p in s.points}))
 
     def latency_rows(self) -> list[tuple[int, str, dict[int, LatencyPoint]]]:
         """The latency table's rows: (seq_len, family, its points by rank count)."""
@@ -170,25 +192,37 @@ class PredictionPoint:
     measured_ms: float
     model_ms: float
     prior_ms: float
+    #: The model's held-out interval (ms).
+    low_ms: float
+    high_ms: float
+
+    @property
+    def covered(self) -> bool:
+        return self.low_ms <= self.measured_ms <= self.high_ms
 
 
 @dataclass(frozen=True)
 class Accuracy:
-    """Predicted against measured on one hardware; MAPE in percent."""
+    """Predicted against measured on one hardware; MAPE in percent; ``model_coverage`` the
+    fraction of measurements inside the model's held-out interval."""
 
     points: tuple[PredictionPoint, ...]
     model_mape: float
     prior_mape: float
+    model_coverage: float
+    #: Whether recommend applies the learned correction on this database, and why.
+    verdict: str = ""
 
-    def by_seq_len(self) -> list[tuple[int, int, float, float]]:
-        """(seq_len, measurements, model MAPE, prior MAPE) for each sequence length."""
+    def by_seq_len(self) -> list[tuple[int, int, float, float, float]]:
+        """(seq_len, measurements, model MAPE, prior MAPE, model coverage) for each sequence length."""
         lengths = sorted({p.workload.seq_len for p in self.points})
         rows = []
         for seq_len in lengths:
             points = [p for p in self.points if p.workload.seq_len == seq_len]
             measured = [p.measured_ms for p in points]
             rows.append((seq_len, len(points), mape((p.model_ms for p in points), measured),
-                         mape((p.prior_ms for p in points), measured)))
+                         mape((p.prior_ms for p in points), measured),
+                         float(np.mean([p.covered for p in points]))))
         return rows
 
 
@@ -203,6 +237,8 @@ class HardwareReport:
     accuracy: Accuracy | None
     #: Why something is missing (no calibration, too few lengths to hold one out, ...).
     notes: tuple[str, ...]
+    #: The stored calibration the prior stands on (collective fits, attention rates).
+    calibration: Calibration | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +254,44 @@ class ReportData:
     several_hardware: bool
 
 
+def margin_text(cell: MapCell, named: bool = True) -> str:
+    """E.g. "+8% vs ring" (``named``) or "+8%": how much slower the runner-up is; "" when the
+    winner had no rival."""
+    if cell.margin is None:
+        return ""
+    return f"+{cell.margin:.0%} vs {cell.runner_up}" if named else f"+{cell.margin:.0%}"
+
+
+def calibration_rows(calibration: Calibration) -> tuple[list[list[str]], list[list[str]]]:
+    """The calibration as table rows: each collective fit (kind, ranks, group, latency us,
+    fitted GB/s, bus GB/s), and each attention rate (ranks, head_dim, mask, GFLOP per call,
+    GFLOP/s per rank)."""
+    collectives = [[f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
+                    f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}"]
+                   for f in sorted(calibration.collectives, key=lambda f: (f.kind, f.ranks, f.group))]
+    compute = [[str(r.ranks), str(r.head_dim), "causal" if r.causal else "full", f"{r.flops / 1e9:.2f}",
+                f"{r.flops_per_s / 1e9:.1f}"]
+               for r in sorted(calibration.compute, key=lambda r: (r.ranks, r.head_dim, r.causal, r.flops))]
+    return collectives, compute
+
+
+COLLECTIVE_COLUMNS = ("collective", "ranks", "group", "latency us", "fit GB/s", "bus GB/s")
+COMPUTE_COLUMNS = ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank")
+BREAKDOWN_COLUMNS = ("seq_len", "config", "ranks", "median", "compute", "comm", "comm %", "peak")
+
+
+def breakdown_rows(shape: ShapeReport) -> list[list[str]]:
+    """The compute / communication split (ms) and peak memory (MiB per rank) of every
+    measured configuration."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else format_ms(value)
+
+    return [[str(b.seq_len), b.label, str(b.ranks), format_ms(b.median_ms), ms(b.compute_ms), ms(b.comm_ms),
+             "-" if b.comm_share is None else f"{b.comm_share:.0%}",
+             "-" if b.peak_bytes is None else f"{b.peak_bytes / 2**20:.0f}"]
+            for b in shape.breakdown]
+
+
 def mape(predicted: Iterable[float], measured: Iterable[float]) -> float:
     """Mean absolute percentage error of ``predicted`` against ``measured``."""
     p, m = np.asarray(list(predicted), dtype=float), np.asarray(list(measured), dtype=float)
@@ -231,18 +305,24 @@ def _median(result: Result) -> float:
 
 def _point(result: Result) -> LatencyPoint:
     median = _median(result)
-    return LatencyPoint(result.config.ranks, label(result.config), median, result.p10_ms or median,
+    return LatencyPoint(result.config.ranks, result.config.label, median, result.p10_ms or median,
                         result.p90_ms or median, result.id)
 
 
-def _fastest(results: Iterable[Result]) -> dict[tuple[int, int], Result]:
-    """The fastest measurement at each (seq_len, ranks)."""
-    best: dict[tuple[int, int], Result] = {}
+def _by_cell(results: Iterable[Result]) -> dict[tuple[int, int], list[Result]]:
+    """The measurements at each (seq_len, ranks), fastest first."""
+    cells: dict[tuple[int, int], list[Result]] = defaultdict(list)
     for r in results:
-        key = (r.workload.seq_len, r.config.ranks)
-        if key not in best or _median(r) < _median(best[key]):
-            best[key] = r
-    return best
+        cells[(r.workload.seq_len, r.config.ranks)].append(r)
+    return {key: sorted(rs, key=_median) for key, rs in cells.items()}
+
+
+def _breakdown(results: Iterable[Result]) -> tuple[Breakdown, ...]:
+    return tuple(
+        Breakdown(r.workload.seq_len, r.config.label, r.config.ranks, _median(r), r.compute_ms, r.comm_ms,
+                  r.peak_bytes, r.id)
+        for r in sorted(results, key=lambda r: (r.workload.seq_len, r.config.ranks, _median(r)))
+    )
 
 
 def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
@@ -258,7 +338,7 @@ def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
     return tuple(
         LatencyPanel(seq_len, tuple(
             Series(name, tuple(sorted(points, key=lambda p: p.ranks)))
-            for name, points in sorted(families.items(), key=lambda item: (item[0] != ONE_RANK, item[0]))
+            for name, points in sorted(families.items(), key=lambda item: (item[0] != LOCAL, item[0]))
         ))
         for seq_len, families in sorted(by_length.items())
     )
@@ -294,56 +374,72 @@ def map_lengths(measured: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted({*lengths, *between, 2 * lengths[-1], 4 * lengths[-1]}))
 
 
-def _measured_cell(result: Result) -> MapCell:
-    p = _point(result)
-    return MapCell(result.workload.seq_len, p.ranks, p.label, p.median_ms, "measured", "measured",
-                   p.measurement_id)
+def _margin(winner_ms: float, runner_up_ms: float) -> float:
+    return runner_up_ms / winner_ms - 1
+
+
+def _measured_cell(measured: list[Result]) -> MapCell:
+    """The fastest of ``measured`` (one cell's measurements, fastest first), against the next."""
+    p = _point(measured[0])
+    runner_up = measured[1] if len(measured) > 1 else None
+    return MapCell(measured[0].workload.seq_len, p.ranks, p.label, p.median_ms, "measured", "measured",
+                   p.measurement_id, runner_up.config.label if runner_up else None,
+                   _margin(p.median_ms, _median(runner_up)) if runner_up else None)
 
 
 def _strategy_map(
-    shape: AttentionShape, fastest: dict[tuple[int, int], Result], ranks: int, fingerprint: str,
-    db: str | None, notes: list[str],
+    shape: AttentionShape, cells_measured: dict[tuple[int, int], list[Result]], ranks: tuple[int, ...],
+    fingerprint: str, db: str | None, notes: list[str],
 ) -> tuple[MapCell, ...]:
-    """The map from ``recommend`` at every length and rank count; where it cannot answer,
-    the fastest measurement, if any (and why in ``notes``)."""
+    """The map from ``recommend`` at every length and measured rank count; where it cannot
+    answer, the fastest measurement, if any (and why in ``notes``)."""
     cells = []
-    for seq_len in map_lengths(s for s, _ in fastest):
-        for n in range(1, ranks + 1):
+    for seq_len in map_lengths(s for s, _ in cells_measured):
+        for n in ranks:
             try:
                 pick = recommend(shape.at(seq_len), ranks=n, hardware=fingerprint, db=db)
             except InfeasibleConfigError:
                 continue  # nothing runs there (e.g. fewer tokens than ranks): the cell stays empty
             except CPTuneError as exc:
                 notes.append(f"strategy map: measured cells only where predictions failed ({exc})")
-                if (seq_len, n) in fastest:
-                    cells.append(_measured_cell(fastest[(seq_len, n)]))
+                if (seq_len, n) in cells_measured:
+                    cells.append(_measured_cell(cells_measured[(seq_len, n)]))
                 continue
             status = "measured" if all(c.source == "measured" for c in pick.candidates) else "predicted"
-            cells.append(MapCell(seq_len, n, label(pick.config), pick.latency_ms, status, pick.source,
-                                 pick.best.measurement_id))
+            second = pick.alternatives[0] if pick.alternatives else None
+            cells.append(MapCell(seq_len, n, pick.config.label, pick.latency_ms, status, pick.source,
+                                 pick.best.measurement_id, second.config.label if second else None,
+                                 _margin(pick.latency_ms, second.latency_ms) if second else None))
     return tuple(cells)
 
 
-def _accuracy(training: TrainingSet, fingerprints: list[str]) -> tuple[dict[str, Accuracy], str | None]:
+def _accuracy(
+    training: TrainingSet, fingerprints: list[str], db: str | None
+) -> tuple[dict[str, Accuracy], str | None]:
     """Held-out model predictions (each seq_len left out in turn, over the whole database as
-    ``cptune evaluate`` does) and the prior alone, per hardware; or why they are missing."""
+    ``cptune evaluate`` does) and the prior alone, per hardware; or why they are missing.
+    ``db`` as the user gave it (the shown URL has no password)."""
     if not any(r.hardware in fingerprints for r in training.results):
         return {}, None
     try:
-        _, predicted_s = held_out_predictions(training.cases, training.latencies_s, by="seq_len")
+        _, predicted_s, low_s, high_s = held_out_predictions(training.cases, training.latencies_s,
+                                                             by="seq_len")
     except CPTuneError as exc:
         return {}, f"predicted against measured skipped: {exc}"
     points: dict[str, list[PredictionPoint]] = defaultdict(list)
-    for case, result, measured_s, model_s in zip(
-        training.cases, training.results, training.latencies_s, predicted_s, strict=True
+    for case, result, measured_s, model_s, low, high in zip(
+        training.cases, training.results, training.latencies_s, predicted_s, low_s, high_s, strict=True
     ):
         points[result.hardware].append(PredictionPoint(
-            result.id, result.workload, label(result.config), result.config.ranks, float(measured_s) * 1e3,
-            float(model_s) * 1e3, case.prior().total_s * 1e3,
+            result.id, result.workload, result.config.label, result.config.ranks, float(measured_s) * 1e3,
+            float(model_s) * 1e3, case.prior().total_s * 1e3, float(low) * 1e3, float(high) * 1e3,
         ))
+    verdict = correction_verdict_of(db)
+    use = "applies the learned correction" if verdict.applied else "uses the prior alone"
     return {
         fp: Accuracy(tuple(p), mape((x.model_ms for x in p), (x.measured_ms for x in p)),
-                     mape((x.prior_ms for x in p), (x.measured_ms for x in p)))
+                     mape((x.prior_ms for x in p), (x.measured_ms for x in p)),
+                     float(np.mean([x.covered for x in p])), f"recommend {use}: {verdict.reason}")
         for fp, p in points.items() if fp in fingerprints
     }, None
 
@@ -376,7 +472,7 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
         raise CPTuneError(f"no measurements in {url}: run cptune search first")
     fingerprints = sorted({r.hardware for r in kept})
     chosen = fingerprints if hardware is None else [_select(hardware, fingerprints, url)]
-    accuracy, accuracy_note = _accuracy(training, chosen)
+    accuracy, accuracy_note = _accuracy(training, chosen, db)
 
     sections = []
     for fp in chosen:
@@ -395,13 +491,16 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
                 by_shape[r.workload.shape].append(r)
         shapes = []
         for shape, results in sorted(by_shape.items(), key=lambda item: item[0]):
-            fastest = _fastest(results)
-            most = max(n for _, n in fastest)
-            cells = (_strategy_map(shape, fastest, most, fp, db, notes) if calibrated
-                     else tuple(_measured_cell(r) for _, r in sorted(fastest.items())))
+            measured = _by_cell(results)
+            fastest = {key: rs[0] for key, rs in measured.items()}
+            ranks = tuple(sorted({n for _, n in measured}))
+            cells = (_strategy_map(shape, measured, ranks, fp, db, notes) if calibrated
+                     else tuple(_measured_cell(rs) for _, rs in sorted(measured.items())))
             shapes.append(ShapeReport(shape, _latency_panels(results), _speedup_curves(fastest), cells,
-                                      tuple(sorted({s for s, _ in fastest}))))
+                                      tuple(sorted({s for s, _ in measured})), _breakdown(results)))
+        profile = training.profiles.get(fp)
         sections.append(HardwareReport(fp, described[fp].describe(), calibrated, tuple(shapes),
-                                       accuracy.get(fp), tuple(dict.fromkeys(notes))))
+                                       accuracy.get(fp), tuple(dict.fromkeys(notes)),
+                                       profile.calibration if profile else None))
     return ReportData(url, datetime.now(UTC).isoformat(timespec="seconds"), __version__, tuple(sections),
                       len(fingerprints) > 1)

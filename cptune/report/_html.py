@@ -14,13 +14,26 @@ from html import escape
 from pathlib import Path
 
 from cptune.measurement import format_ms
-from cptune.report._data import HardwareReport, ReportData, ShapeReport, rank_count
+from cptune.report._data import (
+    BREAKDOWN_COLUMNS,
+    COLLECTIVE_COLUMNS,
+    COMPUTE_COLUMNS,
+    HardwareReport,
+    ReportData,
+    ShapeReport,
+    breakdown_rows,
+    calibration_rows,
+    margin_text,
+    rank_count,
+)
 from cptune.report._figures import (
     ACCURACY,
+    BREAKDOWN,
     LATENCY,
     SPEEDUP,
     STRATEGY_MAP,
     accuracy_figure,
+    breakdown_figure,
     file_name,
     latency_figure,
     speedup_figure,
@@ -34,13 +47,18 @@ _CAPTIONS = {
     SPEEDUP: "Speedup of the fastest measured configuration at each rank count over the fastest 1-rank "
              "run (left) and parallel efficiency, speedup divided by ranks (right), against the dashed "
              "ideal; every point is a measurement, none is predicted.",
-    STRATEGY_MAP: "The fastest configuration on exactly that many ranks at each sequence length: filled "
-                  "squares are measured (every rival measured), hollow squares are predicted by the cost "
-                  "model, hatched ones by the prior alone, dotted ones have a measured winner but some "
-                  "rival predicted.",
+    STRATEGY_MAP: "The fastest configuration on exactly that many ranks (the rank counts measured) at each "
+                  "sequence length: filled squares are measured (every rival measured; with the margin "
+                  "over the runner-up), hollow squares are predicted by the cost model, hatched ones by the "
+                  "prior alone, dotted ones have a measured winner but some rival predicted.",
+    BREAKDOWN: "Where the time of each measured configuration goes, fastest first (at most "
+               "twelve per sequence length): the slowest rank's median time in attention math, its "
+               "communication that compute did not hide, and the rest of the call's median (waiting on "
+               "slower ranks, launch and copy overheads); every bar is a measurement.",
     ACCURACY: "Predicted against measured latency of every measurement of this hardware: filled circles "
               "are the cost model's predictions with that sequence length held out of its training, x "
-              "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE.",
+              "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE and how "
+              "many measurements fall inside the model's held-out 10-90% band.",
 }
 
 _CSS = """
@@ -114,26 +132,58 @@ def _map_table(shape: ShapeReport) -> str:
             if cell is None:
                 cells.append("")
             elif cell.measured:
-                cells.append(f"{escape(cell.label)}<br><small>{format_ms(cell.latency_ms)} ms</small>")
+                cells.append(f"{escape(cell.label)}<br><small>{format_ms(cell.latency_ms)} ms<br>"
+                             f"{escape(margin_text(cell))}</small>")
             else:
                 cells.append(f'<td class="predicted">{escape(cell.label)}*<br><small>'
-                             f"{escape(format_ms(cell.latency_ms))} ms, {escape(cell.source)}</small></td>")
+                             f"{escape(format_ms(cell.latency_ms))} ms, {escape(cell.source)}<br>"
+                             f"{escape(margin_text(cell))}</small></td>")
         rows.append(cells)
     return _table(["seq_len", *(rank_count(n) for n in ranks)], rows,
                   "* predicted: some rival on that many ranks was not measured, so the comparison rests on "
-                  "the cost model or the prior (the small text names the winner's source); empty: nothing "
-                  "can run there")
+                  "the cost model or the prior (the small text names the winner's source); +x% vs y: the "
+                  "runner-up y is x% slower; empty: nothing can run there")
+
+
+def _plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], caption: str, names: int = 1) -> str:
+    """``_table`` of plain-text cells (escaped here)."""
+    return _table(headers, [[escape(cell) for cell in row] for row in rows], caption, names)
+
+
+def _breakdown_table(shape: ShapeReport) -> str:
+    return _plain_table(BREAKDOWN_COLUMNS, breakdown_rows(shape),
+                        "ms: the median of the whole call, and the slowest rank's time in attention math "
+                        "(compute) and waiting on communication compute did not hide (comm); comm % = comm / "
+                        "(compute + comm); peak: the most MiB one rank held; all measured", names=2)
+
+
+def _calibration_section(hardware: HardwareReport) -> list[str]:
+    if hardware.calibration is None:
+        return []
+    collectives, compute = calibration_rows(hardware.calibration)
+    return [
+        f"<h3>Calibration ({escape(hardware.calibration.measured_at)})</h3>",
+        _plain_table(COLLECTIVE_COLUMNS, collectives,
+                     "each collective in groups of that size while that many ranks run: time = latency + "
+                     "bytes sent per rank / fit bandwidth; bus: nccl-tests' bus bandwidth at the largest "
+                     "message. The prior stands on these fits."),
+        _plain_table(COMPUTE_COLUMNS, compute,
+                     "the attention kernel's rate per rank with that many ranks computing at once",
+                     names=0),
+    ]
 
 
 def _accuracy_table(hardware: HardwareReport) -> str:
     assert hardware.accuracy is not None
     accuracy = hardware.accuracy
-    rows = [[escape(str(seq_len)), escape(str(count)), escape(f"{model:.1f}%"), escape(f"{prior:.1f}%")]
-            for seq_len, count, model, prior in accuracy.by_seq_len()]
+    rows = [[escape(str(seq_len)), escape(str(count)), escape(f"{model:.1f}%"), escape(f"{prior:.1f}%"),
+             escape(f"{coverage:.0%}")]
+            for seq_len, count, model, prior, coverage in accuracy.by_seq_len()]
     rows.append(["all", escape(str(len(accuracy.points))), escape(f"{accuracy.model_mape:.1f}%"),
-                 escape(f"{accuracy.prior_mape:.1f}%")])
-    return _table(["seq_len held out", "measurements", "model MAPE", "prior MAPE"], rows,
-                  "mean absolute percentage error against the measured medians")
+                 escape(f"{accuracy.prior_mape:.1f}%"), escape(f"{accuracy.model_coverage:.0%}")])
+    return _table(["seq_len held out", "measurements", "model MAPE", "prior MAPE", "inside band"], rows,
+                  "mean absolute percentage error against the measured medians; inside band: measurements "
+                  f"within the model's held-out 10-90% interval (80% advertised). {accuracy.verdict}")
 
 
 @dataclass
@@ -171,10 +221,15 @@ def _hardware_section(hardware: HardwareReport, out: _Output) -> str:
             parts += [out.figure(hardware, shape, SPEEDUP, speedup), _speedup_table(shape)]
         parts += [out.figure(hardware, shape, STRATEGY_MAP, strategy_map_figure(hardware, shape)),
                   _map_table(shape)]
+        breakdown = breakdown_figure(hardware, shape)
+        if breakdown is not None:
+            parts.append(out.figure(hardware, shape, BREAKDOWN, breakdown))
+        parts.append(_breakdown_table(shape))
     accuracy = accuracy_figure(hardware)
     if accuracy is not None:
         parts += ["<h3>Predicted against measured</h3>", out.figure(hardware, None, ACCURACY, accuracy),
                   _accuracy_table(hardware)]
+    parts += _calibration_section(hardware)
     return "\n".join(parts)
 
 

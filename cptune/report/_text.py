@@ -7,7 +7,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from cptune.measurement import format_ms
-from cptune.report._data import HardwareReport, ReportData, ShapeReport, rank_count
+from cptune.report._data import (
+    BREAKDOWN_COLUMNS,
+    COLLECTIVE_COLUMNS,
+    COMPUTE_COLUMNS,
+    HardwareReport,
+    ReportData,
+    ShapeReport,
+    breakdown_rows,
+    calibration_rows,
+    margin_text,
+    rank_count,
+)
 
 
 def _table(title: str, caption: str) -> Table:
@@ -48,7 +59,8 @@ def _speedup(hardware: HardwareReport, shape: ShapeReport) -> Table:
 def _strategy_map(hardware: HardwareReport, shape: ShapeReport) -> Table:
     table = _table(f"fastest configuration: {_where(hardware, shape)}",
                    "* predicted: some rival was not measured, the comparison rests on the cost model or the "
-                   "prior (second line: the winner's ms and source); empty: nothing can run there")
+                   "prior (second line: the winner's ms and source); +x%: how much slower the runner-up is "
+                   "(report.html names it); empty: nothing can run there")
     table.add_column("seq_len", justify="right")
     for n in shape.rank_counts:
         table.add_column(rank_count(n))
@@ -60,9 +72,11 @@ def _strategy_map(hardware: HardwareReport, shape: ShapeReport) -> Table:
             if cell is None:
                 cells.append("")
             elif cell.measured:
-                cells.append(f"{escape(cell.label)}\n{format_ms(cell.latency_ms)}")
+                cells.append(f"{escape(cell.label)}\n{format_ms(cell.latency_ms)}\n"
+                             f"{escape(margin_text(cell, named=False))}")
             else:
-                cells.append(f"[dim]{escape(cell.label)}*\n{format_ms(cell.latency_ms)} {cell.source}[/]")
+                cells.append(f"[dim]{escape(cell.label)}*\n{format_ms(cell.latency_ms)} {cell.source}\n"
+                             f"{escape(margin_text(cell, named=False))}[/]")
         measured = seq_len in shape.measured_lengths
         table.add_row(str(seq_len) if measured else f"{seq_len} (not measured)", *cells)
     return table
@@ -72,14 +86,47 @@ def _accuracy(hardware: HardwareReport) -> Table:
     assert hardware.accuracy is not None
     accuracy = hardware.accuracy
     table = _table(f"predicted against measured: {hardware.description} [{hardware.fingerprint[:8]}]",
-                   "model: held out by seq_len; MAPE against the measured medians")
-    for name in ("seq_len held out", "measurements", "model MAPE", "prior MAPE"):
+                   "model: held out by seq_len; MAPE against the measured medians; inside band: measurements "
+                   f"within the model's held-out 10-90% interval (80% advertised). {accuracy.verdict}")
+    for name in ("seq_len held out", "measurements", "model MAPE", "prior MAPE", "inside band"):
         table.add_column(name, justify="right")
-    for seq_len, count, model, prior in accuracy.by_seq_len():
-        table.add_row(str(seq_len), str(count), f"{model:.1f}%", f"{prior:.1f}%")
+    for seq_len, count, model, prior, coverage in accuracy.by_seq_len():
+        table.add_row(str(seq_len), str(count), f"{model:.1f}%", f"{prior:.1f}%", f"{coverage:.0%}")
     table.add_row("all", str(len(accuracy.points)), f"{accuracy.model_mape:.1f}%",
-                  f"{accuracy.prior_mape:.1f}%", style="bold")
+                  f"{accuracy.prior_mape:.1f}%", f"{accuracy.model_coverage:.0%}", style="bold")
     return table
+
+
+def _rows(title: str, caption: str, columns: tuple[str, ...], rows: list[list[str]], names: int = 1) -> Table:
+    """A table of plain-text rows, the first ``names`` columns left-aligned."""
+    table = _table(title, caption)
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i < names else "right", no_wrap=i < names)
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    return table
+
+
+def _breakdown(hardware: HardwareReport, shape: ShapeReport) -> Table:
+    return _rows(f"compute, communication and memory: {_where(hardware, shape)}",
+                 "ms: median of the whole call, and the slowest rank's time in attention math (compute) "
+                 "and waiting on communication compute did not hide (comm); comm % = comm / (compute + "
+                 "comm); peak: MiB one rank held at most; all measured",
+                 BREAKDOWN_COLUMNS, breakdown_rows(shape), names=2)
+
+
+def _calibration(hardware: HardwareReport) -> list[Table]:
+    assert hardware.calibration is not None
+    collectives, compute = calibration_rows(hardware.calibration)
+    where = f"{hardware.description} [{hardware.fingerprint[:8]}]"
+    return [
+        _rows(f"calibration, collectives: {where}",
+              "time = latency + bytes sent per rank / fit bandwidth, in groups of that size while that many "
+              "ranks run; bus: nccl-tests' bus bandwidth at the largest message",
+              COLLECTIVE_COLUMNS, collectives),
+        _rows(f"calibration, attention rate: {where}", "per rank, with that many ranks computing at once",
+              COMPUTE_COLUMNS, compute, names=0),
+    ]
 
 
 def _notes(hardware: HardwareReport) -> Table:
@@ -91,8 +138,9 @@ def _notes(hardware: HardwareReport) -> Table:
 
 
 def text_tables(data: ReportData) -> list[Table]:
-    """For each hardware and shape: latency, speedup (when a 1-rank run exists) and strategy
-    map; then the hardware's prediction accuracy and notes, when there are any."""
+    """For each hardware and shape: latency, speedup (when a 1-rank run exists), strategy
+    map and compute / communication / memory; then the hardware's prediction accuracy, its
+    calibration and notes, when there are any."""
     tables = []
     for hardware in data.hardware:
         for shape in hardware.shapes:
@@ -100,8 +148,11 @@ def text_tables(data: ReportData) -> list[Table]:
             if shape.speedup:
                 tables.append(_speedup(hardware, shape))
             tables.append(_strategy_map(hardware, shape))
+            tables.append(_breakdown(hardware, shape))
         if hardware.accuracy is not None:
             tables.append(_accuracy(hardware))
+        if hardware.calibration is not None:
+            tables += _calibration(hardware)
         if hardware.notes:
             tables.append(_notes(hardware))
     return tables
