@@ -519,6 +519,8 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
     with Store(args.db, create=False) as store:
+        if args.exclude or args.include or args.delete:
+            store.require_writable()
         if args.exclude or args.include:
             return _set_excluded(store, args.exclude or args.include, args.exclude is not None, console)
         if args.delete:

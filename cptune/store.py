@@ -315,7 +315,7 @@ class Store:
                 transaction.rollback()
         except DatabaseError as exc:
             raise StoreError(
-                f"cannot write to database {display_url(self.url)}: {exc.orig}. Nothing was measured; "
+                f"cannot write to database {display_url(self.url)}: {exc.orig}. Nothing was changed; "
                 f"make it writable or pass another --db"
             ) from None
 
