@@ -143,7 +143,7 @@ def test_an_oversubscribed_search_is_stored_marked_and_left_out_of_the_picks(db)
     (new,) = rows(db)[3:]
     assert new[1] == too_many and new[2] > 0 and new[3] == 1  # stored, marked oversubscribed
     listed = cptune("results", "--db", db)
-    assert "ok, oversubscribed" in listed.stdout
+    assert "ok, oversub." in listed.stdout
     assert json.loads(cptune("results", "--db", db, "--json").stdout)[3]["oversubscribed"] is True
 
 
