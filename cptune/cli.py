@@ -13,7 +13,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import logging
 import math
 import os
 import sys
@@ -597,6 +596,8 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
     with Store(args.db, create=False) as store:
+        if args.exclude or args.include or args.delete:
+            store.require_writable()
         if args.exclude or args.include:
             return _set_excluded(store, args.exclude or args.include, args.exclude is not None, console)
         if args.delete:
@@ -617,20 +618,22 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
         return 0
     table = _table(f"{len(rows)} stored result(s)", "median ms per iteration of the slowest rank")
     for column in ("id", "seq_len", "heads", "config", "ranks", "status", "median ms", "hardware"):
-        table.add_column(column, justify="left" if column in ("config", "status", "hardware") else "right")
+        table.add_column(column, justify="left" if column in ("config", "status", "hardware") else "right",
+                         no_wrap=column != "hardware")
     for r in rows:
         median = f"{r.median_ms:.2f}" if r.median_ms is not None else "-"
         heads = f"{r.workload.heads}/{r.workload.kv_heads}"
         status = Text(r.status, style="" if r.status == "ok" else "red")
-        for mark, marked in (("oversubscribed", r.oversubscribed), ("excluded", r.excluded)):
+        for mark, marked in (("oversub.", r.oversubscribed), ("excluded", r.excluded)):
             if marked:
                 status.append(f", {mark}", style="yellow")
         table.add_row(str(r.id), str(r.workload.seq_len), heads, r.config.label, str(r.config.ranks),
                       status, median, Text(r.hardware))
     console.print(table)
     if marked := sum(r.oversubscribed or r.excluded for r in rows):
-        _say(console, f"{marked} marked oversubscribed or excluded: kept, but left out of the model and the "
-                      f"picks (cptune results --include ID takes an excluded one back)")
+        _say(console, f"{marked} marked: oversub. = oversubscribed, run on more ranks than the host's cores; "
+                      f"excluded = set aside with --exclude (--include ID takes it back). Both are kept but "
+                      f"left out of the model and the picks")
     return 0
 
 
@@ -882,9 +885,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
-    # Optuna logs every trial an exception ends (Ctrl-C included) with its traceback; the
-    # search reports its own failures
-    logging.getLogger("optuna").setLevel(logging.ERROR)
     try:
         return COMMANDS[args.command](args, console)
     except CPTuneError as error:

@@ -34,7 +34,9 @@ from cptune.measurement import oversubscribed
 from cptune.store import Store
 from cptune.workload import Workload
 
-optuna.logging.set_verbosity(logging.WARNING)
+# the search reports each failure itself; Optuna would also log every trial an exception
+# ends (Ctrl-C included) with its traceback
+optuna.logging.set_verbosity(logging.ERROR)
 
 #: The objective of a configuration whose run failed; the constraint marks it infeasible.
 FAILED_LATENCY_MS = float("inf")

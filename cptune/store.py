@@ -406,7 +406,7 @@ class Store:
                 transaction.rollback()
         except DBAPIError as exc:
             raise StoreError(
-                f"cannot write to database {self.url}: {self._explain(exc.orig)}. Nothing was measured; "
+                f"cannot write to database {self.url}: {self._explain(exc.orig)}. Nothing was changed; "
                 f"make it writable or pass another --db"
             ) from None
 

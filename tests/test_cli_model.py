@@ -1,6 +1,7 @@
 """cptune recommend / fit / calibrate as a user runs them (subprocesses)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -36,10 +37,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     broken = tmp / "broken.toml"
     broken.write_text('ranks_per_node = 8\n[device\nname = "x"\n')
+    env = {k: v for k, v in os.environ.items() if k != "CPTUNE_DB"}  # the default database, absent
     started = {
         name: subprocess.Popen(
-            [*CLI, *(a.format(broken=broken) for a in args), "--db", str(tmp / f"{name}.db")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [*CLI, *(a.format(broken=broken) for a in args)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=env,
         )
         for name, args in RUNS.items()
     }
@@ -47,15 +49,16 @@ def runs(tmp_path_factory):
     for name, process in started.items():
         out, err = process.communicate(timeout=300)
         done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    assert not (tmp / "cptune.db").exists()  # reading commands create no database
     return done
 
 
 def assert_usage_error(result, *fragments):
-    """Exit 2 with one line "cptune: error: ..." naming ``fragments``, and no traceback."""
+    """Exit 2 with one line "cptune: error: ..." on stderr naming ``fragments``, and no traceback."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert "Traceback" not in output
-    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, output
     assert lines[0].startswith("cptune: error: ")
     for fragment in fragments:

@@ -265,7 +265,7 @@ def test_a_read_only_database_is_refused_before_any_write(tmp_path):
         store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
     with Store(f"sqlite:///file:{path}?mode=ro&uri=true") as read_only:
         assert len(read_only.results()) == 1  # reading works
-        with pytest.raises(StoreError, match="cannot write to database .*Nothing was measured"):
+        with pytest.raises(StoreError, match="cannot write to database .*Nothing was changed"):
             read_only.require_writable()
     with Store(str(path)) as writable:
         writable.require_writable()

@@ -1,0 +1,263 @@
+"""Bad input and awkward surroundings, as a user meets them on the command line: one line on
+stderr, exit 2, no traceback, stored data intact; normal output on stdout, as text."""
+
+import dataclasses
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_calibration, measurement
+from cptune.config import CPConfig
+from cptune.cost import analytic_cost
+from cptune.hardware import builtin_descriptions, this_host
+from cptune.measurement import available_cores, host_memory_bytes
+from cptune.store import VERSION_TABLE, Store
+from cptune.workload import Workload
+
+CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
+SMALL = Workload(seq_len=64, heads=4, head_dim=16)
+
+
+def cptune(*args, **kwargs):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def assert_refused(result, *fragments, prefix="cptune: error: "):
+    """Exit 2, nothing on stdout, one line on stderr starting ``prefix`` and naming ``fragments``."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(prefix), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def rows(db):
+    """Every measurement row as SQLite sees it (id, ranks, median_ms, oversubscribed, excluded)."""
+    with sqlite3.connect(db) as connection:
+        return connection.execute(
+            "SELECT id, ranks, median_ms, oversubscribed, excluded FROM measurements ORDER BY id").fetchall()
+
+
+def dump(db):
+    """The whole database as SQL (what it holds, whatever the WAL has checkpointed)."""
+    with sqlite3.connect(db) as connection:
+        return list(connection.iterdump())
+
+
+@pytest.fixture
+def db(tmp_path):
+    """This host calibrated on 2 ranks, and three made-up measurements of SMALL (ids 1-3)."""
+    path = tmp_path / "c.db"
+    with Store(str(path)) as store:
+        store.add_calibration(this_host(), make_calibration(2))
+        for strategy, ranks, ms in (("ring", 1, 3.0), ("ring", 2, 2.0), ("ulysses", 2, 4.0)):
+            store.add_measurement(this_host(), measurement(SMALL, CPConfig(strategy, ranks), ms))
+    return path
+
+
+# --------------------------------------------------------------------------- flags (item 12)
+
+
+@pytest.mark.parametrize("args, prefix, fragment", [
+    (["search", "--seq-lens", "64,x"], "cptune search: error: ", "argument --seq-lens"),
+    (["recommend", "--heads", "8"], "cptune recommend: error: ", "--seq-len"),
+    (["results", "--frobnicate"], "cptune: error: ", "--frobnicate"),
+    ([], "cptune: error: ", "command"),
+])
+def test_a_flag_error_is_one_line_with_where_to_get_help(args, prefix, fragment):
+    result = cptune(*args)
+    assert_refused(result, fragment, prefix=prefix)
+    assert result.stderr.rstrip().endswith("--help)")
+    assert "usage:" not in result.stderr
+
+
+# --------------------------------------------------------------- streams and text (items 9, 10, 11)
+
+
+@pytest.mark.parametrize("command", ["results", "fit", "report", "export", "recommend"])
+def test_reading_a_database_that_does_not_exist_refuses_and_creates_nothing(tmp_path, command):
+    shape = {"recommend": ["--heads", "4", "--head-dim", "16", "--seq-len", "64"],
+             "export": ["--heads", "4", "--head-dim", "16", "--seq-lens", "64"]}.get(command, [])
+    result = cptune(command, *shape, "--db", tmp_path / "typo.db", cwd=tmp_path)
+    assert_refused(result, f"no database at {tmp_path / 'typo.db'}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recommend_for_a_description_needs_no_database_and_creates_none(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CPTUNE_DB"}
+    result = cptune("recommend", "--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128",
+                    "--seq-len", "16896", "--json", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["source"] == "prior"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_messages_are_text_not_markup(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text('name = "x"\n[model]\nhaeds = 8\nhead_dim = 64\n[sweep]\nseq_lens = [64]\n')
+    assert_refused(cptune("search", space, "--db", tmp_path / "x.db"), "allowed in [model]: heads")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_a_description_name_in_brackets_is_shown_as_written(tmp_path, db):
+    description = tmp_path / "box.toml"
+    shipped = builtin_descriptions()["h100-sxm-8"].read_text()
+    description.write_text(shipped.replace('name = "', 'name = "[bold]lab[/bold] ', 1))
+    result = cptune("recommend", "--hardware", description, "--heads", "8", "--head-dim", "64",
+                    "--seq-len", "4096", "--db", db)
+    assert result.returncode == 0, result.stderr
+    assert "[bold]lab[/bold]" in result.stdout
+
+
+# --------------------------------------------------------------------------- oversubscription (item 2)
+
+
+@pytest.mark.parametrize("how", ["flags", "space", "max-ranks", "calibrate"])
+def test_more_ranks_than_cores_are_refused_without_the_flag(tmp_path, how):
+    too_many = available_cores() + 1
+    space = tmp_path / "space.toml"
+    space.write_text(f'name = "big"\n[model]\nheads = 1\nhead_dim = 16\n[sweep]\nseq_lens = [64]\n'
+                     f'ranks = [1, {too_many}]\n')
+    flags = ["--heads", "1", "--head-dim", "16", "--seq-lens", "64", "--ranks", f"1,{too_many}"]
+    args = {"flags": ["search", *flags],
+            "space": ["search", space],
+            "max-ranks": ["search", "--max-ranks", too_many],
+            "calibrate": ["calibrate", "--max-ranks", too_many]}[how]
+    result = cptune(*args, "--db", tmp_path / "o.db")
+    assert_refused(result, f"more ranks than this host's {available_cores()} cores", "--oversubscribe")
+    assert not (tmp_path / "o.db").exists()
+
+
+@pytest.mark.slow
+def test_an_oversubscribed_search_is_stored_marked_and_left_out_of_the_picks(db):
+    too_many = available_cores() + 1
+    result = cptune("search", "--heads", "1", "--head-dim", "16", "--seq-lens", "64", "--ranks", too_many,
+                    "--strategies", "ring", "--oversubscribe", "--db", db)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (new,) = rows(db)[3:]
+    assert new[1] == too_many and new[2] > 0 and new[3] == 1  # stored, marked oversubscribed
+    listed = cptune("results", "--db", db)
+    assert "ok, oversub." in listed.stdout
+    assert json.loads(cptune("results", "--db", db, "--json").stdout)[3]["oversubscribed"] is True
+
+
+def test_oversubscribed_and_excluded_rows_answer_for_nothing(tmp_path):
+    path = tmp_path / "m.db"
+    with Store(str(path)) as store:
+        store.add_calibration(this_host(), make_calibration(2))
+        kept = store.add_measurement(this_host(), measurement(SMALL, CPConfig("ring", 1), 3.0))
+        fastest = measurement(SMALL, CPConfig("ring", 2), 0.5)
+        store.add_measurement(this_host(), dataclasses.replace(fastest, oversubscribed=True))
+        excluded = store.add_measurement(this_host(), measurement(SMALL, CPConfig("ulysses", 2), 0.1))
+        store.set_excluded([excluded])
+    picked = json.loads(cptune("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", "64", "--json",
+                               "--db", path).stdout)
+    measured = {(c["strategy"], c["ranks"]): c["measurement_id"] for c in picked["candidates"]
+                if c["source"] == "measured"}
+    assert measured == {("ring", 1): kept}
+
+
+# --------------------------------------------------------------------------- exclude / delete (item 3)
+
+
+def test_results_exclude_include_and_delete(db):
+    before = rows(db)
+    excluded = cptune("results", "--exclude", "2,3", "--db", db)
+    assert excluded.returncode == 0, excluded.stderr
+    assert excluded.stdout.startswith("excluded 2 measurement(s): 2, 3\n")
+    assert "--include 2,3" in excluded.stdout
+    assert [r[4] for r in rows(db)] == [0, 1, 1]
+    listed = cptune("results", "--db", db).stdout
+    assert listed.count("ok, excluded") == 2
+
+    included = cptune("results", "--include", "3", "--db", db)
+    assert included.stdout.startswith("included again 1 measurement(s): 3\n")
+    assert [r[4] for r in rows(db)] == [0, 1, 0]
+
+    deleted = cptune("results", "--delete", "1", "--db", db)
+    assert deleted.returncode == 0, deleted.stderr
+    assert "deleted 1 measurement(s)" in deleted.stdout and "1: Ring on 1 rank" in deleted.stdout
+    assert [r[0] for r in rows(db)] == [2, 3]
+    assert [r[:3] for r in rows(db)] == [r[:3] for r in before[1:]]
+
+
+@pytest.mark.parametrize("change", ["--exclude", "--include", "--delete"])
+def test_unknown_ids_are_refused_and_nothing_changes(db, change):
+    before = rows(db)
+    assert_refused(cptune("results", change, "2,7,9", "--db", db), "no measurement with id 7, 9")
+    assert rows(db) == before
+
+
+# --------------------------------------------------------------------------- tracebacks (item 8)
+
+
+def test_an_absurd_length_is_one_line(tmp_path):
+    result = cptune("recommend", "--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128",
+                    "--seq-len", "10000000000", cwd=tmp_path)
+    assert_refused(result, "no configuration can run seq 10000000000", "per rank, over the limit of 80.0 GiB")
+
+
+def test_a_database_of_a_newer_cptune_is_refused_untouched(db):
+    with sqlite3.connect(db) as connection:
+        connection.execute(f"UPDATE {VERSION_TABLE} SET version_num = '0099'")
+    before = dump(db)
+    search = ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", "1"]
+    for args in (["results"], search):
+        assert_refused(cptune(*args, "--db", db), "by a newer cptune", "'0099'", "Nothing was changed")
+    assert dump(db) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "128", "--ranks", "1"],
+    ["calibrate", "--max-ranks", "1"],
+    ["results", "--exclude", "1"],
+])
+def test_a_read_only_database_is_refused_before_measuring(db, args):
+    before = rows(db)
+    read_only = f"sqlite:///file:{db}?mode=ro&uri=true"
+    assert_refused(cptune(*args, "--db", read_only), "cannot write to database", "readonly")
+    assert rows(db) == before
+
+
+def test_a_reader_that_leaves_early_ends_the_listing_quietly(tmp_path):
+    path = tmp_path / "big.db"
+    with Store(str(path)) as store:
+        for seq_len in range(64, 3064):  # far more than a pipe buffers
+            workload = dataclasses.replace(SMALL, seq_len=seq_len)
+            store.add_failure(this_host(), workload, CPConfig("ring", 1), "crash", "x" * 40, "mpi")
+    for fmt in ("--csv", "--json", None):
+        listing = subprocess.Popen([*CLI, "results", *([fmt] if fmt else []), "--db", str(path)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert listing.stdout.readline()  # like head -1
+        listing.stdout.close()
+        error = listing.stderr.read().decode()
+        assert listing.wait(timeout=120) == 0, error
+        assert error == ""
+
+
+# --------------------------------------------------------------------------- host memory (item 4)
+
+
+def test_this_hosts_memory_is_shared_by_its_ranks(db):
+    # long enough that one rank's activations alone exceed half of this host's memory
+    workload = Workload(seq_len=1024, heads=4, head_dim=16)
+    while analytic_cost(workload, CPConfig("ring", 2)).peak_bytes * 2 <= host_memory_bytes():
+        workload = dataclasses.replace(workload, seq_len=workload.seq_len * 2)
+    result = cptune("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", workload.seq_len, "--json",
+                    "--db", db)
+    if result.returncode == 0:
+        picked = json.loads(result.stdout)
+        for c in picked["candidates"]:
+            config = CPConfig(c["strategy"], c["ranks"], c["head_group"])
+            assert analytic_cost(workload, config).peak_bytes * config.ranks <= host_memory_bytes()
+        reasons = [r for item in picked["infeasible"] for r in item["reasons"]]
+    else:
+        assert_refused(result, "no configuration can run")
+        reasons = [result.stderr]
+    assert any("over the limit of" in reason for reason in reasons)
