@@ -69,7 +69,8 @@ def picks(case: Case) -> tuple[dict[str, int], dict[int, float]]:
     """The Ulysses degree each rule picks, and the prior's latency (ms) per degree."""
     profile = DescribedProfile(load_description(case.hardware))
     predicted = {
-        u: prior_time(case.workload, config_for(case.ranks, u), profile).total_s * 1e3 for u in case.latency_ms
+        u: prior_time(case.workload, config_for(case.ranks, u), profile).total_s * 1e3
+        for u in case.latency_ms
     }
     degrees = sorted(case.latency_ms)
     chosen = {
@@ -88,9 +89,12 @@ def score(cases: list[Case]) -> dict[str, object]:
         chosen, predicted = picks(case)
         best = min(case.latency_ms, key=case.latency_ms.__getitem__)
         degrees = sorted(case.latency_ms)
-        rho = (float(spearmanr([predicted[u] for u in degrees], [case.latency_ms[u] for u in degrees])[0])
-               if len(degrees) > 2 else (1.0 if (predicted[degrees[0]] < predicted[degrees[-1]])
-                                         == (case.latency_ms[degrees[0]] < case.latency_ms[degrees[-1]]) else -1.0))
+        published = [case.latency_ms[u] for u in degrees]
+        ranked = [predicted[u] for u in degrees]
+        if len(degrees) > 2:
+            rho = float(spearmanr(ranked, published)[0])
+        else:  # two configurations: +1 when the order agrees, -1 when it does not
+            rho = 1.0 if (ranked[0] < ranked[1]) == (published[0] < published[1]) else -1.0
         rows.append({
             "id": case.id, "hardware": case.hardware, "workload": case.workload.describe(),
             "ranks": case.ranks, "best": best, "best_ms": case.latency_ms[best],

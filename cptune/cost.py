@@ -24,6 +24,10 @@ SCORE_BLOCK_ROWS = 128
 #: Collective kinds traffic is counted under. "p2p" is the Ring's K/V stream step:
 #: send/recv on MPI, one broadcast per step on engines without point-to-point.
 COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p")
+#: Memory-bound steps whose device-memory traffic is counted.
+MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge")
+#: Kernels counted per rank: attention calls and the memory-bound steps.
+KERNELS: tuple[str, ...] = ("attention", *MEMORY_STEPS)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,12 @@ class AnalyticCost:
     peak_bytes: int
     #: Copies of each KV head sent through the Ulysses all-to-all (1 = none replicated).
     kv_replication: int
+    #: Bytes the busiest rank moves through device memory in memory-bound steps, by step
+    #: (MEMORY_STEPS): the permutes around each all-to-all, the K/V replication for GQA, the
+    #: Ring's merges of partial outputs.
+    memory_bytes: dict[str, int]
+    #: Kernels the busiest rank launches, by what they do (KERNELS); collectives not counted.
+    kernels: dict[str, int]
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -70,6 +80,13 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
     - all-gather (AllGather-KV, c > 1): each rank's K/V block reaches the c - 1 others:
       (c - 1) * 2 * B * (S / c) * (K' / u) * D * w, in one step.
     - p2p (Ring, c > 1): the same volume, in c - 1 steps of one block each.
+    - device memory (memory-bound steps): each all-to-all'd tensor is permuted into send
+      order and out of receive order, read and written each time: 4 * B * (S / N) *
+      (2H + 2K') * D * w; GQA replication reads the K/V heads and writes their K' copies;
+      each Ring step after the first merges the block's output into the fp32 accumulator
+      (read both, write one: 3 * 4 bytes per output element).
+    - kernels: one attention call (c for the Ring, block by block), a permute before and
+      after each of the 3 all-to-alls, one replication, a merge per Ring step after the first.
     - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
@@ -108,6 +125,19 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
     scores = min(SCORE_BLOCK_ROWS, block_tokens) * score_keys * FP32_BYTES
     peak = inputs + output + exchanged + held_kv + accumulators + scores
 
+    memory = dict.fromkeys(MEMORY_STEPS, 0)
+    kernels = dict.fromkeys(KERNELS, 0)
+    kernels["attention"] = c if ring else 1
+    if u > 1:
+        memory["permute"] = 4 * b * rank_tokens * (2 * h + 2 * kv_sent) * d * w
+        kernels["permute"] = 2 * steps["all_to_all"]
+    if rep > 1:
+        memory["replicate"] = 2 * b * rank_tokens * (workload.kv_heads + kv_sent) * d * w
+        kernels["replicate"] = 1
+    if ring:
+        memory["merge"] = (c - 1) * 3 * b * block_tokens * local_heads * d * FP32_BYTES
+        kernels["merge"] = c - 1
+
     return AnalyticCost(
         padded_seq_len=s,
         flops=flops,
@@ -115,4 +145,6 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
         comm_steps=steps,
         peak_bytes=peak,
         kv_replication=rep,
+        memory_bytes=memory,
+        kernels=kernels,
     )

@@ -1,18 +1,24 @@
 """The physical prior: a configuration's latency from its analytic terms and the hardware's rates.
 
-``analytic_cost`` counts what a configuration does (FLOPs, bytes per collective, steps);
-a ``Profile`` says how fast a hardware does it. A calibrated host measured its rates
-(``cptune calibrate``); a described one has them from a topology file (datasheets and
-published benchmarks). The prior is what carries predictions where no measurement reaches:
-longer sequences, more ranks, hardware that is only calibrated or only described.
+``analytic_cost`` counts what a configuration does (FLOPs, bytes per collective, bytes through
+device memory, kernels, steps); a ``Profile`` says how fast a hardware does each. A calibrated
+host measured its rates (``cptune calibrate``); a described one has them from a topology file
+(datasheets and published benchmarks). Both answer the same questions, so the prior has one
+shape for both. It carries predictions where no measurement reaches: longer sequences, more
+ranks, hardware that is only calibrated or only described.
 
     compute     = FLOPs of the busiest rank / attention rate per rank (at the work per kernel
-                  call: calibrated rates fall for small blocks)
-    all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent / bandwidth   (head group)
-    all-gather  = latency + bytes sent / bandwidth                         (context group)
-    Ring        = c - 1 stream steps, each overlapped with attention on the block in hand:
-                  compute / c + (c - 1) * max(compute / c, latency + block bytes / bandwidth)
-    latency     = compute + all-to-all + all-gather + the Ring's exposed communication
+                  call and head_dim: small blocks and small head_dims run slower)
+    memory      = bytes of the memory-bound steps (permutes, GQA replication, merges) /
+                  device-memory bandwidth
+    overhead    = kernels launched x the fixed cost of one launch
+    all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent x time per byte  (head groups)
+    all-gather  = latency + bytes sent x time per byte                          (context groups)
+                  (time per byte: the slowest tier the traffic crosses, by its share of it)
+    Ring        = c blocks; while a block's K/V streams in, compute on the block in hand runs
+                  slower (overlap_slowdown) and the step waits for the slower of the two:
+                  (c - 1) * max(block * (1 + slowdown) + merge + launches, transfer) + last block
+    latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 """
 
 from __future__ import annotations
@@ -26,9 +32,13 @@ from cptune.cost import analytic_cost
 from cptune.hardware import Hardware, HardwareDescription
 from cptune.workload import Workload
 
+#: Groups of global ranks that run one collective at once (every group of a configuration).
+Groups = tuple[tuple[int, ...], ...]
+
 
 class Profile(Protocol):
-    """How fast one hardware computes attention and runs each collective."""
+    """How fast one hardware computes attention, moves bytes through device memory, launches
+    kernels and runs each collective."""
 
     @property
     def fingerprint(self) -> str: ...
@@ -40,15 +50,28 @@ class Profile(Protocol):
     def memory_limit(self) -> int | None:
         """Bytes per rank a configuration may hold, or None when not limited."""
 
+    @property
+    def memory_bandwidth(self) -> float | None:
+        """Bytes/s memory-bound kernels reach; None when the profile's measured rates already
+        include that work (a calibrated host)."""
+
+    @property
+    def launch_s(self) -> float:
+        """Seconds one kernel launch costs beyond its work (0 when inside measured rates)."""
+
+    @property
+    def overlap_slowdown(self) -> float:
+        """The share of its speed compute loses while communication runs beside it."""
+
     def describe(self) -> str: ...
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
-        """Attention FLOP/s of one rank doing ``flops`` of work when ``ranks`` ranks compute
-        at once."""
+        """Attention FLOP/s of one rank doing ``flops`` of work per call when ``ranks`` ranks
+        compute at once."""
 
-    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
-        """(latency s, bandwidth B/s) of collective ``kind`` among global ranks ``members``
-        while ``ranks`` ranks run."""
+    def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
+        """Seconds of ``calls`` calls of collective ``kind`` in which each rank of ``groups``
+        (all running at once, ``ranks`` ranks in all) sends ``nbytes`` in total."""
 
 
 @dataclass(frozen=True)
@@ -70,15 +93,27 @@ class CalibratedProfile:
     def memory_limit(self) -> int | None:
         return None
 
+    @property
+    def memory_bandwidth(self) -> float | None:
+        return None  # the measured attention and collective timings include their copies
+
+    @property
+    def launch_s(self) -> float:
+        return 0.0  # inside the measured per-call latencies and rates
+
+    @property
+    def overlap_slowdown(self) -> float:
+        return 0.0  # not calibrated: no measurement runs compute beside communication
+
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         return self.calibration.attention_rate(ranks, workload.head_dim, workload.causal, flops)
 
-    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
-        fit = self.calibration.collective(kind, ranks, len(members))
-        return fit.latency_s, fit.bandwidth
+    def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
+        fit = self.calibration.collective(kind, ranks, len(groups[0]))
+        return calls * fit.latency_s + nbytes / fit.bandwidth
 
 
 @dataclass(frozen=True)
@@ -99,21 +134,37 @@ class DescribedProfile:
     def memory_limit(self) -> int | None:
         return self.description.memory_bytes
 
+    @property
+    def memory_bandwidth(self) -> float | None:
+        return self.description.figure("device.memory_gbps")
+
+    @property
+    def launch_s(self) -> float:
+        return self.description.figure("device.launch_us")
+
+    @property
+    def overlap_slowdown(self) -> float:
+        return self.description.figure("device.overlap_slowdown")
+
     def describe(self) -> str:
         return self.description.describe()
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
-        rates = self.description.attention_flops
-        if workload.dtype not in rates:
+        """Per (query, key) pair and head the kernel does 4 * head_dim GEMM FLOPs and one
+        exponential, which run on separate units one after the other: small head_dims spend
+        a larger share of their time on the exponential."""
+        matmul = self.description.matmul_flops(workload.dtype)
+        if matmul is None:
             raise ValueError(
-                f"{self.description.source} gives no {workload.dtype} attention rate "
-                f"(has {', '.join(sorted(rates))}); add it under [device] attention_tflops"
+                f"{self.description.source} gives no {workload.dtype} attention rate; add it under "
+                f"[device] matmul_tflops"
             )
-        return rates[workload.dtype]
+        exponentials = self.description.figure("device.softmax_tops")
+        return 1.0 / (1.0 / matmul + 1.0 / (4 * workload.head_dim * exponentials))
 
-    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
-        link = self.description.link(members)
-        return link.latency, link.bandwidth
+    def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
+        latency, per_byte = self.description.exchange(kind, groups)
+        return calls * latency + nbytes * per_byte
 
 
 @dataclass(frozen=True)
@@ -124,37 +175,54 @@ class PriorTime:
     all_to_all_s: float
     all_gather_s: float
     ring_exposed_s: float
+    #: Memory-bound steps: permutes, GQA replication, the Ring's merges.
+    memory_s: float = 0.0
+    #: Fixed cost of the kernels launched.
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+        return (self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+                + self.memory_s + self.overhead_s)
 
     @property
     def comm_s(self) -> float:
-        return self.total_s - self.compute_s
+        return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+
+
+def groups_of(config: CPConfig) -> tuple[Groups, Groups]:
+    """(head groups, context groups) of ``config`` as global ranks: ranks g*u .. g*u+u-1 share
+    heads, ranks j, j+u, j+2u, ... a context (the layout's numbering)."""
+    n, u = config.ranks, config.head_group
+    heads = tuple(tuple(range(g * u, (g + 1) * u)) for g in range(config.context_degree))
+    context = tuple(tuple(range(j, n, u)) for j in range(u))
+    return heads, context
 
 
 def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
-    """The physical prior of ``config`` on ``workload`` (see the module docstring). The
-    groups are those of rank 0: ranks 0..u-1 share heads, ranks 0, u, 2u, ... the context."""
+    """The physical prior of ``config`` on ``workload`` (see the module docstring)."""
     cost = analytic_cost(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
-    ring = config.strategy == "ring"
-    per_call = cost.flops / c if ring else cost.flops  # the Ring attends block by block
-    compute = cost.flops / profile.attention_rate(workload, n, per_call)
+    calls = cost.kernels["attention"]
+    compute = cost.flops / profile.attention_rate(workload, n, cost.flops / calls)
+    bandwidth = profile.memory_bandwidth
+    memory = {step: nbytes / bandwidth if bandwidth else 0.0 for step, nbytes in cost.memory_bytes.items()}
+    launch = profile.launch_s
+    heads, context = groups_of(config)
 
-    def comm(kind: str, members: list[int], nbytes: float, calls: int) -> float:
-        latency, bandwidth = profile.collective(kind, n, members)
-        return calls * latency + nbytes / bandwidth
-
-    heads, context = list(range(u)), list(range(0, n, u))
-    all_to_all = comm("all_to_all", heads, cost.bytes_sent["all_to_all"], 3) if u > 1 else 0.0
+    all_to_all = 0.0
+    if u > 1:
+        all_to_all = profile.collective_time("all_to_all", n, heads, cost.bytes_sent["all_to_all"],
+                                             cost.comm_steps["all_to_all"])
     all_gather = 0.0
     if cost.comm_steps["all_gather"]:
-        all_gather = comm("all_gather", context, cost.bytes_sent["all_gather"], 1)
+        all_gather = profile.collective_time("all_gather", n, context, cost.bytes_sent["all_gather"], 1)
     ring_exposed = 0.0
     if steps := cost.comm_steps["p2p"]:
-        step = comm("p2p", context, cost.bytes_sent["p2p"] / steps, 1)
+        transfer = profile.collective_time("p2p", n, context, cost.bytes_sent["p2p"] / steps, 1)
         block = compute / c
-        ring_exposed = block + steps * max(block, step) - compute
-    return PriorTime(compute, all_to_all, all_gather, ring_exposed)
+        busy = block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / steps + 2 * launch
+        ring = steps * max(busy, transfer) + block + launch
+        ring_exposed = ring - compute - memory["merge"] - launch * (calls + cost.kernels["merge"])
+    return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
+                     overhead_s=launch * sum(cost.kernels.values()))

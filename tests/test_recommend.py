@@ -150,7 +150,7 @@ def test_a_shipped_description_predicts_from_the_prior(db):
 
 def test_unknown_hardware_names_the_shipped_descriptions(db):
     with pytest.raises(CPTuneError) as caught:
-        recommend(W, hardware="h200-sxm-8", db=db)
+        recommend(W, hardware="h300-sxm-8", db=db)
     message = str(caught.value)
     for name in builtin_descriptions():
         assert name in message
