@@ -26,8 +26,16 @@ SCORE_BLOCK_ROWS = 128
 COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p")
 #: Memory-bound steps whose device-memory traffic is counted.
 MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge")
-#: Kernels counted per rank: attention calls and the memory-bound steps.
-KERNELS: tuple[str, ...] = ("attention", *MEMORY_STEPS)
+#: Kernels counted per rank: attention calls, the memory-bound steps and the Ring's sends and
+#: receives (launched by the rank every step, unlike a collective's one call).
+KERNELS: tuple[str, ...] = ("attention", *MEMORY_STEPS, "stream")
+#: The Ring's merge of one block's output into the running output, as the online-softmax
+#: update of ring-flash-attn (used by yunchang and xDiT) runs it eagerly: cast the block's
+#: output to fp32 (read w, write 4 bytes per element), out - block (read 8, write 4), scale by
+#: sigmoid(lse difference) (read 4, write 4), subtract from out (read 8, write 4), and the same
+#: on the log-sum-exp: 6 kernels, 36 + w bytes per output element.
+MERGE_KERNELS = 6
+MERGE_FP32_PASSES = 9
 
 
 @dataclass(frozen=True)
@@ -83,10 +91,11 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
     - device memory (memory-bound steps): each all-to-all'd tensor is permuted into send
       order and out of receive order, read and written each time: 4 * B * (S / N) *
       (2H + 2K') * D * w; GQA replication reads the K/V heads and writes their K' copies;
-      each Ring step after the first merges the block's output into the fp32 accumulator
-      (read both, write one: 3 * 4 bytes per output element).
+      each Ring step after the first merges the block's output into the fp32 running output
+      (MERGE_FP32_PASSES * 4 + w bytes per output element of the block).
     - kernels: one attention call (c for the Ring, block by block), a permute before and
-      after each of the 3 all-to-alls, one replication, a merge per Ring step after the first.
+      after each of the 3 all-to-alls, one replication, MERGE_KERNELS per Ring merge and a
+      send and a receive per Ring step.
     - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
@@ -135,8 +144,9 @@ def analytic_cost(workload: Workload, config: CPConfig) -> AnalyticCost:
         memory["replicate"] = 2 * b * rank_tokens * (workload.kv_heads + kv_sent) * d * w
         kernels["replicate"] = 1
     if ring:
-        memory["merge"] = (c - 1) * 3 * b * block_tokens * local_heads * d * FP32_BYTES
-        kernels["merge"] = c - 1
+        memory["merge"] = (c - 1) * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
+        kernels["merge"] = (c - 1) * MERGE_KERNELS
+        kernels["stream"] = 2 * (c - 1)
 
     return AnalyticCost(
         padded_seq_len=s,

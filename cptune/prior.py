@@ -16,8 +16,10 @@ ranks, hardware that is only calibrated or only described.
     all-gather  = latency + bytes sent x time per byte                          (context groups)
                   (time per byte: the slowest tier the traffic crosses, by its share of it)
     Ring        = c blocks; while a block's K/V streams in, compute on the block in hand runs
-                  slower (overlap_slowdown) and the step waits for the slower of the two:
-                  (c - 1) * max(block * (1 + slowdown) + merge + launches, transfer) + last block
+                  slower (overlap_slowdown, for as long as the transfer runs) and the step
+                  waits for the slower of the two:
+                  (c - 1) * max(block + slowdown * min(block, transfer) + merge + launches,
+                                transfer) + last block
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 """
 
@@ -221,8 +223,10 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     if steps := cost.comm_steps["p2p"]:
         transfer = profile.collective_time("p2p", n, context, cost.bytes_sent["p2p"] / steps, 1)
         block = compute / c
-        busy = block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / steps + 2 * launch
+        step_launches = (cost.kernels["merge"] + cost.kernels["stream"]) / steps + 1
+        busy = (block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / steps
+                + step_launches * launch)
         ring = steps * max(busy, transfer) + block + launch
-        ring_exposed = ring - compute - memory["merge"] - launch * (calls + cost.kernels["merge"])
+        ring_exposed = ring - compute - memory["merge"] - launch * (steps * step_launches + 1)
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
                      overhead_s=launch * sum(cost.kernels.values()))

@@ -272,13 +272,13 @@ def test_ring_steps_pay_launches_merges_and_the_slowdown_beside_their_transfer()
     workload = Workload(seq_len=32768, heads=32, head_dim=32, batch=2, causal=True)
     config = CPConfig("ring", 8)
     cost = analytic_cost(workload, config)
-    assert cost.kernels == {"attention": 8, "permute": 0, "replicate": 0, "merge": 7}
-    assert cost.memory_bytes["merge"] == 7 * 3 * 2 * (32768 // 8) * 32 * 32 * 4
+    assert cost.kernels == {"attention": 8, "permute": 0, "replicate": 0, "merge": 7 * 6, "stream": 7 * 2}
+    assert cost.memory_bytes["merge"] == 7 * 2 * (32768 // 8) * 32 * 32 * (9 * 4 + 2)
     quiet = a100.with_figure("device.launch_us", 1e-9).with_figure("device.overlap_slowdown", 1e-12)
     t_quiet = prior_time(workload, config, DescribedProfile(quiet))
     t = prior_time(workload, config, DescribedProfile(a100))
     launch = a100.figure("device.launch_us")
-    assert t.overhead_s == pytest.approx(launch * 15)
+    assert t.overhead_s == pytest.approx(launch * (8 + 7 * 6 + 7 * 2))
     assert t.memory_s == pytest.approx(cost.memory_bytes["merge"] / a100.figure("device.memory_gbps"))
     assert t_quiet.ring_exposed_s == pytest.approx(0.0, abs=1e-9 * t.total_s)  # NVLink hides the stream
     step_bytes = cost.bytes_sent["p2p"] / 7
@@ -299,7 +299,7 @@ def test_ulysses_pays_its_permutes_and_gqa_replication_through_memory():
     rank_tokens = 8192 // 8
     assert cost.memory_bytes["permute"] == 4 * rank_tokens * (2 * 32 + 2 * 8) * 128 * 2
     assert cost.memory_bytes["replicate"] == 2 * rank_tokens * (2 + 8) * 128 * 2
-    assert cost.kernels == {"attention": 1, "permute": 6, "replicate": 1, "merge": 0}
+    assert cost.kernels == {"attention": 1, "permute": 6, "replicate": 1, "merge": 0, "stream": 0}
     t = prior_time(workload, config, DescribedProfile(l20))
     moved = cost.memory_bytes["permute"] + cost.memory_bytes["replicate"]
     assert t.memory_s == pytest.approx(moved / l20.figure("device.memory_gbps"))
