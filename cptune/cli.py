@@ -553,7 +553,7 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         return 0
     table = _table(f"{workload.describe()}\non {pick.hardware}",
                    "ms per attention call, slowest rank; interval: p10-p90 when measured, the model's "
-                   "10-90% band when predicted")
+                   "10-90% band when predicted, what the figures' ranges allow for a description's prior")
     for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for i, c in enumerate(pick.candidates, start=1):
@@ -563,6 +563,10 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"[bold]pick:[/] {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})",
                   highlight=False)
+    for tie in pick.ties:
+        console.print(f"[yellow]tied within what the description's figures allow:[/] {tie.other.label} on "
+                      f"{tie.other.ranks} may be faster; {tie.figure} at its {tie.end} end decides",
+                      highlight=False, soft_wrap=True)
     for config, reasons in pick.infeasible.items():
         console.print(f"[dim]cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}[/]",
                       highlight=False, soft_wrap=True)

@@ -10,8 +10,9 @@ Prediction = prior x exp(correction). The correction is gradient boosting on the
 measured / prior, with quantile boosting at the interval's edges for the uncertainty. Trees
 cannot extrapolate: beyond the measured range they hold their edge value, so the prior's
 physics carries the trend (longer sequences, more ranks). The correction is applied only to
-hardware the model was fitted on; elsewhere the prediction is the prior's, with an interval
-at least a factor ``prior_band`` wide each way.
+hardware the model was fitted on; elsewhere the prediction is the prior's. Its interval on
+described hardware spans what the description's figure ranges allow (``prior_range``); on a
+calibrated host without a correction it is at least a factor ``prior_band`` wide each way.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sklearn.ensemble import GradientBoostingRegressor
 from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.prior import CalibratedProfile, PriorTime, Profile, prior_time
+from cptune.prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
 from cptune.store import Result, Store
 from cptune.workload import Workload
 
@@ -131,6 +132,9 @@ class CostModel(RegressorMixin, BaseEstimator):
         prior = np.array([p.total_s for p in priors])
         estimate, low, high = prior.copy(), prior * self.prior_interval_[0], prior * self.prior_interval_[1]
         corrected = np.array([self.corrects(case) for case in cases], dtype=bool)
+        for i, case in enumerate(cases):
+            if not corrected[i] and (swings := figure_swings(case.workload, case.config, case.profile)):
+                low[i], high[i] = prior_range(prior[i], swings)
         if corrected.any():
             assert self.correction_ is not None
             table = features([c for c, k in zip(cases, corrected, strict=True) if k],

@@ -230,3 +230,68 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         ring_exposed = ring - compute - memory["merge"] - launch * (steps * step_launches + 1)
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
                      overhead_s=launch * sum(cost.kernels.values()))
+
+
+# --------------------------------------------------------------------------- what is known
+
+
+@dataclass(frozen=True)
+class FigureSwing:
+    """The prior latency (s) of one configuration with one figure of its description at the
+    low and at the high end of the range its source allows, the others at their values."""
+
+    figure: str
+    at_low_s: float
+    at_high_s: float
+
+
+def figure_swings(workload: Workload, config: CPConfig, profile: Profile) -> tuple[FigureSwing, ...]:
+    """One ``FigureSwing`` per uncertain figure of a described profile; none for a calibrated
+    host (its rates are measured, not quoted with a range)."""
+    if not isinstance(profile, DescribedProfile):
+        return ()
+    description = profile.description
+    def at(key: str, value: float) -> float:
+        return prior_time(workload, config, DescribedProfile(description.with_figure(key, value))).total_s
+
+    return tuple(
+        FigureSwing(key, at(key, figure.low), at(key, figure.high))
+        for key, figure in description.figures.items() if figure.uncertain
+    )
+
+
+def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float, float]:
+    """(low, high) seconds of a prior latency ``total_s`` from its figures' swings: each
+    figure's largest move down and up, added in quadrature (the figures' sources are
+    independent)."""
+    down = sum(min(0.0, s.at_low_s - total_s, s.at_high_s - total_s) ** 2 for s in swings) ** 0.5
+    up = sum(max(0.0, s.at_low_s - total_s, s.at_high_s - total_s) ** 2 for s in swings) ** 0.5
+    return max(total_s - down, 0.0), total_s + up
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Two configurations whose order the description's ranges do not settle: within the
+    figures' ranges ``other`` can be faster than the pick; ``figure`` at its ``end`` ("low" or
+    "high") moves the difference most in ``other``'s favour."""
+
+    other: CPConfig
+    figure: str
+    end: str
+
+
+def decide(pick_s: float, pick: tuple[FigureSwing, ...], other_s: float,
+           other: tuple[FigureSwing, ...], other_config: CPConfig) -> Tie | None:
+    """A ``Tie`` when the pick's lead over ``other`` (``other_s - pick_s``) is within what
+    the figures' ranges allow (their moves of the difference, in quadrature), else None."""
+    lead = other_s - pick_s
+    moves = {
+        (a.figure, end): (getattr(b, f"at_{end}_s") - getattr(a, f"at_{end}_s")) - lead
+        for a, b in zip(pick, other, strict=True) for end in ("low", "high")
+    }
+    against = {figure: min(0.0, *(moves[(figure, end)] for end in ("low", "high")))
+               for figure in {a.figure for a in pick}}
+    if lead - sum(m**2 for m in against.values()) ** 0.5 > 0:
+        return None
+    (figure, end), _ = min(moves.items(), key=lambda item: item[1])
+    return Tie(other_config, figure, end)

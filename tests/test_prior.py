@@ -19,7 +19,17 @@ from cptune.config import CPConfig
 from cptune.cost import COLLECTIVES, analytic_cost
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
-from cptune.prior import CalibratedProfile, DescribedProfile, groups_of, prior_time
+from cptune.prior import (
+    CalibratedProfile,
+    DescribedProfile,
+    FigureSwing,
+    Tie,
+    decide,
+    figure_swings,
+    groups_of,
+    prior_range,
+    prior_time,
+)
 from cptune.workload import Workload
 
 HOST = Hardware(host="prior-test", cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
@@ -509,3 +519,36 @@ def test_a_stored_calibration_without_mask_fields_still_loads():
     for rate in data["compute"]:
         del rate["causal"]  # stored before causal shapes were calibrated
     assert all(not r.causal for r in Calibration.from_dict(data).compute)
+
+
+# --------------------------------------------------------------------------- what is known
+
+
+def test_prior_range_adds_each_figures_largest_move_in_quadrature():
+    swings = (FigureSwing("a", 9.0, 13.0), FigureSwing("b", 12.0, 6.0), FigureSwing("c", 10.0, 10.0))
+    low, high = prior_range(10.0, swings)
+    assert low == pytest.approx(10 - (1**2 + 4**2) ** 0.5)
+    assert high == pytest.approx(10 + (3**2 + 2**2) ** 0.5)
+    assert prior_range(10.0, ()) == (10.0, 10.0)
+
+
+def test_figure_swings_move_the_prior_the_way_each_figure_does():
+    a100 = load_description("a100-sxm-8")
+    workload = Workload(seq_len=32768, heads=32, head_dim=32, batch=2, causal=True)
+    swings = {s.figure: s for s in figure_swings(workload, CPConfig("ring", 8, 2), DescribedProfile(a100))}
+    assert set(swings) == {key for key, figure in a100.figures.items() if figure.uncertain}
+    matmul = swings["device.matmul_tflops.bf16"]
+    assert matmul.at_low_s > matmul.at_high_s  # a slower GEMM, a longer latency
+    launch = swings["device.launch_us"]
+    assert launch.at_low_s < launch.at_high_s
+    # a calibrated host's rates are measured: no ranges to swing
+    assert figure_swings(workload, CPConfig("ring", 4), profile()) == ()
+
+
+def test_decide_ties_what_the_ranges_can_reorder_and_names_the_figure():
+    pick = (FigureSwing("x", 1.0, 1.0), FigureSwing("y", 0.9, 1.2))
+    close = (FigureSwing("x", 1.05, 1.05), FigureSwing("y", 1.0, 1.1))  # y high: 1.1 < 1.2
+    tie = decide(1.0, pick, 1.05, close, CPConfig("ring", 4))
+    assert tie == Tie(CPConfig("ring", 4), "y", "high")
+    far = (FigureSwing("x", 2.0, 2.0), FigureSwing("y", 1.9, 2.2))
+    assert decide(1.0, pick, 2.0, far, CPConfig("ring", 4)) is None

@@ -242,6 +242,7 @@ class HardwareDescription:
         """The value of figure ``key`` in SI units."""
         return self.figures[key].value
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
     def with_figure(self, key: str, value: float) -> HardwareDescription:
         """This description with figure ``key`` set to ``value`` (for the prior's ranges)."""
         if key not in self.figures:
