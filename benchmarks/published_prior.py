@@ -8,7 +8,11 @@ correlation of the prior's latencies with the published ones. The same picks are
 three fixed rules: always-Ulysses (the largest published Ulysses degree), always-Ring (u = 1)
 and always-USP-2 (u = 2).
 
-    python benchmarks/published_prior.py [FILE.toml ...] [--json OUT]
+    python benchmarks/published_prior.py [FILE.toml ...] [--json OUT] [--sensitivity]
+
+``--sensitivity`` rescores cptune with each uncertain figure of each description at the low
+and at the high end of its range (the others at their values): how much the picks depend on
+any single figure.
 
 Only the prior is scored (no database, no measurement): these are machines nobody here ran on.
 """
@@ -65,9 +69,17 @@ def load_cases(path: Path) -> list[Case]:
     return cases
 
 
-def picks(case: Case) -> tuple[dict[str, int], dict[int, float]]:
-    """The Ulysses degree each rule picks, and the prior's latency (ms) per degree."""
-    profile = DescribedProfile(load_description(case.hardware))
+#: One figure of one description set to a value: (description, figure key, value in SI units).
+Change = tuple[str, str, float]
+
+
+def picks(case: Case, changed: Change | None = None) -> tuple[dict[str, int], dict[int, float]]:
+    """The Ulysses degree each rule picks, and the prior's latency (ms) per degree; ``changed``
+    = (description, figure, value) sets one figure of one description."""
+    description = load_description(case.hardware)
+    if changed is not None and changed[0] == case.hardware:
+        description = description.with_figure(changed[1], changed[2])
+    profile = DescribedProfile(description)
     predicted = {
         u: prior_time(case.workload, config_for(case.ranks, u), profile).total_s * 1e3
         for u in case.latency_ms
@@ -82,11 +94,11 @@ def picks(case: Case) -> tuple[dict[str, int], dict[int, float]]:
     return chosen, predicted
 
 
-def score(cases: list[Case]) -> dict[str, object]:
+def score(cases: list[Case], changed: Change | None = None) -> dict[str, object]:
     """Per case and per rule: the pick, its regret, and cptune's Spearman."""
     rows = []
     for case in cases:
-        chosen, predicted = picks(case)
+        chosen, predicted = picks(case, changed)
         best = min(case.latency_ms, key=case.latency_ms.__getitem__)
         degrees = sorted(case.latency_ms)
         published = [case.latency_ms[u] for u in degrees]
@@ -115,6 +127,20 @@ def score(cases: list[Case]) -> dict[str, object]:
     return {"cases": rows, "summary": summary}
 
 
+def sensitivity(cases: list[Case]) -> list[dict[str, object]]:
+    """cptune's median and worst regret with each uncertain figure at either end of its range."""
+    rows = []
+    for name in sorted({case.hardware for case in cases}):
+        for key, figure in load_description(name).figures.items():
+            for end, value in (("low", figure.low), ("high", figure.high)):
+                if figure.uncertain:
+                    summary = score(cases, (name, key, value))["summary"]["cptune"]
+                    rows.append({"hardware": name, "figure": key, "end": end,
+                                 "median_regret": summary["median_regret"],
+                                 "worst_regret": summary["worst_regret"]})
+    return rows
+
+
 def label(ranks: int, u: int) -> str:
     return config_for(ranks, u).label
 
@@ -140,10 +166,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", type=Path, default=DEFAULT_FILES)
     parser.add_argument("--json", type=Path, help="also write the full result as JSON here")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="rescore with each figure at either end of its range")
     args = parser.parse_args()
     cases = [case for path in args.files for case in load_cases(path)]
     result = score(cases)
     print(render(result))
+    if args.sensitivity:
+        result["sensitivity"] = sensitivity(cases)
+        print(f"\n{'description':12} {'figure at one end of its range':48} {'median':>7} {'worst':>7}")
+        for row in result["sensitivity"]:
+            print(f"{row['hardware']:12} {row['figure'] + ' ' + row['end']:48} "
+                  f"{row['median_regret']:7.3f} {row['worst_regret']:7.3f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
