@@ -220,8 +220,12 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     if cost.comm_steps["all_gather"]:
         all_gather = profile.collective_time("all_gather", n, context, cost.bytes_sent["all_gather"], 1)
     ring_exposed = 0.0
-    if steps := cost.comm_steps["p2p"]:
-        transfer = profile.collective_time("p2p", n, context, cost.bytes_sent["p2p"] / steps, 1)
+    # the Ring's stream: every other kind counted in steps (send/recv, or a broadcast per step)
+    streamed = {k: s for k, s in cost.comm_steps.items() if s and k not in ("all_to_all", "all_gather")}
+    if streamed:
+        steps = max(streamed.values())
+        transfer = sum(profile.collective_time(kind, n, context, cost.bytes_sent[kind] / s, 1)
+                       for kind, s in streamed.items())
         block = compute / c
         step_launches = (cost.kernels["merge"] + cost.kernels["stream"]) / steps + 1
         busy = (block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / steps
