@@ -11,15 +11,16 @@ ranks, hardware that is only calibrated or only described.
                   call and head_dim: small blocks and small head_dims run slower)
     memory      = bytes of the memory-bound steps (permutes, GQA replication, merges) /
                   device-memory bandwidth
-    overhead    = kernels launched x the fixed cost of one launch
+    overhead    = kernels launched outside the Ring's steps x the fixed cost of one launch
     all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent x time per byte  (head groups)
     all-gather  = latency + bytes sent x time per byte                          (context groups)
                   (time per byte: the slowest tier the traffic crosses, by its share of it)
     Ring        = c blocks; while a block's K/V streams in, compute on the block in hand runs
                   slower (overlap_slowdown, for as long as the transfer runs) and the step
-                  waits for the slower of the two:
-                  (c - 1) * max(block + slowdown * min(block, transfer) + merge + launches,
-                                transfer) + last block
+                  waits for the slower of the two; the host launches a step's kernels while
+                  the device runs them, so a step's launches cost only what the device hides not:
+                  (c - 1) * max(block + slowdown * min(block, transfer) + merge,
+                                the step's launches, transfer) + last block
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 """
 
@@ -210,6 +211,7 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     bandwidth = profile.memory_bandwidth
     memory = {step: nbytes / bandwidth if bandwidth else 0.0 for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
+    kernels = sum(cost.kernels.values())
     heads, context = groups_of(config)
 
     all_to_all = 0.0
@@ -227,13 +229,16 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         transfer = sum(profile.collective_time(kind, n, context, cost.bytes_sent[kind] / s, 1)
                        for kind, s in streamed.items())
         block = compute / c
-        step_launches = (cost.kernels["merge"] + cost.kernels["stream"]) / steps + 1
-        busy = (block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / steps
-                + step_launches * launch)
-        ring = steps * max(busy, transfer) + block + launch
-        ring_exposed = ring - compute - memory["merge"] - launch * (steps * step_launches + 1)
+        ring_kernels = calls + cost.kernels["merge"] + cost.kernels["stream"]
+        step_launches = (ring_kernels - 1) / steps
+        # the host launches a step's kernels while the device runs them: the larger of the two
+        busy = max(block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / steps,
+                   step_launches * launch)
+        ring = steps * max(busy, transfer) + max(block, launch)
+        ring_exposed = ring - compute - memory["merge"]
+        kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
-                     overhead_s=launch * sum(cost.kernels.values()))
+                     overhead_s=launch * kernels)
 
 
 # --------------------------------------------------------------------------- what is known
