@@ -274,6 +274,9 @@ BAD = [
      ["unknown key", "value, low, high"]),
     ("bandwidth_gbps = 200", "bandwidth_gbps = { all_to_all = 50 }", "links.node.bandwidth_gbps.default",
      ["missing required key", "default"]),
+    ("bandwidth_gbps = 200", "bandwidth_gbps = { default = 200, alltoall = 50 }",
+     "links.node.bandwidth_gbps.alltoall",
+     ["unknown key", "did you mean 'all_to_all'", "default, all_to_all, all_gather, p2p"]),
     ("bandwidth_gbps = 200", "bandwidth_gbps = { default = 200, all_to_all = -1 }",
      "links.node.bandwidth_gbps.all_to_all", ["out of range", "GB/s"]),
     # domains inside a node: sizes that nest and divide the node

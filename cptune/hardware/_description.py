@@ -70,6 +70,7 @@ from typing import Any
 
 from cptune._toml import TomlFileError, _Reader, _show, _suggest
 from cptune._toml import _read_file as _read_toml
+from cptune.cost import COLLECTIVES
 from cptune.workload import WIRE_DTYPES
 
 #: Allowed keys of each table, in the order the file format documents them.
@@ -463,6 +464,7 @@ def _read_matmul(r: _Reader, device: dict[str, Any], figures: dict[str, Figure])
 def _read_by_kind(r: _Reader, raw: object, key: str, figures: dict[str, Figure]) -> None:
     """A bandwidth: one figure for every collective kind, or a table by kind with a default."""
     if isinstance(raw, dict) and not set(raw) <= set(FIGURE_KEYS):
+        r.check_keys(raw, (DEFAULT_KIND, *COLLECTIVES), key)
         if DEFAULT_KIND not in raw:
             raise r.fail(f"{key}.{DEFAULT_KIND}", "missing required key: a table by collective kind needs "
                          f"a default for the kinds it does not list{r.example(key)}")
