@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     db_help = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
     hardware_help = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
-                     "a100-sxm-8, l40s-pcie-8, h100-sxm-2x8-ib) or a TOML file")
+                     "h200-sxm-8, a100-sxm-8, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) or a TOML file")
 
     search = commands.add_parser(
         "search",
