@@ -26,6 +26,7 @@ ranks, hardware that is only calibrated or only described.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -259,7 +260,12 @@ def figure_swings(workload: Workload, config: CPConfig, profile: Profile) -> tup
     host (its rates are measured, not quoted with a range)."""
     if not isinstance(profile, DescribedProfile):
         return ()
-    description = profile.description
+    return _described_swings(workload, config, profile.description)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; intervals and ties ask for the same configurations
+def _described_swings(workload: Workload, config: CPConfig,
+                      description: HardwareDescription) -> tuple[FigureSwing, ...]:
     def at(key: str, value: float) -> float:
         return prior_time(workload, config, DescribedProfile(description.with_figure(key, value))).total_s
 
