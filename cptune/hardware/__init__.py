@@ -6,6 +6,7 @@ shipped name such as "h100-sxm-8", or a TOML file).
 """
 
 from cptune.hardware._description import (
+    Figure,
     HardwareDescription,
     HardwareDescriptionError,
     LinkTier,
@@ -15,6 +16,7 @@ from cptune.hardware._description import (
 from cptune.hardware._host import Hardware, mpi_library, this_host
 
 __all__ = [
+    "Figure",
     "Hardware",
     "HardwareDescription",
     "HardwareDescriptionError",
