@@ -191,6 +191,7 @@ class PriorTime:
 
     @property
     def comm_s(self) -> float:
+        """Communication not hidden behind compute."""
         return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
 
 

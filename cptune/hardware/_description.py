@@ -31,7 +31,8 @@ should cite where it comes from in a comment)::
     [links.node]                # required: links between the ranks of one node
     name = "NVLink 4 through NVSwitch"
     bandwidth_gbps = 360        # GB/s (1e9 bytes/s) one rank reaches for large messages, as
-                                # nccl-tests reports busbw; or per collective kind:
+                                # nccl-tests reports busbw (with domains: one flow between ranks
+                                # of different top-level domains); or per collective kind:
                                 # { default = 20, all_to_all = 6 }
     latency_us = 12.5           # microseconds: one small-message collective call
 
