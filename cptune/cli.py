@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the picks")
     max_ranks_help = "largest rank count (default: this host's cores; its GPUs with --backend tensorrt)"
     hardware_help = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
-                     "a100-sxm-8, l40s-pcie-8, h100-sxm-2x8-ib) or a TOML file")
+                     "h200-sxm-8, a100-sxm-8, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) or a TOML file")
 
     search = commands.add_parser(
         "search",
@@ -769,7 +769,7 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         return 0
     table = _table(f"{workload.describe()}\non {pick.hardware}",
                    "ms per attention call, slowest rank; interval: p10-p90 when measured, the model's "
-                   "10-90% band when predicted")
+                   "10-90% band when predicted, what the figures' ranges allow for a description's prior")
     for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for i, c in enumerate(pick.candidates, start=1):
@@ -779,6 +779,10 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     _say(console, ("pick:", "bold"),
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
+    for tie in pick.ties:
+        _say(console, ("tied within what the description's figures allow:", "yellow"),
+             f" {tie.other.label} on {tie.other.ranks} may be faster; "
+             f"{tie.figure} at its {tie.end} end decides")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:

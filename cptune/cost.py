@@ -39,6 +39,20 @@ def engine_collectives(engine: str) -> tuple[str, ...]:
     return "all_to_all", "all_gather", stream_kind(engine)
 
 
+#: Memory-bound steps whose device-memory traffic is counted.
+MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge")
+#: Kernels counted per rank: attention calls, the memory-bound steps and the Ring's sends and
+#: receives (launched by the rank every step, unlike a collective's one call).
+KERNELS: tuple[str, ...] = ("attention", *MEMORY_STEPS, "stream")
+#: The Ring's merge of one block's output into the running output, as the online-softmax
+#: update of ring-flash-attn (used by yunchang and xDiT) runs it eagerly: cast the block's
+#: output to fp32 (read w, write 4 bytes per element), out - block (read 8, write 4), scale by
+#: sigmoid(lse difference) (read 4, write 4), subtract from out (read 8, write 4), and the same
+#: on the log-sum-exp: 6 kernels, 36 + w bytes per output element.
+MERGE_KERNELS = 6
+MERGE_FP32_PASSES = 9
+
+
 @dataclass(frozen=True)
 class AnalyticCost:
     """Per-rank physical terms of one (workload, config) pair."""
@@ -55,6 +69,12 @@ class AnalyticCost:
     peak_bytes: int
     #: Copies of each KV head sent through the Ulysses all-to-all (1 = none replicated).
     kv_replication: int
+    #: Bytes the busiest rank moves through device memory in memory-bound steps, by step
+    #: (MEMORY_STEPS): the permutes around each all-to-all, the K/V replication for GQA, the
+    #: Ring's merges of partial outputs.
+    memory_bytes: dict[str, int]
+    #: Kernels the busiest rank launches, by what they do (KERNELS); collectives not counted.
+    kernels: dict[str, int]
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -91,6 +111,14 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
       one block each.
     - broadcast (Ring, c > 1, engines without): c steps, each broadcasting one block from
       its source (the step's root) to the c - 1 others: c blocks, bus-bandwidth factor 1.
+    - device memory (memory-bound steps): each all-to-all'd tensor is permuted into send
+      order and out of receive order, read and written each time: 4 * B * (S / N) *
+      (2H + 2K') * D * w; GQA replication reads the K/V heads and writes their K' copies;
+      each Ring step after the first merges the block's output into the fp32 running output
+      (MERGE_FP32_PASSES * 4 + w bytes per output element of the block).
+    - kernels: one attention call (c for the Ring, block by block), a permute before and
+      after each of the 3 all-to-alls, one replication, MERGE_KERNELS per Ring merge and a
+      send and a receive per p2p step (one call per broadcast step).
     - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
@@ -131,6 +159,20 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
     scores = min(SCORE_BLOCK_ROWS, block_tokens) * score_keys * FP32_BYTES
     peak = inputs + output + exchanged + held_kv + accumulators + scores
 
+    memory = dict.fromkeys(MEMORY_STEPS, 0)
+    kernels = dict.fromkeys(KERNELS, 0)
+    kernels["attention"] = c if ring else 1
+    if u > 1:
+        memory["permute"] = 4 * b * rank_tokens * (2 * h + 2 * kv_sent) * d * w
+        kernels["permute"] = 2 * steps["all_to_all"]
+    if rep > 1:
+        memory["replicate"] = 2 * b * rank_tokens * (workload.kv_heads + kv_sent) * d * w
+        kernels["replicate"] = 1
+    if ring:
+        memory["merge"] = (c - 1) * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
+        kernels["merge"] = (c - 1) * MERGE_KERNELS
+        kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
+
     return AnalyticCost(
         padded_seq_len=s,
         flops=flops,
@@ -138,4 +180,6 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
         comm_steps=steps,
         peak_bytes=peak,
         kv_replication=rep,
+        memory_bytes=memory,
+        kernels=kernels,
     )

@@ -10,8 +10,9 @@ Prediction = prior x exp(correction). The correction is gradient boosting on the
 measured / prior. Trees cannot extrapolate: beyond the measured range they hold their edge
 value, so the prior's physics carries the trend (longer sequences, more ranks). The
 correction is applied only to hardware the model was fitted on; elsewhere the prediction
-is the prior's, with the prior-only band (``prior_only_band``: at least a factor ``prior_band``
-wide each way).
+is the prior's. Its interval on described hardware spans what the description's figure
+ranges allow (``prior_range``); on a calibrated host without a correction it is the
+prior-only band (``prior_only_band``: at least a factor ``prior_band`` wide each way).
 
 The learned correction's interval is conformal: ``fit`` also fits the correction on folds
 that each leave whole sequence lengths out, and the interval's edges are the quantiles of
@@ -36,7 +37,7 @@ from sklearn.model_selection import GroupKFold, KFold
 from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.prior import CalibratedProfile, PriorTime, Profile, prior_time
+from cptune.prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
 from cptune.store import Result, Store
 from cptune.workload import Workload
 
@@ -161,8 +162,14 @@ class CostModel(RegressorMixin, BaseEstimator):
 
     def prior_only_band(self, cases: Sequence[Case], prior: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Low and high edge (s) of the prior-only interval of ``cases``, whose prior
-        latencies are ``prior`` (s): where the correction does not apply."""
-        return prior * self.prior_interval_[0], prior * self.prior_interval_[1]
+        latencies are ``prior`` (s): where the correction does not apply. On described hardware
+        the range the description's figures allow; elsewhere the prior's error on the fitted
+        data, at least ``prior_band`` each way."""
+        low, high = prior * self.prior_interval_[0], prior * self.prior_interval_[1]
+        for i, case in enumerate(cases):
+            if swings := figure_swings(case.workload, case.config, case.profile):
+                low[i], high[i] = prior_range(prior[i], swings)
+        return low, high
 
     def corrects(self, case: Case) -> bool:
         """Whether the learned correction applies to ``case`` (its hardware was fitted on)."""

@@ -1,24 +1,35 @@
 """The physical prior: a configuration's latency from its analytic terms and the hardware's rates.
 
-``analytic_cost`` counts what a configuration does (FLOPs, bytes per collective, steps);
-a ``Profile`` says how fast a hardware does it. A calibrated host measured its rates
-(``cptune calibrate``); a described one has them from a topology file (datasheets and
-published benchmarks). The prior is what carries predictions where no measurement reaches:
-longer sequences, more ranks, hardware that is only calibrated or only described.
+``analytic_cost`` counts what a configuration does (FLOPs, bytes per collective, bytes through
+device memory, kernels, steps); a ``Profile`` says how fast a hardware does each. A calibrated
+host measured its rates (``cptune calibrate``); a described one has them from a topology file
+(datasheets and published benchmarks). Both answer the same questions, so the prior has one
+shape for both. It carries predictions where no measurement reaches: longer sequences, more
+ranks, hardware that is only calibrated or only described.
 
     compute     = FLOPs of the busiest rank / attention rate per rank (at the work per kernel
-                  call: calibrated rates fall for small blocks)
-    all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent / bandwidth   (head group)
-    all-gather  = latency + bytes sent / bandwidth                         (context group)
-    Ring        = c - 1 stream steps, each overlapped with attention on the block in hand:
-                  compute / c + (c - 1) * max(compute / c, latency + block bytes / bandwidth)
-                  (p2p; with broadcasts, engines without point-to-point, the first of c steps
-                  is exposed too)
-    latency     = compute + all-to-all + all-gather + the Ring's exposed communication
+    compute     = FLOPs of the busiest rank / attention rate per rank (at the work per kernel
+                  call and head_dim: small blocks and small head_dims run slower)
+    memory      = bytes of the memory-bound steps (permutes, GQA replication, merges) /
+                  device-memory bandwidth
+    overhead    = kernels launched outside the Ring's steps x the fixed cost of one launch
+    all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent x time per byte  (head groups)
+    all-gather  = latency + bytes sent x time per byte                          (context groups)
+                  (time per byte: the slowest tier the traffic crosses, by its share of it)
+    Ring        = c blocks; while a block's K/V streams in, compute on the block in hand runs
+                  slower (overlap_slowdown, for as long as the transfer runs) and the step
+                  waits for the slower of the two; the host launches a step's kernels while
+                  the device runs them, so a step's launches cost only what the device hides not:
+                  (c - 1) * max(block + slowdown * min(block, transfer) + merge,
+                                the step's launches, transfer) + last block
+                  (p2p. An engine without point-to-point broadcasts every block, its own
+                  included: c steps, the one beyond c - 1 hides behind nothing)
+    latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,9 +39,13 @@ from cptune.cost import STREAM_KINDS, analytic_cost
 from cptune.hardware import Hardware, HardwareDescription
 from cptune.workload import Workload
 
+#: Groups of global ranks that run one collective at once (every group of a configuration).
+Groups = tuple[tuple[int, ...], ...]
+
 
 class Profile(Protocol):
-    """How fast one hardware computes attention and runs each collective."""
+    """How fast one hardware computes attention, moves bytes through device memory, launches
+    kernels and runs each collective."""
 
     @property
     def fingerprint(self) -> str: ...
@@ -41,15 +56,28 @@ class Profile(Protocol):
     def memory_limit(self, ranks: int) -> int | None:
         """Bytes per rank a configuration of ``ranks`` ranks may hold, or None when not limited."""
 
+    @property
+    def memory_bandwidth(self) -> float | None:
+        """Bytes/s memory-bound kernels reach; None when the profile's measured rates already
+        include that work (a calibrated host)."""
+
+    @property
+    def launch_s(self) -> float:
+        """Seconds one kernel launch costs beyond its work (0 when inside measured rates)."""
+
+    @property
+    def overlap_slowdown(self) -> float:
+        """The share of its speed compute loses while communication runs beside it."""
+
     def describe(self) -> str: ...
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
-        """Attention FLOP/s of one rank doing ``flops`` of work when ``ranks`` ranks compute
-        at once."""
+        """Attention FLOP/s of one rank doing ``flops`` of work per call when ``ranks`` ranks
+        compute at once."""
 
-    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
-        """(latency s, bandwidth B/s) of collective ``kind`` among global ranks ``members``
-        while ``ranks`` ranks run."""
+    def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
+        """Seconds of ``calls`` calls of collective ``kind`` in which each rank of ``groups``
+        (all running at once, ``ranks`` ranks in all) sends ``nbytes`` in total."""
 
 
 @dataclass(frozen=True)
@@ -72,15 +100,27 @@ class CalibratedProfile:
     def memory_limit(self, ranks: int) -> int | None:
         return None if self.memory_bytes is None else self.memory_bytes // ranks
 
+    @property
+    def memory_bandwidth(self) -> float | None:
+        return None  # the measured attention and collective timings include their copies
+
+    @property
+    def launch_s(self) -> float:
+        return 0.0  # inside the measured per-call latencies and rates
+
+    @property
+    def overlap_slowdown(self) -> float:
+        return 0.0  # not calibrated: no measurement runs compute beside communication
+
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         return self.calibration.attention_rate(ranks, workload.head_dim, workload.causal, flops)
 
-    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
-        fit = self.calibration.collective(kind, ranks, len(members))
-        return fit.latency_s, fit.bandwidth
+    def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
+        fit = self.calibration.collective(kind, ranks, len(groups[0]))
+        return calls * fit.latency_s + nbytes / fit.bandwidth
 
 
 @dataclass(frozen=True)
@@ -100,21 +140,37 @@ class DescribedProfile:
     def memory_limit(self, ranks: int) -> int | None:
         return self.description.memory_bytes  # each rank has a device of its own
 
+    @property
+    def memory_bandwidth(self) -> float | None:
+        return self.description.figure("device.memory_gbps")
+
+    @property
+    def launch_s(self) -> float:
+        return self.description.figure("device.launch_us")
+
+    @property
+    def overlap_slowdown(self) -> float:
+        return self.description.figure("device.overlap_slowdown")
+
     def describe(self) -> str:
         return self.description.describe()
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
-        rates = self.description.attention_flops
-        if workload.dtype not in rates:
+        """Per (query, key) pair and head the kernel does 4 * head_dim GEMM FLOPs and one
+        exponential, which run on separate units one after the other: small head_dims spend
+        a larger share of their time on the exponential."""
+        matmul = self.description.matmul_flops(workload.dtype)
+        if matmul is None:
             raise ValueError(
-                f"{self.description.source} gives no {workload.dtype} attention rate "
-                f"(has {', '.join(sorted(rates))}); add it under [device] attention_tflops"
+                f"{self.description.source} gives no {workload.dtype} attention rate; add it under "
+                f"[device] matmul_tflops"
             )
-        return rates[workload.dtype]
+        exponentials = self.description.figure("device.softmax_tops")
+        return 1.0 / (1.0 / matmul + 1.0 / (4 * workload.head_dim * exponentials))
 
-    def collective(self, kind: str, ranks: int, members: list[int]) -> tuple[float, float]:
-        link = self.description.link(members)
-        return link.latency, link.bandwidth
+    def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
+        latency, per_byte = self.description.exchange(kind, groups)
+        return calls * latency + nbytes * per_byte
 
 
 @dataclass(frozen=True)
@@ -125,41 +181,138 @@ class PriorTime:
     all_to_all_s: float
     all_gather_s: float
     ring_exposed_s: float
+    #: Memory-bound steps: permutes, GQA replication, the Ring's merges.
+    memory_s: float = 0.0
+    #: Fixed cost of the kernels launched.
+    overhead_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+        return (self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+                + self.memory_s + self.overhead_s)
 
     @property
     def comm_s(self) -> float:
-        return self.total_s - self.compute_s
+        """Communication not hidden behind compute."""
+        return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+
+
+def groups_of(config: CPConfig) -> tuple[Groups, Groups]:
+    """(head groups, context groups) of ``config`` as global ranks: ranks g*u .. g*u+u-1 share
+    heads, ranks j, j+u, j+2u, ... a context (the layout's numbering)."""
+    n, u = config.ranks, config.head_group
+    heads = tuple(tuple(range(g * u, (g + 1) * u)) for g in range(config.context_degree))
+    context = tuple(tuple(range(j, n, u)) for j in range(u))
+    return heads, context
 
 
 def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: str = "mpi") -> PriorTime:
     """The physical prior of ``config`` on ``workload`` as ``engine`` runs it (see the module
-    docstring). The groups are those of rank 0: ranks 0..u-1 share heads, ranks 0, u, 2u, ...
-    the context."""
+    docstring)."""
     cost = analytic_cost(workload, config, engine)
     n, u, c = config.ranks, config.head_group, config.context_degree
-    ring = config.strategy == "ring"
-    per_call = cost.flops / c if ring else cost.flops  # the Ring attends block by block
-    compute = cost.flops / profile.attention_rate(workload, n, per_call)
+    calls = cost.kernels["attention"]
+    compute = cost.flops / profile.attention_rate(workload, n, cost.flops / calls)
+    bandwidth = profile.memory_bandwidth
+    memory = {step: nbytes / bandwidth if bandwidth else 0.0 for step, nbytes in cost.memory_bytes.items()}
+    launch = profile.launch_s
+    kernels = sum(cost.kernels.values())
+    heads, context = groups_of(config)
 
-    def comm(kind: str, members: list[int], nbytes: float, calls: int) -> float:
-        latency, bandwidth = profile.collective(kind, n, members)
-        return calls * latency + nbytes / bandwidth
-
-    heads, context = list(range(u)), list(range(0, n, u))
-    all_to_all = comm("all_to_all", heads, cost.bytes_sent["all_to_all"], 3) if u > 1 else 0.0
+    all_to_all = 0.0
+    if u > 1:
+        all_to_all = profile.collective_time("all_to_all", n, heads, cost.bytes_sent["all_to_all"],
+                                             cost.comm_steps["all_to_all"])
     all_gather = 0.0
     if cost.comm_steps["all_gather"]:
-        all_gather = comm("all_gather", context, cost.bytes_sent["all_gather"], 1)
+        all_gather = profile.collective_time("all_gather", n, context, cost.bytes_sent["all_gather"], 1)
     ring_exposed = 0.0
-    for kind in STREAM_KINDS:  # the Ring's stream step, however the engine expresses it
-        if steps := cost.comm_steps[kind]:
-            step = comm(kind, context, cost.bytes_sent[kind] / steps, 1)
-            block = compute / c
-            # c - 1 steps hide behind the previous block's attention; a step beyond those
-            # (a broadcast of the rank's own block) has nothing to hide behind.
-            ring_exposed = (steps - (c - 1)) * step + block + (c - 1) * max(block, step) - compute
-    return PriorTime(compute, all_to_all, all_gather, ring_exposed)
+    # the Ring's stream, however the engine expresses it (send/recv, or a broadcast per step)
+    streamed = {kind: cost.comm_steps[kind] for kind in STREAM_KINDS if cost.comm_steps[kind]}
+    if streamed:
+        steps = max(streamed.values())
+        transfer = sum(profile.collective_time(kind, n, context, cost.bytes_sent[kind] / s, 1)
+                       for kind, s in streamed.items())
+        block = compute / c
+        overlapped = c - 1  # steps hidden behind the attention on the block in hand
+        ring_kernels = calls + cost.kernels["merge"] + cost.kernels["stream"]
+        step_launches = (ring_kernels - 1) / overlapped
+        # the host launches a step's kernels while the device runs them: the larger of the two
+        busy = max(block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / overlapped,
+                   step_launches * launch)
+        # a step beyond those (a broadcast of the rank's own block) has nothing to hide behind
+        ring = (steps - overlapped) * transfer + overlapped * max(busy, transfer) + max(block, launch)
+        ring_exposed = ring - compute - memory["merge"]
+        kernels -= ring_kernels
+    return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
+                     overhead_s=launch * kernels)
+
+
+# --------------------------------------------------------------------------- what is known
+
+
+@dataclass(frozen=True)
+class FigureSwing:
+    """The prior latency (s) of one configuration with one figure of its description at the
+    low and at the high end of the range its source allows, the others at their values."""
+
+    figure: str
+    at_low_s: float
+    at_high_s: float
+
+
+def figure_swings(workload: Workload, config: CPConfig, profile: Profile) -> tuple[FigureSwing, ...]:
+    """One ``FigureSwing`` per uncertain figure of a described profile; none for a calibrated
+    host (its rates are measured, not quoted with a range)."""
+    if not isinstance(profile, DescribedProfile):
+        return ()
+    return _described_swings(workload, config, profile.description)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; intervals and ties ask for the same configurations
+def _described_swings(workload: Workload, config: CPConfig,
+                      description: HardwareDescription) -> tuple[FigureSwing, ...]:
+    def at(key: str, value: float) -> float:
+        return prior_time(workload, config, DescribedProfile(description.with_figure(key, value))).total_s
+
+    return tuple(
+        FigureSwing(key, at(key, figure.low), at(key, figure.high))
+        for key, figure in description.figures.items() if figure.uncertain
+    )
+
+
+def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float, float]:
+    """(low, high) seconds of a prior latency ``total_s`` from its figures' swings: each
+    figure's largest move down and up, added in quadrature (the figures' sources are
+    independent)."""
+    down = sum(min(0.0, s.at_low_s - total_s, s.at_high_s - total_s) ** 2 for s in swings) ** 0.5
+    up = sum(max(0.0, s.at_low_s - total_s, s.at_high_s - total_s) ** 2 for s in swings) ** 0.5
+    return max(total_s - down, 0.0), total_s + up
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Two configurations whose order the description's ranges do not settle: within the
+    figures' ranges ``other`` can be faster than the pick; ``figure`` at its ``end`` ("low" or
+    "high") moves the difference most in ``other``'s favour."""
+
+    other: CPConfig
+    figure: str
+    end: str
+
+
+def decide(pick_s: float, pick: tuple[FigureSwing, ...], other_s: float,
+           other: tuple[FigureSwing, ...], other_config: CPConfig) -> Tie | None:
+    """A ``Tie`` when the pick's lead over ``other`` (``other_s - pick_s``) is within what
+    the figures' ranges allow (their moves of the difference, in quadrature), else None."""
+    lead = other_s - pick_s
+    moves = {
+        (a.figure, end): (getattr(b, f"at_{end}_s") - getattr(a, f"at_{end}_s")) - lead
+        for a, b in zip(pick, other, strict=True) for end in ("low", "high")
+    }
+    against = {figure: min(0.0, *(moves[(figure, end)] for end in ("low", "high")))
+               for figure in {a.figure for a in pick}}
+    if lead - sum(m**2 for m in against.values()) ** 0.5 > 0:
+        return None
+    (figure, end), _ = min(moves.items(), key=lambda item: item[1])
+    return Tie(other_config, figure, end)

@@ -29,7 +29,7 @@ from cptune.evaluation import CorrectionVerdict, correction_verdict
 from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import HardwareDescriptionError, load_description, this_host
 from cptune.measurement import host_memory_bytes
-from cptune.prior import CalibratedProfile, DescribedProfile, Profile
+from cptune.prior import CalibratedProfile, DescribedProfile, Profile, Tie, decide, figure_swings
 from cptune.store import Result, Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
@@ -68,6 +68,9 @@ class Recommendation:
     candidates: tuple[Candidate, ...]
     infeasible: dict[CPConfig, list[str]]
     correction: CorrectionVerdict
+    #: Alternatives the description's figure ranges cannot tell from the pick (prior only),
+    #: each with the figure that would decide.
+    ties: tuple[Tie, ...] = ()
 
     @property
     def best(self) -> Candidate:
@@ -102,6 +105,10 @@ class Recommendation:
             "correction": self.correction.to_dict(),
             "infeasible": [
                 {**c.to_dict(), "label": c.label, "reasons": r} for c, r in self.infeasible.items()
+            ],
+            "ties": [
+                {**t.other.to_dict(), "label": t.other.label, "figure": t.figure, "end": t.end}
+                for t in self.ties
             ],
         }
 
@@ -267,4 +274,24 @@ def recommend(
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
         candidates=tuple(candidates), infeasible=infeasible, correction=advisor.verdict,
+        ties=_ties(workload, profile, candidates),
     )
+
+
+def _ties(workload: Workload, profile: Profile, candidates: list[Candidate]) -> tuple[Tie, ...]:
+    """The prior-only alternatives whose order against a prior-only pick the figures' ranges
+    do not settle (only those whose interval reaches the pick's are examined)."""
+    best = candidates[0]
+    if best.source != "prior":
+        return ()
+    pick = figure_swings(workload, best.config, profile)
+    if not pick:
+        return ()
+    ties = []
+    for other in candidates[1:]:
+        if other.source == "prior" and other.low_ms <= best.high_ms:
+            swings = figure_swings(workload, other.config, profile)
+            tie = decide(best.latency_ms / 1e3, pick, other.latency_ms / 1e3, swings, other.config)
+            if tie is not None:
+                ties.append(tie)
+    return tuple(ties)

@@ -21,7 +21,7 @@ def cptune(*args):
 #: The runs that start no MPI ranks, by name: each gets its own database.
 RUNS = {
     "json": ["recommend", *H100, "--seq-len", "16896", "--json"],
-    "unknown-hardware": ["recommend", "--hardware", "h200-sxm-8", "--heads", "24", "--head-dim", "128",
+    "unknown-hardware": ["recommend", "--hardware", "h300-sxm-8", "--heads", "24", "--head-dim", "128",
                          "--seq-len", "4096"],
     "malformed-description": ["recommend", "--hardware", "{broken}", "--heads", "8", "--head-dim", "64",
                               "--seq-len", "1024"],
@@ -82,7 +82,7 @@ def test_recommend_on_a_shipped_description_prints_json(runs):
 @pytest.mark.parametrize(
     ("name", "fragments"),
     [
-        ("unknown-hardware", ["h200-sxm-8", *builtin_descriptions()]),
+        ("unknown-hardware", ["h300-sxm-8", *builtin_descriptions()]),
         ("malformed-description", ["broken.toml"]),
         ("nothing-feasible", ["no configuration can run"]),
         ("too-many-ranks", ["between 1 and 8"]),

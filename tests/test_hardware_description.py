@@ -1,5 +1,6 @@
 """Hardware descriptions: the shipped files, ranks and links, fingerprints, the loader's refusals."""
 
+import dataclasses
 import functools
 import shutil
 from importlib import resources
@@ -9,6 +10,7 @@ import pytest
 from conftest import refusal_of, replaced_once, write_toml
 from cptune.errors import CPTuneError
 from cptune.hardware._description import (
+    Figure,
     HardwareDescription,
     HardwareDescriptionError,
     LinkTier,
@@ -16,7 +18,8 @@ from cptune.hardware._description import (
     load_description,
 )
 
-SHIPPED = {"a100-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8, "l40s-pcie-8": 8}
+SHIPPED = {"a100-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8, "h200-sxm-8": 8, "l20-pcie-8": 8,
+           "l40s-pcie-8": 8}
 
 BASE = """\
 description = "test machine"
@@ -26,7 +29,11 @@ nodes = 2
 [device]
 name = "Test GPU"
 memory_gib = 16
-attention_tflops = { bf16 = 100, fp32 = 10 }
+matmul_tflops = { bf16 = 100, fp32 = 10 }
+softmax_tops = 2
+memory_gbps = 1000
+launch_us = 5
+overlap_slowdown = 0.1
 
 [links.node]
 name = "fast"
@@ -61,13 +68,20 @@ def test_shipped_description_loads(name):
     assert description.max_ranks == SHIPPED[name]
     assert description.description and description.device
     assert description.memory_bytes is not None and description.memory_bytes >= 48 * 2**30
-    flops = description.attention_flops
-    assert set(flops) == {"bf16", "fp16", "fp32"}
-    assert 1e14 <= flops["bf16"] <= 1e15  # 100..1000 TFLOP/s: a TFLOP/s figure, scaled once
-    assert flops["fp32"] < flops["bf16"]
-    assert 1e9 < description.node_link.bandwidth < 1e12  # GB/s, scaled to bytes/s
-    assert 1e-6 < description.node_link.latency < 1e-3  # microseconds, scaled to seconds
+    assert description.matmul_flops("fp16") == description.matmul_flops("bf16")
+    assert 5e13 <= description.matmul_flops("bf16") <= 1e15  # a TFLOP/s figure, scaled once
+    assert description.matmul_flops("fp32") < description.matmul_flops("bf16")
+    assert 1e12 < description.figure("device.softmax_tops") < 1e13
+    assert 5e11 < description.figure("device.memory_gbps") < 1e13  # GB/s, scaled to bytes/s
+    assert 1e-6 < description.figure("device.launch_us") < 1e-4
+    assert 0 < description.figure("device.overlap_slowdown") < 1
+    for tier in description.tiers:
+        assert 1e9 < description.bandwidth(tier, "p2p") < 1e12
+        assert 1e-6 < description.figure(f"{tier.key}.latency_us") < 1e-3  # microseconds, scaled
     assert (description.network_link is None) == (description.nodes == 1)
+    # every shipped figure the prior uses comes with the range its source allows
+    assert all(f.low <= f.value <= f.high for f in description.figures.values())
+    assert description.figures["device.matmul_tflops.bf16"].uncertain
     assert description.describe().startswith(f"{SHIPPED[name]}x {description.device} ({name}), ")
     assert description.source == str(builtin_descriptions()[name])
 
@@ -75,14 +89,36 @@ def test_shipped_description_loads(name):
 def test_shipped_figures_are_read_in_their_units():
     h100 = load_description("h100-sxm-8")
     assert h100.memory_bytes == 80 * 2**30
-    assert h100.attention_flops == {"bf16": 600e12, "fp16": 600e12, "fp32": 33e12}
-    assert h100.node_link == LinkTier("NVLink 4 through NVSwitch", bandwidth=360e9, latency=12.5e-6)
+    assert h100.figures["device.matmul_tflops.bf16"] == Figure(858e12, 815e12, 959e12)
+    assert h100.matmul_flops("fp32") == 33e12
+    assert h100.figure("links.node.bandwidth_gbps.default") == 360e9
+    assert h100.figure("links.node.latency_us") == pytest.approx(12.5e-6)
+    assert h100.node_link == LinkTier("NVLink 4 through NVSwitch", "links.node", ranks=8, has_uplink=False)
     assert h100.describe() == "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"
     cluster = load_description("h100-sxm-2x8-ib")
     assert cluster.network_link is not None
-    assert (cluster.network_link.bandwidth, cluster.network_link.latency) == (46e9, 46e-6)
+    assert cluster.figure("links.network.bandwidth_gbps.default") == 46e9
+    assert cluster.figure("links.network.latency_us") == 46e-6
+    # one NIC per GPU: the node's uplink defaults to 8 flows
+    assert cluster.figure("links.network.uplink_gbps.default") == 8 * 46e9
     # the cluster's nodes are the single-node file's
-    assert (cluster.node_link, cluster.attention_flops) == (h100.node_link, h100.attention_flops)
+    node_figures = {k: v for k, v in h100.figures.items()}
+    assert all(cluster.figures[k] == v for k, v in node_figures.items())
+
+
+def test_pcie_servers_have_switch_and_socket_tiers():
+    l20 = load_description("l20-pcie-8")
+    assert [(d.name, d.ranks) for d in l20.domains] == [
+        ("PCIe Gen4 switch", 2), ("CPU socket (root complex)", 4)]
+    assert l20.between(0, 1) is l20.domains[0]
+    assert l20.between(1, 2) is l20.domains[1]
+    assert l20.between(3, 4) is l20.node_link
+    switch, socket = l20.domains
+    # a per-kind table: all-to-all slower than send/recv across the socket link, default for others
+    assert l20.bandwidth(l20.node_link, "all_to_all") < l20.bandwidth(l20.node_link, "p2p")
+    assert l20.bandwidth(l20.node_link, "all_gather") == l20.bandwidth(l20.node_link, "p2p")
+    assert l20.bandwidth(l20.node_link, "broadcast") == l20.bandwidth(l20.node_link, "p2p")  # any new kind
+    assert l20.bandwidth(switch, "all_to_all") > l20.bandwidth(l20.node_link, "all_to_all")
 
 
 def test_fingerprints_differ_between_files_and_survive_a_copy(tmp_path):
@@ -113,9 +149,23 @@ def test_link_is_the_node_tier_inside_a_node_and_the_network_across():
     assert cluster.network_link is not None
     assert cluster.link([7, 8]) is cluster.network_link
     assert cluster.link(range(16)) is cluster.network_link
-    assert cluster.network_link.bandwidth < cluster.node_link.bandwidth
     single = load_description("h100-sxm-8")
     assert single.link(range(8)) is single.node_link
+
+
+def test_exchange_is_limited_by_the_share_crossing_a_shared_uplink(tmp_path):
+    """Two ranks per switch behind one uplink: a Ring whose two streams leave the switch
+    shares the uplink; one stream gets it alone."""
+    domain = ('[[links.domains]]\nname = "switch"\nranks = 2\nbandwidth_gbps = 40\nlatency_us = 5\n'
+              "uplink_gbps = 10\n")
+    text = BASE.replace("[links.network]", domain + "[links.network]")
+    machine = load_description(write(tmp_path, text))
+    one_stream = machine.exchange("p2p", ((0, 2),))  # 0 -> 2 and 2 -> 0 leave their switches once each
+    two_streams = machine.exchange("p2p", ((0, 2), (1, 3)))  # 0 -> 2 and 1 -> 3 share switch 0's uplink
+    inside = machine.exchange("p2p", ((0, 1),))
+    assert inside == pytest.approx((5e-6, 1 / 40e9))
+    assert one_stream == pytest.approx((10e-6, 1 / 10e9))  # the node tier's 200 GB/s flow, a 10 GB/s uplink
+    assert two_streams == pytest.approx((10e-6, 2 / 10e9))
 
 
 @pytest.mark.parametrize("ranks", [[], [16], [-1], [0, True], [0.5]])
@@ -130,24 +180,41 @@ def test_link_refuses_ranks_the_machine_does_not_have(ranks):
 def test_full_file_is_read_with_every_unit(tmp_path):
     path = write(tmp_path, BASE)
     description = load_description(path)
-    assert description == HardwareDescription(
-        name="machine", description="test machine", device="Test GPU", ranks_per_node=4, nodes=2,
-        memory_bytes=16 * 2**30, attention_flops={"bf16": 100e12, "fp16": 100e12, "fp32": 10e12},
-        node_link=LinkTier("fast", 200e9, 10e-6), network_link=LinkTier("slow", 25e9, 30e-6),
-        source=str(path),
-    )
+    assert (description.name, description.description, description.device) == ("machine", "test machine",
+                                                                                "Test GPU")
+    assert (description.ranks_per_node, description.nodes, description.memory_bytes) == (4, 2, 16 * 2**30)
+    assert {k: v.value for k, v in description.figures.items()} == pytest.approx({
+        "device.matmul_tflops.bf16": 100e12, "device.matmul_tflops.fp32": 10e12, "device.softmax_tops": 2e12,
+        "device.memory_gbps": 1000e9, "device.launch_us": 5e-6, "device.overlap_slowdown": 0.1,
+        "links.node.bandwidth_gbps.default": 200e9, "links.node.latency_us": 10e-6,
+        "links.network.bandwidth_gbps.default": 25e9, "links.network.latency_us": 30e-6,
+        "links.network.uplink_gbps.default": 4 * 25e9,
+    })
+    assert description.matmul_flops("fp16") == 100e12
+    assert description.node_link == LinkTier("fast", "links.node", 4, has_uplink=False)
+    assert description.network_link == LinkTier("slow", "links.network", 8, has_uplink=True)
     assert description.max_ranks == 8
+
+
+def test_a_range_is_read_in_the_figures_unit(tmp_path):
+    text = edited("memory_gbps = 1000", "memory_gbps = { value = 1000, low = 900, high = 1100 }")
+    description = load_description(write(tmp_path, text))
+    assert description.figures["device.memory_gbps"] == Figure(1000e9, 900e9, 1100e9)
+    assert description.with_figure("device.memory_gbps", 900e9).figure("device.memory_gbps") == 900e9
+    assert description.with_figure("device.memory_gbps", 900e9).fingerprint != description.fingerprint
 
 
 def test_minimal_file_gets_the_documented_defaults(tmp_path):
     text = (
-        'ranks_per_node = 2\n[device]\nname = "g"\nattention_tflops = { bf16 = 1.5 }\n'
+        'ranks_per_node = 2\n[device]\nname = "g"\nmatmul_tflops = { bf16 = 1.5 }\nsoftmax_tops = 1\n'
+        'memory_gbps = 100\nlaunch_us = 5\noverlap_slowdown = 0.1\n'
         '[links.node]\nname = "n"\nbandwidth_gbps = 1\nlatency_us = 2\n'
     )
     description = load_description(write(tmp_path, text))
     assert (description.nodes, description.description, description.memory_bytes) == (1, "", None)
-    assert description.attention_flops == {"bf16": 1.5e12, "fp16": 1.5e12}  # no fp32 figure
-    assert description.network_link is None
+    assert description.matmul_flops("bf16") == description.matmul_flops("fp16") == 1.5e12
+    assert description.matmul_flops("fp32") is None  # no fp32 figure
+    assert description.network_link is None and description.domains == ()
 
 
 def test_a_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
@@ -160,7 +227,7 @@ BAD = [
     # unknown and misspelt keys, with the allowed ones listed
     ("nodes = 2", "nodes = 2\nnode = 2", "node", ["unknown key", "did you mean 'nodes'", "ranks_per_node"]),
     ('name = "Test GPU"', 'name = "Test GPU"\nmemory_gb = 16', "device.memory_gb",
-     ["unknown key", "did you mean 'memory_gib'", "name, memory_gib, attention_tflops"]),
+     ["unknown key", "did you mean 'memory_gib'", "name, memory_gib, matmul_tflops, softmax_tops"]),
     ("latency_us = 10", "latency_us = 10\nbandwith_gbps = 1", "links.node.bandwith_gbps",
      ["unknown key", "did you mean 'bandwidth_gbps'"]),
     ("[links.network]", "[links.netwrok]", "links.netwrok", ["unknown key", "did you mean 'network'"]),
@@ -173,9 +240,10 @@ BAD = [
     ("latency_us = 30", "latency_us = true", "links.network.latency_us",
      ["expected a positive number of microseconds", "got a boolean"]),
     ('name = "Test GPU"', "name = 3", "device.name", ["expected a string", "got an integer"]),
-    ("attention_tflops = { bf16 = 100, fp32 = 10 }", "attention_tflops = 100", "device.attention_tflops",
+    ("matmul_tflops = { bf16 = 100, fp32 = 10 }", "matmul_tflops = 100", "device.matmul_tflops",
      ["expected a table", "got an integer"]),
-    ('[device]\nname = "Test GPU"\nmemory_gib = 16\nattention_tflops = { bf16 = 100, fp32 = 10 }\n',
+    ('[device]\nname = "Test GPU"\nmemory_gib = 16\nmatmul_tflops = { bf16 = 100, fp32 = 10 }\n'
+     'softmax_tops = 2\nmemory_gbps = 1000\nlaunch_us = 5\noverlap_slowdown = 0.1\n',
      "device = 3\n", "device", ["expected a table ([device] section)", "got an integer (3)"]),
     # non-positive numbers
     ("ranks_per_node = 4", "ranks_per_node = 0", "ranks_per_node", ["out of range", "got 0"]),
@@ -184,15 +252,41 @@ BAD = [
      ["out of range", "positive number of GB/s", "got 0"]),
     ("latency_us = 10", "latency_us = -2.5", "links.node.latency_us", ["out of range", "got -2.5"]),
     ("memory_gib = 16", "memory_gib = 0", "device.memory_gib", ["out of range", "GiB"]),
-    ("bf16 = 100", "bf16 = -100", "device.attention_tflops.bf16", ["out of range", "TFLOP/s"]),
+    ("bf16 = 100", "bf16 = -100", "device.matmul_tflops.bf16", ["out of range", "TFLOP/s"]),
     ("latency_us = 10", "latency_us = inf", "links.node.latency_us", ["out of range", "inf"]),
     ('name = "fast"', 'name = " "', "links.node.name", ["must not be empty"]),
     # dtypes: unknown, and bf16 required
-    ("bf16 = 100", "bf16 = 100, bf61 = 3", "device.attention_tflops.bf61",
+    ("bf16 = 100", "bf16 = 100, bf61 = 3", "device.matmul_tflops.bf61",
      ["unknown dtype", "did you mean 'bf16'", "bf16, fp16, fp32"]),
-    ("bf16 = 100", "fp8 = 100", "device.attention_tflops.fp8", ["unknown dtype", "bf16, fp16, fp32"]),
-    ("bf16 = 100, fp32 = 10", "fp16 = 100", "device.attention_tflops.bf16",
-     ["missing required key", "bf16 = 600"]),
+    ("bf16 = 100", "fp8 = 100", "device.matmul_tflops.fp8", ["unknown dtype", "bf16, fp16, fp32"]),
+    ("bf16 = 100, fp32 = 10", "fp16 = 100", "device.matmul_tflops.bf16",
+     ["missing required key", "bf16 = 700"]),
+    # the physics figures: required, positive, ranges that hold their value
+    ("launch_us = 5\n", "", "device.launch_us", ["missing required key", "launch_us = { value = 10"]),
+    ("softmax_tops = 2", "softmax_tops = 0", "device.softmax_tops", ["out of range", "exponentials"]),
+    ("overlap_slowdown = 0.1", "overlap_slowdown = 1.5", "device.overlap_slowdown",
+     ["out of range", "below 1"]),
+    ("memory_gbps = 1000", "memory_gbps = { value = 1000, low = 1100, high = 1200 }", "device.memory_gbps",
+     ["the range must hold the value", "low = 1100"]),
+    ("memory_gbps = 1000", "memory_gbps = { value = 1000, low = 900 }", "device.memory_gbps.high",
+     ["missing required key"]),
+    ("memory_gbps = 1000", "memory_gbps = { value = 1000, low = 900, hi = 1 }", "device.memory_gbps.hi",
+     ["unknown key", "value, low, high"]),
+    ("bandwidth_gbps = 200", "bandwidth_gbps = { all_to_all = 50 }", "links.node.bandwidth_gbps.default",
+     ["missing required key", "default"]),
+    ("bandwidth_gbps = 200", "bandwidth_gbps = { default = 200, alltoall = 50 }",
+     "links.node.bandwidth_gbps.alltoall",
+     ["unknown key", "did you mean 'all_to_all'", "default, all_to_all, all_gather, p2p"]),
+    ("bandwidth_gbps = 200", "bandwidth_gbps = { default = 200, all_to_all = -1 }",
+     "links.node.bandwidth_gbps.all_to_all", ["out of range", "GB/s"]),
+    # domains inside a node: sizes that nest and divide the node
+    ("[links.network]", '[[links.domains]]\nname = "switch"\nranks = 3\nbandwidth_gbps = 20\nlatency_us = 5\n'
+     "[links.network]", "links.domains[0].ranks", ["out of range", "divide it", "got 3"]),
+    ("[links.network]", '[[links.domains]]\nname = "switch"\nranks = 2\nbandwidth_gbps = 20\nlatency_us = 5\n'
+     'uplink_gbps = 20\nspeed = 1\n[links.network]', "links.domains[0].speed",
+     ["unknown key", "uplink_gbps"]),
+    ("[links.network]", '[[links.domains]]\nname = "switch"\nranks = 2\nlatency_us = 5\n[links.network]',
+     "links.domains[0].bandwidth_gbps", ["missing required key"]),
     # missing required keys and tables, with an example to copy
     ("ranks_per_node = 4\n", "", "ranks_per_node", ["missing required key", "ranks_per_node = 8"]),
     ('name = "Test GPU"\n', "", "device.name", ["missing required key"]),
@@ -249,14 +343,14 @@ def test_error_is_a_cptune_error_and_a_value_error_with_its_parts(tmp_path):
 
 def test_direct_construction_checks_the_structure():
     good = load_description("h100-sxm-2x8-ib")
-    fields = dict(
-        name="x", description="", device="d", ranks_per_node=8, nodes=2, memory_bytes=None,
-        attention_flops={"bf16": 1e12}, node_link=good.node_link, network_link=good.network_link, source="x",
-    )
+    fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
     HardwareDescription(**fields)  # the baseline is accepted
+    no_bf16 = {k: v for k, v in good.figures.items() if not k.endswith(".bf16")}
+    no_latency = {k: v for k, v in good.figures.items() if k != "links.node.latency_us"}
     bad_fields = (
         dict(nodes=0), dict(ranks_per_node=True), dict(network_link=None), dict(nodes=1),
-        dict(attention_flops={"fp16": 1e12}), dict(attention_flops={"bf16": 1, "x": 2}),
+        dict(figures=no_bf16), dict(figures={**good.figures, "device.matmul_tflops.x": Figure(1, 1, 1)}),
+        dict(figures=no_latency),
     )
     for bad in bad_fields:
         with pytest.raises(ValueError):

@@ -1,5 +1,6 @@
 """The physical prior and the calibration it stands on, with hand-chosen rates (no MPI)."""
 
+import dataclasses
 import json
 import math
 
@@ -17,8 +18,18 @@ from cptune.calibration import (
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost, engine_collectives
 from cptune.feasibility import enumerate_configs
-from cptune.hardware import Hardware, HardwareDescription, LinkTier, load_description
-from cptune.prior import CalibratedProfile, DescribedProfile, prior_time
+from cptune.hardware import Hardware, load_description
+from cptune.prior import (
+    CalibratedProfile,
+    DescribedProfile,
+    FigureSwing,
+    Tie,
+    decide,
+    figure_swings,
+    groups_of,
+    prior_range,
+    prior_time,
+)
 from cptune.workload import Workload
 
 HOST = Hardware(host="prior-test", cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
@@ -189,7 +200,7 @@ def test_hybrid_pays_both_its_collectives():
 
 
 class Recording:
-    """A Profile that records which collective each term asked about."""
+    """A Profile that records which collective each term asked about, and its answer."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -201,6 +212,9 @@ class Recording:
     def memory_limit(self, ranks):
         return self.inner.memory_limit(ranks)
 
+    memory_bandwidth = property(lambda self: self.inner.memory_bandwidth)
+    launch_s = property(lambda self: self.inner.launch_s)
+    overlap_slowdown = property(lambda self: self.inner.overlap_slowdown)
 
     def describe(self):
         return self.inner.describe()
@@ -208,9 +222,9 @@ class Recording:
     def attention_rate(self, workload, ranks, *rest):
         return self.inner.attention_rate(workload, ranks, *rest)
 
-    def collective(self, kind, ranks, members):
-        answer = self.inner.collective(kind, ranks, members)
-        self.calls.append((kind, tuple(members), answer))
+    def collective_time(self, kind, ranks, groups, nbytes, calls):
+        answer = self.inner.collective_time(kind, ranks, groups, nbytes, calls)
+        self.calls.append((kind, groups, nbytes, calls, answer))
         return answer
 
 
@@ -219,67 +233,169 @@ def two_nodes():
     return load_description("h100-sxm-2x8-ib")
 
 
-def test_a_ring_across_two_nodes_uses_the_network_tier(two_nodes):
-    node, network = two_nodes.node_link, two_nodes.network_link
-    assert network.bandwidth < node.bandwidth  # the premise of the shipped file
+def per_byte(description, key: str) -> float:
+    return 1 / description.figure(key)
+
+
+def test_a_ring_across_two_nodes_streams_at_the_network_flow_rate(two_nodes):
+    nvlink = two_nodes.figure("links.node.bandwidth_gbps.default")
+    nic = two_nodes.figure("links.network.bandwidth_gbps.default")
+    assert nic < nvlink  # the premise of the shipped file
     workload = Workload(seq_len=16384, heads=16, head_dim=128)
 
     across = Recording(DescribedProfile(two_nodes))
-    t16 = prior_time(workload, CPConfig("ring", 16), across)
-    (call,) = across.calls
-    assert call[0] == "p2p" and call[1] == tuple(range(16))
-    assert call[2] == (network.latency, network.bandwidth)
+    prior_time(workload, CPConfig("ring", 16), across)
+    ((kind, groups, nbytes, calls, seconds),) = across.calls
+    assert kind == "p2p" and groups == (tuple(range(16)),) and calls == 1
+    # ranks 7 -> 8 and 15 -> 0 cross the network, one flow each: the step runs at one NIC's rate
+    latency = two_nodes.figure("links.network.latency_us")
+    assert seconds == pytest.approx(latency + nbytes / nic, rel=1e-9)
 
     inside = Recording(DescribedProfile(two_nodes))
-    t8 = prior_time(workload, CPConfig("ring", 8), inside)
-    (call,) = inside.calls
-    assert call[1] == tuple(range(8)) and call[2] == (node.latency, node.bandwidth)
-
-    # per byte, a step across nodes is slower than a step inside one
-    assert 1 / across.calls[0][2][1] > 1 / inside.calls[0][2][1]
-    # and the prior's Ring term follows the network's figures (communication-bound here)
-    cost = analytic_cost(workload, CPConfig("ring", 16))
-    steps = cost.comm_steps["p2p"]
-    step = network.latency + cost.bytes_sent["p2p"] / steps / network.bandwidth
-    block = t16.compute_s / 16
-    assert step > block
-    assert t16.ring_exposed_s == pytest.approx(block + steps * step - t16.compute_s, rel=1e-9)
-    assert t16.ring_exposed_s > t8.ring_exposed_s
+    prior_time(workload, CPConfig("ring", 8), inside)
+    ((_, groups, nbytes8, _, seconds8),) = inside.calls
+    assert groups == (tuple(range(8)),)
+    assert seconds8 == pytest.approx(two_nodes.figure("links.node.latency_us") + nbytes8 / nvlink, rel=1e-9)
 
 
 def test_a_ulysses_head_group_of_eight_stays_on_nvlink(two_nodes):
-    node, network = two_nodes.node_link, two_nodes.network_link
+    nvlink = two_nodes.figure("links.node.bandwidth_gbps.default")
+    nic = two_nodes.figure("links.network.bandwidth_gbps.default")
     workload = Workload(seq_len=16384, heads=16, head_dim=128)
     config = CPConfig("ring", 16, 8)  # 8-way Ulysses inside each node x 2-way Ring across
     recording = Recording(DescribedProfile(two_nodes))
     t = prior_time(workload, config, recording)
-    calls = {kind: (members, answer) for kind, members, answer in recording.calls}
-    assert calls["all_to_all"] == (tuple(range(8)), (node.latency, node.bandwidth))
-    assert calls["p2p"] == ((0, 8), (network.latency, network.bandwidth))
+    calls = {kind: (groups, nbytes, answer) for kind, groups, nbytes, _, answer in recording.calls}
+    assert calls["all_to_all"][0] == (tuple(range(8)), tuple(range(8, 16)))
+    assert calls["p2p"][0] == tuple((j, j + 8) for j in range(8))
     nbytes = analytic_cost(workload, config).bytes_sent["all_to_all"]
-    assert t.all_to_all_s == pytest.approx(3 * node.latency + nbytes / node.bandwidth, rel=1e-12)
-    # pure 16-way Ulysses spans both nodes: its all-to-all goes over the network
+    latency = two_nodes.figure("links.node.latency_us")
+    assert t.all_to_all_s == pytest.approx(3 * latency + nbytes / nvlink, rel=1e-12)
+    # pure 16-way Ulysses spans both nodes: 8 of each rank's 15 peers are across the network
     pure = Recording(DescribedProfile(two_nodes))
     prior_time(workload, CPConfig("ulysses", 16), pure)
-    assert pure.calls[0][2] == (network.latency, network.bandwidth)
+    _, _, nbytes16, calls16, seconds = pure.calls[0]
+    expected = nbytes16 * (7 / 15 / nvlink + 8 / 15 / nic)
+    network_latency = two_nodes.figure("links.network.latency_us")
+    assert seconds == pytest.approx(calls16 * network_latency + expected, rel=1e-9)
 
 
-def test_described_compute_term_uses_the_dtype_rate():
+def test_described_compute_runs_gemms_then_one_exponential_per_pair():
     h100 = load_description("h100-sxm-8")
+    matmul, exponentials = h100.figure("device.matmul_tflops.bf16"), h100.figure("device.softmax_tops")
     workload = Workload(seq_len=8192, heads=24, head_dim=128, dtype="bf16")
     config = CPConfig("ulysses", 8)
     t = prior_time(workload, config, DescribedProfile(h100))
-    assert t.compute_s == pytest.approx(analytic_cost(workload, config).flops / h100.attention_flops["bf16"])
+    flops = analytic_cost(workload, config).flops
+    pairs = flops / (4 * 128)
+    assert t.compute_s == pytest.approx(flops / matmul + pairs / exponentials, rel=1e-12)
+
+
+def test_small_head_dims_compute_slower_per_flop():
+    """32 heads x 32 and 8 heads x 128 do the same FLOPs; the smaller head_dim pays 4x the
+    exponentials per FLOP (issue 12, mechanism 2)."""
+    profile = DescribedProfile(load_description("a100-sxm-8"))
+    narrow = Workload(seq_len=131072, heads=32, head_dim=32, batch=2, causal=True)
+    wide = Workload(seq_len=131072, heads=8, head_dim=128, batch=2, causal=True)
+    config = CPConfig("ulysses", 8)
+    assert analytic_cost(narrow, config).flops == analytic_cost(wide, config).flops
+    ratio = prior_time(narrow, config, profile).compute_s / prior_time(wide, config, profile).compute_s
+    assert 1.2 < ratio < 2
+
+
+def test_ring_steps_pay_merges_and_the_slowdown_beside_their_transfer_and_hide_launches():
+    a100 = load_description("a100-sxm-8")
+    workload = Workload(seq_len=32768, heads=32, head_dim=32, batch=2, causal=True)
+    config = CPConfig("ring", 8)
+    cost = analytic_cost(workload, config)
+    assert cost.kernels == {"attention": 8, "permute": 0, "replicate": 0, "merge": 7 * 6, "stream": 7 * 2}
+    assert cost.memory_bytes["merge"] == 7 * 2 * (32768 // 8) * 32 * 32 * (9 * 4 + 2)
+    quiet = a100.with_figure("device.launch_us", 1e-9).with_figure("device.overlap_slowdown", 1e-12)
+    t_quiet = prior_time(workload, config, DescribedProfile(quiet))
+    t = prior_time(workload, config, DescribedProfile(a100))
+    # every kernel is launched inside a Ring step, while the device works on the block in hand
+    assert t.overhead_s == 0.0
+    assert t.memory_s == pytest.approx(cost.memory_bytes["merge"] / a100.figure("device.memory_gbps"))
+    assert t_quiet.ring_exposed_s == pytest.approx(0.0, abs=1e-9 * t.total_s)  # NVLink hides the stream
+    step_bytes = cost.bytes_sent["p2p"] / 7
+    transfer = DescribedProfile(a100).collective_time("p2p", 8, (tuple(range(8)),), step_bytes, 1)
+    block = t.compute_s / 8
+    assert transfer < block
+    slowdown = a100.figure("device.overlap_slowdown")
+    assert t.ring_exposed_s == pytest.approx(7 * slowdown * transfer, rel=1e-6)
+    assert t.total_s > t_quiet.total_s
+    # a host slower at launching than the device is at computing sets the pace of each step
+    slow_host = DescribedProfile(a100.with_figure("device.launch_us", 1e-3))
+    t_host = prior_time(workload, config, slow_host)
+    per_step = (8 + 7 * 6 + 7 * 2 - 1) / 7 * 1e-3
+    ring = 7 * per_step + max(block, 1e-3)
+    assert t_host.total_s == pytest.approx(ring, rel=1e-9)
+    assert t_host.ring_exposed_s > 0.5 * t_host.total_s
+
+
+def test_ulysses_pays_its_permutes_and_gqa_replication_through_memory():
+    l20 = load_description("l20-pcie-8")
+    workload = Workload(seq_len=8192, heads=32, head_dim=128, kv_heads=2)
+    config = CPConfig("ulysses", 8)  # 2 KV heads over 8 ranks: replicated 4x
+    cost = analytic_cost(workload, config)
+    assert cost.kv_replication == 4
+    rank_tokens = 8192 // 8
+    assert cost.memory_bytes["permute"] == 4 * rank_tokens * (2 * 32 + 2 * 8) * 128 * 2
+    assert cost.memory_bytes["replicate"] == 2 * rank_tokens * (2 + 8) * 128 * 2
+    assert cost.kernels == {"attention": 1, "permute": 6, "replicate": 1, "merge": 0, "stream": 0}
+    t = prior_time(workload, config, DescribedProfile(l20))
+    moved = cost.memory_bytes["permute"] + cost.memory_bytes["replicate"]
+    assert t.memory_s == pytest.approx(moved / l20.figure("device.memory_gbps"))
+    assert t.ring_exposed_s == 0.0
+
+
+def test_pcie_all_to_all_is_limited_by_the_tier_it_crosses_and_its_share():
+    """On the L20 server two ranks share a switch, four a socket; traffic leaving the socket
+    crosses the socket link, whose all-to-all rate is the slowest (issue 12, mechanism 4)."""
+    l20 = load_description("l20-pcie-8")
+    profile = DescribedProfile(l20)
+    nbytes = 1e8
+
+    def seconds(u):
+        heads, _ = groups_of(CPConfig("ulysses", 8) if u == 8 else CPConfig("ring", 8, u))
+        return profile.collective_time("all_to_all", 8, heads, nbytes, 1)
+
+    switch_latency = l20.figure("links.domains[0].latency_us")
+    switch_bandwidth = l20.figure("links.domains[0].bandwidth_gbps.default")
+    assert seconds(2) == pytest.approx(switch_latency + nbytes / switch_bandwidth)
+    assert seconds(2) < seconds(4) < seconds(8)
+    # 8 ranks: each sends 4/7 of its bytes across the socket link; the 4 ranks of a socket share it
+    socket_link = l20.figure("links.domains[1].uplink_gbps.all_to_all")
+    assert seconds(8) >= 4 * (4 / 7) * nbytes / socket_link
+    # the Ring's stream over the same ranks is a send/recv per rank, far faster per byte than all-to-all
+    ring = profile.collective_time("p2p", 8, (tuple(range(8)),), nbytes, 1)
+    assert ring < seconds(8) / 2
+
+
+def test_a_subset_of_a_node_takes_the_ranks_that_share_a_switch_first():
+    l20 = load_description("l20-pcie-8")
+    heads, context = groups_of(CPConfig("ring", 4, 2))
+    assert heads == ((0, 1), (2, 3)) and context == ((0, 2), (1, 3))
+    assert l20.link(heads[0]).name == "PCIe Gen4 switch"
+    assert l20.link(range(4)).name == "CPU socket (root complex)"
+    assert l20.link(range(8)) is l20.node_link
+
+
+def test_published_pcie_shape_prefers_a_ulysses_pair_over_pure_ulysses():
+    """The prior's ordering on an L20-like server: Ulysses inside a switch pair, Ring across,
+    beats Ulysses over all 8 ranks by far (published 2-8x; issue 12)."""
+    profile = DescribedProfile(load_description("l20-pcie-8"))
+    workload = Workload(seq_len=8192, heads=32, head_dim=128, kv_heads=8, causal=True)
+    pair = prior_time(workload, CPConfig("ring", 8, 2), profile).total_s
+    assert prior_time(workload, CPConfig("ulysses", 8), profile).total_s > 2 * pair
 
 
 def test_described_profile_without_a_dtype_rate_says_which_key_to_add():
-    link = LinkTier(name="test link", bandwidth=1e11, latency=1e-5)
-    description = HardwareDescription(
-        name="no-fp32", description="", device="test device", ranks_per_node=2, nodes=1,
-        memory_bytes=None, attention_flops={"bf16": 1e14, "fp16": 1e14}, node_link=link,
-        network_link=None, source="no-fp32.toml",
+    description = dataclasses.replace(
+        load_description("h100-sxm-8"),
+        figures={k: v for k, v in load_description("h100-sxm-8").figures.items() if not k.endswith(".fp32")},
     )
-    with pytest.raises(ValueError, match="attention_tflops"):
+    with pytest.raises(ValueError, match="matmul_tflops"):
         prior_time(Workload(seq_len=64, heads=2, head_dim=16, dtype="fp32"), CPConfig("ring", 2),
                    DescribedProfile(description))
 
@@ -436,3 +552,36 @@ def test_a_stored_calibration_without_mask_fields_still_loads():
     for rate in data["compute"]:
         del rate["causal"]  # stored before causal shapes were calibrated
     assert all(not r.causal for r in Calibration.from_dict(data).compute)
+
+
+# --------------------------------------------------------------------------- what is known
+
+
+def test_prior_range_adds_each_figures_largest_move_in_quadrature():
+    swings = (FigureSwing("a", 9.0, 13.0), FigureSwing("b", 12.0, 6.0), FigureSwing("c", 10.0, 10.0))
+    low, high = prior_range(10.0, swings)
+    assert low == pytest.approx(10 - (1**2 + 4**2) ** 0.5)
+    assert high == pytest.approx(10 + (3**2 + 2**2) ** 0.5)
+    assert prior_range(10.0, ()) == (10.0, 10.0)
+
+
+def test_figure_swings_move_the_prior_the_way_each_figure_does():
+    a100 = load_description("a100-sxm-8")
+    workload = Workload(seq_len=32768, heads=32, head_dim=32, batch=2, causal=True)
+    swings = {s.figure: s for s in figure_swings(workload, CPConfig("ring", 8, 2), DescribedProfile(a100))}
+    assert set(swings) == {key for key, figure in a100.figures.items() if figure.uncertain}
+    matmul = swings["device.matmul_tflops.bf16"]
+    assert matmul.at_low_s > matmul.at_high_s  # a slower GEMM, a longer latency
+    launch = swings["device.launch_us"]
+    assert launch.at_low_s < launch.at_high_s
+    # a calibrated host's rates are measured: no ranges to swing
+    assert figure_swings(workload, CPConfig("ring", 4), profile()) == ()
+
+
+def test_decide_ties_what_the_ranges_can_reorder_and_names_the_figure():
+    pick = (FigureSwing("x", 1.0, 1.0), FigureSwing("y", 0.9, 1.2))
+    close = (FigureSwing("x", 1.05, 1.05), FigureSwing("y", 1.0, 1.1))  # y high: 1.1 < 1.2
+    tie = decide(1.0, pick, 1.05, close, CPConfig("ring", 4))
+    assert tie == Tie(CPConfig("ring", 4), "y", "high")
+    far = (FigureSwing("x", 2.0, 2.0), FigureSwing("y", 1.9, 2.2))
+    assert decide(1.0, pick, 2.0, far, CPConfig("ring", 4)) is None

@@ -13,6 +13,7 @@ from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
 from cptune.measurement import Measurement
+from cptune.prior import DescribedProfile, figure_swings, prior_range, prior_time
 from cptune.recommendation import SOURCES, recommend
 from cptune.store import Store
 from cptune.workload import Workload
@@ -150,7 +151,7 @@ def test_a_shipped_description_predicts_from_the_prior(db):
 
 def test_unknown_hardware_names_the_shipped_descriptions(db):
     with pytest.raises(CPTuneError) as caught:
-        recommend(W, hardware="h200-sxm-8", db=db)
+        recommend(W, hardware="h300-sxm-8", db=db)
     message = str(caught.value)
     for name in builtin_descriptions():
         assert name in message
@@ -252,3 +253,34 @@ def test_a_correction_that_helps_is_applied(db):
     assert ring.latency_ms == pytest.approx(1.6 * prior_ms(W, CPConfig("ring", 2)), rel=0.15)
     assert ring.low_ms <= ring.latency_ms <= ring.high_ms
     assert rec.to_dict()["correction"]["applied"] is True
+def test_a_description_prior_spans_its_figures_ranges(db):
+    workload = Workload(seq_len=16896, heads=24, head_dim=128)
+    rec = recommend(workload, hardware="h100-sxm-8", ranks=8, db=db)
+    profile = DescribedProfile(load_description("h100-sxm-8"))
+    for candidate in rec.candidates:
+        total = prior_time(workload, candidate.config, profile).total_s
+        low, high = prior_range(total, figure_swings(workload, candidate.config, profile))
+        assert (candidate.low_ms, candidate.latency_ms, candidate.high_ms) == pytest.approx(
+            (low * 1e3, total * 1e3, high * 1e3))
+        assert candidate.low_ms < candidate.latency_ms < candidate.high_ms
+
+
+def test_configurations_the_figures_cannot_order_are_reported_with_the_deciding_figure(db, tmp_path):
+    """A machine whose launch cost is known only to 1-200 us: at a short sequence the Ring's
+    per-step launches decide between it and Ulysses."""
+    text = (
+        'ranks_per_node = 4\n[device]\nname = "g"\nmatmul_tflops = { bf16 = 100 }\nsoftmax_tops = 2\n'
+        "memory_gbps = 1000\nlaunch_us = { value = 2, low = 1, high = 200 }\noverlap_slowdown = 0.1\n"
+        '[links.node]\nname = "n"\nbandwidth_gbps = 10\nlatency_us = 5\n'
+    )
+    path = tmp_path / "vague.toml"
+    path.write_text(text)
+    workload = Workload(seq_len=4096, heads=8, head_dim=128)
+    rec = recommend(workload, hardware=str(path), ranks=4, db=db)
+    assert rec.ties, [(c.config.label, c.latency_ms, c.low_ms, c.high_ms) for c in rec.candidates]
+    assert all(t.figure == "device.launch_us" for t in rec.ties)
+    data = json.loads(json.dumps(rec.to_dict()))
+    assert data["ties"][0]["figure"] == "device.launch_us" and data["ties"][0]["end"] in ("low", "high")
+    assert data["ties"][0]["label"] in {c.config.label for c in rec.candidates[1:]}
+    # the figures of a shipped description settle this one
+    assert recommend(workload, hardware="h100-sxm-8", ranks=8, db=db).ties == ()

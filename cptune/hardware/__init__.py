@@ -6,6 +6,7 @@ shipped name such as "h100-sxm-8", or a TOML file).
 """
 
 from cptune.hardware._description import (
+    Figure,
     HardwareDescription,
     HardwareDescriptionError,
     LinkTier,
@@ -16,6 +17,7 @@ from cptune.hardware._host import GpuInfo, Hardware, mpi_library, this_gpu_node,
 
 __all__ = [
     "GpuInfo",
+    "Figure",
     "Hardware",
     "HardwareDescription",
     "HardwareDescriptionError",

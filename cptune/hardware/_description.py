@@ -1,13 +1,17 @@
 """Hardware described in a file: machines cptune can plan for without running on them.
 
-A description gives what decides how fast context-parallel attention runs: how many ranks
-there are and how they are grouped into nodes, how fast one device computes attention, and
-how fast and how soon ranks reach each other inside a node and between nodes. Shipped
-descriptions live in ``cptune/hardware/descriptions/`` and are loaded by name
+A description gives the physics that decides how fast context-parallel attention runs: how
+many ranks there are and how they are grouped (PCIe switches, CPU sockets, nodes), how fast
+one device computes attention and moves bytes through its memory, what each kernel launch
+costs, and how fast and how soon ranks reach each other at each tier of the topology.
+Shipped descriptions live in ``cptune/hardware/descriptions/`` and are loaded by name
 (``load_description("h100-sxm-8")``); any other ``.toml`` file is loaded by path. Every key
 is validated when loaded, and a problem is reported as one line ``"file: key: reason"``.
 
-The format (every figure should cite where it comes from in a comment)::
+Every figure is either a number or ``{ value = 230, low = 200, high = 240 }``: the value the
+prior uses and the range its source allows (``recommend`` turns the ranges into intervals and
+names the figure that would decide between tied configurations). The format (every figure
+should cite where it comes from in a comment)::
 
     description = "8x H100 SXM5 80GB in one HGX node, NVLink 4 through NVSwitch"  # optional
     ranks_per_node = 8          # required: ranks (devices) in one node
@@ -16,33 +20,49 @@ The format (every figure should cite where it comes from in a comment)::
     [device]
     name = "NVIDIA H100 SXM5 80GB"
     memory_gib = 80             # optional: device memory per rank, GiB (2**30 bytes)
-    # Attention forward throughput one device sustains, in TFLOP/s (1e12 FLOP/s; dense,
-    # causal counted as useful FLOPs). bf16 is required, fp16 defaults to bf16, fp32 is
-    # optional (None: no figure for fp32).
-    attention_tflops = { bf16 = 600, fp16 = 600, fp32 = 33 }
+    # TFLOP/s the attention kernel's two GEMMs (QK^T, PV) sustain, by dtype: bf16 required,
+    # fp16 defaults to bf16, fp32 optional.
+    matmul_tflops = { bf16 = { value = 700, low = 620, high = 760 } }
+    softmax_tops = 3.9          # exponentials per second, 1e12/s (special function units)
+    memory_gbps = 2900          # GB/s memory-bound kernels reach (permutes, merges)
+    launch_us = 10              # fixed cost of one kernel launch, microseconds
+    overlap_slowdown = 0.1      # share of its speed compute loses while communication runs beside it
 
     [links.node]                # required: links between the ranks of one node
     name = "NVLink 4 through NVSwitch"
-    bandwidth_gbps = 360        # GB/s (1e9 bytes/s): bus bandwidth per rank for large
-                                # messages, as nccl-tests reports it (busbw)
+    bandwidth_gbps = 360        # GB/s (1e9 bytes/s) one rank reaches for large messages, as
+                                # nccl-tests reports busbw (with domains: one flow between ranks
+                                # of different top-level domains); or per collective kind:
+                                # { default = 20, all_to_all = 6 }
     latency_us = 12.5           # microseconds: one small-message collective call
+
+    [[links.domains]]           # optional, innermost first: groups of ranks inside a node
+    name = "PCIe switch"        # (e.g. a PCIe switch, a CPU socket) that share a link out
+    ranks = 2                   # consecutive ranks per domain; each size divides the next
+    bandwidth_gbps = 22         # one flow between two ranks of one domain (not of a smaller one)
+    latency_us = 20
+    uplink_gbps = 22            # everything one domain sends out of itself, per direction
 
     [links.network]             # required when nodes > 1, refused when nodes = 1
     name = "InfiniBand NDR 400 Gb/s, one NIC per GPU"
-    bandwidth_gbps = 46
+    bandwidth_gbps = 46         # one flow between nodes
     latency_us = 46
+    uplink_gbps = 368           # optional: everything one node sends out (default: ranks x flow)
 
-Global rank ``r`` lives on node ``r // ranks_per_node``: a group of ranks inside one node
-talks over ``links.node``, a group spanning nodes over ``links.network`` (the slowest tier
-it crosses).
+Global rank ``r`` lives on node ``r // ranks_per_node`` and in domain ``r // ranks`` of each
+size. A flow between two ranks crosses the outermost tier that separates them: ``links.node``
+for ranks of one node in different top-level domains (or anywhere in a node without domains),
+``links.network`` across nodes. An exchange is limited by the slowest tier its traffic
+crosses and by the share crossing it (see ``HardwareDescription.exchange_time``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -51,41 +71,73 @@ from typing import Any
 
 from cptune._toml import TomlFileError, _Reader, _show, _suggest
 from cptune._toml import _read_file as _read_toml
+from cptune.cost import COLLECTIVES
 from cptune.workload import WIRE_DTYPES
 
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("description", "ranks_per_node", "nodes", "device", "links")
-DEVICE_KEYS = ("name", "memory_gib", "attention_tflops")
-LINKS_KEYS = ("node", "network")
+DEVICE_KEYS = ("name", "memory_gib", "matmul_tflops", "softmax_tops", "memory_gbps", "launch_us",
+               "overlap_slowdown")
+LINKS_KEYS = ("node", "domains", "network")
 LINK_KEYS = ("name", "bandwidth_gbps", "latency_us")
-#: Attention dtypes a description gives throughput for (the workload dtypes).
+DOMAIN_KEYS = ("name", "ranks", "bandwidth_gbps", "latency_us", "uplink_gbps")
+NETWORK_KEYS = ("name", "bandwidth_gbps", "latency_us", "uplink_gbps")
+FIGURE_KEYS = ("value", "low", "high")
+#: Attention dtypes a description gives GEMM throughput for (the workload dtypes).
 DTYPES: tuple[str, ...] = tuple(WIRE_DTYPES)
+#: The key of a per-kind bandwidth table that serves every collective kind not listed.
+DEFAULT_KIND = "default"
+#: Collective kinds whose every member sends a share of its bytes to every other member; every
+#: other kind (the Ring's stream step, NCCL's ring all-gather, a broadcast chain) sends each
+#: rank's bytes to its neighbour in the group.
+ALL_TO_ALL_KINDS = frozenset({"all_to_all"})
+
+#: Unit of each figure as written in the file, and its factor to SI units.
+_UNITS = {
+    "matmul_tflops": ("TFLOP/s", 1e12), "softmax_tops": ("1e12 exponentials/s", 1e12),
+    "memory_gbps": ("GB/s", 1e9), "launch_us": ("microseconds", 1e-6),
+    "overlap_slowdown": ("fraction (0 to 1)", 1.0), "bandwidth_gbps": ("GB/s", 1e9),
+    "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9),
+}
 
 _NODE_EXAMPLE = (
     '[links.node] with name = "NVLink 4 through NVSwitch", bandwidth_gbps = 360 and latency_us = 12.5'
 )
+_DOMAIN_EXAMPLE = ('[[links.domains]] with name = "PCIe switch", ranks = 2, bandwidth_gbps = 22, '
+                   "latency_us = 20 and uplink_gbps = 22")
 #: A line the user can copy for each key, shown when the key is missing or mistyped.
 _EXAMPLES = {
     "description": 'description = "8x H100 SXM5 80GB in one node"',
     "ranks_per_node": "ranks_per_node = 8",
     "nodes": "nodes = 1",
-    "device": '[device] with name = "NVIDIA H100 SXM5 80GB" and attention_tflops = { bf16 = 600 }',
+    "device": '[device] with name = "NVIDIA H100 SXM5 80GB" and matmul_tflops = { bf16 = 700 }',
     "device.name": 'name = "NVIDIA H100 SXM5 80GB"',
     "device.memory_gib": "memory_gib = 80",
-    "device.attention_tflops": "attention_tflops = { bf16 = 600, fp16 = 600, fp32 = 33 }",
-    "device.attention_tflops.bf16": "bf16 = 600",
-    "device.attention_tflops.fp16": "fp16 = 600",
-    "device.attention_tflops.fp32": "fp32 = 33",
+    "device.matmul_tflops": "matmul_tflops = { bf16 = { value = 700, low = 620, high = 760 } }",
+    "device.matmul_tflops.bf16": "bf16 = 700",
+    "device.matmul_tflops.fp16": "fp16 = 700",
+    "device.matmul_tflops.fp32": "fp32 = 33",
+    "device.softmax_tops": "softmax_tops = { value = 3.9, low = 2.0, high = 3.9 }",
+    "device.memory_gbps": "memory_gbps = { value = 2900, low = 2600, high = 3100 }",
+    "device.launch_us": "launch_us = { value = 10, low = 5, high = 20 }",
+    "device.overlap_slowdown": "overlap_slowdown = { value = 0.1, low = 0.05, high = 0.3 }",
     "links": _NODE_EXAMPLE,
     "links.node": _NODE_EXAMPLE,
+    "links.domains": _DOMAIN_EXAMPLE,
     "links.network": '[links.network] with name = "InfiniBand NDR 400 Gb/s", bandwidth_gbps = 46 and '
                      "latency_us = 46",
     "links.node.name": 'name = "NVLink 4 through NVSwitch"',
     "links.node.bandwidth_gbps": "bandwidth_gbps = 360",
     "links.node.latency_us": "latency_us = 12.5",
+    "links.domains.name": 'name = "PCIe switch"',
+    "links.domains.ranks": "ranks = 2",
+    "links.domains.bandwidth_gbps": "bandwidth_gbps = { default = 22, all_to_all = 10 }",
+    "links.domains.latency_us": "latency_us = 20",
+    "links.domains.uplink_gbps": "uplink_gbps = 22",
     "links.network.name": 'name = "InfiniBand NDR 400 Gb/s, one NIC per GPU"',
     "links.network.bandwidth_gbps": "bandwidth_gbps = 46",
     "links.network.latency_us": "latency_us = 46",
+    "links.network.uplink_gbps": "uplink_gbps = 368",
 }
 
 
@@ -96,20 +148,37 @@ class HardwareDescriptionError(TomlFileError):
 
 
 @dataclass(frozen=True)
+class Figure:
+    """One figure of a description in SI units: the ``value`` the prior uses and the
+    ``low``..``high`` range its source allows (all three equal when the file gives a number)."""
+
+    value: float
+    low: float
+    high: float
+
+    @property
+    def uncertain(self) -> bool:
+        return self.low < self.high
+
+
+@dataclass(frozen=True)
 class LinkTier:
-    """One tier of links between ranks, e.g. NVLink inside a node or InfiniBand between nodes."""
+    """One tier of the topology: the links a flow between two ranks crosses when the
+    outermost thing separating them is this tier. ``key`` is the tier's table in the file
+    ("links.node", "links.domains[0]", "links.network"); ``ranks`` the size of one domain at
+    this tier (the node's ranks for ``links.node``, every rank for the network)."""
 
     name: str
-    #: Bytes/s: the bus bandwidth one rank reaches for large messages (nccl-tests busbw).
-    bandwidth: float
-    #: Seconds: the time of one small-message collective call on this tier.
-    latency: float
+    key: str
+    ranks: int
+    #: Whether everything one domain of the tier below sends out is limited (uplink_gbps).
+    has_uplink: bool
 
 
 @dataclass(frozen=True)
 class HardwareDescription:
     """A machine described in a file (see the module docstring for the format). Built by
-    ``load_description``, which validates every field."""
+    ``load_description``, which validates every field; figures are read with ``figure``."""
 
     #: The file stem, e.g. "h100-sxm-8".
     name: str
@@ -120,12 +189,15 @@ class HardwareDescription:
     nodes: int
     #: Device memory per rank in bytes (None: not given).
     memory_bytes: int | None
-    #: Attention FLOP/s one device achieves (forward, dense), by dtype ("bf16", ...).
-    attention_flops: dict[str, float]
-    #: Links between the ranks of one node.
+    #: Domains inside a node, innermost first (empty: every pair of ranks of a node is alike).
+    domains: tuple[LinkTier, ...]
+    #: Links between the ranks of one node, across its top-level domains.
     node_link: LinkTier
     #: Links between nodes; None exactly when nodes == 1.
     network_link: LinkTier | None
+    #: Every figure in SI units by dotted key, e.g. "device.memory_gbps",
+    #: "links.node.bandwidth_gbps.all_to_all" ("...bandwidth_gbps.default" for a plain number).
+    figures: Mapping[str, Figure]
     #: The file it was loaded from.
     source: str
 
@@ -137,12 +209,15 @@ class HardwareDescription:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if (self.network_link is None) != (self.nodes == 1):
             raise ValueError(f"network_link must be given exactly when nodes > 1 (nodes = {self.nodes})")
-        if "bf16" not in self.attention_flops or set(self.attention_flops) - set(DTYPES):
-            raise ValueError(
-                f"attention_flops needs bf16 and only {', '.join(DTYPES)}, got {sorted(self.attention_flops)}"
-            )
+        dtypes = {key.rsplit(".", 1)[1] for key in self.figures if key.startswith("device.matmul_tflops.")}
+        if "bf16" not in dtypes or dtypes - set(DTYPES):
+            raise ValueError(f"matmul_tflops needs bf16 and only {', '.join(DTYPES)}, got {sorted(dtypes)}")
+        for tier in self.tiers:
+            for suffix in ("latency_us", f"bandwidth_gbps.{DEFAULT_KIND}"):
+                if f"{tier.key}.{suffix}" not in self.figures:
+                    raise ValueError(f"figure {tier.key}.{suffix} is missing")
 
-    def __hash__(self) -> int:  # attention_flops is a dict; equal descriptions share a fingerprint
+    def __hash__(self) -> int:  # figures is a mapping; equal descriptions share a fingerprint
         return hash((self.fingerprint, self.source))
 
     @property
@@ -150,14 +225,49 @@ class HardwareDescription:
         """Every rank of every node."""
         return self.ranks_per_node * self.nodes
 
+    @property
+    def tiers(self) -> tuple[LinkTier, ...]:
+        """Every tier, innermost first."""
+        return (*self.domains, self.node_link, *((self.network_link,) if self.network_link else ()))
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """``"described:"`` and 12 hex digits hashing every field except ``source``, so a
         copy of the file describes the same hardware."""
         fields: dict[str, Any] = asdict(self)
         del fields["source"]
+        fields["figures"] = {key: asdict(figure) for key, figure in sorted(self.figures.items())}
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return "described:" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    def figure(self, key: str) -> float:
+        """The value of figure ``key`` in SI units."""
+        return self.figures[key].value
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
+    def with_figure(self, key: str, value: float) -> HardwareDescription:
+        """This description with figure ``key`` set to ``value`` (for the prior's ranges)."""
+        if key not in self.figures:
+            raise KeyError(key)
+        return dataclasses.replace(self, figures={**self.figures, key: Figure(value, value, value)})
+
+    def matmul_flops(self, dtype: str) -> float | None:
+        """GEMM FLOP/s of the attention kernel in ``dtype``; fp16 defaults to bf16, None when
+        the file gives no figure for it."""
+        key = f"device.matmul_tflops.{dtype}"
+        if key in self.figures:
+            return self.figure(key)
+        return self.figure("device.matmul_tflops.bf16") if dtype == "fp16" else None
+
+    def bandwidth(self, tier: LinkTier, kind: str) -> float:
+        """Bytes/s of one flow of collective ``kind`` across ``tier``."""
+        key = f"{tier.key}.bandwidth_gbps"
+        return self.figure(f"{key}.{kind}" if f"{key}.{kind}" in self.figures else f"{key}.{DEFAULT_KIND}")
+
+    def uplink(self, tier: LinkTier, kind: str) -> float:
+        """Bytes/s everything one domain of the tier below sends across ``tier`` reaches."""
+        key = f"{tier.key}.uplink_gbps"
+        return self.figure(f"{key}.{kind}" if f"{key}.{kind}" in self.figures else f"{key}.{DEFAULT_KIND}")
 
     def node_of(self, rank: int) -> int:
         """The node global rank ``rank`` lives on."""
@@ -167,26 +277,74 @@ class HardwareDescription:
             )
         return rank // self.ranks_per_node
 
+    def between(self, a: int, b: int) -> LinkTier:
+        """The outermost tier separating ranks ``a`` and ``b`` (the innermost for a == b)."""
+        if self.node_of(a) != self.node_of(b):
+            assert self.network_link is not None
+            return self.network_link
+        for domain in self.domains:
+            if a // domain.ranks == b // domain.ranks:
+                return domain
+        return self.node_link
+
     def link(self, ranks: Sequence[int]) -> LinkTier:
-        """The tier a group of global ranks talks over: the node's links when all of them live
-        on one node, else the network (the slowest tier the group crosses)."""
+        """The outermost tier a group of global ranks talks over (the slowest it crosses)."""
         if not ranks:
             raise ValueError("a group of ranks must not be empty")
-        nodes = {self.node_of(rank) for rank in ranks}
-        if len(nodes) == 1:
-            return self.node_link
-        assert self.network_link is not None  # nodes > 1, so the loader required it
-        return self.network_link
+        ranks = list(ranks)
+        order = self.tiers
+        return max((self.between(ranks[0], r) for r in ranks), key=order.index)
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - descriptions are few, immutable and hashable
+    def exchange(self, kind: str, groups: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
+        """(latency s, seconds per byte each rank sends) of collective ``kind`` run by all
+        ``groups`` at once. Each flow moves at the bandwidth of the outermost tier it crosses;
+        a rank's flows share its link (their times add up), and everything one domain sends
+        out of itself shares that domain's uplink: the slowest of these limits the exchange."""
+        flows = list(_flows(kind, groups))
+        if not flows:
+            return 0.0, 0.0
+        order = self.tiers
+        outermost = max((self.between(src, dst) for src, dst, _ in flows), key=order.index)
+        per_rank: dict[int, float] = {}
+        per_domain: dict[tuple[str, int], float] = {}
+        for src, dst, share in flows:
+            tier = self.between(src, dst)
+            per_rank[src] = per_rank.get(src, 0.0) + share / self.bandwidth(tier, kind)
+            crossed = order.index(tier)
+            for index, level in enumerate(order):
+                # a domain's uplink carries what leaves it; the network's is the node's
+                network = level is self.network_link
+                if level.has_uplink and (crossed >= index if network else crossed > index):
+                    size = self.ranks_per_node if network else level.ranks
+                    domain = (level.key, src // size)
+                    per_domain[domain] = per_domain.get(domain, 0.0) + share / self.uplink(level, kind)
+        slowest = max([*per_rank.values(), *per_domain.values()])
+        return self.figure(f"{outermost.key}.latency_us"), slowest
 
     def describe(self) -> str:
         """One line, e.g. "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"."""
         head = f"{self.max_ranks}x {self.device} ({self.name})"
+        inside = ", ".join([*(f"{d.name} per {d.ranks}" for d in self.domains), self.node_link.name])
         if self.network_link is None:
-            return f"{head}, {self.node_link.name}"
+            return f"{head}, {inside}"
         return (
-            f"{head}, {self.nodes} nodes x {self.ranks_per_node}: {self.node_link.name} within a node, "
+            f"{head}, {self.nodes} nodes x {self.ranks_per_node}: {inside} within a node, "
             f"{self.network_link.name} between nodes"
         )
+
+
+def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> Iterable[tuple[int, int, float]]:
+    """(source, destination, share of the source's bytes) of every flow of ``kind``."""
+    for group in groups:
+        size = len(group)
+        if size < 2:
+            continue
+        for i, src in enumerate(group):
+            if kind in ALL_TO_ALL_KINDS:
+                yield from ((src, dst, 1.0 / (size - 1)) for dst in group if dst != src)
+            else:
+                yield src, group[(i + 1) % size], 1.0
 
 
 # --------------------------------------------------------------------------- loading
@@ -227,6 +385,7 @@ def _not_found(name: str, builtins: dict[str, Traversable]) -> str:
 def _load(file: str, name: str) -> HardwareDescription:
     doc = _read_toml(file, HardwareDescriptionError, lambda: _not_found(file, builtin_descriptions()))
     r = _Reader(file, error=HardwareDescriptionError, examples=_EXAMPLES)
+    figures: dict[str, Figure] = {}
 
     r.check_keys(doc, TOP_KEYS, "")
     raw = r.value(doc, "description", "", required=False)
@@ -241,57 +400,124 @@ def _load(file: str, name: str) -> HardwareDescription:
     device_name = r.string(r.value(device, "name", "device", required=True), "device.name", non_empty=True)
     raw = r.value(device, "memory_gib", "device", required=False)
     memory_bytes = None if raw is None else round(r.positive_number(raw, "device.memory_gib", "GiB") * 2**30)
-    attention_flops = _read_flops(r, device)
+    _read_matmul(r, device, figures)
+    for key in ("softmax_tops", "memory_gbps", "launch_us", "overlap_slowdown"):
+        figures[f"device.{key}"] = _figure(r, r.value(device, key, "device", required=True), f"device.{key}")
+    if figures["device.overlap_slowdown"].high >= 1:
+        raise r.fail("device.overlap_slowdown", "out of range: a share of compute speed must be below 1"
+                     f"{r.example('device.overlap_slowdown')}")
 
     links = r.table(doc, "links", required=True)
     assert links is not None
     r.check_keys(links, LINKS_KEYS, "links")
-    node_link = _read_link(r, links, "node")
+    domains = _read_domains(r, links, ranks_per_node, figures)
+    node_link = _read_tier(r, links, "node", ranks_per_node, figures, LINK_KEYS)
     if nodes > 1 and "network" not in links:
         raise r.fail("links.network", f"missing required table: nodes = {nodes}, so groups of ranks "
                      f"cross nodes; add {_EXAMPLES['links.network']}")
     if nodes == 1 and "network" in links:
         raise r.fail("links.network", "given but nodes = 1, so no group of ranks crosses it; remove "
                      "[links.network] or set nodes to the number of nodes")
-    network_link = _read_link(r, links, "network") if nodes > 1 else None
+    network_link = None
+    if nodes > 1:
+        network_link = _read_tier(r, links, "network", ranks_per_node * nodes, figures, NETWORK_KEYS,
+                                  ranks_per_node)
 
     return HardwareDescription(
         name=name, description=description, device=device_name, ranks_per_node=ranks_per_node,
-        nodes=nodes, memory_bytes=memory_bytes, attention_flops=attention_flops, node_link=node_link,
-        network_link=network_link, source=file,
+        nodes=nodes, memory_bytes=memory_bytes, domains=domains, node_link=node_link,
+        network_link=network_link, figures=figures, source=file,
     )
 
 
-def _read_flops(r: _Reader, device: dict[str, Any]) -> dict[str, float]:
-    """``device.attention_tflops`` as FLOP/s by dtype: bf16 required, fp16 defaults to it."""
-    key = "device.attention_tflops"
-    table = r.table(device, "attention_tflops", required=True, prefix="device")
+def _figure(r: _Reader, raw: object, key: str) -> Figure:
+    """A figure: a positive number, or a table ``{ value, low, high }`` with low <= value <= high."""
+    unit, scale = _UNITS[next(part for part in key.split(".") if part in _UNITS)]
+    if not isinstance(raw, dict):
+        value = r.positive_number(raw, key, unit) * scale
+        return Figure(value, value, value)
+    r.check_keys(raw, FIGURE_KEYS, key)
+    value, low, high = (
+        r.positive_number(r.value(raw, part, key, required=True), f"{key}.{part}", unit) * scale
+        for part in FIGURE_KEYS
+    )
+    if not low <= value <= high:
+        raise r.fail(key, f"the range must hold the value: expected low <= value <= high, got low = "
+                     f"{_show(low / scale)}, value = {_show(value / scale)}, high = {_show(high / scale)}")
+    return Figure(value, low, high)
+
+
+def _read_matmul(r: _Reader, device: dict[str, Any], figures: dict[str, Figure]) -> None:
+    """``device.matmul_tflops`` by dtype: bf16 required, fp16 defaults to it."""
+    key = "device.matmul_tflops"
+    table = r.table(device, "matmul_tflops", required=True, prefix="device")
     assert table is not None
     for dtype in table:
         if dtype not in DTYPES:
             raise r.fail(f"{key}.{dtype}", f"unknown dtype {_show(dtype)}{_suggest(dtype, DTYPES)}; "
                          f"give throughput for {', '.join(DTYPES)}{r.example(key)}")
-    flops: dict[str, float] = {}
     for dtype in DTYPES:
         raw = r.value(table, dtype, key, required=dtype == "bf16")
         if raw is not None:
-            flops[dtype] = r.positive_number(raw, f"{key}.{dtype}", "TFLOP/s") * 1e12
-        elif dtype == "fp16":
-            flops[dtype] = flops["bf16"]  # same tensor-core rate on every device shipped
-    return flops
+            figures[f"{key}.{dtype}"] = _figure(r, raw, f"{key}.{dtype}")
 
 
-def _read_link(r: _Reader, links: dict[str, Any], tier: str) -> LinkTier:
-    """``[links.<tier>]``, which must be there."""
-    prefix = f"links.{tier}"
-    table = r.table(links, tier, required=True, prefix="links")
+def _read_by_kind(r: _Reader, raw: object, key: str, figures: dict[str, Figure]) -> None:
+    """A bandwidth: one figure for every collective kind, or a table by kind with a default."""
+    if isinstance(raw, dict) and not set(raw) <= set(FIGURE_KEYS):
+        r.check_keys(raw, (DEFAULT_KIND, *COLLECTIVES), key)
+        if DEFAULT_KIND not in raw:
+            raise r.fail(f"{key}.{DEFAULT_KIND}", "missing required key: a table by collective kind needs "
+                         f"a default for the kinds it does not list{r.example(key)}")
+        for kind, figure in raw.items():
+            figures[f"{key}.{kind}"] = _figure(r, figure, f"{key}.{kind}")
+        return
+    figures[f"{key}.{DEFAULT_KIND}"] = _figure(r, raw, key)
+
+
+def _read_tier(r: _Reader, table_of: dict[str, Any], tier: str, ranks: int, figures: dict[str, Figure],
+               allowed: tuple[str, ...], ranks_per_node: int = 0, prefix: str | None = None) -> LinkTier:
+    """One tier's table: name, bandwidth (by kind), latency and, where allowed, the uplink
+    (the network's defaults to ``ranks_per_node`` flows: one NIC per rank)."""
+    prefix = prefix or f"links.{tier}"
+    table = table_of if tier == "" else r.table(table_of, tier, required=True, prefix="links")
     assert table is not None
-    r.check_keys(table, LINK_KEYS, prefix)
+    r.check_keys(table, allowed, prefix)
     name = r.string(r.value(table, "name", prefix, required=True), f"{prefix}.name", non_empty=True)
-    gbps = r.positive_number(
-        r.value(table, "bandwidth_gbps", prefix, required=True), f"{prefix}.bandwidth_gbps", "GB/s"
-    )
-    micros = r.positive_number(
-        r.value(table, "latency_us", prefix, required=True), f"{prefix}.latency_us", "microseconds"
-    )
-    return LinkTier(name=name, bandwidth=gbps * 1e9, latency=micros / 1e6)
+    _read_by_kind(r, r.value(table, "bandwidth_gbps", prefix, required=True), f"{prefix}.bandwidth_gbps",
+                  figures)
+    figures[f"{prefix}.latency_us"] = _figure(r, r.value(table, "latency_us", prefix, required=True),
+                                              f"{prefix}.latency_us")
+    raw = r.value(table, "uplink_gbps", prefix, required=False) if "uplink_gbps" in allowed else None
+    if raw is not None:
+        _read_by_kind(r, raw, f"{prefix}.uplink_gbps", figures)
+    elif tier == "network":  # one NIC per rank, none shared: the node sends ranks_per_node flows
+        for key in [k for k in figures if k.startswith(f"{prefix}.bandwidth_gbps.")]:
+            flow = figures[key]
+            figures[key.replace("bandwidth_gbps", "uplink_gbps")] = Figure(
+                *(ranks_per_node * x for x in (flow.value, flow.low, flow.high)))
+    has_uplink = f"{prefix}.uplink_gbps.{DEFAULT_KIND}" in figures
+    return LinkTier(name=name, key=prefix, ranks=ranks, has_uplink=has_uplink)
+
+
+def _read_domains(r: _Reader, links: dict[str, Any], ranks_per_node: int,
+                  figures: dict[str, Figure]) -> tuple[LinkTier, ...]:
+    """``[[links.domains]]``, innermost first: sizes that divide each other and the node."""
+    raw = r.value(links, "domains", "links", required=False)
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(d, dict) for d in raw):
+        raise r.fail("links.domains",
+                     f"expected an array of tables ([[links.domains]] sections){r.example('links.domains')}")
+    domains: list[LinkTier] = []
+    for i, table in enumerate(raw):
+        prefix = f"links.domains[{i}]"
+        size = r.integer(r.value(table, "ranks", prefix, required=True), f"{prefix}.ranks", 2)
+        inner = domains[-1].ranks if domains else 1
+        if size <= inner or size >= ranks_per_node or size % inner or ranks_per_node % size:
+            raise r.fail(f"{prefix}.ranks", f"out of range: domains go innermost first and each size must be "
+                         f"a multiple of the one before ({inner}), below ranks_per_node ({ranks_per_node}) "
+                         f"and "
+                         f"divide it, got {size}")
+        domains.append(_read_tier(r, table, "", size, figures, DOMAIN_KEYS, prefix=prefix))
+    return tuple(domains)

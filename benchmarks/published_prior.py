@@ -1,0 +1,186 @@
+"""Score the physical prior against published context-parallel measurements.
+
+Each case of a development-set file (``benchmarks/published/*.toml``) is one workload on one
+described machine with the published latency of several configurations (Ulysses degree u x
+Ring degree N / u). Per case: the prior's pick among the published configurations, the
+published best, the regret (published latency of the pick / the best) and the Spearman rank
+correlation of the prior's latencies with the published ones. The same picks are scored for
+three fixed rules: always-Ulysses (the largest published Ulysses degree), always-Ring (u = 1)
+and always-USP-2 (u = 2).
+
+    python benchmarks/published_prior.py [FILE.toml ...] [--json OUT] [--sensitivity]
+
+``--sensitivity`` rescores cptune with each uncertain figure of each description at the low
+and at the high end of its range (the others at their values): how much the picks depend on
+any single figure.
+
+Only the prior is scored (no database, no measurement): these are machines nobody here ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from scipy.stats import spearmanr
+
+from cptune.config import CPConfig
+from cptune.hardware import load_description
+from cptune.prior import DescribedProfile, prior_time
+from cptune.workload import Workload
+
+DEFAULT_FILES = sorted((Path(__file__).parent / "published").glob("*.toml"))
+RULES = ("cptune", "always-ulysses", "always-ring", "always-usp-2")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One published comparison: ``latency_ms`` by Ulysses degree, for ``workload`` on ``ranks``
+    ranks of the described ``hardware``."""
+
+    id: str
+    source: str
+    hardware: str
+    workload: Workload
+    ranks: int
+    latency_ms: dict[int, float]
+
+
+def config_for(ranks: int, ulysses: int) -> CPConfig:
+    """USP's ulysses_degree x ring_degree as a cptune configuration."""
+    if ulysses == ranks:
+        return CPConfig("ulysses", ranks)
+    return CPConfig("ring", ranks, ulysses)
+
+
+def load_cases(path: Path) -> list[Case]:
+    """The cases of one development-set file; throughput (iterations/s) becomes latency (ms)."""
+    doc = tomllib.loads(path.read_text())
+    cases = []
+    for raw in doc["cases"]:
+        latency = {int(u): 1e3 / float(rate) for u, rate in raw["iters_per_s"].items()}
+        cases.append(Case(id=raw["id"], source=f"{path.name}: {raw['table']}; {raw['published']}",
+                          hardware=raw["hardware"], workload=Workload(**raw["workload"]),
+                          ranks=int(raw["ranks"]), latency_ms=latency))
+    return cases
+
+
+#: One figure of one description set to a value: (description, figure key, value in SI units).
+Change = tuple[str, str, float]
+
+
+def picks(case: Case, changed: Change | None = None) -> tuple[dict[str, int], dict[int, float]]:
+    """The Ulysses degree each rule picks, and the prior's latency (ms) per degree; ``changed``
+    = (description, figure, value) sets one figure of one description."""
+    description = load_description(case.hardware)
+    if changed is not None and changed[0] == case.hardware:
+        description = description.with_figure(changed[1], changed[2])
+    profile = DescribedProfile(description)
+    predicted = {
+        u: prior_time(case.workload, config_for(case.ranks, u), profile).total_s * 1e3
+        for u in case.latency_ms
+    }
+    degrees = sorted(case.latency_ms)
+    chosen = {
+        "cptune": min(predicted, key=predicted.__getitem__),
+        "always-ulysses": degrees[-1],
+        "always-ring": 1 if 1 in degrees else degrees[0],
+        "always-usp-2": 2 if 2 in degrees else degrees[0],
+    }
+    return chosen, predicted
+
+
+def score(cases: list[Case], changed: Change | None = None) -> dict[str, object]:
+    """Per case and per rule: the pick, its regret, and cptune's Spearman."""
+    rows = []
+    for case in cases:
+        chosen, predicted = picks(case, changed)
+        best = min(case.latency_ms, key=case.latency_ms.__getitem__)
+        degrees = sorted(case.latency_ms)
+        published = [case.latency_ms[u] for u in degrees]
+        ranked = [predicted[u] for u in degrees]
+        if len(degrees) > 2:
+            rho = float(spearmanr(ranked, published)[0])
+        else:  # two configurations: +1 when the order agrees, -1 when it does not
+            rho = 1.0 if (ranked[0] < ranked[1]) == (published[0] < published[1]) else -1.0
+        rows.append({
+            "id": case.id, "hardware": case.hardware, "workload": case.workload.describe(),
+            "ranks": case.ranks, "best": best, "best_ms": case.latency_ms[best],
+            "published_ms": {str(u): case.latency_ms[u] for u in degrees},
+            "prior_ms": {str(u): predicted[u] for u in degrees},
+            "picks": {rule: chosen[rule] for rule in RULES},
+            "regret": {rule: case.latency_ms[chosen[rule]] / case.latency_ms[best] for rule in RULES},
+            "spearman": rho, "source": case.source,
+        })
+    summary = {}
+    for rule in RULES:
+        regrets = [row["regret"][rule] for row in rows]
+        summary[rule] = {
+            "top1": sum(r == 1.0 for r in regrets) / len(regrets),
+            "median_regret": statistics.median(regrets), "worst_regret": max(regrets),
+        }
+    summary["cptune"]["median_spearman"] = statistics.median(row["spearman"] for row in rows)
+    return {"cases": rows, "summary": summary}
+
+
+def sensitivity(cases: list[Case]) -> list[dict[str, object]]:
+    """cptune's median and worst regret with each uncertain figure at either end of its range."""
+    rows = []
+    for name in sorted({case.hardware for case in cases}):
+        for key, figure in load_description(name).figures.items():
+            for end, value in (("low", figure.low), ("high", figure.high)):
+                if figure.uncertain:
+                    summary = score(cases, (name, key, value))["summary"]["cptune"]
+                    rows.append({"hardware": name, "figure": key, "end": end,
+                                 "median_regret": summary["median_regret"],
+                                 "worst_regret": summary["worst_regret"]})
+    return rows
+
+
+def label(ranks: int, u: int) -> str:
+    return config_for(ranks, u).label
+
+
+def render(result: dict[str, object]) -> str:
+    lines = [f"{'case':24} {'published best':>16} {'cptune pick':>16} {'regret':>7} {'spearman':>8}   "
+             f"prior ms / published ms per Ulysses degree"]
+    for row in result["cases"]:
+        n = row["ranks"]
+        per_degree = "  ".join(f"u{u}: {row['prior_ms'][u]:.3g}/{row['published_ms'][u]:.3g}"
+                               for u in row["published_ms"])
+        lines.append(f"{row['id']:24} {label(n, row['best']):>16} {label(n, row['picks']['cptune']):>16} "
+                     f"{row['regret']['cptune']:7.3f} {row['spearman']:8.2f}   {per_degree}")
+    lines.append("")
+    lines.append(f"{'rule':16} {'top-1':>6} {'median regret':>14} {'worst regret':>13}")
+    for rule, s in result["summary"].items():
+        lines.append(f"{rule:16} {s['top1']:6.2f} {s['median_regret']:14.3f} {s['worst_regret']:13.3f}")
+    lines.append(f"cptune median Spearman: {result['summary']['cptune']['median_spearman']:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", type=Path, default=DEFAULT_FILES)
+    parser.add_argument("--json", type=Path, help="also write the full result as JSON here")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="rescore with each figure at either end of its range")
+    args = parser.parse_args()
+    cases = [case for path in args.files for case in load_cases(path)]
+    result = score(cases)
+    print(render(result))
+    if args.sensitivity:
+        result["sensitivity"] = sensitivity(cases)
+        print(f"\n{'description':12} {'figure at one end of its range':48} {'median':>7} {'worst':>7}")
+        for row in result["sensitivity"]:
+            print(f"{row['hardware']:12} {row['figure'] + ' ' + row['end']:48} "
+                  f"{row['median_regret']:7.3f} {row['worst_regret']:7.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

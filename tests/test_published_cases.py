@@ -1,0 +1,52 @@
+"""The published development set (benchmarks/published/): every case is a decision cptune can
+express on a shipped description, and the scoring script reads it as published."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from cptune.feasibility import feasibility
+from cptune.hardware import builtin_descriptions, load_description
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("published_prior", ROOT / "benchmarks" / "published_prior.py")
+published_prior = importlib.util.module_from_spec(_spec)
+sys.modules["published_prior"] = published_prior  # its dataclasses look their module up
+_spec.loader.exec_module(published_prior)
+CASES = [case for path in published_prior.DEFAULT_FILES for case in published_prior.load_cases(path)]
+
+
+def test_the_development_set_has_the_usp_tables_of_both_machines():
+    assert {case.hardware for case in CASES} >= {"a100-sxm-8", "l20-pcie-8"}
+    assert len({case.id for case in CASES}) == len(CASES) >= 12
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_each_case_is_a_decision_between_feasible_configurations(case):
+    assert case.hardware in builtin_descriptions()
+    assert case.ranks <= load_description(case.hardware).max_ranks
+    assert len(case.latency_ms) >= 2
+    for u, latency in case.latency_ms.items():
+        config = published_prior.config_for(case.ranks, u)
+        assert config.ranks == case.ranks and config.head_group == u
+        assert feasibility(case.workload, config) == []
+        assert 0 < latency < 1e4  # milliseconds of one forward call
+
+
+def test_throughput_becomes_latency_of_one_call():
+    case = next(c for c in CASES if c.id == "l20-8k-h32-kv8-d128")
+    assert case.latency_ms[2] == pytest.approx(1e3 / 454.93)
+    assert case.workload.seq_len == 8192 and case.workload.kv_heads == 8 and case.workload.causal
+
+
+def test_rules_pick_their_degree_and_regret_is_relative_to_the_published_best():
+    result = published_prior.score(CASES[:1])
+    row = result["cases"][0]
+    assert row["picks"]["always-ring"] == 1 and row["picks"]["always-usp-2"] == 2
+    assert row["picks"]["always-ulysses"] == max(CASES[0].latency_ms)
+    best = min(CASES[0].latency_ms.values())
+    for rule, regret in row["regret"].items():
+        assert regret == pytest.approx(CASES[0].latency_ms[row["picks"][rule]] / best)
+        assert regret >= 1.0
