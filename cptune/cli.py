@@ -513,7 +513,7 @@ def _refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
 
 
 def cmd_results(args: argparse.Namespace, console: Console) -> int:
-    from cptune.store import Store
+    from cptune.store import Store, display_url
 
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
@@ -524,7 +524,7 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
             return _set_excluded(store, args.exclude or args.include, args.exclude is not None, console)
         if args.delete:
             gone = store.delete(args.delete)
-            _say(console, f"deleted {len(gone)} measurement(s) from {store.url}:")
+            _say(console, f"deleted {len(gone)} measurement(s) from {display_url(store.url)}:")
             for r in gone:
                 _say(console, f"  {r.id}: {r.config.describe()}, {r.workload.describe()}, {r.status}, "
                               f"measured {r.measured_at}")
