@@ -316,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--hardware", help="a stored fingerprint or 4+ of its leading characters "
                                            "(default: every hardware with measurements)")
     report.add_argument("--text", action="store_true", help="print tables in the terminal; write no files")
+    for command_parser in commands.choices.values():  # flags it does not know are its error
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -730,7 +732,9 @@ COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
     try:

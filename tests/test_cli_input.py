@@ -67,7 +67,7 @@ def db(tmp_path):
 @pytest.mark.parametrize("args, prefix, fragment", [
     (["search", "--seq-lens", "64,x"], "cptune search: error: ", "argument --seq-lens"),
     (["recommend", "--heads", "8"], "cptune recommend: error: ", "--seq-len"),
-    (["results", "--frobnicate"], "cptune: error: ", "--frobnicate"),
+    (["results", "--frobnicate"], "cptune results: error: ", "unrecognized arguments: --frobnicate"),
     ([], "cptune: error: ", "command"),
 ])
 def test_a_flag_error_is_one_line_with_where_to_get_help(args, prefix, fragment):
