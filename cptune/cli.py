@@ -385,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--head-group", type=_positive, default=None,
                        help="Ulysses degree u (default: all ranks for ulysses, else 1)")
     graph.add_argument("-o", "--output-dir", required=True, help="directory to write the graphs into")
+    for command_parser in commands.choices.values():  # flags it does not know are its error
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -591,7 +593,7 @@ def _refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
 
 
 def cmd_results(args: argparse.Namespace, console: Console) -> int:
-    from cptune.store import RESULT_COLUMNS, Store
+    from cptune.store import RESULT_COLUMNS, Store, display_url
 
     filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
                "strategy": args.strategy, "ranks": args.ranks, "status": args.status}
@@ -602,7 +604,7 @@ def cmd_results(args: argparse.Namespace, console: Console) -> int:
             return _set_excluded(store, args.exclude or args.include, args.exclude is not None, console)
         if args.delete:
             gone = store.delete(args.delete)
-            _say(console, f"deleted {len(gone)} measurement(s) from {store.url}:")
+            _say(console, f"deleted {len(gone)} measurement(s) from {display_url(store.url)}:")
             for r in gone:
                 _say(console, f"  {r.id}: {r.config.describe()}, {r.workload.describe()}, {r.status}, "
                               f"measured {r.measured_at}")
@@ -886,7 +888,9 @@ COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
     try:

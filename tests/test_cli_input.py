@@ -67,7 +67,7 @@ def db(tmp_path):
 @pytest.mark.parametrize("args, prefix, fragment", [
     (["search", "--seq-lens", "64,x"], "cptune search: error: ", "argument --seq-lens"),
     (["recommend", "--heads", "8"], "cptune recommend: error: ", "--seq-len"),
-    (["results", "--frobnicate"], "cptune: error: ", "--frobnicate"),
+    (["results", "--frobnicate"], "cptune results: error: ", "unrecognized arguments: --frobnicate"),
     ([], "cptune: error: ", "command"),
 ])
 def test_a_flag_error_is_one_line_with_where_to_get_help(args, prefix, fragment):
@@ -182,7 +182,7 @@ def test_results_exclude_include_and_delete(db):
 
     deleted = cptune("results", "--delete", "1", "--db", db)
     assert deleted.returncode == 0, deleted.stderr
-    assert "deleted 1 measurement(s)" in deleted.stdout and "1: Ring on 1 rank" in deleted.stdout
+    assert "deleted 1 measurement(s)" in deleted.stdout and "1: local attention on 1 rank" in deleted.stdout
     assert [r[0] for r in rows(db)] == [2, 3]
     assert [r[:3] for r in rows(db)] == [r[:3] for r in before[1:]]
 

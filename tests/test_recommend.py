@@ -9,6 +9,8 @@ import pytest
 
 from conftest import make_calibration, measurement
 from cptune.config import CPConfig
+from cptune.cost import analytic_cost
+from cptune.cost_model import training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
@@ -253,6 +255,11 @@ def test_a_correction_that_helps_is_applied(db):
     assert ring.latency_ms == pytest.approx(1.6 * prior_ms(W, CPConfig("ring", 2)), rel=0.15)
     assert ring.low_ms <= ring.latency_ms <= ring.high_ms
     assert rec.to_dict()["correction"]["applied"] is True
+
+
+# --------------------------------------------------------------------------- described priors
+
+
 def test_a_description_prior_spans_its_figures_ranges(db):
     workload = Workload(seq_len=16896, heads=24, head_dim=128)
     rec = recommend(workload, hardware="h100-sxm-8", ranks=8, db=db)
@@ -284,3 +291,33 @@ def test_configurations_the_figures_cannot_order_are_reported_with_the_deciding_
     assert data["ties"][0]["label"] in {c.config.label for c in rec.candidates[1:]}
     # the figures of a shipped description settle this one
     assert recommend(workload, hardware="h100-sxm-8", ranks=8, db=db).ties == ()
+
+
+# --------------------------------------------------------------------------- marked rows, memory
+
+
+def test_oversubscribed_and_excluded_measurements_train_nothing_unless_asked(db):
+    add(db, measurement(W, CPConfig("ring", 1), 5.0),
+        replace(measurement(W, CPConfig("ring", 2), 0.1), oversubscribed=True),
+        measurement(W, CPConfig("ulysses", 2), 0.2))
+    with Store(db) as store:
+        store.set_excluded([r.id for r in store.results(strategy="ulysses")])
+        default = training_set(store)
+        opted_in = training_set(store, include_oversubscribed=True)
+    assert [r.config for r in default.results] == [CPConfig("ring", 1)]
+    assert [r.config for r in opted_in.results] == [CPConfig("ring", 1), CPConfig("ring", 2)]
+    rec = recommend(W, db=db)
+    assert [c.config for c in rec.candidates if c.source == "measured"] == [CPConfig("ring", 1)]
+
+
+def test_this_hosts_ranks_share_its_memory(db, monkeypatch):
+    need = {n: analytic_cost(W, CPConfig("ring", n)).peak_bytes * n for n in (1, 2, 4)}
+    # room for the 1-rank run's whole footprint, not for 4 ranks' (each a quarter of it)
+    monkeypatch.setattr("cptune.recommendation.host_memory_bytes", lambda: need[1] + 1)
+    assert need[4] > need[1] + 1
+    rec = recommend(W, db=db)
+    assert CPConfig("ring", 1) in by_config(rec)
+    (reason,) = rec.infeasible[CPConfig("ring", 4)]
+    assert "over the limit of" in reason
+    described = recommend(W, hardware="h100-sxm-8", db=db)  # a described GPU's memory is its own
+    assert CPConfig("ring", 4) in by_config(described)

@@ -279,8 +279,9 @@ def test_cli_report_bad_input_exits_2_in_one_line(db, tmp_path, args, message):
     occupied = tmp_path / "a-file"
     occupied.write_text("not a directory")
     done = cli("--db", db, *(a.format(file=occupied) for a in args))
-    assert done.returncode == 2 and message in done.stdout
-    assert "Traceback" not in done.stdout + done.stderr and len(done.stdout.strip().splitlines()) == 1
+    assert done.returncode == 2 and done.stdout == ""  # errors go to stderr, in one line
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert message in done.stderr
     assert occupied.read_text() == "not a directory"
 
 
