@@ -26,6 +26,7 @@ from urllib.parse import unquote
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Engine,
@@ -42,7 +43,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 from cptune import __version__
@@ -139,7 +140,7 @@ class MeasurementRow(Base):
     p90_ms: Mapped[float | None] = mapped_column(Float)
     compute_ms: Mapped[float | None] = mapped_column(Float)
     comm_ms: Mapped[float | None] = mapped_column(Float)
-    peak_bytes: Mapped[int | None] = mapped_column(Integer)
+    peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
     max_error: Mapped[float | None] = mapped_column(Float)
     samples_ms: Mapped[list[float] | None] = mapped_column(JSON)
     warmup: Mapped[int | None] = mapped_column(Integer)
@@ -422,7 +423,7 @@ class Store:
         try:
             with Session(self.engine) as session, session.begin():
                 yield session
-        except OperationalError as exc:
+        except DBAPIError as exc:  # the server refused or failed: one line, no password
             raise StoreError(f"database {self.url} failed: {self._explain(exc.orig)}") from None
 
     def _hardware_row(self, session: Session, hardware: Hardware) -> HardwareRow:

@@ -71,6 +71,17 @@ def password(postgres_url):
     return secret
 
 
+def test_a_peak_above_2_gib_is_kept(postgres_url):
+    """A rank's peak at long sequences passes 2**31 bytes: a 32-bit column refused it."""
+    import dataclasses
+
+    made = dataclasses.replace(measurement(WORKLOAD, CPConfig("ring", 2), 3.0), peak_bytes=3 * 2**30)
+    with Store(postgres_url) as store:
+        store.add_measurement(HARDWARE, made)
+        (result,) = store.results()
+    assert result.peak_bytes == 3 * 2**30
+
+
 def test_round_trip(postgres_url):
     made = measurement(WORKLOAD, CPConfig("ring", 2, 2), 3.0)
     calibration = make_calibration(2)
