@@ -124,8 +124,8 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     report = cptune("report", "--db", db, "-o", str(tmp_path / "report"))
     assert report.returncode == 0, report.stdout + report.stderr
     pngs = sorted(f.name for f in (tmp_path / "report").glob("*.png"))
-    assert pngs == ["4x16-bf16-latency-vs-ranks.png", "4x16-bf16-speedup.png", "4x16-bf16-strategy-map.png",
-                    "predicted-vs-measured.png"]
+    assert pngs == ["4x16-bf16-compute-vs-communication.png", "4x16-bf16-latency-vs-ranks.png",
+                    "4x16-bf16-speedup.png", "4x16-bf16-strategy-map.png", "predicted-vs-measured.png"]
     assert "data:image/png;base64," in (tmp_path / "report" / "report.html").read_text()
 
 
