@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from cptune._shipped import shipped
 from cptune._toml import TomlFileError, _got, _Reader, _show, _suggest
 from cptune._toml import _read_file as _read_toml
 from cptune.config import STRATEGIES, CPConfig
@@ -270,7 +270,7 @@ def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = 
 
 def builtin_spaces() -> dict[str, Traversable]:
     """The spaces shipped in ``cptune.search_spaces``, by file stem (e.g. "flux1-dev")."""
-    package = resources.files("cptune.search_spaces")
+    package = shipped("cptune.search_spaces")
     found = {
         entry.name.removesuffix(".toml"): entry
         for entry in package.iterdir()

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from importlib.resources import files
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import unquote
@@ -47,6 +46,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 from cptune import __version__
+from cptune._shipped import shipped
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
@@ -308,7 +308,7 @@ def _migrate(engine: Engine, url: str) -> None:
     from alembic.script import ScriptDirectory
 
     config = Config()
-    config.set_main_option("script_location", str(files("cptune.db")))
+    config.set_main_option("script_location", str(shipped("cptune.db")))
     scripts = ScriptDirectory.from_config(config)
     with engine.begin() as connection:
         if connection.dialect.name == "postgresql":

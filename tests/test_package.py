@@ -3,6 +3,7 @@ before, and without the heavy dependencies the MPI ranks never need."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +51,22 @@ def test_importing_cptune_stays_light(heavy):
     result = run_python(f"import sys, cptune; print({heavy!r} in sys.modules)")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_python_started_in_the_checkout_finds_the_migrations_and_spaces(tmp_path):
+    """``python`` in the repository root imports cptune from the source tree, where the
+    installed subpackages cptune.db and cptune.search_spaces do not exist: the README's
+    snippets run there must still open a database and find the shipped spaces."""
+    checkout = Path(__file__).resolve().parent.parent
+    script = (
+        "import cptune, pathlib\n"
+        f"assert str(pathlib.Path(cptune.__file__).resolve().parent) == {str(checkout / 'cptune')!r}\n"
+        "from cptune.space import builtin_spaces\n"
+        "from cptune.store import Store\n"
+        f"with Store({str(tmp_path / 'new.db')!r}) as store:\n"
+        "    print(len(store.results()), 'demo' in builtin_spaces())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=checkout)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "True"]
