@@ -163,7 +163,6 @@ def test_guided_search_without_a_calibration_falls_back_to_every_configuration(s
 
 def test_guided_search_orders_by_the_stored_model(store):
     from conftest import make_calibration
-
     from cptune.recommendation import predict_for
 
     host = this_host()
@@ -201,3 +200,10 @@ def test_a_search_keeps_its_runs_as_an_optuna_study(store):
     assert len(optuna.load_study(study_name=study.study_name, storage=url).trials) == len(rows)
     search(store, study_storage=store.optuna_storage(), remeasure=True).run()
     assert len(optuna.load_study(study_name=study.study_name, storage=url).trials) == 2 * len(rows)
+
+
+def test_the_command_line_offers_every_order():
+    from cptune.cli import SEARCH_ORDERS
+    from cptune.search import ORDERS
+
+    assert SEARCH_ORDERS == ORDERS
