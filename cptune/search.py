@@ -189,14 +189,13 @@ class GuidedSampler(BaseSampler):
 
     def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState,
                     values: Sequence[float] | None) -> None:
-        leader, tried = self._state(study, exclude=trial.number)
         config = self._chosen.get(trial.number)
-        if config is not None:
-            tried.add(config)
-            value = values[0] if values else None
-            if state == TrialState.COMPLETE and value is not None and math.isfinite(value) and \
-                    (leader is None or value < leader[1]):
-                leader = (config, value)
+        if state != TrialState.COMPLETE or config is None or not values:
+            return  # the objective raised (Ctrl-C): nothing to judge, and no refit to wait for
+        leader, tried = self._state(study, exclude=trial.number)
+        tried.add(config)
+        if math.isfinite(values[0]) and (leader is None or values[0] < leader[1]):
+            leader = (config, values[0])
         pending = [c for c in self._configs if c not in tried]
         if leader is None or not pending:
             return
