@@ -146,12 +146,13 @@ class EarlyStop:
     unmeasured: int
     likeliest: CPConfig
     probability: float
+    threshold: float  # the sampler's stop probability
 
     def describe(self) -> str:
         return (f"stopped after {self.tried} of {self.tried + self.unmeasured} configurations: the cost "
-                f"model gives none of the {self.unmeasured} unmeasured a {STOP_PROBABILITY:.0%} chance of "
+                f"model gives none of the {self.unmeasured} unmeasured a {self.threshold:.0%} chance of "
                 f"beating {self.leader.describe()} ({format_ms(self.leader_ms)} ms); the likeliest, "
-                f"{self.likeliest.describe()}, {self.probability:.0%}")
+                f"{self.likeliest.describe()}, {self.probability:.1%}")
 
 
 class GuidedSampler(BaseSampler):
@@ -202,7 +203,7 @@ class GuidedSampler(BaseSampler):
         likeliest, probability = self._ranked(pending, leader)[0]
         if probability < self._stop_probability:
             self.early_stop = EarlyStop(leader[0], leader[1], len(tried), len(pending), likeliest.config,
-                                        probability)
+                                        probability, self._stop_probability)
             study.stop()
 
     def _state(self, study: Study, exclude: int) -> tuple[tuple[CPConfig, float] | None, set[CPConfig]]:

@@ -144,6 +144,10 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
     assert stop is not None and stop.leader == ag and stop.leader_ms == 18.5
     assert (stop.tried, stop.unmeasured, stop.likeliest) == (2, 2, local)
     assert stop.probability < 0.1 and "stopped after 2 of 4 configurations" in stop.describe()
+    assert "a 10% chance" in stop.describe()
+    _, bolder, _ = _replay(list(CONFIGS), truth, predictions, stop_probability=0.3)
+    assert "stopped after 2 of 4 configurations" in bolder.early_stop.describe()
+    assert "a 30% chance" in bolder.early_stop.describe()  # the threshold it ran with
     assert all(ring not in pending for pending in asked[1:])  # never asked again once tried
 
 
