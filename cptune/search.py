@@ -50,7 +50,7 @@ from cptune.execute import measure
 from cptune.hardware import Hardware
 from cptune.measurement import format_ms, oversubscribed
 from cptune.recommendation import Candidate, predict_for
-from cptune.store import Result, Store
+from cptune.store import Result, Store, StoreError
 from cptune.workload import Workload
 
 # the search reports each failure itself; Optuna would also log every trial an exception
@@ -320,10 +320,15 @@ class WorkloadSearch:
 
     def _sync_view(self, view: Study) -> None:
         """Add every stored run of this workload on this hardware that ``view`` lacks."""
-        kept = {trial.user_attrs.get("measurement_id") for trial in view.get_trials(deepcopy=False)}
-        for row in self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint):
-            if row.id not in kept:
-                view.add_trial(_view_trial(row))
+        try:
+            kept = {trial.user_attrs.get("measurement_id") for trial in view.get_trials(deepcopy=False)}
+            for row in self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint):
+                if row.id not in kept:
+                    view.add_trial(_view_trial(row))
+        except optuna.exceptions.StorageInternalError:
+            raise StoreError(f"cannot add to the Optuna study {view.study_name!r} in {self.store.url} (is "
+                             f"another process holding the database?); every measurement is stored, and "
+                             f"the next search adds what the study lacks") from None
 
     def run(self) -> list[TrialOutcome]:
         if self.order not in ORDERS:
@@ -348,7 +353,7 @@ class WorkloadSearch:
         else:
             sampler = optuna.samplers.TPESampler(seed=0)
         study = optuna.create_study(direction="minimize", sampler=sampler,
-                                    study_name=f"{self.hardware.fingerprint}:{self.workload.describe()}")
+                                    study_name=study_name(self.workload, self.hardware))
         for config, (status, median, _) in known.items():
             study.add_trial(optuna.trial.create_trial(
                 params=_params(config), distributions=_distributions(tree, config),

@@ -211,3 +211,17 @@ def test_the_command_line_offers_every_order():
     from cptune.search import ORDERS
 
     assert SEARCH_ORDERS == ORDERS
+
+
+def test_a_study_that_cannot_be_written_is_one_store_error_and_the_run_is_kept(store):
+    import optuna
+
+    from cptune.store import StoreError
+
+    class Refusing(optuna.storages.InMemoryStorage):
+        def create_new_trial(self, study_id, template_trial=None):
+            raise optuna.exceptions.StorageInternalError("database is locked")
+
+    with pytest.raises(StoreError, match="every measurement is stored"):
+        search(store, study_storage=Refusing(), configs=CONFIGS[:1]).run()
+    assert [r.config for r in store.results()] == CONFIGS[:1]
