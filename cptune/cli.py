@@ -183,6 +183,10 @@ def _this_hardware(node: NodeProbe | None) -> Hardware:
                          f"check that nvidia-smi works here") from None
 
 
+#: ``cptune.search.ORDERS``, spelled here so that the parser does not import Optuna.
+SEARCH_ORDERS = ("guided", "exhaustive")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cptune",
@@ -224,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the calibration a first search on new hardware runs (the cost "
                              "model needs one; cptune calibrate adds it later)")
     search.add_argument("--oversubscribe", action="store_true", help=oversubscribe_help)
+    search.add_argument("--order", choices=SEARCH_ORDERS, default="exhaustive",
+                        help="guided: the cost model orders the trials, best predicted first, and the search "
+                             "stops when no configuration left is likely to beat the fastest measured one "
+                             "(needs a calibration); exhaustive: every configuration (TPE within a --trials "
+                             "budget below the space's size). Default: exhaustive")
     _add_shape(search, None)
 
     results = commands.add_parser("results", help="list stored measurements",
@@ -527,7 +536,8 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     with Store(args.db) as store:
         store.require_writable()
         _say(console, "searching ", (space.name, "bold"), f" ({where}) on {hardware.describe()} ",
-             (hardware.fingerprint, "dim"), f"; results in {store.url}")
+             (hardware.fingerprint, "dim"), f"; results in {store.url}, {args.order} order")
+        studies = store.optuna_storage()
         if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
             calibrated = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
             _say(console, f"this hardware has no calibration yet: calibrating 1..{calibrated} ranks first "
@@ -564,17 +574,25 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                     repeats=space.measure.repeats, run_timeout=space.measure.timeout,
                     trials=trials, time_budget=args.timeout,
                     remeasure=args.remeasure, backend=args.backend, on_trial=on_trial,
+                    order=args.order, study_storage=studies,
                 )
                 known = search.known()
                 for config, (_, median, _) in known.items():
                     consider(workload.seq_len, config, median)
                 progress.update(task, completed=len(known))
-                search.run()
+                outcomes = search.run()
+                if search.unguided is not None:
+                    _say(console, f"seq {workload.seq_len}: not guided, every configuration instead: "
+                                  f"{search.unguided}")
+                if search.early_stop is not None:
+                    _say(console, f"seq {workload.seq_len}: {search.early_stop.describe()}")
+                    progress.update(task, total=len(known) + len(outcomes))
                 live.update(Group(progress, _best_table(space, best)))
         if not console.is_terminal:
             console.line()  # Rich ends the last frame with a newline only on a terminal
     _say(console, f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
                   f"see them with: cptune results" + (f" --db {display_url(args.db)}" if args.db else ""))
+    _say(console, f"each workload's runs are also an Optuna study there: optuna-dashboard {store.url}")
     return 0
 
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost_model import Case, CostModel, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
@@ -136,11 +138,7 @@ class _Advisor:
         if revision == self.revision:
             return
         data = training_set(self.store)
-        model = CostModel().fit(data.cases, data.latencies_s)
-        self.verdict = correction_verdict(model, data.cases, data.latencies_s)
-        if not self.verdict.applied and model.correction_ is not None:
-            model = model.set_params(learn_correction=False).fit(data.cases, data.latencies_s)
-        self.model = model
+        self.model, self.verdict = fit_advised(data.cases, data.latencies_s)
         self.profiles = data.profiles
         self.fingerprints = list(self.store.hardware())  # rows come only with measurements or calibrations
         self.measured = {(r.hardware, r.workload, r.config): r for r in data.results}
@@ -179,6 +177,29 @@ class _Advisor:
             known = ", ".join(sorted(self.profiles)) or "none"
             where = display_url(self.url)
             raise CPTuneError(f"{exc} (calibrated fingerprints in {where}: {known})") from None
+
+
+def fit_advised(cases: Sequence[Case], latencies_s: np.ndarray) -> tuple[CostModel, CorrectionVerdict]:
+    """The model ``recommend`` predicts with, fitted on ``cases``: with the learned correction
+    only where, held out, it is no worse than the prior alone (the verdict says)."""
+    model = CostModel().fit(cases, latencies_s)
+    verdict = correction_verdict(model, cases, latencies_s)
+    if not verdict.applied and model.correction_ is not None:
+        model = model.set_params(learn_correction=False).fit(cases, latencies_s)
+    return model, verdict
+
+
+def predicted(
+    model: CostModel, workload: Workload, configs: Sequence[CPConfig], profile: Profile
+) -> list[Candidate]:
+    """``model``'s latency and interval for each of ``configs`` running ``workload`` on ``profile``."""
+    cases = [Case(workload, config, profile) for config in configs]
+    estimates, lows, highs = model.predict_interval(cases)
+    return [
+        Candidate(case.config, float(estimate) * 1e3, float(low_s) * 1e3, float(high_s) * 1e3,
+                  "model" if model.corrects(case) else "prior")
+        for case, estimate, low_s, high_s in zip(cases, estimates, lows, highs, strict=True)
+    ]
 
 
 _this_host = functools.cache(this_host)
@@ -262,14 +283,9 @@ def recommend(
             low, high = result.p10_ms or result.median_ms, result.p90_ms or result.median_ms
             candidates.append(Candidate(config, result.median_ms, low, high, "measured", result.id))
         else:
-            to_predict.append(Case(workload, config, profile))
+            to_predict.append(config)
     if to_predict:
-        estimates, lows, highs = advisor.model.predict_interval(to_predict)
-        for case, estimate, low_s, high_s in zip(to_predict, estimates, lows, highs, strict=True):
-            source = "model" if advisor.model.corrects(case) else "prior"
-            candidates.append(
-                Candidate(case.config, float(estimate) * 1e3, float(low_s) * 1e3, float(high_s) * 1e3, source)
-            )
+        candidates += predicted(advisor.model, workload, to_predict, profile)
     candidates.sort(key=lambda c: c.latency_ms)
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
@@ -295,3 +311,12 @@ def _ties(workload: Workload, profile: Profile, candidates: list[Candidate]) -> 
             if tie is not None:
                 ties.append(tie)
     return tuple(ties)
+
+
+def predict_for(
+    store: Store, fingerprint: str, workload: Workload, configs: Sequence[CPConfig]
+) -> list[Candidate]:
+    """What ``recommend``'s model, fitted on what ``store`` holds now (refitted when it changes),
+    predicts for ``configs`` running ``workload`` on the calibrated hardware ``fingerprint``."""
+    advisor = _advisor(store.engine.url.render_as_string(hide_password=False))
+    return predicted(advisor.model, workload, configs, advisor.profile(fingerprint))

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import unquote
 
 from sqlalchemy import (
@@ -54,11 +55,16 @@ from cptune.hardware import Hardware
 from cptune.measurement import Measurement
 from cptune.workload import Workload
 
+if TYPE_CHECKING:
+    from optuna.storages import RDBStorage
+
 DEFAULT_DB = "cptune.db"
 VERSION_TABLE = "cptune_alembic_version"
 #: Measurement statuses: "ok", or the kind of the EngineError that ended the run.
 STATUSES = ("ok", "crash", "timeout", "error", "out_of_memory", "wrong_output")
 _BUSY_TIMEOUT_MS = 60_000
+#: Tries at opening Optuna's storage (a first open creates its tables).
+_OPTUNA_ATTEMPTS = 3
 #: PostgreSQL advisory lock key held while migrating ("cptune" in ASCII).
 _MIGRATION_LOCK = 0x637074756E65
 
@@ -410,6 +416,32 @@ class Store:
                 f"cannot write to database {self.url}: {self._explain(exc.orig)}. Nothing was changed; "
                 f"make it writable or pass another --db"
             ) from None
+
+    def optuna_storage(self) -> RDBStorage:
+        """Optuna's storage on this database (its own tables beside cptune's), where a search
+        keeps its studies as a view for dashboards. On SQLite its engine gets cptune's busy
+        timeout, WAL and BEGIN IMMEDIATE, so searches sharing a file queue instead of failing;
+        creating Optuna's tables is retried, in case another process creates them at once."""
+        import optuna
+        from sqlalchemy.exc import SQLAlchemyError
+
+        url = self.engine.url.render_as_string(hide_password=False)
+        sqlite = self.engine.dialect.name == "sqlite"
+        engine_kwargs = {"connect_args": {"timeout": _BUSY_TIMEOUT_MS / 1000}} if sqlite else {}
+        for attempt in range(_OPTUNA_ATTEMPTS):
+            try:
+                storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+                break
+            except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+                if attempt + 1 == _OPTUNA_ATTEMPTS:
+                    cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
+                    raise StoreError(f"cannot keep Optuna studies in {self.url}: {self._explain(cause)}; "
+                                     f"the measurements are unaffected") from None
+                time.sleep(0.5)
+        if sqlite:
+            _sqlite_setup(storage.engine)
+            storage.engine.dispose()  # every later connection gets the setup above
+        return storage
 
     def __enter__(self) -> Store:
         return self

@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
 
+import optuna
 import pytest
 
 from cptune.hardware import this_host
@@ -85,6 +87,14 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
     rows = stored(db)
     assert len(rows) == 24 and all(row[4] == "ok" for row in rows)
     assert {row[3] for row in rows} == {64, 96, 128, 80, 112, 144}
+    # each workload's study, written by both processes into the same file, lost nothing either
+    studies = optuna.get_all_study_summaries(f"sqlite:///{db}")
+    assert len(studies) == 6
+    for summary in studies:
+        seq_len = int(summary.study_name.split(":seq ")[1].split()[0])
+        trials = optuna.load_study(study_name=summary.study_name, storage=f"sqlite:///{db}").trials
+        assert sorted((t.params["strategy"], t.params["ranks"], t.params["head_group"], t.value)
+                      for t in trials) == sorted((r[0], r[1], r[2], r[5]) for r in rows if r[3] == seq_len)
 
 
 def test_search_calibrates_then_results_export_and_report(tmp_path):
@@ -94,7 +104,7 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     assert "no calibration yet: calibrating 1..2 ranks first" in first.stdout
     lines = first.stdout.splitlines()  # not a terminal: every message on a line of its own, unbroken
     assert any(line.startswith("8 configuration(s) measured now") for line in lines), first.stdout
-    assert any(line.endswith(f"results in sqlite:///{db}") for line in lines), first.stdout
+    assert any(line.endswith(f"results in sqlite:///{db}, exhaustive order") for line in lines), first.stdout
     with Store(db) as store:
         calibration = store.calibration(this_host().fingerprint)
     assert calibration is not None and calibration.max_ranks == 2
@@ -127,6 +137,15 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     assert pngs == ["4x16-bf16-compute-vs-communication.png", "4x16-bf16-latency-vs-ranks.png",
                     "4x16-bf16-speedup.png", "4x16-bf16-strategy-map.png", "predicted-vs-measured.png"]
     assert "data:image/png;base64," in (tmp_path / "report" / "report.html").read_text()
+
+    # guided by the model fitted on these measurements: it says where it stopped and why
+    guided = cptune("search", "--db", db, *QUICK, "--order", "guided", "--remeasure")
+    assert guided.returncode == 0, guided.stdout + guided.stderr
+    assert "guided order" in guided.stdout and "not guided" not in guided.stdout
+    stops = re.findall(r"^seq (\d+): stopped after (\d+) of 4 configurations", guided.stdout, re.MULTILINE)
+    measured_now = 8 - sum(4 - int(tried) for _, tried in stops)
+    assert f"{measured_now} configuration(s) measured now" in guided.stdout
+    assert len(stored(db)) == 8 + measured_now
 
 
 @pytest.mark.parametrize("args, message", [

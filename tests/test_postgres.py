@@ -16,6 +16,7 @@ import sys
 import threading
 import uuid
 
+import optuna
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -24,7 +25,7 @@ from sqlalchemy.engine import make_url
 from conftest import make_calibration, measurement
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware
-from cptune.store import VERSION_TABLE, Base, Store
+from cptune.store import VERSION_TABLE, Base, Store, database_url
 
 SERVER = os.environ.get("CPTUNE_TEST_POSTGRES_URL")
 CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
@@ -176,6 +177,9 @@ def test_two_searches_share_one_database(postgres_url, password):
     assert len(rows) == 16 and all(r.status == "ok" and r.median_ms > 0 for r in rows)
     assert {r.workload.seq_len for r in rows} == {64, 80, 96, 112}
     assert len({(r.workload, r.config) for r in rows}) == 16
+    # the studies both searches kept beside the rows: one per length, a trial per row
+    studies = optuna.get_all_study_summaries(database_url(postgres_url))
+    assert sorted(s.n_trials for s in studies) == [4, 4, 4, 4]
 
 
 def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp_path):

@@ -80,3 +80,148 @@ def test_tpe_is_warm_started_from_other_lengths(store):
     best = min((r for r in store.results() if r.status == "ok"), key=lambda r: r.median_ms).config
     outcomes = search(store, trials=1).run()
     assert [o.config for o in outcomes] == [best]
+
+
+# --------------------------------------------------------------------------- guided order
+
+
+def candidate(config, ms, low, high):
+    from cptune.recommendation import Candidate
+
+    return Candidate(config, ms, low, high, "model")
+
+
+def test_win_probability_reads_the_interval_as_its_quantiles():
+    from cptune.search import win_probability
+
+    c = candidate(CPConfig("ring", 2), 10.0, 8.0, 15.0)
+    assert win_probability(c, 8.0) == pytest.approx(0.1)  # the low edge is the 10% quantile
+    assert win_probability(c, 15.0) == pytest.approx(0.9)
+    assert win_probability(c, 10.0) == pytest.approx(0.5)
+    assert win_probability(c, 4.0) < 0.01 < win_probability(c, 9.0) < 0.5
+    no_spread_below = candidate(CPConfig("ring", 2), 10.0, 10.0, 15.0)
+    assert win_probability(no_spread_below, 9.99) == 0.0
+
+
+def _replay(configs, truth, predictions, stop_probability=0.1):
+    """Run ``GuidedSampler`` over ``configs`` valued at ``truth`` (ms) with fixed predictions."""
+    import optuna
+
+    from cptune.search import GuidedSampler, _suggest, _tree
+
+    asked = []
+
+    def predict(pending):
+        asked.append(list(pending))
+        return [predictions[c] for c in pending]
+
+    sampler = GuidedSampler(configs, predict, stop_probability)
+    tree, order = _tree(configs), []
+
+    def objective(trial):
+        config = _suggest(trial, tree)
+        order.append(config)
+        return truth[config]
+
+    optuna.create_study(sampler=sampler).optimize(objective, n_trials=len(configs))
+    return order, sampler, asked
+
+
+def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win():
+    local, ring, ag, uly = CONFIGS  # ring x1, ring x2, allgather_kv x2, ulysses x2
+    predictions = {
+        local: candidate(local, 40.0, 30.0, 50.0),
+        ring: candidate(ring, 20.0, 16.0, 26.0),
+        ag: candidate(ag, 22.0, 19.0, 30.0),
+        uly: candidate(uly, 60.0, 50.0, 80.0),
+    }
+    truth = {local: 41.0, ring: 21.0, ag: 18.5, uly: 55.0}
+    order, sampler, asked = _replay(list(CONFIGS), truth, predictions)
+    # ring first (lowest estimate); ag's interval reaches below 21 ms, so it runs; then local
+    # (low edge 30 ms) and ulysses (50 ms) cannot plausibly beat 18.5 ms: stop
+    assert order == [ring, ag]
+    stop = sampler.early_stop
+    assert stop is not None and stop.leader == ag and stop.leader_ms == 18.5
+    assert (stop.tried, stop.unmeasured, stop.likeliest) == (2, 2, local)
+    assert stop.probability < 0.1 and "stopped after 2 of 4 configurations" in stop.describe()
+    assert "a 10% chance" in stop.describe()
+    _, bolder, _ = _replay(list(CONFIGS), truth, predictions, stop_probability=0.3)
+    assert "stopped after 2 of 4 configurations" in bolder.early_stop.describe()
+    assert "a 30% chance" in bolder.early_stop.describe()  # the threshold it ran with
+    assert all(ring not in pending for pending in asked[1:])  # never asked again once tried
+
+
+def test_guided_search_runs_everything_when_each_remaining_config_may_still_win():
+    predictions = {c: candidate(c, 20.0 + i, 5.0, 60.0) for i, c in enumerate(CONFIGS)}  # wide bands
+    truth = {c: 30.0 - i for i, c in enumerate(CONFIGS)}
+    order, sampler, _ = _replay(list(CONFIGS), truth, predictions)
+    assert order == list(CONFIGS) and sampler.early_stop is None
+
+
+def test_guided_search_without_a_calibration_falls_back_to_every_configuration(store):
+    s = search(store, order="guided")
+    outcomes = s.run()
+    assert {o.config for o in outcomes} == set(CONFIGS)
+    assert s.unguided is not None and "no calibration" in s.unguided and s.early_stop is None
+
+
+def test_guided_search_orders_by_the_stored_model(store):
+    from conftest import make_calibration
+    from cptune.recommendation import predict_for
+
+    host = this_host()
+    store.add_calibration(host, make_calibration(2))
+    expected_first = min(predict_for(store, host.fingerprint, WORKLOAD, CONFIGS), key=lambda c: c.latency_ms)
+    s = search(store, order="guided")
+    outcomes = s.run()
+    assert s.unguided is None
+    assert outcomes[0].config == expected_first.config
+    assert len(store.results()) == len(outcomes)  # every trial it ran is stored
+    if s.early_stop is None:
+        assert len(outcomes) == len(CONFIGS)
+    else:
+        assert s.early_stop.tried == len(outcomes) < len(CONFIGS)
+
+
+# --------------------------------------------------------------------------- the dashboard's study
+
+
+def test_a_search_keeps_its_runs_as_an_optuna_study(store):
+    import optuna
+
+    from cptune.search import study_name
+
+    first = search(store, study_storage=store.optuna_storage()).run()
+    url = store.engine.url.render_as_string(hide_password=False)
+    study = optuna.load_study(study_name=study_name(WORKLOAD, this_host()), storage=url)
+    rows = {r.id: r for r in store.results()}
+    assert len(study.trials) == len(first) == len(rows)
+    for trial in study.trials:
+        row = rows[trial.user_attrs["measurement_id"]]
+        assert trial.params == row.config.to_dict()
+        assert trial.value == row.median_ms and trial.user_attrs["status"] == "ok"
+    search(store, study_storage=store.optuna_storage()).run()  # nothing new: nothing added
+    assert len(optuna.load_study(study_name=study.study_name, storage=url).trials) == len(rows)
+    search(store, study_storage=store.optuna_storage(), remeasure=True).run()
+    assert len(optuna.load_study(study_name=study.study_name, storage=url).trials) == 2 * len(rows)
+
+
+def test_the_command_line_offers_every_order():
+    from cptune.cli import SEARCH_ORDERS
+    from cptune.search import ORDERS
+
+    assert SEARCH_ORDERS == ORDERS
+
+
+def test_a_study_that_cannot_be_written_is_one_store_error_and_the_run_is_kept(store):
+    import optuna
+
+    from cptune.store import StoreError
+
+    class Refusing(optuna.storages.InMemoryStorage):
+        def create_new_trial(self, study_id, template_trial=None):
+            raise optuna.exceptions.StorageInternalError("database is locked")
+
+    with pytest.raises(StoreError, match="every measurement is stored"):
+        search(store, study_storage=Refusing(), configs=CONFIGS[:1]).run()
+    assert [r.config for r in store.results()] == CONFIGS[:1]

@@ -169,6 +169,35 @@ def test_two_writers_on_one_sqlite_file(tmp_path):
     assert {r.error for r in rows} == {f"{w}-{n}" for w in "ab" for n in range(60)}
 
 
+STUDY_WRITER = """
+import sys
+import optuna
+from cptune.store import Store
+with Store(sys.argv[1]) as store:
+    study = optuna.create_study(storage=store.optuna_storage(), study_name="shared", load_if_exists=True)
+    for n in range(40):
+        study.add_trial(optuna.trial.create_trial(
+            value=float(n), params={"x": n}, distributions={"x": optuna.distributions.IntDistribution(0, 99)},
+            user_attrs={"writer": sys.argv[2]}))
+"""
+
+
+def test_two_study_writers_on_one_sqlite_file(tmp_path):
+    """Optuna's storage from the store queues writers as cptune's engine does (Optuna's own
+    engine, without the busy timeout and BEGIN IMMEDIATE, loses trials to 'database is locked')."""
+    import optuna
+
+    path = str(tmp_path / "studies.db")
+    writers = [subprocess.Popen([sys.executable, "-P", "-c", STUDY_WRITER, path, name],
+                                stderr=subprocess.PIPE, text=True)
+               for name in ("a", "b")]
+    errors = [w.communicate(timeout=120)[1] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    trials = optuna.load_study(study_name="shared", storage=database_url(path)).trials
+    assert sorted((t.user_attrs["writer"], t.value) for t in trials) == sorted(
+        (w, float(n)) for w in "ab" for n in range(40))
+
+
 # --------------------------------------------------------------------------- marks, refusals
 
 
