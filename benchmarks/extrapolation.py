@@ -17,7 +17,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from cptune.hardware import this_host
-from cptune.recommendation import recommend
+from cptune.model import recommend
 from cptune.store import Store
 
 

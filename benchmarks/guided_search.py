@@ -40,9 +40,7 @@ import numpy as np
 import optuna
 
 from cptune.config import CPConfig
-from cptune.cost_model import Case, training_set
-from cptune.prior import Profile
-from cptune.recommendation import Candidate, fit_advised, predicted
+from cptune.model import Candidate, Case, Profile, fit_advised, predicted, training_set
 from cptune.search import STOP_PROBABILITY, GuidedSampler, _suggest, _tree
 from cptune.store import Store, display_url
 from cptune.workload import Workload

@@ -30,7 +30,7 @@ from scipy.stats import spearmanr
 
 from cptune.config import CPConfig
 from cptune.hardware import load_description
-from cptune.prior import DescribedProfile, prior_time
+from cptune.model import DescribedProfile, prior_time
 from cptune.workload import Workload
 
 DEFAULT_FILES = sorted((Path(__file__).parent / "published").glob("*.toml"))

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from cptune import Workload
-from cptune.recommendation import recommend
+from cptune.model import recommend
 
 WORKLOADS = [
     Workload(seq_len=s, heads=h, head_dim=d, kv_heads=k, causal=c)

@@ -20,9 +20,9 @@ __version__ = "0.1.0"
 #: (importing this package) never need. No name here may also be a submodule of cptune:
 #: importing a submodule binds its name on the package, hiding the lazy one.
 _LAZY = {
-    "evaluate": "cptune.evaluation",
-    "recommend": "cptune.recommendation",
-    "Recommendation": "cptune.recommendation",
+    "evaluate": "cptune.model",
+    "recommend": "cptune.model",
+    "Recommendation": "cptune.model",
     "Plan": "cptune.plans",
     "PlanError": "cptune.plans",
     "PlanMismatchError": "cptune.plans",

@@ -41,7 +41,7 @@ from cptune.workload import WIRE_DTYPES, Workload
 
 if TYPE_CHECKING:
     from cptune.engines.tensorrt import NodeProbe
-    from cptune.evaluation import GroupScore
+    from cptune.model import GroupScore
     from cptune.store import Store
 
 USAGE_ERROR = 2
@@ -737,8 +737,7 @@ _SCORE_COLUMNS = ("top-1", "regret", "worst", "rho", "MAPE%", "cover%")
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from cptune.cost_model import CostModel
-    from cptune.evaluation import compare, correction_verdict, load_training
+    from cptune.model import CostModel, compare, correction_verdict, load_training
 
     data = load_training(args.db, args.include_oversubscribed)
     if uncalibrated := ", ".join(sorted(data.uncalibrated)):
@@ -780,7 +779,7 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
-    from cptune.recommendation import recommend
+    from cptune.model import recommend
 
     workload = _workload(args, args.seq_len)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db)

@@ -43,13 +43,12 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.cost_model import CostModel
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.execute import measure
 from cptune.hardware import Hardware
 from cptune.measurement import format_ms, oversubscribed
-from cptune.recommendation import Candidate, predict_for
+from cptune.model import Candidate, CostModel, predict_for
 from cptune.store import Result, Store, StoreError
 from cptune.workload import Workload
 

@@ -127,9 +127,8 @@ def test_calibrate_then_recommend_from_the_prior(tmp_path):
 
 def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(tmp_path):
     from conftest import make_calibration, measurement
-    from cptune.cost_model import Case
     from cptune.feasibility import enumerate_configs
-    from cptune.prior import CalibratedProfile
+    from cptune.model import CalibratedProfile, Case
     from cptune.workload import Workload
 
     db = str(tmp_path / "fit.db")

@@ -13,24 +13,26 @@ from sklearn.utils.validation import check_is_fitted
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import CPConfig
 from cptune.cost import engine_collectives
-from cptune.cost_model import MIN_SAMPLES, Case, CostModel, features, training_set
 from cptune.errors import CPTuneError
-from cptune.evaluation import (
-    FIXED_RULE,
-    MODEL,
-    PRIOR,
+from cptune.feasibility import enumerate_configs
+from cptune.hardware import Hardware
+from cptune.measurement import Measurement
+from cptune.model import (
+    MIN_SAMPLES,
+    CalibratedProfile,
+    Case,
+    CostModel,
     GroupScore,
     compare,
     correction_verdict,
     cross_validate_groups,
     evaluate,
+    features,
     fixed_rule,
     score_group,
+    training_set,
 )
-from cptune.feasibility import enumerate_configs
-from cptune.hardware import Hardware
-from cptune.measurement import Measurement
-from cptune.prior import CalibratedProfile
+from cptune.model._evaluation import FIXED_RULE, MODEL, PRIOR  # the method names fit prints
 from cptune.store import Store
 from cptune.workload import Workload
 

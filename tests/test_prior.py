@@ -19,7 +19,7 @@ from cptune.config import CPConfig
 from cptune.cost import analytic_cost, engine_collectives
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
-from cptune.prior import (
+from cptune.model import (
     CalibratedProfile,
     DescribedProfile,
     FigureSwing,

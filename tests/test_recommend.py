@@ -10,13 +10,19 @@ import pytest
 from conftest import make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost
-from cptune.cost_model import training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
 from cptune.measurement import Measurement
-from cptune.prior import DescribedProfile, figure_swings, prior_range, prior_time
-from cptune.recommendation import SOURCES, recommend
+from cptune.model import (
+    SOURCES,
+    DescribedProfile,
+    figure_swings,
+    prior_range,
+    prior_time,
+    recommend,
+    training_set,
+)
 from cptune.store import Store
 from cptune.workload import Workload
 
@@ -217,8 +223,7 @@ def test_to_dict_is_json(db):
 
 def prior_ms(workload: Workload, config: CPConfig) -> float:
     """The prior's latency (ms) of ``config`` on ``workload`` with this db's calibration."""
-    from cptune.cost_model import Case
-    from cptune.prior import CalibratedProfile
+    from cptune.model import CalibratedProfile, Case
 
     return Case(workload, config, CalibratedProfile(this_host(), make_calibration())).prior().total_s * 1e3
 
@@ -313,7 +318,7 @@ def test_oversubscribed_and_excluded_measurements_train_nothing_unless_asked(db)
 def test_this_hosts_ranks_share_its_memory(db, monkeypatch):
     need = {n: analytic_cost(W, CPConfig("ring", n)).peak_bytes * n for n in (1, 2, 4)}
     # room for the 1-rank run's whole footprint, not for 4 ranks' (each a quarter of it)
-    monkeypatch.setattr("cptune.recommendation.host_memory_bytes", lambda: need[1] + 1)
+    monkeypatch.setattr("cptune.model._recommend.host_memory_bytes", lambda: need[1] + 1)
     assert need[4] > need[1] + 1
     rec = recommend(W, db=db)
     assert CPConfig("ring", 1) in by_config(rec)

@@ -86,7 +86,7 @@ def test_tpe_is_warm_started_from_other_lengths(store):
 
 
 def candidate(config, ms, low, high):
-    from cptune.recommendation import Candidate
+    from cptune.model import Candidate
 
     return Candidate(config, ms, low, high, "model")
 
@@ -167,7 +167,7 @@ def test_guided_search_without_a_calibration_falls_back_to_every_configuration(s
 
 def test_guided_search_orders_by_the_stored_model(store):
     from conftest import make_calibration
-    from cptune.recommendation import predict_for
+    from cptune.model import predict_for
 
     host = this_host()
     store.add_calibration(host, make_calibration(2))

@@ -18,9 +18,8 @@ from datetime import UTC, datetime
 from cptune import __version__
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
+from cptune.model import DescribedProfile, hardware_profile, recommend
 from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
-from cptune.prior import DescribedProfile
-from cptune.recommendation import hardware_profile, recommend
 from cptune.workload import Workload
 
 

@@ -19,11 +19,9 @@ import numpy as np
 from cptune import __version__
 from cptune.calibration import Calibration
 from cptune.config import LOCAL, CPConfig
-from cptune.cost_model import TrainingSet, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
-from cptune.evaluation import held_out_predictions
 from cptune.measurement import format_ms
-from cptune.recommendation import correction_verdict_of, recommend
+from cptune.model import TrainingSet, correction_verdict_of, held_out_predictions, recommend, training_set
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
 

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.cost_model import Case, CostModel, training_set
 from cptune.errors import CPTuneError, InfeasibleConfigError
-from cptune.evaluation import CorrectionVerdict, correction_verdict
 from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import HardwareDescriptionError, load_description, this_host
 from cptune.measurement import host_memory_bytes
-from cptune.prior import CalibratedProfile, DescribedProfile, Profile, Tie, decide, figure_swings
+from cptune.model._cost_model import Case, CostModel, training_set
+from cptune.model._evaluation import CorrectionVerdict, correction_verdict
+from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, Tie, decide, figure_swings
 from cptune.store import Result, Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 

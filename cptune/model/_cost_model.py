@@ -22,7 +22,7 @@ error distribution, its edges never cross (one error distribution, two quantiles
 is widened to contain the estimate (low <= estimate <= high, always). Its coverage on
 held-out measurements is what ``cptune fit`` reports. The same out-of-fold predictions
 (``out_of_fold_``) are what ``recommend`` judges the correction by against the prior alone
-(``cptune.evaluation.correction_verdict``).
+(``cptune.model._evaluation.correction_verdict``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from sklearn.model_selection import GroupKFold, KFold
 from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
+from cptune.model._prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
 from cptune.store import Result, Store
 from cptune.workload import Workload
 

@@ -35,8 +35,8 @@ from sklearn.base import clone
 from sklearn.model_selection import GroupKFold
 
 from cptune.config import CPConfig
-from cptune.cost_model import MIN_SAMPLES, Case, CostModel, TrainingSet, training_set
 from cptune.errors import CPTuneError
+from cptune.model._cost_model import MIN_SAMPLES, Case, CostModel, TrainingSet, training_set
 from cptune.store import Store
 
 GROUPINGS: tuple[str, ...] = ("seq_len", "hardware")
