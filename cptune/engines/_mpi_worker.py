@@ -330,7 +330,13 @@ class Worker:
                 protocol.send(self.sock, {"ok": False, "kind": "error", "error": "".join(lines[-6:])})
 
 
-def main(argv: list[str] | None = None) -> None:
+    def close(self) -> None:
+        """Release what this rank holds once served (nothing on the CPU)."""
+
+
+def main(argv: list[str] | None = None, worker: type[Worker] = Worker) -> None:
+    """Serve as one rank of the pool with ``worker``: this engine's, or an engine's subclass
+    of it (the TensorRT ranks)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--socket", required=True, help="the driver's Unix socket")
     parser.add_argument("--driver-pid", type=int, required=True)
@@ -338,8 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_exit_when_gone, args=(args.driver_pid,), daemon=True).start()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
+    rank = worker(sock)
     try:
-        Worker(sock).serve()
+        rank.serve()
+        rank.close()
     except ConnectionError:
         os._exit(3)  # the driver went away: nothing left to report to
     sys.stdout.flush()

@@ -32,13 +32,9 @@ out, and it kills the pool.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import os
 import re
 import socket
-import sys
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +46,7 @@ from mpi4py import MPI
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines._engine_cache import EngineCache, engine_key, graph_digest
-from cptune.engines._mpi_worker import Worker, _exit_when_gone
+from cptune.engines._mpi_worker import Worker, main
 from cptune.engines._onnx_dialect import OP_TYPE
 from cptune.workload import Workload
 
@@ -432,23 +428,5 @@ class TensorRTWorker(Worker):
             self._gpu.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--socket", required=True, help="the driver's Unix socket")
-    parser.add_argument("--driver-pid", type=int, required=True)
-    args = parser.parse_args(argv)
-    threading.Thread(target=_exit_when_gone, args=(args.driver_pid,), daemon=True).start()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(args.socket)
-    worker = TensorRTWorker(sock)
-    try:
-        worker.serve()
-        worker.close()
-    except ConnectionError:
-        os._exit(3)  # the driver went away: nothing left to report to
-    sys.stdout.flush()
-    os._exit(0)  # skip MPI_Finalize: it waits for every rank, and the driver is done
-
-
 if __name__ == "__main__":
-    main()
+    main(worker=TensorRTWorker)
