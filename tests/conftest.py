@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,15 @@ def pool_processes(marker: str) -> list[int]:
             continue
         if marker in cmdline and "zombie" not in state:
             found.append(int(entry.name))
+    return found
+
+
+def processes_left(marker: str, within: float = 10.0) -> list[int]:
+    """``pool_processes(marker)`` once none is left or ``within`` seconds have passed: a rank
+    the pool SIGKILLed takes a moment to die."""
+    deadline = time.monotonic() + within
+    while (found := pool_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return found
 
 

@@ -20,7 +20,7 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 import cptune
-from conftest import pool_processes
+from conftest import processes_left
 from cptune import CPConfig, EngineError, Workload
 from cptune.calibration import calibrate
 from cptune.cli import main
@@ -209,7 +209,7 @@ def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monk
     assert re.match(r"rank \d failed running building the engines of Ulysses on 2 ranks", str(failure.value))
     if importlib.util.find_spec("tensorrt") is None:  # the graph was made; the GPU stack is what is missing
         assert "No module named 'tensorrt'" in str(failure.value)
-    assert pool_processes("cptune.engines._tensorrt_worker") == []
+    assert processes_left("cptune.engines._tensorrt_worker") == []
 
 
 # --------------------------------------------------------------------------- engine cache
@@ -539,7 +539,7 @@ def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_i
     assert failure.value.kind == "timeout"  # rank 0 waits on rank 1 in a collective: both overrun
     assert "did not finish Ring on 2 ranks within 5 s" in str(failure.value)
     assert stand_in_engine._pool is None
-    assert pool_processes("cptune.engines._tensorrt_worker") == []
+    assert processes_left("cptune.engines._tensorrt_worker") == []
 
 
 def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in_engine, monkeypatch):
