@@ -216,6 +216,8 @@ def _with_memory(profile: CalibratedProfile) -> CalibratedProfile:
 def _described(name_or_path: str, modified: int | None) -> DescribedProfile:
     """A description, read once per name (and per modification time of a file)."""
     return DescribedProfile(load_description(name_or_path))
+
+
 _advisors: dict[str, _Advisor] = {}
 
 
