@@ -23,7 +23,8 @@ class Measurement:
     together). ``compute_ms`` and ``comm_ms`` are the medians of the slowest rank (largest
     median iteration time): time in attention math, and time spent waiting on
     communication that compute did not hide. ``oversubscribed``: the run had more ranks
-    than this host's cores, so its timings include ranks waiting for a core."""
+    than this host's cores, so its timings include ranks waiting for a core. ``disturbed``:
+    the contention guard saw other load during the run, so its timings do not count."""
 
     workload: Workload
     config: CPConfig
@@ -41,6 +42,8 @@ class Measurement:
     samples_ms: list[float] = field(repr=False)
     measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     oversubscribed: bool = False
+    #: Why the contention guard judged this run disturbed by other load (None: ran clean).
+    disturbed: str | None = None
 
     @property
     def spread_ms(self) -> float:

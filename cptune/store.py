@@ -159,6 +159,10 @@ class MeasurementRow(Base):
     oversubscribed: Mapped[bool] = mapped_column(Boolean, default=False)
     #: Set aside by the user (``cptune results --exclude``): kept, but used for nothing.
     excluded: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: The interleaved round this run belongs to (``cptune.estimate``); None: a round of its own.
+    round_id: Mapped[str | None] = mapped_column(String(64))
+    #: Why the contention guard judged this run disturbed by other load; None: it ran clean.
+    disturbed: Mapped[str | None] = mapped_column(Text)
 
     hardware: Mapped[HardwareRow] = relationship()
     workload: Mapped[WorkloadRow] = relationship()
@@ -185,7 +189,7 @@ class CalibrationRow(Base):
 RESULT_COLUMNS = (
     "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy",
     "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms", "peak_bytes",
-    "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded",
+    "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
 )
 
 
@@ -211,6 +215,14 @@ class Result:
     measured_at: str
     oversubscribed: bool = False
     excluded: bool = False
+    round_id: str | None = None
+    #: Why the contention guard judged the run disturbed; None when it ran clean.
+    disturbed: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        """A successful run that counts: not disturbed, not set aside by the user."""
+        return self.status == "ok" and self.median_ms is not None and not self.disturbed and not self.excluded
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -219,6 +231,7 @@ class Result:
             "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
             "max_error": self.max_error, "error": self.error, "engine": self.engine,
             "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
+            "round_id": self.round_id, "disturbed": self.disturbed,
         }
 
 
@@ -465,8 +478,11 @@ class Store:
     def _workload_row(self, session: Session, workload: Workload) -> WorkloadRow:
         return _get_or_add(session, WorkloadRow, workload.to_dict())
 
-    def add_measurement(self, hardware: Hardware, measurement: Measurement) -> int:
-        """Keep a successful measurement; returns its id."""
+    def add_measurement(
+        self, hardware: Hardware, measurement: Measurement, round_id: str | None = None
+    ) -> int:
+        """Keep a successful measurement (marked if ``measurement.disturbed``), run in the
+        interleaved round ``round_id``; returns its id."""
         m = measurement
         with self.session() as session:
             row = MeasurementRow(
@@ -477,6 +493,7 @@ class Store:
                 comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
                 measured_at=_utc(datetime.fromisoformat(m.measured_at)), oversubscribed=m.oversubscribed,
+                round_id=round_id, disturbed=m.disturbed,
             )
             session.add(row)
             session.flush()
@@ -484,7 +501,7 @@ class Store:
 
     def add_failure(
         self, hardware: Hardware, workload: Workload, config: CPConfig, status: str, error: str, engine: str,
-        oversubscribed: bool = False,
+        oversubscribed: bool = False, round_id: str | None = None,
     ) -> int:
         """Keep a run that failed (``status`` from ``STATUSES``) with its reason; returns its id."""
         if status not in STATUSES or status == "ok":
@@ -495,6 +512,7 @@ class Store:
                 workload=self._workload_row(session, workload),
                 **config.to_dict(), status=status, error=error, engine=engine,
                 cptune_version=__version__, measured_at=datetime.now(UTC), oversubscribed=oversubscribed,
+                round_id=round_id,
             )
             session.add(row)
             session.flush()
@@ -579,7 +597,8 @@ class Store:
 
     def results(self, **filters: object) -> list[Result]:
         """Stored rows, oldest first. Filters: any Workload field, ``strategy``, ``ranks``,
-        ``status``, ``oversubscribed``, ``excluded`` and ``hardware`` (fingerprint)."""
+        ``status``, ``oversubscribed``, ``excluded``, ``disturbed`` (True: marked by the
+        contention guard, False: clean) and ``hardware`` (fingerprint)."""
         workload_fields = set(Workload.__dataclass_fields__)
         query = select(MeasurementRow, WorkloadRow, HardwareRow).join(WorkloadRow).join(HardwareRow)
         for key, value in filters.items():
@@ -589,6 +608,9 @@ class Store:
                 query = query.where(getattr(WorkloadRow, key) == value)
             elif key in ("strategy", "ranks", "head_group", "status", "oversubscribed", "excluded"):
                 query = query.where(getattr(MeasurementRow, key) == value)
+            elif key == "disturbed":
+                marked = MeasurementRow.disturbed.is_not(None)
+                query = query.where(marked if value else ~marked)
             elif key == "hardware":
                 query = query.where(HardwareRow.fingerprint == value)
             else:
@@ -604,5 +626,5 @@ def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
         compute_ms=m.compute_ms, comm_ms=m.comm_ms, peak_bytes=m.peak_bytes,
         max_error=m.max_error, error=m.error, engine=m.engine,
         measured_at=_utc(m.measured_at).isoformat(timespec="seconds"),
-        oversubscribed=m.oversubscribed, excluded=m.excluded,
+        oversubscribed=m.oversubscribed, excluded=m.excluded, round_id=m.round_id, disturbed=m.disturbed,
     )

@@ -1,0 +1,235 @@
+"""What the stored rounds of a configuration say, and how sure that is.
+
+A search measures the candidates of one workload in interleaved rounds: each round visits
+every candidate once, in a fresh random order, so drift and other jobs hit all of them
+alike. One visit's figure is its median iteration of the slowest rank. This module
+combines every clean visit of a configuration (never the newest alone) and judges the
+fastest against the rest:
+
+- A configuration's latency is the geometric mean of its clean visits, with a 95%
+  Student-t interval on the log scale. The round-to-round spread is pooled over every
+  configuration of the workload with two or more visits (one spread per workload and
+  hardware: one visit says nothing about its own spread); without any, the spread of the
+  visits' own iterations (p10-p90 read as a normal's +-1.28 sigma) stands in for it, and
+  that understates drift, so a search always runs two rounds or more.
+- The leader against another configuration: their ratio. Where they share three or more
+  rounds the ratio is paired round by round (interleaving cancels the drift both saw);
+  otherwise it is the ratio of the two means with the pooled spread of each. The leader is
+  separated from the other when the ratio's 95% interval lies above 1; otherwise the two
+  are tied within the noise of this hardware.
+
+Stopping a race once the leader separates re-tests the same interval; the budget on
+rounds bounds how often that can flatter a leader.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.store import Result
+from cptune.workload import Workload
+
+#: Two-sided confidence of every interval here.
+CONFIDENCE = 0.95
+#: A normal's p90 - p10 in standard deviations: turns an iteration spread into a sigma.
+_P10_P90_SIGMAS = 2 * 1.2815515655446004
+#: Fewest shared rounds for a paired ratio (below it the ratio of means is used).
+MIN_PAIRED_ROUNDS = 3
+
+
+def _t(df: float) -> float:
+    """The two-sided ``CONFIDENCE`` quantile of Student's t with ``df`` degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.5 + CONFIDENCE / 2, df)) if math.isfinite(df) else 1.959963984540054
+
+
+@dataclass(frozen=True)
+class Noise:
+    """The round-to-round spread of one workload's visits on one hardware (log scale)."""
+
+    sigma: float
+    df: float  # degrees of freedom; inf for the iteration-spread stand-in
+    source: str  # "rounds" or "iterations"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One configuration's latency from all its clean visits, with a 95% interval."""
+
+    hardware: str
+    workload: Workload
+    config: CPConfig
+    median_ms: float  # geometric mean of the visits' medians
+    low_ms: float
+    high_ms: float
+    rounds: int  # clean visits combined
+    noise: Noise
+    #: The visits combined, oldest first.
+    visits: tuple[Result, ...]
+
+    @property
+    def log_mean(self) -> float:
+        return math.log(self.median_ms)
+
+    @property
+    def compute_ms(self) -> float | None:
+        """Median over the visits of the slowest rank's compute time."""
+        return _median_of(v.compute_ms for v in self.visits)
+
+    @property
+    def comm_ms(self) -> float | None:
+        """Median over the visits of the slowest rank's unhidden communication time."""
+        return _median_of(v.comm_ms for v in self.visits)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        peaks = [v.peak_bytes for v in self.visits if v.peak_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(v.id for v in self.visits)
+
+
+def _median_of(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.median(kept)) if kept else None
+
+
+def _noise(visits: Sequence[Sequence[Result]]) -> Noise:
+    """The pooled within-configuration spread of log latency over ``visits`` (one list per
+    configuration), or the iterations' spread where no configuration has two visits."""
+    squares, df = 0.0, 0
+    for rows in visits:
+        if len(rows) >= 2:
+            logs = np.log([r.median_ms for r in rows])
+            squares += float(np.sum((logs - logs.mean()) ** 2))
+            df += len(rows) - 1
+    if df:
+        return Noise(math.sqrt(squares / df), df, "rounds")
+    spreads = [math.log(r.p90_ms / r.p10_ms) / _P10_P90_SIGMAS
+               for rows in visits for r in rows if r.p10_ms and r.p90_ms and r.p10_ms > 0]
+    return Noise(float(np.median(spreads)) if spreads else 0.0, math.inf, "iterations")
+
+
+def combine(rows: Iterable[Result]) -> dict[tuple[str, Workload, CPConfig], Estimate]:
+    """Every (hardware, workload, configuration) with a clean visit among ``rows``,
+    combined. Failed, disturbed and excluded rows are left out; the caller filters
+    anything else (oversubscribed runs, other engines)."""
+    grouped: dict[tuple[str, Workload], dict[CPConfig, list[Result]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row.clean:
+            grouped[(row.hardware, row.workload)][row.config].append(row)
+    estimates = {}
+    for (hardware, workload), by_config in grouped.items():
+        noise = _noise(list(by_config.values()))
+        for config, visits in by_config.items():
+            n = len(visits)
+            mean = float(np.mean(np.log([v.median_ms for v in visits])))
+            half = _t(noise.df) * noise.sigma / math.sqrt(n)
+            estimates[(hardware, workload, config)] = Estimate(
+                hardware, workload, config, math.exp(mean), math.exp(mean - half), math.exp(mean + half),
+                n, noise, tuple(sorted(visits, key=lambda v: v.id)),
+            )
+    return estimates
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How much slower ``other`` runs than the leader: ``ratio`` with its 95% interval."""
+
+    other: CPConfig
+    ratio: float
+    low: float
+    high: float
+    paired_rounds: int  # rounds the ratio was paired over (0: ratio of means)
+
+    @property
+    def separated(self) -> bool:
+        """The leader is faster beyond the noise: the whole interval lies above 1."""
+        return self.low > 1.0
+
+
+def compare(leader: Estimate, other: Estimate) -> Comparison:
+    """``other``'s latency over ``leader``'s, paired by round where they share enough rounds."""
+    mine = {v.round_id: math.log(v.median_ms) for v in leader.visits if v.round_id}
+    pairs = [math.log(v.median_ms) - mine[v.round_id] for v in other.visits if v.round_id in mine]
+    if len(pairs) >= MIN_PAIRED_ROUNDS:
+        diff = float(np.mean(pairs))
+        half = _t(len(pairs) - 1) * float(np.std(pairs, ddof=1)) / math.sqrt(len(pairs))
+        paired = len(pairs)
+    else:
+        diff = other.log_mean - leader.log_mean
+        noise = leader.noise if leader.noise.df <= other.noise.df else other.noise
+        half = _t(noise.df) * noise.sigma * math.sqrt(1 / leader.rounds + 1 / other.rounds)
+        paired = 0
+    return Comparison(other.config, math.exp(diff), math.exp(diff - half), math.exp(diff + half), paired)
+
+
+def _percent(ratio: float) -> str:
+    return f"{(ratio - 1) * 100:+.1f}%"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The fastest configuration of one workload and what the noise lets one say of it."""
+
+    leader: Estimate
+    #: Every other configuration against the leader, fastest first.
+    comparisons: tuple[Comparison, ...]
+
+    @property
+    def tied(self) -> tuple[CPConfig, ...]:
+        """The configurations the leader is not separated from, fastest first."""
+        return tuple(c.other for c in self.comparisons if not c.separated)
+
+    @property
+    def winner(self) -> CPConfig | None:
+        """The leader when it is separated from every other configuration; None for a tie."""
+        return None if self.tied else self.leader.config
+
+    @property
+    def runner_up(self) -> Comparison | None:
+        return self.comparisons[0] if self.comparisons else None
+
+    def describe(self) -> str:
+        """The answer in words: "X, faster than Y by p% (interval)", where Y takes p% longer
+        than X, or "X and Y tied within the noise of this hardware"."""
+        lead = self.leader.config.describe()
+        if not self.comparisons:
+            return f"{lead} (the only configuration measured)"
+        if self.tied:
+            names = [lead, *(c.describe() for c in self.tied)]
+            listed = ", ".join(names[:-1]) + " and " + names[-1]
+            near = self.comparisons[0]
+            return (f"{listed} tied within the noise of this hardware ({near.other.describe()} "
+                    f"{_percent(near.ratio)}, 95% interval {_percent(near.low)} to {_percent(near.high)})")
+        second = self.comparisons[0]
+        return (f"{lead}, faster than {second.other.describe()} by {(second.ratio - 1) * 100:.1f}% "
+                f"(95% interval {(second.low - 1) * 100:.1f}% to {(second.high - 1) * 100:.1f}%)")
+
+
+def judge(estimates: Iterable[Estimate]) -> Verdict | None:
+    """The verdict over ``estimates`` of one workload on one hardware (None if empty)."""
+    ranked = sorted(estimates, key=lambda e: e.median_ms)
+    if not ranked:
+        return None
+    leader = ranked[0]
+    comparisons = sorted((compare(leader, other) for other in ranked[1:]), key=lambda c: c.ratio)
+    return Verdict(leader, tuple(comparisons))
+
+
+def verdicts(rows: Iterable[Result]) -> dict[tuple[str, Workload], Verdict]:
+    """The verdict of every (hardware, workload) among ``rows`` (see ``combine``)."""
+    by_workload: dict[tuple[str, Workload], list[Estimate]] = defaultdict(list)
+    for (hardware, workload, _), estimate in combine(rows).items():
+        by_workload[(hardware, workload)].append(estimate)
+    found = {key: judge(group) for key, group in by_workload.items()}
+    return {key: verdict for key, verdict in found.items() if verdict is not None}

@@ -1,0 +1,103 @@
+"""Combining a configuration's rounds and judging the leader: cptune.estimate."""
+
+from __future__ import annotations
+
+import math
+from itertools import count
+
+import numpy as np
+import pytest
+
+from cptune.config import CPConfig
+from cptune.estimate import combine, compare, judge, verdicts
+from cptune.store import Result
+from cptune.workload import Workload
+
+WORKLOAD = Workload(seq_len=1024, heads=8, head_dim=64)
+RING, ULYSSES, LOCAL = CPConfig("ring", 2), CPConfig("ulysses", 2, 2), CPConfig("ring", 1)
+_ids = count(1)
+
+
+def row(config: CPConfig, median: float, round_id: str | None = None, *, status: str = "ok",
+        disturbed: str | None = None, excluded: bool = False, spread: float = 0.02) -> Result:
+    return Result(
+        id=next(_ids), hardware="host", workload=WORKLOAD, config=config, status=status,
+        median_ms=median if status == "ok" else None, p10_ms=median * (1 - spread),
+        p90_ms=median * (1 + spread), compute_ms=median / 2, comm_ms=median / 4, peak_bytes=100,
+        max_error=1e-7, error=None, engine="mpi", measured_at="2026-11-23T00:00:00+00:00",
+        excluded=excluded, round_id=round_id, disturbed=disturbed,
+    )
+
+
+def test_repeated_visits_are_combined_not_replaced_by_the_newest():
+    rows = [row(RING, 10.0, "a"), row(RING, 12.0, "b"), row(RING, 11.0, "c")]
+    estimate = combine(rows)[("host", WORKLOAD, RING)]
+    assert estimate.rounds == 3
+    assert estimate.median_ms == pytest.approx(math.exp(np.mean(np.log([10, 12, 11]))))
+    assert estimate.low_ms < estimate.median_ms < estimate.high_ms
+    assert estimate.noise.source == "rounds" and estimate.noise.df == 2
+
+
+def test_disturbed_failed_and_excluded_visits_do_not_count():
+    rows = [row(RING, 10.0, "a"), row(RING, 90.0, "b", disturbed="other processes used 1.9 cores"),
+            row(RING, 50.0, "c", excluded=True), row(RING, 0, "d", status="timeout")]
+    estimate = combine(rows)[("host", WORKLOAD, RING)]
+    assert estimate.rounds == 1 and estimate.median_ms == pytest.approx(10.0)
+    assert not combine([rows[1]])  # nothing clean: no estimate at all
+
+
+def test_one_visit_each_falls_back_on_the_iteration_spread():
+    estimate = combine([row(RING, 10.0, "a", spread=0.1)])[("host", WORKLOAD, RING)]
+    assert estimate.noise.source == "iterations"
+    # p10..p90 = 0.9..1.1 of the median: sigma = ln(1.1/0.9) / 2.563
+    expected = math.exp(1.96 * math.log(1.1 / 0.9) / 2.563)
+    assert estimate.high_ms / estimate.median_ms == pytest.approx(expected, rel=1e-3)
+
+
+def test_pairing_by_round_cancels_drift_the_means_cannot():
+    # both drift together by 30% from round to round; ring is always 5% slower
+    drift = [1.0, 1.3, 0.8, 1.2, 0.9]
+    rows = [r for i, d in enumerate(drift)
+            for r in (row(ULYSSES, 10 * d, f"r{i}"), row(RING, 10.5 * d, f"r{i}"))]
+    paired = judge(combine(rows).values())
+    assert paired.leader.config == ULYSSES and paired.winner == ULYSSES
+    assert paired.comparisons[0].paired_rounds == 5
+    assert paired.comparisons[0].ratio == pytest.approx(1.05)
+    assert "faster than" in paired.describe() and "by 5.0%" in paired.describe()
+    # the same numbers without rounds to pair: the drift hides the 5%
+    unpaired = judge(combine([row(r.config, r.median_ms) for r in rows]).values())
+    assert unpaired.winner is None and unpaired.tied == (RING,)
+    assert "tied within the noise of this hardware" in unpaired.describe()
+
+
+def test_a_clear_gap_separates_and_a_tie_lists_everyone_tied():
+    rows = []
+    for i, noise in enumerate([1.0, 1.02, 0.98, 1.01]):
+        wobble = 1.03 if i % 2 else 0.97
+        rows += [row(LOCAL, 10 * noise, f"r{i}"), row(RING, 10.1 * noise * wobble, f"r{i}"),
+                 row(ULYSSES, 20 * noise, f"r{i}")]
+    verdict = judge(combine(rows).values())
+    assert verdict.leader.config == LOCAL
+    assert verdict.tied == (RING,)
+    by_config = {c.other: c for c in verdict.comparisons}
+    assert by_config[ULYSSES].separated and by_config[ULYSSES].ratio == pytest.approx(2.0, rel=1e-6)
+    text = verdict.describe()
+    assert text.startswith(f"{LOCAL.describe()} and {RING.describe()} tied")
+
+
+def test_compare_without_shared_rounds_uses_the_pooled_spread():
+    rows = [row(LOCAL, 10.0, "a"), row(LOCAL, 10.2, "b"), row(RING, 15.0, "c"), row(RING, 15.3, "d")]
+    estimates = combine(rows)
+    comparison = compare(estimates[("host", WORKLOAD, LOCAL)], estimates[("host", WORKLOAD, RING)])
+    assert comparison.paired_rounds == 0
+    assert comparison.low < comparison.ratio < comparison.high
+
+
+def test_verdicts_are_per_workload_and_hardware():
+    other = Workload(seq_len=2048, heads=8, head_dim=64)
+    rows = [row(RING, 10.0), row(LOCAL, 12.0)]
+    rows.append(Result(**{**row(LOCAL, 5.0).__dict__, "workload": other}))
+    found = verdicts(rows)
+    assert set(found) == {("host", WORKLOAD), ("host", other)}
+    assert found[("host", other)].describe().endswith("(the only configuration measured)")
+    assert found[("host", WORKLOAD)].leader.config == RING
