@@ -16,8 +16,16 @@ from cptune.cost import analytic_cost
 from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
+from cptune.guard import Watch
 from cptune.layout import SequenceLayout
-from cptune.measurement import Measurement, available_cores, describe_host, oversubscribed, summarize
+from cptune.measurement import (
+    Measurement,
+    available_cores,
+    describe_host,
+    oversubscribed,
+    summarize,
+    threads_per_rank,
+)
 from cptune.reference import make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
@@ -112,6 +120,7 @@ def measure(
     repeats: int = 10,
     timeout: float | None = None,
     seed: int = 0,
+    guard: bool = True,
 ) -> Measurement:
     """Check ``config``'s output against the float64 reference on seeded random inputs, then
     time ``repeats`` iterations after ``warmup`` on real ranks.
@@ -120,7 +129,9 @@ def measure(
     an engine that does not time (onnx), and ``EngineError`` when the run fails (kind: crash,
     timeout, error, out_of_memory) or its output is wrong (kind "wrong_output"): a wrong
     configuration never yields a timing. More ranks than this host's cores run, but the
-    result says it was ``oversubscribed``."""
+    result says it was ``oversubscribed``. With ``guard`` (the default) the contention guard
+    (``cptune.guard``) watches the timed part and says in ``disturbed`` why other load on
+    the host spoiled it; such a timing is kept but counts for nothing."""
     check_feasible(workload, config)
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
@@ -140,13 +151,16 @@ def measure(
             f"error {error:.2e} exceeds the {workload.dtype} tolerance {tolerance:.0e}, so its "
             f"timing does not count. This is a bug in the strategy or engine; please report it.",
         )
+    watch = Watch(engine.process_ids) if guard else None
     timings = engine.time(
         warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
     )
+    summary = summarize(timings)
+    busy_cores = min(available_cores(), config.ranks * threads_per_rank(config.ranks))
     return Measurement(
         workload=workload,
         config=config,
-        **summarize(timings),
+        **summary,
         peak_bytes=max(peaks),
         max_error=error,
         engine=engine.name,
@@ -154,4 +168,5 @@ def measure(
         warmup=warmup,
         repeats=repeats,
         oversubscribed=oversubscribed(config.ranks),
+        disturbed=watch.verdict(busy_cores, summary["samples_ms"]) if watch else None,
     )

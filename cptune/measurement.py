@@ -103,6 +103,11 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def threads_per_rank(ranks: int) -> int:
+    """Threads each of ``ranks`` ranks computes with: its share of this host's cores."""
+    return max(1, available_cores() // ranks)
+
+
 def oversubscribed(ranks: int) -> bool:
     """Whether ``ranks`` ranks on this host share cores (more ranks than ``available_cores``)."""
     return ranks > available_cores()

@@ -58,6 +58,9 @@ class Engine(Protocol):
     def describe(self) -> dict[str, str]:
         """The engine's software versions."""
 
+    def process_ids(self) -> list[int]:
+        """The engine's processes now (the contention guard counts their CPU time as ours)."""
+
     def close(self) -> None:
         """Stop the engine's processes."""
 

@@ -240,6 +240,10 @@ class PooledEngine:
             self._pool = None  # request() already stopped it
             raise
 
+    def process_ids(self) -> list[int]:
+        """The pool's processes now: mpiexec, each rank and its hydra proxy (none without one)."""
+        return [] if self._pool is None else [self._pool.proc.pid, *self._pool.pids]
+
     def close(self) -> None:
         if self._pool is not None:
             pool, self._pool = self._pool, None

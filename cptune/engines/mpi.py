@@ -12,7 +12,7 @@ import numpy as np
 
 from cptune.config import CPConfig
 from cptune.engines._pool import WORKER, PooledEngine
-from cptune.measurement import available_cores
+from cptune.measurement import threads_per_rank
 from cptune.workload import Workload
 
 
@@ -42,7 +42,7 @@ class MPIEngine(PooledEngine):
             "engine": self.name,
             "workload": workload.to_dict(),
             "config": config.to_dict(),
-            "threads": max(1, available_cores() // config.ranks),
+            "threads": threads_per_rank(config.ranks),
         }
         replies = self._request(
             {rank: (header, list(shard)) for rank, shard in enumerate(shards)},
@@ -78,7 +78,7 @@ class MPIEngine(PooledEngine):
         (heads, seq_q, seq_k, head_dim), ``ranks`` ranks computing at once on their share
         of the cores."""
         header = {"op": "time_attention", "ranks": ranks, "shapes": list(shapes),
-                  "threads": max(1, available_cores() // ranks), "warmup": warmup, "repeats": repeats}
+                  "threads": threads_per_rank(ranks), "warmup": warmup, "repeats": repeats}
         return self._time_on(ranks, header, timeout, f"attention calibration on {ranks} ranks")
 
     def _time_on(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:

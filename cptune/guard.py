@@ -1,0 +1,198 @@
+"""The contention guard: was a measurement disturbed by other load on this host?
+
+``measure`` opens a ``Watch`` just before it times a configuration and asks it for a
+verdict just after. Three kinds of evidence, each judged on its own (any one suffices):
+
+- Foreign CPU load: the busy time of this process's CPUs (``/proc/stat``) minus the CPU time
+  of our own processes (this one and the engine's, to the nanosecond from each thread's
+  ``/proc/<pid>/task/<tid>/schedstat``), per second of the window. More than the cores the
+  run leaves idle means other processes took cores our ranks wanted. Time a hypervisor
+  stole from this machine counts as foreign too. Without ``/proc`` (not Linux) this
+  evidence is skipped.
+- A reference kernel: a fixed pure-Python loop of about a millisecond, best of three, run in
+  this process before and after the window. Slower than the fastest seen in this session
+  means the machine itself got slower (clock throttling, a busy neighbour, load that came or
+  went during the run). The scheduler favours a process that just woke, so this rarely
+  sees plain CPU contention; the foreign-load evidence does.
+- The spread of the iterations: p90/p10 far above what a quiet host gives.
+
+Only host-side evidence: on GPUs, another tenant of the same GPU is not noticed yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cptune.measurement import available_cores
+
+#: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
+#: threads and interrupts of a quiet Linux host stay well under a quarter of a core.
+FOREIGN_MARGIN_CORES = 0.25
+#: ``/proc/stat`` counts busy time in ticks sampled per CPU, so each CPU's count over a window
+#: may be off by up to a tick at either end; allow this many ticks per sqrt(CPU) (errors of
+#: independent CPUs add up like a random walk).
+TICK_ALLOWANCE = 2.0
+#: The shortest window the foreign load is judged over: shorter runs are followed by a
+#: pause that watches the host with our ranks idle, so a few ticks of error stay small.
+MIN_WINDOW_S = 0.2
+#: The reference kernel's best time may exceed the session's fastest by this factor: a
+#: quiet host repeats a millisecond loop within a few percent; frequency boost changes
+#: and cache effects stay far below half again as slow.
+REFERENCE_SLOWDOWN = 1.5
+#: p90/p10 of the iterations above this is disturbed. Quiet runs here keep p90/p10 under
+#: about 1.5 (their stored measurements); load that comes and goes doubles some iterations.
+SPREAD_LIMIT = 2.0
+#: ... and only when p90 - p10 exceeds this: sub-millisecond iterations jitter by scheduler
+#: ticks and wake-up latency on a quiet host, so their ratio says nothing.
+SPREAD_FLOOR_MS = 1.0
+
+_REFERENCE_LOOP = 30_000
+_REFERENCE_RUNS = 3
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+#: A thread of one of our processes: (pid, tid).
+Task = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """The CPU accounts at one moment: busy seconds of our CPUs (None: no /proc/stat) and
+    CPU seconds so far of each thread of our processes."""
+
+    wall_s: float
+    busy_s: float | None
+    ours_s: dict[Task, float]
+
+
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """Busy seconds so far of ``cpus`` (user, nice, system, irq, softirq, steal; guest time
+    is inside user already)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    seen = False
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+            ticks += user + nice + system + irq + softirq + steal
+            seen = True
+    return ticks * _TICK_S if seen else None
+
+
+def _thread_seconds(pids: Iterable[int]) -> dict[Task, float]:
+    """CPU seconds so far of every thread of ``pids`` (gone processes are left out)."""
+    seconds: dict[Task, float] = {}
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                runtime_ns = int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            seconds[(pid, int(task.name))] = runtime_ns / 1e9
+    return seconds
+
+
+def read_cpu(pids: Iterable[int]) -> CpuReading:
+    """The CPU accounts now of this process's CPUs and of ``pids`` (and this process)."""
+    return CpuReading(
+        wall_s=time.monotonic(),
+        busy_s=_busy_seconds(os.sched_getaffinity(0)),
+        ours_s=_thread_seconds({os.getpid(), *pids}),
+    )
+
+
+def foreign_load(before: CpuReading, after: CpuReading, cpus: int, idle_cores: float) -> str | None:
+    """Why the window between two readings was disturbed by other processes' CPU use, or
+    None. ``idle_cores``: the cores the run left idle, which others may use freely."""
+    if before.busy_s is None or after.busy_s is None:
+        return None
+    wall = after.wall_s - before.wall_s
+    if wall <= 0:
+        return None
+    # a thread that started in the window counts from zero; one that ended is lost (counted
+    # as foreign: the guard errs towards calling a run disturbed)
+    ours = sum(seconds - before.ours_s.get(task, 0.0) for task, seconds in after.ours_s.items())
+    foreign_cores = (after.busy_s - before.busy_s - ours) / wall
+    allowance = TICK_ALLOWANCE * _TICK_S * math.sqrt(cpus) / wall
+    if foreign_cores <= max(0.0, idle_cores) + FOREIGN_MARGIN_CORES + allowance:
+        return None
+    return f"other processes used {foreign_cores:.1f} of {cpus} cores during the run"
+
+
+def reference_slowdown(before_s: float, after_s: float, fastest_s: float) -> str | None:
+    """Why the reference kernel's times before and after a run show a slower machine, or
+    None. ``fastest_s``: the fastest time of the kernel seen in this session."""
+    slowest = max(before_s, after_s)
+    if slowest <= REFERENCE_SLOWDOWN * fastest_s:
+        return None
+    when = "after" if after_s >= before_s else "before"
+    return f"a reference kernel ran {slowest / fastest_s:.1f}x slower {when} the run than at its fastest"
+
+
+def wide_spread(samples_ms: Sequence[float]) -> str | None:
+    """Why the iterations' spread shows a disturbed run, or None."""
+    p10, p90 = np.percentile(samples_ms, [10, 90])
+    if p90 - p10 <= SPREAD_FLOOR_MS or p90 <= SPREAD_LIMIT * p10:
+        return None
+    return f"its iterations spread {p90 / p10:.1f}x from p10 to p90"
+
+
+class ReferenceKernel:
+    """A fixed millisecond of pure-Python work, and the fastest it ran in this session."""
+
+    def __init__(self) -> None:
+        self.fastest_s = math.inf
+
+    def time(self) -> float:
+        """Best of a few runs of the kernel, in seconds."""
+        best = math.inf
+        for _ in range(_REFERENCE_RUNS):
+            start = time.perf_counter()
+            total = 0
+            for i in range(_REFERENCE_LOOP):
+                total += i * i
+            best = min(best, time.perf_counter() - start)
+        self.fastest_s = min(self.fastest_s, best)
+        return best
+
+
+_REFERENCE = ReferenceKernel()
+
+
+class Watch:
+    """The evidence around one timed run: create it just before the run, ask ``verdict``
+    just after."""
+
+    def __init__(self, process_ids: Callable[[], Sequence[int]]) -> None:
+        """``process_ids``: the engine's processes (their CPU time is ours, not foreign)."""
+        self._process_ids = process_ids
+        self._reference_before = _REFERENCE.time()
+        self._before = read_cpu(process_ids())
+
+    def verdict(self, busy_cores: int, samples_ms: Sequence[float]) -> str | None:
+        """Why the run was disturbed ("; "-joined reasons), or None when it ran clean.
+        ``busy_cores``: the cores the run's ranks keep busy."""
+        time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
+        after = read_cpu(self._process_ids())
+        reference_after = _REFERENCE.time()
+        cpus = available_cores()
+        reasons = [
+            foreign_load(self._before, after, cpus, cpus - busy_cores),
+            reference_slowdown(self._reference_before, reference_after, _REFERENCE.fastest_s),
+            wide_spread(samples_ms),
+        ]
+        return "; ".join(reason for reason in reasons if reason) or None
