@@ -413,14 +413,15 @@ def _workload(args: argparse.Namespace, seq_len: int) -> Workload:
 def _measurements_table(
     workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]
 ) -> Table:
+    disturbed = "; * = disturbed by other load (why: below)" if any(m.disturbed for m in results) else ""
     table = _table(f"{workload.describe()} - fastest first",
                    "ms per iteration, slowest rank; spread = p90 - p10; peak = MiB per rank; "
-                   "ulysses2xring2 = 2-way Ulysses x 2-way Ring")
+                   f"ulysses2xring2 = 2-way Ulysses x 2-way Ring{disturbed}")
     for column in ("config", "ranks", "median", "spread", "compute", "comm", "peak", "error"):
         table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for m in sorted(results, key=lambda m: m.median_ms):
         table.add_row(
-            m.config.label, str(m.config.ranks), f"{m.median_ms:.1f}",
+            m.config.label, str(m.config.ranks), f"{m.median_ms:.1f}{'*' if m.disturbed else ''}",
             f"{m.spread_ms:.1f}", f"{m.compute_ms:.1f}", f"{m.comm_ms:.1f}",
             f"{m.peak_bytes / 2**20:.0f}", f"{m.max_error:.0e}",
         )
@@ -462,6 +463,10 @@ def cmd_measure(args: argparse.Namespace, console: Console) -> int:
         }, indent=2))
     else:
         console.print(_measurements_table(workload, results, failures))
+    for m in results:
+        if m.disturbed:
+            _warn((f"{m.config.describe()} disturbed:", "yellow"),
+                  f" {m.disturbed}, so its timing is not clean; measure again when the host is quiet")
     for config, failure in failures:
         _warn((f"{config.describe()} failed ({failure.kind}):", "red"), f" {failure}")
     return USAGE_ERROR if failures else 0

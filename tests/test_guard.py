@@ -1,0 +1,199 @@
+"""The contention guard: each evidence judged on given readings, and real runs under load."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import cptune
+from cptune import CPConfig, Workload, enumerate_configs
+from cptune.cli import main
+from cptune.engines.mpi import MPIEngine
+from cptune.guard import (
+    FOREIGN_MARGIN_CORES,
+    CpuReading,
+    foreign_load,
+    read_cpu,
+    reference_slowdown,
+    wide_spread,
+)
+from cptune.hardware import this_host
+from cptune.measurement import available_cores
+from cptune.reference import make_inputs
+from cptune.search import WorkloadSearch
+from cptune.store import Store
+
+WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="fp32")
+OURS = (1, 1)  # a thread of ours: (pid, tid)
+
+
+def reading(wall_s: float, busy_s: float | None, ours_s: float) -> CpuReading:
+    return CpuReading(wall_s=wall_s, busy_s=busy_s, ours_s={OURS: ours_s})
+
+
+# --------------------------------------------------------------------------- foreign load
+
+
+def test_cpu_used_by_our_processes_alone_is_clean():
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 101.9, 6.9)  # 1.9 busy s, all ours
+    assert foreign_load(before, after, cpus=2, idle_cores=0) is None
+
+
+def test_other_processes_on_the_run_s_cores_disturb_it():
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 102.0, 5.5)  # 1.5 cores not ours
+    assert foreign_load(before, after, cpus=2, idle_cores=0) == (
+        "other processes used 1.5 of 2 cores during the run")
+
+
+def test_load_on_cores_the_run_left_idle_is_clean():
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 103.5, 7.0)  # 1.5 foreign cores
+    assert foreign_load(before, after, cpus=4, idle_cores=2) is None
+    assert foreign_load(before, after, cpus=4, idle_cores=1) is not None
+
+
+def test_a_quiet_host_s_background_stays_under_the_margin():
+    foreign = FOREIGN_MARGIN_CORES * 0.8
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 102.0 + foreign, 7.0)
+    assert foreign_load(before, after, cpus=2, idle_cores=0) is None
+
+
+def test_a_few_ticks_in_a_short_window_are_not_load_but_the_same_rate_over_a_second_is():
+    short = foreign_load(reading(0.0, 100.0, 5.0), reading(0.05, 100.02, 5.0), cpus=2, idle_cores=0)
+    long = foreign_load(reading(0.0, 100.0, 5.0), reading(1.0, 100.4, 5.0), cpus=2, idle_cores=0)
+    assert short is None  # 0.4 cores, but 2 ticks could be the sampling of /proc/stat
+    assert long == "other processes used 0.4 of 2 cores during the run"
+
+
+def test_a_thread_of_ours_that_started_in_the_window_is_ours():
+    before = reading(0.0, 100.0, 5.0)
+    after = CpuReading(wall_s=1.0, busy_s=101.5, ours_s={OURS: 5.5, (1, 2): 1.0})
+    assert foreign_load(before, after, cpus=2, idle_cores=0) is None
+
+
+def test_without_proc_stat_the_evidence_is_skipped():
+    assert foreign_load(reading(0.0, None, 5.0), reading(1.0, None, 5.0), cpus=2, idle_cores=0) is None
+
+
+def test_read_cpu_counts_every_thread_of_this_process():
+    started = threading.Event()
+    stop = threading.Event()
+    tids: list[int] = []
+
+    def spin() -> None:
+        tids.append(threading.get_native_id())
+        started.set()
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        started.wait()
+        now = read_cpu([])
+    finally:
+        stop.set()
+        worker.join()
+    assert {(os.getpid(), os.getpid()), (os.getpid(), tids[0])} <= set(now.ours_s)
+    assert now.busy_s is not None and now.busy_s > 0
+
+
+# --------------------------------------------------------------------------- reference kernel, spread
+
+
+def test_reference_kernel_as_fast_as_ever_is_clean():
+    assert reference_slowdown(1.1e-3, 1.05e-3, fastest_s=1.0e-3) is None
+
+
+def test_reference_kernel_slower_after_the_run_disturbs_it():
+    assert reference_slowdown(1.0e-3, 1.8e-3, fastest_s=1.0e-3) == (
+        "a reference kernel ran 1.8x slower after the run than at its fastest")
+
+
+def test_reference_kernel_slow_on_both_sides_against_the_session_s_fastest_disturbs_it():
+    assert "2.0x slower" in reference_slowdown(2.0e-3, 2.0e-3, fastest_s=1.0e-3)
+
+
+def test_iterations_spread_far_apart_disturb_a_run():
+    assert wide_spread([10.0, 10.0, 10.0, 30.0, 30.0, 30.0]) == "its iterations spread 3.0x from p10 to p90"
+    assert wide_spread([10.0, 10.5, 11.0, 10.2]) is None
+
+
+def test_sub_millisecond_jitter_is_not_a_spread():
+    assert wide_spread([0.1, 0.1, 0.5, 0.5]) is None  # 5x, but 0.4 ms apart
+
+
+# --------------------------------------------------------------------------- real runs under load
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@contextmanager
+def competing_load() -> Iterator[None]:
+    """A busy loop per core of this host in other processes, running until the block ends."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(available_cores())]
+    try:
+        deadline = time.monotonic() + 10.0
+        while any(_cpu_ticks(b.pid) == 0 for b in burners) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(b.poll() is None for b in burners), "a competing process ended early"
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def test_engine_names_its_processes():
+    engine = MPIEngine()
+    try:
+        assert engine.process_ids() == []
+        cptune.compute(WORKLOAD, CPConfig("ring", 2), *make_inputs(WORKLOAD, 0), backend=engine)
+        pids = engine.process_ids()
+        assert len(pids) == 1 + 2 * 2  # mpiexec, and each rank with its hydra proxy
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+    finally:
+        engine.close()
+
+
+def test_a_run_beside_a_competing_process_is_marked_disturbed():
+    with competing_load():
+        loaded = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=1, repeats=3)
+        unguarded = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=1, repeats=3, guard=False)
+    assert loaded.disturbed is not None and "other processes used" in loaded.disturbed
+    assert unguarded.disturbed is None  # guard=False: the caller takes the timing as it is
+
+
+def test_no_measurement_taken_under_load_during_a_search_is_stored_as_clean(tmp_path):
+    """The acceptance test: every core busy with another process for the whole search, and
+    not one of the search's successful runs is stored as clean."""
+    workload = Workload(seq_len=128, heads=4, head_dim=16, dtype="fp32")
+    configs = enumerate_configs(workload, 2)
+    with Store(str(tmp_path / "loaded.db")) as store:
+        with competing_load():
+            WorkloadSearch(workload, configs, store, this_host(), warmup=0, repeats=3).run()
+        stored = store.results(status="ok")
+        assert {r.config for r in stored} == set(configs)  # the search ran every configuration
+        assert store.results(status="ok", disturbed=False) == []
+        assert all("other processes used" in r.disturbed for r in stored)
+
+
+def test_cli_measure_says_which_runs_were_disturbed(capsys):
+    argv = ["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "1",
+            "--warmup", "0", "--repeats", "2"]
+    with competing_load():
+        table_code = main(argv)
+        table = capsys.readouterr()
+        json_code = main([*argv, "--json"])
+        report = json.loads(capsys.readouterr().out)
+    assert table_code == json_code == 0  # a disturbed run is a result, not a failure
+    assert "* = disturbed by other load" in table.out
+    assert "local attention on 1 rank disturbed: other processes used" in " ".join(table.err.split())
+    assert [r["disturbed"] is not None for r in report["results"]] == [True]
