@@ -17,6 +17,7 @@ from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
 from cptune.guard import Watch
+from cptune.guard import enabled as guard_enabled
 from cptune.layout import SequenceLayout
 from cptune.measurement import (
     Measurement,
@@ -120,7 +121,7 @@ def measure(
     repeats: int = 10,
     timeout: float | None = None,
     seed: int = 0,
-    guard: bool = True,
+    guard: bool | None = None,
 ) -> Measurement:
     """Check ``config``'s output against the float64 reference on seeded random inputs, then
     time ``repeats`` iterations after ``warmup`` on real ranks.
@@ -129,10 +130,12 @@ def measure(
     an engine that does not time (onnx), and ``EngineError`` when the run fails (kind: crash,
     timeout, error, out_of_memory) or its output is wrong (kind "wrong_output"): a wrong
     configuration never yields a timing. More ranks than this host's cores run, but the
-    result says it was ``oversubscribed``. With ``guard`` (the default) the contention guard
-    (``cptune.guard``) watches the timed part and says in ``disturbed`` why other load on
-    the host spoiled it; such a timing is kept but counts for nothing."""
+    result says it was ``oversubscribed``. With ``guard`` (None: on unless ``$CPTUNE_GUARD``
+    is "off") the contention guard (``cptune.guard``) watches the timed part and says in
+    ``disturbed`` why other load on the host spoiled it; such a timing is kept but counts
+    for nothing."""
     check_feasible(workload, config)
+    guarded = guard_enabled() if guard is None else guard
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     engine = get_engine(backend)
@@ -151,7 +154,7 @@ def measure(
             f"error {error:.2e} exceeds the {workload.dtype} tolerance {tolerance:.0e}, so its "
             f"timing does not count. This is a bug in the strategy or engine; please report it.",
         )
-    watch = Watch(engine.process_ids) if guard else None
+    watch = Watch(engine.process_ids) if guarded else None
     timings = engine.time(
         warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
     )

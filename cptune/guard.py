@@ -17,6 +17,8 @@ verdict just after. Three kinds of evidence, each judged on its own (any one suf
 - The spread of the iterations: p90/p10 far above what a quiet host gives.
 
 Only host-side evidence: on GPUs, another tenant of the same GPU is not noticed yet.
+``CPTUNE_GUARD=off`` turns the guard off (a host known to be shared, where every run would
+be marked); ``measure(..., guard=...)`` decides per call.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cptune.errors import CPTuneError
 from cptune.measurement import available_cores
 
 #: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
@@ -59,6 +62,19 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 #: A thread of one of our processes: (pid, tid).
 Task = tuple[int, int]
+
+
+class GuardSettingError(CPTuneError, ValueError):
+    """``$CPTUNE_GUARD`` holds neither "on" nor "off"."""
+
+
+def enabled() -> bool:
+    """Whether measurements are guarded: yes, unless ``$CPTUNE_GUARD`` is "off"."""
+    setting = os.environ.get("CPTUNE_GUARD", "on")
+    if setting not in ("on", "off"):
+        raise GuardSettingError(f"CPTUNE_GUARD must be 'on' or 'off', got {setting!r}: "
+                                f"fix it or unset it (the guard is on by default)")
+    return setting == "on"
 
 
 @dataclass(frozen=True)

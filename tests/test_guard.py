@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 import cptune
 from cptune import CPConfig, Workload, enumerate_configs
 from cptune.cli import main
@@ -17,6 +19,8 @@ from cptune.engines.mpi import MPIEngine
 from cptune.guard import (
     FOREIGN_MARGIN_CORES,
     CpuReading,
+    GuardSettingError,
+    enabled,
     foreign_load,
     read_cpu,
     reference_slowdown,
@@ -27,6 +31,13 @@ from cptune.measurement import available_cores
 from cptune.reference import make_inputs
 from cptune.search import WorkloadSearch
 from cptune.store import Store
+
+
+@pytest.fixture(autouse=True)
+def guard_on(monkeypatch):
+    """These tests are about the guard: on, whatever the environment says."""
+    monkeypatch.setenv("CPTUNE_GUARD", "on")
+
 
 WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="fp32")
 OURS = (1, 1)  # a thread of ours: (pid, tid)
@@ -127,6 +138,30 @@ def test_sub_millisecond_jitter_is_not_a_spread():
     assert wide_spread([0.1, 0.1, 0.5, 0.5]) is None  # 5x, but 0.4 ms apart
 
 
+# --------------------------------------------------------------------------- switch
+
+
+def test_cptune_guard_turns_the_guard_off_and_refuses_other_values(monkeypatch):
+    assert enabled()
+    monkeypatch.setenv("CPTUNE_GUARD", "off")
+    assert not enabled()
+    monkeypatch.delenv("CPTUNE_GUARD")
+    assert enabled()  # on by default
+    monkeypatch.setenv("CPTUNE_GUARD", "of")
+    with pytest.raises(GuardSettingError, match="CPTUNE_GUARD must be 'on' or 'off', got 'of'"):
+        enabled()
+
+
+def test_cli_refuses_a_bad_cptune_guard_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("CPTUNE_GUARD", "maybe")
+    code = main(["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "1",
+                 "--warmup", "0", "--repeats", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "CPTUNE_GUARD must be 'on' or 'off'" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 # --------------------------------------------------------------------------- real runs under load
 
 
@@ -163,12 +198,15 @@ def test_engine_names_its_processes():
         engine.close()
 
 
-def test_a_run_beside_a_competing_process_is_marked_disturbed():
+def test_a_run_beside_a_competing_process_is_marked_disturbed(monkeypatch):
     with competing_load():
         loaded = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=1, repeats=3)
         unguarded = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=1, repeats=3, guard=False)
+        monkeypatch.setenv("CPTUNE_GUARD", "off")
+        switched_off = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=1, repeats=3)
     assert loaded.disturbed is not None and "other processes used" in loaded.disturbed
-    assert unguarded.disturbed is None  # guard=False: the caller takes the timing as it is
+    # guard off (by the caller, or the environment): the timing is taken as it is
+    assert unguarded.disturbed is None and switched_off.disturbed is None
 
 
 def test_no_measurement_taken_under_load_during_a_search_is_stored_as_clean(tmp_path):
