@@ -9,12 +9,14 @@ verdict just after. Three kinds of evidence, each judged on its own (any one suf
   run leaves idle means other processes took cores our ranks wanted. Time a hypervisor
   stole from this machine counts as foreign too. Without ``/proc`` (not Linux) this
   evidence is skipped.
-- A reference kernel: a fixed pure-Python loop of about a millisecond, best of three, run in
-  this process before and after the window. Slower than the fastest seen in this session
-  means the machine itself got slower (clock throttling, a busy neighbour, load that came or
-  went during the run). The scheduler favours a process that just woke, so this rarely
-  sees plain CPU contention; the foreign-load evidence does.
-- The spread of the iterations: p90/p10 far above what a quiet host gives.
+- A reference kernel: a fixed pure-Python loop of about a millisecond, best of five (the
+  first runs wake the core up from power saving), run in this process before and after the
+  window. Slower than the fastest seen in this session means the machine itself got slower
+  (clock throttling, a busy neighbour, load that came or went during the run). The
+  scheduler favours a process that just woke, so this rarely sees plain CPU contention;
+  the foreign-load evidence does.
+- The spread of the iterations: p90/p10 far above what a quiet host gives (judged from ten
+  iterations on: with fewer, one slow first iteration sets p90).
 
 Only host-side evidence: on GPUs, another tenant of the same GPU is not noticed yet.
 ``CPTUNE_GUARD=off`` turns the guard off (a host known to be shared, where every run would
@@ -43,8 +45,9 @@ FOREIGN_MARGIN_CORES = 0.25
 #: independent CPUs add up like a random walk).
 TICK_ALLOWANCE = 2.0
 #: The shortest window the foreign load is judged over: shorter runs are followed by a
-#: pause that watches the host with our ranks idle, so a few ticks of error stay small.
-MIN_WINDOW_S = 0.2
+#: pause that watches the host with our ranks idle, so a few ticks of error stay small
+#: (0.3 cores on 2 CPUs) and a run of a few milliseconds is judged too.
+MIN_WINDOW_S = 0.1
 #: The reference kernel's best time may exceed the session's fastest by this factor: a
 #: quiet host repeats a millisecond loop within a few percent; frequency boost changes
 #: and cache effects stay far below half again as slow.
@@ -55,9 +58,12 @@ SPREAD_LIMIT = 2.0
 #: ... and only when p90 - p10 exceeds this: sub-millisecond iterations jitter by scheduler
 #: ticks and wake-up latency on a quiet host, so their ratio says nothing.
 SPREAD_FLOOR_MS = 1.0
+#: ... and only from this many iterations: with fewer, p90 is mostly the slowest one (a cold
+#: first iteration after no warm-up), which says nothing about other load.
+SPREAD_MIN_SAMPLES = 10
 
 _REFERENCE_LOOP = 30_000
-_REFERENCE_RUNS = 3
+_REFERENCE_RUNS = 5
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 #: A thread of one of our processes: (pid, tid).
@@ -161,6 +167,8 @@ def reference_slowdown(before_s: float, after_s: float, fastest_s: float) -> str
 
 def wide_spread(samples_ms: Sequence[float]) -> str | None:
     """Why the iterations' spread shows a disturbed run, or None."""
+    if len(samples_ms) < SPREAD_MIN_SAMPLES:
+        return None
     p10, p90 = np.percentile(samples_ms, [10, 90])
     if p90 - p10 <= SPREAD_FLOOR_MS or p90 <= SPREAD_LIMIT * p10:
         return None
@@ -202,9 +210,9 @@ class Watch:
     def verdict(self, busy_cores: int, samples_ms: Sequence[float]) -> str | None:
         """Why the run was disturbed ("; "-joined reasons), or None when it ran clean.
         ``busy_cores``: the cores the run's ranks keep busy."""
+        reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
-        reference_after = _REFERENCE.time()
         cpus = available_cores()
         reasons = [
             foreign_load(self._before, after, cpus, cpus - busy_cores),
