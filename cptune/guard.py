@@ -3,9 +3,11 @@
 ``measure`` opens a ``Watch`` just before it times a configuration and asks it for a
 verdict just after. Three kinds of evidence, each judged on its own (any one suffices):
 
-- Foreign CPU load: the busy time of this process's CPUs (``/proc/stat``) minus the CPU time
-  of our own processes (this one and the engine's, to the nanosecond from each thread's
-  ``/proc/<pid>/task/<tid>/schedstat``), per second of the window. More than the cores the
+- Foreign CPU load: the busy time of this process's CPUs (their wall time less their idle
+  time in ``/proc/stat``, which a tickless kernel keeps to the microsecond, where its busy
+  counts are sampled a tick at a time) minus the CPU time of our own processes (this one
+  and the engine's, to the nanosecond from each thread's ``/proc/<pid>/task/<tid>/schedstat``),
+  per second of the window. More than the cores the
   run leaves idle means other processes took cores our ranks wanted. Time a hypervisor
   stole from this machine counts as foreign too. Without ``/proc`` (not Linux) this
   evidence is skipped.
@@ -40,9 +42,9 @@ from cptune.measurement import available_cores
 #: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
 #: threads and interrupts of a quiet Linux host stay well under a quarter of a core.
 FOREIGN_MARGIN_CORES = 0.25
-#: ``/proc/stat`` counts busy time in ticks sampled per CPU, so each CPU's count over a window
-#: may be off by up to a tick at either end; allow this many ticks per sqrt(CPU) (errors of
-#: independent CPUs add up like a random walk).
+#: ``/proc/stat`` shows each CPU's idle time in whole ticks, so its idle time over a window is
+#: off by less than a tick; allow this many ticks per sqrt(CPU) (the errors of independent
+#: CPUs add up like a random walk; up to 4 CPUs this covers the worst case).
 TICK_ALLOWANCE = 2.0
 #: The shortest window the foreign load is judged over: shorter runs are followed by a
 #: pause that watches the host with our ranks idle, so a few ticks of error stay small
@@ -85,30 +87,30 @@ def enabled() -> bool:
 
 @dataclass(frozen=True)
 class CpuReading:
-    """The CPU accounts at one moment: busy seconds of our CPUs (None: no /proc/stat) and
-    CPU seconds so far of each thread of our processes."""
+    """The CPU accounts at one moment: idle seconds so far (idle and waiting for I/O) of
+    ``cpus`` CPUs, ours (None: no /proc/stat), and CPU seconds so far of each thread of our
+    processes."""
 
     wall_s: float
-    busy_s: float | None
+    cpus: int
+    idle_s: float | None
     ours_s: dict[Task, float]
 
 
-def _busy_seconds(cpus: set[int]) -> float | None:
-    """Busy seconds so far of ``cpus`` (user, nice, system, irq, softirq, steal; guest time
-    is inside user already)."""
+def _idle_seconds(cpus: set[int]) -> tuple[int, float | None]:
+    """How many of ``cpus`` /proc/stat lists, and their idle seconds so far (time stolen by a
+    hypervisor is not idle: it counts as someone else's)."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
-        return None
-    ticks = 0
-    seen = False
+        return 0, None
+    listed, ticks = 0, 0
     for line in lines:
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
-            ticks += user + nice + system + irq + softirq + steal
-            seen = True
-    return ticks * _TICK_S if seen else None
+            listed += 1
+            ticks += int(fields[3]) + int(fields[4])  # idle, iowait
+    return listed, ticks * _TICK_S if listed else None
 
 
 def _thread_seconds(pids: Iterable[int]) -> dict[Task, float]:
@@ -130,25 +132,24 @@ def _thread_seconds(pids: Iterable[int]) -> dict[Task, float]:
 
 def read_cpu(pids: Iterable[int]) -> CpuReading:
     """The CPU accounts now of this process's CPUs and of ``pids`` (and this process)."""
-    return CpuReading(
-        wall_s=time.monotonic(),
-        busy_s=_busy_seconds(os.sched_getaffinity(0)),
-        ours_s=_thread_seconds({os.getpid(), *pids}),
-    )
+    ours = _thread_seconds({os.getpid(), *pids})
+    cpus, idle = _idle_seconds(os.sched_getaffinity(0))
+    return CpuReading(wall_s=time.monotonic(), cpus=cpus, idle_s=idle, ours_s=ours)
 
 
-def foreign_load(before: CpuReading, after: CpuReading, cpus: int, idle_cores: float) -> str | None:
+def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float) -> str | None:
     """Why the window between two readings was disturbed by other processes' CPU use, or
     None. ``idle_cores``: the cores the run left idle, which others may use freely."""
-    if before.busy_s is None or after.busy_s is None:
+    if before.idle_s is None or after.idle_s is None or before.cpus != after.cpus:
         return None
-    wall = after.wall_s - before.wall_s
+    wall, cpus = after.wall_s - before.wall_s, after.cpus
     if wall <= 0:
         return None
+    busy = cpus * wall - (after.idle_s - before.idle_s)
     # a thread that started in the window counts from zero; one that ended is lost (counted
     # as foreign: the guard errs towards calling a run disturbed)
     ours = sum(seconds - before.ours_s.get(task, 0.0) for task, seconds in after.ours_s.items())
-    foreign_cores = (after.busy_s - before.busy_s - ours) / wall
+    foreign_cores = (busy - ours) / wall
     allowance = TICK_ALLOWANCE * _TICK_S * math.sqrt(cpus) / wall
     if foreign_cores <= max(0.0, idle_cores) + FOREIGN_MARGIN_CORES + allowance:
         return None
@@ -213,9 +214,8 @@ class Watch:
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
-        cpus = available_cores()
         reasons = [
-            foreign_load(self._before, after, cpus, cpus - busy_cores),
+            foreign_load(self._before, after, available_cores() - busy_cores),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.fastest_s),
             wide_spread(samples_ms),
         ]

@@ -43,51 +43,50 @@ WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="fp32")
 OURS = (1, 1)  # a thread of ours: (pid, tid)
 
 
-def reading(wall_s: float, busy_s: float | None, ours_s: float) -> CpuReading:
-    return CpuReading(wall_s=wall_s, busy_s=busy_s, ours_s={OURS: ours_s})
+def reading(wall_s: float, idle_s: float | None, ours_s: float, cpus: int = 2) -> CpuReading:
+    return CpuReading(wall_s=wall_s, cpus=cpus, idle_s=idle_s, ours_s={OURS: ours_s})
 
 
 # --------------------------------------------------------------------------- foreign load
 
 
 def test_cpu_used_by_our_processes_alone_is_clean():
-    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 101.9, 6.9)  # 1.9 busy s, all ours
-    assert foreign_load(before, after, cpus=2, idle_cores=0) is None
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 100.1, 6.9)  # 1.9 busy s, all ours
+    assert foreign_load(before, after, idle_cores=0) is None
 
 
 def test_other_processes_on_the_run_s_cores_disturb_it():
-    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 102.0, 5.5)  # 1.5 cores not ours
-    assert foreign_load(before, after, cpus=2, idle_cores=0) == (
-        "other processes used 1.5 of 2 cores during the run")
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 100.0, 5.5)  # 1.5 cores not ours
+    assert foreign_load(before, after, idle_cores=0) == "other processes used 1.5 of 2 cores during the run"
 
 
 def test_load_on_cores_the_run_left_idle_is_clean():
-    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 103.5, 7.0)  # 1.5 foreign cores
-    assert foreign_load(before, after, cpus=4, idle_cores=2) is None
-    assert foreign_load(before, after, cpus=4, idle_cores=1) is not None
+    before, after = reading(0.0, 100.0, 5.0, cpus=4), reading(1.0, 100.5, 7.0, cpus=4)  # 1.5 foreign
+    assert foreign_load(before, after, idle_cores=2) is None
+    assert foreign_load(before, after, idle_cores=1) is not None
 
 
 def test_a_quiet_host_s_background_stays_under_the_margin():
     foreign = FOREIGN_MARGIN_CORES * 0.8
-    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 102.0 + foreign, 7.0)
-    assert foreign_load(before, after, cpus=2, idle_cores=0) is None
+    before, after = reading(0.0, 100.0, 5.0), reading(1.0, 100.0, 7.0 - foreign)
+    assert foreign_load(before, after, idle_cores=0) is None
 
 
 def test_a_few_ticks_in_a_short_window_are_not_load_but_the_same_rate_over_a_second_is():
-    short = foreign_load(reading(0.0, 100.0, 5.0), reading(0.05, 100.02, 5.0), cpus=2, idle_cores=0)
-    long = foreign_load(reading(0.0, 100.0, 5.0), reading(1.0, 100.4, 5.0), cpus=2, idle_cores=0)
-    assert short is None  # 0.4 cores, but 2 ticks could be the sampling of /proc/stat
+    short = foreign_load(reading(0.0, 100.0, 5.0), reading(0.05, 100.08, 5.0), idle_cores=0)
+    long = foreign_load(reading(0.0, 100.0, 5.0), reading(1.0, 101.6, 5.0), idle_cores=0)
+    assert short is None  # 0.4 cores, but 2 ticks could be the rounding of /proc/stat
     assert long == "other processes used 0.4 of 2 cores during the run"
 
 
 def test_a_thread_of_ours_that_started_in_the_window_is_ours():
     before = reading(0.0, 100.0, 5.0)
-    after = CpuReading(wall_s=1.0, busy_s=101.5, ours_s={OURS: 5.5, (1, 2): 1.0})
-    assert foreign_load(before, after, cpus=2, idle_cores=0) is None
+    after = CpuReading(wall_s=1.0, cpus=2, idle_s=100.5, ours_s={OURS: 5.5, (1, 2): 1.0})
+    assert foreign_load(before, after, idle_cores=0) is None
 
 
 def test_without_proc_stat_the_evidence_is_skipped():
-    assert foreign_load(reading(0.0, None, 5.0), reading(1.0, None, 5.0), cpus=2, idle_cores=0) is None
+    assert foreign_load(reading(0.0, None, 5.0), reading(1.0, None, 5.0), idle_cores=0) is None
 
 
 def test_read_cpu_counts_every_thread_of_this_process():
@@ -110,7 +109,7 @@ def test_read_cpu_counts_every_thread_of_this_process():
         stop.set()
         worker.join()
     assert {(os.getpid(), os.getpid()), (os.getpid(), tids[0])} <= set(now.ours_s)
-    assert now.busy_s is not None and now.busy_s > 0
+    assert now.cpus == available_cores() and now.idle_s is not None
 
 
 # --------------------------------------------------------------------------- reference kernel, spread
