@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import cptune
-from cptune import CPConfig, Workload, enumerate_configs
+from cptune import CPConfig, Workload, enumerate_configs, guard
 from cptune.cli import main
 from cptune.engines.mpi import MPIEngine
 from cptune.guard import (
@@ -139,6 +139,42 @@ def test_sub_millisecond_jitter_is_not_a_spread():
 
 def test_one_cold_iteration_among_a_few_is_not_a_spread():
     assert wide_spread([30.0, 10.0, 10.0]) is None  # p90 would be 26: the first iteration alone
+
+
+# --------------------------------------------------------------------------- the watch
+
+
+class StandInKernel:
+    """A reference kernel that takes the given times, in turn."""
+
+    def __init__(self, *seconds: float) -> None:
+        self.seconds = iter(seconds)
+        self.fastest_s = min(seconds)
+
+    def time(self) -> float:
+        return next(self.seconds)
+
+
+def watched(monkeypatch, readings, kernel_s, samples_ms) -> str | None:
+    """The verdict of a ``Watch`` over a run whose evidence is given, not read."""
+    readings = iter(readings)
+    monkeypatch.setattr(guard, "read_cpu", lambda pids: next(readings))
+    monkeypatch.setattr(guard, "_REFERENCE", StandInKernel(*kernel_s))
+    watch = guard.Watch(lambda: [])
+    return watch.verdict(available_cores(), samples_ms)
+
+
+def test_a_run_on_a_quiet_host_is_clean(monkeypatch):
+    quiet = [reading(0.0, 100.0, 5.0), reading(1.0, 100.05, 6.9)]  # all but 0.05 cores ours
+    assert watched(monkeypatch, quiet, (1.0e-3, 1.05e-3), [10.0, 10.2, 10.4, 10.1, 10.3] * 2) is None
+
+
+def test_a_watch_gives_every_reason_it_found(monkeypatch):
+    loaded = [reading(0.0, 100.0, 5.0), reading(1.0, 100.0, 5.5)]
+    assert watched(monkeypatch, loaded, (1.0e-3, 2.0e-3), [10.0] * 5 + [25.0] * 5) == (
+        "other processes used 1.5 of 2 cores during the run; "
+        "a reference kernel ran 2.0x slower after the run than at its fastest; "
+        "its iterations spread 2.5x from p10 to p90")
 
 
 # --------------------------------------------------------------------------- switch
