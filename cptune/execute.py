@@ -19,14 +19,7 @@ from cptune.feasibility import check_feasible
 from cptune.guard import Watch
 from cptune.guard import enabled as guard_enabled
 from cptune.layout import SequenceLayout
-from cptune.measurement import (
-    Measurement,
-    available_cores,
-    describe_host,
-    oversubscribed,
-    summarize,
-    threads_per_rank,
-)
+from cptune.measurement import Measurement, available_cores, describe_host, oversubscribed, summarize
 from cptune.reference import make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
@@ -159,7 +152,6 @@ def measure(
         warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
     )
     summary = summarize(timings)
-    busy_cores = min(available_cores(), config.ranks * threads_per_rank(config.ranks))
     return Measurement(
         workload=workload,
         config=config,
@@ -171,5 +163,5 @@ def measure(
         warmup=warmup,
         repeats=repeats,
         oversubscribed=oversubscribed(config.ranks),
-        disturbed=watch.verdict(busy_cores, summary["samples_ms"]) if watch else None,
+        disturbed=watch.verdict(config.ranks, summary["samples_ms"]) if watch else None,
     )

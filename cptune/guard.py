@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from cptune.errors import CPTuneError
-from cptune.measurement import available_cores
+from cptune.measurement import available_cores, oversubscribed, threads_per_rank
 
 #: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
 #: threads and interrupts of a quiet Linux host stay well under a quarter of a core.
@@ -208,15 +208,17 @@ class Watch:
         self._reference_before = _REFERENCE.time()
         self._before = read_cpu(process_ids())
 
-    def verdict(self, busy_cores: int, samples_ms: Sequence[float]) -> str | None:
-        """Why the run was disturbed ("; "-joined reasons), or None when it ran clean.
-        ``busy_cores``: the cores the run's ranks keep busy."""
+    def verdict(self, ranks: int, samples_ms: Sequence[float]) -> str | None:
+        """Why the run of ``ranks`` ranks was disturbed ("; "-joined reasons), or None when it
+        ran clean. Ranks that share cores spread their iterations themselves, so their
+        spread is no evidence."""
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
+        busy_cores = min(available_cores(), ranks * threads_per_rank(ranks))
         reasons = [
             foreign_load(self._before, after, available_cores() - busy_cores),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.fastest_s),
-            wide_spread(samples_ms),
+            None if oversubscribed(ranks) else wide_spread(samples_ms),
         ]
         return "; ".join(reason for reason in reasons if reason) or None

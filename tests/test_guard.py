@@ -155,13 +155,14 @@ class StandInKernel:
         return next(self.seconds)
 
 
-def watched(monkeypatch, readings, kernel_s, samples_ms) -> str | None:
-    """The verdict of a ``Watch`` over a run whose evidence is given, not read."""
+def watched(monkeypatch, readings, kernel_s, samples_ms, ranks: int = 1) -> str | None:
+    """The verdict of a ``Watch`` over a run of ``ranks`` ranks (with every core: one rank
+    has a thread per core) whose evidence is given, not read."""
     readings = iter(readings)
     monkeypatch.setattr(guard, "read_cpu", lambda pids: next(readings))
     monkeypatch.setattr(guard, "_REFERENCE", StandInKernel(*kernel_s))
     watch = guard.Watch(lambda: [])
-    return watch.verdict(available_cores(), samples_ms)
+    return watch.verdict(ranks, samples_ms)
 
 
 def test_a_run_on_a_quiet_host_is_clean(monkeypatch):
@@ -175,6 +176,14 @@ def test_a_watch_gives_every_reason_it_found(monkeypatch):
         "other processes used 1.5 of 2 cores during the run; "
         "a reference kernel ran 2.0x slower after the run than at its fastest; "
         "its iterations spread 2.5x from p10 to p90")
+
+
+def test_ranks_sharing_cores_spread_their_iterations_themselves(monkeypatch):
+    quiet = [reading(0.0, 100.0, 5.0), reading(1.0, 100.0, 7.0)]
+    crowded = available_cores() + 1
+    spread = [10.0] * 5 + [25.0] * 5
+    assert watched(monkeypatch, quiet, (1e-3, 1e-3), spread, ranks=crowded) is None
+    assert watched(monkeypatch, quiet, (1e-3, 1e-3), spread, ranks=1) is not None
 
 
 # --------------------------------------------------------------------------- switch
