@@ -241,8 +241,8 @@ class PooledEngine:
             raise
 
     def process_ids(self) -> list[int]:
-        """The pool's processes now: mpiexec, each rank and its hydra proxy (none without one)."""
-        return [] if self._pool is None else [self._pool.proc.pid, *self._pool.pids]
+        """The pool's processes now: mpiexec, its hydra proxies and the ranks (none without a pool)."""
+        return [] if self._pool is None else list(dict.fromkeys([self._pool.proc.pid, *self._pool.pids]))
 
     def close(self) -> None:
         if self._pool is not None:
