@@ -761,8 +761,8 @@ def _combined_results(rows: list[Result], args: argparse.Namespace, console: Con
                 writer.writerow({"hardware": hardware, **workload.to_dict(), **_estimate_record(e, verdict),
                                  "measurement_ids": ";".join(map(str, e.ids)), "verdict": verdict.describe()})
         return 0
-    for hardware, workload, verdict, estimates in judged:
-        console.print(_combined_table(hardware, workload, verdict, estimates))
+    for i, (hardware, workload, verdict, estimates) in enumerate(judged, 1):
+        console.print(_combined_table(hardware, workload, verdict, estimates, explained=i == len(judged)))
         _say(console, ("verdict: ", "bold"), verdict.describe())
         console.print()
     if not judged:
@@ -777,12 +777,16 @@ def _combined_results(rows: list[Result], args: argparse.Namespace, console: Con
     return 0
 
 
-def _combined_table(hardware: str, workload: Workload, verdict: Verdict, estimates: list[Estimate]) -> Table:
+def _combined_table(
+    hardware: str, workload: Workload, verdict: Verdict, estimates: list[Estimate], explained: bool
+) -> Table:
+    """One workload's estimates, fastest first; ``explained``: with the caption saying what
+    the columns mean (the last table only, so a long listing says it once)."""
     table = _table(f"{workload.describe()} [{hardware[:8]}]",
                    "ms per attention call, slowest rank: the geometric mean of the clean rounds; interval: "
-                   "its 95% interval (* from one round's iterations: understates drift); x4: on 4 ranks; vs "
+                   "its 95% interval (* from one round's iterations: understates drift); xN: on N ranks; vs "
                    "fastest %: how much longer than the fastest [95% interval], paired by round where they "
-                   "share 3 or more")
+                   "share 3 or more" if explained else "")
     for column in ("config", "ms", "interval", "rounds", "vs fastest %", ""):
         table.add_column(column, justify="left" if column in ("config", "") else "right", no_wrap=True)
     for e in estimates:
