@@ -87,7 +87,7 @@ def test_the_combined_view_is_estimate_combine_of_the_clean_rounds(db, capsys):
     ulysses = shown[0]["estimates"][1]
     assert ulysses["role"] == "slower" and ulysses["vs_fastest_low"] > 1 and ulysses["paired_rounds"] == 3
     assert shown[0]["winner"] == "ring" and shown[0]["tied"] == []
-    assert shown[0]["verdict"].startswith("Ring on 2 ranks, faster than Ulysses on 2 ranks by 29.9% (95% interval ")
+    assert shown[0]["verdict"].startswith("Ring on 2 ranks, faster than Ulysses on 2 ranks by 29.9% (95% ")
 
 
 def test_a_tie_is_shown_as_a_tie(db, capsys):
