@@ -162,3 +162,9 @@ def test_combined_refuses_what_it_cannot_do_in_one_line(db, capsys, args, messag
     assert out == "" and len(err.strip().splitlines()) == 1 and message in err
     with Store(db) as store:
         assert store.results() == before
+
+
+def test_combined_says_when_nothing_matches(db, capsys):
+    assert "no clean successful measurement matches: nothing to combine" in results(
+        capsys, "--db", db, "--combined", "--seq-len", "99")
+    assert json.loads(results(capsys, "--db", db, "--combined", "--json", "--strategy", "allgather_kv")) == []
