@@ -2,8 +2,10 @@
 calibration (no MPI): what gather reads, what write_report and text_tables show."""
 
 import base64
+import dataclasses
 import html
 import itertools
+import math
 import re
 import subprocess
 import sys
@@ -15,8 +17,10 @@ from rich.console import Console
 from conftest import make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
+from cptune.estimate import combine, judge
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, this_host
+from cptune.measurement import format_ms
 from cptune.report import ReportData, gather, text_tables, write_report
 from cptune.report._data import (
     Accuracy,
@@ -28,6 +32,7 @@ from cptune.report._data import (
     Series,
     ShapeReport,
     family,
+    margin_text,
 )
 from cptune.report._figures import DPI, MAP_MAX_SIZE, accuracy_plot, latency_figure, strategy_map_figure
 from cptune.store import Store
@@ -50,28 +55,58 @@ def fake_ms(seq_len: int, config: CPConfig) -> float:
     return float(f"{compute + comm:.3g}")
 
 
+#: Each round's drift, shared by every configuration measured in it (interleaving).
+DRIFT = (1.0, 1.06, 0.97)
+#: Two configurations that differ by less than this host's noise: a tie the report must show.
+TIE = (4096, CPConfig("allgather_kv", 2), CPConfig("ring", 2))
+TIE_RATIOS = (1.012, 0.99, 1.004)
+#: Runs the contention guard marked disturbed: kept, but counted nowhere (one far too slow,
+#: one far too fast; as the fastest it would win its cell if counted).
+DISTURBED = ((1024, CPConfig("ring", 2), 99.9), (2048, CPConfig("ulysses", 2), 0.0123))
+
+
+def jitter(round_index: int, config_index: int) -> float:
+    """A configuration's own small wobble in one round (within +-0.2%)."""
+    return 1 + 0.001 * ((round_index * 7 + config_index * 3) % 5 - 2)
+
+
+def round_ms(seq_len: int, config: CPConfig, round_index: int, config_index: int) -> float:
+    if (seq_len, config) == TIE[:2]:
+        return round_ms(seq_len, TIE[2], round_index, 0) * TIE_RATIOS[round_index]
+    return fake_ms(seq_len, config) * DRIFT[round_index] * jitter(round_index, config_index)
+
+
 @pytest.fixture(scope="module")
 def db(tmp_path_factory):
-    """This host, calibrated, with every feasible config on 1..4 ranks at three lengths; one
-    config measured twice (the later one counts) and one failure (ignored)."""
+    """This host, calibrated, with every feasible config on 1..4 ranks at three lengths, in
+    three interleaved rounds; two disturbed runs first and one failure (both counted nowhere)."""
     path = str(tmp_path_factory.mktemp("report") / "report.db")
     host = this_host()
     with Store(path) as store:
         store.add_calibration(host, make_calibration(4))
-        store.add_measurement(host, measurement(Workload(1024, **SHAPE), CPConfig("ring", 2), 99.9))
+        for seq_len, config, ms in DISTURBED:
+            disturbed = measurement(Workload(seq_len, **SHAPE), config, ms)
+            store.add_measurement(host, dataclasses.replace(disturbed, disturbed="load average 6 on 2 cores"))
         for seq_len in LENGTHS:
             workload = Workload(seq_len, **SHAPE)
-            for config in enumerate_configs(workload, 4):
-                store.add_measurement(host, measurement(workload, config, fake_ms(seq_len, config)))
+            for i in range(len(DRIFT)):
+                for k, config in enumerate(enumerate_configs(workload, 4)):
+                    ms = round_ms(seq_len, config, i, k)
+                    store.add_measurement(host, measurement(workload, config, ms), round_id=f"{seq_len}-{i}")
         store.add_failure(host, Workload(4096, **SHAPE), CPConfig("ring", 4), "timeout", "too slow", "mpi")
     return path
 
 
 @pytest.fixture(scope="module")
-def stored(db):
-    """The latest successful measurement of each (workload, config), read without the report."""
+def rows(db):
     with Store(db) as store:
-        return {(r.workload.seq_len, r.config): r for r in store.results(status="ok")}
+        return store.results()
+
+
+@pytest.fixture(scope="module")
+def stored(rows):
+    """Every configuration's clean rounds combined by cptune.estimate, read without the report."""
+    return {(e.workload.seq_len, e.config): e for e in combine(rows).values()}
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +120,20 @@ def written(data, tmp_path_factory):
 
 
 def fastest(stored, seq_len: int, ranks: int):
-    return min((r for (s, c), r in stored.items() if s == seq_len and c.ranks == ranks),
-               key=lambda r: r.median_ms)
+    return min((e for (s, c), e in stored.items() if s == seq_len and c.ranks == ranks),
+               key=lambda e: e.median_ms)
 
 
-def test_latency_series_are_the_latest_stored_medians(data, stored):
+def verdict_at(stored, seq_len: int, ranks: int):
+    return judge(e for (s, c), e in stored.items() if s == seq_len and c.ranks == ranks)
+
+
+def test_latency_series_are_the_combined_estimates(data, stored, rows):
     (hardware,) = data.hardware
     assert hardware.fingerprint == this_host().fingerprint and hardware.calibrated
     (shape,) = hardware.shapes
     assert [panel.seq_len for panel in shape.latency] == list(LENGTHS)
-    by_id = {r.id: r for r in stored.values()}
+    by_ids = {e.ids: e for e in stored.values()}
     shown = 0
     for panel in shape.latency:
         assert panel.series[0].family == "local"
@@ -102,16 +141,31 @@ def test_latency_series_are_the_latest_stored_medians(data, stored):
         for series in panel.series:
             assert [p.ranks for p in series.points] == sorted(p.ranks for p in series.points)
             for p in series.points:
-                result = by_id[p.measurement_id]
-                assert (result.workload.seq_len, result.config.label, result.config.ranks) == (
+                estimate = by_ids[p.measurement_ids]
+                assert (estimate.workload.seq_len, estimate.config.label, estimate.config.ranks) == (
                     panel.seq_len, p.label, p.ranks)
-                assert family(result.config) == series.family
-                assert (p.median_ms, p.p10_ms, p.p90_ms, p.measurement_id) == (
-                    result.median_ms, result.p10_ms, result.p90_ms, result.id)
+                assert family(estimate.config) == series.family
+                assert (p.median_ms, p.low_ms, p.high_ms, p.rounds) == (
+                    estimate.median_ms, estimate.low_ms, estimate.high_ms, 3)
+                assert p.low_ms < p.median_ms < p.high_ms
                 shown += 1
-    assert shown == len(stored)  # every latest measurement once; the superseded 99.9 nowhere
+    assert shown == len(stored)  # every configuration once
+    shown_ids = {i for panel in shape.latency for s in panel.series for p in s.points
+                 for i in p.measurement_ids}
+    assert shown_ids == {r.id for r in rows if r.clean}  # the disturbed runs and the failure nowhere
     families = {s.family for panel in shape.latency for s in panel.series}
     assert families == {"local", "allgather_kv", "ring", "ulysses", "ulysses2xallgather_kv", "ulysses2xring"}
+
+
+def test_a_remeasured_configuration_shows_its_rounds_combined_not_the_newest(data, rows):
+    (shape,) = data.hardware[0].shapes
+    panel = next(p for p in shape.latency if p.seq_len == 1024)
+    point = next(p for s in panel.series if s.family == "ring" for p in s.points if p.ranks == 2)
+    visits = [r.median_ms for r in rows if r.clean and r.workload.seq_len == 1024
+              and r.config == CPConfig("ring", 2)]
+    assert len(visits) == 3
+    assert point.median_ms == pytest.approx(math.prod(visits) ** (1 / 3))
+    assert point.median_ms != pytest.approx(visits[-1])  # the newest alone would be 3% lower
 
 
 def test_speedup_and_efficiency_against_the_fastest_one_rank_run(data, stored):
@@ -122,7 +176,7 @@ def test_speedup_and_efficiency_against_the_fastest_one_rank_run(data, stored):
     assert [p.ranks for p in curve.points] == [1, 2, 3, 4]
     for p in curve.points:
         best = fastest(stored, 2048, p.ranks)
-        assert (p.label, p.latency_ms, p.measurement_id) == (best.config.label, best.median_ms, best.id)
+        assert (p.label, p.latency_ms, p.measurement_ids) == (best.config.label, best.median_ms, best.ids)
         assert p.speedup == pytest.approx(one / best.median_ms)
         assert p.efficiency == pytest.approx(one / best.median_ms / p.ranks)
     assert curve.points[0].speedup == 1.0 and curve.points[-1].speedup > 1.5
@@ -137,25 +191,35 @@ def test_map_is_measured_where_every_rival_was_and_predicted_elsewhere(data, sto
         for n in shape.rank_counts:
             cell = grid[(seq_len, n)]
             if seq_len in LENGTHS:
-                best = fastest(stored, seq_len, n)
+                verdict = verdict_at(stored, seq_len, n)
                 assert cell.measured and cell.source == "measured"
-                assert (cell.label, cell.latency_ms, cell.measurement_id) == (
-                    best.config.label, best.median_ms, best.id)
+                assert (cell.label, cell.latency_ms, cell.measurement_ids, cell.verdict) == (
+                    verdict.leader.config.label, verdict.leader.median_ms, verdict.leader.ids,
+                    verdict.describe())
+                assert cell.tied == tuple(c.label for c in verdict.tied)
             else:
                 # 33 samples: corrected (held out the correction picks within 1% of the prior, and its
                 # numbers are far closer: fake_ms is not the prior's physics)
                 assert cell.status == "predicted" and cell.source == "model"
-                assert cell.measurement_id is None
-    assert not data.hardware[0].notes
+                assert cell.measurement_ids == () and cell.verdict == "" and not cell.tied
+    # the disturbed 0.0123 ms run of ulysses would have won there had it counted
+    assert grid[(2048, 2)].label != "ulysses"
+    notes = data.hardware[0].notes
+    assert len(notes) == 1 and "2 disturbed (the contention guard saw other load)" in notes[0]
 
 
-def test_predicted_against_measured_holds_every_latest_measurement(data, stored):
+def test_predicted_against_measured_holds_each_measured_configuration_once(data, rows):
     accuracy = data.hardware[0].accuracy
     assert accuracy is not None
-    by_id = {r.id: r for r in stored.values()}
-    assert sorted(p.measurement_id for p in accuracy.points) == sorted(by_id)
+    clean = [r for r in rows if r.clean]
+    by_id = {r.id: r for r in clean}
+    keys = [(by_id[p.measurement_id].workload, by_id[p.measurement_id].config) for p in accuracy.points]
+    assert len(keys) == len(set(keys)) == len({(r.workload, r.config) for r in clean})
     for p in accuracy.points:
-        assert p.measured_ms == pytest.approx(by_id[p.measurement_id].median_ms)
+        row = by_id[p.measurement_id]
+        visits = [r.median_ms for r in clean if (r.workload, r.config) == (row.workload, row.config)]
+        # never a disturbed run's figure (1e-9: the model's ms went through seconds and back)
+        assert min(visits) * (1 - 1e-9) <= p.measured_ms <= max(visits) * (1 + 1e-9)
         assert p.model_ms > 0 and p.prior_ms > 0
     errors = [abs(p.prior_ms - p.measured_ms) / p.measured_ms * 100 for p in accuracy.points]
     assert accuracy.prior_mape == pytest.approx(sum(errors) / len(errors))
@@ -174,9 +238,10 @@ def test_write_report_writes_the_figures_and_a_self_contained_page(written, data
     assert page.count("data:image/png;base64,") == 5
     assert not re.search(r"https?://|<script", page, re.IGNORECASE)
     assert data.hardware[0].fingerprint in page and data.url in page
-    for result in stored.values():
-        assert f">{result.median_ms:.3g}</td>" in page  # every median in the latency table
-    assert "99.9" not in page
+    for estimate in stored.values():  # every estimate in the latency table, with its interval
+        assert f">{format_ms(estimate.median_ms)}</td>" in page
+        assert f"95% interval {format_ms(estimate.low_ms)}-{format_ms(estimate.high_ms)} ms, 3 clean" in page
+    assert "99.9" not in page and "0.0123" not in page
     assert 'class="predicted">' in page and "* predicted" in page
 
 
@@ -195,7 +260,35 @@ def test_text_tables_render_the_same_data(data, stored):
                  "compute, communication and memory", "calibration, collectives", "inside band"):
         assert name in text
     assert re.search(r"\w\*", text) and "* predicted" in text
-    assert f"{fastest(stored, 4096, 4).median_ms:.3g}" in text
+    assert format_ms(fastest(stored, 4096, 4).median_ms) in text
+
+
+def test_a_tie_is_shown_as_a_tie_and_a_winner_with_its_margin(data, stored, written):
+    (shape,) = data.hardware[0].shapes
+    grid = shape.map_grid()
+    tied = grid[(TIE[0], TIE[1].ranks)]
+    verdict = verdict_at(stored, TIE[0], TIE[1].ranks)
+    assert verdict.winner is None and {TIE[1], TIE[2]} <= {verdict.leader.config, *verdict.tied}
+    assert set(tied.labels) >= {"allgather_kv", "ring"}
+    assert "tied within the noise of this hardware" in tied.verdict
+    separated = [c for c in shape.strategy_map if c.measured and c.margin and not c.tied]
+    assert separated
+    for cell in separated:
+        ratio = verdict_at(stored, cell.seq_len, cell.ranks).runner_up
+        assert (cell.runner_up, cell.margin, cell.margin_interval) == (
+            ratio.other.label, ratio.ratio - 1, (ratio.low - 1, ratio.high - 1))
+        assert cell.margin_interval[0] > 0 and ", faster than " in cell.verdict
+
+    console = Console(record=True, width=200)
+    for table in text_tables(data):
+        console.print(table)
+    text = console.export_text()
+    page = html.unescape(written[-1].read_text())
+    for shown in (text, page):
+        assert tied.verdict in shown and separated[0].verdict in shown
+    assert f"tied: {', '.join(tied.tied)}" in text and f"tied with {', '.join(tied.tied)}" in page
+    assert margin_text(separated[0], named=False) in text and margin_text(separated[0]) in page
+    assert re.fullmatch(r"\+[\d.]+% \(95%: [\d.]+% to [\d.]+%\) vs \w+", margin_text(separated[0]))
 
 
 @pytest.fixture(scope="module")
@@ -304,33 +397,19 @@ def test_the_one_rank_run_has_one_name_everywhere(data, written):
     assert "ring, 1 rank" not in text and "1 rank (local" not in text
 
 
-def test_map_margins_are_over_the_runner_up(data, stored):
-    (shape,) = data.hardware[0].shapes
-    for cell in shape.strategy_map:
-        if cell.seq_len in LENGTHS:  # measured: the runner-up is the second fastest measurement there
-            rivals = sorted((r for (s, c), r in stored.items()
-                             if s == cell.seq_len and c.ranks == cell.ranks), key=lambda r: r.median_ms)
-            if len(rivals) == 1:
-                assert cell.runner_up is None and cell.margin is None
-            else:
-                assert cell.runner_up == rivals[1].config.label
-                assert cell.margin == pytest.approx(rivals[1].median_ms / rivals[0].median_ms - 1)
-        elif cell.ranks > 1:
-            assert cell.runner_up is not None and cell.margin is not None and cell.margin >= 0
-    assert any(c.margin for c in shape.strategy_map)
-
-
 def test_breakdown_is_each_measured_split_and_memory(data, stored):
     (shape,) = data.hardware[0].shapes
-    by_id = {r.id: r for r in stored.values()}
-    assert sorted(b.measurement_id for b in shape.breakdown) == sorted(by_id)
+    by_ids = {e.ids: e for e in stored.values()}
+    assert sorted(b.measurement_ids for b in shape.breakdown) == sorted(by_ids)
     for b in shape.breakdown:
-        result = by_id[b.measurement_id]
+        estimate = by_ids[b.measurement_ids]
         assert (b.seq_len, b.label, b.ranks) == (
-            result.workload.seq_len, result.config.label, result.config.ranks)
+            estimate.workload.seq_len, estimate.config.label, estimate.config.ranks)
         assert (b.median_ms, b.compute_ms, b.comm_ms, b.peak_bytes) == (
-            result.median_ms, result.compute_ms, result.comm_ms, result.peak_bytes)
-        assert b.comm_share == pytest.approx(result.comm_ms / (result.compute_ms + result.comm_ms))
+            estimate.median_ms, estimate.compute_ms, estimate.comm_ms, estimate.peak_bytes)
+        # the median over the rounds of the slowest rank's compute (0.8x each run's median)
+        assert b.compute_ms == pytest.approx(0.8 * sorted(v.median_ms for v in estimate.visits)[1])
+        assert b.comm_share == pytest.approx(estimate.comm_ms / (estimate.compute_ms + estimate.comm_ms))
 
 
 def test_the_calibration_and_the_interval_coverage_are_shown(data, written):
@@ -359,13 +438,13 @@ def synthetic_shape(ranks: tuple[int, ...], lengths: tuple[int, ...] = (1024, 40
     """A shape measured at ``ranks`` (only those) and ``lengths``, every cell measured."""
     def point(n: int, seq_len: int) -> LatencyPoint:
         ms = seq_len / 100 / n + n
-        return LatencyPoint(n, CPConfig("ring", n).label, ms, 0.9 * ms, 1.1 * ms, n)
+        return LatencyPoint(n, CPConfig("ring", n).label, ms, 0.9 * ms, 1.1 * ms, 2, (n,))
 
     panels = tuple(LatencyPanel(s, (Series("local", (point(1, s),)),
                                     Series("ring", tuple(point(n, s) for n in ranks if n > 1)),
                                     Series("ulysses", tuple(point(n, s) for n in ranks if n > 1))))
                    for s in lengths)
-    cells = tuple(MapCell(s, n, CPConfig("ring", n).label, 1.0, "measured", "measured", n, None, None)
+    cells = tuple(MapCell(s, n, CPConfig("ring", n).label, 1.0, "measured", "measured", (n,))
                   for s in lengths for n in ranks)
     return ShapeReport(Workload(1024, **SHAPE).shape, panels, (), cells, lengths)
 

@@ -1,8 +1,11 @@
 """What a report shows, read from a database into plain frozen dataclasses.
 
 ``gather`` does every query and every prediction; the figures, the HTML page and the
-terminal tables only lay out what it returns, so each number they show is traceable to a
-stored measurement (by id) or to a named prediction source ("model" or "prior").
+terminal tables only lay out what it returns, so each number they show is traceable to
+stored measurements (by id) or to a named prediction source ("model" or "prior"). A measured
+configuration's latency is the combined estimate of all its clean rounds
+(``cptune.estimate``), never its newest run alone; disturbed, excluded and oversubscribed
+runs count for nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from cptune import __version__
 from cptune.calibration import Calibration
 from cptune.config import LOCAL, CPConfig
 from cptune.errors import CPTuneError, InfeasibleConfigError
+from cptune.estimate import Estimate, Verdict, combine, judge
 from cptune.measurement import format_ms
 from cptune.model import TrainingSet, correction_verdict_of, held_out_predictions, recommend, training_set
 from cptune.store import Result, Store
@@ -52,14 +56,16 @@ def slug(shape: AttentionShape) -> str:
 
 @dataclass(frozen=True)
 class LatencyPoint:
-    """One stored measurement: ``label`` on ``ranks`` ranks; p10/p90 are the median when not stored."""
+    """One configuration, ``label`` on ``ranks`` ranks: the combined estimate of its clean
+    rounds (``rounds`` of them, the stored rows ``measurement_ids``) and its 95% interval."""
 
     ranks: int
     label: str
     median_ms: float
-    p10_ms: float
-    p90_ms: float
-    measurement_id: int
+    low_ms: float
+    high_ms: float
+    rounds: int
+    measurement_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -81,14 +87,15 @@ class LatencyPanel:
 
 @dataclass(frozen=True)
 class SpeedupPoint:
-    """The fastest measured configuration on ``ranks`` ranks against the fastest on one."""
+    """The fastest measured configuration on ``ranks`` ranks against the fastest on one
+    (combined estimates)."""
 
     ranks: int
     label: str
     latency_ms: float
     speedup: float
     efficiency: float
-    measurement_id: int
+    measurement_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,11 @@ class MapCell:
     ``status`` is "measured" when every feasible rival was measured, else "predicted";
     ``source`` is where the winner's own latency comes from ("measured", "model", "prior").
     ``runner_up`` is the next fastest configuration there and ``margin`` how much slower it
-    is (0.08: 8% slower); None when the winner had no rival."""
+    is (0.08: 8% slower); None when the winner had no rival. A measured cell is the verdict
+    on the combined estimates (``cptune.estimate.judge``): ``margin_interval`` is the
+    margin's 95% interval, ``tied`` the configurations the noise cannot tell from the
+    leader (then there is no winner, only tied configurations) and ``verdict`` the answer
+    in words; a predicted cell has none of these."""
 
     seq_len: int
     ranks: int
@@ -115,19 +126,29 @@ class MapCell:
     latency_ms: float
     status: str
     source: str
-    measurement_id: int | None
+    #: The stored rows behind the leader's latency (measured leaders only).
+    measurement_ids: tuple[int, ...] = ()
     runner_up: str | None = None
     margin: float | None = None
+    margin_interval: tuple[float, float] | None = None
+    tied: tuple[str, ...] = ()
+    verdict: str = ""
 
     @property
     def measured(self) -> bool:
         return self.status == "measured"
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The winner, or every tied configuration, fastest first."""
+        return (self.label, *self.tied)
+
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Where one measured configuration's time goes, and its memory: the slowest rank's
-    median compute and exposed communication (ms) and the peak bytes one rank held."""
+    """Where one measured configuration's time goes, and its memory: its combined estimate,
+    the median over its clean rounds of the slowest rank's compute and exposed
+    communication (ms), and the most bytes one rank held."""
 
     seq_len: int
     label: str
@@ -136,7 +157,7 @@ class Breakdown:
     compute_ms: float | None
     comm_ms: float | None
     peak_bytes: int | None
-    measurement_id: int
+    measurement_ids: tuple[int, ...]
 
     @property
     def comm_share(self) -> float | None:
@@ -252,12 +273,24 @@ class ReportData:
     several_hardware: bool
 
 
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%" if abs(fraction) >= 0.095 else f"{fraction * 100:.1f}%"
+
+
 def margin_text(cell: MapCell, named: bool = True) -> str:
-    """E.g. "+8% vs ring" (``named``) or "+8%": how much slower the runner-up is; "" when the
-    winner had no rival."""
+    """How the winner stands against the runner-up: e.g. "+8% (95%: 3% to 12%) vs ring"
+    (``named``) or "+8% (3% to 12%)" for a measured winner, "tied with ring, ulysses" or
+    "tied: ring, ulysses" for a measured tie, "+8% vs ring" or "+8%" for a predicted cell;
+    "" when the winner had no rival."""
+    if cell.tied:
+        return f"tied with {', '.join(cell.tied)}" if named else f"tied: {', '.join(cell.tied)}"
     if cell.margin is None:
         return ""
-    return f"+{cell.margin:.0%} vs {cell.runner_up}" if named else f"+{cell.margin:.0%}"
+    margin = f"+{_percent(cell.margin)}"
+    if cell.margin_interval is not None:
+        low, high = cell.margin_interval
+        margin += f" ({'95%: ' if named else ''}{_percent(low)} to {_percent(high)})"
+    return f"{margin} vs {cell.runner_up}" if named else margin
 
 
 def calibration_rows(calibration: Calibration) -> tuple[list[list[str]], list[list[str]]]:
@@ -296,38 +329,32 @@ def mape(predicted: Iterable[float], measured: Iterable[float]) -> float:
     return float(np.mean(np.abs(p - m) / m) * 100)
 
 
-def _median(result: Result) -> float:
-    assert result.median_ms is not None  # gather keeps only results that have one
-    return result.median_ms
+def _point(estimate: Estimate) -> LatencyPoint:
+    return LatencyPoint(estimate.config.ranks, estimate.config.label, estimate.median_ms, estimate.low_ms,
+                        estimate.high_ms, estimate.rounds, estimate.ids)
 
 
-def _point(result: Result) -> LatencyPoint:
-    median = _median(result)
-    return LatencyPoint(result.config.ranks, result.config.label, median, result.p10_ms or median,
-                        result.p90_ms or median, result.id)
+def _by_cell(estimates: Iterable[Estimate]) -> dict[tuple[int, int], list[Estimate]]:
+    """The estimates at each (seq_len, ranks), fastest first."""
+    cells: dict[tuple[int, int], list[Estimate]] = defaultdict(list)
+    for e in estimates:
+        cells[(e.workload.seq_len, e.config.ranks)].append(e)
+    return {key: sorted(es, key=lambda e: e.median_ms) for key, es in cells.items()}
 
 
-def _by_cell(results: Iterable[Result]) -> dict[tuple[int, int], list[Result]]:
-    """The measurements at each (seq_len, ranks), fastest first."""
-    cells: dict[tuple[int, int], list[Result]] = defaultdict(list)
-    for r in results:
-        cells[(r.workload.seq_len, r.config.ranks)].append(r)
-    return {key: sorted(rs, key=_median) for key, rs in cells.items()}
-
-
-def _breakdown(results: Iterable[Result]) -> tuple[Breakdown, ...]:
+def _breakdown(estimates: Iterable[Estimate]) -> tuple[Breakdown, ...]:
     return tuple(
-        Breakdown(r.workload.seq_len, r.config.label, r.config.ranks, _median(r), r.compute_ms, r.comm_ms,
-                  r.peak_bytes, r.id)
-        for r in sorted(results, key=lambda r: (r.workload.seq_len, r.config.ranks, _median(r)))
+        Breakdown(e.workload.seq_len, e.config.label, e.config.ranks, e.median_ms, e.compute_ms, e.comm_ms,
+                  e.peak_bytes, e.ids)
+        for e in sorted(estimates, key=lambda e: (e.workload.seq_len, e.config.ranks, e.median_ms))
     )
 
 
-def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
+def _latency_panels(estimates: list[Estimate]) -> tuple[LatencyPanel, ...]:
     # keyed by (seq_len, family, ranks): configurations sharing one (the rank-1 ones) keep the fastest
     chosen: dict[tuple[int, str, int], LatencyPoint] = {}
-    for r in results:
-        point, key = _point(r), (r.workload.seq_len, family(r.config), r.config.ranks)
+    for e in estimates:
+        point, key = _point(e), (e.workload.seq_len, family(e.config), e.config.ranks)
         if key not in chosen or point.median_ms < chosen[key].median_ms:
             chosen[key] = point
     by_length: dict[int, dict[str, list[LatencyPoint]]] = defaultdict(lambda: defaultdict(list))
@@ -342,18 +369,18 @@ def _latency_panels(results: list[Result]) -> tuple[LatencyPanel, ...]:
     )
 
 
-def _speedup_curves(fastest: dict[tuple[int, int], Result]) -> tuple[SpeedupCurve, ...]:
+def _speedup_curves(fastest: dict[tuple[int, int], Estimate]) -> tuple[SpeedupCurve, ...]:
     curves = []
     for seq_len in sorted({s for s, _ in fastest}):
         if (seq_len, 1) not in fastest:
             continue
-        one = _median(fastest[(seq_len, 1)])
+        one = fastest[(seq_len, 1)].median_ms
         points = []
-        for (length, ranks), result in sorted(fastest.items()):
+        for (length, ranks), estimate in sorted(fastest.items()):
             if length == seq_len:
-                p = _point(result)
-                points.append(SpeedupPoint(ranks, p.label, p.median_ms, one / p.median_ms,
-                                           one / p.median_ms / ranks, p.measurement_id))
+                ms = estimate.median_ms
+                points.append(SpeedupPoint(ranks, estimate.config.label, ms, one / ms, one / ms / ranks,
+                                           estimate.ids))
         curves.append(SpeedupCurve(seq_len, one, tuple(points)))
     return tuple(curves)
 
@@ -376,38 +403,51 @@ def _margin(winner_ms: float, runner_up_ms: float) -> float:
     return runner_up_ms / winner_ms - 1
 
 
-def _measured_cell(measured: list[Result]) -> MapCell:
-    """The fastest of ``measured`` (one cell's measurements, fastest first), against the next."""
-    p = _point(measured[0])
-    runner_up = measured[1] if len(measured) > 1 else None
-    return MapCell(measured[0].workload.seq_len, p.ranks, p.label, p.median_ms, "measured", "measured",
-                   p.measurement_id, runner_up.config.label if runner_up else None,
-                   _margin(p.median_ms, _median(runner_up)) if runner_up else None)
+def _measured_cell(measured: list[Estimate]) -> MapCell:
+    """The verdict on one cell's estimates: the leader, and the runner-up's margin with its
+    interval, or the configurations tied with the leader."""
+    verdict: Verdict | None = judge(measured)
+    assert verdict is not None  # a cell exists only where something was measured
+    leader, second = verdict.leader, verdict.runner_up
+    return MapCell(
+        leader.workload.seq_len, leader.config.ranks, leader.config.label, leader.median_ms, "measured",
+        "measured", leader.ids, second.other.label if second else None,
+        second.ratio - 1 if second else None, (second.low - 1, second.high - 1) if second else None,
+        tuple(config.label for config in verdict.tied), verdict.describe(),
+    )
 
 
 def _strategy_map(
-    shape: AttentionShape, cells_measured: dict[tuple[int, int], list[Result]], ranks: tuple[int, ...],
+    shape: AttentionShape, cells_measured: dict[tuple[int, int], list[Estimate]], ranks: tuple[int, ...],
     fingerprint: str, db: str | None, notes: list[str],
 ) -> tuple[MapCell, ...]:
-    """The map from ``recommend`` at every length and measured rank count; where it cannot
-    answer, the fastest measurement, if any (and why in ``notes``)."""
+    """The map from ``recommend`` at every length and measured rank count: where every
+    feasible configuration has a combined estimate, the verdict on them; elsewhere
+    ``recommend``'s pick; where it cannot answer, the verdict on what was measured, if
+    anything (and why in ``notes``)."""
     cells = []
     for seq_len in map_lengths(s for s, _ in cells_measured):
         for n in ranks:
+            measured = cells_measured.get((seq_len, n), [])
             try:
                 pick = recommend(shape.at(seq_len), ranks=n, hardware=fingerprint, db=db)
             except InfeasibleConfigError:
                 continue  # nothing runs there (e.g. fewer tokens than ranks): the cell stays empty
             except CPTuneError as exc:
                 notes.append(f"strategy map: measured cells only where predictions failed ({exc})")
-                if (seq_len, n) in cells_measured:
-                    cells.append(_measured_cell(cells_measured[(seq_len, n)]))
+                if measured:
+                    cells.append(_measured_cell(measured))
                 continue
-            status = "measured" if all(c.source == "measured" for c in pick.candidates) else "predicted"
+            if measured and {c.config for c in pick.candidates} <= {e.config for e in measured}:
+                cells.append(_measured_cell(measured))
+                continue
+            # the winner measured, a rival predicted: the winner's own figure is its estimate
+            own = next((e for e in measured if e.config == pick.config), None)
+            latency = own.median_ms if own else pick.latency_ms
             second = pick.alternatives[0] if pick.alternatives else None
-            cells.append(MapCell(seq_len, n, pick.config.label, pick.latency_ms, status, pick.source,
-                                 pick.best.measurement_id, second.config.label if second else None,
-                                 _margin(pick.latency_ms, second.latency_ms) if second else None))
+            cells.append(MapCell(seq_len, n, pick.config.label, latency, "predicted", pick.source,
+                                 own.ids if own else (), second.config.label if second else None,
+                                 _margin(latency, second.latency_ms) if second else None))
     return tuple(cells)
 
 
@@ -452,23 +492,35 @@ def _select(hardware: str, fingerprints: list[str], url: str) -> str:
     return matches[0]
 
 
+def _left_out(rows: list[Result]) -> str | None:
+    """A note on the successful runs that count for nothing, or None when there are none."""
+    counts = {"disturbed (the contention guard saw other load)": sum(
+                  r.status == "ok" and bool(r.disturbed) for r in rows),
+              "excluded with cptune results --exclude": sum(r.status == "ok" and r.excluded for r in rows)}
+    parts = [f"{n} {why}" for why, n in counts.items() if n]
+    if not parts:
+        return None
+    return f"left out of every figure and table here, though kept in the database: {'; '.join(parts)}"
+
+
 def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
-    """Read the database ``db`` (default as for the CLI) into a ``ReportData``: the latest
-    successful measurement of each (hardware, workload, configuration), grouped by hardware
-    and attention shape, with the strategy map and the held-out predictions.
+    """Read the database ``db`` (default as for the CLI) into a ``ReportData``: the combined
+    estimate of each (hardware, workload, configuration) over its clean rounds (disturbed,
+    excluded and oversubscribed runs left out), grouped by hardware and attention shape,
+    with the strategy map (measured cells: the verdict of ``cptune.estimate``) and the
+    held-out predictions.
 
     ``hardware``: a fingerprint or a unique prefix of 4 or more characters; None for every
     hardware with measurements. A ``CPTuneError`` when there is nothing to report."""
     with Store(db, create=False) as store:
         url = store.url  # shown in the report: no password
-        usable = store.results(status="ok", excluded=False, oversubscribed=False)
-        latest = {(r.hardware, r.workload, r.config): r for r in usable}
+        rows = store.results(oversubscribed=False)
         described = store.hardware()
         training = training_set(store)
-    kept = [r for r in latest.values() if r.median_ms is not None]
-    if not kept:
+    estimates = list(combine(rows).values())
+    if not estimates:
         raise CPTuneError(f"no measurements in {url}: run cptune search first")
-    fingerprints = sorted({r.hardware for r in kept})
+    fingerprints = sorted({e.hardware for e in estimates})
     chosen = fingerprints if hardware is None else [_select(hardware, fingerprints, url)]
     accuracy, accuracy_note = _accuracy(training, chosen, db)
 
@@ -476,6 +528,8 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
     for fp in chosen:
         calibrated = fp in training.profiles
         notes: list[str] = []
+        if left_out := _left_out([r for r in rows if r.hardware == fp]):
+            notes.append(left_out)
         if not calibrated:
             notes.append(
                 f"hardware {fp} has no calibration in {url}: the strategy map shows measured cells only "
@@ -483,19 +537,20 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
             )
         elif accuracy_note:
             notes.append(accuracy_note)
-        by_shape: dict[AttentionShape, list[Result]] = defaultdict(list)
-        for r in kept:
-            if r.hardware == fp:
-                by_shape[r.workload.shape].append(r)
+        by_shape: dict[AttentionShape, list[Estimate]] = defaultdict(list)
+        for e in estimates:
+            if e.hardware == fp:
+                by_shape[e.workload.shape].append(e)
         shapes = []
-        for shape, results in sorted(by_shape.items(), key=lambda item: item[0]):
-            measured = _by_cell(results)
-            fastest = {key: rs[0] for key, rs in measured.items()}
+        for shape, shape_estimates in sorted(by_shape.items(), key=lambda item: item[0]):
+            measured = _by_cell(shape_estimates)
+            fastest = {key: es[0] for key, es in measured.items()}
             ranks = tuple(sorted({n for _, n in measured}))
             cells = (_strategy_map(shape, measured, ranks, fp, db, notes) if calibrated
-                     else tuple(_measured_cell(rs) for _, rs in sorted(measured.items())))
-            shapes.append(ShapeReport(shape, _latency_panels(results), _speedup_curves(fastest), cells,
-                                      tuple(sorted({s for s, _ in measured})), _breakdown(results)))
+                     else tuple(_measured_cell(es) for _, es in sorted(measured.items())))
+            shapes.append(ShapeReport(shape, _latency_panels(shape_estimates), _speedup_curves(fastest),
+                                      cells, tuple(sorted({s for s, _ in measured})),
+                                      _breakdown(shape_estimates)))
         profile = training.profiles.get(fp)
         sections.append(HardwareReport(fp, described[fp].describe(), calibrated, tuple(shapes),
                                        accuracy.get(fp), tuple(dict.fromkeys(notes)),

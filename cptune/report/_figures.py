@@ -24,7 +24,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from cptune.config import LOCAL
-from cptune.report._data import Accuracy, HardwareReport, ReportData, ShapeReport, slug
+from cptune.report._data import Accuracy, HardwareReport, ReportData, ShapeReport, margin_text, slug
 
 DPI = 110
 #: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
@@ -40,9 +40,11 @@ LABELLED_COUNTS = 12
 SIDESTEP = 0.04
 #: The strategy map's largest size in inches (width, height), however many cells it has.
 MAP_MAX_SIZE = (16.0, 9.0)
-#: How each kind of map cell is drawn: (face filled?, hatch, legend text), by (status, source).
+#: How each kind of map cell is drawn: (face filled?, hatch, legend text), by (status, source);
+#: a measured cell whose leader is tied with others is drawn as ("tied", "measured").
 _CELL_STYLES = {
     ("measured", "measured"): (True, "", "measured"),
+    ("tied", "measured"): (True, "xxx", "measured, tied within the noise"),
     ("predicted", "model"): (False, "", "predicted (model)"),
     ("predicted", "prior"): (False, "////", "predicted (prior)"),
     ("predicted", "measured"): (False, "....", "predicted (winner measured, rivals not)"),
@@ -113,8 +115,9 @@ def _grid(count: int, columns: int = 3) -> tuple[int, int]:
 
 def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     """Latency against rank count, one panel per sequence length, one line per strategy
-    family with p10-p90 error bars, each family nudged sideways so markers at one rank count
-    stay visible; the 1-rank run is a dotted baseline across the panel."""
+    family: combined estimates with their 95% intervals as error bars, each family nudged
+    sideways so markers at one rank count stay visible; the 1-rank configuration is a dotted
+    baseline across the panel."""
     rows, cols = _grid(len(shape.latency))
     figure = Figure(figsize=(3.9 * cols + 1.8, 3.3 * rows + 0.8), dpi=DPI, layout="constrained")
     grid = figure.subplots(rows, cols, squeeze=False)
@@ -122,12 +125,12 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     colors = _colors(families)
     ranks = shape.rank_counts
     for axes, panel in zip(grid.flat, shape.latency, strict=False):
-        low = min(p.p10_ms for s in panel.series for p in s.points)
-        high = max(p.p90_ms for s in panel.series for p in s.points)
+        low = min(p.low_ms for s in panel.series for p in s.points)
+        high = max(p.high_ms for s in panel.series for p in s.points)
         for series in panel.series:
             ys = [p.median_ms for p in series.points]
-            bars = [[p.median_ms - p.p10_ms for p in series.points],
-                    [p.p90_ms - p.median_ms for p in series.points]]
+            bars = [[p.median_ms - p.low_ms for p in series.points],
+                    [p.high_ms - p.median_ms for p in series.points]]
             if series.family == LOCAL:
                 axes.axhline(ys[0], color="0.4", linestyle=":", linewidth=1)
                 axes.errorbar([p.ranks for p in series.points], ys, yerr=bars, fmt="D", color="black",
@@ -151,7 +154,7 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
         for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
     figure.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=8,
-                  title="median, bars p10-p90", title_fontsize=8)
+                  title="clean rounds combined,\nbars: 95% interval", title_fontsize=8)
     figure.suptitle(f"Latency against rank count: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)
     return _png(figure)
@@ -193,8 +196,9 @@ def speedup_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None
 
 def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     """The winning configuration at each sequence length and measured rank count: filled
-    squares (with the label) where every rival was measured, hollow or hatched where any was
-    predicted. Rows are the rank counts that exist, evenly spaced; the figure grows with
+    squares where every rival was measured, labelled with the verdict (the winner and the
+    runner-up's margin, or cross-hatched with every configuration tied), hollow or hatched
+    where any rival was predicted. Rows are the rank counts that exist, evenly spaced; the figure grows with
     them up to ``MAP_MAX_SIZE`` and the squares shrink to fit."""
     lengths, ranks = shape.map_lengths, shape.rank_counts
     width = min(MAP_MAX_SIZE[0], max(6.0, 1.1 * len(lengths) + 3.5))
@@ -207,16 +211,23 @@ def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     row = {n: i for i, n in enumerate(ranks)}
     seen_styles: list[tuple[str, str]] = []
     for cell in shape.strategy_map:
-        filled, hatch, _ = _CELL_STYLES[(cell.status, cell.source)]
+        style = ("tied" if cell.tied else cell.status, cell.source)
+        filled, hatch, _ = _CELL_STYLES[style]
         color = colors[cell.label]
         axes.scatter([cell.seq_len], [row[cell.ranks]], marker="s", s=side**2, linewidths=1.6,
-                     edgecolors=color, facecolors=color if filled else "none", hatch=hatch or None)
+                     edgecolors="white" if filled and hatch else color,
+                     facecolors=color if filled else "none", hatch=hatch or None)
         if filled and side >= 12:
-            margin = "" if cell.margin is None else f"\n+{cell.margin:.0%} vs {cell.runner_up}"
-            axes.annotate(f"{cell.label}{margin}", (cell.seq_len, row[cell.ranks]), xytext=(0, side / 2 + 2),
+            if cell.tied:
+                words = "\n= ".join(cell.labels) + "\n(tied)"
+            elif cell.margin is None:
+                words = cell.label
+            else:
+                words = f"{cell.label}\n{margin_text(cell, named=False)}\nvs {cell.runner_up}"
+            axes.annotate(words, (cell.seq_len, row[cell.ranks]), xytext=(0, side / 2 + 2),
                           textcoords="offset points", ha="center", va="bottom", fontsize=5.5)
-        if (cell.status, cell.source) not in seen_styles:
-            seen_styles.append((cell.status, cell.source))
+        if style not in seen_styles:
+            seen_styles.append(style)
     axes.set_xscale("log", base=2)
     axes.set_xticks(list(lengths), [str(n) for n in lengths], rotation=45, ha="right")
     axes.minorticks_off()
@@ -232,8 +243,9 @@ def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     ]
     for key in sorted(seen_styles, key=list(_CELL_STYLES).index):
         filled, hatch, text = _CELL_STYLES[key]
-        handles.append(Patch(facecolor="0.45" if filled else "none", edgecolor="0.45", hatch=hatch or None,
-                             label=text))
+        # a hatch takes the edge's color: white on a filled square, as the cells draw it
+        handles.append(Patch(facecolor="0.45" if filled else "none", edgecolor="white" if filled and hatch
+                             else "0.45", hatch=hatch or None, label=text))
     figure.legend(handles=handles, loc="outside right center", fontsize=8)
     figure.suptitle(f"Fastest configuration: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)
@@ -267,7 +279,7 @@ def breakdown_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | No
             left = [a + b for a, b in zip(left, widths, strict=True)]
         axes.invert_yaxis()  # the fastest on top
         axes.tick_params(axis="y", labelsize=7)
-        axes.set_xlabel("ms per attention call (median; slowest rank's split)")
+        axes.set_xlabel("ms per attention call (clean rounds combined; slowest rank's split)")
         axes.set_title(f"seq_len {seq_len}", fontsize=10)
         axes.grid(alpha=0.3, axis="x")
     for axes in grid.flat[len(lengths):]:

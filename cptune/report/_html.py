@@ -41,20 +41,28 @@ from cptune.report._figures import (
 )
 
 _CAPTIONS = {
-    LATENCY: "Median latency per attention call (slowest rank) against the number of ranks, one panel per "
-             "sequence length and one line per strategy family, bars spanning p10-p90 and the dotted line "
-             "marking the fastest 1-rank run; every point is a measurement, none is predicted.",
+    LATENCY: "Latency per attention call (slowest rank) against the number of ranks, one panel per "
+             "sequence length and one line per strategy family: each point combines every clean round of "
+             "that configuration (geometric mean of the rounds' medians), its bar spans the estimate's 95% "
+             "interval (not the spread of single iterations), and the dotted line marks the fastest 1-rank "
+             "configuration; every point is measured, none is predicted. The bars include the drift "
+             "between rounds, which the verdicts below cancel by comparing configurations round by "
+             "round: overlapping bars can still be a separated winner.",
     SPEEDUP: "Speedup of the fastest measured configuration at each rank count over the fastest 1-rank "
-             "run (left) and parallel efficiency, speedup divided by ranks (right), against the dashed "
-             "ideal; every point is a measurement, none is predicted.",
+             "configuration (combined estimates of their clean rounds; left) and parallel efficiency, "
+             "speedup divided by ranks (right), against the dashed ideal; every point is measured, none is "
+             "predicted.",
     STRATEGY_MAP: "The fastest configuration on exactly that many ranks (the rank counts measured) at each "
-                  "sequence length: filled squares are measured (every rival measured; with the margin "
-                  "over the runner-up), hollow squares are predicted by the cost model, hatched ones by the "
-                  "prior alone, dotted ones have a measured winner but some rival predicted.",
+                  "sequence length: filled squares are measured (every rival measured), labelled with the "
+                  "verdict on their combined clean rounds: the winner and how much slower the runner-up is, "
+                  "with its 95% interval, or, cross-hatched, the configurations tied within the noise of "
+                  "this hardware; hollow squares are predicted by the cost model, hatched ones by the prior "
+                  "alone, dotted ones have a measured winner but some rival predicted.",
     BREAKDOWN: "Where the time of each measured configuration goes, fastest first (at most "
-               "twelve per sequence length): the slowest rank's median time in attention math, its "
-               "communication that compute did not hide, and the rest of the call's median (waiting on "
-               "slower ranks, launch and copy overheads); every bar is a measurement.",
+               "twelve per sequence length): the slowest rank's time in attention math, its "
+               "communication that compute did not hide (each the median over its clean rounds), and the "
+               "rest of the call's combined estimate (waiting on slower ranks, launch and copy "
+               "overheads); every bar is measured.",
     ACCURACY: "Predicted against measured latency of every measurement of this hardware: filled circles "
               "are the cost model's predictions with that sequence length held out of its training, x "
               "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE and how "
@@ -102,12 +110,14 @@ def _latency_table(shape: ShapeReport) -> str:
             if p is None:
                 cells.append("")
                 continue
-            spread = f"p10-p90 {format_ms(p.p10_ms)}-{format_ms(p.p90_ms)} ms"
-            cells.append(f'<td title="{escape(p.label)}: {spread}, measurement {p.measurement_id}">'
-                         f"{escape(format_ms(p.median_ms))}</td>")
+            interval = f"95% interval {format_ms(p.low_ms)}-{format_ms(p.high_ms)} ms"
+            ids = ", ".join(map(str, p.measurement_ids))
+            cells.append(f'<td title="{escape(p.label)}: {interval}, {p.rounds} clean round(s), '
+                         f'measurements {escape(ids)}">{escape(format_ms(p.median_ms))}</td>')
         rows.append(cells)
     return _table(["seq_len", "strategy", *(rank_count(n) for n in ranks)], rows,
-                  "median ms per attention call, slowest rank; all measured", names=2)
+                  "ms per attention call, slowest rank: every clean round of a configuration combined "
+                  "(geometric mean; hover for the 95% interval and the rounds); all measured", names=2)
 
 
 def _speedup_table(shape: ShapeReport) -> str:
@@ -132,8 +142,9 @@ def _map_table(shape: ShapeReport) -> str:
             if cell is None:
                 cells.append("")
             elif cell.measured:
-                cells.append(f"{escape(cell.label)}<br><small>{format_ms(cell.latency_ms)} ms<br>"
-                             f"{escape(margin_text(cell))}</small>")
+                cells.append(f'<td title="{escape(cell.verdict)}">{escape(cell.label)}'
+                             f"<br><small>{format_ms(cell.latency_ms)} ms<br>{escape(margin_text(cell))}"
+                             "</small></td>")
             else:
                 cells.append(f'<td class="predicted">{escape(cell.label)}*<br><small>'
                              f"{escape(format_ms(cell.latency_ms))} ms, {escape(cell.source)}<br>"
@@ -142,7 +153,20 @@ def _map_table(shape: ShapeReport) -> str:
     return _table(["seq_len", *(rank_count(n) for n in ranks)], rows,
                   "* predicted: some rival on that many ranks was not measured, so the comparison rests on "
                   "the cost model or the prior (the small text names the winner's source); +x% vs y: the "
-                  "runner-up y is x% slower; empty: nothing can run there")
+                  "runner-up y is x% slower (measured cells: with the 95% interval); tied with y: the noise "
+                  "of this hardware cannot tell the first from y; empty: nothing can run there")
+
+
+def _verdict_table(shape: ShapeReport) -> str:
+    """Each measured map cell's verdict in words ("" when none is measured)."""
+    rows = [[escape(str(c.seq_len)), escape(str(c.ranks)), f'<td class="name">{escape(c.verdict)}</td>']
+            for c in shape.strategy_map if c.measured]
+    if not rows:
+        return ""
+    return _table(["seq_len", "ranks", "verdict"], rows,
+                        "the verdict on each measured cell: the configurations on exactly that many ranks, "
+                        "their clean rounds combined; the percentages say how much longer the runner-up "
+                        "takes, with the 95% interval", names=0)
 
 
 def _plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], caption: str, names: int = 1) -> str:
@@ -152,9 +176,10 @@ def _plain_table(headers: Sequence[str], rows: Sequence[Sequence[str]], caption:
 
 def _breakdown_table(shape: ShapeReport) -> str:
     return _plain_table(BREAKDOWN_COLUMNS, breakdown_rows(shape),
-                        "ms: the median of the whole call, and the slowest rank's time in attention math "
-                        "(compute) and waiting on communication compute did not hide (comm); comm % = comm / "
-                        "(compute + comm); peak: the most MiB one rank held; all measured", names=2)
+                        "ms: the whole call (combined estimate of the clean rounds), and the slowest rank's "
+                        "time in attention math (compute) and waiting on communication compute did not hide "
+                        "(comm), each the median over the clean rounds; comm % = comm / (compute + comm); "
+                        "peak: the most MiB one rank held; all measured", names=2)
 
 
 def _calibration_section(hardware: HardwareReport) -> list[str]:
@@ -220,7 +245,7 @@ def _hardware_section(hardware: HardwareReport, out: _Output) -> str:
         else:
             parts += [out.figure(hardware, shape, SPEEDUP, speedup), _speedup_table(shape)]
         parts += [out.figure(hardware, shape, STRATEGY_MAP, strategy_map_figure(hardware, shape)),
-                  _map_table(shape)]
+                  _map_table(shape), _verdict_table(shape)]
         breakdown = breakdown_figure(hardware, shape)
         if breakdown is not None:
             parts.append(out.figure(hardware, shape, BREAKDOWN, breakdown))
@@ -249,8 +274,10 @@ def write_report(data: ReportData, out_dir: Path) -> list[Path]:
 <body>
 <h1>cptune report</h1>
 <p class="meta">database <code>{escape(data.url)}</code>; generated {escape(data.generated_at)} by cptune
-{escape(data.version)}. Latencies are medians per attention call of the slowest rank, in ms.
-Measured points are filled; predicted ones are hollow or hatched (figures) or marked * (tables).</p>
+{escape(data.version)}. Latencies are per attention call of the slowest rank, in ms: each
+configuration's clean rounds combined (geometric mean of the rounds' medians, with a 95% interval);
+disturbed, excluded and oversubscribed runs count for nothing. Measured points are filled;
+predicted ones are hollow or hatched (figures) or marked * (tables).</p>
 {"".join(sections)}
 </body>
 </html>

@@ -33,7 +33,8 @@ def _where(hardware: HardwareReport, shape: ShapeReport) -> str:
 
 def _latency(hardware: HardwareReport, shape: ShapeReport) -> Table:
     table = _table(f"latency (ms): {_where(hardware, shape)}",
-                   "median per attention call, slowest rank; all measured")
+                   "per attention call, slowest rank: each configuration's clean rounds combined (geometric "
+                   "mean of their medians); all measured")
     table.add_column("seq_len", justify="right")
     table.add_column("strategy")
     for n in shape.rank_counts:
@@ -46,7 +47,8 @@ def _latency(hardware: HardwareReport, shape: ShapeReport) -> Table:
 
 def _speedup(hardware: HardwareReport, shape: ShapeReport) -> Table:
     table = _table(f"speedup over 1 rank: {_where(hardware, shape)}",
-                   "fastest measured on n ranks against the fastest on 1; efficiency = speedup / n")
+                   "fastest measured on n ranks against the fastest on 1 (combined estimates); "
+                   "efficiency = speedup / n")
     for name in ("seq_len", "ranks", "fastest", "ms", "speedup", "efficiency"):
         table.add_column(name, justify="left" if name == "fastest" else "right")
     for curve in shape.speedup:
@@ -59,8 +61,10 @@ def _speedup(hardware: HardwareReport, shape: ShapeReport) -> Table:
 def _strategy_map(hardware: HardwareReport, shape: ShapeReport) -> Table:
     table = _table(f"fastest configuration: {_where(hardware, shape)}",
                    "* predicted: some rival was not measured, the comparison rests on the cost model or the "
-                   "prior (second line: the winner's ms and source); +x%: how much slower the runner-up is "
-                   "(report.html names it); empty: nothing can run there")
+                   "prior (second line: the winner's ms and source); +x% (a% to b%): how much slower the "
+                   "runner-up is, with its 95% interval (measured cells; the verdicts table names it); tied: "
+                   "the configurations the noise of this hardware cannot tell from the first; empty: nothing "
+                   "can run there")
     table.add_column("seq_len", justify="right")
     for n in shape.rank_counts:
         table.add_column(rank_count(n))
@@ -79,6 +83,21 @@ def _strategy_map(hardware: HardwareReport, shape: ShapeReport) -> Table:
                              f"{escape(margin_text(cell, named=False))}[/]")
         measured = seq_len in shape.measured_lengths
         table.add_row(str(seq_len) if measured else f"{seq_len} (not measured)", *cells)
+    return table
+
+
+def _verdicts(hardware: HardwareReport, shape: ShapeReport) -> Table | None:
+    """Each measured map cell's verdict in words; None when no cell is measured."""
+    measured = [c for c in shape.strategy_map if c.measured]
+    if not measured:
+        return None
+    table = _table(f"verdicts on the measured cells: {_where(hardware, shape)}",
+                   "the configurations on exactly that many ranks, their clean rounds combined; the "
+                   "percentages: how much longer the runner-up takes, with the 95% interval")
+    for name in ("seq_len", "ranks", "verdict"):
+        table.add_column(name, justify="left" if name == "verdict" else "right")
+    for cell in measured:
+        table.add_row(str(cell.seq_len), str(cell.ranks), escape(cell.verdict))
     return table
 
 
@@ -109,9 +128,10 @@ def _rows(title: str, caption: str, columns: tuple[str, ...], rows: list[list[st
 
 def _breakdown(hardware: HardwareReport, shape: ShapeReport) -> Table:
     return _rows(f"compute, communication and memory: {_where(hardware, shape)}",
-                 "ms: median of the whole call, and the slowest rank's time in attention math (compute) "
-                 "and waiting on communication compute did not hide (comm); comm % = comm / (compute + "
-                 "comm); peak: MiB one rank held at most; all measured",
+                 "ms: the whole call (combined estimate), and the slowest rank's time in attention math "
+                 "(compute) and waiting on communication compute did not hide (comm), each the median over "
+                 "the clean rounds; comm % = comm / (compute + comm); peak: MiB one rank held at most; all "
+                 "measured",
                  BREAKDOWN_COLUMNS, breakdown_rows(shape), names=2)
 
 
@@ -139,8 +159,8 @@ def _notes(hardware: HardwareReport) -> Table:
 
 def text_tables(data: ReportData) -> list[Table]:
     """For each hardware and shape: latency, speedup (when a 1-rank run exists), strategy
-    map and compute / communication / memory; then the hardware's prediction accuracy, its
-    calibration and notes, when there are any."""
+    map, the verdicts on its measured cells and compute / communication / memory; then the
+    hardware's prediction accuracy, its calibration and notes, when there are any."""
     tables = []
     for hardware in data.hardware:
         for shape in hardware.shapes:
@@ -148,6 +168,8 @@ def text_tables(data: ReportData) -> list[Table]:
             if shape.speedup:
                 tables.append(_speedup(hardware, shape))
             tables.append(_strategy_map(hardware, shape))
+            if verdicts := _verdicts(hardware, shape):
+                tables.append(verdicts)
             tables.append(_breakdown(hardware, shape))
         if hardware.accuracy is not None:
             tables.append(_accuracy(hardware))
