@@ -725,21 +725,24 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _score_cells(score: GroupScore) -> list[str]:
-    """top-1, regret, worst, Spearman, MAPE and coverage of one score; "-" where it does not apply."""
+    """top-1, regret and worst, both again with ties as ties, Spearman, MAPE and coverage of
+    one score; "-" where it does not apply."""
     def shown(value: float, form: str) -> str:
         return "-" if math.isnan(value) else format(value, form)
 
     return [f"{score.top1:.2f}", f"{score.regret:.3f}", f"{score.worst_regret:.3f}",
+            f"{score.tie_regret:.3f}", f"{score.worst_tie_regret:.3f}",
             shown(score.spearman, ".2f"), shown(score.mape, ".1f"), shown(score.coverage * 100, ".0f")]
 
 
-_SCORE_COLUMNS = ("top-1", "regret", "worst", "rho", "MAPE%", "cover%")
+_SCORE_COLUMNS = ("top-1", "regret", "worst", "regret*", "worst*", "rho", "MAPE%", "cover%")
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from cptune.model import CostModel, compare, correction_verdict, load_training
+    from cptune.model import CostModel, compare, fit_advised, load_training
 
     data = load_training(args.db, args.include_oversubscribed)
+    tied = data.tied_with_leader()
     if uncalibrated := ", ".join(sorted(data.uncalibrated)):
         _warn(("left out", "yellow"), f": measurements of {uncalibrated}, which have no calibration "
                                       f"(run cptune calibrate there)")
@@ -747,28 +750,34 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     band = CostModel().interval
     for by in groupings:
         held_out = by.replace("_", " ")
-        model, *baselines = compare(data.cases, data.latencies_s, by)
+        evaluations = compare(data.cases, data.latencies_s, by, tied=tied)
+        advised = evaluations[2]
         summary = _table(f"cost model against baselines, holding out each {held_out} in turn",
-                         f"{len(data.cases)} measurements, {model.overall.decisions} workloads; regret = "
-                         f"measured latency of the pick / best measured (mean, worst); rho = Spearman rank "
+                         f"{len(data.cases)} configurations measured (each its clean visits combined), "
+                         f"{advised.overall.decisions} workloads; regret = measured latency of the pick / "
+                         f"best measured (mean, worst); * = ties as ties: 1.0 where the measured verdict "
+                         f"cannot tell the pick from the best; rho = Spearman rank "
                          f"correlation within a workload; cover = measurements "
                          f"inside the {band[0]:.0%}-{band[1]:.0%} band (advertised "
-                         f"{band[1] - band[0]:.0%}); fixed rule = always the config fastest most often "
+                         f"{band[1] - band[0]:.0%}); recommend's pick = the correction only where it helps "
+                         f"on the training folds; fixed rule = always the config fastest most often "
                          f"in the training folds")
         summary.add_column("method", no_wrap=True)
         for column in _SCORE_COLUMNS:
             summary.add_column(column, justify="right", no_wrap=True)
-        for evaluation in (model, *baselines):
+        for evaluation in evaluations:
             summary.add_row(evaluation.method, *_score_cells(evaluation.overall))
         console.print(summary)
-        table = _table(f"cost model, holding out each {held_out} in turn",
-                       f"median regret over held-out groups {model.median_regret:.3f}")
-        for column in ("held out", "workloads", "configs", *_SCORE_COLUMNS):
+        table = _table(f"recommend's pick, holding out each {held_out} in turn",
+                       f"over held-out groups: median regret {advised.median_regret:.3f}, worst "
+                       f"{advised.worst_regret:.3f}; ties as ties: median {advised.median_tie_regret:.3f}, "
+                       f"worst {advised.worst_tie_regret:.3f}")
+        for column in ("held out", "workloads", "configs", *_SCORE_COLUMNS[:5]):
             table.add_column(column, justify="left" if column == "held out" else "right", no_wrap=True)
-        for g in model.groups:
-            table.add_row(g.held_out, str(g.decisions), str(g.samples), *_score_cells(g))
+        for g in advised.groups:
+            table.add_row(g.held_out, str(g.decisions), str(g.samples), *_score_cells(g)[:5])
         console.print(table)
-    verdict = correction_verdict(CostModel().fit(data.cases, data.latencies_s), data.cases, data.latencies_s)
+    _, verdict = fit_advised(data.cases, data.latencies_s, tied)
     use = "applies the learned correction" if verdict.applied else "uses the prior alone"
     console.print(f"recommend {use} on this database: {verdict.reason}", markup=False, highlight=False,
                   soft_wrap=True)
