@@ -796,8 +796,9 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(pick.to_dict(), indent=2))
         return 0
     table = _table(f"{workload.describe()}\non {pick.hardware}",
-                   "ms per attention call, slowest rank; interval: p10-p90 when measured, the model's "
-                   "10-90% band when predicted, what the figures' ranges allow for a description's prior")
+                   "ms per attention call, slowest rank; measured: every clean visit combined, interval "
+                   "95%; predicted: the model's 10-90% band, or what the figures' ranges allow for a "
+                   "description's prior")
     for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for i, c in enumerate(pick.candidates, start=1):
@@ -807,6 +808,8 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     _say(console, ("pick:", "bold"),
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
+    if pick.verdict is not None:
+        _say(console, ("measured:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
     for tie in pick.ties:
         _say(console, ("tied within what the description's figures allow:", "yellow"),
              f" {tie.other.label} on {tie.other.ranks} may be faster; "
