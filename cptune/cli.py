@@ -809,7 +809,7 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     _say(console, ("pick:", "bold"),
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
     if pick.verdict is not None:
-        _say(console, ("measured:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
+        _say(console, ("measured verdict:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
     for tie in pick.ties:
         _say(console, ("tied within what the description's figures allow:", "yellow"),
              f" {tie.other.label} on {tie.other.ranks} may be faster; "
