@@ -840,7 +840,7 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
                        strategies=space.strategies)
     path = plan.write(args.output)
     table = _table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
-                   "ms per attention call, slowest rank: the median of the pick's stored measurement, "
+                   "ms per attention call, slowest rank: the pick's stored measurements combined, "
                    "or predicted (model/prior); the plan lists every measurement compared")
     for column in ("seq_len range", "tuned at", "config", "ranks", "ms", "source", "measurement"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
@@ -849,6 +849,11 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
         table.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
                       format_ms(b.latency_ms), b.source, pick_id)
     console.print(table)
+    for b in plan.buckets:
+        if b.tied:
+            names = ", ".join(c.describe() for c in b.tied)
+            _say(console, (f"{b.min_seq_len}-{b.max_seq_len}:", "yellow"),
+                 f" {b.config.describe()} is tied with {names}; the plan lists them (tied), any may run")
     _say(console, f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
                   f"(Slurm: {' '.join(plan.launch.srun)} <your program>)")
     _say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")

@@ -320,6 +320,17 @@ def test_cli_export_then_load_in_another_process_without_the_model(db, tmp_path)
     assert loaded.stdout.split() == ["ulysses", "4", "ring", "False", "False"]
 
 
+def test_cli_export_says_which_configurations_are_tied(tmp_path):
+    db = tied_db(tmp_path)
+    out = tmp_path / "tied-plan.json"
+    done = run("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens", str(SHORT),
+               "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stdout.split())
+    assert f"1-{SHORT}: Ring on 2 ranks is tied with AllGather-KV on 4 ranks" in said
+    assert [b.tied for b in load_plan(out).buckets] == [(CPConfig("allgather_kv", 4),)]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hardware", "h200-nvl-9"], "no shipped hardware description of that name"),
     (["--ranks", "9"], "ranks must be between 1 and 4"),
