@@ -495,3 +495,29 @@ def test_tied_with_leader_follows_the_measured_verdict_of_each_workload(tmp_path
     pick_ulysses = np.array([{ulysses.config: 0.0}.get(c.config, 1.0) for c in data.cases])
     score = score_group("x", data.cases, data.latencies_s, pick_ulysses, tied=data.tied_with_leader())
     assert score.regret > 1.0 and score.tie_regret == 1.0
+
+
+def _swap_picks(cases, measured: np.ndarray, decisions: int) -> np.ndarray:
+    """``measured`` as predictions, except that in the first ``decisions`` workloads the fastest
+    is predicted a hair slower than the second fastest: those picks miss, every number is close."""
+    predicted = measured.copy()
+    for workload in sorted({c.workload for c in cases}, key=lambda w: w.seq_len)[:decisions]:
+        members = [i for i, c in enumerate(cases) if c.workload == workload]
+        best, second = sorted(members, key=lambda i: measured[i])[:2]
+        predicted[best] = measured[second] * 1.01
+    return predicted
+
+
+@pytest.mark.parametrize("misses, applied", [(1, True), (5, False)])
+def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise(train, misses, applied):
+    # the truth is the prior x 1.5: the prior ranks every decision right, its numbers are 33% off;
+    # the correction's numbers are close, but it misses the pick in ``misses`` of the 5 decisions
+    cases, _ = train
+    measured = np.array([case.prior().total_s for case in cases]) * 1.5
+    model = CostModel().fit(cases, measured)
+    model.out_of_fold_ = _swap_picks(cases, measured, misses)
+    verdict = correction_verdict(model, cases, measured)
+    assert verdict.correction is not None and verdict.prior is not None
+    assert verdict.prior.tie_regret == 1.0 and verdict.correction.mape < verdict.prior.mape
+    assert verdict.correction.tie_regret > 1.01  # one miss of five already: a flat 1% rule would refuse it
+    assert verdict.applied is applied, verdict.reason

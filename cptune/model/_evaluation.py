@@ -26,9 +26,12 @@ the physical prior alone (no learned correction), and a fixed rule - always the
 configuration that was fastest in the most decisions of the training folds (among those
 measured for the decision; a rule picks, it predicts no latency, so it has no MAPE or
 coverage). ``correction_verdict`` decides whether ``recommend`` applies the learned
-correction: only when, out of fold, it is no worse than the prior alone on MAPE and on mean
-regret with ties as ties (within ``REGRET_TOLERANCE``: picks that close are a tie, and then
-the numbers decide).
+correction: only when, out of fold, it is no worse than the prior alone on MAPE, and not
+separated from it as worse on regret with ties as ties. Regrets are paired decision by
+decision (same workloads, same truth); the correction is worse only where the 95% interval of
+its mean log regret over the prior's lies above 0. A difference within that interval is a
+tie, as one between two measured configurations is: a dozen decisions, each settled by one
+pick, cannot rank two methods whose numbers (MAPE, over every sample) already speak.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.stats import spearmanr
+from scipy.stats import t as student_t
 from sklearn.base import clone
 from sklearn.model_selection import GroupKFold
 
@@ -48,9 +52,6 @@ from cptune.model._cost_model import MIN_SAMPLES, Case, CostModel, TrainingSet, 
 from cptune.store import Store
 
 GROUPINGS: tuple[str, ...] = ("seq_len", "hardware")
-#: Mean regrets this close (relative) count as equal when judging the correction: repeated
-#: medians of one configuration differ by about that much.
-REGRET_TOLERANCE = 0.01
 #: The methods ``compare`` scores, in the order ``cptune fit`` shows them.
 MODEL, PRIOR, FIXED_RULE, RECOMMENDED = "cost model", "prior alone", "fixed rule", "recommend's pick"
 
@@ -149,16 +150,10 @@ def score_group(
     preference (lower first), so there is no MAPE. ``tied``: for each case, whether its
     decision's measured verdict cannot tell it from the fastest (``TrainingSet.tied_with_leader``);
     a pick among those has regret 1.0 with ties as ties."""
-    regrets, tie_regrets, hits, correlations = [], [], [], []
-    for members in _decisions(cases):
-        truth, guess = measured[members], predicted[members]
-        pick = int(np.argmin(guess))
-        regret = float(truth[pick] / truth.min())
-        regrets.append(regret)
-        tie_regrets.append(1.0 if tied is not None and tied[members[pick]] else regret)
-        hits.append(regret == 1.0)
-        if len(members) > 2:
-            correlations.append(float(spearmanr(guess, truth).statistic))
+    correlations = [float(spearmanr(predicted[members], measured[members]).statistic)
+                    for members in _decisions(cases) if len(members) > 2]
+    regrets, tie_regrets = _decision_regrets(cases, measured, predicted, tied)
+    hits = regrets == 1.0
     coverage = float("nan")
     if interval is not None:
         low, high = interval
@@ -176,6 +171,32 @@ def score_group(
         tie_regret=float(np.mean(tie_regrets)),
         worst_tie_regret=float(np.max(tie_regrets)),
     )
+
+
+def _decision_regrets(
+    cases: Sequence[Case], measured: np.ndarray, predicted: np.ndarray, tied: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each decision's regret and its regret with ties as ties (see ``score_group``)."""
+    regrets, tie_regrets = [], []
+    for members in _decisions(cases):
+        truth = measured[members]
+        pick = int(np.argmin(predicted[members]))
+        regret = float(truth[pick] / truth.min())
+        regrets.append(regret)
+        tie_regrets.append(1.0 if tied is not None and tied[members[pick]] else regret)
+    return np.array(regrets), np.array(tie_regrets)
+
+
+def _clearly_worse(regrets: np.ndarray, baseline: np.ndarray) -> bool:
+    """Whether ``regrets`` are worse than ``baseline``'s on the same decisions beyond their
+    noise: the 95% t interval of the mean paired log ratio lies above 0."""
+    differences = np.log(regrets) - np.log(baseline)
+    mean = float(differences.mean())
+    if len(differences) < 2:
+        return mean > 0
+    count = len(differences)
+    half = float(student_t.ppf(0.975, count - 1)) * float(differences.std(ddof=1)) / np.sqrt(count)
+    return mean - half > 0
 
 
 def _folds(cases: Sequence[Case], by: str) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
@@ -288,9 +309,9 @@ def correction_verdict(
     model: CostModel, cases: Sequence[Case], latencies: np.ndarray, tied: np.ndarray | None = None
 ) -> CorrectionVerdict:
     """Whether the learned correction of ``model`` (fitted on ``cases``) should be applied:
-    its out-of-fold predictions against the prior alone on the same cases, by mean regret
-    with ties as ties (``tied`` as for ``score_group``) and MAPE; it is applied only when
-    worse on neither (regret within ``REGRET_TOLERANCE``)."""
+    its out-of-fold predictions against the prior alone on the same cases, by MAPE and by
+    regret with ties as ties (``tied`` as for ``score_group``); it is applied only when no
+    worse on MAPE and not worse beyond the decisions' noise on regret (module docstring)."""
     if model.out_of_fold_ is None:
         reason = (f"fewer than {MIN_SAMPLES} measurements" if model.learn_correction and
                   model.n_samples_ < MIN_SAMPLES else "no correction fitted")
@@ -299,7 +320,9 @@ def correction_verdict(
     prior = np.array([case.prior().total_s for case in cases])
     learned = score_group("correction", cases, latencies, model.out_of_fold_, tied=tied)
     alone = score_group("prior", cases, latencies, prior, tied=tied)
-    applied = learned.tie_regret <= alone.tie_regret * (1 + REGRET_TOLERANCE) and learned.mape <= alone.mape
+    worse = _clearly_worse(_decision_regrets(cases, latencies, model.out_of_fold_, tied)[1],
+                           _decision_regrets(cases, latencies, prior, tied)[1])
+    applied = not worse and learned.mape <= alone.mape
     verdict = "no worse than the prior alone" if applied else "worse than the prior alone"
     reason = (f"held out, the learned correction is {verdict}: regret (ties as ties) "
               f"{learned.tie_regret:.3f} vs {alone.tie_regret:.3f}, "
