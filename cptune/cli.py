@@ -879,21 +879,24 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _score_cells(score: GroupScore) -> list[str]:
-    """top-1, regret, worst, Spearman, MAPE and coverage of one score; "-" where it does not apply."""
+    """top-1, regret and worst, both again with ties as ties, Spearman, MAPE and coverage of
+    one score; "-" where it does not apply."""
     def shown(value: float, form: str) -> str:
         return "-" if math.isnan(value) else format(value, form)
 
     return [f"{score.top1:.2f}", f"{score.regret:.3f}", f"{score.worst_regret:.3f}",
+            f"{score.tie_regret:.3f}", f"{score.worst_tie_regret:.3f}",
             shown(score.spearman, ".2f"), shown(score.mape, ".1f"), shown(score.coverage * 100, ".0f")]
 
 
-_SCORE_COLUMNS = ("top-1", "regret", "worst", "rho", "MAPE%", "cover%")
+_SCORE_COLUMNS = ("top-1", "regret", "worst", "regret*", "worst*", "rho", "MAPE%", "cover%")
 
 
 def cmd_fit(args: argparse.Namespace, console: Console) -> int:
-    from cptune.model import CostModel, compare, correction_verdict, load_training
+    from cptune.model import CostModel, compare, fit_advised, load_training
 
     data = load_training(args.db, args.include_oversubscribed)
+    tied = data.tied_with_leader()
     if uncalibrated := ", ".join(sorted(data.uncalibrated)):
         _warn(("left out", "yellow"), f": measurements of {uncalibrated}, which have no calibration "
                                       f"(run cptune calibrate there)")
@@ -901,28 +904,34 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
     band = CostModel().interval
     for by in groupings:
         held_out = by.replace("_", " ")
-        model, *baselines = compare(data.cases, data.latencies_s, by)
+        evaluations = compare(data.cases, data.latencies_s, by, tied=tied)
+        advised = evaluations[2]
         summary = _table(f"cost model against baselines, holding out each {held_out} in turn",
-                         f"{len(data.cases)} measurements, {model.overall.decisions} workloads; regret = "
-                         f"measured latency of the pick / best measured (mean, worst); rho = Spearman rank "
+                         f"{len(data.cases)} configurations measured (each its clean visits combined), "
+                         f"{advised.overall.decisions} workloads; regret = measured latency of the pick / "
+                         f"best measured (mean, worst); * = ties as ties: 1.0 where the measured verdict "
+                         f"cannot tell the pick from the best; rho = Spearman rank "
                          f"correlation within a workload; cover = measurements "
                          f"inside the {band[0]:.0%}-{band[1]:.0%} band (advertised "
-                         f"{band[1] - band[0]:.0%}); fixed rule = always the config fastest most often "
+                         f"{band[1] - band[0]:.0%}); recommend's pick = the correction only where it helps "
+                         f"on the training folds; fixed rule = always the config fastest most often "
                          f"in the training folds")
         summary.add_column("method", no_wrap=True)
         for column in _SCORE_COLUMNS:
             summary.add_column(column, justify="right", no_wrap=True)
-        for evaluation in (model, *baselines):
+        for evaluation in evaluations:
             summary.add_row(evaluation.method, *_score_cells(evaluation.overall))
         console.print(summary)
-        table = _table(f"cost model, holding out each {held_out} in turn",
-                       f"median regret over held-out groups {model.median_regret:.3f}")
-        for column in ("held out", "workloads", "configs", *_SCORE_COLUMNS):
+        table = _table(f"recommend's pick, holding out each {held_out} in turn",
+                       f"over held-out groups: median regret {advised.median_regret:.3f}, worst "
+                       f"{advised.worst_regret:.3f}; ties as ties: median {advised.median_tie_regret:.3f}, "
+                       f"worst {advised.worst_tie_regret:.3f}")
+        for column in ("held out", "workloads", "configs", *_SCORE_COLUMNS[:5]):
             table.add_column(column, justify="left" if column == "held out" else "right", no_wrap=True)
-        for g in model.groups:
-            table.add_row(g.held_out, str(g.decisions), str(g.samples), *_score_cells(g))
+        for g in advised.groups:
+            table.add_row(g.held_out, str(g.decisions), str(g.samples), *_score_cells(g)[:5])
         console.print(table)
-    verdict = correction_verdict(CostModel().fit(data.cases, data.latencies_s), data.cases, data.latencies_s)
+    _, verdict = fit_advised(data.cases, data.latencies_s, tied)
     use = "applies the learned correction" if verdict.applied else "uses the prior alone"
     console.print(f"recommend {use} on this database: {verdict.reason}", markup=False, highlight=False,
                   soft_wrap=True)
@@ -941,8 +950,9 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(pick.to_dict(), indent=2))
         return 0
     table = _table(f"{workload.describe()}\non {pick.hardware}",
-                   "ms per attention call, slowest rank; interval: p10-p90 when measured, the model's "
-                   "10-90% band when predicted, what the figures' ranges allow for a description's prior")
+                   "ms per attention call, slowest rank; measured: every clean visit combined, interval "
+                   "95%; predicted: the model's 10-90% band, or what the figures' ranges allow for a "
+                   "description's prior")
     for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
     for i, c in enumerate(pick.candidates, start=1):
@@ -952,6 +962,8 @@ def cmd_recommend(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     _say(console, ("pick:", "bold"),
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
+    if pick.verdict is not None:
+        _say(console, ("measured verdict:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
     for tie in pick.ties:
         _say(console, ("tied within what the description's figures allow:", "yellow"),
              f" {tie.other.label} on {tie.other.ranks} may be faster; "
@@ -982,7 +994,7 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
                        strategies=space.strategies)
     path = plan.write(args.output)
     table = _table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
-                   "ms per attention call, slowest rank: the median of the pick's stored measurement, "
+                   "ms per attention call, slowest rank: the pick's stored measurements combined, "
                    "or predicted (model/prior); the plan lists every measurement compared")
     for column in ("seq_len range", "tuned at", "config", "ranks", "ms", "source", "measurement"):
         table.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
@@ -991,6 +1003,11 @@ def cmd_export(args: argparse.Namespace, console: Console) -> int:
         table.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
                       format_ms(b.latency_ms), b.source, pick_id)
     console.print(table)
+    for b in plan.buckets:
+        if b.tied:
+            names = ", ".join(c.describe() for c in b.tied)
+            _say(console, (f"{b.min_seq_len}-{b.max_seq_len}:", "yellow"),
+                 f" {b.config.describe()} is tied with {names}; the plan lists them (tied), any may run")
     _say(console, f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
                   f"(Slurm: {' '.join(plan.launch.srun)} <your program>)")
     _say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")

@@ -149,16 +149,49 @@ def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(
     rec = cptune("recommend", *workload, "--json")
     out, err = fit.communicate(timeout=300)
     assert fit.returncode == 0, out + err
-    # the summary's rows: a two-word method and its six scores
+    # the summary's rows: a two-word method and its eight scores
+    methods = ("cost model", "prior alone", "recommend's pick", "fixed rule")
     rows = {" ".join(words[:2]): words[2:] for words in map(str.split, out.splitlines())
-            if len(words) == 8 and " ".join(words[:2]) in ("cost model", "prior alone", "fixed rule")}
-    model, prior, rule = rows["cost model"], rows["prior alone"], rows["fixed rule"]
-    assert len(model) == len(prior) == len(rule) == 6  # top-1, regret, worst, rho, MAPE, cover
-    assert float(model[4]) < float(prior[4]) and 0 <= int(model[5]) <= 100 and int(prior[5]) == 100
-    assert rule[4] == rule[5] == "-"  # a rule predicts no latency: no MAPE, no coverage
+            if len(words) == 10 and " ".join(words[:2]) in methods}
+    model, prior, advised, rule = (rows[method] for method in methods)
+    # top-1, regret, worst, regret and worst with ties as ties, rho, MAPE, cover
+    assert len(model) == len(prior) == len(advised) == len(rule) == 8
+    assert float(model[6]) < float(prior[6]) and 0 <= int(model[7]) <= 100 and int(prior[7]) == 100
+    assert rule[6] == rule[7] == "-"  # a rule predicts no latency: no MAPE, no coverage
+    # one visit each, no noise beyond the iterations': ties as ties never charges more than plain
+    assert all(float(row[3]) <= float(row[1]) and float(row[4]) <= float(row[2]) for row in rows.values())
+    assert "ties as ties: median" in " ".join(out.split()) and "regret*" in out  # the caption wraps
     assert "cover%" in out and "recommend applies the learned correction" in out
     assert rec.returncode == 0, rec.stdout + rec.stderr
     data = json.loads(rec.stdout)
     assert data["correction"]["applied"] is True and data["source"] == "model"
     out, err = said.communicate(timeout=300)
     assert said.returncode == 0 and "learned correction applied: held out" in out, out + err
+
+
+def test_recommend_says_a_measured_tie_in_text_and_json(tmp_path):
+    from conftest import make_calibration, measurement
+    from cptune.config import CPConfig
+    from cptune.workload import Workload
+
+    db = str(tmp_path / "tie.db")
+    workload = Workload(seq_len=1024, heads=8, head_dim=64)
+    # three interleaved rounds in which ring and allgather_kv trade places; ulysses is far behind
+    rounds = {CPConfig("ring", 2): (1.00, 1.05, 0.98), CPConfig("allgather_kv", 2): (1.03, 0.99, 1.02),
+              CPConfig("ulysses", 2): (3.0, 3.1, 2.9)}
+    with Store(db) as store:
+        store.add_calibration(this_host(), make_calibration())
+        for config, figures in rounds.items():
+            for i, ms in enumerate(figures):
+                store.add_measurement(this_host(), measurement(workload, config, ms), round_id=f"r{i}")
+    args = ["recommend", "--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--ranks", "2", "--db", db]
+    text = cptune(*args)
+    assert text.returncode == 0, text.stdout + text.stderr
+    said = " ".join(text.stdout.split())  # the line may wrap
+    assert "measured verdict:" in said and "tied within the noise of this hardware" in said
+    verdict = said.split("measured verdict:")[-1]
+    assert "AllGather-KV" in verdict and "Ring" in verdict
+    data = json.loads(cptune(*args, "--json").stdout)
+    assert data["source"] == "measured" and "tied within the noise of this hardware" in data["verdict"]
+    assert {(t["strategy"], t["ranks"]) for t in data["tied"]} | {(data["config"]["strategy"], 2)} == {
+        ("ring", 2), ("allgather_kv", 2)}

@@ -2,6 +2,7 @@
 
 import inspect
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ from cptune.model import (
     score_group,
     training_set,
 )
-from cptune.model._evaluation import FIXED_RULE, MODEL, PRIOR  # the method names fit prints
+from cptune.model._evaluation import FIXED_RULE, MODEL, PRIOR, RECOMMENDED  # the method names fit prints
 from cptune.store import Store
 from cptune.workload import Workload
 
@@ -297,6 +298,23 @@ def test_score_group_by_hand():
     # spearman only for decisions with more than two configurations: 1024's ranks
     # predicted (2, 1, 3) vs measured (1, 2, 3) -> 1 - 6 * 2 / (3 * 8) = 0.5
     assert score.spearman == pytest.approx(0.5)
+    # without a verdict nothing is known tied: ties as ties is the plain regret
+    assert (score.tie_regret, score.worst_tie_regret) == (score.regret, score.worst_regret)
+
+
+def test_score_group_counts_a_pick_tied_with_the_best_as_regret_one():
+    a, b, c = CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("allgather_kv", 2)
+    cases = [_case(1024, a), _case(1024, b), _case(1024, c), _case(2048, a), _case(2048, b)]
+    measured = np.array([1.0, 1.02, 4.0, 10.0, 8.0])
+    predicted = np.array([1.5, 1.0, 5.0, 9.0, 9.5])
+    # 1024: the pick b is tied with the best a (verdict: a leads, b tied) -> 1.0, plainly 1.02;
+    # 2048: the pick a is separated from the best b -> 1.25 either way
+    tied = np.array([True, True, False, False, True])
+    score = score_group("x", cases, measured, predicted, tied=tied)
+    assert score.regret == pytest.approx((1.02 + 1.25) / 2) and score.worst_regret == pytest.approx(1.25)
+    assert score.tie_regret == pytest.approx((1.0 + 1.25) / 2)
+    assert score.worst_tie_regret == pytest.approx(1.25)
+    assert score.top1 == 0.0  # a tie is not a hit: top-1 stays plain
 
 
 def test_score_group_perfect_picks():
@@ -331,10 +349,13 @@ def test_fixed_rule_picks_the_config_fastest_most_often_in_training():
 
 def test_compare_scores_the_model_the_prior_and_the_rule_alike(train):
     cases, y = train
-    model, prior, rule = compare(cases, y, by="seq_len", model=small())
-    assert (model.method, prior.method, rule.method) == (MODEL, PRIOR, FIXED_RULE)
+    model, prior, advised, rule = compare(cases, y, by="seq_len", model=small())
+    methods = (model.method, prior.method, advised.method, rule.method)
+    assert methods == (MODEL, PRIOR, RECOMMENDED, FIXED_RULE)
     assert [g.held_out for g in model.groups] == [g.held_out for g in prior.groups] == [
-        g.held_out for g in rule.groups]
+        g.held_out for g in advised.groups] == [g.held_out for g in rule.groups]
+    # the correction helps on every training fold, so recommend's pick is the corrected model's
+    assert advised.overall.mape < prior.overall.mape / 2
     # the synthetic truth is the prior times a factor per strategy: the correction must help
     assert model.overall.mape < prior.overall.mape / 2
     assert model.overall.regret <= prior.overall.regret
@@ -357,7 +378,8 @@ def test_correction_verdict_keeps_a_correction_that_helps(fitted, train):
     verdict = correction_verdict(fitted, *train)
     assert verdict.applied and verdict.correction is not None and verdict.prior is not None
     assert verdict.correction.mape < verdict.prior.mape and verdict.correction.regret <= verdict.prior.regret
-    assert verdict.to_dict()["applied"] is True and set(verdict.to_dict()["correction"]) == {"regret", "mape"}
+    assert verdict.to_dict()["applied"] is True
+    assert set(verdict.to_dict()["correction"]) == {"regret", "tie_regret", "mape"}
     unfitted = correction_verdict(CostModel().fit(train[0][:3], train[1][:3]), train[0][:3], train[1][:3])
     assert not unfitted.applied and "fewer than" in unfitted.reason
 
@@ -409,20 +431,27 @@ def _measurement(case: Case, ms: float) -> Measurement:
     )
 
 
-def test_training_set_reads_the_latest_ok_measurement_of_calibrated_hardware(tmp_path):
+def test_training_set_combines_every_clean_visit_of_calibrated_hardware(tmp_path):
     db = str(tmp_path / "t.db")
     ring, ulysses = cases_at(1024)[1], cases_at(1024)[-1]
     with Store(db) as store:
         store.add_calibration(PROFILE.hardware, PROFILE.calibration)
-        store.add_measurement(PROFILE.hardware, _measurement(ring, 5.0))
-        store.add_measurement(PROFILE.hardware, _measurement(ring, 4.0))  # the latest wins
-        store.add_measurement(PROFILE.hardware, _measurement(ulysses, 3.0))
+        store.add_measurement(PROFILE.hardware, _measurement(ring, 5.0), round_id="r1")
+        store.add_measurement(PROFILE.hardware, _measurement(ring, 4.0), round_id="r2")  # newest, not alone
+        disturbed = replace(_measurement(ring, 0.5), disturbed="load 3.0 from other processes")
+        store.add_measurement(PROFILE.hardware, disturbed, round_id="r3")  # counts for nothing
+        store.add_measurement(PROFILE.hardware, _measurement(ulysses, 3.0), round_id="r1")
         store.add_failure(PROFILE.hardware, ring.workload, CPConfig("ring", 3), "timeout", "hung", "mpi")
         store.add_measurement(OTHER.hardware, _measurement(ring, 1.0))  # no calibration
         data = training_set(store)
-    assert {(c.config, lat) for c, lat in zip(data.cases, data.latencies_s, strict=True)} == {
-        (ring.config, 4.0e-3), (ulysses.config, 3.0e-3)
-    }
+        ids = {r.median_ms: r.id for r in store.results()}
+    latency = {c.config: lat for c, lat in zip(data.cases, data.latencies_s, strict=True)}
+    assert set(latency) == {ring.config, ulysses.config}
+    assert latency[ring.config] == pytest.approx(np.sqrt(5.0 * 4.0) * 1e-3)  # geometric mean of the two
+    assert latency[ulysses.config] == pytest.approx(3.0e-3)
+    by_config = {e.config: e for e in data.estimates}
+    assert by_config[ring.config].ids == (ids[5.0], ids[4.0]) and by_config[ring.config].rounds == 2
+    assert [r.id for r in data.results if r.config == ring.config] == [ids[4.0]]  # the newest clean visit
     assert all(c.profile.fingerprint == PROFILE.fingerprint for c in data.cases)
     assert data.profiles[PROFILE.fingerprint].calibration == PROFILE.calibration
     assert data.uncalibrated == frozenset({OTHER.fingerprint})
@@ -448,3 +477,47 @@ def test_evaluate_says_what_is_missing(tmp_path):
         store.add_measurement(PROFILE.hardware, _measurement(cases_at(1024)[0], 2.0))
     with pytest.raises(CPTuneError, match="cptune calibrate"):
         evaluate(db)
+
+
+def test_tied_with_leader_follows_the_measured_verdict_of_each_workload(tmp_path):
+    ring, ulysses, local = cases_at(1024)[1], cases_at(1024)[-1], cases_at(1024)[0]
+    # three interleaved rounds: ring and ulysses trade places (a tie), local is far behind in each
+    rounds = {ring: (4.0, 4.2, 4.1), ulysses: (4.2, 4.0, 4.15), local: (9.0, 9.3, 9.1)}
+    with Store(str(tmp_path / "v.db")) as store:
+        store.add_calibration(PROFILE.hardware, PROFILE.calibration)
+        for case, figures in rounds.items():
+            for i, ms in enumerate(figures):
+                store.add_measurement(PROFILE.hardware, _measurement(case, ms), round_id=f"r{i}")
+        data = training_set(store)
+    tied = dict(zip((c.config for c in data.cases), data.tied_with_leader(), strict=True))
+    assert tied == {ring.config: True, ulysses.config: True, local.config: False}
+    # a pick of ulysses (the slower of the tied two) costs nothing with ties as ties
+    pick_ulysses = np.array([{ulysses.config: 0.0}.get(c.config, 1.0) for c in data.cases])
+    score = score_group("x", data.cases, data.latencies_s, pick_ulysses, tied=data.tied_with_leader())
+    assert score.regret > 1.0 and score.tie_regret == 1.0
+
+
+def _swap_picks(cases, measured: np.ndarray, decisions: int) -> np.ndarray:
+    """``measured`` as predictions, except that in the first ``decisions`` workloads the fastest
+    is predicted a hair slower than the second fastest: those picks miss, every number is close."""
+    predicted = measured.copy()
+    for workload in sorted({c.workload for c in cases}, key=lambda w: w.seq_len)[:decisions]:
+        members = [i for i, c in enumerate(cases) if c.workload == workload]
+        best, second = sorted(members, key=lambda i: measured[i])[:2]
+        predicted[best] = measured[second] * 1.01
+    return predicted
+
+
+@pytest.mark.parametrize("misses, applied", [(1, True), (5, False)])
+def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise(train, misses, applied):
+    # the truth is the prior x 1.5: the prior ranks every decision right, its numbers are 33% off;
+    # the correction's numbers are close, but it misses the pick in ``misses`` of the 5 decisions
+    cases, _ = train
+    measured = np.array([case.prior().total_s for case in cases]) * 1.5
+    model = CostModel().fit(cases, measured)
+    model.out_of_fold_ = _swap_picks(cases, measured, misses)
+    verdict = correction_verdict(model, cases, measured)
+    assert verdict.correction is not None and verdict.prior is not None
+    assert verdict.prior.tie_regret == 1.0 and verdict.correction.mape < verdict.prior.mape
+    assert verdict.correction.tie_regret > 1.01  # one miss of five already: a flat 1% rule would refuse it
+    assert verdict.applied is applied, verdict.reason

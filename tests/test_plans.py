@@ -73,7 +73,7 @@ def test_export_picks_the_fastest_measured_config_with_its_measurement(db):
     short, long = plan.buckets
     assert (short.seq_len, short.config, short.source) == (SHORT, FAST_SHORT, "measured")
     assert (long.seq_len, long.config, long.source) == (LONG, FAST_LONG, "measured")
-    assert short.latency_ms == 5.0 and long.latency_ms == 20.0
+    assert short.latency_ms == pytest.approx(5.0) and long.latency_ms == pytest.approx(20.0)  # one visit each
     assert short.measurement_ids[0] == ids_of(db, SHORT, FAST_SHORT)[-1]
     assert len(short.measurement_ids) == len(set(short.measurement_ids)) > 1  # the pick and those it beat
     assert plan.launch.ranks == 4 and plan.launch.mpiexec == ("mpiexec", "-n", "4")
@@ -150,6 +150,18 @@ def edit_value(text: str, old: str, new: str) -> str:
     return text.replace(old, new, 1)
 
 
+def edit_latency(text: str, new: str) -> str:
+    """The first bucket's latency_ms (a combined estimate: not a round figure) set to ``new``."""
+    edited, count = re.subn(r'"latency_ms": [-+.e0-9]+', f'"latency_ms": {new}', text, count=1)
+    assert count == 1
+    return edited
+
+
+def with_tied(data: dict, *configs: dict) -> dict:
+    """``data`` with its first bucket listing ``configs`` as tied alternatives."""
+    return {**data, "buckets": [{**data["buckets"][0], "tied": list(configs)}, *data["buckets"][1:]]}
+
+
 # (how the copy is broken, the text on the reported line, the reason)
 BROKEN = {
     "truncated": (lambda t, d: t[: t.index('"launch"')], None, "not valid JSON"),
@@ -162,12 +174,12 @@ BROKEN = {
                        "{", "'launch' is a required property"),
     "unexpected key": (lambda t, d: edit_value(t, '"source": "measured"', '"source": "measured", "speed": 1'),
                        '"speed": 1', "Additional properties are not allowed ('speed' was unexpected)"),
-    "negative latency": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": -5.0'),
+    "negative latency": (lambda t, d: edit_latency(t, '-5.0'),
                          '"latency_ms": -5.0', "-5.0 is less than or equal to the minimum of 0"),
-    "not a number": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": NaN'),
+    "not a number": (lambda t, d: edit_latency(t, 'NaN'),
                      '"latency_ms": NaN', "not valid JSON: NaN (only Python reads it)"),
     "nested too deeply": (lambda t, d: "[" * 5000 + "]" * 5000, None, "nested too deeply"),
-    "edited after export": (lambda t, d: edit_value(t, '"latency_ms": 5.0', '"latency_ms": 4.0'),
+    "edited after export": (lambda t, d: edit_latency(t, '4.0'),
                             '"digest"', "does not match its digest"),
     "resigned infeasible head group": (
         lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "config": {
@@ -176,6 +188,18 @@ BROKEN = {
     "resigned gap between buckets": (
         lambda t, d: resigned({**d, "buckets": [d["buckets"][0], {**d["buckets"][1], "min_seq_len": 2100}]}),
         '"min_seq_len": 2100', "must be 2049"),
+    "resigned unknown tied strategy": (
+        lambda t, d: resigned(with_tied(d, {"strategy": "rign", "ranks": 2, "head_group": 1})),
+        '"rign"', "buckets[0].tied[0].strategy: 'rign' is not one of"),
+    "resigned tied with itself": (
+        lambda t, d: resigned(with_tied(d, d["buckets"][0]["config"])), ('"tied"', 1),  # the item's "{"
+        "buckets[0].tied[0]: Ring on 2 ranks is listed already in this bucket"),
+    "resigned tied beyond the launch": (
+        lambda t, d: resigned(with_tied(d, {"strategy": "ring", "ranks": 8, "head_group": 1})), '"ranks": 8',
+        "buckets[0].tied[0].ranks: 8 ranks, but the launch starts only 4"),
+    "resigned infeasible tied": (
+        lambda t, d: resigned(with_tied(d, {"strategy": "ring", "ranks": 3, "head_group": 3})), ('"tied"', 1),
+        "buckets[0].tied[0]: 3-way Ulysses"),
     "resigned wrong label": (
         lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "label": "ulysses"}, d["buckets"][1]]}),
         '"label": "ulysses"', "must be 'ring'"),
@@ -192,9 +216,50 @@ def test_a_hand_broken_copy_is_refused_with_its_line_and_reason(plan_file, tmp_p
     with pytest.raises(PlanError) as refused:
         load_plan(copy)
     message = str(refused.value)
-    assert message.startswith(f"{copy}: ") and reason in message
+    assert message.startswith(f"{copy}: ") and reason in message and "\n" not in message
     if marker is not None:
-        assert f": line {line_of(broken, marker)}" in message
+        text, lines_below = marker if isinstance(marker, tuple) else (marker, 0)
+        assert f": line {line_of(broken, text) + lines_below}" in message
+
+
+def tied_db(tmp_path) -> str:
+    """Every config measured at SHORT in three interleaved rounds: Ring on 2 ranks and
+    AllGather-KV on 4 trade places (a tie); the rest are far behind."""
+    path = str(tmp_path / "tied.db")
+    figures = {FAST_SHORT: (5.0, 5.2, 4.9), CPConfig("allgather_kv", 4): (5.1, 4.95, 5.15)}
+    with Store(path) as store:
+        store.add_calibration(this_host(), make_calibration())
+        configs = [c for c in candidate_configs(4) if not feasibility(at(SHORT), c)]
+        for i, config in enumerate(configs):
+            for round_index, ms in enumerate(figures.get(config, (9.0 + i,) * 3)):
+                store.add_measurement(this_host(), measurement(at(SHORT), config, ms),
+                                      round_id=f"r{round_index}")
+    return path
+
+
+def test_a_bucket_lists_the_tied_alternatives_and_round_trips(tmp_path):
+    db = tied_db(tmp_path)
+    plan = export_plan([at(SHORT)], ranks=None, db=db)
+    (bucket,) = plan.buckets
+    assert (bucket.config, bucket.tied) == (FAST_SHORT, (CPConfig("allgather_kv", 4),))
+    assert plan.launch.ranks == 4  # the tied alternative can run too
+    assert len(bucket.measurement_ids) == len(set(bucket.measurement_ids)) and len(bucket.measurement_ids) > 3
+    assert bucket.measurement_ids[:3] == tuple(ids_of(db, SHORT, FAST_SHORT))  # the pick's three visits first
+    path = plan.write(tmp_path / "tied.json")
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, plan_schema(), cls=jsonschema.Draft202012Validator)
+    assert data["buckets"][0]["tied"] == [{"strategy": "allgather_kv", "ranks": 4, "head_group": 1}]
+    assert load_plan(path).buckets == plan.buckets
+
+
+def test_a_plan_without_tied_alternatives_still_loads(plan_file, tmp_path):
+    data = json.loads(plan_file.read_text())
+    for bucket in data["buckets"]:
+        del bucket["tied"]  # as written before buckets listed them
+    old = tmp_path / "old.json"
+    old.write_text(resigned(data))
+    assert [b.tied for b in load_plan(old).buckets] == [(), ()]
+    assert load_plan(old).select(SHORT) == FAST_SHORT
 
 
 def test_missing_and_non_plan_files_are_refused(tmp_path):
@@ -253,6 +318,17 @@ def test_cli_export_then_load_in_another_process_without_the_model(db, tmp_path)
     loaded = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=60)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split() == ["ulysses", "4", "ring", "False", "False"]
+
+
+def test_cli_export_says_which_configurations_are_tied(tmp_path):
+    db = tied_db(tmp_path)
+    out = tmp_path / "tied-plan.json"
+    done = run("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens", str(SHORT),
+               "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stdout.split())
+    assert f"1-{SHORT}: Ring on 2 ranks is tied with AllGather-KV on 4 ranks" in said
+    assert [b.tied for b in load_plan(out).buckets] == [(CPConfig("allgather_kv", 4),)]
 
 
 @pytest.mark.parametrize("args, message", [

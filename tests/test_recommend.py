@@ -63,9 +63,12 @@ def test_stored_config_is_measured_the_others_come_from_the_prior(db):
     rec = recommend(W, db=db)
     candidates = by_config(rec)
     measured = candidates[CPConfig("ring", 2)]
-    assert measured.source == "measured" and measured.latency_ms == 7.5
-    assert (measured.low_ms, measured.high_ms) == (0.9 * 7.5, 1.2 * 7.5)
-    assert measured.measurement_id is not None
+    assert measured.source == "measured" and measured.latency_ms == pytest.approx(7.5)
+    # one visit: the estimate's 95% interval stands on its iterations' spread (p10 0.9x, p90 1.2x)
+    half = 1.959963984540054 * np.log(1.2 / 0.9) / (2 * 1.2815515655446004)
+    assert measured.low_ms == pytest.approx(7.5 * np.exp(-half))
+    assert measured.high_ms == pytest.approx(7.5 * np.exp(half))
+    assert measured.measurement_id is not None and measured.measurement_ids == (measured.measurement_id,)
     others = [c for c in rec.candidates if c.config != CPConfig("ring", 2)]
     assert others and all(c.source == "prior" for c in others)  # fewer than MIN_SAMPLES: no correction
     assert all(c.low_ms <= c.latency_ms <= c.high_ms for c in others)
@@ -185,11 +188,13 @@ def test_a_new_measurement_changes_the_answer(db):
     assert loser != first.config
     add(db, measurement(W, loser, 1e-3))
     second = recommend(W, db=db)
-    assert second.config == loser and second.source == "measured" and second.latency_ms == 1e-3
-    # and a later measurement of the same config replaces the earlier one
+    assert second.config == loser and second.source == "measured" and second.latency_ms == pytest.approx(1e-3)
+    # and a later measurement of the same config is combined with the earlier one, not put in its place
     add(db, measurement(W, loser, 1e4))
     third = recommend(W, db=db)
-    assert third.config != loser and by_config(third)[loser].latency_ms == 1e4
+    assert third.config == loser and third.latency_ms == pytest.approx(np.sqrt(1e-3 * 1e4))
+    assert len(third.best.measurement_ids) == 2
+    assert third.best.measurement_id == third.best.measurement_ids[-1]  # the newest visit
 
 
 def test_a_new_calibration_is_picked_up(db):
@@ -326,3 +331,60 @@ def test_this_hosts_ranks_share_its_memory(db, monkeypatch):
     assert "over the limit of" in reason
     described = recommend(W, hardware="h100-sxm-8", db=db)  # a described GPU's memory is its own
     assert CPConfig("ring", 4) in by_config(described)
+
+
+# --------------------------------------------------------------------------- measured verdicts
+
+
+def add_rounds(db: str, figures: dict[CPConfig, tuple[float, ...]]) -> None:
+    """Interleaved rounds: round i measures every config of ``figures`` at its i-th figure."""
+    with Store(db) as store:
+        for config, values in figures.items():
+            for i, ms in enumerate(values):
+                store.add_measurement(this_host(), measurement(W, config, ms), round_id=f"round-{i}")
+
+
+def test_a_measured_candidate_carries_its_estimates_95_interval(db):
+    from cptune.estimate import combine
+
+    add_rounds(db, {CPConfig("ring", 2): (7.0, 7.6, 7.3), CPConfig("ring", 1): (9.0, 9.9, 9.4)})
+    with Store(db) as store:
+        estimates = combine(store.results())
+    expected = estimates[(this_host().fingerprint, W, CPConfig("ring", 2))]
+    candidate = by_config(recommend(W, db=db))[CPConfig("ring", 2)]
+    assert (candidate.latency_ms, candidate.low_ms, candidate.high_ms) == pytest.approx(
+        (expected.median_ms, expected.low_ms, expected.high_ms))
+    assert candidate.low_ms < candidate.latency_ms < candidate.high_ms
+    assert candidate.measurement_ids == expected.ids and len(expected.ids) == 3
+
+
+def test_a_measured_tie_is_said_to_be_a_tie(db):
+    # ring and allgather_kv trade places round by round: the noise cannot separate them
+    add_rounds(db, {CPConfig("ring", 2): (1.00, 1.05, 0.98), CPConfig("allgather_kv", 2): (1.03, 0.99, 1.02),
+                    CPConfig("ulysses", 2): (3.0, 3.1, 2.9)})
+    rec = recommend(W, ranks=2, db=db)
+    assert rec.source == "measured" and rec.verdict is not None
+    assert {rec.config, *rec.tied} == {CPConfig("ring", 2), CPConfig("allgather_kv", 2)}
+    assert CPConfig("ulysses", 2) not in rec.tied
+    assert "tied within the noise of this hardware" in rec.describe()
+    data = json.loads(json.dumps(rec.to_dict()))
+    assert [t["label"] for t in data["tied"]] == [c.label for c in rec.tied]
+    assert "tied within the noise of this hardware" in data["verdict"]
+    separated = {(c["strategy"], c["ranks"]): c["separated"] for c in data["comparisons"]}
+    assert separated[("ulysses", 2)] is True and separated[(rec.tied[0].strategy, 2)] is False
+
+
+def test_a_separated_measured_pick_says_by_how_much(db):
+    add_rounds(db, {CPConfig("ring", 2): (1.00, 1.01, 0.99), CPConfig("ulysses", 2): (2.0, 2.02, 1.98)})
+    rec = recommend(W, ranks=2, db=db)
+    assert rec.config == CPConfig("ring", 2) and rec.tied == ()
+    assert rec.describe().startswith(f"{CPConfig('ring', 2).describe()}, faster than "
+                                     f"{CPConfig('ulysses', 2).describe()} by 100.0%")
+    assert rec.to_dict()["tied"] == []
+
+
+def test_predicted_candidates_are_never_called_tied(db):
+    add(db, measurement(W, CPConfig("ring", 1), 1e-3))  # the measured pick, the rest predicted
+    rec = recommend(W, db=db)
+    assert rec.source == "measured" and all(c.source == "prior" for c in rec.alternatives)
+    assert rec.tied == () and rec.describe().endswith("(the only configuration measured)")

@@ -27,6 +27,7 @@ held-out measurements is what ``cptune fit`` reports. The same out-of-fold predi
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from sklearn.model_selection import GroupKFold, KFold
 from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
+from cptune.estimate import Estimate, combine, judge
 from cptune.model._prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
 from cptune.store import Result, Store
 from cptune.workload import Workload
@@ -202,20 +204,44 @@ class CostModel(RegressorMixin, BaseEstimator):
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """What a store holds for the model: the latest successful measurement of each
-    configuration, on every hardware that has a calibration (the prior needs its rates)."""
+    """What a store holds for the model: the combined estimate (``cptune.estimate.combine``)
+    of each configuration over all its clean visits, on every hardware that has a calibration
+    (the prior needs its rates). ``cases[i]``, ``latencies_s[i]`` and ``estimates[i]`` are one
+    configuration; its latency is the estimate's, never the newest visit alone."""
 
     cases: list[Case]
     latencies_s: np.ndarray
-    results: list[Result]
+    estimates: list[Estimate]
     profiles: dict[str, CalibratedProfile]
     #: Fingerprints with measurements but no calibration: left out, ``cptune calibrate`` fixes it.
     uncalibrated: frozenset[str]
 
+    @property
+    def results(self) -> list[Result]:
+        """The newest clean visit of each estimate: the stored row that stands for it (its id,
+        hardware and marks). Its own ``median_ms`` is one visit's; the combined latency is
+        ``latencies_s``."""
+        return [estimate.visits[-1] for estimate in self.estimates]
+
+    def tied_with_leader(self) -> np.ndarray:
+        """For each case, whether the measured verdict of its (hardware, workload) cannot
+        tell it from the fastest (``cptune.estimate.judge``: the leader or one tied with it).
+        A pick among these is as good as the leader within the noise of that hardware."""
+        groups: dict[tuple[str, Workload], list[Estimate]] = defaultdict(list)
+        for estimate in self.estimates:
+            groups[(estimate.hardware, estimate.workload)].append(estimate)
+        top: set[tuple[str, Workload, CPConfig]] = set()
+        for (hardware, workload), group in groups.items():
+            verdict = judge(group)
+            assert verdict is not None  # every group has an estimate
+            top.update((hardware, workload, config) for config in (verdict.leader.config, *verdict.tied))
+        return np.array([(e.hardware, e.workload, e.config) in top for e in self.estimates], dtype=bool)
+
 
 def training_set(store: Store, include_oversubscribed: bool = False) -> TrainingSet:
-    """Read ``store`` into cases and their measured latencies. Excluded measurements are
-    left out, and so are oversubscribed ones unless ``include_oversubscribed``."""
+    """Read ``store`` into cases and their combined measured latencies. Failed, disturbed
+    and excluded visits count for nothing; oversubscribed ones are left out unless
+    ``include_oversubscribed`` (they are also left out of the noise the intervals pool)."""
     hardware = store.hardware()
     profiles = {
         fingerprint: CalibratedProfile(host, calibration)
@@ -223,13 +249,13 @@ def training_set(store: Store, include_oversubscribed: bool = False) -> Training
         if (calibration := store.calibration(fingerprint)) is not None
     }
     oversubscribed = None if include_oversubscribed else False  # None: no filter
-    usable = store.results(status="ok", excluded=False, oversubscribed=oversubscribed)
-    latest = {(r.hardware, r.workload, r.config): r for r in usable}
-    kept = [r for r in latest.values() if r.hardware in profiles and r.median_ms]
+    rows = store.results(status="ok", excluded=False, disturbed=False, oversubscribed=oversubscribed)
+    estimates = combine(rows)
+    kept = [e for e in estimates.values() if e.hardware in profiles]
     return TrainingSet(
-        cases=[Case(r.workload, r.config, profiles[r.hardware]) for r in kept],
-        latencies_s=np.array([r.median_ms for r in kept], dtype=float) / 1e3,
-        results=kept,
+        cases=[Case(e.workload, e.config, profiles[e.hardware]) for e in kept],
+        latencies_s=np.array([e.median_ms for e in kept], dtype=float) / 1e3,
+        estimates=kept,
         profiles=profiles,
-        uncalibrated=frozenset(r.hardware for r in latest.values()) - set(profiles),
+        uncalibrated=frozenset(e.hardware for e in estimates.values()) - set(profiles),
     )

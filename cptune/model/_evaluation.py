@@ -6,6 +6,11 @@ the configurations measured for it - and on the fit of the numbers themselves:
 
 - top-1: fraction of decisions whose pick is the fastest measured configuration;
 - regret: measured latency of the pick / the best measured latency (1.0 is perfect);
+- regret with ties as ties: 1.0 when the measured verdict of the decision
+  (``cptune.estimate.judge``) cannot tell the pick from the fastest (it is the leader or
+  tied with it within the noise of that hardware), else the plain regret. Measured
+  latencies are the combined estimates of all clean visits, so a pick that differs from the
+  leader by less than the noise is not charged for the noise;
 - Spearman: rank correlation of predicted and measured latencies within a decision;
 - MAPE: mean absolute percentage error of the predicted latencies;
 - coverage: fraction of measurements inside the predicted interval (the model advertises
@@ -14,13 +19,19 @@ the configurations measured for it - and on the fit of the numbers themselves:
 Groups are whole sequence lengths (``by="seq_len"``: the model never saw that length on
 any workload) or whole hardware fingerprints (``by="hardware"``: only the prior speaks).
 
-Every method is scored the same way beside two baselines a user would otherwise rely on:
+Every method is scored the same way, and so is ``recommend``'s own pick (the model as
+``fit_advised`` settles it on each training fold: with the learned correction only where it
+helps), beside two baselines a user would otherwise rely on:
 the physical prior alone (no learned correction), and a fixed rule - always the
 configuration that was fastest in the most decisions of the training folds (among those
 measured for the decision; a rule picks, it predicts no latency, so it has no MAPE or
 coverage). ``correction_verdict`` decides whether ``recommend`` applies the learned
-correction: only when, out of fold, it is no worse than the prior alone on MAPE and on mean
-regret (within ``REGRET_TOLERANCE``: picks that close are a tie, and then the numbers decide).
+correction: only when, out of fold, it is no worse than the prior alone on MAPE, and not
+separated from it as worse on regret with ties as ties. Regrets are paired decision by
+decision (same workloads, same truth); the correction is worse only where the 95% interval of
+its mean log regret over the prior's lies above 0. A difference within that interval is a
+tie, as one between two measured configurations is: a dozen decisions, each settled by one
+pick, cannot rank two methods whose numbers (MAPE, over every sample) already speak.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.stats import spearmanr
+from scipy.stats import t as student_t
 from sklearn.base import clone
 from sklearn.model_selection import GroupKFold
 
@@ -40,11 +52,8 @@ from cptune.model._cost_model import MIN_SAMPLES, Case, CostModel, TrainingSet, 
 from cptune.store import Store
 
 GROUPINGS: tuple[str, ...] = ("seq_len", "hardware")
-#: Mean regrets this close (relative) count as equal when judging the correction: repeated
-#: medians of one configuration differ by about that much.
-REGRET_TOLERANCE = 0.01
 #: The methods ``compare`` scores, in the order ``cptune fit`` shows them.
-MODEL, PRIOR, FIXED_RULE = "cost model", "prior alone", "fixed rule"
+MODEL, PRIOR, FIXED_RULE, RECOMMENDED = "cost model", "prior alone", "fixed rule", "recommend's pick"
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,9 @@ class GroupScore:
     spearman: float
     mape: float
     coverage: float
+    #: Mean and worst regret with ties as ties (the plain ones where no verdict was given).
+    tie_regret: float
+    worst_tie_regret: float
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,16 @@ class Evaluation:
     def worst_regret(self) -> float:
         return max(g.worst_regret for g in self.groups)
 
+    @property
+    def median_tie_regret(self) -> float:
+        """The median over held-out groups of their mean regret with ties as ties."""
+        return float(np.median([g.tie_regret for g in self.groups]))
+
+    @property
+    def worst_tie_regret(self) -> float:
+        """The worst single decision's regret with ties as ties."""
+        return max(g.worst_tie_regret for g in self.groups)
+
 
 @dataclass(frozen=True)
 class CorrectionVerdict:
@@ -95,7 +117,8 @@ class CorrectionVerdict:
 
     def to_dict(self) -> dict[str, object]:
         def scores(score: GroupScore | None) -> dict[str, float] | None:
-            return None if score is None else {"regret": score.regret, "mape": score.mape}
+            return None if score is None else {"regret": score.regret, "tie_regret": score.tie_regret,
+                                               "mape": score.mape}
 
         return {"applied": self.applied, "reason": self.reason, "correction": scores(self.correction),
                 "prior": scores(self.prior)}
@@ -120,18 +143,17 @@ def score_group(
     predicted: np.ndarray,
     interval: tuple[np.ndarray, np.ndarray] | None = None,
     latencies: bool = True,
+    tied: np.ndarray | None = None,
 ) -> GroupScore:
     """Score predictions for ``cases`` against their measured latencies (same units), and
     the ``interval`` (low, high) when given. ``latencies`` False: ``predicted`` is only a
-    preference (lower first), so there is no MAPE."""
-    regrets, hits, correlations = [], [], []
-    for members in _decisions(cases):
-        truth, guess = measured[members], predicted[members]
-        regret = float(truth[int(np.argmin(guess))] / truth.min())
-        regrets.append(regret)
-        hits.append(regret == 1.0)
-        if len(members) > 2:
-            correlations.append(float(spearmanr(guess, truth).statistic))
+    preference (lower first), so there is no MAPE. ``tied``: for each case, whether its
+    decision's measured verdict cannot tell it from the fastest (``TrainingSet.tied_with_leader``);
+    a pick among those has regret 1.0 with ties as ties."""
+    correlations = [float(spearmanr(predicted[members], measured[members]).statistic)
+                    for members in _decisions(cases) if len(members) > 2]
+    regrets, tie_regrets = _decision_regrets(cases, measured, predicted, tied)
+    hits = regrets == 1.0
     coverage = float("nan")
     if interval is not None:
         low, high = interval
@@ -146,7 +168,35 @@ def score_group(
         spearman=float(np.nanmean(correlations)) if correlations else float("nan"),
         mape=float(np.mean(np.abs(predicted - measured) / measured) * 100) if latencies else float("nan"),
         coverage=coverage,
+        tie_regret=float(np.mean(tie_regrets)),
+        worst_tie_regret=float(np.max(tie_regrets)),
     )
+
+
+def _decision_regrets(
+    cases: Sequence[Case], measured: np.ndarray, predicted: np.ndarray, tied: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each decision's regret and its regret with ties as ties (see ``score_group``)."""
+    regrets, tie_regrets = [], []
+    for members in _decisions(cases):
+        truth = measured[members]
+        pick = int(np.argmin(predicted[members]))
+        regret = float(truth[pick] / truth.min())
+        regrets.append(regret)
+        tie_regrets.append(1.0 if tied is not None and tied[members[pick]] else regret)
+    return np.array(regrets), np.array(tie_regrets)
+
+
+def _clearly_worse(regrets: np.ndarray, baseline: np.ndarray) -> bool:
+    """Whether ``regrets`` are worse than ``baseline``'s on the same decisions beyond their
+    noise: the 95% t interval of the mean paired log ratio lies above 0."""
+    differences = np.log(regrets) - np.log(baseline)
+    mean = float(differences.mean())
+    if len(differences) < 2:
+        return mean > 0
+    count = len(differences)
+    half = float(student_t.ppf(0.975, count - 1)) * float(differences.std(ddof=1)) / np.sqrt(count)
+    return mean - half > 0
 
 
 def _folds(cases: Sequence[Case], by: str) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
@@ -164,16 +214,22 @@ def _folds(cases: Sequence[Case], by: str) -> tuple[np.ndarray, list[tuple[np.nd
 
 
 def held_out_predictions(
-    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None,
+    advised: bool = False, tied: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Each case's group name and its latency (s) and interval (low, high, s) predicted by
     a clone of ``model`` fitted on every other group (``GroupKFold``, one fold per group):
-    what the model says about data it has not seen."""
+    what the model says about data it has not seen. ``advised``: the model ``recommend``
+    would use instead (``fit_advised`` on the training groups, with their ``tied`` flags)."""
     cases = list(cases)
     groups, folds = _folds(cases, by)
     predicted, low, high = (np.empty(len(cases)) for _ in range(3))
     for train, test in folds:
-        fitted = clone(model or CostModel()).fit([cases[i] for i in train], latencies[train])
+        training = [cases[i] for i in train]
+        if advised:
+            fitted, _ = fit_advised(training, latencies[train], None if tied is None else tied[train])
+        else:
+            fitted = clone(model or CostModel()).fit(training, latencies[train])
         predicted[test], low[test], high[test] = fitted.predict_interval([cases[i] for i in test])
     return groups, predicted, low, high
 
@@ -203,61 +259,88 @@ def _fixed_rule_preferences(
 def _evaluation(
     method: str, by: str, cases: list[Case], latencies: np.ndarray, groups: np.ndarray, predicted: np.ndarray,
     interval: tuple[np.ndarray, np.ndarray] | None, predicts_latency: bool = True,
+    tied: np.ndarray | None = None,
 ) -> Evaluation:
     scores = []
     for name in sorted(set(groups), key=lambda g: (len(g), g)):
         members = np.flatnonzero(groups == name)
         band = None if interval is None else (interval[0][members], interval[1][members])
         scores.append(score_group(name, [cases[i] for i in members], latencies[members], predicted[members],
-                                  band, predicts_latency))
-    overall = score_group("all", cases, latencies, predicted, interval, predicts_latency)
+                                  band, predicts_latency, None if tied is None else tied[members]))
+    overall = score_group("all", cases, latencies, predicted, interval, predicts_latency, tied)
     return Evaluation(by=by, groups=tuple(scores), overall=overall, method=method)
 
 
 def cross_validate_groups(
     cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None,
-    method: str = MODEL,
+    method: str = MODEL, tied: np.ndarray | None = None, advised: bool = False,
 ) -> Evaluation:
-    """Hold out each group in turn and score the held-out predictions of each group."""
+    """Hold out each group in turn and score the held-out predictions of each group
+    (``tied`` and ``advised`` as for ``score_group`` and ``held_out_predictions``)."""
     cases = list(cases)
-    groups, predicted, low, high = held_out_predictions(cases, latencies, by, model)
-    return _evaluation(method, by, cases, latencies, groups, predicted, (low, high))
+    groups, predicted, low, high = held_out_predictions(cases, latencies, by, model, advised, tied)
+    return _evaluation(method, by, cases, latencies, groups, predicted, (low, high), tied=tied)
 
 
-def fixed_rule(cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len") -> Evaluation:
+def fixed_rule(
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", tied: np.ndarray | None = None
+) -> Evaluation:
     """The fixed-rule baseline (see the module docstring), held out and scored as the model is."""
     cases = list(cases)
     groups, preference = _fixed_rule_preferences(cases, latencies, by)
-    return _evaluation(FIXED_RULE, by, cases, latencies, groups, preference, None, predicts_latency=False)
+    return _evaluation(FIXED_RULE, by, cases, latencies, groups, preference, None, predicts_latency=False,
+                       tied=tied)
 
 
 def compare(
-    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None
-) -> tuple[Evaluation, Evaluation, Evaluation]:
-    """The cost model, the prior alone and the fixed rule, each held out ``by`` and scored alike."""
+    cases: Sequence[Case], latencies: np.ndarray, by: str = "seq_len", model: CostModel | None = None,
+    tied: np.ndarray | None = None,
+) -> tuple[Evaluation, Evaluation, Evaluation, Evaluation]:
+    """The cost model, the prior alone, ``recommend``'s pick (``fit_advised`` per fold; with
+    the default model) and the fixed rule, each held out ``by`` and scored alike."""
     prior_only = clone(model or CostModel()).set_params(learn_correction=False)
-    return (cross_validate_groups(cases, latencies, by, model),
-            cross_validate_groups(cases, latencies, by, prior_only, method=PRIOR),
-            fixed_rule(cases, latencies, by))
+    return (cross_validate_groups(cases, latencies, by, model, tied=tied),
+            cross_validate_groups(cases, latencies, by, prior_only, method=PRIOR, tied=tied),
+            cross_validate_groups(cases, latencies, by, method=RECOMMENDED, tied=tied, advised=True),
+            fixed_rule(cases, latencies, by, tied))
 
 
-def correction_verdict(model: CostModel, cases: Sequence[Case], latencies: np.ndarray) -> CorrectionVerdict:
+def correction_verdict(
+    model: CostModel, cases: Sequence[Case], latencies: np.ndarray, tied: np.ndarray | None = None
+) -> CorrectionVerdict:
     """Whether the learned correction of ``model`` (fitted on ``cases``) should be applied:
-    its out-of-fold predictions against the prior alone on the same cases, by mean regret
-    and MAPE; it is applied only when worse on neither (regret within ``REGRET_TOLERANCE``)."""
+    its out-of-fold predictions against the prior alone on the same cases, by MAPE and by
+    regret with ties as ties (``tied`` as for ``score_group``); it is applied only when no
+    worse on MAPE and not worse beyond the decisions' noise on regret (module docstring)."""
     if model.out_of_fold_ is None:
         reason = (f"fewer than {MIN_SAMPLES} measurements" if model.learn_correction and
                   model.n_samples_ < MIN_SAMPLES else "no correction fitted")
         return CorrectionVerdict(False, reason, None, None)
     cases = list(cases)
     prior = np.array([case.prior().total_s for case in cases])
-    learned = score_group("correction", cases, latencies, model.out_of_fold_)
-    alone = score_group("prior", cases, latencies, prior)
-    applied = learned.regret <= alone.regret * (1 + REGRET_TOLERANCE) and learned.mape <= alone.mape
+    learned = score_group("correction", cases, latencies, model.out_of_fold_, tied=tied)
+    alone = score_group("prior", cases, latencies, prior, tied=tied)
+    worse = _clearly_worse(_decision_regrets(cases, latencies, model.out_of_fold_, tied)[1],
+                           _decision_regrets(cases, latencies, prior, tied)[1])
+    applied = not worse and learned.mape <= alone.mape
     verdict = "no worse than the prior alone" if applied else "worse than the prior alone"
-    reason = (f"held out, the learned correction is {verdict}: regret {learned.regret:.3f} vs "
-              f"{alone.regret:.3f}, MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%")
+    reason = (f"held out, the learned correction is {verdict}: regret (ties as ties) "
+              f"{learned.tie_regret:.3f} vs {alone.tie_regret:.3f}, "
+              f"MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%")
     return CorrectionVerdict(applied, reason, learned, alone)
+
+
+def fit_advised(
+    cases: Sequence[Case], latencies_s: np.ndarray, tied: np.ndarray | None = None
+) -> tuple[CostModel, CorrectionVerdict]:
+    """The model ``recommend`` predicts with, fitted on ``cases``: with the learned correction
+    only where, held out, it is no worse than the prior alone (the verdict says; ``tied`` as
+    for ``correction_verdict``)."""
+    model = CostModel().fit(cases, latencies_s)
+    verdict = correction_verdict(model, cases, latencies_s, tied)
+    if not verdict.applied and model.correction_ is not None:
+        model = model.set_params(learn_correction=False).fit(cases, latencies_s)
+    return model, verdict
 
 
 def load_training(db: str | None = None, include_oversubscribed: bool = False) -> TrainingSet:
@@ -279,4 +362,4 @@ def evaluate(db: str | None = None, by: str = "seq_len", model: CostModel | None
     """Cross-validate the cost model on the measurements of ``db`` (default as for the
     CLI), holding out whole sequence lengths or whole hardware fingerprints."""
     data = load_training(db)
-    return cross_validate_groups(data.cases, data.latencies_s, by, model)
+    return cross_validate_groups(data.cases, data.latencies_s, by, model, tied=data.tied_with_leader())

@@ -1,10 +1,19 @@
 """Recommendations: the fastest configuration for a workload on a hardware, and the evidence.
 
 Each feasible configuration gets a latency from the best evidence there is: its own
-measurement (``measured``), the cost model fitted on this hardware's measurements
+measurements (``measured``: every clean visit combined, ``cptune.estimate.combine``, with
+the estimate's 95% interval), the cost model fitted on this hardware's measurements
 (``model``), or the physical prior alone (``prior``, for hardware that is only calibrated or
 only described). The fastest wins; with ``ranks=None`` that may use fewer ranks than the
 hardware has.
+
+How sure the pick is comes with it (``Recommendation.tied``, ``describe``): a measured pick
+carries the measured verdict (``cptune.estimate.judge`` over the measured candidates): the
+pick faster than the runner-up by p% (interval), or tied with those the noise of this
+hardware cannot separate from it. A prior-only pick on a description lists the alternatives
+its figures' ranges cannot order (``ties``). Model-predicted candidates are never called tied,
+whatever their interval: a tie is a statement about measurements, and a prediction whose
+band reaches the pick is a reason to measure it (``cptune search``), not evidence of a tie.
 
 The model is fitted in memory from the database and refitted when the database gains
 measurements or calibrations; nothing is ever unpickled. The learned correction is applied
@@ -22,17 +31,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from cptune.config import STRATEGIES, CPConfig
 from cptune.errors import CPTuneError, InfeasibleConfigError
+from cptune.estimate import Estimate, Verdict, judge
 from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import HardwareDescriptionError, load_description, this_host
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
-from cptune.model._evaluation import CorrectionVerdict, correction_verdict
+from cptune.model._evaluation import CorrectionVerdict, fit_advised
 from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, Tie, decide, figure_swings
-from cptune.store import Result, Store, StoreError, database_url, display_url, missing_database
+from cptune.store import Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
@@ -40,8 +48,9 @@ SOURCES: tuple[str, ...] = ("measured", "model", "prior")
 
 @dataclass(frozen=True)
 class Candidate:
-    """One feasible configuration with its latency (ms), interval and where they come from;
-    ``measurement_id`` names the stored row when measured."""
+    """One feasible configuration with its latency (ms), interval and where they come from.
+    Measured: the combined estimate and its 95% interval; ``measurement_ids`` the clean
+    visits combined (oldest first), ``measurement_id`` the newest of them."""
 
     config: CPConfig
     latency_ms: float
@@ -49,12 +58,13 @@ class Candidate:
     high_ms: float
     source: str
     measurement_id: int | None = None
+    measurement_ids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         return {
             **self.config.to_dict(), "label": self.config.label, "latency_ms": self.latency_ms,
             "low_ms": self.low_ms, "high_ms": self.high_ms, "source": self.source,
-            "measurement_id": self.measurement_id,
+            "measurement_id": self.measurement_id, "measurement_ids": list(self.measurement_ids),
         }
 
 
@@ -73,6 +83,8 @@ class Recommendation:
     #: Alternatives the description's figure ranges cannot tell from the pick (prior only),
     #: each with the figure that would decide.
     ties: tuple[Tie, ...] = ()
+    #: The measured verdict over the measured candidates when the pick is measured, else None.
+    verdict: Verdict | None = None
 
     @property
     def best(self) -> Candidate:
@@ -98,6 +110,28 @@ class Recommendation:
     def alternatives(self) -> tuple[Candidate, ...]:
         return self.candidates[1:]
 
+    @property
+    def tied(self) -> tuple[CPConfig, ...]:
+        """The configurations that cannot be told from the pick: for a measured pick, those
+        the measured verdict does not separate from it (fastest first); for a prior-only pick,
+        those the description's figure ranges cannot order against it (``ties``). Never
+        model-predicted ones (see the module docstring)."""
+        if self.verdict is not None:
+            return self.verdict.tied
+        return tuple(t.other for t in self.ties)
+
+    def describe(self) -> str:
+        """The pick in words: "X, faster than Y by p% (interval)" or "X and Y tied within the
+        noise of this hardware" when measured; else the pick and where its figure comes from."""
+        if self.verdict is not None:
+            return self.verdict.describe()
+        evidence = "predicted by the cost model" if self.source == "model" else "from the physical prior"
+        if self.ties:
+            names = [self.config.describe(), *(t.other.describe() for t in self.ties)]
+            return (f"{', '.join(names[:-1])} and {names[-1]} tied within what the description's figures "
+                    f"allow ({evidence})")
+        return f"{self.config.describe()} ({evidence})"
+
     def to_dict(self) -> dict[str, object]:
         return {
             "workload": self.workload.to_dict(), "hardware": self.hardware, "fingerprint": self.fingerprint,
@@ -111,6 +145,13 @@ class Recommendation:
             "ties": [
                 {**t.other.to_dict(), "label": t.other.label, "figure": t.figure, "end": t.end}
                 for t in self.ties
+            ],
+            "tied": [{**c.to_dict(), "label": c.label} for c in self.tied],
+            "verdict": self.describe(),
+            "comparisons": [] if self.verdict is None else [
+                {**c.other.to_dict(), "label": c.other.label, "ratio": c.ratio, "low": c.low, "high": c.high,
+                 "paired_rounds": c.paired_rounds, "separated": c.separated}
+                for c in self.verdict.comparisons
             ],
         }
 
@@ -128,7 +169,7 @@ class _Advisor:
         self.verdict = CorrectionVerdict(False, "nothing fitted yet", None, None)
         self.profiles: dict[str, CalibratedProfile] = {}
         self.fingerprints: list[str] = []
-        self.measured: dict[tuple[str, Workload, CPConfig], Result] = {}
+        self.measured: dict[tuple[str, Workload, CPConfig], Estimate] = {}
 
     def refresh(self) -> None:
         if self.store is None:
@@ -138,10 +179,10 @@ class _Advisor:
         if revision == self.revision:
             return
         data = training_set(self.store)
-        self.model, self.verdict = fit_advised(data.cases, data.latencies_s)
+        self.model, self.verdict = fit_advised(data.cases, data.latencies_s, data.tied_with_leader())
         self.profiles = data.profiles
         self.fingerprints = list(self.store.hardware())  # rows come only with measurements or calibrations
-        self.measured = {(r.hardware, r.workload, r.config): r for r in data.results}
+        self.measured = {(e.hardware, e.workload, e.config): e for e in data.estimates}
         self.revision = revision
 
     def profile(self, hardware: str | None) -> Profile:
@@ -177,16 +218,6 @@ class _Advisor:
             known = ", ".join(sorted(self.profiles)) or "none"
             where = display_url(self.url)
             raise CPTuneError(f"{exc} (calibrated fingerprints in {where}: {known})") from None
-
-
-def fit_advised(cases: Sequence[Case], latencies_s: np.ndarray) -> tuple[CostModel, CorrectionVerdict]:
-    """The model ``recommend`` predicts with, fitted on ``cases``: with the learned correction
-    only where, held out, it is no worse than the prior alone (the verdict says)."""
-    model = CostModel().fit(cases, latencies_s)
-    verdict = correction_verdict(model, cases, latencies_s)
-    if not verdict.applied and model.correction_ is not None:
-        model = model.set_params(learn_correction=False).fit(cases, latencies_s)
-    return model, verdict
 
 
 def predicted(
@@ -279,11 +310,13 @@ def recommend(
         )
     candidates = []
     to_predict = []
+    measured = []
     for config in feasible:
-        result = advisor.measured.get((profile.fingerprint, workload, config))
-        if result is not None and result.median_ms is not None:
-            low, high = result.p10_ms or result.median_ms, result.p90_ms or result.median_ms
-            candidates.append(Candidate(config, result.median_ms, low, high, "measured", result.id))
+        estimate = advisor.measured.get((profile.fingerprint, workload, config))
+        if estimate is not None:
+            measured.append(estimate)
+            candidates.append(Candidate(config, estimate.median_ms, estimate.low_ms, estimate.high_ms,
+                                        "measured", estimate.visits[-1].id, estimate.ids))
         else:
             to_predict.append(config)
     if to_predict:
@@ -293,6 +326,7 @@ def recommend(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
         candidates=tuple(candidates), infeasible=infeasible, correction=advisor.verdict,
         ties=_ties(workload, profile, candidates),
+        verdict=judge(measured) if candidates[0].source == "measured" else None,
     )
 
 

@@ -66,13 +66,16 @@ class Bucket:
     source: str
     #: The stored measurements behind it, the pick's first; empty when predicted.
     measurement_ids: tuple[int, ...]
+    #: Configurations tied with ``config`` (``Recommendation.tied``), fastest first: a deployment
+    #: may run any of them at no cost the evidence can see.
+    tied: tuple[CPConfig, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "min_seq_len": self.min_seq_len, "max_seq_len": self.max_seq_len, "seq_len": self.seq_len,
             "config": self.config.to_dict(), "label": self.config.label, "latency_ms": self.latency_ms,
             "interval_ms": list(self.interval_ms), "source": self.source,
-            "measurement_ids": list(self.measurement_ids),
+            "measurement_ids": list(self.measurement_ids), "tied": [c.to_dict() for c in self.tied],
         }
 
 
@@ -348,19 +351,20 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
                                                        f"starts one past the previous max_seq_len")
         if not entry["min_seq_len"] <= entry["seq_len"] <= entry["max_seq_len"]:
             raise locate.error(at + ("seq_len",), "must lie within min_seq_len..max_seq_len")
-        config = CPConfig(**entry["config"])
-        reasons = feasibility(shape.at(entry["seq_len"]), config)
-        if reasons:
-            raise locate.error(at + ("config",), f"{config.describe()} cannot run this shape: {reasons[0]}")
-        if config.ranks > data["launch"]["ranks"]:
-            raise locate.error(at + ("config", "ranks"), f"{config.ranks} ranks, but the launch starts "
-                                                          f"only {data['launch']['ranks']}")
+        config = _runnable(entry["config"], at + ("config",), shape.at(entry["seq_len"]), data, locate)
         if entry["label"] != config.label:
             raise locate.error(at + ("label",), f"must be {config.label!r}, the label of its config")
+        tied: list[CPConfig] = []
+        for j, alternative in enumerate(entry.get("tied", [])):
+            other = _runnable(alternative, at + ("tied", j), shape.at(entry["seq_len"]), data, locate)
+            if other == config or other in tied:
+                raise locate.error(at + ("tied", j), f"{other.describe()} is listed already in this bucket: "
+                                                     f"each tied configuration once, never the bucket's own")
+            tied.append(other)
         low, high = entry["interval_ms"]
         buckets.append(Bucket(
             entry["min_seq_len"], entry["max_seq_len"], entry["seq_len"], config, entry["latency_ms"],
-            (low, high), entry["source"], tuple(entry["measurement_ids"]),
+            (low, high), entry["source"], tuple(entry["measurement_ids"]), tuple(tied),
         ))
     launch = data["launch"]
     devices = tuple(Device(**d) for d in launch["devices"])
@@ -376,6 +380,22 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
         created_at=data["created_at"],
         source=name,
     )
+
+
+def _runnable(
+    fields: dict[str, Any], at: tuple[str | int, ...], workload: Workload, data: dict[str, Any],
+    locate: _Locator,
+) -> CPConfig:
+    """The configuration ``fields`` (at ``at`` in the file), refused unless it runs ``workload``
+    within the plan's launch."""
+    config = CPConfig(**fields)
+    reasons = feasibility(workload, config)
+    if reasons:
+        raise locate.error(at, f"{config.describe()} cannot run this shape: {reasons[0]}")
+    if config.ranks > data["launch"]["ranks"]:
+        raise locate.error(at + ("ranks",), f"{config.ranks} ranks, but the launch starts "
+                                            f"only {data['launch']['ranks']}")
+    return config
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")

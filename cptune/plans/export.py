@@ -7,6 +7,10 @@ A length between two tuned lengths a < b falls in the bucket of the nearer one b
 (the boundary is sqrt(a * b)): attention cost grows with S^2, so the closer workload in
 cost is the closer one on a log scale. Lengths above the longest tuned one are refused by
 ``Plan.bucket``: the plan has no evidence there.
+
+A bucket lists the configurations tied with its pick (``Recommendation.tied``: measured ones
+the noise cannot separate from it, or a description's alternatives its figures cannot order);
+the launch starts as many ranks as the largest listed configuration uses, so any of them runs.
 """
 
 from __future__ import annotations
@@ -56,12 +60,13 @@ def export_plan(
     buckets = []
     for seq_len, (low, high) in zip(lengths, bucket_bounds(lengths), strict=True):
         pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies)
-        # the pick's measurement first, then those it beat; none when the pick is predicted
-        ids = [c.measurement_id for c in pick.candidates if c.measurement_id is not None]
+        # the pick's measurements first, then those it was judged against; none when predicted
+        ids = [i for c in pick.candidates for i in c.measurement_ids]
         evidence = tuple(ids) if pick.source == "measured" else ()
         buckets.append(Bucket(low, high, seq_len, pick.config, pick.latency_ms, pick.interval_ms,
-                              pick.source, evidence))
-    used = max(b.config.ranks for b in buckets)
+                              pick.source, evidence, pick.tied))
+    # every listed configuration, tied alternatives too, can run within the launch
+    used = max(c.ranks for b in buckets for c in (b.config, *b.tied))
     if isinstance(profile, DescribedProfile):
         description = profile.description
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
