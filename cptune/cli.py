@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -590,6 +591,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
         visits = measured = failed = disturbed = 0
+        seen: Counter[int] = Counter()  # visits (reused ones too) per sequence length, for the bars
 
         with Live(Group(progress, _best_table(space, verdicts, finished)), console=console,
                   refresh_per_second=4) as live:
@@ -604,7 +606,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                     race_rounds=race_rounds,
                 )
                 seq_len = workload.seq_len
-                verdicts[seq_len] = search.judge()
+                verdicts[seq_len] = search.current_verdict()
                 task = progress.add_task(f"seq {seq_len}", total=None)
 
                 def on_visit(visit: Visit, task: TaskID = task, search: WorkloadSearch = search,
@@ -614,18 +616,17 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                         visits += 1
                         failed += visit.status != "ok"
                         disturbed += visit.disturbed is not None
-                    progress.advance(task)
-                    done = progress.tasks[task].completed
+                    seen[seq_len] += 1
                     progress.update(task, description=f"seq {seq_len} {_PHASE_WORDS[visit.phase]}",
-                                    total=done + visit.left)
+                                    completed=seen[seq_len], total=seen[seq_len] + visit.left)
                     verdicts[seq_len] = search.verdict
                     live.update(Group(progress, _best_table(space, verdicts, finished)))
 
                 search.on_visit = on_visit
                 ran = search.run()
                 measured += len({v.config for v in ran if not v.reused})
-                done = progress.tasks[task].completed
-                progress.update(task, description=f"seq {seq_len}", total=done, completed=done)
+                progress.update(task, description=f"seq {seq_len}", total=seen[seq_len],
+                                completed=seen[seq_len])
                 verdicts[seq_len] = search.verdict
                 finished.add(seq_len)
                 if search.unguided is not None:

@@ -37,6 +37,7 @@ import math
 import random
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -378,6 +379,7 @@ class WorkloadSearch:
         self._explore_left = 0
         self._race_left = 0
         self._view: Study | None = None
+        self._ran: Counter[CPConfig] = Counter()  # this search's runs of each configuration
 
     @property
     def cap(self) -> int:
@@ -413,10 +415,13 @@ class WorkloadSearch:
             entry.latest = row
         return tally
 
-    def _runnable(self, entry: _Tally) -> bool:
-        return not entry.failed and entry.attempts < self.max_attempts
+    def _runnable(self, config: CPConfig, entry: _Tally) -> bool:
+        """Whether ``config`` may be visited again: its latest run did not fail and its runs are
+        not used up (counted in the store, and by this search itself, so it ends whatever the
+        store holds)."""
+        return not entry.failed and max(entry.attempts, self._ran[config]) < self.max_attempts
 
-    def judge(self) -> Verdict | None:
+    def current_verdict(self) -> Verdict | None:
         """The verdict over every clean visit stored of these configurations (None before any)."""
         return judge(combine(self._rows()).values())
 
@@ -566,7 +571,7 @@ class WorkloadSearch:
         """Phase 2: configurations that ran, with fewer than ``rounds`` clean visits."""
         tally = self._tally(self._rows())
         return [c for c in self.configs
-                if c in tally and self._runnable(tally[c]) and tally[c].clean < self.rounds]
+                if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.rounds]
 
     def _race_entrants(self) -> list[CPConfig]:
         """Phase 3: the leader and those tied with it, each while it has runs and clean visits left."""
@@ -576,7 +581,7 @@ class WorkloadSearch:
             return []
         tally = self._tally(rows)
         group = (self.verdict.leader.config, *self.verdict.tied)
-        return [c for c in group if c in tally and self._runnable(tally[c]) and tally[c].clean < self.cap]
+        return [c for c in group if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.cap]
 
     def _round_of(self, configs: list[CPConfig], phase: str, visits: list[Visit],
                   deadline: float | None) -> bool:
@@ -603,6 +608,7 @@ class WorkloadSearch:
 
     def _visit(self, config: CPConfig, phase: str, round_id: str, visits: list[Visit]) -> Visit:
         """Measure ``config`` once and store the result (a failure with its reason)."""
+        self._ran[config] += 1
         try:
             m = measure(self.workload, config, backend=self.backend, warmup=self.warmup,
                         repeats=self.repeats, timeout=self.run_timeout)
@@ -635,5 +641,6 @@ class WorkloadSearch:
         if self._phase == "race":
             return self._race_left
         tally = self._tally(rows)
-        missing = sum(max(0, self.rounds - entry.clean) for entry in tally.values() if self._runnable(entry))
+        missing = sum(max(0, self.rounds - entry.clean) for config, entry in tally.items()
+                      if self._runnable(config, entry))
         return missing + (self._explore_left * self.rounds if self._phase == "explore" else 0)

@@ -433,3 +433,20 @@ def test_what_is_known_combines_every_clean_visit_rather_than_taking_the_newest(
     store.add_failure(host, WORKLOAD, AG, "timeout", "took too long", "mpi")
     assert search(store).known() == {RING: ("ok", pytest.approx(20.0), None),
                                      AG: ("timeout", None, "took too long")}
+
+
+def test_a_search_ends_even_when_its_new_runs_are_not_counted(store, monkeypatch):
+    """Rows the search does not count (here: stored as run with another oversubscription than
+    a run gets now) add nothing to its tally; its own count of runs still ends it."""
+    import dataclasses
+
+    runs = Runs(lambda config, n: 10.0)
+
+    def drifting(workload, config, **options):
+        m = runs(workload, config, **options)
+        return m if len(runs.calls) == 1 else dataclasses.replace(m, oversubscribed=not m.oversubscribed)
+
+    monkeypatch.setattr("cptune.search.measure", drifting)
+    s = search(store, configs=[RING], rounds=2, race_rounds=1)
+    s.run()
+    assert runs.calls == [RING] * s.max_attempts
