@@ -217,3 +217,52 @@ def test_corrupt_database_exits_2_and_is_kept(tmp_path):
     assert result.returncode == 2 and "not a database" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert db.read_bytes() == before
+
+
+def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tmp_path, monkeypatch, capsys):
+    """In process, with ``measure`` standing in: ring on 2 ranks is always disturbed."""
+    import dataclasses
+
+    from conftest import measurement
+    from cptune import CPConfig
+    from cptune.cli import main
+
+    def measure(workload, config, **_):
+        reason = "load 3.1 on 2 cores" if config == CPConfig("ring", 2) else None
+        return dataclasses.replace(measurement(workload, config, 10.0 * config.ranks), disturbed=reason)
+
+    monkeypatch.setattr("cptune.search.measure", measure)
+    monkeypatch.setattr("cptune.search.time.sleep", lambda seconds: None)
+    code = main(["search", "--db", str(tmp_path / "d.db"), *QUICK[:4], "--seq-lens", "64", "--ranks", "1,2",
+                 "--no-calibrate", "--rounds", "1", "--race-rounds", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "seq 64: 4 visit(s) disturbed by other load: stored marked, not counted, visited again" in lines
+    assert any(line.startswith("seq 64: Ring on 2 ranks never ran clean in 4 visits") for line in lines), out
+    assert any(line.startswith("seq 64: local attention on 1 rank, faster than") for line in lines), out
+    assert any(line.startswith("4 configuration(s) measured now in 7 visit(s) (0 failed, stored with their "
+                               "reason; 4 disturbed") for line in lines), out
+
+
+def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import measurement
+    from cptune import CPConfig, Workload
+    from cptune.cli import _verdict_line
+    from cptune.estimate import combine, judge
+
+    workload = Workload(seq_len=64, heads=4, head_dim=16)
+    with Store(str(tmp_path / "o.db")) as store:
+        for config, ms in ((CPConfig("ring", 4), 5.0), (CPConfig("ring", 1), 20.0)):
+            store.add_measurement(this_host(), measurement(workload, config, ms))
+        rows = store.results()
+    verdict = judge(combine(rows).values())
+    monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: ranks > 2)
+    line = _verdict_line(64, SimpleNamespace(verdict=verdict))
+    assert line.startswith("seq 64: Ring on 4 ranks, faster than local attention on 1 rank by 300.0%")
+    assert line.endswith("; it ran more ranks than cores (--oversubscribe), so the model and the picks "
+                         "leave it out")
+    monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: False)
+    assert "oversubscribe" not in _verdict_line(64, SimpleNamespace(verdict=verdict))
