@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--db", help=db_help)
     search.add_argument("--trials", type=_positive,
                         help="trial budget per sequence length (default: the space's)")
-    search.add_argument("--timeout", type=_seconds, help="time budget per sequence length, in seconds")
+    search.add_argument("--timeout", type=_seconds,
+                        help="time budget per sequence length (trials, rounds and race), in seconds")
     search.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
     search.add_argument("--ranks", type=_positive_list,
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
@@ -641,8 +642,9 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                                   f"not counted, visited again")
                 if search.never_clean:
                     names = ", ".join(c.describe() for c in search.never_clean)
+                    them = "it" if len(search.never_clean) == 1 else "them"
                     _say(console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
-                                  f"(other load each time), so the verdict leaves it out; rerun when the "
+                                  f"(other load each time), so the verdict leaves {them} out; rerun when the "
                                   f"host is quiet")
                 live.update(Group(progress, _best_table(space, verdicts, finished)))
         if not console.is_terminal:
