@@ -164,7 +164,8 @@ BAD = [
     ("heads = 8", "heads = 8\nhaeds = 8", "model.haeds",
      ["unknown key", "did you mean 'heads'", "heads, kv_heads, head_dim, batch, dtype, causal"]),
     ("repeats = 3", "repeat = 3", "measure.repeat", ["unknown key", "did you mean 'repeats'"]),
-    ("[measure]", "[measure]\nflops = 1", "measure.flops", ["unknown key", "warmup, repeats, timeout, rounds, race_rounds"]),
+    ("[measure]", "[measure]\nflops = 1", "measure.flops",
+     ["unknown key", "warmup, repeats, timeout, rounds, race_rounds"]),
     ("[sweep]", "[sweep]\nstrategy = [\"ring\"]", "sweep.strategy",
      ["unknown key", "did you mean 'strategies'"]),
     # wrong types: expected and given both named
