@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -35,7 +36,7 @@ from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
 from cptune.execute import measure
 from cptune.feasibility import check_feasible, enumerate_configs
 from cptune.hardware import Hardware, this_gpu_node, this_host
-from cptune.measurement import Measurement, available_cores, format_ms
+from cptune.measurement import Measurement, available_cores, format_ms, oversubscribed
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
 from cptune.workload import WIRE_DTYPES, Workload
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from cptune.engines.tensorrt import NodeProbe
     from cptune.estimate import Comparison, Estimate, Verdict
     from cptune.model import GroupScore
+    from cptune.search import Visit, WorkloadSearch
     from cptune.store import Result, Store
 
 USAGE_ERROR = 2
@@ -209,9 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "For each sequence length of a search space, run Optuna trials over strategy, rank "
             "count and head group: every configuration is run on real ranks, checked against a "
-            "float64 reference, timed, and stored. Configurations already measured on this "
-            "hardware are not run again. SPACE is a TOML file or a built-in space name "
-            f"(default: {DEMO_SPACE}); or describe one model with the workload flags."
+            "float64 reference, timed, and stored. Then interleaved rounds visit each one again in "
+            "a fresh random order, and a final race re-runs those tied with the fastest until it is "
+            "separated or the budget is spent; the answer is a winner with its margin or a tie. "
+            "What is stored counts: a rerun runs only what is missing. SPACE is a TOML file or a "
+            f"built-in space name (default: {DEMO_SPACE}); or describe one model with the workload flags."
         ),
     )
     search.add_argument("space", nargs="?",
@@ -219,12 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--db", help=db_help)
     search.add_argument("--trials", type=_positive,
                         help="trial budget per sequence length (default: the space's)")
-    search.add_argument("--timeout", type=_seconds, help="time budget per sequence length, in seconds")
+    search.add_argument("--timeout", type=_seconds,
+                        help="time budget per sequence length (trials, rounds and race), in seconds")
     search.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
     search.add_argument("--ranks", type=_positive_list,
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
     _add_backend(search)
-    search.add_argument("--remeasure", action="store_true", help="run configurations even if already stored")
+    search.add_argument("--remeasure", action="store_true",
+                        help="visit every configuration afresh (exploration, rounds, race) even if stored; "
+                             "the verdict combines the new visits with the stored ones")
+    search.add_argument("--rounds", type=_positive,
+                        help="clean visits every configuration that ran gets, in interleaved rounds "
+                             "(default: the space's [measure] rounds, else 2); each visit times [measure] "
+                             "repeats iterations")
+    search.add_argument("--race-rounds", type=_non_negative,
+                        help="further visits the configurations tied with the fastest may get in the final "
+                             "race (default: the space's [measure] race_rounds, else 6; 0: no race)")
     search.add_argument("--no-calibrate", action="store_true",
                         help="skip the calibration a first search on new hardware runs (the cost "
                              "model needs one; cptune calibrate adds it later)")
@@ -511,17 +525,43 @@ def _load_search_space(args: argparse.Namespace) -> tuple[SearchSpace, str]:
     return load_space(path), str(path)
 
 
-def _best_table(space: SearchSpace, best: dict[int, tuple[CPConfig, float] | None]) -> Table:
+def _best_table(space: SearchSpace, verdicts: dict[int, Verdict | None], finished: set[int]) -> Table:
+    """Each sequence length's fastest configuration so far, with its interval and standing."""
     table = _table(f"{space.name}: fastest configuration so far",
-                   "median ms per iteration of the slowest rank, on this hardware")
-    for column in ("seq_len", "config", "ranks", "median ms"):
-        table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
-    for seq_len, pick in best.items():
-        if pick is None:
-            table.add_row(str(seq_len), "-", "-", "-")
+                   "ms per iteration of the slowest rank, combined over its clean visits, 95% interval; "
+                   "tied: within the noise of this hardware")
+    for column in ("seq_len", "config", "ranks", "ms", "95% interval", "visits", "verdict"):
+        table.add_column(column, justify="left" if column in ("config", "verdict") else "right", no_wrap=True)
+    for seq_len, verdict in verdicts.items():
+        if verdict is None:
+            table.add_row(str(seq_len), "-", "-", "-", "-", "-", "-")
+            continue
+        lead, done = verdict.leader, seq_len in finished
+        if verdict.tied:
+            standing = f"tied with {len(verdict.tied)}"
+        elif not verdict.comparisons:
+            standing = "only one" if done else "only one so far"
         else:
-            table.add_row(str(seq_len), pick[0].label, str(pick[0].ranks), f"{pick[1]:.2f}")
+            standing = "winner" if done else "leads"
+        table.add_row(str(seq_len), lead.config.label, str(lead.config.ranks), format_ms(lead.median_ms),
+                      f"{format_ms(lead.low_ms)}-{format_ms(lead.high_ms)}", str(lead.rounds), standing)
     return table
+
+
+#: How the progress bar names each phase of a search (``cptune.search.PHASES``).
+_PHASE_WORDS = {"explore": "exploring", "round": "rounds", "race": "final race"}
+
+
+def _verdict_line(seq_len: int, search: WorkloadSearch) -> str | None:
+    """What one workload's search found, in words; None when nothing ran clean."""
+    verdict = search.verdict
+    if verdict is None:
+        return None
+    line = f"seq {seq_len}: {verdict.describe()}"
+    if oversubscribed(verdict.leader.config.ranks):
+        line += ("; it ran more ranks than cores (--oversubscribe), so the model and the picks leave it "
+                 "out")
+    return line
 
 
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
@@ -531,6 +571,8 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     if not get_engine(args.backend).timed:
         raise untimed(args.backend)
     space, where = _load_search_space(args)
+    rounds = args.rounds or space.measure.rounds
+    race_rounds = space.measure.race_rounds if args.race_rounds is None else args.race_rounds
     node = _gpu_node(args.backend, args.max_ranks)
     cores = _capacity(node)  # one rank per core, or per GPU with --backend tensorrt
     available = args.max_ranks or cores
@@ -550,62 +592,80 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     with Store(args.db) as store:
         store.require_writable()
         _say(console, "searching ", (space.name, "bold"), f" ({where}) on {hardware.describe()} ",
-             (hardware.fingerprint, "dim"), f"; results in {store.url}, {args.order} order")
+             (hardware.fingerprint, "dim"), f" in {rounds} round(s), up to {race_rounds} more in the final "
+             f"race; results in {store.url}, {args.order} order")
         studies = store.optuna_storage()
         if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
             calibrated = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
             _say(console, f"this hardware has no calibration yet: calibrating 1..{calibrated} ranks first "
                           f"(the cost model's prior needs it; --no-calibrate skips)")
             _calibrate(store, hardware, calibrated, 7, console, args.backend)
-        best: dict[int, tuple[CPConfig, float] | None] = dict.fromkeys(space.seq_lens)
+        verdicts: dict[int, Verdict | None] = dict.fromkeys(space.seq_lens)
+        finished: set[int] = set()
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
-        new_runs = failed = 0
+        visits = measured = failed = disturbed = 0
+        seen: Counter[int] = Counter()  # visits (reused ones too) per sequence length, for the bars
 
-        def consider(seq_len: int, config: CPConfig, median_ms: float | None) -> None:
-            current = best[seq_len]
-            if median_ms is not None and (current is None or median_ms < current[1]):
-                best[seq_len] = (config, median_ms)
-
-        with Live(Group(progress, _best_table(space, best)), console=console, refresh_per_second=4) as live:
+        with Live(Group(progress, _best_table(space, verdicts, finished)), console=console,
+                  refresh_per_second=4) as live:
             for workload in space.workloads():
                 configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
                            if c.ranks in counts]
-                trials = args.trials or space.trials
-                total = min(trials or len(configs), len(configs))
-                task = progress.add_task(f"seq {workload.seq_len}", total=total)
-
-                def on_trial(outcome, task=task, seq_len=workload.seq_len):  # type: ignore[no-untyped-def]
-                    nonlocal new_runs, failed
-                    new_runs += not outcome.reused
-                    failed += outcome.status != "ok"
-                    consider(seq_len, outcome.config, outcome.median_ms)
-                    progress.advance(task)
-                    live.update(Group(progress, _best_table(space, best)))
-
                 search = WorkloadSearch(
                     workload, configs, store, hardware, warmup=space.measure.warmup,
                     repeats=space.measure.repeats, run_timeout=space.measure.timeout,
-                    trials=trials, time_budget=args.timeout,
-                    remeasure=args.remeasure, backend=args.backend, on_trial=on_trial,
-                    order=args.order, study_storage=studies,
+                    trials=args.trials or space.trials, time_budget=args.timeout, remeasure=args.remeasure,
+                    backend=args.backend, order=args.order, study_storage=studies, rounds=rounds,
+                    race_rounds=race_rounds,
                 )
-                known = search.known()
-                for config, (_, median, _) in known.items():
-                    consider(workload.seq_len, config, median)
-                progress.update(task, completed=len(known))
-                outcomes = search.run()
+                seq_len = workload.seq_len
+                verdicts[seq_len] = search.current_verdict()
+                task = progress.add_task(f"seq {seq_len}", total=None)
+
+                def on_visit(visit: Visit, task: TaskID = task, search: WorkloadSearch = search,
+                             seq_len: int = seq_len) -> None:
+                    nonlocal visits, failed, disturbed
+                    if not visit.reused:
+                        visits += 1
+                        failed += visit.status != "ok"
+                        disturbed += visit.disturbed is not None
+                    seen[seq_len] += 1
+                    progress.update(task, description=f"seq {seq_len} {_PHASE_WORDS[visit.phase]}",
+                                    completed=seen[seq_len], total=seen[seq_len] + visit.left)
+                    verdicts[seq_len] = search.verdict
+                    live.update(Group(progress, _best_table(space, verdicts, finished)))
+
+                search.on_visit = on_visit
+                ran = search.run()
+                measured += len({v.config for v in ran if not v.reused})
+                progress.update(task, description=f"seq {seq_len}", total=seen[seq_len],
+                                completed=seen[seq_len])
+                verdicts[seq_len] = search.verdict
+                finished.add(seq_len)
                 if search.unguided is not None:
-                    _say(console, f"seq {workload.seq_len}: not guided, every configuration instead: "
+                    _say(console, f"seq {seq_len}: not guided, every configuration instead: "
                                   f"{search.unguided}")
                 if search.early_stop is not None:
-                    _say(console, f"seq {workload.seq_len}: {search.early_stop.describe()}")
-                    progress.update(task, total=len(known) + len(outcomes))
-                live.update(Group(progress, _best_table(space, best)))
+                    _say(console, f"seq {seq_len}: {search.early_stop.describe()}")
+                if line := _verdict_line(seq_len, search):
+                    _say(console, line)
+                if here := sum(v.disturbed is not None for v in ran):
+                    _say(console, f"seq {seq_len}: {here} visit(s) disturbed by other load: stored marked, "
+                                  f"not counted, visited again")
+                if search.never_clean:
+                    names = ", ".join(c.describe() for c in search.never_clean)
+                    them = "it" if len(search.never_clean) == 1 else "them"
+                    _say(console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
+                                  f"(other load each time), so the verdict leaves {them} out; rerun when the "
+                                  f"host is quiet")
+                live.update(Group(progress, _best_table(space, verdicts, finished)))
         if not console.is_terminal:
             console.line()  # Rich ends the last frame with a newline only on a terminal
-    _say(console, f"{new_runs} configuration(s) measured now ({failed} failed, stored with their reason); "
-                  f"see them with: cptune results" + (f" --db {display_url(args.db)}" if args.db else ""))
+    where_db = f" --db {display_url(args.db)}" if args.db else ""
+    _say(console, f"{measured} configuration(s) measured now in {visits} visit(s) ({failed} failed, stored "
+                  f"with their reason; {disturbed} disturbed by other load, stored marked and visited "
+                  f"again); see them with: cptune results{where_db}")
     _say(console, f"each workload's runs are also an Optuna study there: optuna-dashboard {store.url}")
     return 0
 

@@ -1,13 +1,17 @@
-"""The search: Optuna trials over strategy, rank count and head group, each run for real.
+"""The search: Optuna trials over strategy, rank count and head group, each run for real,
+then interleaved rounds and a final race that say how sure the answer is.
 
 One study per (workload, hardware), seeded from the store, which is the single source of
-truth: configurations already measured on this hardware are told to the sampler rather
-than run again (unless ``remeasure``), every new result is committed as soon as it exists,
-so an interrupted search resumes where it stopped. The parameters are suggested
-conditionally (strategy, then a rank count feasible for it, then a head group feasible for
-both), so an infeasible point is never proposed. A run that fails (crash, timeout, out of
-memory, wrong output) is stored with its reason and told to Optuna as infeasible
-(``trial.set_constraint``); the search goes on.
+truth: configurations already measured on this hardware are told to the sampler (with
+their latency combined over every clean visit, ``cptune.estimate``) rather than explored
+again (unless ``remeasure``), every new result is committed as soon as it exists, so an
+interrupted search resumes where it stopped. The parameters are suggested conditionally
+(strategy, then a rank count feasible for it, then a head group feasible for both), so an
+infeasible point is never proposed. A run that fails (crash, timeout, out of memory, wrong
+output) is stored with its reason and told to Optuna as infeasible
+(``trial.set_constraint``); the search goes on. After the trials, ``WorkloadSearch`` visits
+what ran in interleaved rounds and races the leader against the configurations tied with
+it, until it is separated or the budget is spent (see its docstring).
 
 Two orders. ``exhaustive``: spaces small enough for the trial budget are covered
 exhaustively (BruteForceSampler); larger ones by TPE, warm-started with the best
@@ -27,13 +31,18 @@ the source of truth: the sampler's own study lives in memory, seeded from the st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import random
+import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
+from uuid import uuid4
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
@@ -45,6 +54,7 @@ from optuna.trial import FrozenTrial, TrialState
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
+from cptune.estimate import Estimate, Verdict, combine, judge
 from cptune.execute import measure
 from cptune.hardware import Hardware
 from cptune.measurement import format_ms, oversubscribed
@@ -69,15 +79,26 @@ STOP_PROBABILITY = 0.1
 _INTERVAL = CostModel().interval
 
 
+#: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
+PHASES = ("explore", "round", "race")
+
+
 @dataclass(frozen=True)
-class TrialOutcome:
-    """What one trial of the search did."""
+class Visit:
+    """One run of a configuration by the search, or (``reused``) what the exploration took
+    from the store instead of running it."""
 
     config: CPConfig
     status: str  # "ok" or an EngineError kind
-    median_ms: float | None
+    median_ms: float | None  # this run's median; a reused configuration's combined estimate
     error: str | None
-    reused: bool  # taken from the store rather than run
+    reused: bool
+    phase: str = "explore"  # one of PHASES
+    round_id: str | None = None
+    #: Why the contention guard judged this run disturbed (it counts for nothing and is re-run).
+    disturbed: str | None = None
+    #: Visits still planned after this one, as things stand (``WorkloadSearch._planned``).
+    left: int = 0
 
 
 Tree = dict[str, dict[int, list[int]]]
@@ -260,49 +281,181 @@ def _suggest(trial: optuna.Trial, tree: Tree) -> CPConfig:
 
 
 @dataclass
+class _Tally:
+    """What the counted rows say of one configuration's visits."""
+
+    clean: int = 0  # clean visits (``Result.clean``)
+    attempts: int = 0  # every run: clean, disturbed or failed
+    latest: Result | None = None  # the newest run
+
+    @property
+    def failed(self) -> bool:
+        """Its latest run failed: a search does not run it again (a failure is not noise)."""
+        return self.latest is not None and self.latest.status != "ok"
+
+    @property
+    def disturbed(self) -> bool:
+        """Its latest run was judged disturbed by other load."""
+        return self.latest is not None and self.latest.disturbed is not None
+
+
+@dataclass
 class WorkloadSearch:
-    """Search the configurations ``configs`` of one workload on this hardware."""
+    """Search the configurations ``configs`` of one workload on this hardware, in three phases.
+
+    1. Exploration: the Optuna trials (see the module docstring), one visit each; they run
+       back to back, so they share one round.
+    2. Rounds: while a configuration that ran has fewer than ``rounds`` clean visits, one
+       round visits each such configuration once, in a fresh random order, so drift and other
+       jobs hit all of them alike.
+    3. The race: while the verdict (``cptune.estimate.judge`` over every clean visit stored)
+       ties other configurations with the leader, one round over the leader and those tied
+       with it, until the leader is separated, each of them has ``rounds + race_rounds``
+       clean visits, or ``time_budget`` is spent. ``verdict`` holds the answer afterwards.
+
+    Visits are counted over what the store holds, so a rerun of a finished search runs
+    nothing and an interrupted one continues where it stopped. A visit the contention guard
+    judged disturbed is stored marked, counts for nothing, and its configuration is visited
+    again in the next round, after a pause of ``settle_s`` seconds; after
+    ``2 * (rounds + race_rounds)`` runs without enough clean ones it is left as it stands
+    (``never_clean`` names those with none). A configuration whose latest run failed is not
+    run again.
+
+    Counted are the stored runs of these configurations on this hardware and engine, not
+    excluded, that ran with the oversubscription a run of them gets now: a search that runs
+    more ranks than cores (the user's ``--oversubscribe``) races those configurations too,
+    as the user asked, while runs of another core count or engine never mix in.
+
+    ``remeasure``: the stored runs are not looked at when deciding what to run: every
+    configuration is explored again and gets ``rounds`` fresh visits, and the caps count
+    this search's visits only; the verdict, the race's and the one shown, still combines
+    every visit stored (set old ones aside with ``cptune results --exclude``).
+    """
 
     workload: Workload
     configs: list[CPConfig]
     store: Store
     hardware: Hardware
     warmup: int = 2
-    repeats: int = 10
+    repeats: int = 10  # timed iterations per visit
     run_timeout: float | None = None
-    trials: int | None = None
-    time_budget: float | None = None  # seconds for the whole study; None: no limit
+    trials: int | None = None  # Optuna trials of the exploration; None: every configuration
+    time_budget: float | None = None  # seconds for the whole search; None: no limit
     remeasure: bool = False
     backend: str | Engine = "mpi"
-    on_trial: Callable[[TrialOutcome], None] | None = None
+    on_visit: Callable[[Visit], None] | None = None
     order: str = "exhaustive"  # one of ORDERS
     stop_probability: float = STOP_PROBABILITY
+    #: Clean visits every configuration that ran gets, at least.
+    rounds: int = 2
+    #: Further clean visits a configuration may get in the final race.
+    race_rounds: int = 6
+    #: Seconds to wait before a round that visits again a configuration whose last visit was
+    #: disturbed, so a burst of other load can pass.
+    settle_s: float = 2.0
+    #: Seed of the rounds' random order (None: a fresh one).
+    seed: int | None = None
     #: Where the dashboard's study is kept (``Store.optuna_storage``); None: nowhere.
     study_storage: BaseStorage | None = None
     #: After ``run``: why a guided search stopped early, or why it could not be guided.
     early_stop: EarlyStop | None = field(default=None, init=False)
     unguided: str | None = field(default=None, init=False)
+    #: The verdict over every clean visit stored (kept current during ``run``); None before any.
+    verdict: Verdict | None = field(default=None, init=False)
+    #: After ``run``: configurations left without any clean visit, every run of them disturbed.
+    never_clean: tuple[CPConfig, ...] = field(default=(), init=False)
+    #: This search's rounds are named ``<session>:<n>`` (round 0: the exploration).
+    session: str = field(default_factory=lambda: uuid4().hex[:12], init=False)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.rounds < 1 or self.race_rounds < 0:
+            raise ValueError(f"need rounds >= 1 and race_rounds >= 0, got rounds={self.rounds}, "
+                             f"race_rounds={self.race_rounds}")
+        self._rng = random.Random(self.seed)
+        self._round = 0
+        self._phase = "explore"
+        self._explore_left = 0
+        self._race_left = 0
+        self._view: Study | None = None
+        self._ran: Counter[CPConfig] = Counter()  # this search's runs of each configuration
+
+    @property
+    def cap(self) -> int:
+        """The most clean visits a configuration gets."""
+        return self.rounds + self.race_rounds
+
+    @property
+    def max_attempts(self) -> int:
+        """The most runs of a configuration (clean, disturbed or failed): constant load ends here."""
+        return 2 * self.cap
+
+    def _rows(self) -> list[Result]:
+        """The stored runs this search counts (see the class docstring), oldest first."""
+        wanted = set(self.configs)
+        engine = get_engine(self.backend).name
+        fingerprint = self.hardware.fingerprint
+        rows = self.store.results(**self.workload.to_dict(), hardware=fingerprint, excluded=False)
+        return [r for r in rows if r.config in wanted and r.engine == engine
+                and r.oversubscribed == oversubscribed(r.config.ranks)]
+
+    def _own(self, rows: list[Result]) -> list[Result]:
+        """The runs that decide what to run: all counted ones, or with ``remeasure`` this search's."""
+        if not self.remeasure:
+            return rows
+        return [r for r in rows if r.round_id is not None and r.round_id.startswith(f"{self.session}:")]
+
+    def _tally(self, rows: list[Result]) -> dict[CPConfig, _Tally]:
+        tally: dict[CPConfig, _Tally] = {}
+        for row in self._own(rows):
+            entry = tally.setdefault(row.config, _Tally())
+            entry.clean += row.clean
+            entry.attempts += 1
+            entry.latest = row
+        return tally
+
+    def _runnable(self, config: CPConfig, entry: _Tally) -> bool:
+        """Whether ``config`` may be visited again: its latest run did not fail and its runs are
+        not used up (counted in the store, and by this search itself, so it ends whatever the
+        store holds)."""
+        return not entry.failed and max(entry.attempts, self._ran[config]) < self.max_attempts
+
+    def current_verdict(self) -> Verdict | None:
+        """The verdict over every clean visit stored of these configurations (None before any)."""
+        return judge(combine(self._rows()).values())
 
     def known(self) -> dict[CPConfig, Known]:
-        """Stored outcomes of this workload's configurations on this hardware (latest each)."""
-        if self.remeasure:
-            return {}
-        wanted = set(self.configs)
-        measured = self.store.measured(self.hardware, self.workload)
-        return {c: (r.status, r.median_ms, r.error) for c, r in measured.items() if c in wanted}
+        """What the store says of each configuration already run, told to the sampler rather
+        than run again: its combined latency, or the failure its latest run ended in. A
+        configuration with only disturbed runs is run again, unless its runs are used up.
+        Empty with ``remeasure`` before this search ran anything."""
+        rows = self._rows()
+        estimates = {config: e for (_, _, config), e in combine(self._own(rows)).items()}
+        known: dict[CPConfig, Known] = {}
+        for config, entry in self._tally(rows).items():
+            if config in estimates:
+                known[config] = ("ok", estimates[config].median_ms, None)
+            elif entry.failed:
+                assert entry.latest is not None
+                known[config] = (entry.latest.status, None, entry.latest.error)
+            elif entry.attempts >= self.max_attempts:
+                known[config] = ("disturbed", None, f"all {entry.attempts} runs disturbed by other load")
+        return known
 
     def _warm_starts(self) -> list[CPConfig]:
         """Best configuration per other sequence length of the same model, fastest first."""
         shape = {k: v for k, v in self.workload.to_dict().items() if k != "seq_len"}
-        best: dict[int, tuple[float, CPConfig]] = {}
-        for r in self.store.results(**shape, hardware=self.hardware.fingerprint, status="ok", excluded=False,
-                                    oversubscribed=False):
-            seq, median = r.workload.seq_len, r.median_ms
-            if median is None or seq == self.workload.seq_len or r.config not in self.configs:
+        rows = self.store.results(**shape, hardware=self.hardware.fingerprint, status="ok", excluded=False,
+                                  oversubscribed=False)
+        best: dict[int, Estimate] = {}
+        for (_, workload, config), estimate in combine(rows).items():
+            seq = workload.seq_len
+            if seq == self.workload.seq_len or config not in self.configs:
                 continue
-            if seq not in best or median < best[seq][0]:
-                best[seq] = (median, r.config)
-        ordered = [config for _, config in sorted(best.values(), key=lambda pair: pair[0])]
+            if seq not in best or estimate.median_ms < best[seq].median_ms:
+                best[seq] = estimate
+        ordered = [e.config for e in sorted(best.values(), key=lambda e: e.median_ms)]
         return list(dict.fromkeys(ordered))[:_WARM_START]
 
     def _why_not_guided(self) -> str | None:
@@ -329,16 +482,34 @@ class WorkloadSearch:
                              f"another process holding the database?); every measurement is stored, and "
                              f"the next search adds what the study lacks") from None
 
-    def run(self) -> list[TrialOutcome]:
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+    def run(self) -> list[Visit]:
+        """Explore, run the rounds, race; every visit (and each configuration the exploration
+        took from the store, ``reused``) in the order it happened."""
+        deadline = None if self.time_budget is None else time.monotonic() + self.time_budget
+        if self.study_storage is not None:
+            self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
+                                             load_if_exists=True,
+                                             study_name=study_name(self.workload, self.hardware))
+            self._sync_view(self._view)
+        visits: list[Visit] = []
+        self._explore(visits)
+        self._phase = "round"
+        while (due := self._due_for_rounds()) and self._round_of(due, "round", visits, deadline):
+            pass
+        self._phase = "race"
+        while (entrants := self._race_entrants()) and self._round_of(entrants, "race", visits, deadline):
+            pass
+        self._phase = "done"
+        rows = self._rows()
+        self.verdict = judge(combine(rows).values())
+        self.never_clean = tuple(c for c, entry in self._tally(rows).items() if entry.clean == 0
+                                 and not entry.failed and entry.attempts >= self.max_attempts)
+        return visits
+
+    def _explore(self, visits: list[Visit]) -> None:
+        """Phase 1: the Optuna trials, one visit each, all in round 0."""
         tree = _tree(self.configs)
         known = self.known()
-        view = None
-        if self.study_storage is not None:
-            view = optuna.create_study(storage=self.study_storage, direction="minimize", load_if_exists=True,
-                                       study_name=study_name(self.workload, self.hardware))
-            self._sync_view(view)
         exhaustive = self.trials is None or self.trials >= len(self.configs)
         self.unguided = self._why_not_guided() if self.order == "guided" else None
         guided = self.order == "guided" and self.unguided is None
@@ -359,7 +530,6 @@ class WorkloadSearch:
                 value=median if status == "ok" else None,
                 state=TrialState.COMPLETE if status == "ok" else TrialState.FAIL,
             ))
-        outcomes: list[TrialOutcome] = []
         pending = [c for c in self.configs if c not in known]
         if guided:
             budget = min(len(pending), max(0, (self.trials or len(self.configs)) - len(known)))
@@ -370,40 +540,107 @@ class WorkloadSearch:
             for config in self._warm_starts():
                 if config in pending:
                     study.enqueue_trial(_params(config))
+        self._explore_left = budget
         if budget == 0:
-            return outcomes
+            return
+        round_id = self._next_round_id()
 
         def objective(trial: optuna.Trial) -> float:
             config = _suggest(trial, tree)
-            outcome = self._outcome(config, known)
-            known[config] = (outcome.status, outcome.median_ms, outcome.error)
-            outcomes.append(outcome)
-            if view is not None and not outcome.reused:
-                self._sync_view(view)
-            if self.on_trial is not None:
-                self.on_trial(outcome)
-            trial.set_constraint("runs", 0.0 if outcome.status == "ok" else 1.0)
-            if outcome.error:
-                trial.set_user_attr("error", outcome.error)
-            return outcome.median_ms if outcome.median_ms is not None else FAILED_LATENCY_MS
+            self._explore_left -= 1
+            if config in known:
+                status, median, error = known[config]
+                visit = Visit(config, status, median, error, reused=True, phase="explore")
+                visits.append(visit)
+                self._report(visit)
+            else:
+                visit = self._visit(config, "explore", round_id, visits)
+                # a disturbed visit's latency too: it can only make that configuration look slower
+                known[config] = (visit.status, visit.median_ms, visit.error)
+            trial.set_constraint("runs", 0.0 if visit.status == "ok" else 1.0)
+            if visit.error:
+                trial.set_user_attr("error", visit.error)
+            return visit.median_ms if visit.median_ms is not None else FAILED_LATENCY_MS
 
         study.optimize(objective, n_trials=budget, timeout=self.time_budget)
+        self._explore_left = 0
         if isinstance(sampler, GuidedSampler):
             self.early_stop = sampler.early_stop
-        return outcomes
 
-    def _outcome(self, config: CPConfig, known: dict[CPConfig, Known]) -> TrialOutcome:
-        """Measure ``config`` and store the result, or reuse what is known of it."""
-        if config in known:
-            status, median, error = known[config]
-            return TrialOutcome(config, status, median, error, reused=True)
+    def _due_for_rounds(self) -> list[CPConfig]:
+        """Phase 2: configurations that ran, with fewer than ``rounds`` clean visits."""
+        tally = self._tally(self._rows())
+        return [c for c in self.configs
+                if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.rounds]
+
+    def _race_entrants(self) -> list[CPConfig]:
+        """Phase 3: the leader and those tied with it, each while it has runs and clean visits left."""
+        rows = self._rows()
+        self.verdict = judge(combine(rows).values())
+        if self.verdict is None or not self.verdict.tied:
+            return []
+        tally = self._tally(rows)
+        group = (self.verdict.leader.config, *self.verdict.tied)
+        return [c for c in group if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.cap]
+
+    def _round_of(self, configs: list[CPConfig], phase: str, visits: list[Visit],
+                  deadline: float | None) -> bool:
+        """Visit ``configs`` once each in a fresh random order, as one round; False when the
+        time budget ran out before the round was done."""
+        order = list(configs)
+        self._rng.shuffle(order)
+        tally = self._tally(self._rows())
+        if any(tally[c].disturbed for c in order if c in tally):
+            left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+            time.sleep(min(self.settle_s, left))
+        round_id = self._next_round_id()
+        for done, config in enumerate(order):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._race_left = len(order) - done - 1
+            self._visit(config, phase, round_id, visits)
+        return True
+
+    def _next_round_id(self) -> str:
+        round_id = f"{self.session}:{self._round}"
+        self._round += 1
+        return round_id
+
+    def _visit(self, config: CPConfig, phase: str, round_id: str, visits: list[Visit]) -> Visit:
+        """Measure ``config`` once and store the result (a failure with its reason)."""
+        self._ran[config] += 1
         try:
             m = measure(self.workload, config, backend=self.backend, warmup=self.warmup,
                         repeats=self.repeats, timeout=self.run_timeout)
         except EngineError as error:
             engine = get_engine(self.backend).name
             self.store.add_failure(self.hardware, self.workload, config, error.kind, str(error), engine,
-                                   oversubscribed=oversubscribed(config.ranks))
-            return TrialOutcome(config, error.kind, None, str(error), reused=False)
-        self.store.add_measurement(self.hardware, m)
-        return TrialOutcome(config, "ok", m.median_ms, None, reused=False)
+                                   oversubscribed=oversubscribed(config.ranks), round_id=round_id)
+            visit = Visit(config, error.kind, None, str(error), reused=False, phase=phase, round_id=round_id)
+        else:
+            self.store.add_measurement(self.hardware, m, round_id=round_id)
+            visit = Visit(config, "ok", m.median_ms, None, reused=False, phase=phase, round_id=round_id,
+                          disturbed=m.disturbed)
+        visits.append(visit)
+        if self._view is not None:
+            self._sync_view(self._view)
+        self._report(visit)
+        return visit
+
+    def _report(self, visit: Visit) -> None:
+        """Bring ``verdict`` up to date and tell ``on_visit``, with the visits still planned."""
+        rows = self._rows()
+        self.verdict = judge(combine(rows).values())
+        if self.on_visit is not None:
+            self.on_visit(dataclasses.replace(visit, left=self._planned(rows)))
+
+    def _planned(self, rows: list[Result]) -> int:
+        """Visits still planned as things stand: the exploration's trials left with their
+        rounds, the rounds' missing clean visits, or the rest of the race's current round
+        (the race plans one round at a time)."""
+        if self._phase == "race":
+            return self._race_left
+        tally = self._tally(rows)
+        missing = sum(max(0, self.rounds - entry.clean) for config, entry in tally.items()
+                      if self._runnable(config, entry))
+        return missing + (self._explore_left * self.rounds if self._phase == "explore" else 0)

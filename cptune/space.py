@@ -28,7 +28,7 @@ DEMO_SPACE = "demo"
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
 MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
 SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials")
-MEASURE_KEYS = ("warmup", "repeats", "timeout")
+MEASURE_KEYS = ("warmup", "repeats", "timeout", "rounds", "race_rounds")
 
 #: A line the user can copy for each key, shown when the key is missing or mistyped.
 _EXAMPLES = {
@@ -50,6 +50,8 @@ _EXAMPLES = {
     "measure.warmup": "warmup = 2",
     "measure.repeats": "repeats = 10",
     "measure.timeout": "timeout = 600",
+    "measure.rounds": "rounds = 2",
+    "measure.race_rounds": "race_rounds = 6",
 }
 
 
@@ -61,19 +63,23 @@ class SpaceError(TomlFileError):
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    """How each configuration is timed: untimed ``warmup`` iterations, then ``repeats``
-    timed ones; ``timeout`` (seconds per configuration) None means scaled to its size."""
+    """How each configuration is timed: each visit runs untimed ``warmup`` iterations, then
+    ``repeats`` timed ones; ``timeout`` (seconds per visit) None means scaled to its size.
+    A search visits every configuration that ran ``rounds`` times at least, in interleaved
+    rounds, and those tied with the leader up to ``race_rounds`` times more."""
 
     warmup: int = 2
     repeats: int = 10
     timeout: float | None = None
+    rounds: int = 2
+    race_rounds: int = 6
 
     def __post_init__(self) -> None:
         # Direct construction gets the same limits the TOML loader enforces.
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"repeats must be an integer >= 1, got {self.repeats!r}")
+        for name, least in (("warmup", 0), ("repeats", 1), ("rounds", 1), ("race_rounds", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0
         ):
@@ -179,12 +185,17 @@ def load_space(path: str | Path) -> SearchSpace:
     repeats = 10 if raw is None else r.integer(raw, "measure.repeats", 1)
     raw = r.value(measure_table, "timeout", "measure", required=False)
     timeout = None if raw is None else r.positive_number(raw, "measure.timeout")
+    raw = r.value(measure_table, "rounds", "measure", required=False)
+    rounds = MeasureSettings.rounds if raw is None else r.integer(raw, "measure.rounds", 1)
+    raw = r.value(measure_table, "race_rounds", "measure", required=False)
+    race_rounds = MeasureSettings.race_rounds if raw is None else r.integer(raw, "measure.race_rounds", 0)
 
     return SearchSpace(
         name=name, description=description, source=Path(path),
         shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal), seq_lens=seq_lens, ranks=ranks,
         strategies=strategies, trials=trials,
-        measure=MeasureSettings(warmup=warmup, repeats=repeats, timeout=timeout),
+        measure=MeasureSettings(warmup=warmup, repeats=repeats, timeout=timeout, rounds=rounds,
+                                race_rounds=race_rounds),
     )
 
 

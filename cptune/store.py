@@ -560,12 +560,6 @@ class Store:
             measurements, calibrations = session.execute(query).one()
         return measurements or 0, calibrations or 0
 
-    def measured(self, hardware: Hardware, workload: Workload) -> dict[CPConfig, Result]:
-        """The latest stored result of each configuration run on ``hardware`` for
-        ``workload``, excluded rows left out (a search runs those configurations again)."""
-        rows = self.results(**workload.to_dict(), hardware=hardware.fingerprint, excluded=False)
-        return {r.config: r for r in rows}  # oldest first, so later rows win
-
     def _rows(self, session: Session, ids: Iterable[int]) -> list[MeasurementRow]:
         """The rows with ``ids``; a ``StoreError`` naming any that do not exist."""
         wanted = sorted(set(ids))

@@ -140,8 +140,9 @@ def test_an_oversubscribed_search_is_stored_marked_and_left_out_of_the_picks(db)
     result = cptune("search", "--heads", "1", "--head-dim", "16", "--seq-lens", "64", "--ranks", too_many,
                     "--strategies", "ring", "--oversubscribe", "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
-    (new,) = rows(db)[3:]
-    assert new[1] == too_many and new[2] > 0 and new[3] == 1  # stored, marked oversubscribed
+    new = rows(db)[3:]
+    assert len(new) >= 2  # the search's two rounds (and any visit the guard found disturbed)
+    assert all(row[1] == too_many and row[2] > 0 and row[3] == 1 for row in new)  # marked oversubscribed
     listed = cptune("results", "--db", db)
     assert "ok, oversub." in listed.stdout
     assert json.loads(cptune("results", "--db", db, "--json").stdout)[3]["oversubscribed"] is True

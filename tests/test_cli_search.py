@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import optuna
 import pytest
@@ -20,6 +21,8 @@ CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys
 SLOW = ["--heads", "8", "--head-dim", "64", "--seq-lens", "1024,1536,2048", "--ranks", "1,2",
         "--no-calibrate"]
 QUICK = ["--heads", "4", "--head-dim", "16", "--seq-lens", "64,96", "--ranks", "1,2"]
+ROUNDS = ["--rounds", "2", "--race-rounds", "0"]  # a fixed number of clean visits: 2 each
+ONE_VISIT = ["--rounds", "1", "--race-rounds", "0"]  # one clean visit each: no combining to reason about
 
 
 def cptune(*args, **kwargs):
@@ -27,12 +30,17 @@ def cptune(*args, **kwargs):
 
 
 def stored(db):
-    """(strategy, ranks, head_group, seq_len, status, median_ms) rows, read as SQLite sees them."""
+    """(strategy, ranks, head_group, seq_len, status, median_ms, disturbed) rows, read as SQLite sees them."""
     with sqlite3.connect(db) as connection:
         return connection.execute(
-            "SELECT strategy, ranks, head_group, seq_len, status, median_ms FROM measurements "
+            "SELECT strategy, ranks, head_group, seq_len, status, median_ms, disturbed FROM measurements "
             "JOIN workloads ON workloads.id = measurements.workload_id"
         ).fetchall()
+
+
+def clean_visits(db):
+    """(strategy, ranks, head_group, seq_len) -> its clean visits stored."""
+    return Counter(row[:4] for row in stored(db) if row[4] == "ok" and row[6] is None)
 
 
 def wait_for_rows(db, count, process, limit=120):
@@ -52,7 +60,7 @@ def wait_for_rows(db, count, process, limit=120):
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
     db = str(tmp_path / "search.db")
-    search = subprocess.Popen([*CLI, "search", "--db", db, *SLOW], stdout=subprocess.PIPE,
+    search = subprocess.Popen([*CLI, "search", "--db", db, *SLOW, *ROUNDS], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     wait_for_rows(db, 2, search)
     search.send_signal(how)
@@ -63,30 +71,33 @@ def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
         assert "Traceback" not in err and "Trial" not in err
     with Store(db) as store:  # opens cleanly, migrations already at head
         kept = store.results()
-    assert 2 <= len(kept) < 12
+    assert 2 <= len(kept) < 24
     assert all(r.status == "ok" and r.median_ms is not None and r.median_ms > 0 for r in kept)
 
-    rerun = cptune("search", "--db", db, *SLOW)
+    rerun = cptune("search", "--db", db, *SLOW, *ROUNDS)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert f"{12 - len(kept)} configuration(s) measured now" in rerun.stdout
     rows = stored(db)
-    keys = [row[:4] for row in rows]
-    assert len(rows) == 12 and len(set(keys)) == 12  # each configuration once
+    assert f"in {len(rows) - len(kept)} visit(s)" in rerun.stdout  # only what was missing ran
+    visits = clean_visits(db)
+    assert len(visits) == 12 and set(visits.values()) == {2}  # each configuration its two rounds
 
 
 @pytest.mark.slow
 def test_two_searches_share_one_sqlite_file(tmp_path):
     db = str(tmp_path / "shared.db")
     runs = [subprocess.Popen([*CLI, "search", "--db", db, "--heads", "4", "--head-dim", "16",
-                              "--seq-lens", seq_lens, "--ranks", "1,2", "--no-calibrate"],
+                              "--seq-lens", seq_lens, "--ranks", "1,2", "--no-calibrate",
+                              "--race-rounds", "2"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for seq_lens in ("64,96,128", "80,112,144")]
     outputs = [run.communicate(timeout=300)[0] for run in runs]
     assert [run.returncode for run in runs] == [0, 0], outputs
     assert not any("locked" in out for out in outputs)
     rows = stored(db)
-    assert len(rows) == 24 and all(row[4] == "ok" for row in rows)
+    assert all(row[4] == "ok" for row in rows)
     assert {row[3] for row in rows} == {64, 96, 128, 80, 112, 144}
+    visits = clean_visits(db)  # each configuration of each length: its rounds, at most the race's cap
+    assert len(visits) == 24 and all(2 <= n <= 4 for n in visits.values()), visits
     # each workload's study, written by both processes into the same file, lost nothing either
     studies = optuna.get_all_study_summaries(f"sqlite:///{db}")
     assert len(studies) == 6
@@ -99,7 +110,7 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
 
 def test_search_calibrates_then_results_export_and_report(tmp_path):
     db = str(tmp_path / "r.db")
-    first = cptune("search", "--db", db, *QUICK)
+    first = cptune("search", "--db", db, *QUICK, *ONE_VISIT)
     assert first.returncode == 0, first.stderr
     assert "no calibration yet: calibrating 1..2 ranks first" in first.stdout
     lines = first.stdout.splitlines()  # not a terminal: every message on a line of its own, unbroken
@@ -108,18 +119,18 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     with Store(db) as store:
         calibration = store.calibration(this_host().fingerprint)
     assert calibration is not None and calibration.max_ranks == 2
-    again = cptune("search", "--db", db, *QUICK)
-    assert "0 configuration(s) measured now" in again.stdout
+    again = cptune("search", "--db", db, *QUICK, *ONE_VISIT)
+    assert "0 configuration(s) measured now in 0 visit(s)" in again.stdout
     assert "calibrating" not in again.stdout
     listed = cptune("results", "--db", db, "--json")
-    rows = json.loads(listed.stdout)
+    rows = [row for row in json.loads(listed.stdout) if row["disturbed"] is None]
     assert len(rows) == 8
     for row in rows:
         assert {"seq_len", "heads", "kv_heads", "head_dim", "strategy", "ranks", "head_group", "status",
                 "median_ms", "error"} <= set(row)
         assert row["status"] == "ok" and row["median_ms"] > 0 and row["error"] is None
     csv_lines = cptune("results", "--db", db, "--csv", "--seq-len", "64").stdout.strip().splitlines()
-    assert csv_lines[0].startswith("id,") and len(csv_lines) == 1 + 4
+    assert csv_lines[0].startswith("id,") and len(csv_lines) >= 1 + 4
 
     # export a plan, load it in another process, select between the two buckets (1-78, 79-96)
     plan = tmp_path / "plan.json"
@@ -139,13 +150,36 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     assert "data:image/png;base64," in (tmp_path / "report" / "report.html").read_text()
 
     # guided by the model fitted on these measurements: it says where it stopped and why
-    guided = cptune("search", "--db", db, *QUICK, "--order", "guided", "--remeasure")
+    before = len(stored(db))
+    guided = cptune("search", "--db", db, *QUICK, *ONE_VISIT, "--order", "guided", "--remeasure")
     assert guided.returncode == 0, guided.stdout + guided.stderr
     assert "guided order" in guided.stdout and "not guided" not in guided.stdout
     stops = re.findall(r"^seq (\d+): stopped after (\d+) of 4 configurations", guided.stdout, re.MULTILINE)
     measured_now = 8 - sum(4 - int(tried) for _, tried in stops)
-    assert f"{measured_now} configuration(s) measured now" in guided.stdout
-    assert len(stored(db)) == 8 + measured_now
+    visits = re.search(rf"^{measured_now} configuration\(s\) measured now in (\d+) visit", guided.stdout,
+                       re.MULTILINE)
+    assert visits is not None, guided.stdout
+    assert len(stored(db)) == before + int(visits[1])
+
+
+def test_search_gives_each_length_its_verdict_in_words_and_a_rerun_runs_nothing(tmp_path):
+    db = str(tmp_path / "v.db")
+    first = cptune("search", "--db", db, *QUICK, "--no-calibrate", "--rounds", "3", "--race-rounds", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "in 3 round(s), up to 2 more in the final race" in first.stdout
+    for seq_len in (64, 96):  # a winner with its margin and interval, or a tie naming the tied
+        said = re.search(rf"^seq {seq_len}: (.*)$", first.stdout, re.MULTILINE)
+        assert said is not None, first.stdout
+        assert re.fullmatch(r".+, faster than .+ by [\d.]+% \(95% interval -?[\d.]+% to [\d.]+%\)"
+                            r"|.+ and .+ tied within the noise of this hardware \(.+\)", said[1]), said[1]
+    visits = clean_visits(db)
+    assert len(visits) == 8 and all(3 <= n <= 5 for n in visits.values()), visits
+    disturbed = sum(row[6] is not None for row in stored(db))
+    summary = (rf"^8 configuration\(s\) measured now in {len(stored(db))} visit\(s\) \(0 failed, stored with "
+               rf"their reason; {disturbed} disturbed")
+    assert re.search(summary, first.stdout, re.MULTILINE), first.stdout
+    again = cptune("search", "--db", db, *QUICK, "--no-calibrate", "--rounds", "3", "--race-rounds", "2")
+    assert "0 configuration(s) measured now in 0 visit(s)" in again.stdout, again.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -156,6 +190,8 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
       "--strategies", "ulysses"], "no feasible configuration"),
     (["search", "--heads", "8", "--kv-heads", "3", "--head-dim", "8", "--seq-lens", "64"], "kv_heads"),
     (["search", "--seq-lens", "64,x"], "--seq-lens"),
+    (["search", "--rounds", "0"], "--rounds"),
+    (["search", "--race-rounds", "-1"], "--race-rounds"),
 ])
 def test_bad_search_input_exits_2_without_traceback(tmp_path, args, message):
     result = cptune(*args, "--db", str(tmp_path / "x.db"), cwd=tmp_path)
@@ -181,3 +217,52 @@ def test_corrupt_database_exits_2_and_is_kept(tmp_path):
     assert result.returncode == 2 and "not a database" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert db.read_bytes() == before
+
+
+def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tmp_path, monkeypatch, capsys):
+    """In process, with ``measure`` standing in: ring on 2 ranks is always disturbed."""
+    import dataclasses
+
+    from conftest import measurement
+    from cptune import CPConfig
+    from cptune.cli import main
+
+    def measure(workload, config, **_):
+        reason = "load 3.1 on 2 cores" if config == CPConfig("ring", 2) else None
+        return dataclasses.replace(measurement(workload, config, 10.0 * config.ranks), disturbed=reason)
+
+    monkeypatch.setattr("cptune.search.measure", measure)
+    monkeypatch.setattr("cptune.search.time.sleep", lambda seconds: None)
+    code = main(["search", "--db", str(tmp_path / "d.db"), *QUICK[:4], "--seq-lens", "64", "--ranks", "1,2",
+                 "--no-calibrate", "--rounds", "1", "--race-rounds", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "seq 64: 4 visit(s) disturbed by other load: stored marked, not counted, visited again" in lines
+    assert any(line.startswith("seq 64: Ring on 2 ranks never ran clean in 4 visits") for line in lines), out
+    assert any(line.startswith("seq 64: local attention on 1 rank, faster than") for line in lines), out
+    assert any(line.startswith("4 configuration(s) measured now in 7 visit(s) (0 failed, stored with their "
+                               "reason; 4 disturbed") for line in lines), out
+
+
+def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import measurement
+    from cptune import CPConfig, Workload
+    from cptune.cli import _verdict_line
+    from cptune.estimate import combine, judge
+
+    workload = Workload(seq_len=64, heads=4, head_dim=16)
+    with Store(str(tmp_path / "o.db")) as store:
+        for config, ms in ((CPConfig("ring", 4), 5.0), (CPConfig("ring", 1), 20.0)):
+            store.add_measurement(this_host(), measurement(workload, config, ms))
+        rows = store.results()
+    verdict = judge(combine(rows).values())
+    monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: ranks > 2)
+    line = _verdict_line(64, SimpleNamespace(verdict=verdict))
+    assert line.startswith("seq 64: Ring on 4 ranks, faster than local attention on 1 rank by 300.0%")
+    assert line.endswith("; it ran more ranks than cores (--oversubscribe), so the model and the picks "
+                         "leave it out")
+    monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: False)
+    assert "oversubscribe" not in _verdict_line(64, SimpleNamespace(verdict=verdict))

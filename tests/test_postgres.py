@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections import Counter
 
 import optuna
 import pytest
@@ -174,12 +175,14 @@ def test_two_searches_share_one_database(postgres_url, password):
     assert all("8 configuration(s) measured now" in out and password not in out for out in outputs)
     with Store(postgres_url) as store:
         rows = store.results()
-    assert len(rows) == 16 and all(r.status == "ok" and r.median_ms > 0 for r in rows)
+    assert all(r.status == "ok" and r.median_ms > 0 for r in rows)
     assert {r.workload.seq_len for r in rows} == {64, 80, 96, 112}
-    assert len({(r.workload, r.config) for r in rows}) == 16
+    visits = Counter((r.workload, r.config) for r in rows if r.clean)  # each its rounds, at most the cap
+    assert len(visits) == 16 and all(2 <= n <= 2 + 6 for n in visits.values()), visits
     # the studies both searches kept beside the rows: one per length, a trial per row
     studies = optuna.get_all_study_summaries(database_url(postgres_url))
-    assert sorted(s.n_trials for s in studies) == [4, 4, 4, 4]
+    per_length = Counter(r.workload.seq_len for r in rows)
+    assert sorted(s.n_trials for s in studies) == sorted(per_length.values())
 
 
 def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp_path):
@@ -205,7 +208,8 @@ def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp
     listed = run("results", "--db", postgres_url, "--csv").stdout
     assert "\r" not in listed
     rows = list(csv.DictReader(io.StringIO(listed)))
-    assert len(rows) == 8 and {r["seq_len"] for r in rows} == {"64", "96"}
+    configs = {(r["seq_len"], r["strategy"], r["ranks"], r["head_group"]) for r in rows}
+    assert len(configs) == 8 and {r["seq_len"] for r in rows} == {"64", "96"}
     assert all(r["measured_at"].endswith("+00:00") for r in rows)  # the server keeps New York time
     as_json = json.loads(run("results", "--db", postgres_url, "--json").stdout)
     assert all(r["measured_at"].endswith("+00:00") for r in as_json)

@@ -1,8 +1,11 @@
-"""The Optuna search over one workload: coverage, resume, failures, feasibility."""
+"""The search over one workload: coverage, rounds, the race, resume, failures, feasibility."""
+
+from collections import Counter
 
 import pytest
 
 from cptune import CPConfig, Workload, enumerate_configs, feasibility
+from cptune.estimate import verdicts
 from cptune.hardware import this_host
 from cptune.search import WorkloadSearch
 from cptune.store import Store
@@ -22,43 +25,50 @@ def search(store, **options):
     return WorkloadSearch(WORKLOAD, options.pop("configs", CONFIGS), store, this_host(), **options)
 
 
-def test_small_space_is_covered_once_and_resumes(store):
-    first = search(store).run()
-    assert sorted(o.config.label + str(o.config.ranks) for o in first) == sorted(
-        c.label + str(c.ranks) for c in CONFIGS)
-    assert all(o.status == "ok" and not o.reused and o.median_ms > 0 for o in first)
-    assert len(store.results()) == len(CONFIGS)
-    assert search(store).run() == []  # everything known: nothing runs again
-    again = search(store, remeasure=True).run()
-    assert len(again) == len(CONFIGS) and not any(o.reused for o in again)
-    assert len(store.results()) == 2 * len(CONFIGS)
+def clean_visits(store):
+    """Clean stored visits per configuration."""
+    return Counter(r.config for r in store.results() if r.clean)
+
+
+def test_small_space_gets_its_rounds_and_a_rerun_runs_nothing(store):
+    first = search(store, rounds=2, race_rounds=0).run()
+    assert {v.config for v in first} == set(CONFIGS)
+    assert all(v.status == "ok" and not v.reused and v.median_ms > 0 for v in first)
+    assert clean_visits(store) == dict.fromkeys(CONFIGS, 2)  # explored once, then one round
+    assert len(store.results()) == len(first)  # every visit stored (disturbed ones too)
+    assert search(store, rounds=2, race_rounds=0).run() == []  # everything known: nothing runs again
+    again = search(store, rounds=2, race_rounds=0, remeasure=True)
+    fresh = again.run()
+    assert not any(v.reused for v in fresh)
+    assert clean_visits(store) == dict.fromkeys(CONFIGS, 4)  # two fresh ones each, the old ones kept
+    assert again.verdict is not None and again.verdict.leader.rounds == 4  # and combined
 
 
 def test_interrupted_search_resumes_with_what_is_missing(store):
-    def stop_after_two(outcome, seen=[]):  # noqa: B006 - state across calls on purpose
-        seen.append(outcome)
+    def stop_after_two(visit, seen=[]):  # noqa: B006 - state across calls on purpose
+        seen.append(visit)
         if len(seen) == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        search(store, on_trial=stop_after_two).run()
+        search(store, rounds=1, race_rounds=0, on_visit=stop_after_two).run()
     kept = {r.config for r in store.results()}
     assert len(kept) == 2
-    rest = search(store).run()
-    assert {o.config for o in rest} == set(CONFIGS) - kept
-    assert len(store.results()) == len(CONFIGS)
+    rest = search(store, rounds=1, race_rounds=0).run()
+    assert {v.config for v in rest} == set(CONFIGS) - kept
+    assert clean_visits(store) == dict.fromkeys(CONFIGS, 1)
 
 
 def test_failures_are_stored_and_the_search_goes_on(store, faulty_engine):
     engine = faulty_engine("raise")  # rank 1 raises: every multi-rank run fails
-    outcomes = search(store, backend=engine).run()
-    by_ranks = {o.config: o for o in outcomes}
-    assert by_ranks[CPConfig("ring", 1)].status == "ok"
-    failed = [o for o in outcomes if o.config.ranks == 2]
-    assert len(failed) == 3 and all(o.status == "error" and "rank 1" in o.error for o in failed)
-    stored = {r.config: (r.status, r.error) for r in store.results()}
-    assert all(stored[o.config] == ("error", o.error) for o in failed)
-    assert search(store).run() == []  # failures count as measured too
+    visits = search(store, backend=engine, rounds=2, race_rounds=0).run()
+    assert [v.status for v in visits if v.config == CPConfig("ring", 1)] == ["ok", "ok"]
+    failed = [v for v in visits if v.config.ranks == 2]
+    assert len(failed) == 3 and all(v.status == "error" and "rank 1" in v.error for v in failed)
+    assert len({v.config for v in failed}) == 3  # a failure is not noise: never run again
+    stored = {r.config: (r.status, r.error) for r in store.results() if r.status != "ok"}
+    assert all(stored[v.config] == ("error", v.error) for v in failed)
+    assert search(store, backend=engine, rounds=2, race_rounds=0).run() == []  # failures count as measured
 
 
 def test_tpe_never_proposes_an_infeasible_point(store):
@@ -67,19 +77,21 @@ def test_tpe_never_proposes_an_infeasible_point(store):
     configs = enumerate_configs(workload, 4)
     assert len(configs) > 4
     host = this_host()
-    outcomes = WorkloadSearch(workload, configs, store, host, warmup=0, repeats=1, trials=4).run()
-    assert len(outcomes) == 4
-    for o in outcomes:
+    visits = WorkloadSearch(workload, configs, store, host, warmup=0, repeats=1, trials=4, rounds=1).run()
+    explored = [v for v in visits if v.phase == "explore"]
+    assert len(explored) == 4
+    for o in explored:
         assert o.config in configs and feasibility(workload, o.config) == []
 
 
 def test_tpe_is_warm_started_from_other_lengths(store):
     host = this_host()
     shorter = Workload(seq_len=48, heads=4, head_dim=16, dtype="fp32")
-    WorkloadSearch(shorter, enumerate_configs(shorter, 2), store, host, warmup=0, repeats=1).run()
-    best = min((r for r in store.results() if r.status == "ok"), key=lambda r: r.median_ms).config
-    outcomes = search(store, trials=1).run()
-    assert [o.config for o in outcomes] == [best]
+    WorkloadSearch(shorter, enumerate_configs(shorter, 2), store, host, warmup=0, repeats=1, rounds=1,
+                   race_rounds=0).run()
+    (best,) = verdicts(store.results()).values()  # the fastest over its combined visits
+    visits = search(store, trials=1, rounds=1).run()
+    assert [v.config for v in visits] == [best.leader.config]
 
 
 # --------------------------------------------------------------------------- guided order
@@ -159,7 +171,7 @@ def test_guided_search_runs_everything_when_each_remaining_config_may_still_win(
 
 
 def test_guided_search_without_a_calibration_falls_back_to_every_configuration(store):
-    s = search(store, order="guided")
+    s = search(store, order="guided", rounds=1, race_rounds=0)
     outcomes = s.run()
     assert {o.config for o in outcomes} == set(CONFIGS)
     assert s.unguided is not None and "no calibration" in s.unguided and s.early_stop is None
@@ -172,15 +184,17 @@ def test_guided_search_orders_by_the_stored_model(store):
     host = this_host()
     store.add_calibration(host, make_calibration(2))
     expected_first = min(predict_for(store, host.fingerprint, WORKLOAD, CONFIGS), key=lambda c: c.latency_ms)
-    s = search(store, order="guided")
-    outcomes = s.run()
+    s = search(store, order="guided", rounds=1)
+    visits = s.run()
     assert s.unguided is None
-    assert outcomes[0].config == expected_first.config
-    assert len(store.results()) == len(outcomes)  # every trial it ran is stored
+    assert visits[0].config == expected_first.config
+    assert len(store.results()) == len(visits)  # every visit it ran is stored
+    explored = [v.config for v in visits if v.phase == "explore"]
+    assert {v.config for v in visits} == set(explored)  # the rounds and the race visit only what ran
     if s.early_stop is None:
-        assert len(outcomes) == len(CONFIGS)
+        assert len(explored) == len(CONFIGS)
     else:
-        assert s.early_stop.tried == len(outcomes) < len(CONFIGS)
+        assert s.early_stop.tried == len(explored) < len(CONFIGS)
 
 
 # --------------------------------------------------------------------------- the dashboard's study
@@ -191,19 +205,21 @@ def test_a_search_keeps_its_runs_as_an_optuna_study(store):
 
     from cptune.search import study_name
 
-    first = search(store, study_storage=store.optuna_storage()).run()
+    first = search(store, study_storage=store.optuna_storage(), race_rounds=0).run()
     url = store.engine.url.render_as_string(hide_password=False)
     study = optuna.load_study(study_name=study_name(WORKLOAD, this_host()), storage=url)
     rows = {r.id: r for r in store.results()}
-    assert len(study.trials) == len(first) == len(rows)
+    assert len(study.trials) == len(first) == len(rows) >= 2 * len(CONFIGS)  # the rounds' visits too
     for trial in study.trials:
         row = rows[trial.user_attrs["measurement_id"]]
         assert trial.params == row.config.to_dict()
         assert trial.value == row.median_ms and trial.user_attrs["status"] == "ok"
-    search(store, study_storage=store.optuna_storage()).run()  # nothing new: nothing added
+    search(store, study_storage=store.optuna_storage(), race_rounds=0).run()  # nothing new: nothing added
     assert len(optuna.load_study(study_name=study.study_name, storage=url).trials) == len(rows)
-    search(store, study_storage=store.optuna_storage(), remeasure=True).run()
-    assert len(optuna.load_study(study_name=study.study_name, storage=url).trials) == 2 * len(rows)
+    search(store, study_storage=store.optuna_storage(), race_rounds=0, remeasure=True).run()
+    trials = optuna.load_study(study_name=study.study_name, storage=url).trials
+    assert len(store.results()) > len(rows)
+    assert sorted(t.user_attrs["measurement_id"] for t in trials) == [r.id for r in store.results()]
 
 
 def test_the_command_line_offers_every_order():
@@ -225,3 +241,212 @@ def test_a_study_that_cannot_be_written_is_one_store_error_and_the_run_is_kept(s
     with pytest.raises(StoreError, match="every measurement is stored"):
         search(store, study_storage=Refusing(), configs=CONFIGS[:1]).run()
     assert [r.config for r in store.results()] == CONFIGS[:1]
+
+
+# --------------------------------------------------------------------------- rounds and the race
+
+
+class Runs:
+    """Stands in for ``measure``: the latency of ``config``'s n-th run (from 0) is
+    ``latency(config, n)``, and ``disturbed(config, n)`` says why it was disturbed (or None)."""
+
+    def __init__(self, latency, disturbed=lambda config, n: None):
+        self.latency, self.disturbed, self.calls = latency, disturbed, []
+
+    def __call__(self, workload, config, **_):
+        import dataclasses
+
+        from conftest import measurement
+        from cptune.measurement import oversubscribed
+
+        n = self.calls.count(config)
+        self.calls.append(config)
+        return dataclasses.replace(measurement(workload, config, self.latency(config, n)),
+                                   disturbed=self.disturbed(config, n),
+                                   oversubscribed=oversubscribed(config.ranks))
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Install a ``Runs`` as the search's ``measure``; returns a function that makes it."""
+
+    def install(latency, disturbed=lambda config, n: None):
+        fake = Runs(latency, disturbed)
+        monkeypatch.setattr("cptune.search.measure", fake)
+        return fake
+
+    return install
+
+
+LOCAL, RING, AG, ULY = CONFIGS  # ring x1, ring x2, allgather_kv x2, ulysses x2
+JITTER = (1.0, 1.03, 0.98, 1.02, 0.97, 1.01, 0.99, 1.04, 0.96, 1.0)  # a visit's noise, by visit number
+
+
+def by_round(store):
+    """round_id -> configurations visited in it, in the order they ran."""
+    rounds = {}
+    for r in store.results():
+        rounds.setdefault(r.round_id, []).append(r.config)
+    return rounds
+
+
+def test_rounds_visit_every_candidate_in_a_fresh_random_order_and_store_their_round(store, runs, tmp_path):
+    runs(lambda config, n: 10.0 * (1 + CONFIGS.index(config)) * JITTER[n])  # 10, 20, 30, 40 ms apart
+    s = search(store, rounds=5, race_rounds=0, seed=3)
+    visits = s.run()
+    rounds = by_round(store)
+    assert len(rounds) == 5 and all(sorted(map(str, c)) == sorted(map(str, CONFIGS)) for c in rounds.values())
+    assert all(round_id.startswith(f"{s.session}:") for round_id in rounds)
+    assert [v.round_id for v in visits] == [r.round_id for r in store.results()]
+    explored = {v.round_id for v in visits if v.phase == "explore"}
+    assert len(explored) == 1  # the exploration ran back to back: one round
+    orders = [tuple(configs) for round_id, configs in rounds.items() if round_id not in explored]
+    assert len(orders) == 4 and len(set(orders)) > 1  # shuffled afresh each round
+    # the same seed gives the same orders; the rounds are what a seed decides
+    with Store(str(tmp_path / "again.db")) as other:
+        WorkloadSearch(WORKLOAD, CONFIGS, other, this_host(), rounds=5, race_rounds=0, seed=3).run()
+        replay = by_round(other)
+    assert [tuple(c) for round_id, c in replay.items() if not round_id.endswith(":0")] == orders
+
+
+def test_the_race_ends_as_soon_as_the_leader_is_separated(store, runs):
+    fake = runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n])
+    s = search(store, configs=[RING, AG], rounds=2, race_rounds=6, seed=0)
+    visits = s.run()
+    assert [v.phase for v in visits] == ["explore", "explore", "round", "round"]  # no race needed
+    assert len(fake.calls) == 4
+    assert s.verdict.winner == RING and s.verdict.leader.rounds == 2
+    assert s.verdict.describe().startswith(f"{RING.describe()}, faster than {AG.describe()} by ")
+    assert search(store, configs=[RING, AG], rounds=2, race_rounds=6).run() == []  # finished: nothing runs
+
+
+def test_configurations_tied_in_the_noise_are_raced_to_the_cap_and_called_a_tie(store, runs):
+    # RING and AG: the same latency, with noise in opposite directions, so never separated
+    slow = ULY
+    runs(lambda config, n: 50.0 * JITTER[n] if config == slow else
+         10.0 * (JITTER[n] if config == RING else 2 - JITTER[n]))
+    s = search(store, configs=[RING, AG, slow], rounds=2, race_rounds=3, seed=0)
+    visits = s.run()
+    race = [v for v in visits if v.phase == "race"]
+    assert {v.config for v in race} == {RING, AG}  # the slow one is out of the race
+    assert Counter(r.config for r in store.results()) == {RING: 5, AG: 5, slow: 2}  # the cap: 2 + 3
+    assert all(len(c) == len(set(c)) for c in by_round(store).values())  # each once a round
+    assert s.verdict.winner is None and set(s.verdict.tied) == ({RING, AG} - {s.verdict.leader.config})
+    assert "tied within the noise of this hardware" in s.verdict.describe()
+    assert search(store, configs=[RING, AG, slow], rounds=2, race_rounds=3).run() == []
+
+
+def test_a_resumed_race_continues_where_it_stopped(store, runs):
+    runs(lambda config, n: 10.0 * (JITTER[n] if config == RING else 2 - JITTER[n]))
+
+    def stop_in_the_race(visit):
+        if visit.phase == "race":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        search(store, configs=[RING, AG], rounds=2, race_rounds=4, on_visit=stop_in_the_race).run()
+    before = Counter(r.config for r in store.results())
+    assert sum(before.values()) == 5  # explored, a round, one race visit
+    rest = search(store, configs=[RING, AG], rounds=2, race_rounds=4).run()
+    assert all(v.phase == "race" for v in rest) and len(rest) == 12 - 5
+    assert Counter(r.config for r in store.results()) == {RING: 6, AG: 6}
+
+
+def test_disturbed_visits_are_kept_marked_count_for_nothing_and_are_run_again(store, runs, monkeypatch):
+    pauses = []
+    monkeypatch.setattr("cptune.search.time.sleep", pauses.append)
+    runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n],
+         disturbed=lambda config, n: "load 3.0 on 2 cores" if (config, n) in {(AG, 0), (AG, 1)} else None)
+    s = search(store, configs=[RING, AG], rounds=2, race_rounds=0, seed=0)
+    visits = s.run()
+    ag = [v for v in visits if v.config == AG]
+    assert [v.disturbed is not None for v in ag] == [True, True, False, False]
+    assert len({v.round_id for v in ag}) == 4  # each time in the next round
+    marked = [r for r in store.results() if r.disturbed]
+    assert [(r.config, r.disturbed) for r in marked] == [(AG, "load 3.0 on 2 cores")] * 2
+    assert s.verdict.winner == RING
+    ag_estimate = next(c for c in s.verdict.comparisons if c.other == AG)
+    assert ag_estimate.ratio == pytest.approx(2.0, rel=0.05)  # the disturbed ones did not count
+    assert pauses == [s.settle_s, s.settle_s]  # a pause before each round that re-ran a disturbed one
+    assert s.never_clean == ()
+
+
+def test_constant_load_ends_after_a_bounded_number_of_runs(store, runs, monkeypatch):
+    monkeypatch.setattr("cptune.search.time.sleep", lambda seconds: None)
+    fake = runs(lambda config, n: 10.0, disturbed=lambda config, n: "always loaded")
+    s = search(store, configs=[RING, AG], rounds=2, race_rounds=1)
+    assert s.run() and Counter(fake.calls) == {RING: 2 * 3, AG: 2 * 3}  # twice the cap of 3
+    assert set(s.never_clean) == {RING, AG} and s.verdict is None
+    assert search(store, configs=[RING, AG], rounds=2, race_rounds=1).run() == []
+
+
+def test_remeasure_gives_fresh_visits_and_combines_them_with_the_stored_ones(store, runs):
+    runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n])
+    search(store, configs=[RING, AG], rounds=2).run()
+    again = search(store, configs=[RING, AG], rounds=3, remeasure=True)
+    assert again.known() == {}  # nothing stored decides what it runs
+    fresh = again.run()
+    assert Counter(v.config for v in fresh) == {RING: 3, AG: 3}  # its own rounds, from scratch
+    assert again.verdict.leader.rounds == 5  # the verdict combines every clean visit stored
+    assert search(store, configs=[RING, AG], rounds=3).run() == []
+
+
+def test_only_runs_like_the_search_own_count(store, runs):
+    import dataclasses
+
+    from conftest import measurement
+
+    host = this_host()
+    store.add_measurement(host, dataclasses.replace(measurement(WORKLOAD, RING, 1.0), engine="tensorrt"))
+    store.add_measurement(host, dataclasses.replace(measurement(WORKLOAD, RING, 1.0), oversubscribed=True))
+    fake = runs(lambda config, n: 10.0 * JITTER[n])
+    s = search(store, configs=[RING], rounds=2)
+    assert s.known() == {}
+    s.run()
+    assert fake.calls == [RING, RING] and s.verdict.leader.median_ms > 5  # the two odd runs stay out
+
+
+def test_an_oversubscribed_search_races_its_oversubscribed_configurations(store, runs, monkeypatch):
+    monkeypatch.setattr("cptune.search.oversubscribed", lambda ranks: ranks > 1)
+    monkeypatch.setattr("cptune.measurement.available_cores", lambda: 1)
+    runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n])
+    s = search(store, configs=[LOCAL, RING], rounds=2)
+    s.run()
+    assert all(r.oversubscribed == (r.config == RING) for r in store.results())
+    assert s.verdict.winner == RING  # the user asked for it: judged with the rest
+
+
+def test_progress_covers_every_phase(store, runs):
+    runs(lambda config, n: 10.0 * (JITTER[n] if config == RING else 2 - JITTER[n]))
+    seen = []
+    search(store, configs=[RING, AG], rounds=2, race_rounds=1, on_visit=seen.append).run()
+    assert [v.phase for v in seen] == ["explore"] * 2 + ["round"] * 2 + ["race"] * 2
+    assert [v.left for v in seen] == [3, 2, 1, 0, 1, 0]  # planned visits still to come
+
+
+def test_what_is_known_combines_every_clean_visit_rather_than_taking_the_newest(store):
+    from conftest import measurement
+
+    host = this_host()
+    for ms in (10.0, 40.0):  # the newest alone would say 40 ms
+        store.add_measurement(host, measurement(WORKLOAD, RING, ms), round_id=f"r{ms}")
+    store.add_failure(host, WORKLOAD, AG, "timeout", "took too long", "mpi")
+    assert search(store).known() == {RING: ("ok", pytest.approx(20.0), None),
+                                     AG: ("timeout", None, "took too long")}
+
+
+def test_a_search_ends_even_when_its_new_runs_are_not_counted(store, monkeypatch):
+    """Rows the search does not count (here: stored as run with another oversubscription than
+    a run gets now) add nothing to its tally; its own count of runs still ends it."""
+    import dataclasses
+
+    runs = Runs(lambda config, n: 10.0)
+
+    def drifting(workload, config, **options):
+        m = runs(workload, config, **options)
+        return m if len(runs.calls) == 1 else dataclasses.replace(m, oversubscribed=not m.oversubscribed)
+
+    monkeypatch.setattr("cptune.search.measure", drifting)
+    s = search(store, configs=[RING], rounds=2, race_rounds=1)
+    s.run()
+    assert runs.calls == [RING] * s.max_attempts

@@ -143,6 +143,8 @@ trials = 12
 warmup = 0
 repeats = 1
 timeout = 600
+rounds = 3
+race_rounds = 0
 """
     space = load_space(str(write(tmp_path, text)))
     assert space.shape == AttentionShape(32, 8, 128, 2, "fp16", True)
@@ -150,7 +152,7 @@ timeout = 600
     assert space.ranks == (8, 2)
     assert space.strategies == ("ulysses", "ring")  # order kept
     assert space.trials == 12
-    assert space.measure == MeasureSettings(warmup=0, repeats=1, timeout=600.0)
+    assert space.measure == MeasureSettings(warmup=0, repeats=1, timeout=600.0, rounds=3, race_rounds=0)
     assert isinstance(space.measure.timeout, float)
     assert space.workloads()[1] == Workload(1024, 32, 128, kv_heads=8, batch=2, dtype="fp16", causal=True)
 
@@ -162,7 +164,8 @@ BAD = [
     ("heads = 8", "heads = 8\nhaeds = 8", "model.haeds",
      ["unknown key", "did you mean 'heads'", "heads, kv_heads, head_dim, batch, dtype, causal"]),
     ("repeats = 3", "repeat = 3", "measure.repeat", ["unknown key", "did you mean 'repeats'"]),
-    ("[measure]", "[measure]\nflops = 1", "measure.flops", ["unknown key", "warmup, repeats, timeout"]),
+    ("[measure]", "[measure]\nflops = 1", "measure.flops",
+     ["unknown key", "warmup, repeats, timeout, rounds, race_rounds"]),
     ("[sweep]", "[sweep]\nstrategy = [\"ring\"]", "sweep.strategy",
      ["unknown key", "did you mean 'strategies'"]),
     # wrong types: expected and given both named
@@ -182,6 +185,8 @@ BAD = [
     ("heads = 8", "heads = 0", "model.heads", ["out of range", "got 0"]),
     ("warmup = 1", "warmup = -1", "measure.warmup", ["out of range", "integer >= 0"]),
     ("repeats = 3", "repeats = 0", "measure.repeats", ["out of range", "got 0"]),
+    ("repeats = 3", "repeats = 3\nrounds = 0", "measure.rounds", ["out of range", "got 0"]),
+    ("repeats = 3", "repeats = 3\nrace_rounds = -1", "measure.race_rounds", ["out of range", "integer >= 0"]),
     ("repeats = 3", "repeats = 3\ntimeout = 0", "measure.timeout", ["out of range", "positive"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, 128]\ntrials = 0", "sweep.trials", ["out of range"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, -128]", "sweep.seq_lens[1]", ["out of range", "-128"]),
@@ -263,7 +268,8 @@ def test_space_error_is_a_cptune_error_and_a_value_error(tmp_path):
 
 
 def test_measure_settings_refuse_bad_values_in_code():
-    for bad in (dict(warmup=-1), dict(repeats=0), dict(repeats=True), dict(timeout=0), dict(timeout="5")):
+    for bad in (dict(warmup=-1), dict(repeats=0), dict(repeats=True), dict(timeout=0), dict(timeout="5"),
+                dict(rounds=0), dict(race_rounds=-1), dict(rounds=2.0)):
         with pytest.raises(ValueError):
             MeasureSettings(**bad)
 

@@ -23,7 +23,8 @@ WORKLOAD = Workload(seq_len=64, heads=4, head_dim=16, kv_heads=2, dtype="bf16", 
 
 
 def statuses(store, hardware, workload):
-    return {config: result.status for config, result in store.measured(hardware, workload).items()}
+    """(configuration, status) of every row stored for ``workload`` on ``hardware``, oldest first."""
+    return [(r.config, r.status) for r in store.results(**workload.to_dict(), hardware=hardware.fingerprint)]
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_real_measurement_round_trip(store):
     assert (result.compute_ms, result.comm_ms, result.peak_bytes) == (m.compute_ms, m.comm_ms, m.peak_bytes)
     assert result.max_error == m.max_error and result.engine == "mpi"
     assert result.hardware == hardware.fingerprint
-    assert statuses(store, hardware, WORKLOAD) == {CPConfig("ring", 2): "ok"}
+    assert statuses(store, hardware, WORKLOAD) == [(CPConfig("ring", 2), "ok")]
 
 
 def test_failures_are_kept_with_their_reason(store):
@@ -65,9 +66,8 @@ def test_failures_are_kept_with_their_reason(store):
     assert [(r.config, r.error, r.median_ms) for r in results] == [
         (CPConfig("ulysses", 2), "rank 1 hung", None)
     ]
-    assert statuses(store, HARDWARE, WORKLOAD) == {
-        CPConfig("ulysses", 2): "timeout", CPConfig("ring", 2): "crash"
-    }
+    assert statuses(store, HARDWARE, WORKLOAD) == [(CPConfig("ulysses", 2), "timeout"),
+                                                   (CPConfig("ring", 2), "crash")]
     with pytest.raises(ValueError, match="status"):
         store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "ok", "", "mpi")
 
@@ -80,7 +80,7 @@ def test_results_filter_by_workload_and_hardware(store):
     store.add_failure(other_host, other, CPConfig("ring", 2), "crash", "z", "mpi")
     assert [r.error for r in store.results(seq_len=128)] == ["y", "z"]
     assert [r.error for r in store.results(hardware=other_host.fingerprint)] == ["z"]
-    assert statuses(store, HARDWARE, other) == {CPConfig("ring", 2): "crash"}
+    assert statuses(store, HARDWARE, other) == [(CPConfig("ring", 2), "crash")]
     with pytest.raises(ValueError, match="unknown filter"):
         store.results(colour="red")
 
@@ -252,9 +252,9 @@ def test_excluded_rows_are_kept_reversibly_and_deleted_rows_are_gone(store):
     assert store.set_excluded([ids[1]]) == [ids[1]]
     assert store.set_excluded([ids[1]]) == []  # already excluded: nothing changes
     assert [r.excluded for r in store.results()] == [False, True]
-    assert list(store.measured(HARDWARE, WORKLOAD)) == [CPConfig("ring", 1)]  # a search runs it again
+    assert [r.config for r in store.results(excluded=False)] == [CPConfig("ring", 1)]  # what counts
     assert store.set_excluded([ids[1]], excluded=False) == [ids[1]]
-    assert len(store.measured(HARDWARE, WORKLOAD)) == 2
+    assert len(store.results(excluded=False)) == 2
     (gone,) = store.delete([ids[0]])
     assert gone.id == ids[0] and gone.config == CPConfig("ring", 1)
     assert [r.id for r in store.results()] == [ids[1]]
