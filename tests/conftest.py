@@ -17,6 +17,15 @@ from cptune.workload import Workload
 TESTS = Path(__file__).parent
 
 
+@pytest.fixture(autouse=True)
+def _unguarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The contention guard off (``CPTUNE_GUARD=off``, inherited by CLI subprocesses): the
+    suite runs on shared hosts, and tests that run two searches at once would mark each
+    other's runs. tests/test_guard.py turns it on for the guard's own tests, the loaded
+    search included."""
+    monkeypatch.setenv("CPTUNE_GUARD", "off")
+
+
 def pool_processes(marker: str) -> list[int]:
     """PIDs of live processes whose command line contains ``marker``."""
     found = []
