@@ -164,8 +164,8 @@ class EarlyStop:
 
     def describe(self) -> str:
         return (f"stopped after {self.tried} of {self.tried + self.unmeasured} configurations: the cost "
-                f"model (its interval widened by its error on the {self.tried} measured, "
-                f"{math.expm1(self.workload_spread):.0%}) gives the {self.unmeasured} unmeasured together "
+                f"model (its interval widened by its {math.expm1(self.workload_spread):.0%} root-mean-square "
+                f"error on this workload's trials) gives the {self.unmeasured} unmeasured together "
                 f"less than a {self.threshold:.0%} chance ({self.chance:.1%}) of beating "
                 f"{self.leader.describe()} ({format_ms(self.leader_ms)} ms); the likeliest, "
                 f"{self.likeliest.describe()}, {self.probability:.1%}")
