@@ -7,7 +7,8 @@ its latency is the one the sweep stored (nothing is measured again). Scored per 
 - trials until the order first reaches a configuration within 2% of the sweep's best
   (goal for the guided order: at most 30% of the grid);
 - where the guided search's stop rule (``cptune.search.STOP_PROBABILITY``, and the other
-  thresholds of ``--stop-probabilities``) stopped, and whether it stopped too early: before
+  thresholds of ``--stop-probabilities``: the chance that any unmeasured configuration beats
+  the leader, see ``GuidedSampler``) stopped, and whether it stopped too early: before
   reaching a configuration within 2% of the best.
 
 The exhaustive order is the one ``cptune search`` takes without guidance (BruteForceSampler,
@@ -16,10 +17,11 @@ k configurations within 2% among n.
 
 Held out, so the replay is not contaminated by its own answer: for each workload the model
 is fitted WITHOUT any measurement at that workload's sequence length (on any shape), as
-``cptune fit`` holds out lengths. As the replay goes, each revealed trial joins the training
-set (a live search stores it and the model refits), fitted with ``fit_advised``, the fit
-``recommend`` uses. The guided order itself is ``cptune.search.GuidedSampler``, the sampler
-``cptune search --order guided`` runs.
+``cptune fit`` holds out lengths; ``--hold-out workload`` leaves out only the workload itself
+(the other shapes at its length stay, as in a store that has measured them). As the replay
+goes, each revealed trial joins the training set (a live search stores it and the model
+refits), fitted with ``fit_advised``, the fit ``recommend`` uses. The guided order itself is
+``cptune.search.GuidedSampler``, the sampler ``cptune search --order guided`` runs.
 
 Oversubscribed rows (more ranks than the host's cores) are left out unless
 ``--include-oversubscribed``: they time the sharing of cores, so a replay that uses them
@@ -99,12 +101,15 @@ def _predictor(cases: list[Case], latencies_s: np.ndarray, workload: Workload, p
     return predict
 
 
-def replay(data, workload: Workload, thresholds: list[float]) -> Replay:  # type: ignore[no-untyped-def]
+def replay(data, workload: Workload, thresholds: list[float],  # type: ignore[no-untyped-def]
+           hold_out: str = "length") -> Replay:
     rows = [(case, seconds) for case, seconds in zip(data.cases, data.latencies_s, strict=True)
             if case.workload == workload]
     latency = {case.config: seconds * 1e3 for case, seconds in rows}
     profile = rows[0][0].profile
-    keep = [i for i, case in enumerate(data.cases) if case.workload.seq_len != workload.seq_len]
+    keep = [i for i, case in enumerate(data.cases)
+            if (case.workload.seq_len if hold_out == "length" else case.workload)
+            != (workload.seq_len if hold_out == "length" else workload)]
     cases, latencies_s = [data.cases[i] for i in keep], data.latencies_s[keep]
     best = min(latency.values())
     near = sum(v <= best * WITHIN for v in latency.values())
@@ -138,6 +143,9 @@ def main() -> int:
                         help="replay rows run on more ranks than the host's cores too (marked in the output)")
     parser.add_argument("--min-configs", type=int, default=10)
     parser.add_argument("--stop-probabilities", default=f"{STOP_PROBABILITY},0.05,0.2")
+    parser.add_argument("--hold-out", choices=("length", "workload"), default="length",
+                        help="what each workload's model is fitted without: every shape at its sequence "
+                             "length (default), or only the workload itself")
     args = parser.parse_args()
     thresholds = [float(t) for t in args.stop_probabilities.split(",")]
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -152,16 +160,18 @@ def main() -> int:
     print(f"database {display_url(args.db)}: {len(data.cases)} measurements, {oversubscribed} of them "
           f"oversubscribed ({'included' if args.include_oversubscribed else 'left out'}); "
           f"{len(workloads)} workloads with >= {args.min_configs} configurations")
-    print("model fitted per workload without any measurement at its sequence length (held out), "
-          "plus the trials the replay has revealed so far\n")
+    held = "any measurement at its sequence length" if args.hold_out == "length" else "its own measurements"
+    print(f"model fitted per workload without {held} (held out), plus the trials the replay has "
+          f"revealed so far\n")
     main_threshold = thresholds[0]
     header = (f"{'workload':<52} {'n':>3} {'<2%':>3} {'exh.':>4} {'rand.':>5} {'guided':>6} "
               f"{'stop@':>5} {'early':>5} {'regret':>6}")
-    print(f"stop rule: no unmeasured configuration beats the leader with probability >= {main_threshold}")
+    print(f"stop rule: the chance that any unmeasured configuration beats the leader is below "
+          f"{main_threshold} (the model's interval widened by its error on the trials measured)")
     print(header)
     results = []
     for workload in workloads:
-        r = replay(data, workload, thresholds)
+        r = replay(data, workload, thresholds, args.hold_out)
         results.append(r)
         spent, early, regret = r.stops[main_threshold]
         print(f"{workload.describe():<52} {r.configs:>3} {r.near_best:>3} {r.exhaustive_trials:>4} "

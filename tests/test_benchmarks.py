@@ -1,0 +1,139 @@
+"""benchmarks/reproducibility.py on two small constructed databases: today's newest-wins
+figures beside the verdict-based ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import measurement
+from cptune.config import CPConfig
+from cptune.hardware import this_host
+from cptune.store import Store
+from cptune.workload import Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("reproducibility", ROOT / "benchmarks" / "reproducibility.py")
+assert _spec is not None and _spec.loader is not None
+reproducibility = importlib.util.module_from_spec(_spec)
+sys.modules["reproducibility"] = reproducibility  # dataclasses look their module up
+_spec.loader.exec_module(reproducibility)
+
+CLEAR = Workload(seq_len=1024, heads=8, head_dim=64)  # ring wins by ~30%
+CLOSE = Workload(seq_len=2048, heads=8, head_dim=64)  # ring and ulysses within a few %
+RING, ULYSSES = CPConfig("ring", 2), CPConfig("ulysses", 2, 2)
+
+# (workload, config) -> the median of each round, oldest first
+FIRST = {
+    # the newest ring visit is slow: newest-wins picks ulysses; all five rounds say ring
+    (CLEAR, RING): [10.0, 10.1, 9.9, 10.05, 13.5],
+    (CLEAR, ULYSSES): [13.0, 13.1, 12.9, 13.05, 13.0],
+    (CLOSE, RING): [10.0, 10.5, 9.8],
+    (CLOSE, ULYSSES): [10.2, 10.1, 10.3],
+}
+SECOND = {
+    (CLEAR, RING): [10.0, 10.1, 10.0],
+    (CLEAR, ULYSSES): [13.0, 13.2, 13.1],
+    (CLOSE, RING): [10.6, 10.5, 10.7],
+    (CLOSE, ULYSSES): [10.0, 10.1, 10.0],
+}
+
+
+def _database(path: Path, rounds: dict, disturbed: tuple[Workload, CPConfig, float] | None = None) -> str:
+    host = this_host()
+    with Store(str(path)) as store:
+        for (workload, config), medians in rounds.items():
+            for i, ms in enumerate(medians):
+                store.add_measurement(host, measurement(workload, config, ms), round_id=f"r{i}")
+        if disturbed is not None:  # newest of all, and fastest: counts for nothing
+            workload, config, ms = disturbed
+            m = dataclasses.replace(measurement(workload, config, ms), disturbed="load: processes 1.5 cores")
+            store.add_measurement(host, m, round_id="r9")
+    return str(path)
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> tuple[str, str]:
+    return (_database(tmp_path / "first.db", FIRST, disturbed=(CLEAR, ULYSSES, 5.0)),
+            _database(tmp_path / "second.db", SECOND))
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(float(np.mean(np.log(values))))
+
+
+def _figures(runs: tuple[str, str]) -> dict:
+    fingerprint = this_host().fingerprint
+    return reproducibility.figures(*(reproducibility.clean_rows(db, fingerprint) for db in runs))
+
+
+def test_newest_wins_is_todays_single_visit_judgement(runs):
+    out = _figures(runs)
+    by_second = {j["workload"]: j for j in out["newest_wins"]["first_judged_by_second"]["per_workload"]}
+    clear = by_second[CLEAR.describe()]
+    # first run's newest visits: ring 13.5, ulysses 13.0 (the disturbed 5.0 does not count)
+    assert clear["pick"] == ULYSSES.describe() and clear["other_best"] == RING.describe()
+    assert clear["regret"] == pytest.approx(13.1 / 10.0)
+    close = by_second[CLOSE.describe()]
+    # newest visits: ring 9.8 beats ulysses 10.3; the second run's newest: ring 10.7, ulysses 10.0
+    assert close["pick"] == RING.describe() and close["regret"] == pytest.approx(10.7 / 10.0)
+    summary = out["newest_wins"]["first_judged_by_second"]["summary"]
+    assert summary["winners"] == 2 and summary["ties"] == 0
+    assert summary["median_regret"] == pytest.approx((1.31 + 1.07) / 2)
+    assert summary["worst_regret"] == pytest.approx(1.31)
+
+
+def test_the_verdict_counts_ties_as_ties_and_judges_winners_by_combined_estimates(runs):
+    out = _figures(runs)
+    first = {j["workload"]: j for j in out["verdict"]["first_judged_by_second"]["per_workload"]}
+    # all five rounds combined: ring separates from ulysses, and the second run agrees
+    assert first[CLEAR.describe()]["pick"] == RING.describe()
+    assert first[CLEAR.describe()]["regret"] == pytest.approx(1.0)
+    # a few % apart with a 7% swing between rounds: a tie, the second's leader among the tied
+    close = first[CLOSE.describe()]
+    assert close["regret"] is None and set(close["tied"]) == {RING.describe(), ULYSSES.describe()}
+    assert close["other_leader_among_tied"] is True
+    summary = out["verdict"]["first_judged_by_second"]["summary"]
+    assert (summary["winners"], summary["ties"], summary["ties_with_other_leader_among_tied"]) == (1, 1, 1)
+    assert summary["goal_met"] is True
+
+    # the other way: the second run separates ulysses at CLOSE; the first run's estimates judge it
+    second = {j["workload"]: j for j in out["verdict"]["second_judged_by_first"]["per_workload"]}
+    assert second[CLOSE.describe()]["pick"] == ULYSSES.describe()
+    expected = _geomean(FIRST[(CLOSE, ULYSSES)]) / _geomean(FIRST[(CLOSE, RING)])
+    assert second[CLOSE.describe()]["regret"] == pytest.approx(expected)
+    summary = out["verdict"]["second_judged_by_first"]["summary"]
+    assert summary["winners"] == 2 and summary["worst_regret"] == pytest.approx(expected)
+
+
+def test_the_ratio_spread_compares_combined_latencies(runs):
+    ratio = _figures(runs)["ratio_second_over_first"]
+    expected = [_geomean(SECOND[key]) / _geomean(FIRST[key]) for key in FIRST]
+    assert ratio["configurations"] == 4
+    assert ratio["min"] == pytest.approx(min(expected)) and ratio["max"] == pytest.approx(max(expected))
+
+
+def test_json_and_text_output(runs, capsys):
+    first, second = runs
+    assert reproducibility.main(["--first", first, "--second", second, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workloads"] == 2 and out["goal"] == {"median_regret": 1.02, "worst_regret": 1.1}
+    assert reproducibility.main(["--first", first, "--second", second]) == 0
+    text = capsys.readouterr().out
+    assert "newest-wins (today)" in text and "verdict (new)" in text
+    assert "1 winners, 1 ties" in text and "goal median <= 1.02, worst <= 1.1: met" in text
+
+
+def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
+    assert reproducibility.main(["--first", runs[0], "--second", str(tmp_path / "absent.db")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "absent.db" in err
+    assert reproducibility.main(["--first", runs[0], "--second", runs[1], "--hardware", "nothing"]) == 2
+    assert "no workload" in capsys.readouterr().err
