@@ -208,7 +208,7 @@ class Verdict:
         if self.tied:
             names = [lead, *(c.describe() for c in self.tied)]
             listed = ", ".join(names[:-1]) + " and " + names[-1]
-            near = self.comparisons[0]
+            near = next(c for c in self.comparisons if not c.separated)
             return (f"{listed} tied within the noise of this hardware ({near.other.describe()} "
                     f"{_percent(near.ratio)}, 95% interval {_percent(near.low)} to {_percent(near.high)})")
         second = self.comparisons[0]

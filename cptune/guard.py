@@ -13,8 +13,11 @@ verdict just after. Three kinds of evidence, each judged on its own (any one suf
   evidence is skipped.
 - A reference kernel: a fixed pure-Python loop of about a millisecond, best of five (the
   first runs wake the core up from power saving), run in this process before and after the
-  window. Slower than the fastest seen in this session means the machine itself got slower
-  (clock throttling, a busy neighbour, load that came or went during the run). The
+  window. Twice as slow as is typical this session (the median of its times so far) means
+  the machine itself got slower (clock throttling, a busy neighbour, load that came or went
+  during the run). Not against its fastest: on this project's VMs the loop's best moves by
+  up to 1.9x with nothing else running, and a quiet sweep judged that way marked 48 of 106
+  runs whose timings matched the unmarked ones. The
   scheduler favours a process that just woke, so this rarely sees plain CPU contention;
   the foreign-load evidence does.
 - The spread of the iterations: p90/p10 far above what a quiet host gives (judged from ten
@@ -30,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +54,15 @@ TICK_ALLOWANCE = 2.0
 #: pause that watches the host with our ranks idle, so a few ticks of error stay small
 #: (0.3 cores on 2 CPUs) and a run of a few milliseconds is judged too.
 MIN_WINDOW_S = 0.1
-#: The reference kernel's best time may exceed the session's fastest by this factor: a
-#: generous one, as frequency boost and cache effects move a best-of-five millisecond loop
-#: by tens of percent, not by half again.
-REFERENCE_SLOWDOWN = 1.5
+#: The reference kernel's best time may exceed its typical time this session (the median)
+#: by this factor: frequency boost, cache effects and the hypervisor move a best-of-five
+#: millisecond loop by up to 1.9x around its fastest on a quiet VM, so the median and
+#: twice it.
+REFERENCE_SLOWDOWN = 2.0
+#: The kernel's times a session needs before the slowdown is judged (its typical time).
+REFERENCE_MIN_TIMES = 5
+#: How many of its latest times the typical time is the median of (drift over hours).
+_REFERENCE_HISTORY = 101
 #: p90/p10 of the iterations above this is disturbed: generous, as the demo's runs stored on
 #: this project's 2-core machines mostly stay under 1.6, and load that comes and goes
 #: doubles some iterations.
@@ -157,14 +166,14 @@ def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float) -> st
     return f"other processes used {foreign_cores:.1f} of {cpus} cores during the run"
 
 
-def reference_slowdown(before_s: float, after_s: float, fastest_s: float) -> str | None:
+def reference_slowdown(before_s: float, after_s: float, typical_s: float | None) -> str | None:
     """Why the reference kernel's times before and after a run show a slower machine, or
-    None. ``fastest_s``: the fastest time of the kernel seen in this session."""
+    None. ``typical_s``: the kernel's typical time this session (None: too few to tell)."""
     slowest = max(before_s, after_s)
-    if slowest <= REFERENCE_SLOWDOWN * fastest_s:
+    if typical_s is None or slowest <= REFERENCE_SLOWDOWN * typical_s:
         return None
     when = "after" if after_s >= before_s else "before"
-    return f"a reference kernel ran {slowest / fastest_s:.1f}x slower {when} the run than at its fastest"
+    return f"a reference kernel ran {slowest / typical_s:.1f}x slower {when} the run than is typical"
 
 
 def wide_spread(samples_ms: Sequence[float]) -> str | None:
@@ -178,10 +187,15 @@ def wide_spread(samples_ms: Sequence[float]) -> str | None:
 
 
 class ReferenceKernel:
-    """A fixed millisecond of pure-Python work, and the fastest it ran in this session."""
+    """A fixed millisecond of pure-Python work, and how long it typically took this session."""
 
     def __init__(self) -> None:
-        self.fastest_s = math.inf
+        self.times_s: deque[float] = deque(maxlen=_REFERENCE_HISTORY)
+
+    @property
+    def typical_s(self) -> float | None:
+        """The median of its latest times (None before ``REFERENCE_MIN_TIMES``)."""
+        return float(np.median(self.times_s)) if len(self.times_s) >= REFERENCE_MIN_TIMES else None
 
     def time(self) -> float:
         """Best of a few runs of the kernel, in seconds."""
@@ -192,7 +206,7 @@ class ReferenceKernel:
             for i in range(_REFERENCE_LOOP):
                 total += i * i
             best = min(best, time.perf_counter() - start)
-        self.fastest_s = min(self.fastest_s, best)
+        self.times_s.append(best)
         return best
 
 
@@ -219,7 +233,7 @@ class Watch:
         busy_cores = min(available_cores(), ranks * threads_per_rank(ranks))
         reasons = [
             foreign_load(self._before, after, available_cores() - busy_cores),
-            reference_slowdown(self._reference_before, reference_after, _REFERENCE.fastest_s),
+            reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
             None if oversubscribed(ranks) else wide_spread(samples_ms),
         ]
         return "; ".join(reason for reason in reasons if reason) or None

@@ -101,3 +101,16 @@ def test_verdicts_are_per_workload_and_hardware():
     assert set(found) == {("host", WORKLOAD), ("host", other)}
     assert found[("host", other)].describe().endswith("(the only configuration measured)")
     assert found[("host", WORKLOAD)].leader.config == RING
+
+
+def test_a_tie_names_its_closest_tied_configuration_not_a_separated_one():
+    # AllGather-KV is steadily 10% slower (separated); Ring is slower on average (+25%) but
+    # jumps around the leader (tied), so the closest comparison by ratio is not the tied one
+    rows = []
+    for i, ring in enumerate([0.9, 1.7, 0.95, 1.6]):
+        rows += [row(LOCAL, 10.0, f"r{i}"), row(CPConfig("allgather_kv", 2), 11.0 + 0.01 * i, f"r{i}"),
+                 row(RING, 10.0 * ring, f"r{i}")]
+    verdict = judge(combine(rows).values())
+    assert verdict.tied == (RING,)
+    assert f"({RING.describe()} +" in verdict.describe()
+    assert verdict.comparisons[0].other == CPConfig("allgather_kv", 2)
