@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "repeats iterations")
     search.add_argument("--race-rounds", type=_non_negative,
                         help="further visits the configurations tied with the fastest may get in the final "
-                             "race (default: the space's [measure] race_rounds, else 6; 0: no race)")
+                             "race (default: the space's [measure] race_rounds, else 10; 0: no race)")
     search.add_argument("--no-calibrate", action="store_true",
                         help="skip the calibration a first search on new hardware runs (the cost "
                              "model needs one; cptune calibrate adds it later)")
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_argument("--ranks", type=_positive)
     results.add_argument("--status", help="ok, or a failure kind (crash, timeout, error, ...)")
     results.add_argument("--combined", action="store_true",
-                         help="per workload and configuration: every clean round combined (geometric mean, "
+                         help="per workload and configuration: every clean round combined (median visit, "
                               "95%% interval, rounds) and the workload's verdict, the fastest marked and the "
                               "configurations tied with it; excluded, oversubscribed and disturbed runs "
                               "left out. With --json or --csv: those estimates instead of the rows")
@@ -848,7 +848,7 @@ def _combined_table(
     """One workload's estimates, fastest first; ``explained``: with the caption saying what
     the columns mean (the last table only, so a long listing says it once)."""
     table = _table(f"{workload.describe()} [{hardware[:8]}]",
-                   "ms per attention call, slowest rank: the geometric mean of the clean rounds; interval: "
+                   "ms per attention call, slowest rank: the median of the clean rounds; interval: "
                    "its 95% interval (* from one round's iterations: understates drift); xN: on N ranks; vs "
                    "fastest %: how much longer than the fastest [95% interval], paired by round where they "
                    "share 3 or more" if explained else "")

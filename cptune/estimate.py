@@ -6,17 +6,24 @@ alike. One visit's figure is its median iteration of the slowest rank. This modu
 combines every clean visit of a configuration (never the newest alone) and judges the
 fastest against the rest:
 
-- A configuration's latency is the geometric mean of its clean visits, with a 95%
-  Student-t interval on the log scale. The round-to-round spread is pooled over every
-  configuration of the workload with two or more visits (one spread per workload and
-  hardware: one visit says nothing about its own spread); without any, the spread of the
-  visits' own iterations (p10-p90 read as a normal's +-1.28 sigma) stands in for it, and
-  that understates drift, so a search always runs two rounds or more.
-- The leader against another configuration: their ratio. Where they share three or more
-  rounds the ratio is paired round by round (interleaving cancels the drift both saw);
-  otherwise it is the ratio of the two means with the pooled spread of each. The leader is
-  separated from the other when the ratio's 95% interval lies above 1; otherwise the two
-  are tied within the noise of this hardware.
+- A configuration's latency is the median of its clean visits (the geometric mean of the
+  middle two for an even count): a visit a burst of load slowed moves it by one place, not
+  by its size. Its 95% interval: from six visits on, the sign test's order statistics of
+  the visits (distribution-free); with fewer, a Student-t interval on the log scale, whose
+  round-to-round spread is pooled over every configuration of the workload with two or more
+  visits (one spread per workload and hardware: one visit says nothing about its own
+  spread); without any, the spread of the visits' own iterations (p10-p90 read as a
+  normal's +-1.28 sigma) stands in for it, and that understates drift, so a search always
+  runs two rounds or more.
+- The leader against another configuration: their ratio. Where they share rounds it is
+  paired round by round (interleaving cancels the drift both saw): from six shared rounds
+  on, the Hodges-Lehmann estimate of the log ratio with Wilcoxon's signed-rank interval
+  (an order statistic of the pairwise means: one visit a burst of load tripled moves it by
+  one rank, where it would widen a t interval for every pair - on the CPU hosts here such
+  visits come every few rounds); from three, the mean log ratio with a t interval; below
+  that the ratio of the two means with the pooled spread of each. The leader is separated
+  from the other when the ratio's 95% interval lies above 1; otherwise the two are tied
+  within the noise of this hardware.
 
 Stopping a race once the leader separates re-tests the same interval; the budget on
 rounds bounds how often that can flatter a leader.
@@ -41,6 +48,12 @@ CONFIDENCE = 0.95
 _P10_P90_SIGMAS = 2 * 1.2815515655446004
 #: Fewest shared rounds for a paired ratio (below it the ratio of means is used).
 MIN_PAIRED_ROUNDS = 3
+#: Fewest visits for the sign test's interval of a configuration's median (with five, even
+#: the whole range covers only 94%).
+MIN_SIGN_TEST_VISITS = 6
+#: Fewest shared rounds for the signed-rank interval (with five, no 95% interval exists:
+#: even all five differences on one side happen with probability 1/16 under no difference).
+MIN_SIGNED_RANK_ROUNDS = 6
 
 
 def _t(df: float) -> float:
@@ -66,7 +79,7 @@ class Estimate:
     hardware: str
     workload: Workload
     config: CPConfig
-    median_ms: float  # geometric mean of the visits' medians
+    median_ms: float  # the median visit (geometric mean of the middle two for an even count)
     low_ms: float
     high_ms: float
     rounds: int  # clean visits combined
@@ -75,7 +88,7 @@ class Estimate:
     visits: tuple[Result, ...]
 
     @property
-    def log_mean(self) -> float:
+    def log_median(self) -> float:
         return math.log(self.median_ms)
 
     @property
@@ -119,6 +132,17 @@ def _noise(visits: Sequence[Sequence[Result]]) -> Noise:
     return Noise(float(np.median(spreads)) if spreads else 0.0, math.inf, "iterations")
 
 
+def _sign_test_rank(n: int) -> int:
+    """The 1-based rank k of the order statistics bounding the sign test's two-sided
+    ``CONFIDENCE`` interval for the median of ``n`` values: the largest k with
+    P(Binomial(n, 1/2) < k) <= alpha/2."""
+    alpha_half, below, k = (1 - CONFIDENCE) / 2, 0.0, 0
+    while below + math.comb(n, k) / 2**n <= alpha_half:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    return max(k, 1)
+
+
 def combine(rows: Iterable[Result]) -> dict[tuple[str, Workload, CPConfig], Estimate]:
     """Every (hardware, workload, configuration) with a clean visit among ``rows``,
     combined. Failed, disturbed and excluded rows are left out; the caller filters
@@ -131,12 +155,17 @@ def combine(rows: Iterable[Result]) -> dict[tuple[str, Workload, CPConfig], Esti
     for (hardware, workload), by_config in grouped.items():
         noise = _noise(list(by_config.values()))
         for config, visits in by_config.items():
-            n = len(visits)
-            mean = float(np.mean(np.log([v.median_ms for v in visits])))
-            half = _t(noise.df) * noise.sigma / math.sqrt(n)
+            logs = np.sort(np.log([v.median_ms for v in visits]))
+            centre = float(np.median(logs))
+            if len(logs) >= MIN_SIGN_TEST_VISITS:
+                k = _sign_test_rank(len(logs))
+                low, high = float(logs[k - 1]), float(logs[-k])
+            else:
+                half = _t(noise.df) * noise.sigma / math.sqrt(len(logs))
+                low, high = centre - half, centre + half
             estimates[(hardware, workload, config)] = Estimate(
-                hardware, workload, config, math.exp(mean), math.exp(mean - half), math.exp(mean + half),
-                n, noise, tuple(sorted(visits, key=lambda v: v.id)),
+                hardware, workload, config, math.exp(centre), math.exp(low), math.exp(high),
+                len(logs), noise, tuple(sorted(visits, key=lambda v: v.id)),
             )
     return estimates
 
@@ -157,16 +186,41 @@ class Comparison:
         return self.low > 1.0
 
 
+def _signed_rank_rank(n: int) -> int:
+    """The 1-based rank k of the Walsh averages bounding Wilcoxon's two-sided ``CONFIDENCE``
+    interval for ``n`` pairs (the interval is the k-th smallest to the k-th largest): the
+    largest k with P(T < k) <= alpha/2 for the signed-rank statistic T under no difference."""
+    counts = [1] + [0] * (n * (n + 1) // 2)  # ways each rank sum arises: exact, small n
+    for rank in range(1, n + 1):
+        for total in range(len(counts) - 1, rank - 1, -1):
+            counts[total] += counts[total - rank]
+    alpha_half, below, k = (1 - CONFIDENCE) / 2, 0, 0
+    while (below + counts[k]) / 2**n <= alpha_half:
+        below += counts[k]
+        k += 1
+    return k
+
+
+def _hodges_lehmann(diffs: Sequence[float]) -> tuple[float, float, float]:
+    """The Hodges-Lehmann estimate of ``diffs``' centre and its signed-rank interval."""
+    walsh = np.sort([(a + b) / 2 for i, a in enumerate(diffs) for b in diffs[i:]])
+    k = _signed_rank_rank(len(diffs))
+    return float(np.median(walsh)), float(walsh[k - 1]), float(walsh[-k])
+
+
 def compare(leader: Estimate, other: Estimate) -> Comparison:
     """``other``'s latency over ``leader``'s, paired by round where they share enough rounds."""
     mine = {v.round_id: math.log(v.median_ms) for v in leader.visits if v.round_id}
     pairs = [math.log(v.median_ms) - mine[v.round_id] for v in other.visits if v.round_id in mine]
+    if len(pairs) >= MIN_SIGNED_RANK_ROUNDS:
+        diff, low, high = _hodges_lehmann(pairs)
+        return Comparison(other.config, math.exp(diff), math.exp(low), math.exp(high), len(pairs))
     if len(pairs) >= MIN_PAIRED_ROUNDS:
         diff = float(np.mean(pairs))
         half = _t(len(pairs) - 1) * float(np.std(pairs, ddof=1)) / math.sqrt(len(pairs))
         paired = len(pairs)
     else:
-        diff = other.log_mean - leader.log_mean
+        diff = other.log_median - leader.log_median
         noise = leader.noise if leader.noise.df <= other.noise.df else other.noise
         half = _t(noise.df) * noise.sigma * math.sqrt(1 / leader.rounds + 1 / other.rounds)
         paired = 0

@@ -392,7 +392,7 @@ class WorkloadSearch:
     #: Clean visits every configuration that ran gets, at least.
     rounds: int = 2
     #: Further clean visits a configuration may get in the final race.
-    race_rounds: int = 6
+    race_rounds: int = 10
     #: Seconds to wait before a round that visits again a configuration whose last visit was
     #: disturbed, so a burst of other load can pass.
     settle_s: float = 2.0

@@ -51,7 +51,7 @@ _EXAMPLES = {
     "measure.repeats": "repeats = 10",
     "measure.timeout": "timeout = 600",
     "measure.rounds": "rounds = 2",
-    "measure.race_rounds": "race_rounds = 6",
+    "measure.race_rounds": "race_rounds = 10",
 }
 
 
@@ -72,7 +72,7 @@ class MeasureSettings:
     repeats: int = 10
     timeout: float | None = None
     rounds: int = 2
-    race_rounds: int = 6
+    race_rounds: int = 10
 
     def __post_init__(self) -> None:
         # Direct construction gets the same limits the TOML loader enforces.

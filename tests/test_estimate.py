@@ -33,7 +33,7 @@ def test_repeated_visits_are_combined_not_replaced_by_the_newest():
     rows = [row(RING, 10.0, "a"), row(RING, 12.0, "b"), row(RING, 11.0, "c")]
     estimate = combine(rows)[("host", WORKLOAD, RING)]
     assert estimate.rounds == 3
-    assert estimate.median_ms == pytest.approx(math.exp(np.mean(np.log([10, 12, 11]))))
+    assert estimate.median_ms == pytest.approx(11.0)  # the median visit
     assert estimate.low_ms < estimate.median_ms < estimate.high_ms
     assert estimate.noise.source == "rounds" and estimate.noise.df == 2
 
@@ -114,3 +114,53 @@ def test_a_tie_names_its_closest_tied_configuration_not_a_separated_one():
     assert verdict.tied == (RING,)
     assert f"({RING.describe()} +" in verdict.describe()
     assert verdict.comparisons[0].other == CPConfig("allgather_kv", 2)
+
+
+def test_the_signed_rank_interval_uses_the_published_critical_values():
+    from cptune.estimate import _signed_rank_rank
+
+    # two-sided 5% critical values of Wilcoxon's T (e.g. any statistics table): the interval
+    # runs from the (T + 1)-th smallest Walsh average to the (T + 1)-th largest
+    table = {6: 0, 7: 2, 8: 3, 9: 5, 10: 8, 12: 13, 15: 25, 20: 52}
+    assert {n: _signed_rank_rank(n) - 1 for n in table} == table
+
+
+def test_one_visit_a_burst_tripled_does_not_hide_a_steady_gap():
+    # Ring is 8% slower in every round but one, where a burst of load tripled the leader: the
+    # one pair drags 12 of the 78 pairwise means, and the interval's ends are the 14th
+    rows = []
+    for i in range(12):
+        burst = 3.0 if i == 4 else 1.0
+        rows += [row(ULYSSES, 10.0 * burst * (1 + 0.01 * (i % 3)), f"r{i}"), row(RING, 10.8, f"r{i}")]
+    verdict = judge(combine(rows).values())
+    assert verdict.leader.config == ULYSSES and verdict.winner == ULYSSES
+    ring = verdict.comparisons[0]
+    assert ring.paired_rounds == 12 and ring.low > 1.0 and ring.ratio == pytest.approx(1.07, abs=0.02)
+    # the same rounds read with a t interval: the burst's pair widens it past 1
+    diffs = np.log([10.8 / (10.0 * (3.0 if i == 4 else 1.0) * (1 + 0.01 * (i % 3))) for i in range(12)])
+    t_low = diffs.mean() - 2.201 * diffs.std(ddof=1) / math.sqrt(12)
+    assert t_low < 0
+
+
+def test_the_signed_rank_interval_covers_no_difference_about_95_percent_of_the_time():
+    rng = np.random.default_rng(13)
+    covered = 0
+    for trial in range(400):
+        noise = rng.standard_t(3, size=(8, 2)) * 0.1  # heavy tails, as visits here have
+        rows = [r for i in range(8) for r in (row(LOCAL, 10 * math.exp(noise[i, 0]), f"t{trial}:{i}"),
+                                               row(RING, 10 * math.exp(noise[i, 1]), f"t{trial}:{i}"))]
+        estimates = combine(rows)
+        comparison = compare(estimates[("host", WORKLOAD, LOCAL)], estimates[("host", WORKLOAD, RING)])
+        covered += comparison.low <= 1.0 <= comparison.high
+    assert 0.93 <= covered / 400 <= 0.99
+
+
+def test_from_six_visits_a_configuration_s_interval_is_the_sign_test_s():
+    from cptune.estimate import _sign_test_rank
+
+    # P(Bin(n, 1/2) <= k - 1) <= 2.5%: k = 1 up to n = 8, 2 for n = 9..11, 3 for n = 12..14
+    assert [_sign_test_rank(n) for n in (6, 8, 9, 11, 12, 14, 15)] == [1, 1, 2, 2, 3, 3, 4]
+    visits = [10.0, 10.4, 9.8, 30.0, 10.1, 10.2, 9.9, 10.3, 10.0]  # one burst among nine
+    estimate = combine([row(RING, ms, f"r{i}") for i, ms in enumerate(visits)])[("host", WORKLOAD, RING)]
+    assert estimate.median_ms == pytest.approx(10.1)
+    assert (estimate.low_ms, estimate.high_ms) == pytest.approx((9.9, 10.4))  # 2nd smallest, 2nd largest

@@ -43,7 +43,7 @@ from cptune.report._figures import (
 _CAPTIONS = {
     LATENCY: "Latency per attention call (slowest rank) against the number of ranks, one panel per "
              "sequence length and one line per strategy family: each point combines every clean round of "
-             "that configuration (geometric mean of the rounds' medians), its bar spans the estimate's 95% "
+             "that configuration (the median of the rounds' medians), its bar spans the estimate's 95% "
              "interval (not the spread of single iterations), and the dotted line marks the fastest 1-rank "
              "configuration; every point is measured, none is predicted. The bars include the drift "
              "between rounds, which the verdicts below cancel by comparing configurations round by "
@@ -117,7 +117,7 @@ def _latency_table(shape: ShapeReport) -> str:
         rows.append(cells)
     return _table(["seq_len", "strategy", *(rank_count(n) for n in ranks)], rows,
                   "ms per attention call, slowest rank: every clean round of a configuration combined "
-                  "(geometric mean; hover for the 95% interval and the rounds); all measured", names=2)
+                  "(median of the rounds; hover for the 95% interval and the rounds); all measured", names=2)
 
 
 def _speedup_table(shape: ShapeReport) -> str:
@@ -275,7 +275,7 @@ def write_report(data: ReportData, out_dir: Path) -> list[Path]:
 <h1>cptune report</h1>
 <p class="meta">database <code>{escape(data.url)}</code>; generated {escape(data.generated_at)} by cptune
 {escape(data.version)}. Latencies are per attention call of the slowest rank, in ms: each
-configuration's clean rounds combined (geometric mean of the rounds' medians, with a 95% interval);
+configuration's clean rounds combined (the median of the rounds' medians, with a 95% interval);
 disturbed, excluded and oversubscribed runs count for nothing. Measured points are filled;
 predicted ones are hollow or hatched (figures) or marked * (tables).</p>
 {"".join(sections)}

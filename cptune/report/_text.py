@@ -33,8 +33,8 @@ def _where(hardware: HardwareReport, shape: ShapeReport) -> str:
 
 def _latency(hardware: HardwareReport, shape: ShapeReport) -> Table:
     table = _table(f"latency (ms): {_where(hardware, shape)}",
-                   "per attention call, slowest rank: each configuration's clean rounds combined (geometric "
-                   "mean of their medians); all measured")
+                   "per attention call, slowest rank: each configuration's clean rounds combined (the median "
+                   "of their medians); all measured")
     table.add_column("seq_len", justify="right")
     table.add_column("strategy")
     for n in shape.rank_counts:
