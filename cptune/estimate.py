@@ -271,13 +271,23 @@ class Verdict:
 
 
 def judge(estimates: Iterable[Estimate]) -> Verdict | None:
-    """The verdict over ``estimates`` of one workload on one hardware (None if empty)."""
+    """The verdict over ``estimates`` of one workload on one hardware (None if empty).
+
+    The leader is the configuration no other runs faster than by their paired ratio: the
+    lowest median first, then, while another's ratio to it is below 1 (their shared rounds
+    say that one is faster), that one - the lowest ratio - in its place. Paired ratios need
+    not be transitive; a leader met again ends the search for one."""
     ranked = sorted(estimates, key=lambda e: e.median_ms)
     if not ranked:
         return None
-    leader = ranked[0]
-    comparisons = sorted((compare(leader, other) for other in ranked[1:]), key=lambda c: c.ratio)
-    return Verdict(leader, tuple(comparisons))
+    leader, seen = ranked[0], set()
+    while True:
+        seen.add(leader.config)
+        comparisons = sorted((compare(leader, other) for other in ranked if other is not leader),
+                             key=lambda c: c.ratio)
+        if not comparisons or comparisons[0].ratio >= 1.0 or comparisons[0].other in seen:
+            return Verdict(leader, tuple(comparisons))
+        leader = next(e for e in ranked if e.config == comparisons[0].other)
 
 
 def verdicts(rows: Iterable[Result]) -> dict[tuple[str, Workload], Verdict]:
