@@ -26,6 +26,7 @@ from sqlalchemy.engine import make_url
 from conftest import make_calibration, measurement
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware
+from cptune.search import WorkloadSearch
 from cptune.store import VERSION_TABLE, Base, Store, database_url
 
 SERVER = os.environ.get("CPTUNE_TEST_POSTGRES_URL")
@@ -178,7 +179,8 @@ def test_two_searches_share_one_database(postgres_url, password):
     assert all(r.status == "ok" and r.median_ms > 0 for r in rows)
     assert {r.workload.seq_len for r in rows} == {64, 80, 96, 112}
     visits = Counter((r.workload, r.config) for r in rows if r.clean)  # each its rounds, at most the cap
-    assert len(visits) == 16 and all(2 <= n <= 2 + 6 for n in visits.values()), visits
+    rounds, cap = WorkloadSearch.rounds, WorkloadSearch.rounds + WorkloadSearch.race_rounds  # the defaults
+    assert len(visits) == 16 and all(rounds <= n <= cap for n in visits.values()), visits
     # the studies both searches kept beside the rows: one per length, a trial per row
     studies = optuna.get_all_study_summaries(database_url(postgres_url))
     per_length = Counter(r.workload.seq_len for r in rows)
