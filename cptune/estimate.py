@@ -132,15 +132,21 @@ def _noise(visits: Sequence[Sequence[Result]]) -> Noise:
     return Noise(float(np.median(spreads)) if spreads else 0.0, math.inf, "iterations")
 
 
-def _sign_test_rank(n: int) -> int:
-    """The 1-based rank k of the order statistics bounding the sign test's two-sided
-    ``CONFIDENCE`` interval for the median of ``n`` values: the largest k with
-    P(Binomial(n, 1/2) < k) <= alpha/2."""
-    alpha_half, below, k = (1 - CONFIDENCE) / 2, 0.0, 0
-    while below + math.comb(n, k) / 2**n <= alpha_half:
-        below += math.comb(n, k) / 2**n
+def _interval_rank(null_counts: Sequence[int]) -> int:
+    """The 1-based rank k of the order statistics bounding a two-sided ``CONFIDENCE``
+    interval, from how many of the equally likely outcomes give each value 0, 1, ... of a
+    rank statistic under no difference: the largest k with P(statistic < k) <= alpha/2."""
+    total, alpha_half, below, k = sum(null_counts), (1 - CONFIDENCE) / 2, 0, 0
+    while (below + null_counts[k]) / total <= alpha_half:
+        below += null_counts[k]
         k += 1
-    return max(k, 1)
+    return k
+
+
+def _sign_test_rank(n: int) -> int:
+    """The rank k bounding the sign test's interval for the median of ``n`` values (the
+    k-th smallest to the k-th largest): its statistic is Binomial(n, 1/2)."""
+    return _interval_rank([math.comb(n, successes) for successes in range(n + 1)])
 
 
 def combine(rows: Iterable[Result]) -> dict[tuple[str, Workload, CPConfig], Estimate]:
@@ -194,11 +200,7 @@ def _signed_rank_rank(n: int) -> int:
     for rank in range(1, n + 1):
         for total in range(len(counts) - 1, rank - 1, -1):
             counts[total] += counts[total - rank]
-    alpha_half, below, k = (1 - CONFIDENCE) / 2, 0, 0
-    while (below + counts[k]) / 2**n <= alpha_half:
-        below += counts[k]
-        k += 1
-    return k
+    return _interval_rank(counts)
 
 
 def _hodges_lehmann(diffs: Sequence[float]) -> tuple[float, float, float]:
@@ -290,10 +292,15 @@ def judge(estimates: Iterable[Estimate]) -> Verdict | None:
         leader = next(e for e in ranked if e.config == comparisons[0].other)
 
 
-def verdicts(rows: Iterable[Result]) -> dict[tuple[str, Workload], Verdict]:
-    """The verdict of every (hardware, workload) among ``rows`` (see ``combine``)."""
+def judge_each(estimates: Iterable[Estimate]) -> dict[tuple[str, Workload], Verdict]:
+    """The verdict of every (hardware, workload) among ``estimates``."""
     by_workload: dict[tuple[str, Workload], list[Estimate]] = defaultdict(list)
-    for (hardware, workload, _), estimate in combine(rows).items():
-        by_workload[(hardware, workload)].append(estimate)
+    for estimate in estimates:
+        by_workload[(estimate.hardware, estimate.workload)].append(estimate)
     found = {key: judge(group) for key, group in by_workload.items()}
     return {key: verdict for key, verdict in found.items() if verdict is not None}
+
+
+def verdicts(rows: Iterable[Result]) -> dict[tuple[str, Workload], Verdict]:
+    """The verdict of every (hardware, workload) among ``rows`` (see ``combine``)."""
+    return judge_each(combine(rows).values())

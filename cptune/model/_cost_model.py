@@ -27,7 +27,6 @@ held-out measurements is what ``cptune fit`` reports. The same out-of-fold predi
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from sklearn.model_selection import GroupKFold, KFold
 from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.estimate import Estimate, combine, judge
+from cptune.estimate import Estimate, combine, judge_each
 from cptune.model._prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
 from cptune.store import Result, Store
 from cptune.workload import Workload
@@ -227,14 +226,9 @@ class TrainingSet:
         """For each case, whether the measured verdict of its (hardware, workload) cannot
         tell it from the fastest (``cptune.estimate.judge``: the leader or one tied with it).
         A pick among these is as good as the leader within the noise of that hardware."""
-        groups: dict[tuple[str, Workload], list[Estimate]] = defaultdict(list)
-        for estimate in self.estimates:
-            groups[(estimate.hardware, estimate.workload)].append(estimate)
-        top: set[tuple[str, Workload, CPConfig]] = set()
-        for (hardware, workload), group in groups.items():
-            verdict = judge(group)
-            assert verdict is not None  # every group has an estimate
-            top.update((hardware, workload, config) for config in (verdict.leader.config, *verdict.tied))
+        top = {(hardware, workload, config)
+               for (hardware, workload), verdict in judge_each(self.estimates).items()
+               for config in (verdict.leader.config, *verdict.tied)}
         return np.array([(e.hardware, e.workload, e.config) in top for e in self.estimates], dtype=bool)
 
 
