@@ -434,14 +434,20 @@ class WorkloadSearch:
         """The most runs of a configuration (clean, disturbed or failed): constant load ends here."""
         return 2 * self.cap
 
-    def _rows(self) -> list[Result]:
-        """The stored runs this search counts (see the class docstring), oldest first."""
+    def _stored(self) -> list[Result]:
+        """Every stored run of this workload on this hardware, oldest first."""
+        return self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint)
+
+    def _counted(self, stored: list[Result]) -> list[Result]:
+        """The runs among ``stored`` this search counts (see the class docstring)."""
         wanted = set(self.configs)
         engine = get_engine(self.backend).name
-        fingerprint = self.hardware.fingerprint
-        rows = self.store.results(**self.workload.to_dict(), hardware=fingerprint, excluded=False)
-        return [r for r in rows if r.config in wanted and r.engine == engine
+        return [r for r in stored if not r.excluded and r.config in wanted and r.engine == engine
                 and r.oversubscribed == oversubscribed(r.config.ranks)]
+
+    def _rows(self) -> list[Result]:
+        """The stored runs this search counts, oldest first."""
+        return self._counted(self._stored())
 
     def _own(self, rows: list[Result]) -> list[Result]:
         """The runs that decide what to run: all counted ones, or with ``remeasure`` this search's."""
@@ -513,11 +519,11 @@ class WorkloadSearch:
     def _predict(self, configs: list[CPConfig]) -> list[Candidate]:
         return predict_for(self.store, self.hardware.fingerprint, self.workload, configs)
 
-    def _sync_view(self, view: Study) -> None:
-        """Add every stored run of this workload on this hardware that ``view`` lacks."""
+    def _sync_view(self, view: Study, stored: list[Result]) -> None:
+        """Add every run in ``stored`` (``_stored``) that ``view`` lacks."""
         try:
             kept = {trial.user_attrs.get("measurement_id") for trial in view.get_trials(deepcopy=False)}
-            for row in self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint):
+            for row in stored:
                 if row.id not in kept:
                     view.add_trial(_view_trial(row))
         except optuna.exceptions.StorageInternalError:
@@ -533,7 +539,7 @@ class WorkloadSearch:
             self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
                                              load_if_exists=True,
                                              study_name=study_name(self.workload, self.hardware))
-            self._sync_view(self._view)
+            self._sync_view(self._view, self._stored())
         visits: list[Visit] = []
         self._explore(visits)
         self._phase = "round"
@@ -595,7 +601,7 @@ class WorkloadSearch:
                 status, median, error = known[config]
                 visit = Visit(config, status, median, error, reused=True, phase="explore")
                 visits.append(visit)
-                self._report(visit)
+                self._report(visit, self._rows())
             else:
                 visit = self._visit(config, "explore", round_id, visits)
                 # a disturbed visit's latency too: it can only make that configuration look slower
@@ -665,14 +671,15 @@ class WorkloadSearch:
             visit = Visit(config, "ok", m.median_ms, None, reused=False, phase=phase, round_id=round_id,
                           disturbed=m.disturbed)
         visits.append(visit)
+        stored = self._stored()  # read once for the study view and the verdict
         if self._view is not None:
-            self._sync_view(self._view)
-        self._report(visit)
+            self._sync_view(self._view, stored)
+        self._report(visit, self._counted(stored))
         return visit
 
-    def _report(self, visit: Visit) -> None:
-        """Bring ``verdict`` up to date and tell ``on_visit``, with the visits still planned."""
-        rows = self._rows()
+    def _report(self, visit: Visit, rows: list[Result]) -> None:
+        """Bring ``verdict`` up to date from the counted ``rows`` and tell ``on_visit``, with
+        the visits still planned."""
         self.verdict = judge(combine(rows).values())
         if self.on_visit is not None:
             self.on_visit(dataclasses.replace(visit, left=self._planned(rows)))
