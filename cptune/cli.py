@@ -101,27 +101,25 @@ def _strategies(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive_number(convert: Callable[[str], Number], what: str) -> Callable[[str], Number]:
-    """An argparse type: ``convert`` the text, refusing what is not a number above zero."""
+def _number_type(convert: Callable[[str], Number], what: str, zero: bool = False) -> Callable[[str], Number]:
+    """An argparse type: ``convert`` the text, refusing what is not a number above zero (or,
+    with ``zero``, at least zero)."""
 
     def parse(text: str) -> Number:
         try:
             value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero else 'positive'}, got {text}")
         return value
 
     return parse
 
 
-_positive = _positive_number(int, "a whole number")
-_seconds = _positive_number(float, "a number of seconds")
-
-
-def _non_negative(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive(text)
+_positive = _number_type(int, "a whole number")
+_non_negative = _number_type(int, "a whole number", zero=True)
+_seconds = _number_type(float, "a number of seconds")
 
 
 def _positive_list(text: str) -> tuple[int, ...]:

@@ -68,6 +68,10 @@ def db(tmp_path):
     (["search", "--seq-lens", "64,x"], "cptune search: error: ", "argument --seq-lens"),
     (["recommend", "--heads", "8"], "cptune recommend: error: ", "--seq-len"),
     (["results", "--frobnicate"], "cptune results: error: ", "unrecognized arguments: --frobnicate"),
+    # counts that may be 0 say so; a count that may not says positive
+    (["search", "--race-rounds", "-1"], "cptune search: error: ", "--race-rounds: must be 0 or more, got -1"),
+    (["measure", "--warmup", "-2"], "cptune measure: error: ", "--warmup: must be 0 or more, got -2"),
+    (["search", "--rounds", "0"], "cptune search: error: ", "--rounds: must be positive, got 0"),
     ([], "cptune: error: ", "command"),
 ])
 def test_a_flag_error_is_one_line_with_where_to_get_help(args, prefix, fragment):
