@@ -35,6 +35,7 @@ from cptune.engines import BACKENDS, get_engine, untimed
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
 from cptune.execute import measure
 from cptune.feasibility import check_feasible, enumerate_configs
+from cptune.guard import enabled as guard_enabled
 from cptune.hardware import Hardware, this_gpu_node, this_host
 from cptune.measurement import Measurement, available_cores, format_ms, oversubscribed
 from cptune.space import DEMO_SPACE, MeasureSettings, SearchSpace, check_runnable, load_space, resolve_space
@@ -459,6 +460,7 @@ def _table(title: str, caption: str) -> Table:
 
 
 def cmd_measure(args: argparse.Namespace, console: Console) -> int:
+    guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
     workload = _workload(args, args.seq_len)
     node = _gpu_node(args.backend, args.max_ranks)
     max_ranks = args.max_ranks or _capacity(node)
@@ -566,6 +568,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import WorkloadSearch
     from cptune.store import Store, display_url
 
+    guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs, not at the first run
     if not get_engine(args.backend).timed:
         raise untimed(args.backend)
     space, where = _load_search_space(args)

@@ -218,10 +218,21 @@ def test_cli_refuses_a_bad_cptune_guard_in_one_line(monkeypatch, capsys):
     monkeypatch.setenv("CPTUNE_GUARD", "maybe")
     code = main(["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "1",
                  "--warmup", "0", "--repeats", "1"])
-    err = capsys.readouterr().err
-    assert code == 2
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""  # refused before anything ran or was drawn
     assert "CPTUNE_GUARD must be 'on' or 'off'" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_search_refuses_a_bad_cptune_guard_even_with_nothing_left_to_measure(monkeypatch, capsys, tmp_path):
+    db = str(tmp_path / "none.db")
+    monkeypatch.setenv("CPTUNE_GUARD", "maybe")
+    code = main(["search", "--db", db, "--seq-lens", "64", "--heads", "4", "--head-dim", "16",
+                 "--ranks", "1", "--no-calibrate"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("cptune: error: CPTUNE_GUARD must be 'on' or 'off', got 'maybe'")
+    assert not (tmp_path / "none.db").exists()  # nothing was created either
 
 
 # --------------------------------------------------------------------------- real runs under load
