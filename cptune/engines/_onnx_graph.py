@@ -492,26 +492,14 @@ class OnnxOps:
                     q.dtype,
                 ),
             )
-            keys_t = g.memo(
-                ("lifted", keys_t.name),
-                lambda: g.node(
-                    "Unsqueeze",
-                    [keys_t.name, g.ints([2], "axes")],
-                    "keys_lifted",
-                    (b, kv_heads, 1, d, sk),
-                    key.dtype,
-                ),
-            )
-            value = g.memo(
-                ("lifted", value.name),
-                lambda: g.node(
-                    "Unsqueeze",
-                    [value.name, g.ints([2], "axes")],
-                    "values_lifted",
-                    (b, kv_heads, 1, sk, d),
-                    key.dtype,
-                ),
-            )
+
+            def lifted(x: Sym, name: str, shape: tuple[int, ...]) -> Sym:
+                """``x`` with a unit group axis at 2, made once per tensor."""
+                return g.memo(("lifted", x.name), lambda: g.node(
+                    "Unsqueeze", [x.name, g.ints([2], "axes")], name, shape, key.dtype))
+
+            keys_t = lifted(keys_t, "keys_lifted", (b, kv_heads, 1, d, sk))
+            value = lifted(value, "values_lifted", (b, kv_heads, 1, sk, d))
         scores = self.as_dtype(
             g.node("MatMul", [scaled.name, keys_t.name], "scores", (*lead, sq, sk), q.dtype), FLOAT
         )
