@@ -27,8 +27,9 @@ from datetime import UTC, datetime
 import numpy as np
 from scipy.optimize import nnls
 
-from cptune.cost import STREAM_KINDS, engine_collectives
+from cptune.cost import STREAM_KINDS, attention_kernel, engine_collectives
 from cptune.engines import Engine, get_engine, untimed
+from cptune.engines.mpi import computed_pairs
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -89,6 +90,14 @@ class ComputeRate:
     def flops_per_s(self) -> float:
         return self.flops / self.seconds
 
+    def computed_flops(self, kernel: str) -> int:
+        """FLOPs ``kernel`` executes on this shape (``cptune.cost.computed_flops``): the
+        useful ones, and for the numpy kernel the masked pairs of its diagonal row blocks."""
+        if kernel == "fused" or not self.causal:
+            return self.flops
+        pairs = computed_pairs([(self.seq_k - self.seq_q, self.seq_q)], [(0, self.seq_k)], True, self.seq_k)
+        return 4 * self.heads * self.head_dim * pairs
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -103,6 +112,11 @@ class Calibration:
     def max_ranks(self) -> int:
         return max(rate.ranks for rate in self.compute)
 
+    @property
+    def kernel(self) -> str:
+        """The attention kernel the calibrated engine runs (``cptune.cost.ATTENTION_KERNELS``)."""
+        return attention_kernel(self.engine)
+
     def collective(self, kind: str, ranks: int, group: int) -> CollectiveFit:
         """The fit for ``kind`` in groups of ``group`` among ``ranks`` ranks; the nearest
         calibrated rank count with that group size when ``ranks`` was not calibrated."""
@@ -114,20 +128,23 @@ class Calibration:
     def attention_rate(
         self, ranks: int, head_dim: int, causal: bool = False, flops: float | None = None
     ) -> float:
-        """FLOP/s one of ``ranks`` ranks computes attention at, from the shapes calibrated
+        """FLOP/s one of ``ranks`` ranks executes attention at, from the shapes calibrated
         with the head_dim nearest ``head_dim`` (in ratio) and the same mask (when any):
         interpolated in log-log over the work per call ``flops`` (held constant beyond the
-        calibrated sizes), or their geometric mean when ``flops`` is None."""
+        calibrated sizes), or their geometric mean when ``flops`` is None. FLOPs here are
+        the ones the engine's kernel executes (``ComputeRate.computed_flops``), masked pairs
+        it computes included, so the rate carries over to shapes that waste more or less."""
         nearest_ranks = min({r.ranks for r in self.compute}, key=lambda n: (abs(n - ranks), n))
         at_ranks = [r for r in self.compute if r.ranks == nearest_ranks]
         nearest = min({abs(np.log(r.head_dim / head_dim)) for r in at_ranks})
         points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
         points = [r for r in points if r.causal == causal] or points
-        log_rates = np.log([r.flops_per_s for r in points])
+        work = np.array([r.computed_flops(self.kernel) for r in points], dtype=float)
+        log_rates = np.log(work / [r.seconds for r in points])
         if flops is None:
             return float(np.exp(np.mean(log_rates)))
-        order = np.argsort([r.flops for r in points])
-        log_flops = np.log([points[i].flops for i in order])
+        order = np.argsort(work)
+        log_flops = np.log(work[order])
         return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
 
     def to_dict(self) -> dict[str, object]:

@@ -76,3 +76,38 @@ def test_padding_keys_are_ignored():
 
 def test_position_runs():
     assert kernels.position_runs(np.array([0, 1, 2, 7, 8, 3])) == [(0, 3), (3, 5), (5, 6)]
+
+
+def planned_pairs(q_pos, k_pos, causal, seq_len):
+    """(query, key) pairs the kernel's plan computes, block by block, chunk by chunk."""
+    total = 0
+    for start in range(0, len(k_pos), kernels.KEY_CHUNK):
+        for i, j, segments in kernels._plan(q_pos, k_pos[start:start + kernels.KEY_CHUNK], causal, seq_len):
+            total += (j - i) * sum(stop - first for first, stop, _ in segments)
+    return total
+
+
+def test_computed_pairs_count_what_the_plan_computes():
+    """Counted by runs, the pairs equal the plan's own, over random orders of position runs
+    (zigzag-like pieces, several key chunks, padding), with and without a causal mask."""
+    rng = np.random.default_rng(6)
+    for _ in range(60):
+        length = int(rng.integers(1, 7000))
+        cuts = np.sort(rng.choice(np.arange(1, length), size=min(length - 1, int(rng.integers(0, 5))),
+                                  replace=False))
+        pieces = np.split(np.arange(length), cuts)
+        k_pos = np.concatenate([pieces[i] for i in rng.permutation(len(pieces))])
+        chosen = rng.choice(len(pieces), size=int(rng.integers(1, len(pieces) + 1)), replace=False)
+        q_pos = np.concatenate([pieces[i] for i in chosen])
+        seq_len = length - int(rng.integers(0, min(length, 40)))
+        runs = [[(int(p[a]), b - a) for a, b in kernels.position_runs(p)] for p in (q_pos, k_pos)]
+        for causal in (False, True):
+            counted = kernels.computed_pairs(*runs, causal, seq_len)
+            assert counted == planned_pairs(q_pos, k_pos, causal, seq_len)
+
+
+def test_a_causal_block_computes_its_masked_corner():
+    """1024 causal positions in row blocks of 512: the first block sees keys 0..511, the
+    second all 1024, so 3/4 of the square is computed where only half is visible."""
+    assert kernels.rows_per_block(1024) == 512
+    assert kernels.computed_pairs([(0, 1024)], [(0, 1024)], True, 1024) == 512 * 512 + 512 * 1024

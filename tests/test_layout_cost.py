@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cptune import CPConfig, Workload, analytic_cost, feasibility
-from cptune.cost import COLLECTIVES
+from cptune.cost import COLLECTIVES, computed_flops
 from cptune.layout import SequenceLayout
 from cptune.reference import make_inputs
 
@@ -224,6 +224,53 @@ def test_flops_shrink_with_ranks_but_not_below_an_even_share():
     for config in [CPConfig("ring", 8), CPConfig("ulysses", 8), CPConfig("ring", 8, 2)]:
         flops = analytic_cost(workload, config).flops
         assert total / 8 <= flops <= total / 8 * 1.01, config
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernel_work_is_the_useful_work_plus_the_numpy_kernels_masked_corners(causal):
+    """A fused kernel's work is the useful FLOPs; the numpy kernel's is at least that, more
+    only under a causal mask, by at most half a row block per query."""
+    checked = 0
+    for shape in FLOP_WORKLOADS:
+        workload = Workload(**shape, causal=causal)
+        for n, u in SPLITS:
+            for strategy in ("ring", "allgather_kv"):
+                config = CPConfig("ulysses" if u == n and n > 1 else strategy, n, u)
+                if feasibility(workload, config):
+                    continue
+                useful = analytic_cost(workload, config).flops
+                assert computed_flops(workload, config, "fused") == useful
+                numpy_work = computed_flops(workload, config, "numpy")
+                assert numpy_work == useful if not causal else useful < numpy_work, config
+                checked += 1
+    assert checked >= 16
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])
+def test_numpy_kernel_work_is_what_its_plan_computes_on_the_strategys_calls(strategy):
+    """Against the kernel's own plan on the position arrays each rank's calls use: its
+    block's queries over all keys gathered (AllGather-KV, Ulysses) or over each block (Ring)."""
+    from cptune.engines import _numpy_kernels as kernels
+
+    def planned(q_pos, k_pos, workload):
+        return sum((j - i) * sum(b - a for a, b, _ in segments)
+                   for start in range(0, len(k_pos), kernels.KEY_CHUNK)
+                   for i, j, segments in kernels._plan(q_pos, k_pos[start:start + kernels.KEY_CHUNK],
+                                                       True, workload.seq_len))
+
+    workload = Workload(seq_len=5000, heads=4, head_dim=8, kv_heads=2, causal=True)
+    for n, u in [(1, 1), (2, 1), (4, 1), (4, 2), (3, 3)]:
+        config = CPConfig("ulysses" if u == n and n > 1 else strategy, n, u)
+        layout = SequenceLayout(workload, config)
+        blocks = [layout.block_positions(g) for g in range(config.context_degree)]
+        calls = blocks if strategy == "ring" else [layout.context_positions()]
+        pairs = max(sum(planned(q_pos, keys, workload) for keys in calls) for q_pos in blocks)
+        assert computed_flops(workload, config, "numpy") == 4 * 8 * (4 // u) * pairs, config
+
+
+def test_kernel_work_of_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        computed_flops(Workload(64, 2, 8), CPConfig("ring", 1), "cudnn")
 
 
 # --------------------------------------------------------------------------- bytes

@@ -16,7 +16,7 @@ from cptune.calibration import (
     group_sizes,
 )
 from cptune.config import CPConfig
-from cptune.cost import analytic_cost, engine_collectives
+from cptune.cost import analytic_cost, computed_flops, engine_collectives
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
 from cptune.model import (
@@ -84,8 +84,37 @@ def test_compute_term_is_flops_over_the_rate(head_dim):
     assert len(configs) > 5
     for config in configs:
         expected_rate = RATES[head_dim] / config.ranks**0.5
-        flops = analytic_cost(workload, config).flops
+        flops = computed_flops(workload, config, "numpy")  # the mpi kernel, its masked corners too
         assert prior_time(workload, config, p).compute_s == pytest.approx(flops / expected_rate, rel=1e-9)
+
+
+def test_compute_counts_the_work_the_calibrated_kernel_executes():
+    """A short causal sequence: the numpy kernel computes its row blocks up to their last
+    query (half as many pairs again as the visible ones), a fused kernel only the visible
+    ones; the prior charges each engine's calibration for its own kernel's work."""
+    workload = Workload(seq_len=1024, heads=8, head_dim=64, causal=True)
+    config = CPConfig("ring", 1)
+    numpy_host = profile()
+    fused_host = CalibratedProfile(HOST, dataclasses.replace(make_calibration(), engine="tensorrt"))
+    assert (numpy_host.attention_kernel, fused_host.attention_kernel) == ("numpy", "fused")
+    useful = analytic_cost(workload, config).flops
+    assert computed_flops(workload, config, "numpy") == pytest.approx(1.5 * useful, rel=2e-3)
+    assert prior_time(workload, config, fused_host).compute_s == pytest.approx(useful / RATES[64], rel=1e-9)
+    assert prior_time(workload, config, numpy_host).compute_s == pytest.approx(
+        computed_flops(workload, config, "numpy") / RATES[64], rel=1e-9)
+
+
+def test_a_causal_calibration_rate_is_of_the_work_its_kernel_executed():
+    """The calibrated causal shape (queries on the last diagonal block) wastes a few masked
+    pairs in the numpy kernel: its rate counts them, so it carries over to shapes that waste
+    more; a fused kernel's rate counts the visible pairs only."""
+    rate = ComputeRate(ranks=1, heads=4, seq_q=512, seq_k=2048, head_dim=64, seconds=0.01, causal=True)
+    assert rate.computed_flops("fused") == rate.flops
+    assert rate.flops < rate.computed_flops("numpy") < 1.1 * rate.flops
+    full = dataclasses.replace(rate, causal=False)
+    assert full.computed_flops("numpy") == full.flops
+    calibration = Calibration(engine="mpi", collectives=(), compute=(rate,), measured_at="2025-01-02")
+    assert calibration.attention_rate(1, 64, True) == pytest.approx(rate.computed_flops("numpy") / 0.01)
 
 
 def test_one_rank_is_compute_only():
@@ -215,6 +244,7 @@ class Recording:
     memory_bandwidth = property(lambda self: self.inner.memory_bandwidth)
     launch_s = property(lambda self: self.inner.launch_s)
     overlap_slowdown = property(lambda self: self.inner.overlap_slowdown)
+    attention_kernel = property(lambda self: self.inner.attention_kernel)
 
     def describe(self):
         return self.inner.describe()
@@ -490,12 +520,13 @@ def test_attention_rate_beyond_the_calibrated_ranks_uses_the_largest():
 
 def sized_calibration(max_ranks: int = 1) -> Calibration:
     """Head_dim 64 on every rank count: 1 GFLOP/s on a small call, 4 GFLOP/s on a call 16x
-    larger; causal calls at half those rates. Collectives as in ``make_calibration``."""
+    larger; causal calls at half those rates (of the FLOPs the numpy kernel executes).
+    Collectives as in ``make_calibration``."""
     def entry(ranks, seq_q, rate, causal):
         shape = ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64, seconds=1.0,
                             causal=causal)
         return ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64,
-                           seconds=shape.flops / rate, causal=causal)
+                           seconds=shape.computed_flops("numpy") / rate, causal=causal)
 
     compute = tuple(entry(n, seq_q, rate / (1 + causal), causal)
                     for n in range(1, max_ranks + 1)
@@ -526,7 +557,7 @@ def test_attention_rate_interpolates_over_the_work_per_call():
 
 def test_attention_rate_uses_the_shapes_with_the_same_mask():
     calibration = sized_calibration()
-    causal_large = max(r.flops for r in calibration.compute if r.causal)
+    causal_large = max(r.computed_flops("numpy") for r in calibration.compute if r.causal)
     assert calibration.attention_rate(1, 64, causal=True, flops=causal_large) == pytest.approx(2e9)
     assert calibration.attention_rate(1, 64, causal=True) == pytest.approx(1e9)
     # a calibration without causal shapes answers causal questions from the others

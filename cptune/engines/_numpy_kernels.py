@@ -77,6 +77,63 @@ def _plan(
     return plan
 
 
+#: Consecutive token positions in index order: (first position, count).
+Run = tuple[int, int]
+
+
+def _joined(runs: list[Run]) -> list[Run]:
+    """``runs`` with neighbours whose positions continue one another made one run (as
+    ``position_runs`` finds them in a position array)."""
+    joined: list[Run] = []
+    for first, count in runs:
+        if count <= 0:
+            continue
+        if joined and joined[-1][0] + joined[-1][1] == first:
+            joined[-1] = (joined[-1][0], joined[-1][1] + count)
+        else:
+            joined.append((first, count))
+    return joined
+
+
+def _key_chunks(runs: list[Run]) -> list[list[Run]]:
+    """``runs`` cut into chunks of ``KEY_CHUNK`` keys by index, as ``attention`` reads them."""
+    chunks: list[list[Run]] = [[]]
+    room = KEY_CHUNK
+    for first, count in runs:
+        while count:
+            if not room:
+                chunks.append([])
+                room = KEY_CHUNK
+            taken = min(count, room)
+            chunks[-1].append((first, taken))
+            first, count, room = first + taken, count - taken, room - taken
+    return chunks
+
+
+def computed_pairs(q_runs: list[Run], k_runs: list[Run], causal: bool, seq_len: int) -> int:
+    """(query, key) pairs per head ``attention`` computes for queries and keys at these
+    runs of positions, counted by run, not by position: the same plan (key chunks, query
+    row blocks, each block's segments up to its last query), so pairs masked inside a block
+    that straddles the diagonal count and skipped segments do not. Padding keys (positions
+    >= ``seq_len``) are never computed; padding queries are."""
+    queries = _joined(q_runs)
+    total = 0
+    for chunk in _key_chunks(_joined(k_runs)):
+        rows = rows_per_block(sum(count for _, count in chunk))
+        keys = [(first, min(count, seq_len - first)) for first, count in _joined(chunk)]
+        firsts = np.array([first for first, real in keys if real > 0], dtype=np.int64)
+        reals = np.array([real for _, real in keys if real > 0], dtype=np.int64)
+        for first_q, count_q in queries:
+            block_rows = np.minimum(rows, count_q - np.arange(0, count_q, rows, dtype=np.int64))
+            if not causal:
+                total += int(block_rows.sum() * reals.sum())
+                continue
+            last_q = first_q + np.arange(0, count_q, rows, dtype=np.int64) + block_rows - 1
+            seen = np.clip(last_q[:, None] - firsts[None, :] + 1, 0, reals[None, :])
+            total += int(block_rows @ seen.sum(axis=1))
+    return total
+
+
 def attention(
     q: np.ndarray,
     kv: np.ndarray,

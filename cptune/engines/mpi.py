@@ -2,6 +2,8 @@
 
 Its ranks run in the shared supervised pool (``cptune.engines._pool``): started once and
 kept, a deadline on every wait, one ``EngineError`` and no process left behind on failure.
+Its attention kernel's work (``computed_pairs``: whole query row blocks, so masked pairs
+near the causal diagonal cost too) is what the cost model's prior counts for this engine.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from cptune.config import CPConfig
+from cptune.engines._numpy_kernels import computed_pairs
 from cptune.engines._pool import WORKER, PooledEngine
 from cptune.measurement import threads_per_rank
 from cptune.workload import Workload
+
+__all__ = ["MPIEngine", "computed_pairs"]
 
 
 class MPIEngine(PooledEngine):

@@ -7,9 +7,9 @@ host measured its rates (``cptune calibrate``); a described one has them from a 
 shape for both. It carries predictions where no measurement reaches: longer sequences, more
 ranks, hardware that is only calibrated or only described.
 
-    compute     = FLOPs of the busiest rank / attention rate per rank (at the work per kernel
-    compute     = FLOPs of the busiest rank / attention rate per rank (at the work per kernel
-                  call and head_dim: small blocks and small head_dims run slower)
+    compute     = FLOPs the busiest rank's kernel executes (masked pairs it computes
+                  included: ``computed_flops``) / attention rate per rank (at the work per
+                  kernel call and head_dim: small blocks and small head_dims run slower)
     memory      = bytes of the memory-bound steps (permutes, GQA replication, merges) /
                   device-memory bandwidth
     overhead    = kernels launched outside the Ring's steps x the fixed cost of one launch
@@ -35,7 +35,7 @@ from typing import Protocol
 
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
-from cptune.cost import STREAM_KINDS, analytic_cost
+from cptune.cost import STREAM_KINDS, analytic_cost, computed_flops
 from cptune.hardware import Hardware, HardwareDescription
 from cptune.workload import Workload
 
@@ -68,6 +68,11 @@ class Profile(Protocol):
     @property
     def overlap_slowdown(self) -> float:
         """The share of its speed compute loses while communication runs beside it."""
+
+    @property
+    def attention_kernel(self) -> str:
+        """The attention kernel the hardware runs (``cptune.cost.ATTENTION_KERNELS``): what
+        ``computed_flops`` counts as its work."""
 
     def describe(self) -> str: ...
 
@@ -112,6 +117,10 @@ class CalibratedProfile:
     def overlap_slowdown(self) -> float:
         return 0.0  # not calibrated: no measurement runs compute beside communication
 
+    @property
+    def attention_kernel(self) -> str:
+        return self.calibration.kernel
+
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
 
@@ -151,6 +160,10 @@ class DescribedProfile:
     @property
     def overlap_slowdown(self) -> float:
         return self.description.figure("device.overlap_slowdown")
+
+    @property
+    def attention_kernel(self) -> str:
+        return "fused"  # the published benchmarks' FlashAttention kernels
 
     def describe(self) -> str:
         return self.description.describe()
@@ -212,7 +225,8 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: s
     cost = analytic_cost(workload, config, engine)
     n, u, c = config.ranks, config.head_group, config.context_degree
     calls = cost.kernels["attention"]
-    compute = cost.flops / profile.attention_rate(workload, n, cost.flops / calls)
+    flops = computed_flops(workload, config, profile.attention_kernel)
+    compute = flops / profile.attention_rate(workload, n, flops / calls)
     bandwidth = profile.memory_bandwidth
     memory = {step: nbytes / bandwidth if bandwidth else 0.0 for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
