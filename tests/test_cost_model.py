@@ -185,6 +185,47 @@ def test_ranks_configs_right_on_a_longer_held_out_length(fitted):
             )
 
 
+def level_truth(case: Case) -> float:
+    """The prior times a factor of the configuration and the mask together: a level no
+    feature spells, so only a configuration's own measurements of this shape reveal it."""
+    config = case.config
+    salt = config.ranks * 7 + config.head_group * 3 + len(config.strategy) + case.workload.causal
+    return case.prior().total_s * (0.6 + 0.1 * (salt % 9))
+
+
+def test_a_measured_shape_is_predicted_at_a_new_length_by_its_own_level():
+    """Measured at 1024..4096, each configuration of a shape is predicted at 8192 as the
+    prior times the mean factor its own measurements showed (the prior carries the length);
+    the boosted correction alone only approximates it. A shape measured on another hardware,
+    or with another mask, lends it nothing."""
+    cases = [Case(replace(c.workload, causal=causal), c.config, c.profile)
+             for seq_len in TRAIN_LENGTHS for c in cases_at(seq_len) for causal in (False, True)]
+    measured = np.array([level_truth(case) for case in cases])
+    held_out = cases_at(8192)
+    true = np.array([level_truth(case) for case in held_out])
+    by_shape = CostModel().fit(cases, measured)
+    np.testing.assert_allclose(by_shape.predict(held_out), true, rtol=1e-9)
+    np.testing.assert_allclose(by_shape.out_of_fold_, measured, rtol=1e-9)  # other lengths say the same
+    boosted = CostModel(by_shape=False).fit(cases, measured)
+    assert np.max(np.abs(boosted.predict(held_out) / true - 1)) > 0.01
+    elsewhere = [Case(c.workload, c.config, OTHER) for c in held_out]
+    np.testing.assert_array_equal(by_shape.predict(elsewhere), [c.prior().total_s for c in elsewhere])
+
+
+def test_a_shapes_level_leaves_its_own_length_out_of_fold():
+    """Out of fold, a case's level comes from its shape's other lengths only: with the
+    factor doubling at one length, that length's own case is predicted from the others."""
+    cases = [case for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len)]
+    odd = TRAIN_LENGTHS[2]
+    measured = np.array([case.prior().total_s * (2.0 if case.workload.seq_len == odd else 1.0)
+                         for case in cases])
+    model = CostModel().fit(cases, measured)
+    prior = np.array([case.prior().total_s for case in cases])
+    at_odd = np.array([case.workload.seq_len == odd for case in cases])
+    np.testing.assert_allclose(model.out_of_fold_[at_odd], prior[at_odd], rtol=1e-9)
+    np.testing.assert_allclose(model.out_of_fold_[~at_odd], prior[~at_odd] * 2 ** 0.25, rtol=1e-9)
+
+
 def test_hardware_not_fitted_on_gets_the_pure_prior(fitted):
     elsewhere = cases_at(2048, OTHER)
     assert OTHER.fingerprint != PROFILE.fingerprint
@@ -508,12 +549,31 @@ def _swap_picks(cases, measured: np.ndarray, decisions: int) -> np.ndarray:
     return predicted
 
 
+def test_correction_verdict_ignores_an_error_every_configuration_of_a_workload_shares(train):
+    """Predictions off by one factor per workload rank its configurations as well as exact
+    ones: the verdict judges the numbers by their errors within each decision, so a
+    correction that gets the order right is kept however far its level is off."""
+    cases, measured = train
+    model = CostModel().fit(cases, measured)
+    lengths = sorted({case.workload.seq_len for case in cases})
+    shared = np.array([3.0 ** lengths.index(case.workload.seq_len) for case in cases])
+    model.out_of_fold_ = measured * shared
+    verdict = correction_verdict(model, cases, measured)
+    assert verdict.correction.mape > verdict.prior.mape  # far off in level...
+    assert verdict.applied, verdict.reason  # ...yet it orders every decision exactly
+
+
 @pytest.mark.parametrize("misses, applied", [(1, True), (5, False)])
 def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise(train, misses, applied):
-    # the truth is the prior x 1.5: the prior ranks every decision right, its numbers are 33% off;
+    # the truth is the prior x 1.5, and every configuration but the prior's pick slower by up
+    # to 60% more: the prior picks every decision right, its numbers and their order are off;
     # the correction's numbers are close, but it misses the pick in ``misses`` of the 5 decisions
     cases, _ = train
-    measured = np.array([case.prior().total_s for case in cases]) * 1.5
+    prior = np.array([case.prior().total_s for case in cases])
+    slower = np.random.default_rng(12).uniform(1.0, 1.6, len(cases))
+    for members in [[i for i, c in enumerate(cases) if c.workload == w] for w in {c.workload for c in cases}]:
+        slower[min(members, key=lambda i: prior[i])] = 1.0
+    measured = prior * 1.5 * slower
     model = CostModel().fit(cases, measured)
     model.out_of_fold_ = _swap_picks(cases, measured, misses)
     verdict = correction_verdict(model, cases, measured)

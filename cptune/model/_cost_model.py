@@ -6,22 +6,31 @@
 workload, a configuration and the ``Profile`` of the hardware - and its target is the
 measured latency in seconds.
 
-Prediction = prior x exp(correction). The correction is gradient boosting on the log of
-measured / prior. Trees cannot extrapolate: beyond the measured range they hold their edge
-value, so the prior's physics carries the trend (longer sequences, more ranks). The
-correction is applied only to hardware the model was fitted on; elsewhere the prediction
-is the prior's. Its interval on described hardware spans what the description's figure
-ranges allow (``prior_range``); on a calibrated host without a correction it is the
-prior-only band (``prior_only_band``: at least a factor ``prior_band`` wide each way).
+Prediction = prior x exp(correction), the correction learned from the log of measured /
+prior in two layers. Where the same configuration of the same workload shape (everything
+but the sequence length) was measured on the same hardware at other lengths, the
+correction is the mean of those measurements' log residuals (``by_shape``): the prior's
+physics carries the length trend and the configuration's own measurements its level (how
+far this host's calibration misjudges it), which is how a length between or beyond the
+measured ones is predicted best (``benchmarks/results/fit-repro-*.txt``). Elsewhere - a
+shape never measured - it is gradient boosting on the residual over features of the shape,
+the configuration and the prior's breakdown. Trees cannot extrapolate: beyond the measured
+range they hold their edge value, so there too the prior carries the trend (longer
+sequences, more ranks). The correction is applied only to hardware the model was fitted
+on; elsewhere the prediction is the prior's. Its interval on described hardware spans what
+the description's figure ranges allow (``prior_range``); on a calibrated host without a
+correction it is the prior-only band (``prior_only_band``: at least a factor
+``prior_band`` wide each way).
 
 The learned correction's interval is conformal: ``fit`` also fits the correction on folds
-that each leave whole sequence lengths out, and the interval's edges are the quantiles of
-those out-of-fold errors log(measured / predicted) - the error the model makes on lengths
-it has not seen, which is how it is used. So the band is centred on the estimate's own
-error distribution, its edges never cross (one error distribution, two quantiles), and it
-is widened to contain the estimate (low <= estimate <= high, always). Its coverage on
-held-out measurements is what ``cptune fit`` reports. The same out-of-fold predictions
-(``out_of_fold_``) are what ``recommend`` judges the correction by against the prior alone
+that each leave whole sequence lengths out (a shape's level from its other lengths only),
+and the interval's edges are the quantiles of those out-of-fold errors log(measured /
+predicted) - the error the model makes on lengths it has not seen, which is how it is
+used. So the band is centred on the estimate's own error distribution, its edges never
+cross (one error distribution, two quantiles), and it is widened to contain the estimate
+(low <= estimate <= high, always). Its coverage on held-out measurements is what ``cptune
+fit`` reports. The same out-of-fold predictions (``out_of_fold_``) are what ``recommend``
+judges the correction by against the prior alone
 (``cptune.model._evaluation.correction_verdict``).
 """
 
@@ -48,6 +57,11 @@ MIN_SAMPLES = 8
 INTERVAL_FOLDS = 5
 
 
+#: A workload shape on one hardware: what the ``by_shape`` layer pools a configuration's
+#: measurements over (all but the sequence length).
+ShapeKey = tuple[str, CPConfig, tuple[tuple[str, object], ...]]
+
+
 @dataclass(frozen=True)
 class Case:
     """One sample: ``config`` running ``workload`` on the hardware ``profile`` describes."""
@@ -58,6 +72,12 @@ class Case:
 
     def prior(self) -> PriorTime:
         return prior_time(self.workload, self.config, self.profile)
+
+    @property
+    def shape(self) -> ShapeKey:
+        """The hardware, the configuration and the workload but for its length."""
+        others = tuple((k, v) for k, v in sorted(self.workload.to_dict().items()) if k != "seq_len")
+        return self.profile.fingerprint, self.config, others
 
 
 def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
@@ -84,8 +104,9 @@ class CostModel(RegressorMixin, BaseEstimator):
     Parameters: the boosting's ``n_estimators``, ``learning_rate``, ``max_depth`` and
     ``min_samples_leaf``; ``interval`` the quantiles of the reported interval; ``prior_band``
     the narrowest factor a prior-only interval spans each way; ``learn_correction`` False
-    for the prior alone (a baseline, or when the correction does not help);
-    ``random_state``."""
+    for the prior alone (a baseline, or when the correction does not help); ``by_shape``
+    False for the boosted correction alone, without a configuration's level from its other
+    measured lengths; ``random_state``."""
 
     def __init__(
         self,
@@ -96,6 +117,7 @@ class CostModel(RegressorMixin, BaseEstimator):
         interval: tuple[float, float] = (0.1, 0.9),
         prior_band: float = 2.0,
         learn_correction: bool = True,
+        by_shape: bool = True,
         random_state: int = 0,
     ) -> None:
         self.n_estimators = n_estimators
@@ -105,6 +127,7 @@ class CostModel(RegressorMixin, BaseEstimator):
         self.interval = interval
         self.prior_band = prior_band
         self.learn_correction = learn_correction
+        self.by_shape = by_shape
         self.random_state = random_state
 
     def _booster(self) -> GradientBoostingRegressor:
@@ -145,15 +168,33 @@ class CostModel(RegressorMixin, BaseEstimator):
         self.out_of_fold_: np.ndarray | None = None
         #: The correction's interval as log factors around its estimate (low <= 0 <= high).
         self.correction_interval_ = (0.0, 0.0)
+        #: Log residuals of each measured shape, by sequence length (``by_shape``).
+        self.shape_residuals_: dict[ShapeKey, dict[int, list[float]]] = {}
         if not self.learn_correction or len(cases) < MIN_SAMPLES:
             return self
+        if self.by_shape:
+            for case, error in zip(cases, residual, strict=True):
+                self.shape_residuals_.setdefault(case.shape, {}).setdefault(case.workload.seq_len, []).append(
+                    float(error))
         table = features(cases, priors)
         held_out = self._out_of_fold(table, residual, cases)
+        for i, case in enumerate(cases):
+            if (level := self._shape_level(case, leave_out_own_length=True)) is not None:
+                held_out[i] = level
         low, high = np.quantile(residual - held_out, self.interval)
         self.correction_interval_ = (min(float(low), 0.0), max(float(high), 0.0))
         self.out_of_fold_ = prior * np.exp(held_out)
         self.correction_ = self._booster().fit(table, residual)
         return self
+
+    def _shape_level(self, case: Case, leave_out_own_length: bool = False) -> float | None:
+        """The mean log residual of ``case``'s shape over its measured lengths (each length
+        weighs alike; without the case's own when ``leave_out_own_length``), or None when
+        there are none."""
+        lengths = self.shape_residuals_.get(case.shape, {})
+        means = [float(np.mean(errors)) for seq_len, errors in lengths.items()
+                 if not (leave_out_own_length and seq_len == case.workload.seq_len)]
+        return float(np.mean(means)) if means else None
 
     def _prior_interval(self, residual: np.ndarray) -> tuple[float, float]:
         """The prior-only interval as factors of the prior: its error quantiles on the
@@ -190,7 +231,11 @@ class CostModel(RegressorMixin, BaseEstimator):
             assert self.correction_ is not None
             table = features([c for c, k in zip(cases, corrected, strict=True) if k],
                              [p for p, k in zip(priors, corrected, strict=True) if k])
-            estimate[corrected] = prior[corrected] * np.exp(self.correction_.predict(table))
+            correction = self.correction_.predict(table)
+            shaped = [self._shape_level(case) for case, k in zip(cases, corrected, strict=True) if k]
+            correction = np.array([boosted if level is None else level
+                                   for boosted, level in zip(correction, shaped, strict=True)])
+            estimate[corrected] = prior[corrected] * np.exp(correction)
             below, above = self.correction_interval_
             low[corrected] = estimate[corrected] * np.exp(below)
             high[corrected] = estimate[corrected] * np.exp(above)

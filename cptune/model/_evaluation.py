@@ -26,19 +26,21 @@ the physical prior alone (no learned correction), and a fixed rule - always the
 configuration that was fastest in the most decisions of the training folds (among those
 measured for the decision; a rule picks, it predicts no latency, so it has no MAPE or
 coverage). ``correction_verdict`` decides whether ``recommend`` applies the learned
-correction: only when, out of fold, it is no worse than the prior alone on MAPE, and not
-separated from it as worse on regret with ties as ties. Regrets are paired decision by
-decision (same workloads, same truth); the correction is worse only where the 95% interval of
-its mean log regret over the prior's lies above 0. A difference within that interval is a
-tie, as one between two measured configurations is: a dozen decisions, each settled by one
-pick, cannot rank two methods whose numbers (MAPE, over every sample) already speak.
+correction: only when, out of fold, its numbers order the configurations of each workload
+at least as well as the prior's (their log error with the decision's shared part taken out:
+a level every configuration shares misleads no pick, so MAPE is not the judge), and it is
+not separated from the prior as worse on regret with ties as ties. Regrets are paired
+decision by decision (same workloads, same truth); the correction is worse only where the
+95% interval of its mean log regret over the prior's lies above 0. A difference within that
+interval is a tie, as one between two measured configurations is: a dozen decisions, each
+settled by one pick, cannot rank two methods whose numbers (over every sample) already speak.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.stats import spearmanr
@@ -187,10 +189,11 @@ def _decision_regrets(
     return np.array(regrets), np.array(tie_regrets)
 
 
-def _clearly_worse(regrets: np.ndarray, baseline: np.ndarray) -> bool:
-    """Whether ``regrets`` are worse than ``baseline``'s on the same decisions beyond their
-    noise: the 95% t interval of the mean paired log ratio lies above 0."""
-    differences = np.log(regrets) - np.log(baseline)
+def _clearly_worse(losses: np.ndarray, baseline: np.ndarray) -> bool:
+    """Whether ``losses`` (regrets, or factors off the measurement; 1.0 is perfect) are worse
+    than ``baseline``'s on the same decisions or cases beyond their noise: the 95% t interval
+    of the mean paired log ratio lies above 0."""
+    differences = np.log(losses) - np.log(baseline)
     mean = float(differences.mean())
     if len(differences) < 2:
         return mean > 0
@@ -305,13 +308,22 @@ def compare(
             fixed_rule(cases, latencies, by, tied))
 
 
+def _ranking_error(cases: Sequence[Case], measured: np.ndarray, predicted: np.ndarray) -> float:
+    """Mean absolute log error of the predictions once each decision's common error is taken
+    out: how wrong they are about the configurations of one workload relative to one another,
+    which is all a pick depends on (a level all of them share misleads no pick)."""
+    errors = np.log(predicted / measured)
+    return float(np.mean(np.concatenate([np.abs(errors[m] - errors[m].mean()) for m in _decisions(cases)])))
+
+
 def correction_verdict(
     model: CostModel, cases: Sequence[Case], latencies: np.ndarray, tied: np.ndarray | None = None
 ) -> CorrectionVerdict:
     """Whether the learned correction of ``model`` (fitted on ``cases``) should be applied:
-    its out-of-fold predictions against the prior alone on the same cases, by MAPE and by
-    regret with ties as ties (``tied`` as for ``score_group``); it is applied only when no
-    worse on MAPE and not worse beyond the decisions' noise on regret (module docstring)."""
+    its out-of-fold predictions against the prior alone on the same cases, by their error
+    within each decision and by regret with ties as ties (``tied`` as for ``score_group``);
+    it is applied only when no worse on the first and not worse beyond the decisions' noise
+    on regret (module docstring)."""
     if model.out_of_fold_ is None:
         reason = (f"fewer than {MIN_SAMPLES} measurements" if model.learn_correction and
                   model.n_samples_ < MIN_SAMPLES else "no correction fitted")
@@ -320,25 +332,40 @@ def correction_verdict(
     prior = np.array([case.prior().total_s for case in cases])
     learned = score_group("correction", cases, latencies, model.out_of_fold_, tied=tied)
     alone = score_group("prior", cases, latencies, prior, tied=tied)
-    worse = _clearly_worse(_decision_regrets(cases, latencies, model.out_of_fold_, tied)[1],
-                           _decision_regrets(cases, latencies, prior, tied)[1])
-    applied = not worse and learned.mape <= alone.mape
+    worse_picks = _clearly_worse(_decision_regrets(cases, latencies, model.out_of_fold_, tied)[1],
+                                 _decision_regrets(cases, latencies, prior, tied)[1])
+    spread = _ranking_error(cases, latencies, model.out_of_fold_), _ranking_error(cases, latencies, prior)
+    applied = not worse_picks and spread[0] <= spread[1]
     verdict = "no worse than the prior alone" if applied else "worse than the prior alone"
     reason = (f"held out, the learned correction is {verdict}: regret (ties as ties) "
-              f"{learned.tie_regret:.3f} vs {alone.tie_regret:.3f}, "
-              f"MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%")
+              f"{learned.tie_regret:.3f} vs {alone.tie_regret:.3f}, error within a workload "
+              f"{100 * spread[0]:.1f}% vs {100 * spread[1]:.1f}% "
+              f"(MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%)")
     return CorrectionVerdict(applied, reason, learned, alone)
 
 
 def fit_advised(
     cases: Sequence[Case], latencies_s: np.ndarray, tied: np.ndarray | None = None
 ) -> tuple[CostModel, CorrectionVerdict]:
-    """The model ``recommend`` predicts with, fitted on ``cases``: with the learned correction
-    only where, held out, it is no worse than the prior alone (the verdict says; ``tied`` as
-    for ``correction_verdict``)."""
-    model = CostModel().fit(cases, latencies_s)
-    verdict = correction_verdict(model, cases, latencies_s, tied)
-    if not verdict.applied and model.correction_ is not None:
+    """The model ``recommend`` predicts with, fitted on ``cases``: the learned correction, with
+    a shape's level from its other lengths (``by_shape``) or boosted alone, whichever orders
+    each workload's configurations better held out among those no worse than the prior alone
+    (the verdict says; ``tied`` as for ``correction_verdict``); else the prior alone. Two
+    candidates, not more: a choice among many would be won by the noise of a dozen decisions."""
+    cases = list(cases)
+    candidates = []
+    for by_shape in (True, False):
+        model = CostModel(by_shape=by_shape).fit(cases, latencies_s)
+        verdict = correction_verdict(model, cases, latencies_s, tied)
+        if verdict.applied:
+            assert model.out_of_fold_ is not None
+            error = _ranking_error(cases, latencies_s, model.out_of_fold_)
+            candidates.append((error, by_shape, model, verdict))
+    if candidates:
+        _, by_shape, model, verdict = min(candidates, key=lambda candidate: candidate[:2])
+        layer = "with each shape's level from its other lengths" if by_shape else "boosted alone"
+        return model, replace(verdict, reason=f"{verdict.reason}; the correction {layer}")
+    if model.correction_ is not None:
         model = model.set_params(learn_correction=False).fit(cases, latencies_s)
     return model, verdict
 
