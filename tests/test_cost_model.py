@@ -581,3 +581,20 @@ def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise
     assert verdict.prior.tie_regret == 1.0 and verdict.correction.mape < verdict.prior.mape
     assert verdict.correction.tie_regret > 1.01  # one miss of five already: a flat 1% rule would refuse it
     assert verdict.applied is applied, verdict.reason
+
+
+def test_fit_advised_keeps_the_correction_that_orders_workloads_better_held_out():
+    """Each configuration's level shows at every length: the shape layer orders the held-out
+    lengths exactly and is kept. Shapes each measured at one length give it nothing to
+    stand on: the boosted correction alone is kept."""
+    from cptune.model import fit_advised
+
+    cases = [Case(replace(c.workload, causal=causal), c.config, c.profile)
+             for seq_len in TRAIN_LENGTHS for c in cases_at(seq_len) for causal in (False, True)]
+    measured = np.array([level_truth(case) for case in cases])
+    model, verdict = fit_advised(cases, measured)
+    assert model.by_shape and verdict.applied and "each shape's level" in verdict.reason
+    lonely = [Case(replace(c.workload, heads=8 * (1 + TRAIN_LENGTHS.index(c.workload.seq_len))), c.config,
+                   c.profile) for c in cases if not c.workload.causal]
+    model, verdict = fit_advised(lonely, np.array([truth(case) for case in lonely]))
+    assert not model.by_shape and verdict.applied and "boosted alone" in verdict.reason
