@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 import numpy as np
 from scipy.optimize import nnls
 
-from cptune.cost import STREAM_KINDS, attention_kernel, engine_collectives
-from cptune.engines import Engine, get_engine, untimed
+from cptune.cost import STREAM_KINDS, engine_collectives
+from cptune.engines import Engine, attention_kernel, get_engine, untimed
 from cptune.engines.mpi import computed_pairs
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
@@ -91,7 +91,7 @@ class ComputeRate:
         return self.flops / self.seconds
 
     def computed_flops(self, kernel: str) -> int:
-        """FLOPs ``kernel`` executes on this shape (``cptune.cost.computed_flops``): the
+        """FLOPs ``kernel`` executes on this shape (``cptune.model.computed_flops``): the
         useful ones, and for the numpy kernel the masked pairs of its diagonal row blocks."""
         if kernel == "fused" or not self.causal:
             return self.flops
@@ -114,7 +114,7 @@ class Calibration:
 
     @property
     def kernel(self) -> str:
-        """The attention kernel the calibrated engine runs (``cptune.cost.ATTENTION_KERNELS``)."""
+        """The attention kernel the calibrated engine runs (``cptune.engines.ATTENTION_KERNELS``)."""
         return attention_kernel(self.engine)
 
     def collective(self, kind: str, ranks: int, group: int) -> CollectiveFit:

@@ -11,7 +11,6 @@ import functools
 from dataclasses import asdict, dataclass
 
 from cptune.config import CPConfig
-from cptune.engines.mpi import computed_pairs
 from cptune.feasibility import kv_replication
 from cptune.layout import SequenceLayout
 from cptune.workload import Workload
@@ -38,23 +37,6 @@ def stream_kind(engine: str) -> str:
 def engine_collectives(engine: str) -> tuple[str, ...]:
     """The collective kinds ``engine``'s runs use (what its calibration must time)."""
     return "all_to_all", "all_gather", stream_kind(engine)
-
-
-#: Attention kernels whose executed work ``computed_flops`` counts: "numpy", the mpi engine's
-#: kernel, computes whole query row blocks up to each block's last query; "fused", a fused
-#: attention kernel (TensorRT's, FlashAttention's) that skips masked tiles, whose masked work
-#: inside the diagonal tiles this model neglects.
-ATTENTION_KERNELS: tuple[str, ...] = ("numpy", "fused")
-
-
-#: Longest padded sequence whose numpy-kernel work ``computed_flops`` counts block by block
-#: (about a second of counting at most); longer ones waste under rows_per_block / length.
-EXACT_KERNEL_WORK_TOKENS = 2**20
-
-
-def attention_kernel(engine: str) -> str:
-    """The attention kernel ``engine`` runs (``ATTENTION_KERNELS``)."""
-    return "numpy" if engine == "mpi" else "fused"
 
 
 #: Memory-bound steps whose device-memory traffic is counted.
@@ -202,32 +184,3 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
         kernels=kernels,
     )
 
-
-@functools.lru_cache(maxsize=4096)  # pure; the prior asks for the same pairs often
-def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
-    """Attention FLOPs the busiest rank's ``kernel`` executes (4 * head_dim per computed
-    (query, key) pair and head). A fused kernel: ``analytic_cost``'s useful FLOPs. The numpy
-    kernel also computes the masked pairs inside each query row block that straddles the
-    causal diagonal (``computed_pairs``): up to half a block's rows per query, so a short causal
-    sequence costs up to 1.5x its useful work. Each rank attends its context block to every
-    block: in one call (AllGather-KV, Ulysses, one rank) or one call per block (Ring). Counted
-    exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below 0.1% and
-    the useful FLOPs stand for it."""
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
-    cost = analytic_cost(workload, config)
-    if kernel == "fused" or not workload.causal or cost.padded_seq_len > EXACT_KERNEL_WORK_TOKENS:
-        return cost.flops
-    layout = SequenceLayout(workload, config)
-
-    def runs(group: int) -> list[tuple[int, int]]:
-        return [(start, stop - start) for start, stop in layout.block_ranges(group)]
-
-    blocks = range(config.context_degree)
-    calls = ([runs(j) for j in blocks] if config.strategy == "ring"
-             else [[run for j in blocks for run in runs(j)]])
-    pairs = max(
-        sum(computed_pairs(runs(g), keys, workload.causal, workload.seq_len) for keys in calls)
-        for g in blocks
-    )
-    return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from cptune import CPConfig, Workload, analytic_cost, feasibility
-from cptune.cost import COLLECTIVES, computed_flops
+from cptune.cost import COLLECTIVES
 from cptune.layout import SequenceLayout
+from cptune.model import computed_flops
 from cptune.reference import make_inputs
 
 # Every (ranks, head_group) with head_group | ranks, up to 8 ranks.

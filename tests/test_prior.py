@@ -16,7 +16,7 @@ from cptune.calibration import (
     group_sizes,
 )
 from cptune.config import CPConfig
-from cptune.cost import analytic_cost, computed_flops, engine_collectives
+from cptune.cost import analytic_cost, engine_collectives
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
 from cptune.model import (
@@ -24,6 +24,7 @@ from cptune.model import (
     DescribedProfile,
     FigureSwing,
     Tie,
+    computed_flops,
     decide,
     figure_swings,
     groups_of,

@@ -21,6 +21,16 @@ from cptune.errors import CPTuneError
 from cptune.workload import Workload
 
 BACKENDS: tuple[str, ...] = ("mpi", "onnx", "tensorrt")
+#: Attention kernels, by the work they execute: "numpy", the mpi engine's, computes whole
+#: query row blocks up to each block's last query (``cptune.engines.mpi.computed_pairs``);
+#: "fused", a fused attention kernel (TensorRT's, FlashAttention's), skips masked tiles, and
+#: the masked work inside its diagonal tiles is neglected.
+ATTENTION_KERNELS: tuple[str, ...] = ("numpy", "fused")
+
+
+def attention_kernel(engine: str) -> str:
+    """The attention kernel ``engine`` runs (``ATTENTION_KERNELS``)."""
+    return "numpy" if engine == "mpi" else "fused"
 
 
 class Engine(Protocol):

@@ -35,8 +35,11 @@ from typing import Protocol
 
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
-from cptune.cost import STREAM_KINDS, analytic_cost, computed_flops
+from cptune.cost import STREAM_KINDS, analytic_cost
+from cptune.engines import ATTENTION_KERNELS
+from cptune.engines.mpi import computed_pairs
 from cptune.hardware import Hardware, HardwareDescription
+from cptune.layout import SequenceLayout
 from cptune.workload import Workload
 
 #: Groups of global ranks that run one collective at once (every group of a configuration).
@@ -71,8 +74,8 @@ class Profile(Protocol):
 
     @property
     def attention_kernel(self) -> str:
-        """The attention kernel the hardware runs (``cptune.cost.ATTENTION_KERNELS``): what
-        ``computed_flops`` counts as its work."""
+        """The attention kernel the hardware runs (``cptune.engines.ATTENTION_KERNELS``):
+        what ``computed_flops`` counts as its work."""
 
     def describe(self) -> str: ...
 
@@ -217,6 +220,41 @@ def groups_of(config: CPConfig) -> tuple[Groups, Groups]:
     heads = tuple(tuple(range(g * u, (g + 1) * u)) for g in range(config.context_degree))
     context = tuple(tuple(range(j, n, u)) for j in range(u))
     return heads, context
+
+
+#: Longest padded sequence whose numpy-kernel work ``computed_flops`` counts block by block
+#: (well under a second of counting); longer ones waste under rows_per_block / length.
+EXACT_KERNEL_WORK_TOKENS = 2**20
+
+
+@functools.lru_cache(maxsize=4096)  # pure; the prior asks for the same pairs often
+def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
+    """Attention FLOPs the busiest rank's ``kernel`` executes (4 * head_dim per computed
+    (query, key) pair and head). A fused kernel: ``analytic_cost``'s useful FLOPs. The numpy
+    kernel also computes the masked pairs inside each query row block that straddles the
+    causal diagonal (``computed_pairs``): up to half a block's rows per query, so a short
+    causal sequence costs up to 1.5x its useful work. Each rank attends its context block to
+    every block: in one call (AllGather-KV, Ulysses, one rank) or one call per block (Ring).
+    Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
+    0.1% and the useful FLOPs stand for it."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+    cost = analytic_cost(workload, config)
+    if kernel == "fused" or not workload.causal or cost.padded_seq_len > EXACT_KERNEL_WORK_TOKENS:
+        return cost.flops
+    layout = SequenceLayout(workload, config)
+
+    def runs(group: int) -> list[tuple[int, int]]:
+        return [(start, stop - start) for start, stop in layout.block_ranges(group)]
+
+    blocks = range(config.context_degree)
+    calls = ([runs(j) for j in blocks] if config.strategy == "ring"
+             else [[run for j in blocks for run in runs(j)]])
+    pairs = max(
+        sum(computed_pairs(runs(g), keys, workload.causal, workload.seq_len) for keys in calls)
+        for g in blocks
+    )
+    return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
 
 
 def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: str = "mpi") -> PriorTime:
