@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -298,13 +299,28 @@ def _sqlite_setup(engine: Engine) -> None:
         dbapi_connection.isolation_level = None  # transactions are begun below
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _use_wal(cursor)
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):  # type: ignore[no-untyped-def]
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _use_wal(cursor: sqlite3.Cursor) -> None:
+    """Put the database in WAL mode (it stays so). The switch needs the file to itself and
+    SQLite does not wait for that (no busy handler): a new file opened by two processes at
+    once has one of them creating tables while the other switches, so the switch is tried
+    again until the busy timeout rather than failing with "database is locked"."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+    while cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def missing_database(url: str) -> Path | None:
