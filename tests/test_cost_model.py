@@ -420,7 +420,7 @@ def test_correction_verdict_keeps_a_correction_that_helps(fitted, train):
     assert verdict.applied and verdict.correction is not None and verdict.prior is not None
     assert verdict.correction.mape < verdict.prior.mape and verdict.correction.regret <= verdict.prior.regret
     assert verdict.to_dict()["applied"] is True
-    assert set(verdict.to_dict()["correction"]) == {"regret", "tie_regret", "mape"}
+    assert set(verdict.to_dict()["correction"]) == {"regret", "tie_regret", "mape", "workload_error"}
     unfitted = correction_verdict(CostModel().fit(train[0][:3], train[1][:3]), train[0][:3], train[1][:3])
     assert not unfitted.applied and "fewer than" in unfitted.reason
 
@@ -560,7 +560,9 @@ def test_correction_verdict_ignores_an_error_every_configuration_of_a_workload_s
     model.out_of_fold_ = measured * shared
     verdict = correction_verdict(model, cases, measured)
     assert verdict.correction.mape > verdict.prior.mape  # far off in level...
-    assert verdict.applied, verdict.reason  # ...yet it orders every decision exactly
+    assert verdict.correction.workload_error == pytest.approx(0.0, abs=1e-9)  # ...yet relative to one
+    assert verdict.prior.workload_error > 1.0  # another exact, where the prior's numbers are not
+    assert verdict.applied, verdict.reason
 
 
 @pytest.mark.parametrize("misses, applied", [(1, True), (5, False)])

@@ -13,6 +13,9 @@ the configurations measured for it - and on the fit of the numbers themselves:
   leader by less than the noise is not charged for the noise;
 - Spearman: rank correlation of predicted and measured latencies within a decision;
 - MAPE: mean absolute percentage error of the predicted latencies;
+- error within a workload: the mean absolute log error (as a percentage) once each
+  decision's shared error is taken out - how wrong the predictions are about one workload's
+  configurations relative to one another, which is all its pick depends on;
 - coverage: fraction of measurements inside the predicted interval (the model advertises
   its ``interval`` quantiles, 80% by default).
 
@@ -76,6 +79,9 @@ class GroupScore:
     #: Mean and worst regret with ties as ties (the plain ones where no verdict was given).
     tie_regret: float
     worst_tie_regret: float
+    #: Percent error of the predictions relative to one another within each decision
+    #: (``_workload_error``); NaN where there is no MAPE or a prediction is not a latency.
+    workload_error: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,7 @@ class CorrectionVerdict:
     def to_dict(self) -> dict[str, object]:
         def scores(score: GroupScore | None) -> dict[str, float] | None:
             return None if score is None else {"regret": score.regret, "tie_regret": score.tie_regret,
-                                               "mape": score.mape}
+                                               "mape": score.mape, "workload_error": score.workload_error}
 
         return {"applied": self.applied, "reason": self.reason, "correction": scores(self.correction),
                 "prior": scores(self.prior)}
@@ -172,6 +178,8 @@ def score_group(
         coverage=coverage,
         tie_regret=float(np.mean(tie_regrets)),
         worst_tie_regret=float(np.max(tie_regrets)),
+        workload_error=(100 * _workload_error(cases, measured, predicted)
+                        if latencies and np.all(predicted > 0) else float("nan")),
     )
 
 
@@ -308,7 +316,7 @@ def compare(
             fixed_rule(cases, latencies, by, tied))
 
 
-def _ranking_error(cases: Sequence[Case], measured: np.ndarray, predicted: np.ndarray) -> float:
+def _workload_error(cases: Sequence[Case], measured: np.ndarray, predicted: np.ndarray) -> float:
     """Mean absolute log error of the predictions once each decision's common error is taken
     out: how wrong they are about the configurations of one workload relative to one another,
     which is all a pick depends on (a level all of them share misleads no pick)."""
@@ -334,12 +342,11 @@ def correction_verdict(
     alone = score_group("prior", cases, latencies, prior, tied=tied)
     worse_picks = _clearly_worse(_decision_regrets(cases, latencies, model.out_of_fold_, tied)[1],
                                  _decision_regrets(cases, latencies, prior, tied)[1])
-    spread = _ranking_error(cases, latencies, model.out_of_fold_), _ranking_error(cases, latencies, prior)
-    applied = not worse_picks and spread[0] <= spread[1]
+    applied = not worse_picks and learned.workload_error <= alone.workload_error
     verdict = "no worse than the prior alone" if applied else "worse than the prior alone"
     reason = (f"held out, the learned correction is {verdict}: regret (ties as ties) "
               f"{learned.tie_regret:.3f} vs {alone.tie_regret:.3f}, error within a workload "
-              f"{100 * spread[0]:.1f}% vs {100 * spread[1]:.1f}% "
+              f"{learned.workload_error:.1f}% vs {alone.workload_error:.1f}% "
               f"(MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%)")
     return CorrectionVerdict(applied, reason, learned, alone)
 
@@ -358,9 +365,8 @@ def fit_advised(
         model = CostModel(by_shape=by_shape).fit(cases, latencies_s)
         verdict = correction_verdict(model, cases, latencies_s, tied)
         if verdict.applied:
-            assert model.out_of_fold_ is not None
-            error = _ranking_error(cases, latencies_s, model.out_of_fold_)
-            candidates.append((error, by_shape, model, verdict))
+            assert verdict.correction is not None
+            candidates.append((verdict.correction.workload_error, by_shape, model, verdict))
     if candidates:
         _, by_shape, model, verdict = min(candidates, key=lambda candidate: candidate[:2])
         layer = "with each shape's level from its other lengths" if by_shape else "boosted alone"
