@@ -20,6 +20,7 @@ about a minute:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -95,8 +96,14 @@ class ComputeRate:
         useful ones, and for the numpy kernel the masked pairs of its diagonal row blocks."""
         if kernel == "fused" or not self.causal:
             return self.flops
-        pairs = computed_pairs([(self.seq_k - self.seq_q, self.seq_q)], [(0, self.seq_k)], True, self.seq_k)
-        return 4 * self.heads * self.head_dim * pairs
+        return 4 * self.heads * self.head_dim * _numpy_diagonal_pairs(self.seq_q, self.seq_k)
+
+
+@functools.lru_cache(maxsize=64)  # a calibration's few shapes, asked on every prior
+def _numpy_diagonal_pairs(seq_q: int, seq_k: int) -> int:
+    """Pairs per head the numpy kernel computes for ``seq_q`` causal queries on the last
+    positions of ``seq_k`` keys (the calibrated causal shape)."""
+    return computed_pairs([(seq_k - seq_q, seq_q)], [(0, seq_k)], True, seq_k)
 
 
 @dataclass(frozen=True)
