@@ -494,9 +494,8 @@ class WorkloadSearch:
 
     def _warm_starts(self) -> list[CPConfig]:
         """Best configuration per other sequence length of the same model, fastest first."""
-        shape = {k: v for k, v in self.workload.to_dict().items() if k != "seq_len"}
-        rows = self.store.results(**shape, hardware=self.hardware.fingerprint, status="ok", excluded=False,
-                                  oversubscribed=False)
+        rows = self.store.results(**self.workload.shape.to_dict(), hardware=self.hardware.fingerprint,
+                                  status="ok", excluded=False, oversubscribed=False)
         best: dict[int, Estimate] = {}
         for (_, workload, config), estimate in combine(rows).items():
             seq = workload.seq_len

@@ -49,7 +49,7 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.estimate import Estimate, combine, judge_each
 from cptune.model._prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
 from cptune.store import Result, Store
-from cptune.workload import Workload
+from cptune.workload import AttentionShape, Workload
 
 #: Fewer measurements than this leave the correction out: the prior alone predicts.
 MIN_SAMPLES = 8
@@ -57,9 +57,9 @@ MIN_SAMPLES = 8
 INTERVAL_FOLDS = 5
 
 
-#: A workload shape on one hardware: what the ``by_shape`` layer pools a configuration's
-#: measurements over (all but the sequence length).
-ShapeKey = tuple[str, CPConfig, tuple[tuple[str, object], ...]]
+#: A configuration of one attention shape (all but the sequence length) on one hardware:
+#: what the ``by_shape`` layer pools measurements over.
+ShapeKey = tuple[str, CPConfig, AttentionShape]
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,7 @@ class Case:
     @property
     def shape(self) -> ShapeKey:
         """The hardware, the configuration and the workload but for its length."""
-        others = tuple((k, v) for k, v in sorted(self.workload.to_dict().items()) if k != "seq_len")
-        return self.profile.fingerprint, self.config, others
+        return self.profile.fingerprint, self.config, self.workload.shape
 
 
 def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
