@@ -183,4 +183,3 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
         memory_bytes=memory,
         kernels=kernels,
     )
-

@@ -198,9 +198,8 @@ def _decision_regrets(
 
 
 def _clearly_worse(losses: np.ndarray, baseline: np.ndarray) -> bool:
-    """Whether ``losses`` (regrets, or factors off the measurement; 1.0 is perfect) are worse
-    than ``baseline``'s on the same decisions or cases beyond their noise: the 95% t interval
-    of the mean paired log ratio lies above 0."""
+    """Whether ``losses`` (regrets; 1.0 is perfect) are worse than ``baseline``'s on the same
+    decisions beyond their noise: the 95% t interval of the mean paired log ratio lies above 0."""
     differences = np.log(losses) - np.log(baseline)
     mean = float(differences.mean())
     if len(differences) < 2:
