@@ -14,7 +14,12 @@ judged by the other run, both ways (first by second, second by first), two ways:
   is among the tied configurations.
 
 The acceptance goal (issue 13): where a winner is reported, median regret <= 1.02 and worst
-<= 1.10. It also prints how far one configuration's combined latency moves between runs.
+<= 1.10. It also prints how far one configuration's combined latency moves between runs,
+and the floor under ``cptune fit``'s regret: each run's leader taken as the pick for every
+workload (a recommendation always names one) and judged as ``fit`` judges ``recommend``'s,
+ties as ties (1.0 where the other run's verdict cannot tell the pick from its leader). A
+model that predicted each configuration exactly as one run measured it would score this
+against the other run, so ``fit``'s figures on one run cannot be read below it.
 
     python benchmarks/reproducibility.py --first run1.db --second run2.db [--json]
 """
@@ -106,6 +111,17 @@ def judge_verdict(workload: Workload, picker: list[Result], judge_rows: list[Res
     return Judged(workload.describe(), leader.describe(), other_leader.describe(), regret)
 
 
+def fit_regret(picker: list[Result], judge_rows: list[Result]) -> float:
+    """The picking run's leader judged as ``cptune fit`` judges a pick (ties as ties)."""
+    mine, other = _estimates(picker), _estimates(judge_rows)
+    verdict, other_verdict = judge(mine.values()), judge(other.values())
+    assert verdict is not None and other_verdict is not None  # both hold clean visits
+    pick, other_leader = verdict.leader.config, other_verdict.leader
+    if pick == other_leader.config or pick in other_verdict.tied:
+        return 1.0
+    return other[pick].median_ms / other_leader.median_ms
+
+
 def summary(judged: list[Judged]) -> dict[str, object]:
     """Winners and ties, and the winners' median and worst regret against the goal."""
     regrets = [j.regret for j in judged if j.regret is not None]
@@ -127,8 +143,6 @@ def ratio_spread(shared: dict[Workload, tuple[list[Result], list[Result]]]) -> d
     for first_rows, second_rows in shared.values():
         first, second = _estimates(first_rows), _estimates(second_rows)
         ratios += [second[c].median_ms / first[c].median_ms for c in first.keys() & second.keys()]
-    if not ratios:
-        return {"configurations": 0}
     p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
     return {"configurations": len(ratios), "median": float(p50), "p10": float(p10), "p90": float(p90),
             "min": min(ratios), "max": max(ratios)}
@@ -138,12 +152,20 @@ def figures(first: Run, second: Run) -> dict[str, object]:
     """Every figure the script prints, as one JSON-ready dictionary."""
     shared = common(first, second)
     out: dict[str, object] = {"workloads": len(shared)}
+    if not shared:
+        return out
     for name, judge_one in (("newest_wins", judge_newest), ("verdict", judge_verdict)):
         ways = {}
         for way, flip in (("first_judged_by_second", False), ("second_judged_by_first", True)):
             judged = [judge_one(w, *(pair[::-1] if flip else pair)) for w, pair in shared.items()]
             ways[way] = {"summary": summary(judged), "per_workload": [asdict(j) for j in judged]}
         out[name] = ways
+    floor = {}
+    for way, flip in (("first_judged_by_second", False), ("second_judged_by_first", True)):
+        regrets = [fit_regret(*(pair[::-1] if flip else pair)) for pair in shared.values()]
+        floor[way] = {"median_regret": float(np.median(regrets)), "worst_regret": max(regrets),
+                      "above_1_05": sum(r > 1.05 for r in regrets)}
+    out["fit_floor"] = floor
     out["ratio_second_over_first"] = ratio_spread(shared)
     out["goal"] = {"median_regret": GOAL_MEDIAN, "worst_regret": GOAL_WORST}
     return out
@@ -179,10 +201,14 @@ def report(out: dict) -> str:  # type: ignore[type-arg]
                      f"<= {GOAL_MEDIAN}, worst <= {GOAL_WORST}: "
                      f"{ {True: 'met', False: 'NOT met', None: 'no winner to judge'}[n['goal_met']] }")
     r = out["ratio_second_over_first"]
-    if r["configurations"]:
-        lines.append(f"\none configuration's combined latency, second run / first: median {r['median']:.2f}, "
-                     f"p10 {r['p10']:.2f}, p90 {r['p90']:.2f}, range {r['min']:.2f}-{r['max']:.2f} over "
-                     f"{r['configurations']} configurations")
+    lines.append(f"\none configuration's combined latency, second run / first: median {r['median']:.2f}, "
+                 f"p10 {r['p10']:.2f}, p90 {r['p90']:.2f}, range {r['min']:.2f}-{r['max']:.2f} over "
+                 f"{r['configurations']} configurations")
+    lines.append("\nthe floor under cptune fit's regret (each run's leader judged by the other, ties as "
+                 "ties, every workload):")
+    for way, f in out["fit_floor"].items():
+        lines.append(f"  {way.replace('_', ' ')}: median {f['median_regret']:.3f}, worst "
+                     f"{f['worst_regret']:.3f}, {f['above_1_05']} of {out['workloads']} above 1.05")
     return "\n".join(lines)
 
 

@@ -121,6 +121,19 @@ def test_the_ratio_spread_compares_combined_latencies(runs):
     assert ratio["min"] == pytest.approx(min(expected)) and ratio["max"] == pytest.approx(max(expected))
 
 
+def test_the_fit_floor_judges_every_leader_as_fit_judges_a_pick(runs):
+    floor = _figures(runs)["fit_floor"]
+    # first run: ring leads at both workloads (tied with ulysses at CLOSE, but still the pick);
+    # the second run separates ulysses at CLOSE, so the first's pick there costs 10.6 / 10.0
+    close = _median_visit(SECOND[(CLOSE, RING)]) / _median_visit(SECOND[(CLOSE, ULYSSES)])
+    first = floor["first_judged_by_second"]
+    assert first["worst_regret"] == pytest.approx(close) and first["above_1_05"] == 1
+    assert first["median_regret"] == pytest.approx((1.0 + close) / 2)
+    # second run's ulysses at CLOSE is tied with the first run's leader: 1.0, ties as ties
+    second = floor["second_judged_by_first"]
+    assert (second["median_regret"], second["worst_regret"], second["above_1_05"]) == (1.0, 1.0, 0)
+
+
 def test_json_and_text_output(runs, capsys):
     first, second = runs
     assert reproducibility.main(["--first", first, "--second", second, "--json"]) == 0
@@ -130,6 +143,7 @@ def test_json_and_text_output(runs, capsys):
     text = capsys.readouterr().out
     assert "newest-wins (today)" in text and "verdict (new)" in text
     assert "1 winners, 1 ties" in text and "goal median <= 1.02, worst <= 1.1: met" in text
+    assert "floor under cptune fit's regret" in text and "1 of 2 above 1.05" in text
 
 
 def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
