@@ -60,8 +60,11 @@ def wait_for_rows(db, count, process, limit=120):
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
     db = str(tmp_path / "search.db")
+    # Ctrl-C as a terminal delivers it: a suite started in the background by a shell without
+    # job control inherits SIGINT ignored, and the search rightly keeps an ignored SIGINT
     search = subprocess.Popen([*CLI, "search", "--db", db, *SLOW, *ROUNDS], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_rows(db, 2, search)
     search.send_signal(how)
     _, err = search.communicate(timeout=60)
