@@ -37,7 +37,7 @@ import numpy as np
 
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
-from cptune.estimate import Estimate, combine, judge
+from cptune.estimate import Estimate, Verdict, combine, judge
 from cptune.hardware import this_host
 from cptune.store import Result, Store
 from cptune.workload import Workload
@@ -46,6 +46,8 @@ from cptune.workload import Workload
 GOAL_MEDIAN, GOAL_WORST = 1.02, 1.10
 
 Run = dict[Workload, list[Result]]
+#: Each run's picks judged by the other: (name, whether the pair is flipped to (second, first)).
+WAYS = (("first_judged_by_second", False), ("second_judged_by_first", True))
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,16 @@ def _estimates(rows: list[Result]) -> dict[CPConfig, Estimate]:
     return {config: estimate for (_, _, config), estimate in combine(rows).items()}
 
 
+def _judged(rows: list[Result]) -> tuple[dict[CPConfig, Estimate], Verdict]:
+    """The run's combined estimates of one workload and its verdict on them."""
+    estimates = _estimates(rows)
+    verdict = judge(estimates.values())
+    assert verdict is not None  # the rows hold clean visits
+    return estimates, verdict
+
+
 def judge_verdict(workload: Workload, picker: list[Result], judge_rows: list[Result]) -> Judged:
-    mine, other = _estimates(picker), _estimates(judge_rows)
-    verdict, other_verdict = judge(mine.values()), judge(other.values())
-    assert verdict is not None and other_verdict is not None  # both hold clean visits
+    (_, verdict), (other, other_verdict) = _judged(picker), _judged(judge_rows)
     leader, other_leader = verdict.leader.config, other_verdict.leader.config
     if verdict.winner is None:
         tied = (leader, *verdict.tied)
@@ -113,9 +121,7 @@ def judge_verdict(workload: Workload, picker: list[Result], judge_rows: list[Res
 
 def fit_regret(picker: list[Result], judge_rows: list[Result]) -> float:
     """The picking run's leader judged as ``cptune fit`` judges a pick (ties as ties)."""
-    mine, other = _estimates(picker), _estimates(judge_rows)
-    verdict, other_verdict = judge(mine.values()), judge(other.values())
-    assert verdict is not None and other_verdict is not None  # both hold clean visits
+    (_, verdict), (other, other_verdict) = _judged(picker), _judged(judge_rows)
     pick, other_leader = verdict.leader.config, other_verdict.leader
     if pick == other_leader.config or pick in other_verdict.tied:
         return 1.0
@@ -156,12 +162,12 @@ def figures(first: Run, second: Run) -> dict[str, object]:
         return out
     for name, judge_one in (("newest_wins", judge_newest), ("verdict", judge_verdict)):
         ways = {}
-        for way, flip in (("first_judged_by_second", False), ("second_judged_by_first", True)):
+        for way, flip in WAYS:
             judged = [judge_one(w, *(pair[::-1] if flip else pair)) for w, pair in shared.items()]
             ways[way] = {"summary": summary(judged), "per_workload": [asdict(j) for j in judged]}
         out[name] = ways
     floor = {}
-    for way, flip in (("first_judged_by_second", False), ("second_judged_by_first", True)):
+    for way, flip in WAYS:
         regrets = [fit_regret(*(pair[::-1] if flip else pair)) for pair in shared.values()]
         floor[way] = {"median_regret": float(np.median(regrets)), "worst_regret": max(regrets),
                       "above_1_05": sum(r > 1.05 for r in regrets)}
@@ -185,7 +191,7 @@ def _judged_line(j: dict) -> str:  # type: ignore[type-arg]
 def report(out: dict) -> str:  # type: ignore[type-arg]
     """The side-by-side text: per workload, then today's and the new summary, both ways."""
     lines = [f"{out['workloads']} workloads measured in both runs on this host"]
-    for way in ("first_judged_by_second", "second_judged_by_first"):
+    for way, _ in WAYS:
         lines.append(f"\n{way.replace('_', ' ')}:")
         lines.append(f"{'workload':<52} {'newest-wins (today)':<48} verdict (new)")
         today, new = out["newest_wins"][way], out["verdict"][way]
