@@ -1,6 +1,8 @@
 """measure() on real ranks: a checked output, then timings of the slowest rank."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +29,7 @@ def test_measurement_fields(config):
     assert m.peak_bytes > input_bytes
     assert 0 <= m.max_error <= TOLERANCE["bf16"]
     assert m.engine == "mpi" and m.host["mpi_library"].startswith("MPICH")
+    assert m.host["allocator"] == "steady"  # every CI host here runs glibc
     assert json.loads(json.dumps(m.to_dict()))["config"] == config.to_dict()
 
 
@@ -96,3 +99,30 @@ def test_summarize_takes_each_iteration_from_its_slowest_rank():
     assert s["samples_ms"] == pytest.approx([5, 3, 4])
     assert s["median_ms"] == pytest.approx(4)
     assert (s["compute_ms"], s["comm_ms"]) == pytest.approx((1, 1.5))  # rank 1's phases
+
+
+_ITERATIONS_FAULTS = """
+import resource, sys
+import numpy as np
+from cptune.engines._mpi_worker import steady_allocator
+if sys.argv[1] == "steady":
+    assert steady_allocator()
+def iteration():  # eight 1 MiB arrays written, then freed together, as an iteration's temporaries
+    arrays = [np.ones(2**18, dtype=np.float32) for _ in range(8)]
+    return sum(float(a[-1]) for a in arrays)
+iteration(); iteration()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    iteration()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_steady_allocator_keeps_timed_iterations_from_faulting_fresh_pages():
+    """glibc left to itself returns the freed arrays' pages and faults them in again every
+    iteration; with the ranks' fixed thresholds the iterations reuse them."""
+    faults = {mode: int(subprocess.run([sys.executable, "-c", _ITERATIONS_FAULTS, mode], check=True,
+                                       capture_output=True, text=True).stdout)
+              for mode in ("default", "steady")}
+    assert faults["default"] >= 8 * 256  # at least one 1 MiB array's 256 pages per iteration
+    assert faults["steady"] < 64

@@ -8,11 +8,17 @@ per-iteration timings. "time_collective" and "time_attention" time one collectiv
 sweep of message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
 does not use wait on their socket, asleep. A watchdog exits the rank as soon as the driver
 process is gone, whatever the rank is doing.
+
+Each rank fixes its allocator as it starts (``steady_allocator``): left to itself, glibc's malloc
+decides from what a process freed earlier whether an iteration's arrays come from reused
+heap or from fresh pages that fault on first touch, so one configuration's latency
+depended on what its rank ran before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import os
 import select
@@ -48,6 +54,45 @@ def _exit_when_gone(pid: int) -> None:
     poller.register(fd, select.POLLIN)
     poller.poll()
     os._exit(3)
+
+
+#: glibc ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Blocks up to this size come from the heap: glibc's largest mmap threshold.
+STEADY_MMAP_THRESHOLD = 32 * 2**20
+#: Free memory kept at the top of the heap between iterations instead of returned to the
+#: system (mallopt's largest, 2 GiB); a task's end returns it (``release_free_memory``).
+STEADY_TRIM_THRESHOLD = 2**31 - 1
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
+def steady_allocator() -> bool:
+    """Make a timed iteration's allocations independent of the rank's history; False where
+    the C library is not glibc (nothing to fix there).
+
+    glibc serves a block above its mmap threshold with fresh pages, which fault on first
+    touch (about 3 us per 4 KiB page on the VMs here), returns the heap's top to the system
+    once more than twice that threshold lies free there, and raises the threshold whenever
+    an mmapped block is freed. So whether an iteration's arrays fault depended on what the
+    rank had freed before: in one pool the same AllGather-KV iteration faulted 1248 pages
+    per iteration in one round and none in the next, 15% of its latency, and each
+    configuration drifted between runs by its own factor. Fixed thresholds (which also stop
+    the raising) keep freed blocks up to 32 MiB for the next iteration, as a steady-state
+    deployment's caching allocator does; larger ones are mmapped every time alike."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD))
+
+
+def release_free_memory() -> None:
+    """Return the heap's free memory to the system (after a task: an idle rank holds none)."""
+    if (trim := getattr(_libc(), "malloc_trim", None)) is not None:
+        trim(0)
 
 
 class MpiOps:
@@ -261,6 +306,7 @@ class Worker:
     def __init__(self, sock: socket.socket) -> None:
         self.world = MPI.COMM_WORLD
         self.sock = sock
+        self.allocator = "steady" if steady_allocator() else "system default"
         self.rank = self.world.Get_rank()
         # A communicator for each task size: the first r ranks. Made once, collectively.
         self.prefix = [
@@ -276,6 +322,7 @@ class Worker:
             "pid": os.getpid(),
             "parent_pid": os.getppid(),
             "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+            "allocator": self.allocator,
         })
 
     def comms_for(self, ranks: int, head_group: int) -> dict[str, MPI.Comm]:
@@ -323,6 +370,7 @@ class Worker:
             try:
                 reply, out = self.handle(header, arrays)
                 protocol.send(self.sock, {"ok": True, **reply}, out)
+                release_free_memory()
             except MemoryError:
                 protocol.send(self.sock, {"ok": False, "kind": "out_of_memory", "error": "out of memory"})
             except Exception as exc:  # reported to the driver, which stops the pool

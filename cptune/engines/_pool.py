@@ -61,6 +61,7 @@ class WorkerPool:
         self.socks: dict[int, socket.socket] = {}
         self.pids: list[int] = []
         self.mpi_library = ""
+        self.allocator = ""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.dir / "driver.sock"))
         listener.listen(size)
@@ -109,6 +110,7 @@ class WorkerPool:
             self.socks[hello["rank"]] = conn
             self.pids += [hello["pid"], hello["parent_pid"]]
             self.mpi_library = hello["mpi_library"]
+            self.allocator = hello["allocator"]
 
     def output_tail(self) -> str:
         self.log.flush()
@@ -239,6 +241,14 @@ class PooledEngine:
         except BaseException:
             self._pool = None  # request() already stopped it
             raise
+
+    def _pool_software(self) -> dict[str, str]:
+        """What the ranks run on, for the record of a measurement: the MPI library, and
+        whether the ranks' allocator is ``steady`` (``_mpi_worker.steady_allocator``); empty
+        before the pool has started."""
+        if self._pool is None:
+            return {}
+        return {"mpi_library": self._pool.mpi_library, "allocator": self._pool.allocator}
 
     def process_ids(self) -> list[int]:
         """The pool's processes now: mpiexec, its hydra proxies and the ranks (none without a pool)."""

@@ -96,6 +96,4 @@ class MPIEngine(PooledEngine):
         import mpi4py
 
         info = {"engine": self.name, "mpi4py": mpi4py.__version__, "numpy": np.__version__}
-        if self._pool is not None:
-            info["mpi_library"] = self._pool.mpi_library
-        return info
+        return info | self._pool_software()

@@ -210,6 +210,4 @@ class TensorRTEngine(MPIEngine):
 
         info = {"engine": self.name, "mpi4py": mpi4py.__version__,
                 "tensorrt": tensorrt_version() or "unknown"}
-        if self._pool is not None:
-            info["mpi_library"] = self._pool.mpi_library
-        return info | self._built
+        return info | self._pool_software() | self._built
