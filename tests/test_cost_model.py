@@ -212,6 +212,27 @@ def test_a_measured_shape_is_predicted_at_a_new_length_by_its_own_level():
     np.testing.assert_array_equal(by_shape.predict(elsewhere), [c.prior().total_s for c in elsewhere])
 
 
+def test_without_shape_levels_is_the_boosted_fit_without_fitting_again():
+    """fit_advised weighs both corrections from one fit: dropping the shape layer gives what
+    fitting with by_shape=False gives - predictions, held-out latencies, interval - and
+    leaves the fitted model as it was."""
+    cases = [Case(replace(c.workload, causal=causal), c.config, c.profile)
+             for seq_len in TRAIN_LENGTHS for c in cases_at(seq_len) for causal in (False, True)]
+    measured = np.array([level_truth(case) for case in cases])
+    shaped = CostModel().fit(cases, measured)
+    before = shaped.predict_interval(cases_at(8192))
+    alone, refitted = shaped.without_shape_levels(), CostModel(by_shape=False).fit(cases, measured)
+    assert not alone.by_shape and alone.get_params() == refitted.get_params()
+    for ours, theirs in zip(alone.predict_interval(cases_at(8192)), refitted.predict_interval(cases_at(8192)),
+                            strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-12)
+    np.testing.assert_allclose(alone.out_of_fold_, refitted.out_of_fold_, rtol=1e-12)
+    assert alone.correction_interval_ == refitted.correction_interval_
+    assert np.max(np.abs(alone.out_of_fold_ / shaped.out_of_fold_ - 1)) > 0.01  # the layer mattered
+    for ours, again in zip(before, shaped.predict_interval(cases_at(8192)), strict=True):
+        np.testing.assert_array_equal(ours, again)
+
+
 def test_a_shapes_level_leaves_its_own_length_out_of_fold():
     """Out of fold, a case's level comes from its shape's other lengths only: with the
     factor doubling at one length, that length's own case is predicted from the others."""

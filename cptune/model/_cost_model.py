@@ -36,6 +36,7 @@ judges the correction by against the prior alone
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -169,6 +170,10 @@ class CostModel(RegressorMixin, BaseEstimator):
         self.correction_interval_ = (0.0, 0.0)
         #: Log residuals of each measured shape, by sequence length (``by_shape``).
         self.shape_residuals_: dict[ShapeKey, dict[int, list[float]]] = {}
+        #: ``out_of_fold_`` and ``correction_interval_`` of the boosted correction alone,
+        #: kept for ``without_shape_levels``.
+        self.boosted_out_of_fold_: np.ndarray | None = None
+        self.boosted_interval_ = (0.0, 0.0)
         if not self.learn_correction or len(cases) < MIN_SAMPLES:
             return self
         if self.by_shape:
@@ -176,15 +181,37 @@ class CostModel(RegressorMixin, BaseEstimator):
                 self.shape_residuals_.setdefault(case.shape, {}).setdefault(case.workload.seq_len, []).append(
                     float(error))
         table = features(cases, priors)
-        held_out = self._out_of_fold(table, residual, cases)
+        boosted = self._out_of_fold(table, residual, cases)
+        self.boosted_out_of_fold_ = prior * np.exp(boosted)
+        self.boosted_interval_ = self._error_interval(residual - boosted)
+        held_out = boosted.copy()
         for i, case in enumerate(cases):
             if (level := self._shape_level(case, leave_out_own_length=True)) is not None:
                 held_out[i] = level
-        low, high = np.quantile(residual - held_out, self.interval)
-        self.correction_interval_ = (min(float(low), 0.0), max(float(high), 0.0))
+        self.correction_interval_ = self._error_interval(residual - held_out)
         self.out_of_fold_ = prior * np.exp(held_out)
         self.correction_ = self._booster().fit(table, residual)
         return self
+
+    def _error_interval(self, errors: np.ndarray) -> tuple[float, float]:
+        """The ``interval`` quantiles of held-out log errors, as log factors around the
+        estimate (low <= 0 <= high)."""
+        low, high = np.quantile(errors, self.interval)
+        return min(float(low), 0.0), max(float(high), 0.0)
+
+    def without_shape_levels(self) -> CostModel:
+        """This fitted model as ``by_shape=False`` would fit it on the same data: the same
+        boosters (the shape layer does not change what they are fitted on, and their fit is
+        seeded), the shape layer dropped. ``fit_advised`` weighs both without fitting the
+        boosters twice."""
+        check_is_fitted(self, "prior_interval_")
+        alone = copy.copy(self)
+        alone.by_shape = False
+        alone.shape_residuals_ = {}
+        if self.boosted_out_of_fold_ is not None:
+            alone.out_of_fold_ = self.boosted_out_of_fold_
+            alone.correction_interval_ = self.boosted_interval_
+        return alone
 
     def _shape_level(self, case: Case, leave_out_own_length: bool = False) -> float | None:
         """The mean log residual of ``case``'s shape over its measured lengths (each length

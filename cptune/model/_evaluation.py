@@ -360,8 +360,8 @@ def fit_advised(
     candidates, not more: a choice among many would be won by the noise of a dozen decisions."""
     cases = list(cases)
     candidates = []
-    for by_shape in (True, False):
-        model = CostModel(by_shape=by_shape).fit(cases, latencies_s)
+    shaped = CostModel(by_shape=True).fit(cases, latencies_s)
+    for by_shape, model in ((True, shaped), (False, shaped.without_shape_levels())):
         verdict = correction_verdict(model, cases, latencies_s, tied)
         if verdict.applied:
             assert verdict.correction is not None
