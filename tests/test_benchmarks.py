@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -20,11 +21,20 @@ from cptune.store import Store
 from cptune.workload import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("reproducibility", ROOT / "benchmarks" / "reproducibility.py")
-assert _spec is not None and _spec.loader is not None
-reproducibility = importlib.util.module_from_spec(_spec)
-sys.modules["reproducibility"] = reproducibility  # dataclasses look their module up
-_spec.loader.exec_module(reproducibility)
+
+
+def _benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as the module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+reproducibility = _benchmark("reproducibility")
+pool_variation = _benchmark("pool_variation")
 
 CLEAR = Workload(seq_len=1024, heads=8, head_dim=64)  # ring wins by ~30%
 CLOSE = Workload(seq_len=2048, heads=8, head_dim=64)  # ring and ulysses within a few %
@@ -152,3 +162,17 @@ def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert err.count("\n") == 1 and "absent.db" in err
     assert reproducibility.main(["--first", runs[0], "--second", runs[1], "--hardware", "nothing"]) == 2
     assert "no workload" in capsys.readouterr().err
+
+
+def test_pool_variation_tells_a_pools_own_level_from_round_to_round_noise():
+    """Ulysses 10% slower than AllGather-KV in every round of pool 1 and level in pool 2: no
+    spread within a pool, all of it between pools. Ring alternates 10% either way round to
+    round in both pools: all of its spread within, none between."""
+    latency = np.full((2, 4, 3), 20.0)  # [pool, round, config]; config 0 is the reference
+    latency[0, :, 1] = 22.0
+    latency[:, :, 2] = [22.0, 20.0 / 1.1, 22.0, 20.0 / 1.1]
+    latency[0, 3, 1] = np.nan  # a disturbed visit counts for nothing
+    ulysses, ring = pool_variation.ratio_spreads(latency)
+    assert ulysses["within_pool_sd"] < 1e-12 and ulysses["between_pool_sd"] > 0.06
+    assert ring["between_pool_sd"] < 1e-12 and ring["within_pool_sd"] > 0.09
+    assert math.isclose(ulysses["ratio"], math.sqrt(1.1))
