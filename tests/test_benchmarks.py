@@ -1,5 +1,6 @@
 """benchmarks/reproducibility.py on two small constructed databases: today's newest-wins
-figures beside the verdict-based ones."""
+figures beside the verdict-based ones; benchmarks/pool_variation.py's spreads on constructed
+latencies."""
 
 from __future__ import annotations
 
