@@ -79,7 +79,7 @@ def steady_allocator() -> bool:
     an mmapped block is freed. So whether an iteration's arrays fault depended on what the
     rank had freed before: in one pool the same AllGather-KV iteration faulted 1248 pages
     per iteration in one round and none in the next, 15% of its latency, and Ulysses looked
-    6-7% faster than AllGather-KV where the two are level. Fixed thresholds (which also stop
+    6-7% faster than AllGather-KV, which the prior puts level. Fixed thresholds (which also stop
     the raising) keep freed blocks up to 32 MiB for the next iteration, as a steady-state
     deployment's caching allocator does; larger ones are mmapped every time alike."""
     mallopt = getattr(_libc(), "mallopt", None)
