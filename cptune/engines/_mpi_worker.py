@@ -370,7 +370,8 @@ class Worker:
             try:
                 reply, out = self.handle(header, arrays)
                 protocol.send(self.sock, {"ok": True, **reply}, out)
-                release_free_memory()
+                if header["op"] != "run":  # a run's timing comes next and reuses its memory
+                    release_free_memory()
             except MemoryError:
                 protocol.send(self.sock, {"ok": False, "kind": "out_of_memory", "error": "out of memory"})
             except Exception as exc:  # reported to the driver, which stops the pool
