@@ -38,8 +38,9 @@ def test_key_chunks_are_merged(monkeypatch):
     assert relative_error(out, reference_attention(workload, q, k, v)) < 2e-5
 
 
-def test_threads_give_the_same_result():
-    workload = Workload(seq_len=129, heads=4, head_dim=16, kv_heads=2, batch=2, dtype="fp32")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_threads_give_the_same_result(dtype):
+    workload = Workload(seq_len=129, heads=4, head_dim=16, kv_heads=2, batch=2, dtype=dtype)
     q, k, v = make_inputs(workload, seed=3)
     one, _ = run(workload, q, k, v, threads=1)
     two, _ = run(workload, q, k, v, threads=2)
@@ -111,3 +112,20 @@ def test_a_causal_block_computes_its_masked_corner():
     second all 1024, so 3/4 of the square is computed where only half is visible."""
     assert kernels.rows_per_block(1024) == 512
     assert kernels.computed_pairs([(0, 1024)], [(0, 1024)], True, 1024) == 512 * 512 + 512 * 1024
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cast_shares_slices_between_threads_and_matches_numpy(threads):
+    """The kernel's casts, split over threads, give exactly numpy's: float16 -> float32
+    scaled (Q), float16 -> float32 (K, V, a chunk's strided view), float32 -> float16 (the
+    output); an array already in the dtype is returned as is."""
+    rng = np.random.default_rng(6)
+    wide = rng.standard_normal((2, 3, 5, 8), dtype=np.float32)
+    narrow = wide.astype(np.float16)
+    np.testing.assert_array_equal(kernels.cast(narrow, np.dtype(np.float32), threads, scale=0.25),
+                                  narrow.astype(np.float32) * np.float32(0.25))
+    chunk = narrow[..., 1:4, :]
+    np.testing.assert_array_equal(kernels.cast(chunk, np.dtype(np.float32), threads),
+                                  chunk.astype(np.float32))
+    np.testing.assert_array_equal(kernels.cast(wide, np.dtype(np.float16), threads), narrow)
+    assert kernels.cast(wide, np.dtype(np.float32), threads) is wide

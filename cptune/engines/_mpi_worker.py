@@ -209,7 +209,7 @@ class RankTask:
     def iteration(self) -> tuple[np.ndarray, MpiOps]:
         ops = MpiOps(self.workload, self.comms, self.threads)
         out = run_strategy(ops, self.layout, self.rank, self.q, self.kv)
-        return np.asarray(out, dtype=self.workload.wire_dtype), ops
+        return kernels.cast(out, self.workload.wire_dtype, self.threads), ops
 
     def run_once(self) -> protocol.Message:
         """Run once, tracing allocations: the output shard and the peak bytes held."""

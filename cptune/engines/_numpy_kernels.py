@@ -153,7 +153,7 @@ def attention(
     BLAS (the caller limits BLAS to one thread): softmax passes then use every core too,
     which a multi-threaded GEMM alone does not. ``poll`` is called between blocks by one
     thread (the MPI engine progresses in-flight transfers there)."""
-    scaled_q = q.astype(np.float32) * np.float32(1.0 / np.sqrt(q.shape[-1]))
+    scaled_q = cast(q, np.dtype(np.float32), threads, scale=1.0 / np.sqrt(q.shape[-1]))
     query_norms = np.sqrt(np.einsum("bhqd,bhqd->bhq", scaled_q, scaled_q))
     result = None
     for start in range(0, max(len(k_pos), 1), KEY_CHUNK):
@@ -169,6 +169,31 @@ def attention(
 @functools.cache
 def _executor(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="cptune-attention")
+
+
+def cast(x: np.ndarray, dtype: np.dtype, threads: int = 1, scale: float | None = None) -> np.ndarray:
+    """``x`` in ``dtype`` (times ``scale``, computed in ``dtype``, when given): ``x`` itself
+    when that changes nothing, else a new array. ``threads`` > 1 share its leading (batch,
+    head) slices: a cast is a pass over every element, and on one thread of a two-thread rank
+    Q's, K's and V's took 10.5 ms of the kernel's 72 at 1024 x 12 x d128 (6.3 split)."""
+    if scale is None and x.dtype == dtype:
+        return x
+    out = np.empty(x.shape, dtype)
+    slices = list(np.ndindex(x.shape[:-2]))
+
+    def convert(share: list[tuple[int, ...]]) -> None:
+        for i in share:
+            if scale is None:
+                np.copyto(out[i], x[i], casting="unsafe")
+            else:
+                np.multiply(x[i], scale, out=out[i], dtype=dtype)
+
+    workers = min(threads, len(slices))
+    if workers <= 1:
+        convert(slices)
+    else:
+        list(_executor(threads).map(convert, [slices[n::workers] for n in range(workers)]))
+    return out
 
 
 def _attention_chunk(
@@ -189,8 +214,8 @@ def _attention_chunk(
     lse = np.full((batch, heads, sq), -np.inf, dtype=np.float32)
     plan = _plan(q_pos, k_pos, causal, seq_len)
     widest = max((sum(b - a for a, b, _ in segs) * (j - i) for i, j, segs in plan), default=0)
-    keys = kv[0].astype(np.float32, copy=False)
-    values = kv[1].astype(np.float32, copy=False)
+    keys = cast(kv[0], np.dtype(np.float32), threads)
+    values = cast(kv[1], np.dtype(np.float32), threads)
     key_norms = np.sqrt(np.einsum("bksd,bksd->bks", keys, keys))
     values_small = bool(np.abs(values).max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
 
