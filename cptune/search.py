@@ -54,7 +54,7 @@ from optuna.trial import FrozenTrial, TrialState
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
-from cptune.estimate import Estimate, Verdict, combine, judge
+from cptune.estimate import MIN_PAIRED_ROUNDS, Estimate, Verdict, combine, judge
 from cptune.execute import measure
 from cptune.hardware import Hardware
 from cptune.measurement import format_ms, oversubscribed
@@ -76,6 +76,13 @@ ORDERS = ("guided", "exhaustive")
 STOP_PROBABILITY = 0.1
 #: The quantiles of the interval the cost model predicts (``CostModel.interval``).
 _INTERVAL = CostModel().interval
+#: A configuration separated from the leader by less than this ratio, on fewer shared rounds
+#: than a paired comparison needs (``MIN_PAIRED_ROUNDS``), joins the race until it has them:
+#: slow phases of this project's CPU hosts slowed both visits of one configuration by 1.22x
+#: and 1.27-1.45x where other runs of the same sweep had it tied with the leader
+#: (``benchmarks/results/fit-steady-2026-11-24.txt``), and two visits cannot tell that apart
+#: from a slower configuration.
+NEAR_MISS_RATIO = 1.5
 
 
 #: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
@@ -352,9 +359,11 @@ class WorkloadSearch:
        round visits each such configuration once, in a fresh random order, so drift and other
        jobs hit all of them alike.
     3. The race: while the verdict (``cptune.estimate.judge`` over every clean visit stored)
-       ties other configurations with the leader, one round over the leader and those tied
-       with it, until the leader is separated, each of them has ``rounds + race_rounds``
-       clean visits, or ``time_budget`` is spent. ``verdict`` holds the answer afterwards.
+       ties other configurations with the leader, or separates one from it only narrowly
+       (by less than ``NEAR_MISS_RATIO``) on fewer rounds than a paired comparison needs,
+       one round over the leader and those, until the leader is separated from each on
+       enough rounds, each of them has ``rounds + race_rounds`` clean visits, or
+       ``time_budget`` is spent. ``verdict`` holds the answer afterwards.
 
     Visits are counted over what the store holds, so a rerun of a finished search runs
     nothing and an interrupted one continues where it stopped. A visit the contention guard
@@ -622,13 +631,19 @@ class WorkloadSearch:
                 if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.rounds]
 
     def _race_entrants(self) -> list[CPConfig]:
-        """Phase 3: the leader and those tied with it, each while it has runs and clean visits left."""
+        """Phase 3: the leader, those tied with it and its near misses (see the class
+        docstring), each while it has runs and clean visits left."""
         rows = self._rows()
         self.verdict = judge(combine(rows).values())
-        if self.verdict is None or not self.verdict.tied:
+        if self.verdict is None:
             return []
         tally = self._tally(rows)
-        group = (self.verdict.leader.config, *self.verdict.tied)
+        near_miss = [c.other for c in self.verdict.comparisons
+                     if c.separated and c.paired_rounds < MIN_PAIRED_ROUNDS and c.ratio < NEAR_MISS_RATIO]
+        challengers = [*self.verdict.tied, *near_miss]
+        if not challengers:
+            return []
+        group = (self.verdict.leader.config, *challengers)
         return [c for c in group if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.cap]
 
     def _round_of(self, configs: list[CPConfig], phase: str, visits: list[Visit],

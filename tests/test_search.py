@@ -320,6 +320,29 @@ def test_the_race_ends_as_soon_as_the_leader_is_separated(store, runs):
     assert search(store, configs=[RING, AG], rounds=2, race_rounds=6).run() == []  # finished: nothing runs
 
 
+def test_a_near_miss_on_two_slow_visits_races_until_a_paired_comparison_decides(store, runs):
+    """AG runs 1.1x RING's time, but a slow phase of the host slows its first two visits
+    1.3x: two visits separate it (1.43x), so it races the leader until they share the
+    rounds a paired comparison needs; a configuration twice as slow never races."""
+    slow = ULY
+    runs(lambda config, n: {RING: 10.0, AG: 11.0 * (1.3 if n < 2 else 1.0), slow: 20.0}[config] * JITTER[n])
+    s = search(store, configs=[RING, AG, slow], rounds=2, race_rounds=3, seed=0)
+    visits = s.run()
+    race = [v for v in visits if v.phase == "race"]
+    assert {v.config for v in race} == {RING, AG}
+    ag = next(c for c in s.verdict.comparisons if c.other == AG)
+    assert ag.paired_rounds >= 3 and ag.ratio < 1.3  # decided on paired rounds, no longer by the slow two
+    assert Counter(r.config for r in store.results())[slow] == 2
+
+
+def test_a_near_miss_separated_on_enough_shared_rounds_is_not_raced(store, runs):
+    runs(lambda config, n: (10.0 if config == RING else 13.0) * JITTER[n])
+    s = search(store, configs=[RING, AG], rounds=3, race_rounds=3, seed=0)
+    visits = s.run()
+    assert [v.phase for v in visits] == ["explore"] * 2 + ["round"] * 4  # separated on 3 shared rounds
+    assert s.verdict.winner == RING and s.verdict.comparisons[0].paired_rounds == 3
+
+
 def test_configurations_tied_in_the_noise_are_raced_to_the_cap_and_called_a_tie(store, runs):
     # RING and AG: the same latency, with noise in opposite directions, so never separated
     slow = ULY
