@@ -177,3 +177,24 @@ def test_pool_variation_tells_a_pools_own_level_from_round_to_round_noise():
     assert ulysses["within_pool_sd"] < 1e-12 and ulysses["between_pool_sd"] > 0.06
     assert ring["between_pool_sd"] < 1e-12 and ring["within_pool_sd"] > 0.09
     assert math.isclose(ulysses["ratio"], math.sqrt(1.1))
+
+
+def test_near_misses_replays_the_race_entry_and_says_how_each_ended(tmp_path, capsys):
+    """CLOSE: after two visits ulysses trails ring 1.2x (a slow pair of visits), and in the
+    end the two are tied; CLEAR: ulysses trails 2x, far beyond a near miss."""
+    near_misses = _benchmark("near_misses")
+    rounds = {
+        (CLOSE, RING): [10.0, 10.1, 10.2, 9.9, 10.0],
+        (CLOSE, ULYSSES): [12.0, 12.1, 10.0, 9.8, 10.3],
+        (CLEAR, RING): [10.0, 10.1],
+        (CLEAR, ULYSSES): [20.0, 20.2],
+    }
+    db = _database(tmp_path / "sweep.db", rounds)
+    with Store(db) as store:
+        found = near_misses.near_misses(store.results())
+    assert [(n.config, n.clean_visits, n.ended) for n in found] == [(ULYSSES.describe(), 5, "tied")]
+    assert 1.15 < found[0].ratio_after_two < 1.25
+    assert near_misses.main(["--db", db]) == 0
+    assert "1 near misses raced, 1 ended tied with the leader or leading" in capsys.readouterr().out
+    assert near_misses.main(["--db", str(tmp_path / "missing.db")]) == 2
+    assert "near_misses:" in capsys.readouterr().err
