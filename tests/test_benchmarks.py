@@ -198,3 +198,12 @@ def test_near_misses_replays_the_race_entry_and_says_how_each_ended(tmp_path, ca
     assert "1 near misses raced, 1 ended tied with the leader or leading" in capsys.readouterr().out
     assert near_misses.main(["--db", str(tmp_path / "missing.db")]) == 2
     assert "near_misses:" in capsys.readouterr().err
+
+
+def test_interleave_grain_reports_each_grains_ratio_and_spread():
+    interleave_grain = _benchmark("interleave_grain")
+    steady, phased = [0.0, 0.02, -0.02, 0.0], [0.3, -0.3, 0.0, 0.0]
+    figures = interleave_grain.spreads({"visit": phased, "iteration": steady})
+    assert figures["iteration"]["log_sd"] == pytest.approx(float(np.std(steady, ddof=1)))
+    assert figures["visit"]["log_sd"] > 10 * figures["iteration"]["log_sd"]
+    assert figures["visit"]["ratio"] == pytest.approx(1.0) and figures["visit"]["rounds"] == 4
