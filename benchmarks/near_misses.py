@@ -2,7 +2,7 @@
 
 A search's race takes in, besides the configurations tied with the leader, those two visits
 separated from it by less than ``NEAR_MISS_RATIO`` on fewer shared rounds than a paired
-comparison needs (``cptune.search.WorkloadSearch``). This replays that decision on a
+comparison needs (``cptune.search.is_near_miss``). This replays that decision on a
 stored sweep: for each workload, the verdict over every configuration's first two clean
 visits (what the search saw when the rounds ended) names the near misses; the verdict over
 every clean visit stored says how each ended - the leader, tied with it, or separated.
@@ -19,9 +19,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from cptune.errors import CPTuneError
-from cptune.estimate import MIN_PAIRED_ROUNDS, combine, judge
+from cptune.estimate import combine, judge
 from cptune.hardware import this_host
-from cptune.search import NEAR_MISS_RATIO
+from cptune.search import is_near_miss
 from cptune.store import Result, Store
 from cptune.workload import Workload
 
@@ -52,11 +52,10 @@ def near_misses(rows: list[Result]) -> list[NearMiss]:
                 first_two.append(row)
                 seen[row.config] += 1
         early, final = judge(combine(first_two).values()), judge(combine(visits).values())
-        if early is None or final is None:
-            continue
+        assert early is not None and final is not None  # every workload here has clean visits
         counts = Counter(row.config for row in visits)
         for c in early.comparisons:
-            if c.separated and c.paired_rounds < MIN_PAIRED_ROUNDS and c.ratio < NEAR_MISS_RATIO:
+            if is_near_miss(c):
                 ended = ("leader" if c.other == final.leader.config
                          else "tied" if c.other in final.tied else "separated")
                 found.append(NearMiss(workload.describe(), c.other.describe(), c.ratio,

@@ -54,7 +54,7 @@ from optuna.trial import FrozenTrial, TrialState
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
-from cptune.estimate import MIN_PAIRED_ROUNDS, Estimate, Verdict, combine, judge
+from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine, judge
 from cptune.execute import measure
 from cptune.hardware import Hardware
 from cptune.measurement import format_ms, oversubscribed
@@ -83,6 +83,13 @@ _INTERVAL = CostModel().interval
 #: (``benchmarks/results/fit-steady-2026-11-24.txt``), and two visits cannot tell that apart
 #: from a slower configuration.
 NEAR_MISS_RATIO = 1.5
+
+
+def is_near_miss(comparison: Comparison) -> bool:
+    """Whether the leader's separation from ``comparison.other`` is narrow and rests on too
+    few shared rounds to stand (see ``NEAR_MISS_RATIO``): such a configuration races on."""
+    return (comparison.separated and comparison.paired_rounds < MIN_PAIRED_ROUNDS
+            and comparison.ratio < NEAR_MISS_RATIO)
 
 
 #: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
@@ -638,9 +645,7 @@ class WorkloadSearch:
         if self.verdict is None:
             return []
         tally = self._tally(rows)
-        near_miss = [c.other for c in self.verdict.comparisons
-                     if c.separated and c.paired_rounds < MIN_PAIRED_ROUNDS and c.ratio < NEAR_MISS_RATIO]
-        challengers = [*self.verdict.tied, *near_miss]
+        challengers = [*self.verdict.tied, *(c.other for c in self.verdict.comparisons if is_near_miss(c))]
         if not challengers:
             return []
         group = (self.verdict.leader.config, *challengers)
