@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -627,6 +628,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                 def on_visit(visit: Visit, task: TaskID = task, search: WorkloadSearch = search,
                              seq_len: int = seq_len) -> None:
                     nonlocal visits, failed, disturbed
+                    _ctrl_c.raise_if_pressed()
                     if not visit.reused:
                         visits += 1
                         failed += visit.status != "ok"
@@ -1135,6 +1137,48 @@ COMMANDS = {"search": cmd_search, "results": cmd_results, "measure": cmd_measure
             "report": cmd_report, "export-graph": cmd_export_graph}
 
 
+class _CtrlC:
+    """Ctrl-C, remembered. Python drops a KeyboardInterrupt raised while a finalizer runs
+    (a ``__del__`` or weakref callback; SQLAlchemy's and sqlite3's connections have them),
+    prints it as a traceback and goes on as if no key was pressed. Remembered, the press is
+    raised again at the search's next visit and, at the latest, makes the command's return
+    the interrupted exit; the dropped one is not printed."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def install(self) -> Callable[[], None]:
+        """Take over SIGINT unless it is ignored (a job started in the background keeps it
+        ignored); returns what puts the previous handlers back."""
+        self.pressed = False
+        previous_sigint, previous_unraisable = signal.getsignal(signal.SIGINT), sys.unraisablehook
+        if previous_sigint is not signal.default_int_handler:
+            return lambda: None
+
+        def on_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+            if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+                previous_unraisable(unraisable)
+
+        def restore() -> None:
+            signal.signal(signal.SIGINT, previous_sigint)
+            sys.unraisablehook = previous_unraisable
+
+        signal.signal(signal.SIGINT, self._on_sigint)
+        sys.unraisablehook = on_unraisable
+        return restore
+
+    def raise_if_pressed(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+_ctrl_c = _CtrlC()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -1142,8 +1186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
+    restore_sigint = _ctrl_c.install()
     try:
-        return COMMANDS[args.command](args, console)
+        code = COMMANDS[args.command](args, console)
+        _ctrl_c.raise_if_pressed()
+        return code
     except CPTuneError as error:
         _warn(("cptune: error:", "red"), f" {error}")
         return USAGE_ERROR
@@ -1155,6 +1202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's last flush must not fail on the closed pipe either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        restore_sigint()
 
 
 if __name__ == "__main__":

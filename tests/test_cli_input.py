@@ -4,6 +4,7 @@ stderr, exit 2, no traceback, stored data intact; normal output on stdout, as te
 import dataclasses
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -266,3 +267,28 @@ def test_this_hosts_memory_is_shared_by_its_ranks(db):
         assert_refused(result, "no configuration can run")
         reasons = [result.stderr]
     assert any("over the limit of" in reason for reason in reasons)
+
+
+def test_ctrl_c_that_python_drops_in_a_finalizer_still_interrupts(tmp_path, monkeypatch, capsys):
+    """Python drops a KeyboardInterrupt raised while a ``__del__`` runs and goes on: the press
+    must still end the command as interrupted, with one line and no traceback."""
+    from cptune import cli
+
+    class ConnectionBeingClosed:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands while the finalizer runs
+
+    def command_that_finishes(args, console):
+        ConnectionBeingClosed()
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "results", command_that_finishes)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts us
+    try:
+        code = cli.main(["results", "--db", str(tmp_path / "x.db")])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.splitlines() == ["interrupted: every finished measurement is stored; rerun to resume"]

@@ -68,7 +68,7 @@ def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
     wait_for_rows(db, 2, search)
     search.send_signal(how)
     _, err = search.communicate(timeout=60)
-    assert search.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL)
+    assert search.returncode == (130 if how == signal.SIGINT else -signal.SIGKILL), err
     if how == signal.SIGINT:  # one line, no traceback (Optuna's per-trial one included)
         assert err.splitlines()[-1].startswith("interrupted: every finished measurement is stored")
         assert "Traceback" not in err and "Trial" not in err
