@@ -1,4 +1,5 @@
-"""Run a configuration for real: ``compute`` its output, or ``measure`` it.
+"""Run a configuration for real: ``compute`` its output, ``measure`` it, or measure several
+interleaved as one round of a search (``measure_round``).
 
 Engine-independent: the sequence is split by ``SequenceLayout``, each rank gets its shard,
 outputs are put back in token order, and ``measure`` checks the output against the float64
@@ -7,6 +8,9 @@ reference before it times anything.
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -16,7 +20,7 @@ from cptune.cost import analytic_cost
 from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
-from cptune.guard import Watch
+from cptune.guard import Watch, join_reasons, wide_spread
 from cptune.guard import enabled as guard_enabled
 from cptune.layout import SequenceLayout
 from cptune.measurement import Measurement, available_cores, describe_host, oversubscribed, summarize
@@ -24,6 +28,9 @@ from cptune.reference import make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
 Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: Timed iterations of each configuration per pass of an interleaved round (``measure_round``):
+#: a pass of a round must be much shorter than the host's slow phases.
+ITERATIONS_PER_PASS = 2
 
 
 def default_timeout(workload: Workload, config: CPConfig, iterations: int = 1) -> float:
@@ -129,15 +136,104 @@ def measure(
     for nothing."""
     check_feasible(workload, config)
     guarded = guard_enabled() if guard is None else guard
+    _check_counts(warmup, repeats)
+    engine = _timed_engine(backend)
+    error, peaks = _checked_run(engine, workload, config, seed, timeout)
+    watch = Watch(engine.process_ids) if guarded else None
+    timings = engine.time(
+        warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
+    )
+    return _measurement(engine, workload, config, timings, peaks, error, warmup,
+                        watch.verdict(config.ranks, summarize(timings)["samples_ms"]) if watch else None)
+
+
+def measure_round(
+    workload: Workload,
+    configs: Sequence[CPConfig],
+    backend: str | Engine = "mpi",
+    warmup: int = 2,
+    repeats: int = 10,
+    timeout: float | None = None,
+    seed: int = 0,
+    guard: bool | None = None,
+    rng: random.Random | None = None,
+    deadline: float | None = None,
+) -> dict[CPConfig, Measurement | EngineError]:
+    """Measure ``configs`` of one workload interleaved, as one round: in passes, each
+    visiting every configuration in a fresh random order, running it once (its output
+    checked, as ``measure`` does; the run is also the warm-up after the switch) and timing
+    ``ITERATIONS_PER_PASS`` iterations, until each has ``repeats``; ``warmup`` more
+    iterations on its first pass. A slow phase of the host (on this project's VMs one to two
+    seconds at 1.3x, as long as a round of whole visits) then falls on every configuration
+    alike instead of on those visited during it (``benchmarks/interleave_grain.py``).
+
+    The guard watches the whole round: other load on the host marks every configuration
+    of it, the spread of its own iterations each one. A configuration whose run fails gets
+    its ``EngineError`` and leaves the later passes. Past ``deadline`` (``time.monotonic``)
+    no further pass starts, and the configurations keep the iterations timed so far."""
+    for config in configs:
+        check_feasible(workload, config)
+    guarded = guard_enabled() if guard is None else guard
+    _check_counts(warmup, repeats)
+    engine = _timed_engine(backend)
+    rng = rng or random.Random()
+    timings: dict[CPConfig, list[np.ndarray]] = {config: [] for config in configs}
+    checks: dict[CPConfig, tuple[float, list[int]]] = {}
+    failures: dict[CPConfig, EngineError] = {}
+    watch = Watch(engine.process_ids) if guarded else None
+    for done in range(0, repeats, ITERATIONS_PER_PASS):
+        if done and deadline is not None and time.monotonic() >= deadline:
+            break
+        iterations = min(ITERATIONS_PER_PASS, repeats - done)
+        order = [config for config in configs if config not in failures]
+        rng.shuffle(order)
+        for config in order:
+            try:
+                error, peaks = _checked_run(engine, workload, config, seed, timeout)
+                first = 0 if done else warmup
+                timings[config].append(engine.time(
+                    first, iterations, timeout or default_timeout(workload, config, first + iterations),
+                    config.describe()))
+            except EngineError as failure:
+                failures[config] = failure
+                continue
+            seen_error, seen_peaks = checks.get(config, (0.0, []))
+            checks[config] = (max(seen_error, error), [*seen_peaks, *peaks])
+    host = watch.host_verdict(max(config.ranks for config in configs)) if watch else None
+    results: dict[CPConfig, Measurement | EngineError] = {}
+    for config in configs:
+        if config in failures:
+            results[config] = failures[config]
+            continue
+        joined = np.concatenate(timings[config], axis=1)
+        spread = None if oversubscribed(config.ranks) else wide_spread(summarize(joined)["samples_ms"])
+        error, peaks = checks[config]
+        results[config] = _measurement(engine, workload, config, joined, peaks, error, warmup,
+                                       join_reasons(host, spread) if watch else None)
+    return results
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+
+
+def _timed_engine(backend: str | Engine) -> Engine:
     engine = get_engine(backend)
     if not engine.timed:
         raise untimed(engine.name)
+    return engine
+
+
+def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int,
+                 timeout: float | None) -> tuple[float, list[int]]:
+    """Run ``config`` once on the seeded inputs and check its output against the float64
+    reference: its relative error and peak bytes per rank; ``EngineError`` "wrong_output"
+    when the error exceeds the engine's tolerance (a wrong configuration is never timed)."""
     layout = SequenceLayout(workload, config)
     q, k, v, reference = _reference_case(workload, seed)
-    run_timeout = timeout or default_timeout(workload, config)
-    outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v), run_timeout)
+    outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v),
+                                timeout or default_timeout(workload, config))
     error = relative_error(_gather(layout, outputs), reference)
     tolerance = engine.tolerance[workload.dtype]
     if not error <= tolerance:
@@ -147,10 +243,12 @@ def measure(
             f"error {error:.2e} exceeds the {workload.dtype} tolerance {tolerance:.0e}, so its "
             f"timing does not count. This is a bug in the strategy or engine; please report it.",
         )
-    watch = Watch(engine.process_ids) if guarded else None
-    timings = engine.time(
-        warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
-    )
+    return error, peaks
+
+
+def _measurement(engine: Engine, workload: Workload, config: CPConfig, timings: np.ndarray,
+                 peaks: list[int], error: float, warmup: int, disturbed: str | None) -> Measurement:
+    """The ``Measurement`` of ``config`` from its timings [rank, iteration, phase]."""
     summary = summarize(timings)
     return Measurement(
         workload=workload,
@@ -161,7 +259,7 @@ def measure(
         engine=engine.name,
         host=describe_host() | engine.describe(),
         warmup=warmup,
-        repeats=repeats,
+        repeats=len(summary["samples_ms"]),
         oversubscribed=oversubscribed(config.ranks),
-        disturbed=watch.verdict(config.ranks, summary["samples_ms"]) if watch else None,
+        disturbed=disturbed,
     )

@@ -227,13 +227,22 @@ class Watch:
         """Why the run of ``ranks`` ranks was disturbed ("; "-joined reasons), or None when it
         ran clean. Ranks that share cores spread their iterations themselves, so their
         spread is no evidence."""
+        spread = None if oversubscribed(ranks) else wide_spread(samples_ms)
+        return join_reasons(self.host_verdict(ranks), spread)
+
+    def host_verdict(self, ranks: int) -> str | None:
+        """The host's evidence alone (foreign load, the reference kernel) over the window,
+        judged for runs of up to ``ranks`` ranks: what a round's interleaved runs share."""
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
         busy_cores = min(available_cores(), ranks * threads_per_rank(ranks))
-        reasons = [
+        return join_reasons(
             foreign_load(self._before, after, available_cores() - busy_cores),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
-            None if oversubscribed(ranks) else wide_spread(samples_ms),
-        ]
-        return "; ".join(reason for reason in reasons if reason) or None
+        )
+
+
+def join_reasons(*reasons: str | None) -> str | None:
+    """The given reasons "; "-joined, or None when there are none."""
+    return "; ".join(reason for reason in reasons if reason) or None

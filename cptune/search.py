@@ -55,9 +55,9 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine, judge
-from cptune.execute import measure
+from cptune.execute import measure, measure_round
 from cptune.hardware import Hardware
-from cptune.measurement import format_ms, oversubscribed
+from cptune.measurement import Measurement, format_ms, oversubscribed
 from cptune.model import Candidate, CostModel, predict_for
 from cptune.store import Result, Store, StoreError
 from cptune.workload import Workload
@@ -363,8 +363,9 @@ class WorkloadSearch:
     1. Exploration: the Optuna trials (see the module docstring), one visit each; they run
        back to back, so they share one round.
     2. Rounds: while a configuration that ran has fewer than ``rounds`` clean visits, one
-       round visits each such configuration once, in a fresh random order, so drift and other
-       jobs hit all of them alike.
+       round visits each such configuration once, their iterations interleaved in passes of a
+       fresh random order (``cptune.execute.measure_round``), so drift, other jobs and the
+       host's slow phases hit all of them alike.
     3. The race: while the verdict (``cptune.estimate.judge`` over every clean visit stored)
        ties other configurations with the leader, or separates one from it only narrowly
        (by less than ``NEAR_MISS_RATIO``) on fewer rounds than a paired comparison needs,
@@ -653,22 +654,28 @@ class WorkloadSearch:
 
     def _round_of(self, configs: list[CPConfig], phase: str, visits: list[Visit],
                   deadline: float | None) -> bool:
-        """Visit ``configs`` once each in a fresh random order, as one round; False when the
-        time budget ran out before the round was done."""
-        order = list(configs)
-        self._rng.shuffle(order)
+        """Visit ``configs`` once each as one round, their iterations interleaved in passes
+        of a fresh random order (``cptune.execute.measure_round``); False when the time
+        budget ran out before the round started."""
         tally = self._tally(self._rows())
-        if any(tally[c].disturbed for c in order if c in tally):
+        if any(tally[c].disturbed for c in configs if c in tally):
             left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
             time.sleep(min(self.settle_s, left))
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        order = list(configs)
+        self._rng.shuffle(order)  # stored in this order; the passes draw orders of their own
         round_id = self._next_round_id()
-        for done, config in enumerate(order):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            self._race_left = len(order) - done - 1
-            self._visit(config, phase, round_id, visits)
+        self._race_left = len(order)
+        for config in order:
+            self._ran[config] += 1
+        outcomes = measure_round(self.workload, order, backend=self.backend, warmup=self.warmup,
+                                 repeats=self.repeats, timeout=self.run_timeout, rng=self._rng,
+                                 deadline=deadline)
+        for config, outcome in outcomes.items():
+            self._race_left -= 1
+            self._record(config, outcome, phase, round_id, visits)
         return True
-
     def _next_round_id(self) -> str:
         round_id = f"{self.session}:{self._round}"
         self._round += 1
@@ -678,17 +685,26 @@ class WorkloadSearch:
         """Measure ``config`` once and store the result (a failure with its reason)."""
         self._ran[config] += 1
         try:
-            m = measure(self.workload, config, backend=self.backend, warmup=self.warmup,
-                        repeats=self.repeats, timeout=self.run_timeout)
+            outcome: Measurement | EngineError = measure(
+                self.workload, config, backend=self.backend, warmup=self.warmup, repeats=self.repeats,
+                timeout=self.run_timeout)
         except EngineError as error:
+            outcome = error
+        return self._record(config, outcome, phase, round_id, visits)
+
+    def _record(self, config: CPConfig, outcome: Measurement | EngineError, phase: str, round_id: str,
+                visits: list[Visit]) -> Visit:
+        """Store one visit's ``outcome`` (a failure with its reason) and report it."""
+        if isinstance(outcome, EngineError):
             engine = get_engine(self.backend).name
-            self.store.add_failure(self.hardware, self.workload, config, error.kind, str(error), engine,
+            self.store.add_failure(self.hardware, self.workload, config, outcome.kind, str(outcome), engine,
                                    oversubscribed=oversubscribed(config.ranks), round_id=round_id)
-            visit = Visit(config, error.kind, None, str(error), reused=False, phase=phase, round_id=round_id)
+            visit = Visit(config, outcome.kind, None, str(outcome), reused=False, phase=phase,
+                          round_id=round_id)
         else:
-            self.store.add_measurement(self.hardware, m, round_id=round_id)
-            visit = Visit(config, "ok", m.median_ms, None, reused=False, phase=phase, round_id=round_id,
-                          disturbed=m.disturbed)
+            self.store.add_measurement(self.hardware, outcome, round_id=round_id)
+            visit = Visit(config, "ok", outcome.median_ms, None, reused=False, phase=phase, round_id=round_id,
+                          disturbed=outcome.disturbed)
         visits.append(visit)
         stored = self._stored()  # read once for the study view and the verdict
         if self._view is not None:

@@ -75,6 +75,26 @@ def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
     )
 
 
+def stand_in_measuring(monkeypatch: pytest.MonkeyPatch, measure: Callable[..., Measurement]) -> None:
+    """Make ``measure`` (the signature of ``cptune.measure``) what the search measures with,
+    in its visits and, one call per configuration, in its interleaved rounds."""
+    from cptune.errors import EngineError
+
+    def measure_round(workload: Workload, configs: list[CPConfig], **options: Any
+                      ) -> dict[CPConfig, Measurement | EngineError]:
+        options = {key: value for key, value in options.items() if key not in ("rng", "deadline")}
+        outcomes: dict[CPConfig, Measurement | EngineError] = {}
+        for config in configs:
+            try:
+                outcomes[config] = measure(workload, config, **options)
+            except EngineError as error:
+                outcomes[config] = error
+        return outcomes
+
+    monkeypatch.setattr("cptune.search.measure", measure)
+    monkeypatch.setattr("cptune.search.measure_round", measure_round)
+
+
 def write_toml(tmp_path: Path, text: str, name: str) -> Path:
     """``text`` written to ``tmp_path / name``; the file's path."""
     path = tmp_path / name

@@ -226,7 +226,7 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
     """In process, with ``measure`` standing in: ring on 2 ranks is always disturbed."""
     import dataclasses
 
-    from conftest import measurement
+    from conftest import measurement, stand_in_measuring
     from cptune import CPConfig
     from cptune.cli import main
 
@@ -234,7 +234,7 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
         reason = "load 3.1 on 2 cores" if config == CPConfig("ring", 2) else None
         return dataclasses.replace(measurement(workload, config, 10.0 * config.ranks), disturbed=reason)
 
-    monkeypatch.setattr("cptune.search.measure", measure)
+    stand_in_measuring(monkeypatch, measure)
     monkeypatch.setattr("cptune.search.time.sleep", lambda seconds: None)
     code = main(["search", "--db", str(tmp_path / "d.db"), *QUICK[:4], "--seq-lens", "64", "--ranks", "1,2",
                  "--no-calibrate", "--rounds", "1", "--race-rounds", "1"])

@@ -17,6 +17,7 @@ import cptune
 from cptune import CPConfig, Workload, guard
 from cptune.cli import main
 from cptune.engines.mpi import MPIEngine
+from cptune.execute import measure_round
 from cptune.guard import (
     FOREIGN_MARGIN_CORES,
     CpuReading,
@@ -282,6 +283,13 @@ def test_a_run_beside_a_competing_process_is_marked_disturbed(monkeypatch):
     assert loaded.disturbed is not None and "other processes used" in loaded.disturbed
     # guard off (by the caller, or the environment): the timing is taken as it is
     assert unguarded.disturbed is None and switched_off.disturbed is None
+
+
+def test_a_round_beside_a_competing_process_marks_every_configuration_of_it():
+    configs = [CPConfig("ring", 1), CPConfig("ring", 2)]
+    with competing_load():
+        results = measure_round(WORKLOAD, configs, warmup=1, repeats=4)
+    assert all("other processes used" in results[config].disturbed for config in configs)
 
 
 def test_no_measurement_taken_under_load_during_a_search_is_stored_as_clean(tmp_path):

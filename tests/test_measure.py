@@ -1,14 +1,19 @@
 """measure() on real ranks: a checked output, then timings of the slowest rank."""
 
 import json
+import random
 import subprocess
 import sys
+import time
 
 import pytest
 
 import cptune
 from cptune import CPConfig, Workload
 from cptune.cli import main
+from cptune.engines.mpi import MPIEngine
+from cptune.errors import EngineError
+from cptune.execute import ITERATIONS_PER_PASS, measure_round
 from cptune.reference import TOLERANCE
 
 WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="bf16", causal=True)
@@ -48,6 +53,52 @@ def test_infeasible_measure_is_refused():
 def test_bad_repeat_counts_are_refused():
     with pytest.raises(ValueError, match="repeats"):
         cptune.measure(WORKLOAD, CPConfig("ring", 1), repeats=0)
+
+
+class RecordingEngine(MPIEngine):
+    """The MPI engine, noting which configuration each run was of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[CPConfig] = []
+
+    def run(self, workload, config, shards, timeout):
+        self.runs.append(config)
+        return super().run(workload, config, shards, timeout)
+
+
+ROUND = [CPConfig("ring", 1), CPConfig("ulysses", 2), CPConfig("allgather_kv", 2)]
+
+
+def test_a_round_interleaves_its_configurations_in_passes_each_checked():
+    engine = RecordingEngine()
+    try:
+        results = measure_round(WORKLOAD, ROUND, backend=engine, warmup=1, repeats=5, rng=random.Random(0))
+    finally:
+        engine.close()
+    passes = -(-5 // ITERATIONS_PER_PASS)
+    assert len(engine.runs) == passes * len(ROUND)  # every pass runs (and checks) every configuration
+    orders = [tuple(engine.runs[i:i + len(ROUND)]) for i in range(0, len(engine.runs), len(ROUND))]
+    assert all(set(order) == set(ROUND) for order in orders)
+    assert len(set(orders)) > 1  # a fresh random order per pass
+    for config, m in results.items():
+        assert isinstance(m, cptune.Measurement) and m.config == config
+        assert m.repeats == len(m.samples_ms) == 5 and all(s > 0 for s in m.samples_ms)
+        assert m.warmup == 1 and 0 <= m.max_error <= TOLERANCE["bf16"]
+
+
+def test_a_configuration_that_fails_in_a_round_leaves_it_and_the_others_go_on(faulty_engine):
+    engine = faulty_engine("wrong")  # rank 1 computes a wrong output: every 2-rank configuration
+    results = measure_round(WORKLOAD, [CPConfig("ring", 1), CPConfig("ring", 2)], backend=engine,
+                            warmup=0, repeats=4)
+    assert isinstance(results[CPConfig("ring", 2)], EngineError)
+    assert results[CPConfig("ring", 2)].kind == "wrong_output"
+    assert len(results[CPConfig("ring", 1)].samples_ms) == 4
+
+
+def test_past_its_deadline_a_round_starts_no_further_pass():
+    results = measure_round(WORKLOAD, ROUND[:2], warmup=0, repeats=6, deadline=time.monotonic())
+    assert [len(m.samples_ms) for m in results.values()] == [ITERATIONS_PER_PASS] * 2
 
 
 def test_cli_measure_json(capsys):

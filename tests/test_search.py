@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 
+from conftest import stand_in_measuring
 from cptune import CPConfig, Workload, enumerate_configs, feasibility
 from cptune.estimate import verdicts
 from cptune.hardware import this_host
@@ -272,7 +273,7 @@ def runs(monkeypatch):
 
     def install(latency, disturbed=lambda config, n: None):
         fake = Runs(latency, disturbed)
-        monkeypatch.setattr("cptune.search.measure", fake)
+        stand_in_measuring(monkeypatch, fake)
         return fake
 
     return install
@@ -469,7 +470,7 @@ def test_a_search_ends_even_when_its_new_runs_are_not_counted(store, monkeypatch
         m = runs(workload, config, **options)
         return m if len(runs.calls) == 1 else dataclasses.replace(m, oversubscribed=not m.oversubscribed)
 
-    monkeypatch.setattr("cptune.search.measure", drifting)
+    stand_in_measuring(monkeypatch, drifting)
     s = search(store, configs=[RING], rounds=2, race_rounds=1)
     s.run()
     assert runs.calls == [RING] * s.max_attempts
