@@ -1,10 +1,11 @@
 """How much finer interleaving steadies a latency ratio: visits of R iterations against the
 same iterations run as R one-iteration visits alternating between the two configurations.
 
-A search's round visits each candidate once, for ``repeats`` iterations. On this project's
-2-core VMs the host has slow phases of one to two seconds (whole visits 1.3x slower, no
-host counter moving with them): about as long as a round at short sequence lengths, so a
-phase hits some of a round's candidates and not others. This script measures, in one run
+On this project's 2-core VMs the host has slow phases of one to two seconds (whole visits
+1.3x slower, no host counter moving with them): about as long as a round of whole visits
+at short sequence lengths, so a phase hits some of a round's candidates and not others.
+This measurement is why a search's round now interleaves its candidates' iterations
+(``cptune.execute.measure_round``, two iterations per pass). This script measures, in one run
 and one engine pool, the round-to-round spread of the log ratio of two configurations'
 latencies both ways, the two kinds of round interleaved in a random order so drift hits
 both alike:

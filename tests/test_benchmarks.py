@@ -207,3 +207,27 @@ def test_interleave_grain_reports_each_grains_ratio_and_spread():
     assert figures["iteration"]["log_sd"] == pytest.approx(float(np.std(steady, ddof=1)))
     assert figures["visit"]["log_sd"] > 10 * figures["iteration"]["log_sd"]
     assert figures["visit"]["ratio"] == pytest.approx(1.0) and figures["visit"]["rounds"] == 4
+
+
+def test_round_spread_pairs_configurations_round_by_round_leaving_out_the_exploration(tmp_path, capsys):
+    """Ring and local attention keep a constant ratio in every round after the exploration
+    (whose 3x outlier is left out), as the host slows all; Ulysses alternates 10% either way."""
+    round_spread = _benchmark("round_spread")
+    local = CPConfig("ring", 1)
+    latency = {RING: [30.0, 10.0, 10.0, 12.0, 12.0], local: [10.0, 20.0, 20.0, 24.0, 24.0],
+               ULYSSES: [10.0, 11.0, 10.0 / 1.1, 13.2, 12.0 / 1.1]}
+    host = this_host()
+    with Store(str(tmp_path / "sweep.db")) as store:
+        for config, medians in latency.items():
+            for i, ms in enumerate(medians):
+                store.add_measurement(host, measurement(CLOSE, config, ms), round_id=f"s:{i}")
+        rows = store.results()
+    spreads = sorted(round_spread.pair_spreads(rows))
+    assert len(spreads) == 3 and spreads[0] < 1e-12  # local / ring: the same ratio every round
+    alternating = [math.log(1.1), -math.log(1.1)] * 2
+    assert spreads[1:] == pytest.approx([float(np.std(alternating, ddof=1))] * 2)
+    assert round_spread.pair_spreads(rows, min_shared=5) == []  # four rounds after the exploration
+    assert round_spread.main(["--db", str(tmp_path / "sweep.db")]) == 0
+    assert "3 pairs sharing 4+ rounds" in capsys.readouterr().out
+    assert round_spread.main(["--db", str(tmp_path / "missing.db")]) == 2
+    assert "round_spread:" in capsys.readouterr().err
