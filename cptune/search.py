@@ -676,6 +676,7 @@ class WorkloadSearch:
             self._race_left -= 1
             self._record(config, outcome, phase, round_id, visits)
         return True
+
     def _next_round_id(self) -> str:
         round_id = f"{self.session}:{self._round}"
         self._round += 1
