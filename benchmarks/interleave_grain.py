@@ -1,5 +1,5 @@
 """How much finer interleaving steadies a latency ratio: visits of R iterations against the
-same iterations run as R one-iteration visits alternating between the two configurations.
+same iterations interleaved between the two configurations, two ways.
 
 On this project's 2-core VMs the host has slow phases of one to two seconds (whole visits
 1.3x slower, no host counter moving with them): about as long as a round of whole visits
@@ -7,17 +7,19 @@ at short sequence lengths, so a phase hits some of a round's candidates and not 
 This measurement is why a search's round now interleaves its candidates' iterations
 (``cptune.execute.measure_round``, two iterations per pass). This script measures, in one run
 and one engine pool, the round-to-round spread of the log ratio of two configurations'
-latencies both ways, the two kinds of round interleaved in a random order so drift hits
-both alike:
+latencies each way, the kinds of round interleaved in a random order so drift hits all
+alike:
 
 - visit grain: each configuration visited once per round, ``repeats`` iterations (the
   median iteration of the slowest rank);
 - iteration grain: ``repeats`` alternations per round of one-iteration visits, in a fresh
-  random order each time; each configuration's figure is the median of its iterations.
+  random order each time; each configuration's figure is the median of its iterations;
+- pass grain: one round as a search runs it (``cptune.execute.measure_round``: passes of
+  ``ITERATIONS_PER_PASS`` iterations, each after a checked run of the configuration).
 
-Both grains time the same number of iterations per round; the iteration grain spends more
-on warm-ups and output checks (one per visit). The contention guard is off for both (its
-0.1 s watch window would dwarf a one-iteration visit).
+Every grain times the same number of iterations per round; the finer ones spend more on
+warm-ups and output checks. The contention guard is off for all (its 0.1 s watch window
+would dwarf a one-iteration visit).
 
     python benchmarks/interleave_grain.py [--seq-len 1024] [--rounds 20] [--repeats 6] [--json]
 """
@@ -27,15 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 
 import numpy as np
 
 import cptune
 from cptune import CPConfig, Workload
 from cptune.engines.mpi import MPIEngine
+from cptune.execute import measure_round
 
 CONFIGS = (CPConfig("allgather_kv", 2), CPConfig("ulysses", 2, 2))
-GRAINS = ("visit", "iteration")
+GRAINS = ("visit", "iteration", "pass")
 
 
 def measure_rounds(workload: Workload, rounds: int, repeats: int, seed: int) -> dict[str, list[float]]:
@@ -51,6 +55,12 @@ def measure_rounds(workload: Workload, rounds: int, repeats: int, seed: int) -> 
     try:
         for _ in range(rounds):
             for grain in rng.permutation(GRAINS):
+                if grain == "pass":
+                    measured = measure_round(workload, CONFIGS, backend=engine, warmup=1, repeats=repeats,
+                                             guard=False, rng=random.Random(int(rng.integers(2**32))))
+                    first, second = (measured[config].median_ms for config in CONFIGS)
+                    ratios["pass"].append(math.log(second / first))
+                    continue
                 samples: dict[CPConfig, list[float]] = {config: [] for config in CONFIGS}
                 for _ in range(1 if grain == "visit" else repeats):
                     for i in rng.permutation(len(CONFIGS)):
