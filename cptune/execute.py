@@ -20,10 +20,17 @@ from cptune.cost import analytic_cost
 from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import EngineError
 from cptune.feasibility import check_feasible
-from cptune.guard import Watch, join_reasons, wide_spread
+from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
 from cptune.layout import SequenceLayout
-from cptune.measurement import Measurement, available_cores, describe_host, oversubscribed, summarize
+from cptune.measurement import (
+    Measurement,
+    TimingSummary,
+    available_cores,
+    describe_host,
+    oversubscribed,
+    summarize,
+)
 from cptune.reference import make_inputs, reference_attention, relative_error
 from cptune.workload import Workload
 
@@ -143,8 +150,9 @@ def measure(
     timings = engine.time(
         warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
     )
-    return _measurement(engine, workload, config, timings, peaks, error, warmup,
-                        watch.verdict(config.ranks, summarize(timings)["samples_ms"]) if watch else None)
+    summary = summarize(timings)
+    return _measurement(engine, workload, config, summary, peaks, error, warmup,
+                        watch.verdict(config.ranks, summary["samples_ms"]) if watch else None)
 
 
 def measure_round(
@@ -205,11 +213,10 @@ def measure_round(
         if config in failures:
             results[config] = failures[config]
             continue
-        joined = np.concatenate(timings[config], axis=1)
-        spread = None if oversubscribed(config.ranks) else wide_spread(summarize(joined)["samples_ms"])
+        summary = summarize(np.concatenate(timings[config], axis=1))
         error, peaks = checks[config]
-        results[config] = _measurement(engine, workload, config, joined, peaks, error, warmup,
-                                       join_reasons(host, spread) if watch else None)
+        disturbed = join_reasons(host, own_spread(config.ranks, summary["samples_ms"])) if watch else None
+        results[config] = _measurement(engine, workload, config, summary, peaks, error, warmup, disturbed)
     return results
 
 
@@ -246,10 +253,9 @@ def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int
     return error, peaks
 
 
-def _measurement(engine: Engine, workload: Workload, config: CPConfig, timings: np.ndarray,
+def _measurement(engine: Engine, workload: Workload, config: CPConfig, summary: TimingSummary,
                  peaks: list[int], error: float, warmup: int, disturbed: str | None) -> Measurement:
-    """The ``Measurement`` of ``config`` from its timings [rank, iteration, phase]."""
-    summary = summarize(timings)
+    """The ``Measurement`` of ``config`` from the summary of its timings."""
     return Measurement(
         workload=workload,
         config=config,

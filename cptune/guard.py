@@ -225,10 +225,8 @@ class Watch:
 
     def verdict(self, ranks: int, samples_ms: Sequence[float]) -> str | None:
         """Why the run of ``ranks`` ranks was disturbed ("; "-joined reasons), or None when it
-        ran clean. Ranks that share cores spread their iterations themselves, so their
-        spread is no evidence."""
-        spread = None if oversubscribed(ranks) else wide_spread(samples_ms)
-        return join_reasons(self.host_verdict(ranks), spread)
+        ran clean: the host's evidence and the iterations' own spread (``own_spread``)."""
+        return join_reasons(self.host_verdict(ranks), own_spread(ranks, samples_ms))
 
     def host_verdict(self, ranks: int) -> str | None:
         """The host's evidence alone (foreign load, the reference kernel) over the window,
@@ -241,6 +239,12 @@ class Watch:
             foreign_load(self._before, after, available_cores() - busy_cores),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
         )
+
+
+def own_spread(ranks: int, samples_ms: Sequence[float]) -> str | None:
+    """Why the iterations of a run of ``ranks`` ranks spread too far (``wide_spread``), or
+    None; ranks that share cores spread their iterations themselves, so not for them."""
+    return None if oversubscribed(ranks) else wide_spread(samples_ms)
 
 
 def join_reasons(*reasons: str | None) -> str | None:
