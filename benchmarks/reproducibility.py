@@ -22,6 +22,9 @@ model that predicted each configuration exactly as one run measured it would sco
 against the other run, so ``fit``'s figures on one run cannot be read below it.
 
     python benchmarks/reproducibility.py --first run1.db --second run2.db [--json]
+
+A run whose spaces went into several databases names them all: ``--first a1.db b1.db
+--second a2.db b2.db``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -62,14 +65,16 @@ class Judged:
     other_leader_among_tied: bool | None = None  # tie only: the other run's leader is the leader or tied
 
 
-def clean_rows(db: str, fingerprint: str) -> Run:
-    """The clean visits of every workload ``db`` holds for the hardware ``fingerprint``."""
-    with Store(db, create=False) as store:
-        rows = store.results(hardware=fingerprint)
+def clean_rows(dbs: Sequence[str], fingerprint: str) -> Run:
+    """The clean visits of every workload the databases ``dbs`` of one run hold for the
+    hardware ``fingerprint`` (a sweep may store its spaces in several)."""
     by_workload: Run = defaultdict(list)
-    for row in rows:
-        if row.clean:
-            by_workload[row.workload].append(row)
+    for db in dbs:
+        with Store(db, create=False) as store:
+            rows = store.results(hardware=fingerprint)
+        for row in rows:
+            if row.clean:
+                by_workload[row.workload].append(row)
     return by_workload
 
 
@@ -220,8 +225,10 @@ def report(out: dict) -> str:  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--first", required=True, help="database of the first run (read only)")
-    parser.add_argument("--second", required=True, help="database of the second run (read only)")
+    parser.add_argument("--first", required=True, nargs="+", metavar="DB",
+                        help="database(s) of the first run (read only)")
+    parser.add_argument("--second", required=True, nargs="+", metavar="DB",
+                        help="database(s) of the second run (read only)")
     parser.add_argument("--hardware", help="fingerprint of the hardware to judge (default: this host)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)

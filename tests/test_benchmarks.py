@@ -83,7 +83,7 @@ def _median_visit(values: list[float]) -> float:
 
 def _figures(runs: tuple[str, str]) -> dict:
     fingerprint = this_host().fingerprint
-    return reproducibility.figures(*(reproducibility.clean_rows(db, fingerprint) for db in runs))
+    return reproducibility.figures(*(reproducibility.clean_rows([db], fingerprint) for db in runs))
 
 
 def test_newest_wins_is_todays_single_visit_judgement(runs):
@@ -155,6 +155,19 @@ def test_json_and_text_output(runs, capsys):
     assert "newest-wins (today)" in text and "verdict (new)" in text
     assert "1 winners, 1 ties" in text and "goal median <= 1.02, worst <= 1.1: met" in text
     assert "floor under cptune fit's regret" in text and "1 of 2 above 1.05" in text
+
+
+def test_a_run_stored_in_several_databases_is_judged_as_one(runs, tmp_path, capsys):
+    """The first run's two workloads split over two databases: the same figures as one."""
+    split = [_database(tmp_path / f"first-{n}.db", {key: medians for key, medians in FIRST.items()
+                                                     if key[0] == workload})
+             for n, workload in enumerate((CLEAR, CLOSE))]
+    whole = _database(tmp_path / "first-whole.db", FIRST)
+    outputs = []
+    for first in (split, [whole]):
+        assert reproducibility.main(["--first", *first, "--second", runs[1], "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["workloads"] == 2 and outputs[0] == outputs[1]
 
 
 def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
