@@ -17,7 +17,6 @@ import math
 import os
 import signal
 import sys
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 from rich import box
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -239,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--race-rounds", type=_non_negative,
                         help="further visits the configurations tied with the fastest may get in the final "
                              "race (default: the space's [measure] race_rounds, else 10; 0: no race)")
+    search.add_argument("--confirm-rounds", type=_non_negative,
+                        help="rounds a winner and the configurations close to it get again in a second "
+                             "sitting, after the other sequence lengths, so the verdict covers two states "
+                             "of the host (default: the space's [measure] confirm_rounds, else 3; 0: none)")
     search.add_argument("--no-calibrate", action="store_true",
                         help="skip the calibration a first search on new hardware runs (the cost "
                              "model needs one; cptune calibrate adds it later)")
@@ -550,15 +553,19 @@ def _best_table(space: SearchSpace, verdicts: dict[int, Verdict | None], finishe
 
 
 #: How the progress bar names each phase of a search (``cptune.search.PHASES``).
-_PHASE_WORDS = {"explore": "exploring", "round": "rounds", "race": "final race"}
+_PHASE_WORDS = {"explore": "exploring", "round": "rounds", "race": "final race", "confirm": "second sitting"}
 
 
-def _verdict_line(seq_len: int, search: WorkloadSearch) -> str | None:
-    """What one workload's search found, in words; None when nothing ran clean."""
+def _verdict_line(seq_len: int, search: WorkloadSearch, second: bool) -> str | None:
+    """What one sitting of a workload's search found, in words (after the first, whether a
+    second sitting will confirm a winner); None when nothing ran clean."""
     verdict = search.verdict
     if verdict is None:
         return None
-    line = f"seq {seq_len}: {verdict.describe()}"
+    line = f"seq {seq_len}" + (" after a second sitting" if second else "") + f": {verdict.describe()}"
+    if search.unconfirmed():
+        line += ("; not confirmed: the time budget or the runs ran out before a second sitting" if second
+                 else "; a second sitting after the other lengths confirms it")
     if oversubscribed(verdict.leader.config.ranks):
         line += ("; it ran more ranks than cores (--oversubscribe), so the model and the picks leave it "
                  "out")
@@ -575,6 +582,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
     space, where = _load_search_space(args)
     rounds = args.rounds or space.measure.rounds
     race_rounds = space.measure.race_rounds if args.race_rounds is None else args.race_rounds
+    confirm_rounds = space.measure.confirm_rounds if args.confirm_rounds is None else args.confirm_rounds
     node = _gpu_node(args.backend, args.max_ranks)
     cores = _capacity(node)  # one rank per core, or per GPU with --backend tensorrt
     available = args.max_ranks or cores
@@ -595,7 +603,8 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         store.require_writable()
         _say(console, "searching ", (space.name, "bold"), f" ({where}) on {hardware.describe()} ",
              (hardware.fingerprint, "dim"), f" in {rounds} round(s), up to {race_rounds} more in the final "
-             f"race; results in {store.url}, {args.order} order")
+             f"race, {confirm_rounds} in a second sitting for each winner; results in {store.url}, "
+             f"{args.order} order")
         studies = store.optuna_storage()
         if not args.no_calibrate and store.calibration(hardware.fingerprint) is None:
             calibrated = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
@@ -606,52 +615,44 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         finished: set[int] = set()
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
-        visits = measured = failed = disturbed = 0
-        seen: Counter[int] = Counter()  # visits (reused ones too) per sequence length, for the bars
+        visits = failed = disturbed = 0
+        measured: set[tuple[int, CPConfig]] = set()
 
         with Live(Group(progress, _best_table(space, verdicts, finished)), console=console,
                   refresh_per_second=4) as live:
-            for workload in space.workloads():
-                configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
-                           if c.ranks in counts]
-                search = WorkloadSearch(
-                    workload, configs, store, hardware, warmup=space.measure.warmup,
-                    repeats=space.measure.repeats, run_timeout=space.measure.timeout,
-                    trials=args.trials or space.trials, time_budget=args.timeout, remeasure=args.remeasure,
-                    backend=args.backend, order=args.order, study_storage=studies, rounds=rounds,
-                    race_rounds=race_rounds,
-                )
-                seq_len = workload.seq_len
-                verdicts[seq_len] = search.current_verdict()
-                task = progress.add_task(f"seq {seq_len}", total=None)
 
-                def on_visit(visit: Visit, task: TaskID = task, search: WorkloadSearch = search,
-                             seq_len: int = seq_len) -> None:
-                    nonlocal visits, failed, disturbed
+            def sitting(search: WorkloadSearch, second: bool) -> None:
+                """Run one sitting of ``search`` (``run``, or ``confirm`` when ``second``) with a
+                progress bar of its own, and say what it found."""
+                seq_len = search.workload.seq_len
+                name = f"seq {seq_len}" + (" (second sitting)" if second else "")
+                seen = 0  # visits (reused ones too), for the bar
+                task = progress.add_task(name, total=None)
+
+                def on_visit(visit: Visit) -> None:
+                    nonlocal visits, failed, disturbed, seen
                     _ctrl_c.raise_if_pressed()
                     if not visit.reused:
                         visits += 1
                         failed += visit.status != "ok"
                         disturbed += visit.disturbed is not None
-                    seen[seq_len] += 1
+                    seen += 1
                     progress.update(task, description=f"seq {seq_len} {_PHASE_WORDS[visit.phase]}",
-                                    completed=seen[seq_len], total=seen[seq_len] + visit.left)
+                                    completed=seen, total=seen + visit.left)
                     verdicts[seq_len] = search.verdict
                     live.update(Group(progress, _best_table(space, verdicts, finished)))
 
                 search.on_visit = on_visit
-                ran = search.run()
-                measured += len({v.config for v in ran if not v.reused})
-                progress.update(task, description=f"seq {seq_len}", total=seen[seq_len],
-                                completed=seen[seq_len])
+                ran = search.confirm() if second else search.run()
+                measured.update((seq_len, v.config) for v in ran if not v.reused)
+                progress.update(task, description=name, total=seen, completed=seen)
                 verdicts[seq_len] = search.verdict
-                finished.add(seq_len)
-                if search.unguided is not None:
+                if not second and search.unguided is not None:
                     _say(console, f"seq {seq_len}: not guided, every configuration instead: "
                                   f"{search.unguided}")
-                if search.early_stop is not None:
+                if not second and search.early_stop is not None:
                     _say(console, f"seq {seq_len}: {search.early_stop.describe()}")
-                if line := _verdict_line(seq_len, search):
+                if line := _verdict_line(seq_len, search, second):
                     _say(console, line)
                 if here := sum(v.disturbed is not None for v in ran):
                     _say(console, f"seq {seq_len}: {here} visit(s) disturbed by other load: stored marked, "
@@ -662,12 +663,34 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                     _say(console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
                                   f"(other load each time), so the verdict leaves {them} out; rerun when the "
                                   f"host is quiet")
+
+            pending = []  # searches whose winner a second sitting confirms
+            for workload in space.workloads():
+                configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
+                           if c.ranks in counts]
+                search = WorkloadSearch(
+                    workload, configs, store, hardware, warmup=space.measure.warmup,
+                    repeats=space.measure.repeats, run_timeout=space.measure.timeout,
+                    trials=args.trials or space.trials, time_budget=args.timeout, remeasure=args.remeasure,
+                    backend=args.backend, order=args.order, study_storage=studies, rounds=rounds,
+                    race_rounds=race_rounds, confirm_rounds=confirm_rounds,
+                )
+                verdicts[workload.seq_len] = search.current_verdict()
+                sitting(search, second=False)
+                if search.unconfirmed():
+                    pending.append(search)
+                else:
+                    finished.add(workload.seq_len)
+                live.update(Group(progress, _best_table(space, verdicts, finished)))
+            for search in pending:
+                sitting(search, second=True)
+                finished.add(search.workload.seq_len)
                 live.update(Group(progress, _best_table(space, verdicts, finished)))
         if not console.is_terminal:
             console.line()  # Rich ends the last frame with a newline only on a terminal
     where_db = f" --db {display_url(args.db)}" if args.db else ""
-    _say(console, f"{measured} configuration(s) measured now in {visits} visit(s) ({failed} failed, stored "
-                  f"with their reason; {disturbed} disturbed by other load, stored marked and visited "
+    _say(console, f"{len(measured)} configuration(s) measured now in {visits} visit(s) ({failed} failed, "
+                  f"stored with their reason; {disturbed} disturbed by other load, stored marked and visited "
                   f"again); see them with: cptune results{where_db}")
     _say(console, f"each workload's runs are also an Optuna study there: optuna-dashboard {store.url}")
     return 0

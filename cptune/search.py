@@ -92,8 +92,14 @@ def is_near_miss(comparison: Comparison) -> bool:
             and comparison.ratio < NEAR_MISS_RATIO)
 
 
+def sitting_of(round_id: str) -> str:
+    """The sitting (one ``WorkloadSearch`` session) a stored round belongs to: the part of
+    its id before ``:<n>``."""
+    return round_id.rpartition(":")[0] or round_id
+
+
 #: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
-PHASES = ("explore", "round", "race")
+PHASES = ("explore", "round", "race", "confirm")
 
 
 @dataclass(frozen=True)
@@ -372,6 +378,10 @@ class WorkloadSearch:
        one round over the leader and those, until the leader is separated from each on
        enough rounds, each of them has ``rounds + race_rounds`` clean visits, or
        ``time_budget`` is spent. ``verdict`` holds the answer afterwards.
+    4. The second sitting (``confirm``, called later, after the other workloads' searches):
+       a winner separated from a configuration within ``NEAR_MISS_RATIO`` of it on rounds of
+       one sitting only races that one again, ``confirm_rounds`` more rounds, so the verdict
+       rests on rounds the host ran in two states.
 
     Visits are counted over what the store holds, so a rerun of a finished search runs
     nothing and an interrupted one continues where it stopped. A visit the contention guard
@@ -410,6 +420,8 @@ class WorkloadSearch:
     rounds: int = 2
     #: Further clean visits a configuration may get in the final race.
     race_rounds: int = 10
+    #: Rounds of the second sitting that confirm a winner (``confirm``; 0: none).
+    confirm_rounds: int = 3
     #: Seconds to wait before a round that visits again a configuration whose last visit was
     #: disturbed, so a burst of other load can pass.
     settle_s: float = 2.0
@@ -430,9 +442,10 @@ class WorkloadSearch:
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        if self.rounds < 1 or self.race_rounds < 0:
-            raise ValueError(f"need rounds >= 1 and race_rounds >= 0, got rounds={self.rounds}, "
-                             f"race_rounds={self.race_rounds}")
+        if self.rounds < 1 or self.race_rounds < 0 or self.confirm_rounds < 0:
+            raise ValueError(f"need rounds >= 1, race_rounds >= 0 and confirm_rounds >= 0, got "
+                             f"rounds={self.rounds}, race_rounds={self.race_rounds}, "
+                             f"confirm_rounds={self.confirm_rounds}")
         self._rng = random.Random(self.seed)
         self._round = 0
         self._phase = "explore"
@@ -440,6 +453,8 @@ class WorkloadSearch:
         self._race_left = 0
         self._view: Study | None = None
         self._ran: Counter[CPConfig] = Counter()  # this search's runs of each configuration
+        self._sittings = {self.session}
+        self._budget_left: float | None = None  # of ``time_budget`` after ``run``, for ``confirm``
 
     @property
     def cap(self) -> int:
@@ -470,7 +485,7 @@ class WorkloadSearch:
         """The runs that decide what to run: all counted ones, or with ``remeasure`` this search's."""
         if not self.remeasure:
             return rows
-        return [r for r in rows if r.round_id is not None and r.round_id.startswith(f"{self.session}:")]
+        return [r for r in rows if r.round_id is not None and sitting_of(r.round_id) in self._sittings]
 
     def _tally(self, rows: list[Result]) -> dict[CPConfig, _Tally]:
         tally: dict[CPConfig, _Tally] = {}
@@ -550,7 +565,8 @@ class WorkloadSearch:
     def run(self) -> list[Visit]:
         """Explore, run the rounds, race; every visit (and each configuration the exploration
         took from the store, ``reused``) in the order it happened."""
-        deadline = None if self.time_budget is None else time.monotonic() + self.time_budget
+        started = time.monotonic()
+        deadline = None if self.time_budget is None else started + self.time_budget
         if self.study_storage is not None:
             self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
                                              load_if_exists=True,
@@ -564,12 +580,69 @@ class WorkloadSearch:
         self._phase = "race"
         while (entrants := self._race_entrants()) and self._round_of(entrants, "race", visits, deadline):
             pass
+        self._finish()
+        if self.time_budget is not None:
+            self._budget_left = max(0.0, self.time_budget - (time.monotonic() - started))
+        return visits
+
+    def confirm(self) -> list[Visit]:
+        """The second sitting, called after ``run`` once other work has run in between (the
+        CLI: the other workloads' searches): while the winner is separated from a
+        configuration within ``NEAR_MISS_RATIO`` of it on rounds of one sitting only, a round
+        of the two, until a later sitting has ``confirm_rounds`` of them (``unconfirmed``);
+        then the race again, should they now be tied. On this project's 2-core VMs the host
+        switches between states that slow configurations unlike each other, for minutes at a
+        time: two runs of one sweep put one configuration's latency apart by p10-p90
+        0.78-1.17, more than one sitting's rounds can show. Its visits, in order."""
+        visits: list[Visit] = []
+        deadline = None if self._budget_left is None else time.monotonic() + self._budget_left
+        if not self.unconfirmed():
+            return visits
+        self.session = uuid4().hex[:12]
+        self._sittings.add(self.session)
+        self._round = 1  # round 0 is a sitting's exploration
+        self._phase = "confirm"
+        while (entrants := self.unconfirmed()) and self._round_of(entrants, "confirm", visits, deadline):
+            pass
+        self._phase = "race"
+        while (entrants := self._race_entrants()) and self._round_of(entrants, "race", visits, deadline):
+            pass
+        self._finish()
+        return visits
+
+    def unconfirmed(self) -> list[CPConfig]:
+        """The winner and the configurations within ``NEAR_MISS_RATIO`` of it whose separation
+        from it no later sitting has confirmed (``confirm_rounds`` shared clean rounds there),
+        each while it has runs and clean visits left; empty without a winner."""
+        rows = self._rows()
+        verdict = judge(combine(rows).values())
+        if not self.confirm_rounds or verdict is None or verdict.winner is None:
+            return []
+        leader = verdict.leader.config
+        rounds: dict[CPConfig, dict[str, None]] = {}
+        for row in self._own(rows):  # oldest first, so the sittings come in the order they ran
+            if row.clean and row.round_id is not None:
+                rounds.setdefault(row.config, {})[row.round_id] = None
+        rivals = []
+        for comparison in verdict.comparisons:
+            theirs = rounds.get(comparison.other, {})
+            shared = Counter(sitting_of(r) for r in rounds.get(leader, {}) if r in theirs)
+            later = list(shared)[1:]  # the sittings after the first the two shared
+            if comparison.ratio < NEAR_MISS_RATIO and all(shared[s] < self.confirm_rounds for s in later):
+                rivals.append(comparison.other)
+        if not rivals:
+            return []
+        tally = self._tally(rows)
+        return [c for c in (leader, *rivals) if c in tally and self._runnable(c, tally[c])
+                and tally[c].clean < self.cap + self.confirm_rounds]
+
+    def _finish(self) -> None:
+        """The verdict over every clean visit stored, and who never ran clean."""
         self._phase = "done"
         rows = self._rows()
         self.verdict = judge(combine(rows).values())
         self.never_clean = tuple(c for c, entry in self._tally(rows).items() if entry.clean == 0
                                  and not entry.failed and entry.attempts >= self.max_attempts)
-        return visits
 
     def _explore(self, visits: list[Visit]) -> None:
         """Phase 1: the Optuna trials, one visit each, all in round 0."""
@@ -724,7 +797,7 @@ class WorkloadSearch:
         """Visits still planned as things stand: the exploration's trials left with their
         rounds, the rounds' missing clean visits, or the rest of the race's current round
         (the race plans one round at a time)."""
-        if self._phase == "race":
+        if self._phase in ("race", "confirm"):
             return self._race_left
         tally = self._tally(rows)
         missing = sum(max(0, self.rounds - entry.clean) for config, entry in tally.items()

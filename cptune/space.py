@@ -28,7 +28,7 @@ DEMO_SPACE = "demo"
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
 MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
 SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials")
-MEASURE_KEYS = ("warmup", "repeats", "timeout", "rounds", "race_rounds")
+MEASURE_KEYS = ("warmup", "repeats", "timeout", "rounds", "race_rounds", "confirm_rounds")
 
 #: A line the user can copy for each key, shown when the key is missing or mistyped.
 _EXAMPLES = {
@@ -52,6 +52,7 @@ _EXAMPLES = {
     "measure.timeout": "timeout = 600",
     "measure.rounds": "rounds = 2",
     "measure.race_rounds": "race_rounds = 10",
+    "measure.confirm_rounds": "confirm_rounds = 3",
 }
 
 
@@ -66,17 +67,21 @@ class MeasureSettings:
     """How each configuration is timed: each visit runs untimed ``warmup`` iterations, then
     ``repeats`` timed ones; ``timeout`` (seconds per visit) None means scaled to its size.
     A search visits every configuration that ran ``rounds`` times at least, in interleaved
-    rounds, and those tied with the leader up to ``race_rounds`` times more."""
+    rounds, and those tied with the leader up to ``race_rounds`` times more; a winner and
+    those close to it ``confirm_rounds`` times more in a second sitting, after the other
+    sequence lengths."""
 
     warmup: int = 2
     repeats: int = 10
     timeout: float | None = None
     rounds: int = 2
     race_rounds: int = 10
+    confirm_rounds: int = 3
 
     def __post_init__(self) -> None:
         # Direct construction gets the same limits the TOML loader enforces.
-        for name, least in (("warmup", 0), ("repeats", 1), ("rounds", 1), ("race_rounds", 0)):
+        for name, least in (("warmup", 0), ("repeats", 1), ("rounds", 1), ("race_rounds", 0),
+                            ("confirm_rounds", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -189,13 +194,16 @@ def load_space(path: str | Path) -> SearchSpace:
     rounds = MeasureSettings.rounds if raw is None else r.integer(raw, "measure.rounds", 1)
     raw = r.value(measure_table, "race_rounds", "measure", required=False)
     race_rounds = MeasureSettings.race_rounds if raw is None else r.integer(raw, "measure.race_rounds", 0)
+    raw = r.value(measure_table, "confirm_rounds", "measure", required=False)
+    confirm_rounds = (MeasureSettings.confirm_rounds if raw is None
+                      else r.integer(raw, "measure.confirm_rounds", 0))
 
     return SearchSpace(
         name=name, description=description, source=Path(path),
         shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal), seq_lens=seq_lens, ranks=ranks,
         strategies=strategies, trials=trials,
         measure=MeasureSettings(warmup=warmup, repeats=repeats, timeout=timeout, rounds=rounds,
-                                race_rounds=race_rounds),
+                                race_rounds=race_rounds, confirm_rounds=confirm_rounds),
     )
 
 

@@ -71,6 +71,8 @@ def db(tmp_path):
     (["results", "--frobnicate"], "cptune results: error: ", "unrecognized arguments: --frobnicate"),
     # counts that may be 0 say so; a count that may not says positive
     (["search", "--race-rounds", "-1"], "cptune search: error: ", "--race-rounds: must be 0 or more, got -1"),
+    (["search", "--confirm-rounds", "-2"], "cptune search: error: ",
+     "--confirm-rounds: must be 0 or more, got -2"),
     (["measure", "--warmup", "-2"], "cptune measure: error: ", "--warmup: must be 0 or more, got -2"),
     (["search", "--rounds", "0"], "cptune search: error: ", "--rounds: must be positive, got 0"),
     ([], "cptune: error: ", "command"),

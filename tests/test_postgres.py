@@ -179,7 +179,8 @@ def test_two_searches_share_one_database(postgres_url, password):
     assert all(r.status == "ok" and r.median_ms > 0 for r in rows)
     assert {r.workload.seq_len for r in rows} == {64, 80, 96, 112}
     visits = Counter((r.workload, r.config) for r in rows if r.clean)  # each its rounds, at most the cap
-    rounds, cap = WorkloadSearch.rounds, WorkloadSearch.rounds + WorkloadSearch.race_rounds  # the defaults
+    rounds = WorkloadSearch.rounds  # the defaults; the cap: the race's and a second sitting's
+    cap = WorkloadSearch.rounds + WorkloadSearch.race_rounds + WorkloadSearch.confirm_rounds
     assert len(visits) == 16 and all(rounds <= n <= cap for n in visits.values()), visits
     # the studies both searches kept beside the rows: one per length, a trial per row
     studies = optuna.get_all_study_summaries(database_url(postgres_url))

@@ -344,6 +344,45 @@ def test_a_near_miss_separated_on_enough_shared_rounds_is_not_raced(store, runs)
     assert s.verdict.winner == RING and s.verdict.comparisons[0].paired_rounds == 3
 
 
+def test_a_second_sitting_confirms_a_narrow_winner_and_a_rerun_runs_nothing(store, runs):
+    runs(lambda config, n: (10.0 if config == RING else 13.0) * JITTER[n])
+    s = search(store, configs=[RING, AG], rounds=3, race_rounds=3, seed=0)
+    s.run()
+    first = s.session
+    assert s.verdict.winner == RING and s.unconfirmed() == [RING, AG]  # 1.3x apart: within NEAR_MISS_RATIO
+    visits = s.confirm()
+    assert [v.phase for v in visits] == ["confirm"] * 6  # three rounds of the two, nothing more
+    assert s.session != first and all(v.round_id.startswith(f"{s.session}:") for v in visits)
+    assert s.verdict.winner == RING and s.verdict.leader.rounds == 6 and s.unconfirmed() == []
+    again = search(store, configs=[RING, AG], rounds=3, race_rounds=3)
+    assert again.run() == [] and again.unconfirmed() == [] and again.confirm() == []  # stored: confirmed
+
+
+def test_a_winner_the_second_sitting_contradicts_becomes_a_tie(store, runs):
+    """The host changed state between the sittings: AG, 1.3x RING's time in the first,
+    runs in 0.8x of it in the second. Pooled, neither is faster."""
+    runs(lambda config, n: (10.0 if config == RING else (13.0 if n < 3 else 8.0)) * JITTER[n])
+    s = search(store, configs=[RING, AG], rounds=3, race_rounds=3, seed=0)
+    s.run()
+    assert s.verdict.winner == RING
+    s.confirm()
+    assert s.verdict.winner is None and "tied within the noise of this hardware" in s.verdict.describe()
+    assert clean_visits(store) == {RING: 6, AG: 6}  # the cap, rounds + race_rounds: no race after it
+
+
+@pytest.mark.parametrize("latency, options", [
+    (lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n], {}),  # 2x: no doubt to confirm
+    (lambda config, n: 10.0 * (JITTER[n] if config == RING else 2 - JITTER[n]), {}),  # a tie: no winner
+    (lambda config, n: (10.0 if config == RING else 13.0) * JITTER[n], {"confirm_rounds": 0}),  # asked none
+])
+def test_no_second_sitting_without_a_narrow_winner_or_when_asked_for_none(store, runs, latency, options):
+    fake = runs(latency)
+    s = search(store, configs=[RING, AG], rounds=3, race_rounds=3, **options)
+    s.run()
+    calls = len(fake.calls)
+    assert s.unconfirmed() == [] and s.confirm() == [] and len(fake.calls) == calls
+
+
 def test_configurations_tied_in_the_noise_are_raced_to_the_cap_and_called_a_tie(store, runs):
     # RING and AG: the same latency, with noise in opposite directions, so never separated
     slow = ULY

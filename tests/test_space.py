@@ -145,6 +145,7 @@ repeats = 1
 timeout = 600
 rounds = 3
 race_rounds = 0
+confirm_rounds = 5
 """
     space = load_space(str(write(tmp_path, text)))
     assert space.shape == AttentionShape(32, 8, 128, 2, "fp16", True)
@@ -152,7 +153,8 @@ race_rounds = 0
     assert space.ranks == (8, 2)
     assert space.strategies == ("ulysses", "ring")  # order kept
     assert space.trials == 12
-    assert space.measure == MeasureSettings(warmup=0, repeats=1, timeout=600.0, rounds=3, race_rounds=0)
+    assert space.measure == MeasureSettings(warmup=0, repeats=1, timeout=600.0, rounds=3, race_rounds=0,
+                                            confirm_rounds=5)
     assert isinstance(space.measure.timeout, float)
     assert space.workloads()[1] == Workload(1024, 32, 128, kv_heads=8, batch=2, dtype="fp16", causal=True)
 
@@ -187,6 +189,8 @@ BAD = [
     ("repeats = 3", "repeats = 0", "measure.repeats", ["out of range", "got 0"]),
     ("repeats = 3", "repeats = 3\nrounds = 0", "measure.rounds", ["out of range", "got 0"]),
     ("repeats = 3", "repeats = 3\nrace_rounds = -1", "measure.race_rounds", ["out of range", "integer >= 0"]),
+    ("repeats = 3", "repeats = 3\nconfirm_rounds = -1", "measure.confirm_rounds",
+     ["out of range", "integer >= 0"]),
     ("repeats = 3", "repeats = 3\ntimeout = 0", "measure.timeout", ["out of range", "positive"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, 128]\ntrials = 0", "sweep.trials", ["out of range"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, -128]", "sweep.seq_lens[1]", ["out of range", "-128"]),
