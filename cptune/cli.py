@@ -564,7 +564,8 @@ def _verdict_line(seq_len: int, search: WorkloadSearch, second: bool) -> str | N
         return None
     line = f"seq {seq_len}" + (" after a second sitting" if second else "") + f": {verdict.describe()}"
     if search.unconfirmed():
-        line += ("; not confirmed: the time budget or the runs ran out before a second sitting" if second
+        line += ("; not confirmed yet (the time budget or the runs ran out, or the leader changed): a "
+                 "rerun of this search adds a sitting" if second
                  else "; a second sitting after the other lengths confirms it")
     if oversubscribed(verdict.leader.config.ranks):
         line += ("; it ran more ranks than cores (--oversubscribe), so the model and the picks leave it "

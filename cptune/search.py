@@ -588,22 +588,29 @@ class WorkloadSearch:
     def confirm(self) -> list[Visit]:
         """The second sitting, called after ``run`` once other work has run in between (the
         CLI: the other workloads' searches): while the winner is separated from a
-        configuration within ``NEAR_MISS_RATIO`` of it on rounds of one sitting only, a round
-        of the two, until a later sitting has ``confirm_rounds`` of them (``unconfirmed``);
-        then the race again, should they now be tied. On this project's 2-core VMs the host
+        configuration within ``NEAR_MISS_RATIO`` of it on rounds of one sitting only
+        (``unconfirmed``, taken once as the sitting starts), rounds of the two until this
+        sitting has ``confirm_rounds`` of them, whatever a round shows; then the race again,
+        should they now be tied. On this project's 2-core VMs the host
         switches between states that slow configurations unlike each other, for minutes at a
         time: two runs of one sweep put one configuration's latency apart by p10-p90
         0.78-1.17, more than one sitting's rounds can show. Its visits, in order."""
         visits: list[Visit] = []
         deadline = None if self._budget_left is None else time.monotonic() + self._budget_left
-        if not self.unconfirmed():
+        if not (group := self.unconfirmed()):
             return visits
+        winner, *rivals = group  # fixed for the sitting: a round's outcome does not change what it checks
         self.session = uuid4().hex[:12]
         self._sittings.add(self.session)
         self._round = 1  # round 0 is a sitting's exploration
         self._phase = "confirm"
-        while (entrants := self.unconfirmed()) and self._round_of(entrants, "confirm", visits, deadline):
-            pass
+        while True:
+            rows = self._own(self._rows())
+            lacking = [c for c in rivals if self._shared(rows, winner, c)[self.session] < self.confirm_rounds]
+            if not (entrants := self._still_runnable(winner, lacking, self._tally(rows))):
+                break
+            if not self._round_of(entrants, "confirm", visits, deadline):
+                break
         self._phase = "race"
         while (entrants := self._race_entrants()) and self._round_of(entrants, "race", visits, deadline):
             pass
@@ -612,29 +619,38 @@ class WorkloadSearch:
 
     def unconfirmed(self) -> list[CPConfig]:
         """The winner and the configurations within ``NEAR_MISS_RATIO`` of it whose separation
-        from it no later sitting has confirmed (``confirm_rounds`` shared clean rounds there),
-        each while it has runs and clean visits left; empty without a winner."""
+        from it no later sitting has confirmed (``confirm_rounds`` shared clean rounds there)
+        and that may run again; empty without a winner, or unless the winner and one of those
+        may run."""
         rows = self._rows()
         verdict = judge(combine(rows).values())
         if not self.confirm_rounds or verdict is None or verdict.winner is None:
             return []
-        leader = verdict.leader.config
-        rounds: dict[CPConfig, dict[str, None]] = {}
-        for row in self._own(rows):  # oldest first, so the sittings come in the order they ran
-            if row.clean and row.round_id is not None:
-                rounds.setdefault(row.config, {})[row.round_id] = None
+        leader, own = verdict.leader.config, self._own(rows)
         rivals = []
         for comparison in verdict.comparisons:
-            theirs = rounds.get(comparison.other, {})
-            shared = Counter(sitting_of(r) for r in rounds.get(leader, {}) if r in theirs)
+            shared = self._shared(own, leader, comparison.other)
             later = list(shared)[1:]  # the sittings after the first the two shared
             if comparison.ratio < NEAR_MISS_RATIO and all(shared[s] < self.confirm_rounds for s in later):
                 rivals.append(comparison.other)
-        if not rivals:
-            return []
-        tally = self._tally(rows)
-        return [c for c in (leader, *rivals) if c in tally and self._runnable(c, tally[c])
-                and tally[c].clean < self.cap + self.confirm_rounds]
+        return self._still_runnable(leader, rivals, self._tally(rows))
+
+    @staticmethod
+    def _shared(rows: list[Result], one: CPConfig, other: CPConfig) -> Counter[str]:
+        """The clean rounds among ``rows`` (oldest first) that ``one`` and ``other`` share,
+        counted by sitting, the sittings in the order they ran."""
+        rounds: dict[CPConfig, dict[str, None]] = {one: {}, other: {}}
+        for row in rows:
+            if row.clean and row.round_id is not None and row.config in rounds:
+                rounds[row.config][row.round_id] = None
+        return Counter(sitting_of(r) for r in rounds[one] if r in rounds[other])
+
+    def _still_runnable(self, leader: CPConfig, others: list[CPConfig], tally: dict[CPConfig, _Tally]
+                        ) -> list[CPConfig]:
+        """``leader`` and those of ``others`` that may run again; empty unless the leader and
+        one other can: a round without the leader compares nothing with it."""
+        group = [c for c in (leader, *others) if c in tally and self._runnable(c, tally[c])]
+        return group if len(group) > 1 and group[0] == leader else []
 
     def _finish(self) -> None:
         """The verdict over every clean visit stored, and who never ran clean."""
@@ -713,17 +729,15 @@ class WorkloadSearch:
 
     def _race_entrants(self) -> list[CPConfig]:
         """Phase 3: the leader, those tied with it and its near misses (see the class
-        docstring), each while it has runs and clean visits left."""
+        docstring), each while it has runs and clean visits left, and only with the leader."""
         rows = self._rows()
         self.verdict = judge(combine(rows).values())
         if self.verdict is None:
             return []
         tally = self._tally(rows)
         challengers = [*self.verdict.tied, *(c.other for c in self.verdict.comparisons if is_near_miss(c))]
-        if not challengers:
-            return []
-        group = (self.verdict.leader.config, *challengers)
-        return [c for c in group if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.cap]
+        under_cap = {c: entry for c, entry in tally.items() if entry.clean < self.cap}
+        return self._still_runnable(self.verdict.leader.config, challengers, under_cap)
 
     def _round_of(self, configs: list[CPConfig], phase: str, visits: list[Visit],
                   deadline: float | None) -> bool:

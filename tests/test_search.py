@@ -370,6 +370,48 @@ def test_a_winner_the_second_sitting_contradicts_becomes_a_tie(store, runs):
     assert clean_visits(store) == {RING: 6, AG: 6}  # the cap, rounds + race_rounds: no race after it
 
 
+def test_a_second_sitting_runs_all_its_rounds_whatever_the_first_shows(store, runs):
+    """AG's first visit of the second sitting is 3x slow and makes the two look tied after
+    one round; the sitting still runs its three, and the combined verdict stands."""
+    runs(lambda config, n: (10.0 if config == RING else (39.0 if n == 3 else 13.0)) * JITTER[n])
+    s = search(store, configs=[RING, AG], rounds=3, race_rounds=3, seed=0)
+    s.run()
+    visits = s.confirm()
+    assert Counter(v.config for v in visits if v.phase == "confirm") == {RING: 3, AG: 3}
+    assert s.verdict.winner == RING and s.unconfirmed() == []
+
+
+def test_the_race_never_runs_a_round_without_its_leader(store, runs):
+    """RING leads and has used its cap; AG, tied with it, has not: a round of AG alone
+    would compare nothing with the leader, so none runs."""
+    runs(lambda config, n: 10.0 * (JITTER[n] if config == RING else 2 - JITTER[n]))
+    search(store, configs=[RING], rounds=5, race_rounds=0).run()
+    s = search(store, configs=[RING, AG], rounds=2, race_rounds=3, seed=0)
+    visits = s.run()
+    assert clean_visits(store)[RING] == 5 and s.verdict.winner is None
+    assert {v.config for v in visits if v.phase == "race"} == set()  # AG alone never races
+
+
+def test_a_winner_that_fails_in_the_second_sitting_ends_it(store, runs, monkeypatch):
+    """RING crashes in its first round of the second sitting: AG alone confirms nothing."""
+    from cptune.errors import EngineError
+
+    fake = runs(lambda config, n: (10.0 if config == RING else 13.0) * JITTER[n])
+
+    def crashing(workload, config, **options):
+        if config == RING and fake.calls.count(RING) == 3:
+            fake.calls.append(RING)
+            raise EngineError("crash", "rank 1 exited with signal 11")
+        return fake(workload, config, **options)
+
+    stand_in_measuring(monkeypatch, crashing)
+    s = search(store, configs=[RING, AG], rounds=3, race_rounds=3, seed=0)
+    s.run()
+    visits = s.confirm()
+    assert sorted((v.config == RING, v.status) for v in visits) == [(False, "ok"), (True, "crash")]
+    assert s.unconfirmed() == []
+
+
 @pytest.mark.parametrize("latency, options", [
     (lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n], {}),  # 2x: no doubt to confirm
     (lambda config, n: 10.0 * (JITTER[n] if config == RING else 2 - JITTER[n]), {}),  # a tie: no winner
@@ -411,8 +453,10 @@ def test_a_resumed_race_continues_where_it_stopped(store, runs):
     before = Counter(r.config for r in store.results())
     assert sum(before.values()) == 5  # explored, a round, one race visit
     rest = search(store, configs=[RING, AG], rounds=2, race_rounds=4).run()
-    assert all(v.phase == "race" for v in rest) and len(rest) == 12 - 5
-    assert Counter(r.config for r in store.results()) == {RING: 6, AG: 6}
+    # rounds of both until one has the cap (2 + 4); the other's missing visit would have run
+    # alone, comparing nothing with the leader
+    assert all(v.phase == "race" for v in rest) and len(rest) == 6
+    assert sorted(Counter(r.config for r in store.results()).values()) == [5, 6]
 
 
 def test_disturbed_visits_are_kept_marked_count_for_nothing_and_are_run_again(store, runs, monkeypatch):
