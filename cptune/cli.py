@@ -556,14 +556,14 @@ def _best_table(space: SearchSpace, verdicts: dict[int, Verdict | None], finishe
 _PHASE_WORDS = {"explore": "exploring", "round": "rounds", "race": "final race", "confirm": "second sitting"}
 
 
-def _verdict_line(seq_len: int, search: WorkloadSearch, second: bool) -> str | None:
-    """What one sitting of a workload's search found, in words (after the first, whether a
-    second sitting will confirm a winner); None when nothing ran clean."""
+def _verdict_line(seq_len: int, search: WorkloadSearch, second: bool, unconfirmed: bool) -> str | None:
+    """What one sitting of a workload's search found, in words, and whether its winner is
+    still ``unconfirmed`` (``WorkloadSearch.unconfirmed``); None when nothing ran clean."""
     verdict = search.verdict
     if verdict is None:
         return None
     line = f"seq {seq_len}" + (" after a second sitting" if second else "") + f": {verdict.describe()}"
-    if search.unconfirmed():
+    if unconfirmed:
         line += ("; not confirmed yet (the time budget or the runs ran out, or the leader changed): a "
                  "rerun of this search adds a sitting" if second
                  else "; a second sitting after the other lengths confirms it")
@@ -622,9 +622,10 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
         with Live(Group(progress, _best_table(space, verdicts, finished)), console=console,
                   refresh_per_second=4) as live:
 
-            def sitting(search: WorkloadSearch, second: bool) -> None:
+            def sitting(search: WorkloadSearch, second: bool) -> bool:
                 """Run one sitting of ``search`` (``run``, or ``confirm`` when ``second``) with a
-                progress bar of its own, and say what it found."""
+                progress bar of its own, say what it found, and return whether its winner is
+                still unconfirmed."""
                 seq_len = search.workload.seq_len
                 name = f"seq {seq_len}" + (" (second sitting)" if second else "")
                 seen = 0  # visits (reused ones too), for the bar
@@ -653,7 +654,8 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                                   f"{search.unguided}")
                 if not second and search.early_stop is not None:
                     _say(console, f"seq {seq_len}: {search.early_stop.describe()}")
-                if line := _verdict_line(seq_len, search, second):
+                unconfirmed = bool(search.unconfirmed())
+                if line := _verdict_line(seq_len, search, second, unconfirmed):
                     _say(console, line)
                 if here := sum(v.disturbed is not None for v in ran):
                     _say(console, f"seq {seq_len}: {here} visit(s) disturbed by other load: stored marked, "
@@ -664,6 +666,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                     _say(console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
                                   f"(other load each time), so the verdict leaves {them} out; rerun when the "
                                   f"host is quiet")
+                return unconfirmed
 
             pending = []  # searches whose winner a second sitting confirms
             for workload in space.workloads():
@@ -677,8 +680,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
                     race_rounds=race_rounds, confirm_rounds=confirm_rounds,
                 )
                 verdicts[workload.seq_len] = search.current_verdict()
-                sitting(search, second=False)
-                if search.unconfirmed():
+                if sitting(search, second=False):
                     pending.append(search)
                 else:
                     finished.add(workload.seq_len)

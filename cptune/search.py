@@ -605,8 +605,9 @@ class WorkloadSearch:
         self._round = 1  # round 0 is a sitting's exploration
         self._phase = "confirm"
         while True:
-            rows = self._own(self._rows())
-            lacking = [c for c in rivals if self._shared(rows, winner, c)[self.session] < self.confirm_rounds]
+            rows = self._rows()
+            own = self._own(rows)
+            lacking = [c for c in rivals if self._shared(own, winner, c)[self.session] < self.confirm_rounds]
             if not (entrants := self._still_runnable(winner, lacking, self._tally(rows))):
                 break
             if not self._round_of(entrants, "confirm", visits, deadline):

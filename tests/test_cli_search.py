@@ -292,10 +292,10 @@ def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monk
         rows = store.results()
     verdict = judge(combine(rows).values())
     monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: ranks > 2)
-    search = SimpleNamespace(verdict=verdict, unconfirmed=lambda: [])
-    line = _verdict_line(64, search, second=False)
+    search = SimpleNamespace(verdict=verdict)
+    line = _verdict_line(64, search, second=False, unconfirmed=False)
     assert line.startswith("seq 64: Ring on 4 ranks, faster than local attention on 1 rank by 300.0%")
     assert line.endswith("; it ran more ranks than cores (--oversubscribe), so the model and the picks "
                          "leave it out")
     monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: False)
-    assert "oversubscribe" not in _verdict_line(64, search, second=False)
+    assert "oversubscribe" not in _verdict_line(64, search, second=False, unconfirmed=False)
