@@ -15,15 +15,21 @@ about a minute:
   cores, so a rank count's rate includes the contention between its ranks. The rate
   depends on the work per call (small blocks pay fixed costs), the head_dim (the GEMMs'
   inner dimension) and the mask, so each is timed at two sizes, both head_dims and with
-  and without a causal mask; the prior interpolates between them.
+  and without a causal mask; the prior interpolates between them;
+- for the numpy kernel (the mpi engine, a ``StepTimer``), the work over
+  a query block that a Ring step repeats beyond one call over all keys: preparing the query
+  block (cast from each wire dtype, scaled, row norms) and merging the block's output into
+  the running one, per element, every rank at once. Both are passes over memory whose cost
+  grows with the sequence, not its square, so Ring's excess over the others falls as 1/S.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from scipy.optimize import nnls
@@ -41,6 +47,13 @@ ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
     for head_dim in (64, 128)
     for causal in (0, 1)
     for seq_q in (512, 1024)
+)
+#: Memory-bound steps timed per rank count (``StepTimer``) on a 4-head x 1024-row x d128 block
+#: (half a million elements): preparing a query block from each wire dtype, merging an output.
+STEP_SHAPES: tuple[dict[str, object], ...] = (
+    *({"kind": "query", "wire": wire, "heads": 4, "rows": 1024, "head_dim": 128}
+      for wire in ("float16", "float32")),
+    {"kind": "merge", "wire": "float32", "heads": 4, "rows": 1024, "head_dim": 128},
 )
 _TIMEOUT_S = 120.0
 
@@ -99,6 +112,31 @@ class ComputeRate:
         return 4 * self.heads * self.head_dim * _numpy_diagonal_pairs(self.seq_q, self.seq_k)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """One memory-bound step of the kernel (``kind`` "query" or "merge") on ``elements``
+    elements in ``wire`` dtype, with ``ranks`` ranks running it at once: ``seconds``."""
+
+    ranks: int
+    kind: str
+    wire: str
+    elements: int
+    seconds: float
+
+    @property
+    def seconds_per_element(self) -> float:
+        return self.seconds / self.elements
+
+
+@runtime_checkable
+class StepTimer(Protocol):
+    """An engine that can time the numpy kernel's memory-bound steps (``STEP_SHAPES``)."""
+
+    def time_steps(
+        self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray: ...
+
+
 @functools.lru_cache(maxsize=64)  # a calibration's few shapes, asked on every prior
 def _numpy_diagonal_pairs(seq_q: int, seq_k: int) -> int:
     """Pairs per head the numpy kernel computes for ``seq_q`` causal queries on the last
@@ -114,6 +152,9 @@ class Calibration:
     collectives: tuple[CollectiveFit, ...]
     compute: tuple[ComputeRate, ...]
     measured_at: str
+    #: Empty for a fused kernel (its steps are not timed yet) and for calibrations stored
+    #: before steps were timed: the prior then counts those steps as 0 s.
+    steps: tuple[StepCost, ...] = ()
 
     @property
     def max_ranks(self) -> int:
@@ -154,6 +195,14 @@ class Calibration:
         log_flops = np.log(work[order])
         return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
 
+    def step_seconds(self, kind: str, ranks: int, wire: str) -> float:
+        """Seconds per element of step ``kind`` in ``wire`` dtype at the calibrated rank count
+        nearest ``ranks``; 0 when the calibration did not time it."""
+        timed = [step for step in self.steps if step.kind == kind and step.wire == wire]
+        if not timed:
+            return 0.0
+        return min(timed, key=lambda step: (abs(step.ranks - ranks), step.ranks)).seconds_per_element
+
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
@@ -168,6 +217,7 @@ class Calibration:
             ),
             compute=tuple(ComputeRate(**c) for c in data["compute"]),
             measured_at=data["measured_at"],
+            steps=tuple(StepCost(**step) for step in data.get("steps", ())),
         )
 
 
@@ -221,7 +271,7 @@ def calibrate(
     if not engine.timed:
         raise untimed(engine.name)
     report = progress or (lambda _: None)
-    collectives, compute = [], []
+    collectives, compute, steps = [], [], []
     for ranks in range(1, max_ranks + 1):
         report(f"attention on {ranks} rank(s)")
         timings = engine.time_attention(ranks, ATTENTION_SHAPES, warmup, repeats, _TIMEOUT_S)
@@ -231,6 +281,14 @@ def calibrate(
                         head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
             for s, t in zip(ATTENTION_SHAPES, seconds, strict=True)
         ]
+        if attention_kernel(engine.name) == "numpy" and isinstance(engine, StepTimer):
+            report(f"the kernel's memory-bound steps on {ranks} rank(s)")
+            seconds = np.median(engine.time_steps(ranks, STEP_SHAPES, warmup, repeats, _TIMEOUT_S), axis=1)
+            steps += [
+                StepCost(ranks=ranks, kind=str(s["kind"]), wire=str(s["wire"]), seconds=float(t),
+                         elements=int(s["heads"]) * int(s["rows"]) * int(s["head_dim"]))
+                for s, t in zip(STEP_SHAPES, seconds, strict=True)
+            ]
         for group in group_sizes(ranks):
             for kind in engine_collectives(engine.name):
                 report(f"{kind} on {ranks} ranks in groups of {group}")
@@ -240,4 +298,5 @@ def calibrate(
         collectives=tuple(collectives),
         compute=tuple(compute),
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        steps=tuple(steps),
     )

@@ -932,7 +932,17 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
         mask = "causal" if r.causal else "full"
         compute.add_row(str(r.ranks), str(r.head_dim), mask, f"{r.flops / 1e9:.2f}",
                         f"{r.flops_per_s / 1e9:.1f}", f"{r.flops_per_s * r.ranks / 1e9:.1f}")
-    return [comms, compute]
+    if not calibration.steps:
+        return [comms, compute]
+    steps = _table("the kernel's memory-bound steps (what a Ring step repeats)",
+                   "query: a query block made scaled float32; merge: a block's output merged into the "
+                   "running one; every rank at once")
+    for column in ("step", "wire dtype", "ranks", "ns per element"):
+        justify = "left" if column in ("step", "wire dtype") else "right"
+        steps.add_column(column, justify=justify, no_wrap=True)
+    for step in calibration.steps:
+        steps.add_row(step.kind, step.wire, str(step.ranks), f"{step.seconds_per_element * 1e9:.3f}")
+    return [comms, compute, steps]
 
 
 def _calibrate(

@@ -40,10 +40,11 @@ def engine_collectives(engine: str) -> tuple[str, ...]:
 
 
 #: Memory-bound steps whose device-memory traffic is counted.
-MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge")
-#: Kernels counted per rank: attention calls, the memory-bound steps and the Ring's sends and
-#: receives (launched by the rank every step, unlike a collective's one call).
-KERNELS: tuple[str, ...] = ("attention", *MEMORY_STEPS, "stream")
+MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge", "requery")
+#: Kernels counted per rank: attention calls, the memory-bound steps that run as kernels of
+#: their own (a requery is the attention call's own read) and the Ring's sends and receives
+#: (launched by the rank every step, unlike a collective's one call).
+KERNELS: tuple[str, ...] = ("attention", "permute", "replicate", "merge", "stream")
 #: The Ring's merge of one block's output into the running output, as the online-softmax
 #: update of ring-flash-attn (used by yunchang and xDiT) runs it eagerly: cast the block's
 #: output to fp32 (read w, write 4 bytes per element), out - block (read 8, write 4), scale by
@@ -71,7 +72,7 @@ class AnalyticCost:
     kv_replication: int
     #: Bytes the busiest rank moves through device memory in memory-bound steps, by step
     #: (MEMORY_STEPS): the permutes around each all-to-all, the K/V replication for GQA, the
-    #: Ring's merges of partial outputs.
+    #: Ring's merges of partial outputs and its re-reads of the query block.
     memory_bytes: dict[str, int]
     #: Kernels the busiest rank launches, by what they do (KERNELS); collectives not counted.
     kernels: dict[str, int]
@@ -115,7 +116,9 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
       order and out of receive order, read and written each time: 4 * B * (S / N) *
       (2H + 2K') * D * w; GQA replication reads the K/V heads and writes their K' copies;
       each Ring step after the first merges the block's output into the fp32 running output
-      (MERGE_FP32_PASSES * 4 + w bytes per output element of the block).
+      (MERGE_FP32_PASSES * 4 + w bytes per output element of the block) and reads its query
+      block again ("requery": w bytes per element; the numpy kernel converts it to scaled
+      fp32 each call), work one call over all keys does once.
     - kernels: one attention call (c for the Ring, block by block), a permute before and
       after each of the 3 all-to-alls, one replication, MERGE_KERNELS per Ring merge and a
       send and a receive per p2p step (one call per broadcast step).
@@ -170,6 +173,7 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
         kernels["replicate"] = 1
     if ring:
         memory["merge"] = (c - 1) * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
+        memory["requery"] = (c - 1) * b * block_tokens * local_heads * d * w
         kernels["merge"] = (c - 1) * MERGE_KERNELS
         kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
 

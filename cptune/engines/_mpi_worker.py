@@ -4,8 +4,10 @@ Each rank connects to the driver's socket, then serves tasks until told to exit:
 receives a configuration and this rank's input shard, runs it once with the engine the
 request names (``RANK_TASKS``: every engine's ranks live in this one supervised pool) and
 returns its output shard; "time" repeats the same run with warm-up and returns
-per-iteration timings. "time_collective" and "time_attention" time one collective over a
-sweep of message sizes, or the attention kernel on a few shapes, for calibration. Ranks that a task
+per-iteration timings. "time_collective", "time_attention" and "time_steps" time one
+collective over a sweep of message sizes, the attention kernel on a few shapes, or the
+kernel's memory-bound steps (the work over a query block a Ring step repeats), for
+calibration. Ranks that a task
 does not use wait on their socket, asleep. A watchdog exits the rank as soon as the driver
 process is gone, whatever the rank is doing.
 
@@ -270,6 +272,24 @@ def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]
     return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
 
 
+def _step_case(step: dict[str, object], threads: int) -> Callable[[], object]:
+    """One memory-bound step of the kernel on a random block of ``step``'s heads, rows and
+    head_dim: "query" prepares a query block in wire dtype ``step["wire"]``
+    (``kernels.prepare_query``), "merge" merges a float32 block's output into a running one
+    (``kernels.merge``)."""
+    rng = np.random.default_rng(0)
+    heads, rows = int(step["heads"]), int(step["rows"])
+    block = rng.standard_normal((1, heads, rows, int(step["head_dim"])), dtype=np.float32)
+    if step["kind"] == "query":
+        q = block.astype(np.dtype(str(step["wire"])))
+        return lambda: kernels.prepare_query(q, threads)
+    if step["kind"] == "merge":
+        lse = rng.standard_normal((1, heads, rows), dtype=np.float32)
+        running = (block.copy(), lse.copy())
+        return lambda: kernels.merge(running, (block, lse))
+    raise ValueError(f"unknown step {step['kind']!r}")
+
+
 def _time_each(
     cases: Sequence[Callable[[], object]], barrier: MPI.Comm, warmup: int, repeats: int
 ) -> np.ndarray:
@@ -357,6 +377,10 @@ class Worker:
         if header["op"] == "time_attention":
             threadpool_limits(limits=1, user_api="blas")
             cases = [_attention_case(shape, header["threads"]) for shape in header["shapes"]]
+            barrier = self.prefix[header["ranks"] - 1]
+            return {}, [_time_each(cases, barrier, header["warmup"], header["repeats"])]
+        if header["op"] == "time_steps":
+            cases = [_step_case(step, header["threads"]) for step in header["steps"]]
             barrier = self.prefix[header["ranks"] - 1]
             return {}, [_time_each(cases, barrier, header["warmup"], header["repeats"])]
         raise RuntimeError(f"unknown op {header['op']!r}")

@@ -153,8 +153,7 @@ def attention(
     BLAS (the caller limits BLAS to one thread): softmax passes then use every core too,
     which a multi-threaded GEMM alone does not. ``poll`` is called between blocks by one
     thread (the MPI engine progresses in-flight transfers there)."""
-    scaled_q = cast(q, np.dtype(np.float32), threads, scale=1.0 / np.sqrt(q.shape[-1]))
-    query_norms = np.sqrt(np.einsum("bhqd,bhqd->bhq", scaled_q, scaled_q))
+    scaled_q, query_norms = prepare_query(q, threads)
     result = None
     for start in range(0, max(len(k_pos), 1), KEY_CHUNK):
         chunk = slice(start, start + KEY_CHUNK)
@@ -164,6 +163,13 @@ def attention(
         result = merge(result, part)
     assert result is not None
     return result
+
+
+def prepare_query(q: np.ndarray, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``q`` [B, H, sq, D] as float32 scaled by 1/sqrt(head_dim), and each row's norm: the
+    per-call work over the query block (a Ring step repeats it for every block it attends)."""
+    scaled_q = cast(q, np.dtype(np.float32), threads, scale=1.0 / np.sqrt(q.shape[-1]))
+    return scaled_q, np.sqrt(np.einsum("bhqd,bhqd->bhq", scaled_q, scaled_q))
 
 
 @functools.cache

@@ -86,6 +86,15 @@ class MPIEngine(PooledEngine):
                   "threads": threads_per_rank(ranks), "warmup": warmup, "repeats": repeats}
         return self._time_on(ranks, header, timeout, f"attention calibration on {ranks} ranks")
 
+    def time_steps(
+        self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Seconds [step, iteration], slowest rank, of the kernel's memory-bound steps (kind
+        "query" or "merge", wire dtype, heads, rows, head_dim), ``ranks`` ranks at once."""
+        header = {"op": "time_steps", "ranks": ranks, "steps": list(steps),
+                  "threads": threads_per_rank(ranks), "warmup": warmup, "repeats": repeats}
+        return self._time_on(ranks, header, timeout, f"step calibration on {ranks} ranks")
+
     def _time_on(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:
         self._pool_for(ranks)
         replies = self._request({r: (header, []) for r in range(ranks)}, timeout, what)

@@ -10,8 +10,10 @@ ranks, hardware that is only calibrated or only described.
     compute     = FLOPs the busiest rank's kernel executes (masked pairs it computes
                   included: ``computed_flops``) / attention rate per rank (at the work per
                   kernel call and head_dim: small blocks and small head_dims run slower)
-    memory      = bytes of the memory-bound steps (permutes, GQA replication, merges) /
-                  device-memory bandwidth
+    memory      = bytes of the memory-bound steps (permutes, GQA replication, the Ring's
+                  merges and query re-reads) / device-memory bandwidth; on a calibrated
+                  host, the Ring's merges and query preparations at their measured cost per
+                  element (the others are not calibrated and count 0)
     overhead    = kernels launched outside the Ring's steps x the fixed cost of one launch
     all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent x time per byte  (head groups)
     all-gather  = latency + bytes sent x time per byte                          (context groups)
@@ -20,7 +22,7 @@ ranks, hardware that is only calibrated or only described.
                   slower (overlap_slowdown, for as long as the transfer runs) and the step
                   waits for the slower of the two; the host launches a step's kernels while
                   the device runs them, so a step's launches cost only what the device hides not:
-                  (c - 1) * max(block + slowdown * min(block, transfer) + merge,
+                  (c - 1) * max(block + slowdown * min(block, transfer) + merge + requery,
                                 the step's launches, transfer) + last block
                   (p2p. An engine without point-to-point broadcasts every block, its own
                   included: c steps, the one beyond c - 1 hides behind nothing)
@@ -35,7 +37,7 @@ from typing import Protocol
 
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
-from cptune.cost import STREAM_KINDS, analytic_cost
+from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, STREAM_KINDS, analytic_cost
 from cptune.engines import ATTENTION_KERNELS
 from cptune.engines.mpi import computed_pairs
 from cptune.hardware import Hardware, HardwareDescription
@@ -59,10 +61,9 @@ class Profile(Protocol):
     def memory_limit(self, ranks: int) -> int | None:
         """Bytes per rank a configuration of ``ranks`` ranks may hold, or None when not limited."""
 
-    @property
-    def memory_bandwidth(self) -> float | None:
-        """Bytes/s memory-bound kernels reach; None when the profile's measured rates already
-        include that work (a calibrated host)."""
+    def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
+        """Seconds one of ``ranks`` ranks spends on memory-bound step ``step``
+        (``cptune.cost.MEMORY_STEPS``) moving ``nbytes`` of ``workload``."""
 
     @property
     def launch_s(self) -> float:
@@ -108,9 +109,14 @@ class CalibratedProfile:
     def memory_limit(self, ranks: int) -> int | None:
         return None if self.memory_bytes is None else self.memory_bytes // ranks
 
-    @property
-    def memory_bandwidth(self) -> float | None:
-        return None  # the measured attention and collective timings include their copies
+    def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
+        wire = workload.wire_dtype
+        if step == "merge":
+            elements = nbytes / (MERGE_FP32_PASSES * FP32_BYTES + wire.itemsize)
+            return elements * self.calibration.step_seconds("merge", ranks, "float32")
+        if step == "requery":
+            return nbytes / wire.itemsize * self.calibration.step_seconds("query", ranks, wire.name)
+        return 0.0  # permutes and replication: not calibrated
 
     @property
     def launch_s(self) -> float:
@@ -152,9 +158,8 @@ class DescribedProfile:
     def memory_limit(self, ranks: int) -> int | None:
         return self.description.memory_bytes  # each rank has a device of its own
 
-    @property
-    def memory_bandwidth(self) -> float | None:
-        return self.description.figure("device.memory_gbps")
+    def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
+        return nbytes / self.description.figure("device.memory_gbps")
 
     @property
     def launch_s(self) -> float:
@@ -265,8 +270,8 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: s
     calls = cost.kernels["attention"]
     flops = computed_flops(workload, config, profile.attention_kernel)
     compute = flops / profile.attention_rate(workload, n, flops / calls)
-    bandwidth = profile.memory_bandwidth
-    memory = {step: nbytes / bandwidth if bandwidth else 0.0 for step, nbytes in cost.memory_bytes.items()}
+    memory = {step: profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0
+              for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
     kernels = sum(cost.kernels.values())
     heads, context = groups_of(config)
@@ -290,11 +295,11 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: s
         ring_kernels = calls + cost.kernels["merge"] + cost.kernels["stream"]
         step_launches = (ring_kernels - 1) / overlapped
         # the host launches a step's kernels while the device runs them: the larger of the two
-        busy = max(block + profile.overlap_slowdown * min(block, transfer) + memory["merge"] / overlapped,
-                   step_launches * launch)
+        per_step = (memory["merge"] + memory["requery"]) / overlapped
+        busy = max(block + profile.overlap_slowdown * min(block, transfer) + per_step, step_launches * launch)
         # a step beyond those (a broadcast of the rank's own block) has nothing to hide behind
         ring = (steps - overlapped) * transfer + overlapped * max(busy, transfer) + max(block, launch)
-        ring_exposed = ring - compute - memory["merge"]
+        ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
                      overhead_s=launch * kernels)
