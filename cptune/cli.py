@@ -934,7 +934,7 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
                         f"{r.flops_per_s / 1e9:.1f}", f"{r.flops_per_s * r.ranks / 1e9:.1f}")
     if not calibration.steps:
         return [comms, compute]
-    steps = _table("the kernel's memory-bound steps (what a Ring step repeats)",
+    steps = _table("the kernel's memory-bound steps (the work each Ring step repeats)",
                    "query: a query block made scaled float32; merge: a block's output merged into the "
                    "running one; every rank at once")
     for column in ("step", "wire dtype", "ranks", "ns per element"):

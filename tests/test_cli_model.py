@@ -115,6 +115,13 @@ def test_calibrate_then_recommend_from_the_prior(tmp_path):
     assert any(f.latency_s > 0 for f in calibration.collectives)
     assert {r.ranks for r in calibration.compute} == {1, 2}
     assert all(r.seconds > 0 and r.flops_per_s > 0 for r in calibration.compute)
+    # the numpy kernel's per-step work, timed on every rank count and shown
+    assert {(s.ranks, s.kind, s.wire) for s in calibration.steps} == {
+        (n, kind, wire) for n in (1, 2)
+        for kind, wire in (("query", "float16"), ("query", "float32"), ("merge", "float32"))
+    }
+    assert all(s.seconds > 0 and s.elements > 0 for s in calibration.steps)
+    assert "memory-bound steps" in result.stdout
 
     result = cptune("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", "256", "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -12,6 +12,7 @@ from cptune.calibration import (
     Calibration,
     CollectiveFit,
     ComputeRate,
+    StepCost,
     fit_latency_bandwidth,
     group_sizes,
 )
@@ -245,6 +246,7 @@ class Recording:
     def memory_time(self, step, nbytes, workload, ranks):
         return self.inner.memory_time(step, nbytes, workload, ranks)
 
+    charges_ring_steps = property(lambda self: self.inner.charges_ring_steps)
     launch_s = property(lambda self: self.inner.launch_s)
     overlap_slowdown = property(lambda self: self.inner.overlap_slowdown)
     attention_kernel = property(lambda self: self.inner.attention_kernel)
@@ -523,6 +525,21 @@ def test_attention_rate_beyond_the_calibrated_ranks_uses_the_largest():
     assert calibration.attention_rate(8, 64) == pytest.approx(RATES[64] / 2)
 
 
+#: The numpy kernel's step costs, seconds per element, by rank count: (query fp16, query fp32, merge).
+STEP_SECONDS = {1: (1e-9, 2e-10, 4e-10), 2: (1.5e-9, 3e-10, 5e-10)}
+
+
+def with_steps(calibration: Calibration) -> Calibration:
+    """``calibration`` plus the kernel's step costs of STEP_SECONDS, timed on 1000 elements."""
+    steps = tuple(
+        StepCost(ranks=n, kind=kind, wire=wire, elements=1000, seconds=1000 * seconds)
+        for n, costs in STEP_SECONDS.items()
+        for (kind, wire), seconds in zip((("query", "float16"), ("query", "float32"), ("merge", "float32")),
+                                         costs, strict=True)
+    )
+    return dataclasses.replace(calibration, steps=steps)
+
+
 def sized_calibration(max_ranks: int = 1) -> Calibration:
     """Head_dim 64 on every rank count: 1 GFLOP/s on a small call, 4 GFLOP/s on a call 16x
     larger; causal calls at half those rates (of the FLOPs the numpy kernel executes).
@@ -581,6 +598,46 @@ def test_ring_compute_is_rated_at_the_work_of_one_block():
     assert ring_rate < ulysses_rate  # ...but the Ring does it in 4 smaller calls
     assert prior_time(workload, ring, p).compute_s == pytest.approx(flops / ring_rate)
     assert prior_time(workload, ulysses, p).compute_s == pytest.approx(flops / ulysses_rate)
+    # where the calibration times what each Ring step repeats, those costs are charged as
+    # steps, and the calls together are rated as one call over all keys: not counted twice
+    timed = CalibratedProfile(HOST, with_steps(p.calibration))
+    assert timed.charges_ring_steps and not p.charges_ring_steps
+    assert prior_time(workload, ring, timed).compute_s == pytest.approx(flops / ulysses_rate)
+    assert prior_time(workload, ring, timed).memory_s > 0
+
+
+def test_step_costs_round_trip_and_answer_for_the_nearest_rank_count():
+    calibration = with_steps(make_calibration(max_ranks=4))
+    assert Calibration.from_dict(json.loads(json.dumps(calibration.to_dict()))) == calibration
+    assert calibration.step_seconds("query", 1, "float16") == pytest.approx(1e-9)
+    assert calibration.step_seconds("merge", 2, "float32") == pytest.approx(5e-10)
+    assert calibration.step_seconds("query", 8, "float32") == pytest.approx(3e-10)  # beyond: the largest
+    assert calibration.step_seconds("query", 2, "float64") == 0.0  # not timed
+    assert make_calibration().step_seconds("merge", 2, "float32") == 0.0
+
+
+def test_ring_steps_pay_the_calibrated_query_preparation_and_merge_per_element():
+    """Each Ring step after the first prepares its query block again and merges the block's
+    output: per element of the block, the wire dtype's query cost plus the merge's. A
+    calibration without step costs (stored before they were timed) charges nothing."""
+    untimed = CalibratedProfile(HOST, make_calibration(max_ranks=4))
+    timed = CalibratedProfile(HOST, with_steps(untimed.calibration))
+    for dtype, query in (("bf16", 1.5e-9), ("fp32", 3e-10)):
+        workload = Workload(seq_len=4096, heads=8, head_dim=64, batch=2, dtype=dtype)
+        ring = CPConfig("ring", 2)
+        elements = 2 * (4096 // 2) * 8 * 64  # the block each rank merges, once (c - 1 = 1)
+        t, before = prior_time(workload, ring, timed), prior_time(workload, ring, untimed)
+        assert t.memory_s == pytest.approx(elements * (query + 5e-10))
+        assert before.memory_s == 0.0
+        assert t.total_s == pytest.approx(before.total_s + t.memory_s)
+        for other in (CPConfig("allgather_kv", 2), CPConfig("ulysses", 2), CPConfig("ring", 1)):
+            assert prior_time(workload, other, timed) == prior_time(workload, other, untimed)
+    # the Ring's share falls with length: the steps grow as S, the attention as S^2
+    shares = []
+    for seq_len in (1024, 4096):
+        t = prior_time(Workload(seq_len=seq_len, heads=8, head_dim=64), CPConfig("ring", 2), timed)
+        shares.append(t.memory_s / t.total_s)
+    assert shares[1] < shares[0] / 2
 
 
 def test_a_stored_calibration_without_mask_fields_still_loads():
@@ -588,6 +645,7 @@ def test_a_stored_calibration_without_mask_fields_still_loads():
     for rate in data["compute"]:
         del rate["causal"]  # stored before causal shapes were calibrated
     assert all(not r.causal for r in Calibration.from_dict(data).compute)
+    assert Calibration.from_dict(data).steps == ()  # and without step costs
 
 
 # --------------------------------------------------------------------------- what is known

@@ -428,6 +428,24 @@ def test_the_calibration_and_the_interval_coverage_are_shown(data, written):
     assert accuracy.verdict in html.unescape(page)
 
 
+def test_the_kernels_timed_steps_are_shown_where_the_calibration_has_them(data, written, tmp_path):
+    from cptune.calibration import StepCost
+
+    assert "ns per element" not in written[-1].read_text()  # a calibration without steps
+    steps = (StepCost(ranks=2, kind="query", wire="float16", elements=1000, seconds=1.25e-6),
+             StepCost(ranks=2, kind="merge", wire="float32", elements=1000, seconds=4e-7))
+    hardware = dataclasses.replace(data.hardware[0], calibration=dataclasses.replace(
+        data.hardware[0].calibration, steps=steps))
+    timed = dataclasses.replace(data, hardware=(hardware, *data.hardware[1:]))
+    page = write_report(timed, tmp_path)[-1].read_text()
+    assert "ns per element" in page and "1.250" in page and "0.400" in page
+    console = Console(width=200, record=True)
+    for table in text_tables(timed):
+        console.print(table)
+    text = console.export_text()
+    assert "the kernel's steps" in text and "1.250" in text
+
+
 def png_size(png: bytes) -> tuple[int, int]:
     assert png.startswith(PNG)
     return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")

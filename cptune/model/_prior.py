@@ -9,7 +9,9 @@ ranks, hardware that is only calibrated or only described.
 
     compute     = FLOPs the busiest rank's kernel executes (masked pairs it computes
                   included: ``computed_flops``) / attention rate per rank (at the work per
-                  kernel call and head_dim: small blocks and small head_dims run slower)
+                  kernel call and head_dim: small blocks and small head_dims run slower;
+                  the Ring's calls together count as one call where the profile charges
+                  what each of its steps repeats, ``charges_ring_steps``)
     memory      = bytes of the memory-bound steps (permutes, GQA replication, the Ring's
                   merges and query re-reads) / device-memory bandwidth; on a calibrated
                   host, the Ring's merges and query preparations at their measured cost per
@@ -66,6 +68,12 @@ class Profile(Protocol):
         (``cptune.cost.MEMORY_STEPS``) moving ``nbytes`` of ``workload``."""
 
     @property
+    def charges_ring_steps(self) -> bool:
+        """Whether ``memory_time`` charges what each Ring step repeats (its merge and query
+        re-read): then the Ring's attention is rated as one call over all its keys, not at
+        the work of one block, which would count those per-call costs twice."""
+
+    @property
     def launch_s(self) -> float:
         """Seconds one kernel launch costs beyond its work (0 when inside measured rates)."""
 
@@ -119,6 +127,10 @@ class CalibratedProfile:
         return 0.0  # permutes and replication: not calibrated
 
     @property
+    def charges_ring_steps(self) -> bool:
+        return bool(self.calibration.steps)
+
+    @property
     def launch_s(self) -> float:
         return 0.0  # inside the measured per-call latencies and rates
 
@@ -160,6 +172,10 @@ class DescribedProfile:
 
     def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
         return nbytes / self.description.figure("device.memory_gbps")
+
+    @property
+    def charges_ring_steps(self) -> bool:
+        return True  # and its attention rate does not depend on the work per call
 
     @property
     def launch_s(self) -> float:
@@ -269,7 +285,8 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: s
     n, u, c = config.ranks, config.head_group, config.context_degree
     calls = cost.kernels["attention"]
     flops = computed_flops(workload, config, profile.attention_kernel)
-    compute = flops / profile.attention_rate(workload, n, flops / calls)
+    work_per_call = flops if profile.charges_ring_steps else flops / calls
+    compute = flops / profile.attention_rate(workload, n, work_per_call)
     memory = {step: profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0
               for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s

@@ -293,21 +293,29 @@ def margin_text(cell: MapCell, named: bool = True) -> str:
     return f"{margin} vs {cell.runner_up}" if named else margin
 
 
-def calibration_rows(calibration: Calibration) -> tuple[list[list[str]], list[list[str]]]:
+def calibration_rows(calibration: Calibration) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
     """The calibration as table rows: each collective fit (kind, ranks, group, latency us,
-    fitted GB/s, bus GB/s), and each attention rate (ranks, head_dim, mask, GFLOP per call,
-    GFLOP/s per rank)."""
+    fitted GB/s, bus GB/s), each attention rate (ranks, head_dim, mask, GFLOP per call,
+    GFLOP/s per rank) and each timed step of the kernel (step, wire dtype, ranks, ns per
+    element; none for a calibration without them)."""
     collectives = [[f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
                     f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}"]
                    for f in sorted(calibration.collectives, key=lambda f: (f.kind, f.ranks, f.group))]
     compute = [[str(r.ranks), str(r.head_dim), "causal" if r.causal else "full", f"{r.flops / 1e9:.2f}",
                 f"{r.flops_per_s / 1e9:.1f}"]
                for r in sorted(calibration.compute, key=lambda r: (r.ranks, r.head_dim, r.causal, r.flops))]
-    return collectives, compute
+    steps = [[s.kind, s.wire, str(s.ranks), f"{s.seconds_per_element * 1e9:.3f}"]
+             for s in sorted(calibration.steps, key=lambda s: (s.kind, s.wire, s.ranks))]
+    return collectives, compute, steps
 
 
 COLLECTIVE_COLUMNS = ("collective", "ranks", "group", "latency us", "fit GB/s", "bus GB/s")
 COMPUTE_COLUMNS = ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank")
+STEP_COLUMNS = ("step", "wire dtype", "ranks", "ns per element")
+#: What the kernel's timed steps are, under their table.
+STEP_CAPTION = ("the per-element work each Ring step repeats, with that many ranks running it at once: "
+                "query, a query block made scaled float32; merge, a block's output merged into the "
+                "running one")
 BREAKDOWN_COLUMNS = ("seq_len", "config", "ranks", "median", "compute", "comm", "comm %", "peak")
 
 

@@ -18,6 +18,8 @@ from cptune.report._data import (
     BREAKDOWN_COLUMNS,
     COLLECTIVE_COLUMNS,
     COMPUTE_COLUMNS,
+    STEP_CAPTION,
+    STEP_COLUMNS,
     HardwareReport,
     ReportData,
     ShapeReport,
@@ -185,8 +187,8 @@ def _breakdown_table(shape: ShapeReport) -> str:
 def _calibration_section(hardware: HardwareReport) -> list[str]:
     if hardware.calibration is None:
         return []
-    collectives, compute = calibration_rows(hardware.calibration)
-    return [
+    collectives, compute, steps = calibration_rows(hardware.calibration)
+    section = [
         f"<h3>Calibration ({escape(hardware.calibration.measured_at)})</h3>",
         _plain_table(COLLECTIVE_COLUMNS, collectives,
                      "each collective in groups of that size while that many ranks run: time = latency + "
@@ -196,6 +198,9 @@ def _calibration_section(hardware: HardwareReport) -> list[str]:
                      "the attention kernel's rate per rank with that many ranks computing at once",
                      names=0),
     ]
+    if steps:
+        section.append(_plain_table(STEP_COLUMNS, steps, STEP_CAPTION, names=2))
+    return section
 
 
 def _accuracy_table(hardware: HardwareReport) -> str:

@@ -11,6 +11,8 @@ from cptune.report._data import (
     BREAKDOWN_COLUMNS,
     COLLECTIVE_COLUMNS,
     COMPUTE_COLUMNS,
+    STEP_CAPTION,
+    STEP_COLUMNS,
     HardwareReport,
     ReportData,
     ShapeReport,
@@ -137,9 +139,9 @@ def _breakdown(hardware: HardwareReport, shape: ShapeReport) -> Table:
 
 def _calibration(hardware: HardwareReport) -> list[Table]:
     assert hardware.calibration is not None
-    collectives, compute = calibration_rows(hardware.calibration)
+    collectives, compute, steps = calibration_rows(hardware.calibration)
     where = f"{hardware.description} [{hardware.fingerprint[:8]}]"
-    return [
+    tables = [
         _rows(f"calibration, collectives: {where}",
               "time = latency + bytes sent per rank / fit bandwidth, in groups of that size while that many "
               "ranks run; bus: nccl-tests' bus bandwidth at the largest message",
@@ -147,6 +149,10 @@ def _calibration(hardware: HardwareReport) -> list[Table]:
         _rows(f"calibration, attention rate: {where}", "per rank, with that many ranks computing at once",
               COMPUTE_COLUMNS, compute, names=0),
     ]
+    if steps:
+        tables.append(_rows(f"calibration, the kernel's steps: {where}", STEP_CAPTION, STEP_COLUMNS, steps,
+                            names=2))
+    return tables
 
 
 def _notes(hardware: HardwareReport) -> Table:
