@@ -244,3 +244,17 @@ def test_round_spread_pairs_configurations_round_by_round_leaving_out_the_explor
     assert "3 pairs sharing 4+ rounds" in capsys.readouterr().out
     assert round_spread.main(["--db", str(tmp_path / "missing.db")]) == 2
     assert "round_spread:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_step_work_times_the_same_attention_both_ways(causal):
+    """The Ring's calls merged and the one call over all keys compute one rank's attention
+    alike, so their timings compare the same work."""
+    ring_step_work = _benchmark("ring_step_work")
+    workload = Workload(seq_len=96, heads=4, kv_heads=2, head_dim=16, dtype="fp32", causal=causal)
+    for group in range(2):
+        cases = ring_step_work.rank_cases(workload, group, np.random.default_rng(group))
+        (ring_out, ring_lse), (one_out, one_lse) = cases["ring"](), cases["one call"]()
+        np.testing.assert_allclose(ring_out, one_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ring_lse, one_lse, rtol=1e-5, atol=1e-6)
+        cases["steps"]()  # runs on the block's shape
