@@ -14,7 +14,7 @@ about a minute:
 - the attention kernel on a few shapes, every rank computing at once on its share of the
   cores, so a rank count's rate includes the contention between its ranks. The rate
   depends on the work per call (small blocks pay fixed costs), the head_dim (the GEMMs'
-  inner dimension) and the mask, so each is timed at two sizes, both head_dims and with
+  inner dimension) and the mask, so each is timed at three sizes, both head_dims and with
   and without a causal mask; the prior interpolates between them;
 - for the numpy kernel (the mpi engine, a ``StepTimer``), the work over
   a query block that a Ring step repeats beyond one call over all keys: preparing the query
@@ -40,13 +40,16 @@ from cptune.engines.mpi import computed_pairs
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
-#: Attention shapes timed per rank count: a few heads' query block against its keys, at two
-#: sizes (a factor 4 of work apart), head_dim 64 and 128, without and with a causal mask.
+#: Attention shapes timed per rank count: a few heads' query block against its keys, at three
+#: sizes (factors 4 of work apart), head_dim 64 and 128, without and with a causal mask. The
+#: largest (about 30 GFLOP) reaches the work of a whole layer on one rank at a few thousand
+#: tokens: beyond the largest shape the rate is held, and two sizes held it from 2048 tokens
+#: on one rank but 3072 on two, which skewed one rank against two between those lengths.
 ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
     {"heads": 4, "seq_q": seq_q, "seq_k": 4 * seq_q, "head_dim": head_dim, "causal": causal}
     for head_dim in (64, 128)
     for causal in (0, 1)
-    for seq_q in (512, 1024)
+    for seq_q in (512, 1024, 2048)
 )
 #: Memory-bound steps timed per rank count (``StepTimer``) on a 4-head x 1024-row x d128 block
 #: (half a million elements): preparing a query block from each wire dtype, merging an output.
