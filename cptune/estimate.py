@@ -6,14 +6,21 @@ alike. One visit's figure is its median iteration of the slowest rank. This modu
 combines every clean visit of a configuration (never the newest alone) and judges the
 fastest against the rest:
 
-- A configuration's latency is the median of its clean visits (the geometric mean of the
-  middle two for an even count): a visit a burst of load slowed moves it by one place, not
-  by its size. Its 95% interval: from six visits on, the sign test's order statistics of
-  the visits (distribution-free); with fewer, a Student-t interval on the log scale, whose
-  round-to-round spread is pooled over every configuration of the workload with two or more
-  visits (one spread per workload and hardware: one visit says nothing about its own
-  spread); without any, the spread of the visits' own iterations (p10-p90 read as a
-  normal's +-1.28 sigma) stands in for it, and that understates drift, so a search always
+- Each visit is first set on a common footing: a round that two or more configurations
+  shared has a level of its own (the host drifted or slowed down while it ran, for all of
+  them alike), found by Tukey's median polish of log latency over configurations x rounds,
+  and each visit is divided by its round's level relative to the median round's
+  (``round_levels``). Without it a configuration whose visits happened to fall in slow
+  rounds read slower than its rounds-mates, even where every shared round said the
+  opposite; a visit in a round of its own stays as measured.
+- A configuration's latency is the median of its clean visits so adjusted (the geometric
+  mean of the middle two for an even count): a visit a burst of load slowed moves it by
+  one place, not by its size. Its 95% interval: from six visits on, the sign test's order
+  statistics of the visits (distribution-free); with fewer, a Student-t interval on the log
+  scale, whose round-to-round spread is pooled over every configuration of the workload with
+  two or more visits (one spread per workload and hardware: one visit says nothing about
+  its own spread); without any, the spread of the visits' own iterations (p10-p90 read as
+  a normal's +-1.28 sigma) stands in for it, and that understates drift, so a search always
   runs two rounds or more.
 - The leader against another configuration: their ratio. Where they share rounds it is
   paired round by round (interleaving cancels the drift both saw): from six shared rounds
@@ -79,7 +86,7 @@ class Estimate:
     hardware: str
     workload: Workload
     config: CPConfig
-    median_ms: float  # the median visit (geometric mean of the middle two for an even count)
+    median_ms: float  # the median visit at its round's level (geometric mean of the middle two when even)
     low_ms: float
     high_ms: float
     rounds: int  # clean visits combined
@@ -116,20 +123,53 @@ def _median_of(values: Iterable[float | None]) -> float | None:
     return float(np.median(kept)) if kept else None
 
 
-def _noise(visits: Sequence[Sequence[Result]]) -> Noise:
-    """The pooled within-configuration spread of log latency over ``visits`` (one list per
-    configuration), or the iterations' spread where no configuration has two visits."""
+def _noise(logs_by_config: Sequence[np.ndarray], visits: Sequence[Result]) -> Noise:
+    """The pooled within-configuration spread of log latency (one array of visits' logs per
+    configuration), or the iterations' spread of ``visits`` where no configuration has two."""
     squares, df = 0.0, 0
-    for rows in visits:
-        if len(rows) >= 2:
-            logs = np.log([r.median_ms for r in rows])
+    for logs in logs_by_config:
+        if len(logs) >= 2:
             squares += float(np.sum((logs - logs.mean()) ** 2))
-            df += len(rows) - 1
+            df += len(logs) - 1
     if df:
         return Noise(math.sqrt(squares / df), df, "rounds")
     spreads = [math.log(r.p90_ms / r.p10_ms) / _P10_P90_SIGMAS
-               for rows in visits for r in rows if r.p10_ms and r.p90_ms and r.p10_ms > 0]
+               for r in visits if r.p10_ms and r.p90_ms and r.p10_ms > 0]
     return Noise(float(np.median(spreads)) if spreads else 0.0, math.inf, "iterations")
+
+
+#: Sweeps of the median polish: each takes the configurations' medians out, then the rounds'.
+_POLISH_SWEEPS = 10
+
+
+def round_levels(by_config: dict[CPConfig, list[Result]]) -> dict[str, float]:
+    """Each round two or more configurations of one workload shared: its level, the log
+    factor by which that round ran slower than the median such round (negative: faster).
+    Tukey's median polish of log latency = configuration + round over the visits of those
+    rounds (missing cells allowed): medians, so one burst in a round moves its level little."""
+    cells = [(config, v.round_id, math.log(v.median_ms))
+             for config, visits in by_config.items() for v in visits if v.round_id]
+    members: dict[str, set[CPConfig]] = defaultdict(set)
+    for config, round_id, _ in cells:
+        members[round_id].add(config)
+    shared = sorted(r for r, configs in members.items() if len(configs) >= 2)
+    cells = [cell for cell in cells if len(members[cell[1]]) >= 2]
+    if not cells:
+        return {}
+    configs = {config: i for i, config in enumerate(by_config)}
+    rows = np.array([configs[c] for c, _, _ in cells])
+    column_of = {r: j for j, r in enumerate(shared)}
+    columns = np.array([column_of[r] for _, r, _ in cells])
+    residual = np.array([x for _, _, x in cells])
+    level = np.zeros(len(shared))
+    for _ in range(_POLISH_SWEEPS):
+        for i in np.unique(rows):
+            residual[rows == i] -= np.median(residual[rows == i])
+        for j in range(len(shared)):
+            shift = np.median(residual[columns == j])
+            residual[columns == j] -= shift
+            level[j] += shift
+    return dict(zip(shared, (level - np.median(level)).tolist(), strict=True))
 
 
 def _interval_rank(null_counts: Sequence[int]) -> int:
@@ -151,17 +191,23 @@ def _sign_test_rank(n: int) -> int:
 
 def combine(rows: Iterable[Result]) -> dict[tuple[str, Workload, CPConfig], Estimate]:
     """Every (hardware, workload, configuration) with a clean visit among ``rows``,
-    combined. Failed, disturbed and excluded rows are left out; the caller filters
-    anything else (oversubscribed runs, other engines)."""
+    combined, each visit at its round's level (``round_levels``). Failed, disturbed and
+    excluded rows are left out; the caller filters anything else (oversubscribed runs,
+    other engines)."""
     grouped: dict[tuple[str, Workload], dict[CPConfig, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if row.clean:
             grouped[(row.hardware, row.workload)][row.config].append(row)
     estimates = {}
     for (hardware, workload), by_config in grouped.items():
-        noise = _noise(list(by_config.values()))
+        levels = round_levels(by_config)
+        logs_by_config = {
+            config: np.sort([math.log(v.median_ms) - levels.get(v.round_id or "", 0.0) for v in visits])
+            for config, visits in by_config.items()
+        }
+        noise = _noise(list(logs_by_config.values()), [v for visits in by_config.values() for v in visits])
         for config, visits in by_config.items():
-            logs = np.sort(np.log([v.median_ms for v in visits]))
+            logs = logs_by_config[config]
             centre = float(np.median(logs))
             if len(logs) >= MIN_SIGN_TEST_VISITS:
                 k = _sign_test_rank(len(logs))
