@@ -17,6 +17,7 @@ import pytest
 
 from conftest import measurement
 from cptune.config import CPConfig
+from cptune.estimate import combine
 from cptune.hardware import this_host
 from cptune.store import Store
 from cptune.workload import Workload
@@ -76,9 +77,12 @@ def runs(tmp_path: Path) -> tuple[str, str]:
             _database(tmp_path / "second.db", SECOND))
 
 
-def _median_visit(values: list[float]) -> float:
-    """What cptune.estimate combines visits into: the median (geometric mean of the middle two)."""
-    return math.exp(float(np.median(np.log(values))))
+def _combined(db: str) -> dict[tuple[Workload, CPConfig], float]:
+    """Each configuration's latency as cptune.estimate combines the database's visits
+    (each at its round's level, then the median)."""
+    with Store(db) as store:
+        estimates = combine(store.results())
+    return {(workload, config): e.median_ms for (_, workload, config), e in estimates.items()}
 
 
 def _figures(runs: tuple[str, str]) -> dict:
@@ -119,7 +123,8 @@ def test_the_verdict_counts_ties_as_ties_and_judges_winners_by_combined_estimate
     # the other way: the second run separates ulysses at CLOSE; the first run's estimates judge it
     second = {j["workload"]: j for j in out["verdict"]["second_judged_by_first"]["per_workload"]}
     assert second[CLOSE.describe()]["pick"] == ULYSSES.describe()
-    expected = _median_visit(FIRST[(CLOSE, ULYSSES)]) / _median_visit(FIRST[(CLOSE, RING)])
+    first_run = _combined(runs[0])
+    expected = first_run[(CLOSE, ULYSSES)] / first_run[(CLOSE, RING)]
     assert second[CLOSE.describe()]["regret"] == pytest.approx(expected)
     summary = out["verdict"]["second_judged_by_first"]["summary"]
     assert summary["winners"] == 2 and summary["worst_regret"] == pytest.approx(expected)
@@ -127,7 +132,8 @@ def test_the_verdict_counts_ties_as_ties_and_judges_winners_by_combined_estimate
 
 def test_the_ratio_spread_compares_combined_latencies(runs):
     ratio = _figures(runs)["ratio_second_over_first"]
-    expected = [_median_visit(SECOND[key]) / _median_visit(FIRST[key]) for key in FIRST]
+    first_run, second_run = (_combined(db) for db in runs)
+    expected = [second_run[key] / first_run[key] for key in FIRST]
     assert ratio["configurations"] == 4
     assert ratio["min"] == pytest.approx(min(expected)) and ratio["max"] == pytest.approx(max(expected))
 
@@ -136,7 +142,8 @@ def test_the_fit_floor_judges_every_leader_as_fit_judges_a_pick(runs):
     floor = _figures(runs)["fit_floor"]
     # first run: ring leads at both workloads (tied with ulysses at CLOSE, but still the pick);
     # the second run separates ulysses at CLOSE, so the first's pick there costs 10.6 / 10.0
-    close = _median_visit(SECOND[(CLOSE, RING)]) / _median_visit(SECOND[(CLOSE, ULYSSES)])
+    second_run = _combined(runs[1])
+    close = second_run[(CLOSE, RING)] / second_run[(CLOSE, ULYSSES)]
     first = floor["first_judged_by_second"]
     assert first["worst_regret"] == pytest.approx(close) and first["above_1_05"] == 1
     assert first["median_regret"] == pytest.approx((1.0 + close) / 2)
