@@ -115,17 +115,36 @@ def test_a_causal_block_computes_its_masked_corner():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_cast_shares_slices_between_threads_and_matches_numpy(threads):
-    """The kernel's casts, split over threads, give exactly numpy's: float16 -> float32
-    scaled (Q), float16 -> float32 (K, V, a chunk's strided view), float32 -> float16 (the
-    output); an array already in the dtype is returned as is."""
+def test_per_call_passes_share_slices_between_threads_and_match_numpy(threads):
+    """The kernel's passes over memory, split over threads, give numpy's whole-array
+    results: casts float16 -> float32 (K, V, a chunk's strided view) and float32 -> float16
+    (the output), Q scaled with its row norms, K's norms and the values' largest magnitude,
+    and the merge of two partials; an array already in the dtype is returned as is."""
     rng = np.random.default_rng(6)
     wide = rng.standard_normal((2, 3, 5, 8), dtype=np.float32)
     narrow = wide.astype(np.float16)
-    np.testing.assert_array_equal(kernels.cast(narrow, np.dtype(np.float32), threads, scale=0.25),
-                                  narrow.astype(np.float32) * np.float32(0.25))
     chunk = narrow[..., 1:4, :]
     np.testing.assert_array_equal(kernels.cast(chunk, np.dtype(np.float32), threads),
                                   chunk.astype(np.float32))
     np.testing.assert_array_equal(kernels.cast(wide, np.dtype(np.float16), threads), narrow)
     assert kernels.cast(wide, np.dtype(np.float32), threads) is wide
+
+    scaled, norms = kernels.prepare_query(narrow, threads)
+    expected = narrow.astype(np.float32) * np.float32(1 / np.sqrt(8))
+    np.testing.assert_array_equal(scaled, expected)
+    np.testing.assert_allclose(norms, np.linalg.norm(expected, axis=-1), rtol=1e-6)
+
+    kv = np.stack([narrow, 3 * narrow])
+    keys, values, key_norms, small = kernels._prepare_keys(kv, threads)
+    np.testing.assert_array_equal(values, (3 * narrow).astype(np.float32))
+    np.testing.assert_allclose(key_norms, np.linalg.norm(narrow.astype(np.float32), axis=-1), rtol=1e-6)
+    assert small
+    assert not kernels._prepare_keys(np.stack([wide, wide * 1e7]), threads)[3]
+
+    lse_a, lse_b = rng.standard_normal((2, 2, 3, 5), dtype=np.float32)
+    out_a, out_b = wide.copy(), 2 * wide
+    merged, lse = kernels.merge((out_a, lse_a), (out_b, lse_b), threads)
+    total = np.logaddexp(lse_a, lse_b)
+    np.testing.assert_allclose(lse, total)
+    np.testing.assert_allclose(merged, wide * np.exp(lse_a - total)[..., None]
+                               + 2 * wide * np.exp(lse_b - total)[..., None], rtol=1e-5, atol=1e-6)

@@ -128,7 +128,7 @@ class MpiOps:
 
     def merge(self, acc: Partial | None, part: Partial) -> Partial:
         start = time.perf_counter()
-        merged = Partial(*kernels.merge(acc, part))
+        merged = Partial(*kernels.merge(acc, part, self.threads))
         self.compute_s += time.perf_counter() - start
         return merged
 
@@ -286,7 +286,7 @@ def _step_case(step: dict[str, object], threads: int) -> Callable[[], object]:
     if step["kind"] == "merge":
         lse = rng.standard_normal((1, heads, rows), dtype=np.float32)
         running = (block.copy(), lse.copy())
-        return lambda: kernels.merge(running, (block, lse))
+        return lambda: kernels.merge(running, (block, lse), threads)
     raise ValueError(f"unknown step {step['kind']!r}")
 
 

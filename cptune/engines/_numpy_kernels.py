@@ -151,7 +151,8 @@ def attention(
 
     ``threads`` > 1 spreads the heads over that many threads, each running single-threaded
     BLAS (the caller limits BLAS to one thread): softmax passes then use every core too,
-    which a multi-threaded GEMM alone does not. ``poll`` is called between blocks by one
+    which a multi-threaded GEMM alone does not, and so do the passes around them (casts,
+    norms, the merge of key chunks: ``for_each_slice``). ``poll`` is called between blocks by one
     thread (the MPI engine progresses in-flight transfers there)."""
     scaled_q, query_norms = prepare_query(q, threads)
     result = None
@@ -160,16 +161,26 @@ def attention(
         part = _attention_chunk(
             scaled_q, query_norms, kv[..., chunk, :], q_pos, k_pos[chunk], causal, seq_len, threads, poll
         )
-        result = merge(result, part)
+        result = merge(result, part, threads)
     assert result is not None
     return result
 
 
 def prepare_query(q: np.ndarray, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``q`` [B, H, sq, D] as float32 scaled by 1/sqrt(head_dim), and each row's norm: the
-    per-call work over the query block (a Ring step repeats it for every block it attends)."""
-    scaled_q = cast(q, np.dtype(np.float32), threads, scale=1.0 / np.sqrt(q.shape[-1]))
-    return scaled_q, np.sqrt(np.einsum("bhqd,bhqd->bhq", scaled_q, scaled_q))
+    per-call work over the query block (a Ring step repeats it for every block it attends).
+    Each (batch, head) slice is cast and normed while in cache, the slices shared between
+    ``threads``."""
+    scaled_q = np.empty(q.shape, np.float32)
+    norms = np.empty(q.shape[:-1], np.float32)
+    scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
+
+    def prepare(i: tuple[int, ...]) -> None:
+        np.multiply(q[i], scale, out=scaled_q[i], dtype=np.float32)
+        np.sqrt(np.einsum("qd,qd->q", scaled_q[i], scaled_q[i]), out=norms[i])
+
+    for_each_slice(q.shape[:-2], threads, prepare)
+    return scaled_q, norms
 
 
 @functools.cache
@@ -177,28 +188,32 @@ def _executor(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="cptune-attention")
 
 
-def cast(x: np.ndarray, dtype: np.dtype, threads: int = 1, scale: float | None = None) -> np.ndarray:
-    """``x`` in ``dtype`` (times ``scale``, computed in ``dtype``, when given): ``x`` itself
-    when that changes nothing, else a new array. ``threads`` > 1 share its leading (batch,
-    head) slices: a cast is a pass over every element, and on one thread of a two-thread rank
-    Q's, K's and V's took 10.5 ms of the kernel's 72 at 1024 x 12 x d128 (6.3 split)."""
-    if scale is None and x.dtype == dtype:
-        return x
-    out = np.empty(x.shape, dtype)
-    slices = list(np.ndindex(x.shape[:-2]))
+def for_each_slice(leading: tuple[int, ...], threads: int, work: Callable[[tuple[int, ...]], None]) -> None:
+    """``work`` on every index of the ``leading`` (batch, head) axes, the indices shared
+    between ``threads`` threads: the passes over memory around the GEMMs then use every core
+    a rank has, as the attention itself does."""
+    slices = list(np.ndindex(leading))
 
-    def convert(share: list[tuple[int, ...]]) -> None:
+    def run(share: list[tuple[int, ...]]) -> None:
         for i in share:
-            if scale is None:
-                np.copyto(out[i], x[i], casting="unsafe")
-            else:
-                np.multiply(x[i], scale, out=out[i], dtype=dtype)
+            work(i)
 
     workers = min(threads, len(slices))
     if workers <= 1:
-        convert(slices)
+        run(slices)
     else:
-        list(_executor(threads).map(convert, [slices[n::workers] for n in range(workers)]))
+        list(_executor(threads).map(run, [slices[n::workers] for n in range(workers)]))
+
+
+def cast(x: np.ndarray, dtype: np.dtype, threads: int = 1) -> np.ndarray:
+    """``x`` in ``dtype``: ``x`` itself when that changes nothing, else a new array, its
+    leading (batch, head) slices shared between ``threads``: a cast is a pass over every
+    element, and on one thread of a two-thread rank Q's, K's and V's took 10.5 ms of the
+    kernel's 72 at 1024 x 12 x d128 (6.3 split)."""
+    if x.dtype == dtype:
+        return x
+    out = np.empty(x.shape, dtype)
+    for_each_slice(x.shape[:-2], threads, lambda i: np.copyto(out[i], x[i], casting="unsafe"))
     return out
 
 
@@ -220,10 +235,7 @@ def _attention_chunk(
     lse = np.full((batch, heads, sq), -np.inf, dtype=np.float32)
     plan = _plan(q_pos, k_pos, causal, seq_len)
     widest = max((sum(b - a for a, b, _ in segs) * (j - i) for i, j, segs in plan), default=0)
-    keys = cast(kv[0], np.dtype(np.float32), threads)
-    values = cast(kv[1], np.dtype(np.float32), threads)
-    key_norms = np.sqrt(np.einsum("bksd,bksd->bks", keys, keys))
-    values_small = bool(np.abs(values).max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
+    keys, values, key_norms, values_small = _prepare_keys(kv, threads)
 
     def attend_heads(items: list[tuple[int, int]], poll: Callable[[], object] | None) -> None:
         buffer = np.empty(widest, dtype=np.float32)
@@ -252,6 +264,27 @@ def _attention_chunk(
         for job in jobs:
             job.result()
     return out, lse
+
+
+def _prepare_keys(kv: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """K and V of ``kv`` [2, B, K, sk, D] as float32, each key's norm, and whether every
+    value is small enough for the unshifted softmax: one pass per (batch, KV head) slice,
+    the slices shared between ``threads``."""
+    as_is = kv.dtype == np.float32
+    keys = kv[0] if as_is else np.empty(kv.shape[1:], np.float32)
+    values = kv[1] if as_is else np.empty(kv.shape[1:], np.float32)
+    norms = np.empty(kv.shape[1:-1], np.float32)
+    largest = np.zeros(kv.shape[1:-2], np.float32)
+
+    def prepare(i: tuple[int, ...]) -> None:
+        if not as_is:
+            np.copyto(keys[i], kv[0][i], casting="unsafe")
+            np.copyto(values[i], kv[1][i], casting="unsafe")
+        np.sqrt(np.einsum("sd,sd->s", keys[i], keys[i]), out=norms[i])
+        largest[i] = np.abs(values[i]).max(initial=0.0)  # NaN stays NaN: the exact path
+
+    for_each_slice(kv.shape[1:-2], threads, prepare)
+    return keys, values, norms, bool(largest.max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
 
 
 class Block(NamedTuple):
@@ -327,10 +360,11 @@ def _attend_unshifted(block: Block) -> bool:
 
 
 def merge(
-    acc: tuple[np.ndarray, np.ndarray] | None, part: tuple[np.ndarray, np.ndarray]
+    acc: tuple[np.ndarray, np.ndarray] | None, part: tuple[np.ndarray, np.ndarray], threads: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """Combine two partials over disjoint keys: lse = log(e^lse_a + e^lse_b) and each output
-    weighted by e^(its lse - lse). Reuses ``acc``'s arrays."""
+    weighted by e^(its lse - lse). Reuses ``acc``'s arrays; the outputs' (batch, head) slices
+    are shared between ``threads``."""
     if acc is None:
         return part
     acc_out, acc_lse = acc
@@ -340,6 +374,10 @@ def merge(
     with np.errstate(invalid="ignore"):
         w_acc = np.where(none_seen, 0.0, np.exp(acc_lse - lse)).astype(np.float32)
         w_part = np.where(none_seen, 0.0, np.exp(part_lse - lse)).astype(np.float32)
-    acc_out *= w_acc[..., None]
-    acc_out += part_out * w_part[..., None]
+
+    def weigh(i: tuple[int, ...]) -> None:
+        acc_out[i] *= w_acc[i][:, None]
+        acc_out[i] += part_out[i] * w_part[i][:, None]
+
+    for_each_slice(acc_out.shape[:-2], threads, weigh)
     return acc_out, lse
