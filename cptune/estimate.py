@@ -11,7 +11,7 @@ fastest against the rest:
   them alike), found by Tukey's median polish of log latency over configurations x rounds,
   and each visit is divided by its round's level relative to the median round's
   (``round_levels``). Without it a configuration whose visits happened to fall in slow
-  rounds read slower than its rounds-mates, even where every shared round said the
+  rounds read slower than its round-mates, even where every shared round said the
   opposite; a visit in a round of its own stays as measured.
 - A configuration's latency is the median of its clean visits so adjusted (the geometric
   mean of the middle two for an even count): a visit a burst of load slowed moves it by
