@@ -38,6 +38,16 @@ def test_key_chunks_are_merged(monkeypatch):
     assert relative_error(out, reference_attention(workload, q, k, v)) < 2e-5
 
 
+def test_key_chunks_are_as_few_as_fit_and_of_one_size():
+    for keys in (1, 2047, 2048, 2049, 3072, 4096, 5000, 8192):
+        size = kernels.key_chunk(keys)
+        chunks = -(-keys // size)
+        assert size <= kernels.KEY_CHUNK, keys
+        assert chunks == -(-keys // kernels.KEY_CHUNK), keys
+        assert chunks * size - keys < chunks, keys  # the last chunk short by less than one key per chunk
+    assert kernels.key_chunk(3072) == 1536
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_threads_give_the_same_result(dtype):
     workload = Workload(seq_len=129, heads=4, head_dim=16, kv_heads=2, batch=2, dtype=dtype)
@@ -82,8 +92,9 @@ def test_position_runs():
 def planned_pairs(q_pos, k_pos, causal, seq_len):
     """(query, key) pairs the kernel's plan computes, block by block, chunk by chunk."""
     total = 0
-    for start in range(0, len(k_pos), kernels.KEY_CHUNK):
-        for i, j, segments in kernels._plan(q_pos, k_pos[start:start + kernels.KEY_CHUNK], causal, seq_len):
+    size = kernels.key_chunk(len(k_pos))
+    for start in range(0, len(k_pos), size):
+        for i, j, segments in kernels._plan(q_pos, k_pos[start:start + size], causal, seq_len):
             total += (j - i) * sum(stop - first for first, stop, _ in segments)
     return total
 
