@@ -92,9 +92,8 @@ def test_position_runs():
 def planned_pairs(q_pos, k_pos, causal, seq_len):
     """(query, key) pairs the kernel's plan computes, block by block, chunk by chunk."""
     total = 0
-    size = kernels.key_chunk(len(k_pos))
-    for start in range(0, len(k_pos), size):
-        for i, j, segments in kernels._plan(q_pos, k_pos[start:start + size], causal, seq_len):
+    for chunk in kernels.chunk_slices(len(k_pos)):
+        for i, j, segments in kernels._plan(q_pos, k_pos[chunk], causal, seq_len):
             total += (j - i) * sum(stop - first for first, stop, _ in segments)
     return total
 

@@ -49,6 +49,13 @@ def key_chunk(keys: int) -> int:
     return -(-keys // chunks)
 
 
+def chunk_slices(keys: int) -> list[slice]:
+    """The key index ranges ``attention`` reads in turn for a call over ``keys`` keys (one,
+    empty, where there are none: the call still returns its partial)."""
+    size = key_chunk(keys)
+    return [slice(start, start + size) for start in range(0, max(keys, 1), size)]
+
+
 def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
     """Index ranges [start, stop) over which positions increase by exactly one."""
     breaks = (np.flatnonzero(np.diff(positions) != 1) + 1).tolist()
@@ -169,9 +176,7 @@ def attention(
     thread (the MPI engine progresses in-flight transfers there)."""
     scaled_q, query_norms = prepare_query(q, threads)
     result = None
-    size = key_chunk(len(k_pos))
-    for start in range(0, max(len(k_pos), 1), size):
-        chunk = slice(start, start + size)
+    for chunk in chunk_slices(len(k_pos)):
         part = _attention_chunk(
             scaled_q, query_norms, kv[..., chunk, :], q_pos, k_pos[chunk], causal, seq_len, threads, poll
         )
