@@ -7,8 +7,10 @@ about a minute:
 
 - each collective the strategies use (all-to-all, all-gather, the Ring's stream step) in
   groups of every size a configuration can form, over a sweep of message sizes, fitted to
-  ``time = latency + bytes sent per rank / bandwidth``. The bandwidth reported next to the
-  fit is nccl-tests' bus bandwidth at the largest message: bytes each rank sends to its
+  ``time = latency + bytes sent per rank / bandwidth``. The mpi engine times its all-to-all
+  and all-gather as a strategy runs them, with the copies into send order and out of
+  receive order (at fp32 they took 3-6x the bare collective). The bandwidth reported next
+  to the fit is nccl-tests' bus bandwidth at the largest message: bytes each rank sends to its
   peers per second, which for all-gather and all-to-all is algbw * (n - 1) / n and for
   send/recv is algbw;
 - the attention kernel on a few shapes, every rank computing at once on its share of the

@@ -6,15 +6,18 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import cptune
 from cptune import CPConfig, Workload
 from cptune.cli import main
+from cptune.engines._mpi_worker import _collective, in_send_order, out_of_receive_order
 from cptune.engines.mpi import MPIEngine
 from cptune.errors import EngineError
 from cptune.execute import ITERATIONS_PER_PASS, measure_round
 from cptune.reference import TOLERANCE
+from cptune.strategies.primitives import HEADS, SEQ
 
 WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="bf16", causal=True)
 
@@ -177,3 +180,40 @@ def test_steady_allocator_keeps_timed_iterations_from_faulting_fresh_pages():
               for mode in ("default", "steady")}
     assert faults["default"] >= 8 * 256  # at least one 1 MiB array's 256 pages per iteration
     assert faults["steady"] < 64
+
+
+def test_the_exchanges_reorders_join_member_chunks_along_the_axis():
+    """An all-to-all's send order cut along one axis and joined back along it is the tensor;
+    an all-gather's arrivals are joined in member order."""
+    x = np.arange(2 * 6 * 4 * 3, dtype=np.float32).reshape(2, 6, 4, 3)
+    send = in_send_order(x, HEADS, 3, np.dtype(np.float16))
+    assert send.shape == (3, 2, 2, 4, 3) and send.dtype == np.float16 and send.flags.c_contiguous
+    np.testing.assert_array_equal(send[1], x[:, 2:4].astype(np.float16))
+    np.testing.assert_array_equal(out_of_receive_order(send, HEADS), x.astype(np.float16))
+    blocks = np.stack([x, x + 1000])
+    joined = out_of_receive_order(blocks, SEQ)
+    np.testing.assert_array_equal(joined, np.concatenate([x, x + 1000], axis=SEQ))
+
+
+class _LoopbackComm:
+    """Two members whose peer sends what this one does: enough to run an exchange."""
+
+    def Get_size(self) -> int:
+        return 2
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Alltoall(self, send, received) -> None:
+        received[0][...] = send[0]
+
+    def Allgather(self, send, received) -> None:
+        received[0][...] = np.stack([send[0], send[0]])
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_gather"])
+def test_calibration_times_the_exchange_with_its_copies(kind):
+    """Calibration's all-to-all and all-gather run the strategies' exchange, not the bare
+    collective: a case returns the joined tensor, so its copies are in the timing."""
+    joined = _collective(kind, _LoopbackComm(), 64)()  # K and V of 4 heads, 8 rows each
+    assert joined.shape == (2, 4, 16, 1) and joined.flags.c_contiguous

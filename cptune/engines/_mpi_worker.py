@@ -42,7 +42,7 @@ from cptune.engines import _numpy_kernels as kernels
 from cptune.engines import _protocol as protocol
 from cptune.layout import SequenceLayout
 from cptune.strategies import run_strategy
-from cptune.strategies.primitives import HEADS, Group, Partial
+from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
 from cptune.workload import Workload
 
 
@@ -97,6 +97,43 @@ def release_free_memory() -> None:
         trim(0)
 
 
+def in_send_order(x: np.ndarray, split_axis: int, members: int, wire: np.dtype) -> np.ndarray:
+    """``x`` cut into ``members`` chunks along ``split_axis``, chunk j first: the contiguous
+    [members, ...] buffer an all-to-all sends, in ``wire`` dtype (one copy, cast included)."""
+    split = split_axis % x.ndim
+    chunked = x.reshape(x.shape[:split] + (members, x.shape[split] // members) + x.shape[split + 1 :])
+    return np.ascontiguousarray(np.moveaxis(chunked, split, 0), dtype=wire)
+
+
+def out_of_receive_order(received: np.ndarray, axis: int) -> np.ndarray:
+    """The members' arrivals (``received[j]`` from member j) joined along ``axis`` of one
+    arrival: a copy, as the strategies' next step reads it."""
+    axis %= received.ndim - 1
+    shape = list(received.shape[1:])
+    shape[axis] *= received.shape[0]
+    return np.moveaxis(received, 0, axis).reshape(shape)
+
+
+def exchange_all_to_all(comm: MPI.Comm, x: np.ndarray, split_axis: int, concat_axis: int,
+                        wire: np.dtype) -> np.ndarray:
+    """Member j gets chunk j of ``x`` along ``split_axis``; the arrivals are joined along
+    ``concat_axis``. With the copies into send order and out of receive order: the
+    exchange as a strategy pays for it, which calibration times too."""
+    send = in_send_order(x, split_axis, comm.Get_size(), wire)
+    received = np.empty_like(send)
+    comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
+    return out_of_receive_order(received, concat_axis)
+
+
+def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype) -> np.ndarray:
+    """Every member's ``x`` joined along ``axis`` in member order, the copy out of receive
+    order included (see ``exchange_all_to_all``)."""
+    send = np.ascontiguousarray(x, dtype=wire)
+    received = np.empty((comm.Get_size(), *send.shape), dtype=wire)
+    comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
+    return out_of_receive_order(received, axis)
+
+
 class MpiOps:
     """``Primitives`` on MPI communicators with numpy math; times compute and communication
     separately (``compute_s``, ``comm_s``: seconds this rank spent in each, communication
@@ -140,34 +177,19 @@ class MpiOps:
 
     def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int) -> np.ndarray:
         comm = self.comms[group]
-        n = comm.Get_size()
-        if n == 1:
+        if comm.Get_size() == 1:
             return x
         start = time.perf_counter()
-        split, concat = split_axis % x.ndim, concat_axis % x.ndim
-        chunked = x.reshape(x.shape[:split] + (n, x.shape[split] // n) + x.shape[split + 1 :])
-        send = np.ascontiguousarray(np.moveaxis(chunked, split, 0), dtype=self.wire)
-        received = np.empty_like(send)
-        comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
-        shape = list(received.shape[1:])
-        shape[concat] *= n
-        out = np.moveaxis(received, 0, concat).reshape(shape)
+        out = exchange_all_to_all(comm, x, split_axis, concat_axis, self.wire)
         self.comm_s += time.perf_counter() - start
         return out
 
     def all_gather(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
         comm = self.comms[group]
-        n = comm.Get_size()
-        if n == 1:
+        if comm.Get_size() == 1:
             return x
         start = time.perf_counter()
-        send = np.ascontiguousarray(x, dtype=self.wire)
-        received = np.empty((n, *send.shape), dtype=self.wire)
-        comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
-        axis %= x.ndim
-        shape = list(send.shape)
-        shape[axis] *= n
-        out = np.moveaxis(received, 0, axis).reshape(shape)
+        out = exchange_all_gather(comm, x, axis, self.wire)
         self.comm_s += time.perf_counter() - start
         return out
 
@@ -240,17 +262,28 @@ class RankTask:
         return {}, [timings]
 
 
+#: Heads of the K/V tensor calibration exchanges: a chunk is K and V of this many heads,
+#: each a run of sequence rows of one byte.
+_CHUNK_HEADS = 4
+
+
 def _collective(kind: str, comm: MPI.Comm, chunk: int) -> Callable[[], object]:
     """One ``kind`` collective over ``comm`` as the strategies use it, ``chunk`` bytes per
-    peer: all-to-all and all-gather send a chunk to each of the n - 1 others, the Ring's
-    stream step ("p2p") passes one chunk to the next rank while taking one from the previous."""
+    peer (rounded down to whole rows of its ``2 * _CHUNK_HEADS`` runs): all-to-all and
+    all-gather send a chunk to each of the n - 1 others through the engine's own exchange,
+    its copies into send order and out of receive order included; the Ring's stream step
+    ("p2p") passes one chunk to the next rank while taking one from the previous, and copies
+    nothing."""
     n, me = comm.Get_size(), comm.Get_rank()
+    # shaped as a strategy's K/V block [K and V, heads, seq, 1 byte], so both copies move runs
+    # of one sequence block (with leading dims of 1 they would be views)
+    rows = max(1, chunk // (2 * _CHUNK_HEADS))
     if kind == "all_to_all":
-        send, received = np.ones(n * chunk, np.uint8), np.empty(n * chunk, np.uint8)
-        return lambda: comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
+        tensor = np.ones((2, _CHUNK_HEADS * n, rows, 1), np.uint8)
+        return lambda: exchange_all_to_all(comm, tensor, HEADS, SEQ, tensor.dtype)
     if kind == "all_gather":
-        send, received = np.ones(chunk, np.uint8), np.empty(n * chunk, np.uint8)
-        return lambda: comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
+        block = np.ones((2, _CHUNK_HEADS, rows, 1), np.uint8)
+        return lambda: exchange_all_gather(comm, block, SEQ, block.dtype)
     if kind == "p2p":
         send, received = np.ones(chunk, np.uint8), np.empty(chunk, np.uint8)
         return lambda: MPI.Request.Waitall([
