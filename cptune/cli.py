@@ -919,7 +919,8 @@ def _set_excluded(store: Store, ids: tuple[int, ...], excluded: bool, console: C
 
 def _calibration_tables(calibration: Calibration) -> list[Table]:
     comms = _table("collectives: time = latency + bytes sent per rank / bandwidth",
-                   "bus bw: nccl-tests' bus bandwidth at the largest message (bytes sent per rank / s)")
+                   "bus bw: nccl-tests' bus bandwidth at the largest message (bytes sent per rank / s); "
+                   "the mpi engine's all-to-all and all-gather are timed with their copies")
     for column in ("collective", "ranks", "group", "latency us", "fit GB/s", "bus bw GB/s"):
         comms.add_column(column, justify="left" if column == "collective" else "right", no_wrap=True)
     for f in calibration.collectives:
