@@ -9,7 +9,7 @@ about a minute:
   groups of every size a configuration can form, over a sweep of message sizes, fitted to
   ``time = latency + bytes sent per rank / bandwidth``. The mpi engine times its all-to-all
   and all-gather as a strategy runs them, with the copies into send order and out of
-  receive order (at fp32 they took 3-6x the bare collective). The bandwidth reported next
+  receive order (at fp32 they took 2.7-5.8x the bare collective). The bandwidth reported next
   to the fit is nccl-tests' bus bandwidth at the largest message: bytes each rank sends to its
   peers per second, which for all-gather and all-to-all is algbw * (n - 1) / n and for
   send/recv is algbw;

@@ -107,7 +107,7 @@ def in_send_order(x: np.ndarray, split_axis: int, members: int, wire: np.dtype) 
 
 def out_of_receive_order(received: np.ndarray, axis: int) -> np.ndarray:
     """The members' arrivals (``received[j]`` from member j) joined along ``axis`` of one
-    arrival: a copy, as the strategies' next step reads it."""
+    arrival: a copy, unless every dim before ``axis`` is 1 (then a view)."""
     axis %= received.ndim - 1
     shape = list(received.shape[1:])
     shape[axis] *= received.shape[0]
