@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
 
@@ -178,17 +178,48 @@ class Calibration:
             raise ValueError(f"the calibration has no {kind} measurements")
         return min(fits, key=lambda f: (f.group != group, abs(f.group - group), abs(f.ranks - ranks)))
 
+    @functools.cached_property
+    def pooled_compute(self) -> tuple[ComputeRate, ...]:
+        """``compute`` with each rank count's effect on the rate fitted over every shape at
+        once: log rate = a term per shape + a_n + b_n log(work per call), a and b 0 on the
+        fewest ranks, least squares over all points. What the prior compares across rank
+        counts is the ratio of their rates, and measured shape by shape it is noisy: a rate
+        ratio of one rank to two varied 2-9% per shape (standard deviation) across 19
+        calibrations of a 2-core host, and the prior's ratio of one configuration to another
+        moved with it from one length to the next. The ratio does change with the work per
+        call (more threads in one call pay its fixed costs differently: 1.75 at the smallest
+        d64 shape to 1.91 at the largest, mean of those 19), hence the slope b_n. The
+        measured points stay as they are in ``compute``; these are what the prior reads."""
+        ranks = sorted({r.ranks for r in self.compute})
+        if len(ranks) < 2:
+            return self.compute
+        shapes = sorted({(r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal) for r in self.compute})
+        column = {shape: i for i, shape in enumerate(shapes)}
+        log_work = np.log([r.computed_flops(self.kernel) for r in self.compute])
+        centred = log_work - log_work.mean()
+        design = np.zeros((len(self.compute), len(shapes) + 2 * (len(ranks) - 1)))
+        for row, rate in enumerate(self.compute):
+            design[row, column[(rate.heads, rate.seq_q, rate.seq_k, rate.head_dim, rate.causal)]] = 1.0
+            if rate.ranks != ranks[0]:
+                offset = len(shapes) + 2 * (ranks.index(rate.ranks) - 1)
+                design[row, offset:offset + 2] = 1.0, centred[row]
+        log_rates = log_work - np.log([r.seconds for r in self.compute])
+        coefficients, *_ = np.linalg.lstsq(design, log_rates, rcond=None)
+        seconds = np.exp(log_work - design @ coefficients)
+        return tuple(replace(rate, seconds=float(t)) for rate, t in zip(self.compute, seconds, strict=True))
+
     def attention_rate(
         self, ranks: int, head_dim: int, causal: bool = False, flops: float | None = None
     ) -> float:
         """FLOP/s one of ``ranks`` ranks executes attention at, from the shapes calibrated
-        with the head_dim nearest ``head_dim`` (in ratio) and the same mask (when any):
-        interpolated in log-log over the work per call ``flops`` (held constant beyond the
-        calibrated sizes), or their geometric mean when ``flops`` is None. FLOPs here are
-        the ones the engine's kernel executes (``ComputeRate.computed_flops``), masked pairs
-        it computes included, so the rate carries over to shapes that waste more or less."""
+        with the head_dim nearest ``head_dim`` (in ratio) and the same mask (when any), at
+        their pooled rates (``pooled_compute``): interpolated in log-log over the work per
+        call ``flops`` (held constant beyond the calibrated sizes), or their geometric mean
+        when ``flops`` is None. FLOPs here are the ones the engine's kernel executes
+        (``ComputeRate.computed_flops``), masked pairs it computes included, so the rate
+        carries over to shapes that waste more or less."""
         nearest_ranks = min({r.ranks for r in self.compute}, key=lambda n: (abs(n - ranks), n))
-        at_ranks = [r for r in self.compute if r.ranks == nearest_ranks]
+        at_ranks = [r for r in self.pooled_compute if r.ranks == nearest_ranks]
         nearest = min({abs(np.log(r.head_dim / head_dim)) for r in at_ranks})
         points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
         points = [r for r in points if r.causal == causal] or points

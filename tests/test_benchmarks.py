@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import measurement
+from cptune.calibration import Calibration, ComputeRate
 from cptune.config import CPConfig
 from cptune.estimate import combine
 from cptune.hardware import this_host
@@ -265,3 +266,24 @@ def test_ring_step_work_times_the_same_attention_both_ways(causal):
         np.testing.assert_allclose(ring_out, one_out, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(ring_lse, one_lse, rtol=1e-5, atol=1e-6)
         cases["steps"]()  # runs on the block's shape
+
+
+def test_rate_pooling_scores_the_measured_reading_beside_the_pooled_one():
+    """The benchmark's "as measured" calibration reads each shape's rates as stored, where
+    the pooled reading smooths two ranks' scattered ratio to one rank."""
+    rate_pooling = _benchmark("rate_pooling")
+
+    def timed(ranks, seq_q, rate):
+        return ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64,
+                           seconds=4 * 4 * 64 * seq_q * 4 * seq_q / rate)
+
+    compute = (timed(1, 256, 1e9), timed(1, 512, 2e9), timed(1, 1024, 3e9),
+               timed(2, 256, 0.6e9), timed(2, 512, 0.9e9), timed(2, 1024, 1.5e9))
+    pooled = Calibration("mpi", (), compute, "2025-01-01T00:00:00+00:00")
+    measured = rate_pooling.MeasuredPoints("mpi", (), compute, "2025-01-01T00:00:00+00:00")
+    assert rate_pooling.rank_ratios(pooled) == pytest.approx({(64, False, 256): 1e9 / 0.6e9,
+                                                              (64, False, 512): 2e9 / 0.9e9,
+                                                              (64, False, 1024): 2.0})
+    middle = compute[1].flops
+    assert measured.attention_rate(2, 64, flops=middle) == pytest.approx(0.9e9)
+    assert pooled.attention_rate(2, 64, flops=middle) != pytest.approx(0.9e9, rel=1e-3)

@@ -577,6 +577,34 @@ def test_attention_rate_interpolates_over_the_work_per_call():
     assert calibration.attention_rate(1, 64) == pytest.approx(2e9)  # no size: geometric mean
 
 
+def test_attention_rate_pools_the_effect_of_the_rank_count_over_every_shape():
+    """Two ranks' rate against one rank's, measured shape by shape, scatters; the prior reads
+    it as one line in log work per call fitted through all shapes (least squares), and each
+    shape keeps the geometric mean of its measured rates. The measured points stay stored."""
+    def timed(ranks, seq_q, head_dim, rate):
+        shape = {"heads": 4, "seq_q": seq_q, "seq_k": 4 * seq_q, "head_dim": head_dim}
+        return ComputeRate(ranks=ranks, **shape, seconds=4 * 4 * head_dim * seq_q * 4 * seq_q / rate)
+
+    shapes = [(256, 64, 1e9), (256, 128, 1.5e9), (1024, 64, 3e9), (1024, 128, 4e9)]
+    scatter = [1.06, 0.93, 1.01, 0.97]  # two ranks' rate / (half of one rank's), per shape
+    one = [timed(1, q, d, rate) for q, d, rate in shapes]
+    two = [timed(2, q, d, rate / 2 * s) for (q, d, rate), s in zip(shapes, scatter, strict=True)]
+    calibration = Calibration("mpi", (), (*one, *two), "2025-01-01T00:00:00+00:00")
+    work = np.array([r.flops for r in one], dtype=float)
+    measured = np.log([b.flops_per_s / a.flops_per_s for a, b in zip(one, two, strict=True)])
+    line = np.polyval(np.polyfit(np.log(work), measured, 1), np.log(work))
+
+    def rate(ranks, head_dim, flops):
+        return calibration.attention_rate(ranks, head_dim, flops=flops)
+
+    for (_, d, _), w, expected, a, b in zip(shapes, work, line, one, two, strict=True):
+        assert np.log(rate(2, d, w) / rate(1, d, w)) == pytest.approx(expected, abs=1e-9)
+        assert rate(1, d, w) * rate(2, d, w) == pytest.approx(a.flops_per_s * b.flops_per_s, rel=1e-9)
+    assert not np.allclose(line, measured, atol=1e-3)  # the scatter was smoothed, not kept
+    assert calibration.compute == (*one, *two)
+    assert Calibration.from_dict(json.loads(json.dumps(calibration.to_dict()))) == calibration
+
+
 def test_attention_rate_uses_the_shapes_with_the_same_mask():
     calibration = sized_calibration()
     causal_large = max(r.computed_flops("numpy") for r in calibration.compute if r.causal)
