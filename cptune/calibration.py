@@ -17,7 +17,9 @@ about a minute:
   cores, so a rank count's rate includes the contention between its ranks. The rate
   depends on the work per call (small blocks pay fixed costs), the head_dim (the GEMMs'
   inner dimension) and the mask, so each is timed at three sizes, both head_dims and with
-  and without a causal mask; the prior interpolates between them;
+  and without a causal mask; the prior interpolates between them, each rank count's rate
+  against one rank's read as one line in log work per call over all shapes
+  (``Calibration.pooled_compute``: shape by shape that ratio is noisy);
 - for the numpy kernel (the mpi engine, a ``StepTimer``), the work over
   a query block that a Ring step repeats beyond one call over all keys: preparing the query
   block (cast from each wire dtype, scaled, row norms) and merging the block's output into
@@ -39,6 +41,9 @@ from scipy.optimize import nnls
 from cptune.cost import STREAM_KINDS, engine_collectives
 from cptune.engines import Engine, attention_kernel, get_engine, untimed
 from cptune.engines.mpi import computed_pairs
+from cptune.errors import CPTuneError
+from cptune.guard import Watch
+from cptune.guard import enabled as guard_enabled
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -61,6 +66,9 @@ STEP_SHAPES: tuple[dict[str, object], ...] = (
     {"kind": "merge", "wire": "float32", "heads": 4, "rows": 1024, "head_dim": 128},
 )
 _TIMEOUT_S = 120.0
+#: Times a calibration step the contention guard saw disturbed is timed again before
+#: calibrate gives up.
+GUARD_RETRIES = 3
 
 Progress = Callable[[str], None]
 
@@ -278,12 +286,41 @@ def _per_peer(kind: str, group: int, sent: int) -> int:
     return sent if kind in STREAM_KINDS else max(1, sent // (group - 1))
 
 
+class CalibrationDisturbedError(CPTuneError):
+    """Other load on the host disturbed a calibration step every time it was timed."""
+
+
+def _guarded(
+    engine: Engine, ranks: int, what: str, time_it: Callable[[], np.ndarray], guarded: bool, report: Progress
+) -> np.ndarray:
+    """``time_it()``'s timings of ``what`` on ``ranks`` ranks, timed again (up to
+    ``GUARD_RETRIES`` times) while the contention guard (``cptune.guard``, the host's
+    evidence: foreign load, the reference kernel) says other load disturbed them: a rate
+    measured under someone else's job misleads every prior read from it (one that ran beside
+    other jobs here read 9 of its 24 attention rates at 0.52-0.84x this host's usual)."""
+    for _ in range(GUARD_RETRIES + 1):
+        watch = Watch(engine.process_ids) if guarded else None
+        timings = time_it()
+        reason = watch.host_verdict(ranks) if watch else None
+        if reason is None:
+            return timings
+        report(f"{what} disturbed by other load ({reason}): timing it again")
+    raise CalibrationDisturbedError(
+        f"{what} was disturbed by other load {GUARD_RETRIES + 1} times ({reason}): calibrate when the "
+        f"host is quieter, or set CPTUNE_GUARD=off to keep such timings"
+    )
+
+
 def _measure_collective(
-    engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int
+    engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int, guarded: bool,
+    report: Progress,
 ) -> CollectiveFit:
     chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
     sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in chunks], dtype=float)
-    timings = engine.time_collective(kind, ranks, group, chunks, warmup, repeats, _TIMEOUT_S)
+    time_it = functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats,
+                                _TIMEOUT_S)
+    timings = _guarded(engine, ranks, f"{kind} on {ranks} ranks in groups of {group}", time_it, guarded,
+                       report)
     seconds = np.median(timings, axis=1)
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)
     return CollectiveFit(
@@ -299,18 +336,24 @@ def calibrate(
     warmup: int = 2,
     repeats: int = 7,
     progress: Progress | None = None,
+    guard: bool | None = None,
 ) -> Calibration:
-    """Measure the collectives and the attention rate on 1..``max_ranks`` ranks."""
+    """Measure the collectives and the attention rate on 1..``max_ranks`` ranks. With
+    ``guard`` (None: on unless ``$CPTUNE_GUARD`` is "off") a step the contention guard saw
+    disturbed is timed again; ``CalibrationDisturbedError`` when it stays disturbed."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     engine = get_engine(backend)
     if not engine.timed:
         raise untimed(engine.name)
     report = progress or (lambda _: None)
+    guarded = guard_enabled() if guard is None else guard
     collectives, compute, steps = [], [], []
     for ranks in range(1, max_ranks + 1):
         report(f"attention on {ranks} rank(s)")
-        timings = engine.time_attention(ranks, ATTENTION_SHAPES, warmup, repeats, _TIMEOUT_S)
+        time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
+                                    _TIMEOUT_S)
+        timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
         seconds = np.median(timings, axis=1)
         compute += [
             ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
@@ -319,7 +362,10 @@ def calibrate(
         ]
         if attention_kernel(engine.name) == "numpy" and isinstance(engine, StepTimer):
             report(f"the kernel's memory-bound steps on {ranks} rank(s)")
-            seconds = np.median(engine.time_steps(ranks, STEP_SHAPES, warmup, repeats, _TIMEOUT_S), axis=1)
+            time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats, _TIMEOUT_S)
+            timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)", time_it,
+                               guarded, report)
+            seconds = np.median(timings, axis=1)
             steps += [
                 StepCost(ranks=ranks, kind=str(s["kind"]), wire=str(s["wire"]), seconds=float(t),
                          elements=int(s["heads"]) * int(s["rows"]) * int(s["head_dim"]))
@@ -328,7 +374,8 @@ def calibrate(
         for group in group_sizes(ranks):
             for kind in engine_collectives(engine.name):
                 report(f"{kind} on {ranks} ranks in groups of {group}")
-                collectives.append(_measure_collective(engine, kind, ranks, group, warmup, repeats))
+                collectives.append(_measure_collective(engine, kind, ranks, group, warmup, repeats, guarded,
+                                                       report))
     return Calibration(
         engine=engine.name,
         collectives=tuple(collectives),

@@ -950,8 +950,13 @@ def _calibrate(
     store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console, backend: str
 ) -> Calibration:
     with console.status("calibrating") as status:
-        calibration = calibrate(max_ranks, backend=backend, repeats=repeats,
-                                progress=lambda step: status.update(f"calibrating: {step}"))
+
+        def show(step: str) -> None:
+            status.update(f"calibrating: {step}")
+            if "disturbed by other load" in step:  # a step timed again: say so beyond the spinner
+                console.print(step, style="yellow", markup=False, highlight=False)
+
+        calibration = calibrate(max_ranks, backend=backend, repeats=repeats, progress=show)
     store.add_calibration(hardware, calibration)
     return calibration
 

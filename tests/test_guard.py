@@ -11,10 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cptune
 from cptune import CPConfig, Workload, guard
+from cptune import calibration as calibration_module
+from cptune.calibration import CalibrationDisturbedError, calibrate
 from cptune.cli import main
 from cptune.engines.mpi import MPIEngine
 from cptune.execute import measure_round
@@ -319,3 +322,64 @@ def test_cli_measure_says_which_runs_were_disturbed(capsys):
     assert "* = disturbed by other load" in table.out
     assert "local attention on 1 rank disturbed: other processes used" in " ".join(table.err.split())
     assert [r["disturbed"] is not None for r in report["results"]] == [True]
+
+
+class CountingEngine:
+    """An in-process stand-in for calibrate on one rank: each attention timing is 1 s per
+    shape and iteration on its first call, 0.5 s after."""
+
+    name, timed = "mpi", True
+
+    def __init__(self) -> None:
+        self.attention_calls = 0
+
+    def time_attention(self, ranks, shapes, warmup, repeats, timeout):
+        self.attention_calls += 1
+        return np.full((len(shapes), repeats), 1.0 if self.attention_calls == 1 else 0.5)
+
+    def process_ids(self):
+        return []
+
+
+class DisturbedFirst:
+    """A Watch whose first verdict finds foreign load and later ones none."""
+
+    verdicts = 0
+
+    def __init__(self, process_ids) -> None:
+        pass
+
+    def host_verdict(self, ranks: int) -> str | None:
+        DisturbedFirst.verdicts += 1
+        return "other processes used 1.0 of 2 cores during the run" if DisturbedFirst.verdicts == 1 else None
+
+
+def test_a_disturbed_calibration_step_is_timed_again_and_only_the_clean_timing_kept(monkeypatch):
+    monkeypatch.setattr(calibration_module, "Watch", DisturbedFirst)
+    engine, said = CountingEngine(), []
+    calibration = calibrate(1, backend=engine, repeats=3, progress=said.append)
+    assert engine.attention_calls == 2
+    assert {rate.seconds for rate in calibration.compute} == {0.5}
+    assert any("attention on 1 rank(s) disturbed by other load (other processes used" in s for s in said)
+    engine.attention_calls = 0
+    unguarded = calibrate(1, backend=engine, repeats=3, guard=False)  # no watch: the first timing stands
+    assert engine.attention_calls == 1 and {rate.seconds for rate in unguarded.compute} == {1.0}
+
+
+def test_a_calibration_beside_a_competing_process_is_refused_not_stored(monkeypatch, tmp_path, capsys):
+    """Real ranks, every core busy with another process: calibrate times the attention again
+    and then gives up in one line, and the database gains no calibration."""
+    monkeypatch.setattr(calibration_module, "ATTENTION_SHAPES", (
+        {"heads": 2, "seq_q": 64, "seq_k": 256, "head_dim": 32, "causal": 0},))
+    monkeypatch.setattr(calibration_module, "GUARD_RETRIES", 1)
+    db = str(tmp_path / "cal.db")
+    with competing_load():
+        refused = r"attention on 1 rank\(s\) was disturbed by other load 2 times \(other processes used"
+        with pytest.raises(CalibrationDisturbedError, match=refused):
+            calibrate(1, repeats=3)
+        code = main(["calibrate", "--db", db, "--max-ranks", "1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CPTUNE_GUARD=off" in err[0]
+    with Store(db) as store:
+        assert store.calibration(this_host().fingerprint) is None
