@@ -69,6 +69,9 @@ _TIMEOUT_S = 120.0
 #: Times a calibration step the contention guard saw disturbed is timed again before
 #: calibrate gives up.
 GUARD_RETRIES = 3
+#: How a progress message about a step timed again begins after the step's name: the CLI
+#: shows those beyond its spinner.
+RETIMED = "disturbed by other load"
 
 Progress = Callable[[str], None]
 
@@ -304,7 +307,7 @@ def _guarded(
         reason = watch.host_verdict(ranks) if watch else None
         if reason is None:
             return timings
-        report(f"{what} disturbed by other load ({reason}): timing it again")
+        report(f"{what} {RETIMED} ({reason}): timing it again")
     raise CalibrationDisturbedError(
         f"{what} was disturbed by other load {GUARD_RETRIES + 1} times ({reason}): calibrate when the "
         f"host is quieter, or set CPTUNE_GUARD=off to keep such timings"

@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cptune import __version__
-from cptune.calibration import Calibration, calibrate
+from cptune.calibration import RETIMED, Calibration, calibrate
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import BACKENDS, get_engine, untimed
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
@@ -953,7 +953,7 @@ def _calibrate(
 
         def show(step: str) -> None:
             status.update(f"calibrating: {step}")
-            if "disturbed by other load" in step:  # a step timed again: say so beyond the spinner
+            if RETIMED in step:  # a step timed again: say so beyond the spinner
                 console.print(step, style="yellow", markup=False, highlight=False)
 
         calibration = calibrate(max_ranks, backend=backend, repeats=repeats, progress=show)
