@@ -72,6 +72,9 @@ GUARD_RETRIES = 3
 #: How a progress message about a step timed again begins after the step's name: the CLI
 #: shows those beyond its spinner.
 RETIMED = "disturbed by other load"
+#: Rounds a calibration is timed in, and timed calls per step in each round (``calibrate``).
+ROUNDS = 3
+REPEATS = 5
 
 Progress = Callable[[str], None]
 
@@ -314,17 +317,23 @@ def _guarded(
     )
 
 
-def _measure_collective(
+def _collective_times(
     engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int, guarded: bool,
     report: Progress,
-) -> CollectiveFit:
+) -> np.ndarray:
+    """Median seconds per call of ``kind`` at each of ``MESSAGE_SIZES`` (one round's timing)."""
     chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
-    sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in chunks], dtype=float)
     time_it = functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats,
                                 _TIMEOUT_S)
     timings = _guarded(engine, ranks, f"{kind} on {ranks} ranks in groups of {group}", time_it, guarded,
                        report)
-    seconds = np.median(timings, axis=1)
+    return np.median(timings, axis=1)
+
+
+def _collective_fit(kind: str, ranks: int, group: int, seconds: np.ndarray) -> CollectiveFit:
+    """``latency + bytes / bandwidth`` through the times of ``kind`` at ``MESSAGE_SIZES``."""
+    chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
+    sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in chunks], dtype=float)
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)
     return CollectiveFit(
         kind=kind, ranks=ranks, group=group, latency_s=latency, bandwidth=bandwidth,
@@ -333,52 +342,81 @@ def _measure_collective(
     )
 
 
+def _round_order(max_ranks: int, round_index: int) -> list[int]:
+    """The rank counts in the order round ``round_index`` times them: ascending, then
+    descending, and so on, so that neither end always goes first."""
+    counts = list(range(1, max_ranks + 1))
+    return counts if round_index % 2 == 0 else counts[::-1]
+
+
 def calibrate(
     max_ranks: int,
     backend: str | Engine = "mpi",
     warmup: int = 2,
-    repeats: int = 7,
+    repeats: int = REPEATS,
     progress: Progress | None = None,
     guard: bool | None = None,
+    rounds: int = ROUNDS,
 ) -> Calibration:
-    """Measure the collectives and the attention rate on 1..``max_ranks`` ranks. With
-    ``guard`` (None: on unless ``$CPTUNE_GUARD`` is "off") a step the contention guard saw
-    disturbed is timed again; ``CalibrationDisturbedError`` when it stays disturbed."""
+    """Measure the collectives and the attention rate on 1..``max_ranks`` ranks, in
+    ``rounds`` rounds that each time every step once (``repeats`` timed calls after
+    ``warmup``); a step's time is the median of its rounds. A burst of other load the guard
+    cannot see (a neighbour on the hypervisor's memory) slows one round, not the median: one
+    calibration timed in a single pass read four of its 2-rank d64 attention rates at
+    0.53-0.59x those of three others that hour, and the guard saw nothing. With ``guard``
+    (None: on unless ``$CPTUNE_GUARD`` is "off") a step the contention guard saw disturbed is
+    timed again; ``CalibrationDisturbedError`` when it stays disturbed."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     engine = get_engine(backend)
     if not engine.timed:
         raise untimed(engine.name)
     report = progress or (lambda _: None)
     guarded = guard_enabled() if guard is None else guard
-    collectives, compute, steps = [], [], []
-    for ranks in range(1, max_ranks + 1):
-        report(f"attention on {ranks} rank(s)")
-        time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
-                                    _TIMEOUT_S)
-        timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
-        seconds = np.median(timings, axis=1)
-        compute += [
-            ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
-                        head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
-            for s, t in zip(ATTENTION_SHAPES, seconds, strict=True)
-        ]
-        if attention_kernel(engine.name) == "numpy" and isinstance(engine, StepTimer):
-            report(f"the kernel's memory-bound steps on {ranks} rank(s)")
-            time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats, _TIMEOUT_S)
-            timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)", time_it,
-                               guarded, report)
-            seconds = np.median(timings, axis=1)
-            steps += [
-                StepCost(ranks=ranks, kind=str(s["kind"]), wire=str(s["wire"]), seconds=float(t),
-                         elements=int(s["heads"]) * int(s["rows"]) * int(s["head_dim"]))
-                for s, t in zip(STEP_SHAPES, seconds, strict=True)
-            ]
-        for group in group_sizes(ranks):
-            for kind in engine_collectives(engine.name):
-                report(f"{kind} on {ranks} ranks in groups of {group}")
-                collectives.append(_measure_collective(engine, kind, ranks, group, warmup, repeats, guarded,
-                                                       report))
+    numpy_steps = attention_kernel(engine.name) == "numpy" and isinstance(engine, StepTimer)
+    attention: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
+    step_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
+    collective_times: dict[tuple[str, int, int], list[np.ndarray]] = {
+        (kind, ranks, group): []
+        for ranks in range(1, max_ranks + 1) for group in group_sizes(ranks)
+        for kind in engine_collectives(engine.name)
+    }
+    for round_index in range(rounds):
+        step = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
+        for ranks in _round_order(max_ranks, round_index):
+            report(f"{step}attention on {ranks} rank(s)")
+            time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
+                                        _TIMEOUT_S)
+            timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
+            attention[ranks].append(np.median(timings, axis=1))
+            if numpy_steps:
+                report(f"{step}the kernel's memory-bound steps on {ranks} rank(s)")
+                time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats,
+                                            _TIMEOUT_S)
+                timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
+                                   time_it, guarded, report)
+                step_times[ranks].append(np.median(timings, axis=1))
+            for (kind, at_ranks, group), times in collective_times.items():
+                if at_ranks == ranks:
+                    report(f"{step}{kind} on {ranks} ranks in groups of {group}")
+                    times.append(_collective_times(engine, kind, ranks, group, warmup, repeats, guarded,
+                                                   report))
+    compute = [
+        ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
+                    head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
+        for ranks, times in attention.items()
+        for s, t in zip(ATTENTION_SHAPES, np.median(times, axis=0), strict=True)
+    ]
+    steps = [
+        StepCost(ranks=ranks, kind=str(s["kind"]), wire=str(s["wire"]), seconds=float(t),
+                 elements=int(s["heads"]) * int(s["rows"]) * int(s["head_dim"]))
+        for ranks, times in step_times.items() if times
+        for s, t in zip(STEP_SHAPES, np.median(times, axis=0), strict=True)
+    ]
+    collectives = [_collective_fit(kind, ranks, group, np.median(times, axis=0))
+                   for (kind, ranks, group), times in collective_times.items()]
     return Calibration(
         engine=engine.name,
         collectives=tuple(collectives),

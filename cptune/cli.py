@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cptune import __version__
-from cptune.calibration import RETIMED, Calibration, calibrate
+from cptune.calibration import REPEATS, RETIMED, ROUNDS, Calibration, calibrate
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import BACKENDS, get_engine, untimed
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
@@ -310,8 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--db", help=db_help)
     calibrate.add_argument("--max-ranks", type=_positive, help=max_ranks_help)
-    calibrate.add_argument("--repeats", type=_positive, default=7,
-                           help="timed iterations per point (default 7)")
+    calibrate.add_argument("--repeats", type=_positive, default=REPEATS,
+                           help=f"timed iterations per point in each round (default {REPEATS})")
+    calibrate.add_argument("--rounds", type=_positive, default=ROUNDS,
+                           help=f"rounds, each timing every point once; a point's time is the median "
+                                f"of its rounds (default {ROUNDS})")
     calibrate.add_argument("--oversubscribe", action="store_true",
                            help="allow --max-ranks above this host's cores (those rates time the sharing)")
     _add_backend(calibrate)
@@ -611,7 +614,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
             calibrated = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
             _say(console, f"this hardware has no calibration yet: calibrating 1..{calibrated} ranks first "
                           f"(the cost model's prior needs it; --no-calibrate skips)")
-            _calibrate(store, hardware, calibrated, 7, console, args.backend)
+            _calibrate(store, hardware, calibrated, REPEATS, ROUNDS, console, args.backend)
         verdicts: dict[int, Verdict | None] = dict.fromkeys(space.seq_lens)
         finished: set[int] = set()
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -947,7 +950,8 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
 
 
 def _calibrate(
-    store: Store, hardware: Hardware, max_ranks: int, repeats: int, console: Console, backend: str
+    store: Store, hardware: Hardware, max_ranks: int, repeats: int, rounds: int, console: Console,
+    backend: str,
 ) -> Calibration:
     with console.status("calibrating") as status:
 
@@ -956,7 +960,7 @@ def _calibrate(
             if RETIMED in step:  # a step timed again: say so beyond the spinner
                 console.print(step, style="yellow", markup=False, highlight=False)
 
-        calibration = calibrate(max_ranks, backend=backend, repeats=repeats, progress=show)
+        calibration = calibrate(max_ranks, backend=backend, repeats=repeats, progress=show, rounds=rounds)
     store.add_calibration(hardware, calibration)
     return calibration
 
@@ -974,7 +978,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
         hardware = _this_hardware(node)
         _say(console, f"calibrating {hardware.describe()} ", (hardware.fingerprint, "dim"),
              f" on 1..{max_ranks} ranks; results in {store.url}")
-        calibration = _calibrate(store, hardware, max_ranks, args.repeats, console, args.backend)
+        calibration = _calibrate(store, hardware, max_ranks, args.repeats, args.rounds, console, args.backend)
     for table in _calibration_tables(calibration):
         console.print(table)
     return 0

@@ -19,6 +19,7 @@ from cptune import CPConfig, Workload, guard
 from cptune import calibration as calibration_module
 from cptune.calibration import CalibrationDisturbedError, calibrate
 from cptune.cli import main
+from cptune.cost import STREAM_KINDS
 from cptune.engines.mpi import MPIEngine
 from cptune.execute import measure_round
 from cptune.guard import (
@@ -357,13 +358,56 @@ class DisturbedFirst:
 def test_a_disturbed_calibration_step_is_timed_again_and_only_the_clean_timing_kept(monkeypatch):
     monkeypatch.setattr(calibration_module, "Watch", DisturbedFirst)
     engine, said = CountingEngine(), []
-    calibration = calibrate(1, backend=engine, repeats=3, progress=said.append)
+    calibration = calibrate(1, backend=engine, repeats=3, progress=said.append, rounds=1)
     assert engine.attention_calls == 2
     assert {rate.seconds for rate in calibration.compute} == {0.5}
     assert any("attention on 1 rank(s) disturbed by other load (other processes used" in s for s in said)
     engine.attention_calls = 0
-    unguarded = calibrate(1, backend=engine, repeats=3, guard=False)  # no watch: the first timing stands
+    unguarded = calibrate(1, backend=engine, repeats=3, guard=False, rounds=1)  # the first timing stands
     assert engine.attention_calls == 1 and {rate.seconds for rate in unguarded.compute} == {1.0}
+
+
+class BurstEngine:
+    """An in-process stand-in for calibrate on two ranks: attention takes 1 s per call on one
+    rank and 0.6 s on two, but twice that during a burst of other load the guard cannot see,
+    in the ``burst``-th attention timing on two ranks; collectives 1 ms plus 1 ns per byte."""
+
+    name, timed = "mpi", True
+
+    def __init__(self, burst: int) -> None:
+        self.burst, self.order, self.two_rank_calls = burst, [], 0
+
+    def time_attention(self, ranks, shapes, warmup, repeats, timeout):
+        self.order.append(ranks)
+        seconds = 1.0 if ranks == 1 else 0.6
+        if ranks == 2:
+            self.two_rank_calls += 1
+            seconds *= 2 if self.two_rank_calls == self.burst else 1
+        return np.full((len(shapes), repeats), seconds)
+
+    def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout):
+        return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
+                         for chunk in chunks])
+
+    def process_ids(self):
+        return []
+
+
+def test_calibration_rounds_take_the_median_so_one_burst_does_not_set_a_rate():
+    """A burst the guard does not see doubles one timing of two ranks' attention: timed in one
+    pass that timing is the rate; in three rounds (rank counts in turn, each round reversing
+    the order) the median of the rounds sets it, and the collectives still fit their times."""
+    single = calibrate(2, backend=BurstEngine(burst=1), guard=False, rounds=1)
+    assert {r.seconds for r in single.compute if r.ranks == 2} == {1.2}
+    engine = BurstEngine(burst=2)
+    rounds = calibrate(2, backend=engine, guard=False, rounds=3)
+    assert engine.order == [1, 2, 2, 1, 1, 2]
+    assert {r.seconds for r in rounds.compute if r.ranks == 2} == {0.6}
+    assert {r.seconds for r in rounds.compute if r.ranks == 1} == {1.0}
+    assert all(fit.latency_s == pytest.approx(1e-3) and fit.bandwidth == pytest.approx(1e9)
+               for fit in rounds.collectives)
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        calibrate(2, backend=engine, rounds=0)
 
 
 def test_a_calibration_beside_a_competing_process_is_refused_not_stored(monkeypatch, tmp_path, capsys):
