@@ -287,3 +287,23 @@ def test_rate_pooling_scores_the_measured_reading_beside_the_pooled_one():
     middle = compute[1].flops
     assert measured.attention_rate(2, 64, flops=middle) == pytest.approx(0.9e9)
     assert pooled.attention_rate(2, 64, flops=middle) != pytest.approx(0.9e9, rel=1e-3)
+
+
+def test_calibration_rounds_reads_the_rank_ratio_spread_and_a_bursts_deviation():
+    """The ratio spread is the sd of log(1-rank / 2-rank rate) over calibrations, and a point
+    one calibration read at half speed is the worst deviation of its variant alone."""
+    calibration_rounds = _benchmark("calibration_rounds")
+
+    def calibration(two_rank_rate: float) -> Calibration:
+        work = 4 * 4 * 64 * 256 * 1024
+        compute = (ComputeRate(ranks=1, heads=4, seq_q=256, seq_k=1024, head_dim=64, seconds=work / 1e9),
+                   ComputeRate(ranks=2, heads=4, seq_q=256, seq_k=1024, head_dim=64,
+                               seconds=work / two_rank_rate))
+        return Calibration("mpi", (), compute, "2025-01-01T00:00:00+00:00")
+
+    steady = [calibration(0.5e9), calibration(0.5e9), calibration(0.5e9)]
+    burst = [calibration(0.5e9), calibration(0.25e9), calibration(0.5e9)]
+    assert calibration_rounds.ratio_spread(steady) == pytest.approx(0.0, abs=1e-12)
+    assert calibration_rounds.ratio_spread(burst) == pytest.approx(np.std(np.log([2, 4, 2]), ddof=1))
+    worst = calibration_rounds.worst_deviations({"rounds": steady, "one pass": burst})
+    assert worst == pytest.approx({"rounds": 0.0, "one pass": np.log(2)}, abs=1e-12)
