@@ -25,6 +25,9 @@ about a minute:
   block (cast from each wire dtype, scaled, row norms) and merging the block's output into
   the running one, per element, every rank at once. Both are passes over memory whose cost
   grows with the sequence, not its square, so Ring's excess over the others falls as 1/S.
+
+Every step is timed in rounds, rank counts in turn, and a point's time is the median of its
+rounds: a burst of load the contention guard cannot see slows one round, not the median.
 """
 
 from __future__ import annotations
