@@ -320,12 +320,17 @@ def _guarded(
     )
 
 
+def _chunks(kind: str, group: int) -> list[int]:
+    """Bytes per peer of each of ``MESSAGE_SIZES`` for ``kind`` in groups of ``group``."""
+    return [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
+
+
 def _collective_times(
     engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int, guarded: bool,
     report: Progress,
 ) -> np.ndarray:
     """Median seconds per call of ``kind`` at each of ``MESSAGE_SIZES`` (one round's timing)."""
-    chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
+    chunks = _chunks(kind, group)
     time_it = functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats,
                                 _TIMEOUT_S)
     timings = _guarded(engine, ranks, f"{kind} on {ranks} ranks in groups of {group}", time_it, guarded,
@@ -335,8 +340,8 @@ def _collective_times(
 
 def _collective_fit(kind: str, ranks: int, group: int, seconds: np.ndarray) -> CollectiveFit:
     """``latency + bytes / bandwidth`` through the times of ``kind`` at ``MESSAGE_SIZES``."""
-    chunks = [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
-    sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in chunks], dtype=float)
+    sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in _chunks(kind, group)],
+                     dtype=float)
     latency, bandwidth = fit_latency_bandwidth(sizes, seconds)
     return CollectiveFit(
         kind=kind, ranks=ranks, group=group, latency_s=latency, bandwidth=bandwidth,
@@ -387,25 +392,25 @@ def calibrate(
         for kind in engine_collectives(engine.name)
     }
     for round_index in range(rounds):
-        step = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
+        prefix = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
         for ranks in _round_order(max_ranks, round_index):
-            report(f"{step}attention on {ranks} rank(s)")
+            report(f"{prefix}attention on {ranks} rank(s)")
             time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
                                         _TIMEOUT_S)
             timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
             attention[ranks].append(np.median(timings, axis=1))
             if numpy_steps:
-                report(f"{step}the kernel's memory-bound steps on {ranks} rank(s)")
+                report(f"{prefix}the kernel's memory-bound steps on {ranks} rank(s)")
                 time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats,
                                             _TIMEOUT_S)
                 timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
                                    time_it, guarded, report)
                 step_times[ranks].append(np.median(timings, axis=1))
-            for (kind, at_ranks, group), times in collective_times.items():
-                if at_ranks == ranks:
-                    report(f"{step}{kind} on {ranks} ranks in groups of {group}")
-                    times.append(_collective_times(engine, kind, ranks, group, warmup, repeats, guarded,
-                                                   report))
+            for group in group_sizes(ranks):
+                for kind in engine_collectives(engine.name):
+                    report(f"{prefix}{kind} on {ranks} ranks in groups of {group}")
+                    collective_times[(kind, ranks, group)].append(
+                        _collective_times(engine, kind, ranks, group, warmup, repeats, guarded, report))
     compute = [
         ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
                     head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
