@@ -29,15 +29,9 @@ from cptune.calibration import REPEATS, ROUNDS, Calibration, calibrate
 SINGLE, ROUNDED = "one pass", "rounds"
 
 
-def point_rates(calibration: Calibration) -> dict[tuple, float]:
-    """Attention rate (FLOP/s) per (head_dim, causal, seq_q, ranks)."""
-    return {(r.head_dim, r.causal, r.seq_q, r.ranks): r.computed_flops(calibration.kernel) / r.seconds
-            for r in calibration.compute}
-
-
 def ratio_spread(calibrations: list[Calibration]) -> float:
     """Mean over shapes of the sd (ddof 1) of log(rate on 1 rank / rate on 2 ranks)."""
-    rates = [point_rates(c) for c in calibrations]
+    rates = [c.measured_rates() for c in calibrations]
     shapes = sorted({key[:3] for key in rates[0]})
     spreads = [np.std([np.log(r[(*shape, 1)] / r[(*shape, 2)]) for r in rates], ddof=1) for shape in shapes]
     return float(np.mean(spreads))
@@ -45,7 +39,7 @@ def ratio_spread(calibrations: list[Calibration]) -> float:
 
 def worst_deviations(by_variant: dict[str, list[Calibration]]) -> dict[str, float]:
     """Per variant, the largest |log(rate / the point's median over every calibration)|."""
-    rates = {variant: [point_rates(c) for c in cals] for variant, cals in by_variant.items()}
+    rates = {variant: [c.measured_rates() for c in cals] for variant, cals in by_variant.items()}
     every = [r for variant in rates.values() for r in variant]
     median = {key: float(np.median([r[key] for r in every])) for key in every[0]}
     return {variant: float(max(abs(np.log(r[key] / median[key])) for r in variant_rates for key in median))

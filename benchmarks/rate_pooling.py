@@ -73,14 +73,10 @@ def newest_calibration(db: str) -> Calibration:
 
 def rank_ratios(calibration: Calibration) -> dict[tuple, float]:
     """Measured rate of the fewest ranks over the next count, per shape."""
-    counts = sorted({r.ranks for r in calibration.compute})[:2]
-    by_shape: dict[tuple, dict[int, float]] = defaultdict(dict)
-    for r in calibration.compute:
-        if r.ranks in counts:
-            rate = r.computed_flops(calibration.kernel) / r.seconds
-            by_shape[(r.head_dim, r.causal, r.seq_q)][r.ranks] = rate
-    return {shape: rates[counts[0]] / rates[counts[1]]
-            for shape, rates in by_shape.items() if len(rates) == 2}
+    rates = calibration.measured_rates()
+    fewest, nearest = sorted({key[3] for key in rates})[:2]
+    return {key[:3]: rate / rates[(*key[:3], nearest)] for key, rate in rates.items()
+            if key[3] == fewest and (*key[:3], nearest) in rates}
 
 
 def with_rates(cases: Sequence[Case], compute: tuple | None, pooled: bool) -> list[Case]:

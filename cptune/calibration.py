@@ -195,6 +195,12 @@ class Calibration:
             raise ValueError(f"the calibration has no {kind} measurements")
         return min(fits, key=lambda f: (f.group != group, abs(f.group - group), abs(f.ranks - ranks)))
 
+    def measured_rates(self) -> dict[tuple[int, bool, int, int], float]:
+        """FLOP/s per (head_dim, causal, seq_q, ranks) as timed, before pooling: what
+        benchmarks compare from one calibration to the next."""
+        return {(r.head_dim, r.causal, r.seq_q, r.ranks): r.computed_flops(self.kernel) / r.seconds
+                for r in self.compute}
+
     @functools.cached_property
     def pooled_compute(self) -> tuple[ComputeRate, ...]:
         """``compute`` with each rank count's effect on the rate fitted over every shape at
