@@ -1022,9 +1022,9 @@ def cmd_fit(args: argparse.Namespace, console: Console) -> int:
                          f"cannot tell the pick from the best; rho = Spearman rank "
                          f"correlation within a workload; cover = measurements "
                          f"inside the {band[0]:.0%}-{band[1]:.0%} band (advertised "
-                         f"{band[1] - band[0]:.0%}); recommend's pick = the correction only where it helps "
-                         f"on the training folds; fixed rule = always the config fastest most often "
-                         f"in the training folds")
+                         f"{band[1] - band[0]:.0%}); recommend's pick = the correction unless it is worse "
+                         f"than the prior beyond the noise on the training folds; fixed rule = always "
+                         f"the config fastest most often in the training folds")
         summary.add_column("method", no_wrap=True)
         for column in _SCORE_COLUMNS:
             summary.add_column(column, justify="right", no_wrap=True)

@@ -194,43 +194,44 @@ def level_truth(case: Case) -> float:
 
 
 def test_a_measured_shape_is_predicted_at_a_new_length_by_its_own_level():
-    """Measured at 1024..4096, each configuration of a shape is predicted at 8192 as the
-    prior times the mean factor its own measurements showed (the prior carries the length);
-    the boosted correction alone only approximates it. A shape measured on another hardware,
-    or with another mask, lends it nothing."""
+    """Measured at 1024..4096, each configuration of a shape is predicted at 8192, by its
+    level alone (``shape_weight=1``), as the prior times the mean factor its own measurements
+    showed (the prior carries the length); the boosted correction alone only approximates
+    it. A shape measured on another hardware, or with another mask, lends it nothing."""
     cases = [Case(replace(c.workload, causal=causal), c.config, c.profile)
              for seq_len in TRAIN_LENGTHS for c in cases_at(seq_len) for causal in (False, True)]
     measured = np.array([level_truth(case) for case in cases])
     held_out = cases_at(8192)
     true = np.array([level_truth(case) for case in held_out])
-    by_shape = CostModel().fit(cases, measured)
-    np.testing.assert_allclose(by_shape.predict(held_out), true, rtol=1e-9)
-    np.testing.assert_allclose(by_shape.out_of_fold_, measured, rtol=1e-9)  # other lengths say the same
-    boosted = CostModel(by_shape=False).fit(cases, measured)
+    by_level = CostModel(shape_weight=1.0).fit(cases, measured)
+    np.testing.assert_allclose(by_level.predict(held_out), true, rtol=1e-9)
+    np.testing.assert_allclose(by_level.out_of_fold_, measured, rtol=1e-9)  # other lengths say the same
+    boosted = CostModel(shape_weight=0.0).fit(cases, measured)
     assert np.max(np.abs(boosted.predict(held_out) / true - 1)) > 0.01
     elsewhere = [Case(c.workload, c.config, OTHER) for c in held_out]
-    np.testing.assert_array_equal(by_shape.predict(elsewhere), [c.prior().total_s for c in elsewhere])
+    np.testing.assert_array_equal(by_level.predict(elsewhere), [c.prior().total_s for c in elsewhere])
 
 
-def test_without_shape_levels_is_the_boosted_fit_without_fitting_again():
-    """fit_advised weighs both corrections from one fit: dropping the shape layer gives what
-    fitting with by_shape=False gives - predictions, held-out latencies, interval - and
-    leaves the fitted model as it was."""
+def test_the_default_correction_averages_a_shapes_level_and_boosting():
+    """Where a shape was measured at other lengths, the default estimate is the geometric
+    mean of the level's and boosting's (held out and not: one booster, seeded, fitted on
+    the same data); a shape never measured gets boosting's alone. A weight outside [0, 1]
+    is refused."""
     cases = [Case(replace(c.workload, causal=causal), c.config, c.profile)
              for seq_len in TRAIN_LENGTHS for c in cases_at(seq_len) for causal in (False, True)]
     measured = np.array([level_truth(case) for case in cases])
-    shaped = CostModel().fit(cases, measured)
-    before = shaped.predict_interval(cases_at(8192))
-    alone, refitted = shaped.without_shape_levels(), CostModel(by_shape=False).fit(cases, measured)
-    assert not alone.by_shape and alone.get_params() == refitted.get_params()
-    for ours, theirs in zip(alone.predict_interval(cases_at(8192)), refitted.predict_interval(cases_at(8192)),
-                            strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-12)
-    np.testing.assert_allclose(alone.out_of_fold_, refitted.out_of_fold_, rtol=1e-12)
-    assert alone.correction_interval_ == refitted.correction_interval_
-    assert np.max(np.abs(alone.out_of_fold_ / shaped.out_of_fold_ - 1)) > 0.01  # the layer mattered
-    for ours, again in zip(before, shaped.predict_interval(cases_at(8192)), strict=True):
-        np.testing.assert_array_equal(ours, again)
+    averaged, by_level, boosted = (CostModel(shape_weight=w).fit(cases, measured) for w in (0.5, 1.0, 0.0))
+    assert CostModel().shape_weight == 0.5
+    held_out = cases_at(8192)
+    np.testing.assert_allclose(averaged.predict(held_out),
+                               np.sqrt(by_level.predict(held_out) * boosted.predict(held_out)), rtol=1e-9)
+    np.testing.assert_allclose(averaged.out_of_fold_, np.sqrt(by_level.out_of_fold_ * boosted.out_of_fold_),
+                               rtol=1e-9)
+    assert np.max(np.abs(by_level.out_of_fold_ / boosted.out_of_fold_ - 1)) > 0.01  # the two differ
+    never = [Case(replace(c.workload, heads=24), c.config, c.profile) for c in held_out]
+    np.testing.assert_allclose(averaged.predict(never), boosted.predict(never), rtol=1e-12)
+    with pytest.raises(ValueError, match="shape_weight"):
+        CostModel(shape_weight=1.5).fit(cases, measured)
 
 
 def test_a_shapes_level_leaves_its_own_length_out_of_fold():
@@ -240,7 +241,7 @@ def test_a_shapes_level_leaves_its_own_length_out_of_fold():
     odd = TRAIN_LENGTHS[2]
     measured = np.array([case.prior().total_s * (2.0 if case.workload.seq_len == odd else 1.0)
                          for case in cases])
-    model = CostModel().fit(cases, measured)
+    model = CostModel(shape_weight=1.0).fit(cases, measured)
     prior = np.array([case.prior().total_s for case in cases])
     at_odd = np.array([case.workload.seq_len == odd for case in cases])
     np.testing.assert_allclose(model.out_of_fold_[at_odd], prior[at_odd], rtol=1e-9)
@@ -424,16 +425,26 @@ def test_compare_scores_the_model_the_prior_and_the_rule_alike(train):
     assert 0.0 <= model.overall.coverage <= 1.0 and prior.overall.coverage == 1.0  # a 2x band at least
 
 
-def test_correction_verdict_rejects_a_correction_that_only_learned_noise():
-    # measurements are the prior times pure noise: whatever the boosters learn is noise, so held
-    # out the correction is worse than the prior alone and recommend must not apply it
-    rng = np.random.default_rng(11)
+def flipping(cases: list[Case]) -> np.ndarray:
+    """The prior times a factor of each configuration whose sign flips from one length to the
+    next (and from one configuration to the next): nothing a correction learns from some
+    lengths carries to another."""
+    lengths = sorted({case.workload.seq_len for case in cases})
+    configs = sorted({case.config for case in cases}, key=lambda c: (c.strategy, c.ranks, c.head_group))
+    signs = [(-1) ** (lengths.index(case.workload.seq_len) + configs.index(case.config)) for case in cases]
+    prior = np.array([case.prior().total_s for case in cases])
+    return prior * np.exp(0.3 * np.array(signs))
+
+
+def test_correction_verdict_rejects_a_correction_that_does_not_carry_across_lengths():
+    # whatever the correction learns from the other lengths points the wrong way at the one
+    # held out, so held out it is worse than the prior alone and recommend must not apply it
     cases = [case for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len)]
-    measured = np.array([case.prior().total_s for case in cases]) * np.exp(rng.normal(0, 0.3, len(cases)))
+    measured = flipping(cases)
     verdict = correction_verdict(CostModel().fit(cases, measured), cases, measured)
     assert not verdict.applied and "worse than the prior alone" in verdict.reason
     assert verdict.correction is not None and verdict.prior is not None
-    assert verdict.correction.mape > verdict.prior.mape or verdict.correction.regret > verdict.prior.regret
+    assert verdict.correction.workload_error > verdict.prior.workload_error
 
 
 def test_correction_verdict_keeps_a_correction_that_helps(fitted, train):
@@ -606,18 +617,34 @@ def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise
     assert verdict.applied is applied, verdict.reason
 
 
-def test_fit_advised_keeps_the_correction_that_orders_workloads_better_held_out():
-    """Each configuration's level shows at every length: the shape layer orders the held-out
-    lengths exactly and is kept. Shapes each measured at one length give it nothing to
-    stand on: the boosted correction alone is kept."""
+def test_fit_advised_keeps_the_averaged_correction_where_it_helps_and_the_prior_where_it_does_not():
+    """Each configuration's level shows at every length: the averaged correction orders the
+    held-out lengths better than the prior and is kept. Where nothing learned carries across
+    lengths (``flipping``), the prior alone is kept, and its predictions are the prior's."""
     from cptune.model import fit_advised
 
     cases = [Case(replace(c.workload, causal=causal), c.config, c.profile)
              for seq_len in TRAIN_LENGTHS for c in cases_at(seq_len) for causal in (False, True)]
     measured = np.array([level_truth(case) for case in cases])
     model, verdict = fit_advised(cases, measured)
-    assert model.by_shape and verdict.applied and "each shape's level" in verdict.reason
-    lonely = [Case(replace(c.workload, heads=8 * (1 + TRAIN_LENGTHS.index(c.workload.seq_len))), c.config,
-                   c.profile) for c in cases if not c.workload.causal]
-    model, verdict = fit_advised(lonely, np.array([truth(case) for case in lonely]))
-    assert not model.by_shape and verdict.applied and "boosted alone" in verdict.reason
+    assert model.learn_correction and model.shape_weight == 0.5 and verdict.applied, verdict.reason
+    model, verdict = fit_advised(cases, flipping(cases))
+    assert not model.learn_correction and not verdict.applied, verdict.reason
+    np.testing.assert_allclose(model.predict(cases_at(8192)), [c.prior().total_s for c in cases_at(8192)])
+
+
+@pytest.mark.parametrize("spread, applied", [(0.05, True), (0.3, False)])
+def test_correction_verdict_refuses_an_order_only_when_worse_beyond_its_noise(train, spread, applied):
+    """The prior is 5% off the truth, scattered; the correction's numbers scatter about as much
+    (a hair more within each workload: a tie, kept) or six times as much (refused). Every
+    configuration is tied with its workload's leader, so regret speaks for neither and only
+    the order within workloads is judged."""
+    cases, _ = train
+    prior = np.array([case.prior().total_s for case in cases])
+    measured = prior * np.exp(np.random.default_rng(0).normal(0, 0.05, len(cases)))
+    model = CostModel().fit(cases, measured)
+    model.out_of_fold_ = measured * np.exp(np.random.default_rng(100).normal(0, spread, len(cases)))
+    verdict = correction_verdict(model, cases, measured, tied=np.ones(len(cases), dtype=bool))
+    assert verdict.correction.tie_regret == verdict.prior.tie_regret == 1.0
+    assert verdict.correction.workload_error > verdict.prior.workload_error  # a point estimate says worse
+    assert verdict.applied is applied, verdict.reason

@@ -7,20 +7,24 @@ workload, a configuration and the ``Profile`` of the hardware - and its target i
 measured latency in seconds.
 
 Prediction = prior x exp(correction), the correction learned from the log of measured /
-prior in two layers. Where the same configuration of the same workload shape (everything
-but the sequence length) was measured on the same hardware at other lengths, the
-correction is the mean of those measurements' log residuals (``by_shape``): the prior's
-physics carries the length trend and the configuration's own measurements its level (how
-far this host's calibration misjudges it), which is how a length between or beyond the
-measured ones is predicted best (``benchmarks/results/fit-repro-*.txt``). Elsewhere - a
-shape never measured - it is gradient boosting on the residual over features of the shape,
-the configuration and the prior's breakdown. Trees cannot extrapolate: beyond the measured
-range they hold their edge value, so there too the prior carries the trend (longer
-sequences, more ranks). The correction is applied only to hardware the model was fitted
-on; elsewhere the prediction is the prior's. Its interval on described hardware spans what
-the description's figure ranges allow (``prior_range``); on a calibrated host without a
-correction it is the prior-only band (``prior_only_band``: at least a factor
-``prior_band`` wide each way).
+prior in two layers. Gradient boosting on the residual over features of the shape, the
+configuration and the prior's breakdown speaks for every case. Where the same
+configuration of the same workload shape (everything but the sequence length) was
+measured on the same hardware at other lengths, a second estimate speaks too: the mean of
+those measurements' log residuals, the shape's level - the prior's physics carries the
+length trend and the configuration's own measurements its level (how far this host's
+calibration misjudges it). There the correction is the two averaged (``shape_weight`` of
+the level, 0.5): neither is chosen over the other, since which one orders a held-out
+length better is decided by the noise of a dozen decisions. Held out by length on the 16
+databases of four fresh pairs calibrated in rounds, the average met ``cptune fit``'s goal
+on all 16; choosing between the two per database, as ``recommend`` did before, met it on
+13 (``benchmarks/results/averaged-layers-2026-11-26.txt``). Trees cannot extrapolate:
+beyond the measured range they hold their edge value, so there the prior and the level
+carry the trend (longer sequences, more ranks). The correction is applied only to
+hardware the model was fitted on; elsewhere the prediction is the prior's. Its interval on
+described hardware spans what the description's figure ranges allow (``prior_range``); on
+a calibrated host without a correction it is the prior-only band (``prior_only_band``: at
+least a factor ``prior_band`` wide each way).
 
 The learned correction's interval is conformal: ``fit`` also fits the correction on folds
 that each leave whole sequence lengths out (a shape's level from its other lengths only),
@@ -36,7 +40,6 @@ judges the correction by against the prior alone
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,7 +62,7 @@ INTERVAL_FOLDS = 5
 
 
 #: A configuration of one attention shape (all but the sequence length) on one hardware:
-#: what the ``by_shape`` layer pools measurements over.
+#: what a shape's level pools measurements over.
 ShapeKey = tuple[str, CPConfig, AttentionShape]
 
 
@@ -104,9 +107,9 @@ class CostModel(RegressorMixin, BaseEstimator):
     Parameters: the boosting's ``n_estimators``, ``learning_rate``, ``max_depth`` and
     ``min_samples_leaf``; ``interval`` the quantiles of the reported interval; ``prior_band``
     the narrowest factor a prior-only interval spans each way; ``learn_correction`` False
-    for the prior alone (a baseline, or when the correction does not help); ``by_shape``
-    False for the boosted correction alone, without a configuration's level from its other
-    measured lengths; ``random_state``."""
+    for the prior alone (a baseline, or when the correction does not help); ``shape_weight``
+    the weight of a shape's level against the boosted correction where the shape was
+    measured at other lengths (1: the level alone, 0: boosting alone); ``random_state``."""
 
     def __init__(
         self,
@@ -117,7 +120,7 @@ class CostModel(RegressorMixin, BaseEstimator):
         interval: tuple[float, float] = (0.1, 0.9),
         prior_band: float = 2.0,
         learn_correction: bool = True,
-        by_shape: bool = True,
+        shape_weight: float = 0.5,
         random_state: int = 0,
     ) -> None:
         self.n_estimators = n_estimators
@@ -127,7 +130,7 @@ class CostModel(RegressorMixin, BaseEstimator):
         self.interval = interval
         self.prior_band = prior_band
         self.learn_correction = learn_correction
-        self.by_shape = by_shape
+        self.shape_weight = shape_weight
         self.random_state = random_state
 
     def _booster(self) -> GradientBoostingRegressor:
@@ -156,6 +159,8 @@ class CostModel(RegressorMixin, BaseEstimator):
         cases, latency = list(X), np.asarray(y, dtype=float)
         if len(cases) != len(latency) or not np.all(latency > 0):
             raise ValueError("fit needs one positive latency per case")
+        if not 0.0 <= self.shape_weight <= 1.0:
+            raise ValueError(f"shape_weight must lie in [0, 1], got {self.shape_weight}")
         priors = [case.prior() for case in cases]
         prior = np.array([p.total_s for p in priors])
         residual = np.log(latency) - np.log(prior)
@@ -168,26 +173,17 @@ class CostModel(RegressorMixin, BaseEstimator):
         self.out_of_fold_: np.ndarray | None = None
         #: The correction's interval as log factors around its estimate (low <= 0 <= high).
         self.correction_interval_ = (0.0, 0.0)
-        #: Log residuals of each measured shape, by sequence length (``by_shape``).
+        #: Log residuals of each measured shape, by sequence length (its level's evidence).
         self.shape_residuals_: dict[ShapeKey, dict[int, list[float]]] = {}
-        #: ``out_of_fold_`` and ``correction_interval_`` of the boosted correction alone,
-        #: kept for ``without_shape_levels``.
-        self.boosted_out_of_fold_: np.ndarray | None = None
-        self.boosted_interval_ = (0.0, 0.0)
         if not self.learn_correction or len(cases) < MIN_SAMPLES:
             return self
-        if self.by_shape:
+        if self.shape_weight > 0:
             for case, error in zip(cases, residual, strict=True):
                 self.shape_residuals_.setdefault(case.shape, {}).setdefault(case.workload.seq_len, []).append(
                     float(error))
         table = features(cases, priors)
         boosted = self._out_of_fold(table, residual, cases)
-        self.boosted_out_of_fold_ = prior * np.exp(boosted)
-        self.boosted_interval_ = self._error_interval(residual - boosted)
-        held_out = boosted.copy()
-        for i, case in enumerate(cases):
-            if (level := self._shape_level(case, leave_out_own_length=True)) is not None:
-                held_out[i] = level
+        held_out = self._with_levels(cases, boosted, leave_out_own_length=True)
         self.correction_interval_ = self._error_interval(residual - held_out)
         self.out_of_fold_ = prior * np.exp(held_out)
         self.correction_ = self._booster().fit(table, residual)
@@ -199,19 +195,15 @@ class CostModel(RegressorMixin, BaseEstimator):
         low, high = np.quantile(errors, self.interval)
         return min(float(low), 0.0), max(float(high), 0.0)
 
-    def without_shape_levels(self) -> CostModel:
-        """This fitted model as ``by_shape=False`` would fit it on the same data: the same
-        boosters (the shape layer does not change what they are fitted on, and their fit is
-        seeded), the shape layer dropped. ``fit_advised`` weighs both without fitting the
-        boosters twice."""
-        check_is_fitted(self, "prior_interval_")
-        alone = copy.copy(self)
-        alone.by_shape = False
-        alone.shape_residuals_ = {}
-        if self.boosted_out_of_fold_ is not None:
-            alone.out_of_fold_ = self.boosted_out_of_fold_
-            alone.correction_interval_ = self.boosted_interval_
-        return alone
+    def _with_levels(self, cases: Sequence[Case], boosted: np.ndarray, leave_out_own_length: bool = False
+                     ) -> np.ndarray:
+        """Each case's log correction: the boosted one (``boosted``), averaged with its
+        shape's level (``shape_weight`` of it) where the shape was measured at other lengths."""
+        corrections = boosted.copy()
+        for i, case in enumerate(cases):
+            if (level := self._shape_level(case, leave_out_own_length)) is not None:
+                corrections[i] = self.shape_weight * level + (1 - self.shape_weight) * boosted[i]
+        return corrections
 
     def _shape_level(self, case: Case, leave_out_own_length: bool = False) -> float | None:
         """The mean log residual of ``case``'s shape over its measured lengths (each length
@@ -257,10 +249,8 @@ class CostModel(RegressorMixin, BaseEstimator):
             assert self.correction_ is not None
             table = features([c for c, k in zip(cases, corrected, strict=True) if k],
                              [p for p, k in zip(priors, corrected, strict=True) if k])
-            correction = self.correction_.predict(table)
-            shaped = [self._shape_level(case) for case, k in zip(cases, corrected, strict=True) if k]
-            correction = np.array([boosted if level is None else level
-                                   for boosted, level in zip(correction, shaped, strict=True)])
+            correction = self._with_levels([c for c, k in zip(cases, corrected, strict=True) if k],
+                                           self.correction_.predict(table))
             estimate[corrected] = prior[corrected] * np.exp(correction)
             below, above = self.correction_interval_
             low[corrected] = estimate[corrected] * np.exp(below)

@@ -17,8 +17,8 @@ band reaches the pick is a reason to measure it (``cptune search``), not evidenc
 
 The model is fitted in memory from the database and refitted when the database gains
 measurements or calibrations; nothing is ever unpickled. The learned correction is applied
-only when, held out, it is no worse than the prior alone (``correction_verdict``, decided
-once per database revision); otherwise the predictions are the prior's, and say so. After
+unless, held out, it is worse than the prior alone beyond the noise (``correction_verdict``,
+decided once per database revision); otherwise the predictions are the prior's, and say so. After
 the first call for a database, a recommendation costs one small query plus the predictions.
 """
 
