@@ -307,3 +307,22 @@ def test_calibration_rounds_reads_the_rank_ratio_spread_and_a_bursts_deviation()
     assert calibration_rounds.ratio_spread(burst) == pytest.approx(np.std(np.log([2, 4, 2]), ddof=1))
     worst = calibration_rounds.worst_deviations({"rounds": steady, "one pass": burst})
     assert worst == pytest.approx({"rounds": 0.0, "one pass": np.log(2)}, abs=1e-12)
+
+
+def test_averaged_layers_scores_each_rule_held_out_by_length():
+    """Each configuration's level shows at every length: the level alone predicts every
+    held-out pick exactly and meets the goal, the rule before chose it (its held-out error
+    within a workload is the smallest), and the prior alone, blind to the levels, misses."""
+    from dataclasses import replace
+
+    from test_cost_model import TRAIN_LENGTHS, cases_at, level_truth
+
+    averaged_layers = _benchmark("averaged_layers")
+    cases = [replace(case, workload=replace(case.workload, causal=causal))
+             for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len) for causal in (False, True)]
+    latencies = np.array([level_truth(case) for case in cases])
+    scores = averaged_layers.score(cases, latencies, np.zeros(len(cases), dtype=bool))
+    assert set(scores) == {"now", "before", "level alone", "boosted alone", "prior alone"}
+    assert scores["level alone"] == {"median": 1.0, "worst": 1.0, "meets_goal": True}
+    assert scores["before"] == scores["level alone"]
+    assert not scores["prior alone"]["meets_goal"] and scores["prior alone"]["worst"] > 1.05
