@@ -16,11 +16,12 @@ length trend and the configuration's own measurements its level (how far this ho
 calibration misjudges it). There the correction is the two averaged (``shape_weight`` of
 the level, 0.5): neither is chosen over the other, since which one orders a held-out
 length better is decided by the noise of a dozen decisions. Held out by length on the 16
-databases of four fresh pairs calibrated in rounds, the average met ``cptune fit``'s goal
-on all 16; choosing between the two per database, as ``recommend`` did before, met it on
-13 (``benchmarks/results/averaged-layers-2026-11-26.txt``). Trees cannot extrapolate:
-beyond the measured range they hold their edge value, so there the prior and the level
-carry the trend (longer sequences, more ranks). The correction is applied only to
+databases of four fresh pairs calibrated in rounds, where this rule was chosen, the
+average met ``cptune fit``'s goal on all 16; choosing between the two per database, as
+``recommend`` did before, met it on 13; on a fifth pair run afterwards, 4 of 4 either way
+(``benchmarks/results/averaged-layers-2026-11-26.txt``). Trees cannot extrapolate:
+beyond the measured range they hold their edge value, so there the prior carries the
+trend (longer sequences, more ranks). The correction is applied only to
 hardware the model was fitted on; elsewhere the prediction is the prior's. Its interval on
 described hardware spans what the description's figure ranges allow (``prior_range``); on
 a calibrated host without a correction it is the prior-only band (``prior_only_band``: at
