@@ -18,7 +18,8 @@ the level, 0.5): neither is chosen over the other, since which one orders a held
 length better is decided by the noise of a dozen decisions. Held out by length on the 16
 databases of four fresh pairs calibrated in rounds, where this rule was chosen, the
 average met ``cptune fit``'s goal on all 16; choosing between the two per database, as
-``recommend`` did before, met it on 13; on a fifth pair run afterwards, 4 of 4 either way
+``recommend`` did before, met it on 13; on a fifth pair and a run made afterwards, 6 of 6
+either way
 (``benchmarks/results/averaged-layers-2026-11-26.txt``). Trees cannot extrapolate:
 beyond the measured range they hold their edge value, so there the prior carries the
 trend (longer sequences, more ranks). The correction is applied only to
