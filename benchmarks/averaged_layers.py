@@ -26,11 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from sklearn.model_selection import GroupKFold
 
 from cptune.errors import CPTuneError
 from cptune.model import Case, CostModel, fit_advised, load_training, score_group
-from cptune.model._evaluation import _decision_regrets, _worse_beyond_noise  # the tests the old rule ran
+from cptune.model._evaluation import (  # the old rule's tests, and cptune fit's folds and scoring
+    _decision_regrets,
+    _evaluation,
+    _folds,
+    _worse_beyond_noise,
+)
 
 #: cptune fit's goal for recommend's pick: median and worst regret, ties as ties.
 GOAL = (1.02, 1.05)
@@ -70,20 +74,15 @@ RULES: dict[str, Rule] = {
 def score(cases: list[Case], latencies: np.ndarray, tied: np.ndarray) -> dict[str, dict[str, float | bool]]:
     """Each rule's pick held out by sequence length: the median over lengths of the mean
     regret, ties as ties, the worst single decision, and whether the goal is met."""
-    lengths = np.array([case.workload.seq_len for case in cases])
-    folds = list(GroupKFold(n_splits=len(set(lengths.tolist()))).split(lengths, lengths, lengths))
+    groups, folds = _folds(cases, "seq_len")
     out: dict[str, dict[str, float | bool]] = {}
     for name, rule in RULES.items():
         predicted = np.empty(len(cases))
         for train, test in folds:
             model = rule([cases[i] for i in train], latencies[train], tied[train])
             predicted[test] = model.predict([cases[i] for i in test])
-        groups = [score_group(str(length), [cases[i] for i in np.flatnonzero(lengths == length)],
-                              latencies[lengths == length], predicted[lengths == length],
-                              tied=tied[lengths == length])
-                  for length in sorted(set(lengths.tolist()))]
-        median = float(np.median([g.tie_regret for g in groups]))
-        worst = max(g.worst_tie_regret for g in groups)
+        held_out = _evaluation(name, "seq_len", cases, latencies, groups, predicted, None, tied=tied)
+        median, worst = held_out.median_tie_regret, held_out.worst_tie_regret
         out[name] = {"median": median, "worst": worst, "meets_goal": median <= GOAL[0] and worst <= GOAL[1]}
     return out
 
