@@ -11,8 +11,7 @@ import functools
 from dataclasses import asdict, dataclass
 
 from cptune.config import CPConfig
-from cptune.feasibility import kv_replication
-from cptune.layout import SequenceLayout
+from cptune.layout import SequenceLayout, kv_replication
 from cptune.workload import Workload
 
 FP32_BYTES = 4
@@ -21,22 +20,24 @@ SCORE_BLOCK_ROWS = 128
 
 #: Collective kinds traffic is counted under. The Ring's K/V stream step is "p2p" (send/recv)
 #: on engines with point-to-point, and "broadcast" (one per step, the step's source as root)
-#: on engines without it: TensorRT has no point-to-point layer.
+#: on engines without it (TensorRT has no point-to-point layer): each engine says which
+#: (``cptune.engines.EngineSpec.stream``).
 COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p", "broadcast")
 #: The kinds of the Ring's stream step: each step moves one block (bus-bandwidth factor 1).
 STREAM_KINDS: tuple[str, ...] = ("p2p", "broadcast")
-#: Engines whose ranks can send point-to-point.
-POINT_TO_POINT_ENGINES = frozenset({"mpi"})
 
 
-def stream_kind(engine: str) -> str:
-    """How ``engine`` expresses the Ring's stream step: "p2p" or "broadcast"."""
-    return "p2p" if engine in POINT_TO_POINT_ENGINES else "broadcast"
+def collectives_with(stream: str) -> tuple[str, ...]:
+    """The collective kinds a configuration uses when its Ring streams by ``stream``
+    (what a calibration of such an engine times)."""
+    check_stream(stream)
+    return "all_to_all", "all_gather", stream
 
 
-def engine_collectives(engine: str) -> tuple[str, ...]:
-    """The collective kinds ``engine``'s runs use (what its calibration must time)."""
-    return "all_to_all", "all_gather", stream_kind(engine)
+def check_stream(stream: str) -> None:
+    """Raise ``ValueError`` unless ``stream`` is one of ``STREAM_KINDS``."""
+    if stream not in STREAM_KINDS:
+        raise ValueError(f"stream must be one of {', '.join(STREAM_KINDS)}, got {stream!r}")
 
 
 #: Memory-bound steps whose device-memory traffic is counted.
@@ -97,9 +98,9 @@ def _visible_pairs(layout: SequenceLayout, group: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)  # pure; recommendations ask for the same pairs often (read-only result)
-def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> AnalyticCost:
-    """Count the physical work of ``config`` on ``workload`` as ``engine`` runs it (see
-    ``AnalyticCost``; engines differ only in the Ring's stream step).
+def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> AnalyticCost:
+    """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
+    made of ``stream`` (``STREAM_KINDS``; see ``AnalyticCost``: engines differ only there).
 
     With N ranks, head group u, context degree c = N / u, padded length S, batch B, heads H,
     KV heads K (K' = K * replication after Ulysses), head_dim D and wire width w bytes:
@@ -147,10 +148,10 @@ def analytic_cost(workload: Workload, config: CPConfig, engine: str = "mpi") -> 
         bytes_sent["all_gather"] = (c - 1) * kv_block
         steps["all_gather"] = 1
     elif c > 1 and config.strategy == "ring":
-        kind = stream_kind(engine)
-        stream_steps = c - 1 if kind == "p2p" else c
-        bytes_sent[kind] = stream_steps * kv_block
-        steps[kind] = stream_steps
+        check_stream(stream)
+        stream_steps = c - 1 if stream == "p2p" else c
+        bytes_sent[stream] = stream_steps * kv_block
+        steps[stream] = stream_steps
 
     inputs = b * rank_tokens * (h + 2 * workload.kv_heads) * d * w
     output = b * rank_tokens * h * d * w

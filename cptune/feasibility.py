@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from cptune.config import STRATEGIES, CPConfig
+from cptune.cost import analytic_cost
 from cptune.errors import InfeasibleConfigError
+from cptune.layout import kv_replication
 from cptune.workload import Workload
+
+__all__ = ["candidate_configs", "check_feasible", "enumerate_configs", "feasibility", "format_bytes",
+           "kv_replication"]
 
 
 def format_bytes(n: float) -> str:
@@ -19,15 +24,6 @@ def format_bytes(n: float) -> str:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def kv_replication(workload: Workload, head_group: int) -> int:
-    """How many copies of each KV head the Ulysses all-to-all needs: 1 when the KV heads
-    split evenly over the head group, head_group / kv_heads when the group is larger than
-    the KV heads (GQA/MQA: each rank then gets one replicated KV head, as DeepSpeed does)."""
-    if workload.kv_heads % head_group == 0:
-        return 1
-    return head_group // workload.kv_heads
 
 
 def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> list[str]:
@@ -66,8 +62,6 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"one token; use at most {workload.seq_len} ranks"
         )
     if memory_limit is not None and not reasons:
-        from cptune.cost import analytic_cost
-
         need = analytic_cost(workload, config).peak_bytes
         if need > memory_limit:
             reasons.append(

@@ -22,6 +22,56 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.workload import Workload
 
+#: Groups of global ranks that run one collective at once.
+Groups = tuple[tuple[int, ...], ...]
+
+
+def rank_at(group: int, member: int, head_group: int) -> int:
+    """The rank of ``member`` j of head group g: ``r = g * u + j`` (the one place this
+    numbering is written)."""
+    return group * head_group + member
+
+
+def rank_coordinates(rank: int, head_group: int) -> tuple[int, int]:
+    """(head group g, member j) of ``rank``: the inverse of ``rank_at``."""
+    return divmod(rank, head_group)
+
+
+def head_group_members(rank: int, head_group: int) -> list[int]:
+    """The ranks that exchange heads with ``rank`` (Ulysses all-to-all), in order."""
+    group, _ = rank_coordinates(rank, head_group)
+    return [rank_at(group, j, head_group) for j in range(head_group)]
+
+
+def context_group_members(rank: int, head_group: int, ranks: int) -> list[int]:
+    """The ranks that exchange K/V with ``rank`` (Ring / AllGather-KV), in order."""
+    _, member = rank_coordinates(rank, head_group)
+    return [rank_at(g, member, head_group) for g in range(ranks // head_group)]
+
+
+def rank_groups(config: CPConfig) -> tuple[Groups, Groups]:
+    """(head groups, context groups) of ``config`` as global ranks, every group once."""
+    u, n = config.head_group, config.ranks
+    heads = tuple(tuple(head_group_members(rank_at(g, 0, u), u)) for g in range(config.context_degree))
+    context = tuple(tuple(context_group_members(j, u, n)) for j in range(u))
+    return heads, context
+
+
+def kv_replication(workload: Workload, head_group: int) -> int:
+    """How many copies of each KV head the Ulysses all-to-all needs: 1 when the KV heads
+    split evenly over the head group, head_group / kv_heads when the group is larger than
+    the KV heads (GQA/MQA: each rank then gets one replicated KV head, as DeepSpeed does)."""
+    if workload.kv_heads % head_group == 0:
+        return 1
+    return head_group // workload.kv_heads
+
+
+def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Index ranges [start, stop) over which positions increase by exactly one."""
+    breaks = (np.flatnonzero(np.diff(positions) != 1) + 1).tolist()
+    edges = [0, *breaks, len(positions)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
 
 class SequenceLayout:
     """Token positions per rank and the two communication groups of each rank."""
@@ -66,22 +116,20 @@ class SequenceLayout:
 
     def rank_positions(self, rank: int) -> np.ndarray:
         """Token positions rank ``rank`` holds before any exchange."""
-        group, member = divmod(rank, self.head_group)
+        group, member = rank_coordinates(rank, self.head_group)
         piece = self.padded_len // self.ranks
         return self._blocks[group][member * piece : (member + 1) * piece]
 
     def head_group_of(self, rank: int) -> int:
-        return rank // self.head_group
+        return rank_coordinates(rank, self.head_group)[0]
 
     def head_group_ranks(self, rank: int) -> list[int]:
         """The ranks that exchange heads with ``rank`` (Ulysses all-to-all), in order."""
-        first = self.head_group_of(rank) * self.head_group
-        return list(range(first, first + self.head_group))
+        return head_group_members(rank, self.head_group)
 
     def context_group_ranks(self, rank: int) -> list[int]:
         """The ranks that exchange K/V with ``rank`` (Ring / AllGather-KV), in order."""
-        member = rank % self.head_group
-        return [g * self.head_group + member for g in range(self.context_degree)]
+        return context_group_members(rank, self.head_group, self.ranks)
 
     def real_query_positions(self, group: int) -> np.ndarray:
         """Positions of block ``group`` that are real tokens (not padding)."""

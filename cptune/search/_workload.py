@@ -1,27 +1,23 @@
-"""The search: Optuna trials over strategy, rank count and head group, each run for real,
-then interleaved rounds and a final race that say how sure the answer is.
+"""The search of one workload: Optuna trials over strategy, rank count and head group, each run
+for real, then interleaved rounds, a final race and a second sitting that say how sure the
+answer is (``WorkloadSearch``).
 
 One study per (workload, hardware), seeded from the store, which is the single source of
 truth: configurations already measured on this hardware are told to the sampler (with
 their latency combined over every clean visit, ``cptune.estimate``) rather than explored
 again (unless ``remeasure``), every new result is committed as soon as it exists, so an
-interrupted search resumes where it stopped. The parameters are suggested conditionally
-(strategy, then a rank count feasible for it, then a head group feasible for both), so an
-infeasible point is never proposed. A run that fails (crash, timeout, out of memory, wrong
-output) is stored with its reason and told to Optuna as infeasible
-(``trial.set_constraint``); the search goes on. After the trials, ``WorkloadSearch`` visits
-what ran in interleaved rounds and races the leader against the configurations tied with
-it, until it is separated or the budget is spent (see its docstring).
+interrupted search resumes where it stopped. A run that fails (crash, timeout, out of
+memory, wrong output, a pool that cannot start) is stored with its reason and told to
+Optuna as infeasible (``trial.set_constraint``); the search goes on.
 
-Two orders. ``exhaustive``: spaces small enough for the trial budget are covered
-exhaustively (BruteForceSampler); larger ones by TPE, warm-started with the best
-configurations measured for the same model at other sequence lengths on this hardware.
-``guided`` (``GuidedSampler``): the cost model ``recommend`` uses, fitted on what the store
-holds (refitted as each measurement lands), orders the trials - the best predicted first,
-then the configuration most likely to beat the leader - and the search stops when none
-left is likely enough to (``STOP_PROBABILITY``, see ``GuidedSampler``) or the budget is
-spent. Without a calibration of the hardware covering the space's rank counts there is no
-model, and the guided order falls back to the exhaustive one.
+Two orders (``cptune.space.ORDERS``). ``exhaustive``: spaces small enough for the trial
+budget are covered exhaustively (BruteForceSampler); larger ones by TPE, warm-started with
+the best configurations measured for the same model at other sequence lengths on this
+hardware. ``guided`` (``GuidedSampler``): the cost model ``recommend`` uses, fitted on what
+the store holds (refitted as each measurement lands), orders the trials and the search
+stops when none left is likely enough to beat the leader or the budget is spent. Without a
+calibration of the hardware covering the space's rank counts there is no model, and the
+guided order falls back to the exhaustive one.
 
 With ``study_storage`` (``Store.optuna_storage``) every stored run of the workload on this
 hardware is also kept as a trial of an Optuna study in the database, named by
@@ -32,6 +28,7 @@ the source of truth: the sampler's own study lives in memory, seeded from the st
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -40,25 +37,32 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from statistics import NormalDist
-from typing import Any
 from uuid import uuid4
 
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
-from optuna.samplers import BaseSampler
 from optuna.storages import BaseStorage
 from optuna.study import Study
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
-from cptune.config import STRATEGIES, CPConfig
+from cptune.config import CPConfig
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine, judge
 from cptune.execute import measure, measure_round
 from cptune.hardware import Hardware
-from cptune.measurement import Measurement, format_ms, oversubscribed
-from cptune.model import Candidate, CostModel, predict_for
+from cptune.measurement import Measurement, oversubscribed
+from cptune.model import Candidate, predict_for
+from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler
+from cptune.search._trials import (
+    Known,
+    distributions,
+    params_of,
+    study_name,
+    suggest,
+    tree_of,
+    view_trial,
+)
+from cptune.space import ORDERS
 from cptune.store import Result, Store, StoreError
 from cptune.workload import Workload
 
@@ -69,13 +73,6 @@ optuna.logging.set_verbosity(logging.ERROR)
 #: The objective of a configuration whose run failed; the constraint marks it infeasible.
 FAILED_LATENCY_MS = float("inf")
 _WARM_START = 3
-#: The orders a search can take (see the module docstring).
-ORDERS = ("guided", "exhaustive")
-#: A guided search stops when the chance that any unmeasured configuration beats the
-#: leader falls below this (see ``GuidedSampler``).
-STOP_PROBABILITY = 0.1
-#: The quantiles of the interval the cost model predicts (``CostModel.interval``).
-_INTERVAL = CostModel().interval
 #: A configuration separated from the leader by less than this ratio, on fewer shared rounds
 #: than a paired comparison needs (``MIN_PAIRED_ROUNDS``), joins the race until it has them:
 #: slow phases of this project's CPU hosts slowed both visits of one configuration by 1.22x
@@ -120,227 +117,6 @@ class Visit:
     left: int = 0
 
 
-Tree = dict[str, dict[int, list[int]]]
-Known = tuple[str, float | None, str | None]  # status, median_ms, error of a stored run
-
-
-def _tree(configs: list[CPConfig]) -> Tree:
-    """strategy -> rank count -> head groups: the conditional search space."""
-    tree: Tree = {}
-    for c in configs:
-        tree.setdefault(c.strategy, {}).setdefault(c.ranks, []).append(c.head_group)
-    return tree
-
-
-def _distributions(tree: Tree, config: CPConfig) -> dict[str, BaseDistribution]:
-    return {
-        "strategy": CategoricalDistribution(sorted(tree)),
-        f"ranks|{config.strategy}": CategoricalDistribution(sorted(tree[config.strategy])),
-        f"head_group|{config.strategy}|{config.ranks}": CategoricalDistribution(
-            tree[config.strategy][config.ranks]
-        ),
-    }
-
-
-def _params(config: CPConfig) -> dict[str, object]:
-    return {
-        "strategy": config.strategy,
-        f"ranks|{config.strategy}": config.ranks,
-        f"head_group|{config.strategy}|{config.ranks}": config.head_group,
-    }
-
-
-def _config(params: dict[str, Any]) -> CPConfig | None:
-    """The configuration a trial's conditional ``params`` name (None before they are all sampled)."""
-    strategy = params.get("strategy")
-    ranks = params.get(f"ranks|{strategy}")
-    head_group = params.get(f"head_group|{strategy}|{ranks}")
-    return None if head_group is None else CPConfig(str(strategy), int(ranks), int(head_group))
-
-
-def win_probability(candidate: Candidate, leader_ms: float,
-                    interval: tuple[float, float] = _INTERVAL, workload_spread: float = 0.0) -> float:
-    """The model's probability that ``candidate`` runs faster than ``leader_ms``.
-
-    Log latency is taken as normal on each side of the estimate (the median), with the
-    spread that puts the interval's low and high edge at its ``interval`` quantiles: a
-    skewed band gives a skewed distribution, and an edge on the estimate (no spread on that
-    side) a certain answer on that side. ``workload_spread``, the model's log error on this
-    workload's measured configurations (``GuidedSampler.workload_spread``), adds in
-    quadrature on both sides: the interval is the model's error over the whole store, and
-    some workloads it misses by far more."""
-    below = leader_ms < candidate.latency_ms
-    edge, quantile = (candidate.low_ms, interval[0]) if below else (candidate.high_ms, interval[1])
-    model_spread = math.log(edge / candidate.latency_ms) / NormalDist().inv_cdf(quantile)
-    spread = math.hypot(model_spread, workload_spread)
-    if spread == 0:
-        return 0.0 if below else 1.0
-    return NormalDist().cdf(math.log(leader_ms / candidate.latency_ms) / spread)
-
-
-def any_wins(probabilities: Sequence[float]) -> float:
-    """The chance that at least one of several configurations beats the leader, each with
-    its ``probabilities``, taken as independent. Their errors share the model's bias at the
-    workload, so they are positively dependent, and then this independent figure is an upper
-    bound: a stop rule on it is not fooled by a single long tail among many candidates."""
-    return -math.expm1(math.fsum(math.log1p(-p) if p < 1 else -math.inf for p in probabilities))
-
-
-@dataclass(frozen=True)
-class EarlyStop:
-    """Why a guided search ended before every configuration was measured: ``likeliest``,
-    the unmeasured configuration most likely to beat ``leader``, had only ``probability``."""
-
-    leader: CPConfig
-    leader_ms: float
-    tried: int
-    unmeasured: int
-    likeliest: CPConfig
-    probability: float
-    threshold: float  # the sampler's stop probability
-    #: The chance that any unmeasured configuration beats the leader (``any_wins``).
-    chance: float = 0.0
-    #: The model's log error on the measured configurations, added to its interval.
-    workload_spread: float = 0.0
-
-    def describe(self) -> str:
-        return (f"stopped after {self.tried} of {self.tried + self.unmeasured} configurations: the cost "
-                f"model (its interval widened by its {math.expm1(self.workload_spread):.0%} root-mean-square "
-                f"error on this workload's trials) gives the {self.unmeasured} unmeasured together "
-                f"less than a {self.threshold:.0%} chance ({self.chance:.1%}) of beating "
-                f"{self.leader.describe()} ({format_ms(self.leader_ms)} ms); the likeliest, "
-                f"{self.likeliest.describe()}, {self.probability:.1%}")
-
-
-class GuidedSampler(BaseSampler):
-    """Optuna sampler that takes its trials in the order the cost model gives (see
-    ``win_probability``) and stops the study when none left is likely to beat the leader.
-
-    ``predict`` gives the model's latency and interval (``Candidate``) for configurations not
-    yet tried; it is asked again after every trial, so a model refitted on the new
-    measurement reorders what is left. The whole configuration is chosen when a trial asks
-    for its first parameter; the later ones follow from it.
-
-    The stop rule trusts the model only as far as this workload bears it out: each trial's
-    measured latency is compared with what the model predicted for it just before it ran
-    (an out-of-sample error, as the unmeasured ones' will be), and the root mean square of
-    these log errors (``workload_spread``: centred on zero, so a bias of the model here
-    counts as spread) widens every interval. The study stops when the chance that ANY
-    unmeasured configuration beats the leader (``any_wins``), not only the likeliest one,
-    is below ``stop_probability``."""
-
-    def __init__(self, configs: Sequence[CPConfig], predict: Callable[[list[CPConfig]], list[Candidate]],
-                 stop_probability: float = STOP_PROBABILITY) -> None:
-        self._configs = list(configs)
-        self._predict = predict
-        self._stop_probability = stop_probability
-        self._chosen: dict[int, CPConfig] = {}
-        #: The latency (ms) the model predicted for each trial's configuration when it chose it.
-        self._predicted_ms: dict[int, float] = {}
-        #: log(measured / predicted) of each trial the sampler chose, in the order they ended.
-        self.errors: list[float] = []
-        #: Set when the sampler stopped the study before every configuration was tried.
-        self.early_stop: EarlyStop | None = None
-
-    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        return {}
-
-    def sample_relative(self, study: Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        return {}
-
-    def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
-        if trial.number not in self._chosen:
-            leader, tried = self._state(study, exclude=trial.number)
-            pending = [c for c in self._configs if c not in tried] or self._configs
-            chosen = self._ranked(pending, leader)[0][0]
-            self._chosen[trial.number] = chosen.config
-            self._predicted_ms[trial.number] = chosen.latency_ms
-        return _params(self._chosen[trial.number])[param_name]
-
-    @property
-    def workload_spread(self) -> float:
-        """Root mean square of the model's log errors on the trials measured so far (0 before any)."""
-        return math.sqrt(sum(e * e for e in self.errors) / len(self.errors)) if self.errors else 0.0
-
-    def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState,
-                    values: Sequence[float] | None) -> None:
-        config = self._chosen.get(trial.number)
-        if state != TrialState.COMPLETE or config is None or not values:
-            return  # the objective raised (Ctrl-C): nothing to judge, and no refit to wait for
-        predicted_ms = self._predicted_ms.get(trial.number)
-        if math.isfinite(values[0]) and values[0] > 0 and predicted_ms:
-            self.errors.append(math.log(values[0] / predicted_ms))
-        leader, tried = self._state(study, exclude=trial.number)
-        tried.add(config)
-        if math.isfinite(values[0]) and (leader is None or values[0] < leader[1]):
-            leader = (config, values[0])
-        pending = [c for c in self._configs if c not in tried]
-        if leader is None or not pending:
-            return
-        ranked = self._ranked(pending, leader)
-        chance = any_wins([probability for _, probability in ranked])
-        if chance < self._stop_probability:
-            likeliest, probability = ranked[0]
-            self.early_stop = EarlyStop(leader[0], leader[1], len(tried), len(pending), likeliest.config,
-                                        probability, self._stop_probability, chance, self.workload_spread)
-            study.stop()
-
-    def _state(self, study: Study, exclude: int) -> tuple[tuple[CPConfig, float] | None, set[CPConfig]]:
-        """The fastest measured configuration and its latency (None before any), and every
-        configuration tried, from the study's trials other than number ``exclude``."""
-        leader: tuple[CPConfig, float] | None = None
-        tried: set[CPConfig] = set()
-        for other in study.get_trials(deepcopy=False):
-            config = _config(other.params)
-            if other.number == exclude or config is None:
-                continue
-            tried.add(config)
-            value = other.value if other.state == TrialState.COMPLETE else None
-            if value is not None and math.isfinite(value) and (leader is None or value < leader[1]):
-                leader = (config, value)
-        return leader, tried
-
-    def _ranked(self, pending: list[CPConfig], leader: tuple[CPConfig, float] | None
-                ) -> list[tuple[Candidate, float]]:
-        """``pending`` with each one's probability of beating ``leader`` (0 before there is
-        one), most likely first; equal chances: the lower estimate first."""
-        spread = self.workload_spread
-        chances = [(c, win_probability(c, leader[1], workload_spread=spread) if leader else 0.0)
-                   for c in self._predict(pending)]
-        return sorted(chances, key=lambda pair: (-pair[1], pair[0].latency_ms))
-
-
-def study_name(workload: Workload, hardware: Hardware) -> str:
-    """The name of the Optuna study a search keeps for ``workload`` on ``hardware``."""
-    return f"{hardware.fingerprint}:{workload.describe()}"
-
-
-def _view_trial(row: Result) -> FrozenTrial:
-    """A stored run as a trial of the dashboard's study: flat parameters, the median latency
-    as its value (a failed run is a FAIL trial), the row's id and marks as user attributes."""
-    config = row.config
-    ok = row.status == "ok" and row.median_ms is not None
-    return optuna.trial.create_trial(
-        state=TrialState.COMPLETE if ok else TrialState.FAIL,
-        value=row.median_ms if ok else None,
-        params=config.to_dict(),
-        distributions={"strategy": CategoricalDistribution(STRATEGIES),
-                       "ranks": IntDistribution(1, config.ranks),
-                       "head_group": IntDistribution(1, config.ranks)},
-        user_attrs={"measurement_id": row.id, "label": config.label, "status": row.status,
-                    "p10_ms": row.p10_ms, "p90_ms": row.p90_ms, "error": row.error,
-                    "oversubscribed": row.oversubscribed, "excluded": row.excluded,
-                    "measured_at": row.measured_at},
-    )
-
-
-def _suggest(trial: optuna.Trial, tree: Tree) -> CPConfig:
-    strategy = trial.suggest_categorical("strategy", sorted(tree))
-    ranks = trial.suggest_categorical(f"ranks|{strategy}", sorted(tree[strategy]))
-    head_group = trial.suggest_categorical(f"head_group|{strategy}|{ranks}", tree[strategy][ranks])
-    return CPConfig(strategy, ranks, head_group)
 
 
 @dataclass
@@ -360,6 +136,34 @@ class _Tally:
     def disturbed(self) -> bool:
         """Its latest run was judged disturbed by other load."""
         return self.latest is not None and self.latest.disturbed is not None
+
+
+@dataclass
+class _Ledger:
+    """What the store holds of one search's workload, read once: every stored run on this
+    hardware (``stored``, oldest first: the study view's), the runs the search counts
+    (``counted``, see ``WorkloadSearch``), those among them that decide what to run
+    (``own``: all, or with ``remeasure`` this search's sittings') and each configuration's
+    ``tally`` of those."""
+
+    stored: list[Result]
+    counted: list[Result]
+    own: list[Result]
+    tally: dict[CPConfig, _Tally]
+
+    @functools.cached_property
+    def verdict(self) -> Verdict | None:
+        """The verdict over every counted clean visit (None before any)."""
+        return judge(combine(self.counted).values())
+
+    def shared(self, one: CPConfig, other: CPConfig) -> Counter[str]:
+        """The clean rounds of ``own`` that ``one`` and ``other`` share, counted by sitting,
+        the sittings in the order they ran."""
+        rounds: dict[CPConfig, dict[str, None]] = {one: {}, other: {}}
+        for row in self.own:
+            if row.clean and row.round_id is not None and row.config in rounds:
+                rounds[row.config][row.round_id] = None
+        return Counter(sitting_of(r) for r in rounds[one] if r in rounds[other])
 
 
 @dataclass
@@ -466,35 +270,22 @@ class WorkloadSearch:
         """The most runs of a configuration (clean, disturbed or failed): constant load ends here."""
         return 2 * self.cap
 
-    def _stored(self) -> list[Result]:
-        """Every stored run of this workload on this hardware, oldest first."""
-        return self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint)
-
-    def _counted(self, stored: list[Result]) -> list[Result]:
-        """The runs among ``stored`` this search counts (see the class docstring)."""
+    def _ledger(self) -> _Ledger:
+        """Read what the store holds of this workload on this hardware, once (``_Ledger``)."""
+        stored = self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint)
         wanted = set(self.configs)
         engine = get_engine(self.backend).name
-        return [r for r in stored if not r.excluded and r.config in wanted and r.engine == engine
-                and r.oversubscribed == oversubscribed(r.config.ranks)]
-
-    def _rows(self) -> list[Result]:
-        """The stored runs this search counts, oldest first."""
-        return self._counted(self._stored())
-
-    def _own(self, rows: list[Result]) -> list[Result]:
-        """The runs that decide what to run: all counted ones, or with ``remeasure`` this search's."""
-        if not self.remeasure:
-            return rows
-        return [r for r in rows if r.round_id is not None and sitting_of(r.round_id) in self._sittings]
-
-    def _tally(self, rows: list[Result]) -> dict[CPConfig, _Tally]:
+        counted = [r for r in stored if not r.excluded and r.config in wanted and r.engine == engine
+                   and r.oversubscribed == oversubscribed(r.config.ranks)]
+        own = counted if not self.remeasure else [
+            r for r in counted if r.round_id is not None and sitting_of(r.round_id) in self._sittings]
         tally: dict[CPConfig, _Tally] = {}
-        for row in self._own(rows):
+        for row in own:
             entry = tally.setdefault(row.config, _Tally())
             entry.clean += row.clean
             entry.attempts += 1
             entry.latest = row
-        return tally
+        return _Ledger(stored, counted, own, tally)
 
     def _runnable(self, config: CPConfig, entry: _Tally) -> bool:
         """Whether ``config`` may be visited again: its latest run did not fail and its runs are
@@ -504,17 +295,17 @@ class WorkloadSearch:
 
     def current_verdict(self) -> Verdict | None:
         """The verdict over every clean visit stored of these configurations (None before any)."""
-        return judge(combine(self._rows()).values())
+        return self._ledger().verdict
 
     def known(self) -> dict[CPConfig, Known]:
         """What the store says of each configuration already run, told to the sampler rather
         than run again: its combined latency, or the failure its latest run ended in. A
         configuration with only disturbed runs is run again, unless its runs are used up.
         Empty with ``remeasure`` before this search ran anything."""
-        rows = self._rows()
-        estimates = {config: e for (_, _, config), e in combine(self._own(rows)).items()}
+        ledger = self._ledger()
+        estimates = {config: e for (_, _, config), e in combine(ledger.own).items()}
         known: dict[CPConfig, Known] = {}
-        for config, entry in self._tally(rows).items():
+        for config, entry in ledger.tally.items():
             if config in estimates:
                 known[config] = ("ok", estimates[config].median_ms, None)
             elif entry.failed:
@@ -551,12 +342,12 @@ class WorkloadSearch:
         return predict_for(self.store, self.hardware.fingerprint, self.workload, configs)
 
     def _sync_view(self, view: Study, stored: list[Result]) -> None:
-        """Add every run in ``stored`` (``_stored``) that ``view`` lacks."""
+        """Add every run in ``stored`` (``_Ledger.stored``) that ``view`` lacks."""
         try:
             kept = {trial.user_attrs.get("measurement_id") for trial in view.get_trials(deepcopy=False)}
             for row in stored:
                 if row.id not in kept:
-                    view.add_trial(_view_trial(row))
+                    view.add_trial(view_trial(row))
         except optuna.exceptions.StorageInternalError:
             raise StoreError(f"cannot add to the Optuna study {view.study_name!r} in {self.store.url} (is "
                              f"another process holding the database?); every measurement is stored, and "
@@ -571,7 +362,7 @@ class WorkloadSearch:
             self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
                                              load_if_exists=True,
                                              study_name=study_name(self.workload, self.hardware))
-            self._sync_view(self._view, self._stored())
+            self._sync_view(self._view, self._ledger().stored)
         visits: list[Visit] = []
         self._explore(visits)
         self._phase = "round"
@@ -605,10 +396,9 @@ class WorkloadSearch:
         self._round = 1  # round 0 is a sitting's exploration
         self._phase = "confirm"
         while True:
-            rows = self._rows()
-            own = self._own(rows)
-            lacking = [c for c in rivals if self._shared(own, winner, c)[self.session] < self.confirm_rounds]
-            if not (entrants := self._still_runnable(winner, lacking, self._tally(rows))):
+            ledger = self._ledger()
+            lacking = [c for c in rivals if ledger.shared(winner, c)[self.session] < self.confirm_rounds]
+            if not (entrants := self._still_runnable(winner, lacking, ledger.tally)):
                 break
             if not self._round_of(entrants, "confirm", visits, deadline):
                 break
@@ -623,28 +413,18 @@ class WorkloadSearch:
         from it no later sitting has confirmed (``confirm_rounds`` shared clean rounds there)
         and that may run again; empty without a winner, or unless the winner and one of those
         may run."""
-        rows = self._rows()
-        verdict = judge(combine(rows).values())
+        ledger = self._ledger()
+        verdict = ledger.verdict
         if not self.confirm_rounds or verdict is None or verdict.winner is None:
             return []
-        leader, own = verdict.leader.config, self._own(rows)
+        leader = verdict.leader.config
         rivals = []
         for comparison in verdict.comparisons:
-            shared = self._shared(own, leader, comparison.other)
+            shared = ledger.shared(leader, comparison.other)
             later = list(shared)[1:]  # the sittings after the first the two shared
             if comparison.ratio < NEAR_MISS_RATIO and all(shared[s] < self.confirm_rounds for s in later):
                 rivals.append(comparison.other)
-        return self._still_runnable(leader, rivals, self._tally(rows))
-
-    @staticmethod
-    def _shared(rows: list[Result], one: CPConfig, other: CPConfig) -> Counter[str]:
-        """The clean rounds among ``rows`` (oldest first) that ``one`` and ``other`` share,
-        counted by sitting, the sittings in the order they ran."""
-        rounds: dict[CPConfig, dict[str, None]] = {one: {}, other: {}}
-        for row in rows:
-            if row.clean and row.round_id is not None and row.config in rounds:
-                rounds[row.config][row.round_id] = None
-        return Counter(sitting_of(r) for r in rounds[one] if r in rounds[other])
+        return self._still_runnable(leader, rivals, ledger.tally)
 
     def _still_runnable(self, leader: CPConfig, others: list[CPConfig], tally: dict[CPConfig, _Tally]
                         ) -> list[CPConfig]:
@@ -656,14 +436,14 @@ class WorkloadSearch:
     def _finish(self) -> None:
         """The verdict over every clean visit stored, and who never ran clean."""
         self._phase = "done"
-        rows = self._rows()
-        self.verdict = judge(combine(rows).values())
-        self.never_clean = tuple(c for c, entry in self._tally(rows).items() if entry.clean == 0
+        ledger = self._ledger()
+        self.verdict = ledger.verdict
+        self.never_clean = tuple(c for c, entry in ledger.tally.items() if entry.clean == 0
                                  and not entry.failed and entry.attempts >= self.max_attempts)
 
     def _explore(self, visits: list[Visit]) -> None:
         """Phase 1: the Optuna trials, one visit each, all in round 0."""
-        tree = _tree(self.configs)
+        tree = tree_of(self.configs)
         known = self.known()
         exhaustive = self.trials is None or self.trials >= len(self.configs)
         self.unguided = self._why_not_guided() if self.order == "guided" else None
@@ -681,7 +461,7 @@ class WorkloadSearch:
                                     study_name=study_name(self.workload, self.hardware))
         for config, (status, median, _) in known.items():
             study.add_trial(optuna.trial.create_trial(
-                params=_params(config), distributions=_distributions(tree, config),
+                params=params_of(config), distributions=distributions(tree, config),
                 value=median if status == "ok" else None,
                 state=TrialState.COMPLETE if status == "ok" else TrialState.FAIL,
             ))
@@ -694,20 +474,20 @@ class WorkloadSearch:
             budget = max(0, (self.trials or 0) - len(known))
             for config in self._warm_starts():
                 if config in pending:
-                    study.enqueue_trial(_params(config))
+                    study.enqueue_trial(params_of(config))
         self._explore_left = budget
         if budget == 0:
             return
         round_id = self._next_round_id()
 
         def objective(trial: optuna.Trial) -> float:
-            config = _suggest(trial, tree)
+            config = suggest(trial, tree)
             self._explore_left -= 1
             if config in known:
                 status, median, error = known[config]
                 visit = Visit(config, status, median, error, reused=True, phase="explore")
                 visits.append(visit)
-                self._report(visit, self._rows())
+                self._report(visit, self._ledger())
             else:
                 visit = self._visit(config, "explore", round_id, visits)
                 # a disturbed visit's latency too: it can only make that configuration look slower
@@ -724,18 +504,18 @@ class WorkloadSearch:
 
     def _due_for_rounds(self) -> list[CPConfig]:
         """Phase 2: configurations that ran, with fewer than ``rounds`` clean visits."""
-        tally = self._tally(self._rows())
+        tally = self._ledger().tally
         return [c for c in self.configs
                 if c in tally and self._runnable(c, tally[c]) and tally[c].clean < self.rounds]
 
     def _race_entrants(self) -> list[CPConfig]:
         """Phase 3: the leader, those tied with it and its near misses (see the class
         docstring), each while it has runs and clean visits left, and only with the leader."""
-        rows = self._rows()
-        self.verdict = judge(combine(rows).values())
+        ledger = self._ledger()
+        self.verdict = ledger.verdict
         if self.verdict is None:
             return []
-        tally = self._tally(rows)
+        tally = ledger.tally
         challengers = [*self.verdict.tied, *(c.other for c in self.verdict.comparisons if is_near_miss(c))]
         under_cap = {c: entry for c, entry in tally.items() if entry.clean < self.cap}
         return self._still_runnable(self.verdict.leader.config, challengers, under_cap)
@@ -745,7 +525,7 @@ class WorkloadSearch:
         """Visit ``configs`` once each as one round, their iterations interleaved in passes
         of a fresh random order (``cptune.execute.measure_round``); False when the time
         budget ran out before the round started."""
-        tally = self._tally(self._rows())
+        tally = self._ledger().tally
         if any(tally[c].disturbed for c in configs if c in tally):
             left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
             time.sleep(min(self.settle_s, left))
@@ -795,26 +575,26 @@ class WorkloadSearch:
             visit = Visit(config, "ok", outcome.median_ms, None, reused=False, phase=phase, round_id=round_id,
                           disturbed=outcome.disturbed)
         visits.append(visit)
-        stored = self._stored()  # read once for the study view and the verdict
+        ledger = self._ledger()  # read once for the study view and the verdict
         if self._view is not None:
-            self._sync_view(self._view, stored)
-        self._report(visit, self._counted(stored))
+            self._sync_view(self._view, ledger.stored)
+        self._report(visit, ledger)
         return visit
 
-    def _report(self, visit: Visit, rows: list[Result]) -> None:
-        """Bring ``verdict`` up to date from the counted ``rows`` and tell ``on_visit``, with
-        the visits still planned."""
-        self.verdict = judge(combine(rows).values())
+    def _report(self, visit: Visit, ledger: _Ledger) -> None:
+        """Bring ``verdict`` up to date from ``ledger`` and tell ``on_visit``, with the visits
+        still planned."""
+        self.verdict = ledger.verdict
         if self.on_visit is not None:
-            self.on_visit(dataclasses.replace(visit, left=self._planned(rows)))
+            self.on_visit(dataclasses.replace(visit, left=self._planned(ledger)))
 
-    def _planned(self, rows: list[Result]) -> int:
+    def _planned(self, ledger: _Ledger) -> int:
         """Visits still planned as things stand: the exploration's trials left with their
         rounds, the rounds' missing clean visits, or the rest of the race's current round
         (the race plans one round at a time)."""
         if self._phase in ("race", "confirm"):
             return self._race_left
-        tally = self._tally(rows)
+        tally = ledger.tally
         missing = sum(max(0, self.rounds - entry.clean) for config, entry in tally.items()
                       if self._runnable(config, entry))
         return missing + (self._explore_left * self.rounds if self._phase == "explore" else 0)

@@ -1,0 +1,81 @@
+"""The ``cptune`` command line: it parses and prints; what each command does is a library call.
+
+``search`` (``_search``), ``results`` (``_results``), ``measure`` and ``calibrate``
+(``_measure``), ``fit`` and ``recommend`` (``_model``), ``export``, ``export-graph`` and
+``report`` (``_outputs``). Bad input (flags, space files, databases) ends with one line on
+stderr naming the problem and the fix, and exit code 2; never a traceback. Normal output goes
+to stdout (to stderr when stdout carries --json or --csv); errors and warnings always to
+stderr. Text from users and messages is printed as text, never as Rich markup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+
+from cptune import __version__
+from cptune.cli import _measure, _model, _outputs, _results, _search
+from cptune.cli._common import CTRL_C, USAGE_ERROR, Parser, UsageError, warn
+from cptune.errors import CPTuneError
+
+#: What each command runs: (parsed flags, the console for normal output) -> exit code.
+COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
+    "search": _search.run,
+    "results": _results.run,
+    "measure": _measure.run_measure,
+    "calibrate": _measure.run_calibrate,
+    "fit": _model.run_fit,
+    "recommend": _model.run_recommend,
+    "export": _outputs.run_export,
+    "report": _outputs.run_report,
+    "export-graph": _outputs.run_export_graph,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="cptune",
+                    description="Measure context-parallel attention strategies on this machine and pick one.")
+    parser.add_argument("--version", action="version", version=f"cptune {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _search.add_parser(commands)
+    _results.add_parser(commands)
+    _measure.add_parsers(commands)
+    _model.add_parsers(commands)
+    _outputs.add_parsers(commands)
+    for command_parser in commands.choices.values():  # flags it does not know are its error
+        command_parser.set_defaults(command_parser=command_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
+    console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
+    restore_sigint = CTRL_C.install()
+    try:
+        code = COMMANDS[args.command](args, console)
+        CTRL_C.raise_if_pressed()
+        return code
+    except CPTuneError as error:
+        warn(("cptune: error:", "red"), f" {error}")
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        warn(("interrupted", "yellow"), ": every finished measurement is stored; rerun to resume")
+        return 130
+    except BrokenPipeError:
+        # the reader left (cptune results --csv | head -1): nothing more to say, and the
+        # interpreter's last flush must not fail on the closed pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        restore_sigint()
+
+
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]

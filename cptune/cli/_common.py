@@ -1,0 +1,217 @@
+"""What every command shares: one-line errors, plain-text printing, flag types, and the flags
+that describe a workload (declared here once)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from cptune.config import STRATEGIES
+from cptune.engines import ENGINES
+from cptune.errors import CPTuneError
+from cptune.workload import WIRE_DTYPES, Workload
+
+USAGE_ERROR = 2
+Number = TypeVar("Number", int, float)
+
+DB_HELP = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
+MAX_RANKS_HELP = "largest rank count (default: this host's cores; its GPUs with a GPU backend)"
+HARDWARE_HELP = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
+                 "h200-sxm-8, a100-sxm-8, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) or a TOML file")
+
+
+class UsageError(CPTuneError):
+    """Bad input from the user: reported in one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """A flag error in one line and where to get help, instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+#: Errors and warnings: always stderr, whatever stdout carries.
+STDERR = Console(stderr=True)
+Part = str | tuple[str, str]
+
+
+def say(console: Console, *parts: Part) -> None:
+    """Print one message: each part plain text (never markup) or (text, style). Soft-wrapped:
+    the terminal wraps it, so a path or command copies out whole."""
+    console.print(Text.assemble(*parts), highlight=False, soft_wrap=True)
+
+
+def warn(*parts: Part) -> None:
+    say(STDERR, *parts)
+
+
+def table(title: str, caption: str) -> Table:
+    """A table that fits 80 columns (CI logs and narrow terminals show every figure); title
+    and caption as Text: they carry names from users' files, never markup."""
+    return Table(title=Text(title, style="table.title"), caption=Text(caption, style="table.caption"),
+                 box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
+# --------------------------------------------------------------------------- flag types
+
+
+def ids(text: str) -> tuple[int, ...]:
+    """Measurement ids, e.g. 12,15 (as cptune results lists them)."""
+    try:
+        found = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        found = ()
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"expected measurement ids like 12,15 (cptune results lists them), "
+                                         f"got {text!r}")
+    return found
+
+
+def strategies(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown strategy {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}"
+        )
+    return names
+
+
+def _number_type(convert: Callable[[str], Number], what: str, zero: bool = False) -> Callable[[str], Number]:
+    """An argparse type: ``convert`` the text, refusing what is not a number above zero (or,
+    with ``zero``, at least zero)."""
+
+    def parse(text: str) -> Number:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero else 'positive'}, got {text}")
+        return value
+
+    return parse
+
+
+positive = _number_type(int, "a whole number")
+non_negative = _number_type(int, "a whole number", zero=True)
+seconds = _number_type(float, "a number of seconds")
+
+
+def positive_list(text: str) -> tuple[int, ...]:
+    values = tuple(positive(part) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated whole numbers, e.g. 1024,2048")
+    return values
+
+
+# --------------------------------------------------------------------------- shared flags
+
+
+def add_workload_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    lengths: bool = False,
+    required: bool = False,
+    defaults: dict[str, int] | None = None,
+    with_strategies: bool = False,
+) -> None:
+    """The flags that describe one attention layer, in a group of their own: ``--seq-lens``
+    (several; with ``lengths``) or ``--seq-len``, ``--heads``, ``--kv-heads``, ``--head-dim``,
+    ``--batch``, ``--dtype``, ``--causal``; ``required``: the length, heads and head_dim must
+    be given; ``defaults`` for those (``cptune measure``'s demo shape); ``with_strategies``:
+    also ``--strategies``."""
+    d = defaults or {}
+
+    def shown(name: str, what: str) -> str:
+        return f"{what} (default {d[name]})" if name in d else what
+
+    group = parser.add_argument_group("workload (one attention layer)")
+    if lengths:
+        group.add_argument("--seq-lens", type=positive_list, help="sequence lengths, e.g. 1024,2048")
+    else:
+        group.add_argument("--seq-len", type=positive, default=d.get("seq_len"), required=required,
+                           help=shown("seq_len", "tokens per sequence"))
+    group.add_argument("--heads", type=positive, default=d.get("heads"), required=required,
+                       help=shown("heads", "query heads"))
+    group.add_argument("--kv-heads", type=positive, default=None, help="KV heads (default: as many as --heads)")
+    group.add_argument("--head-dim", type=positive, default=d.get("head_dim"), required=required,
+                       help=shown("head_dim", "head dimension"))
+    group.add_argument("--batch", type=positive, default=1, help="sequences per batch (default 1)")
+    group.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16", help="activation dtype (default bf16)")
+    group.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    if with_strategies:
+        group.add_argument("--strategies", type=strategies, default=None,
+                           help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
+
+
+def add_backend(parser: argparse.ArgumentParser) -> None:
+    """``--backend``, one choice per registered engine (the first is the default)."""
+    listed = "; ".join(f"{name}: {spec.summary}" for name, spec in ENGINES.items())
+    parser.add_argument("--backend", choices=tuple(ENGINES), default=next(iter(ENGINES)),
+                        help=f"engine ({listed})")
+
+
+def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
+    """The workload the flags describe at ``seq_len`` tokens; a bad shape as a ``UsageError``."""
+    try:
+        return Workload(seq_len=seq_len, heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
+                        batch=args.batch, dtype=args.dtype, causal=args.causal)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+class CtrlC:
+    """Ctrl-C, remembered. Python drops a KeyboardInterrupt raised while a finalizer runs
+    (a ``__del__`` or weakref callback; SQLAlchemy's and sqlite3's connections have them),
+    prints it as a traceback and goes on as if no key was pressed. Remembered, the press is
+    raised again at the search's next visit and, at the latest, makes the command's return
+    the interrupted exit; the dropped one is not printed."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def install(self) -> Callable[[], None]:
+        """Take over SIGINT unless it is ignored (a job started in the background keeps it
+        ignored); returns what puts the previous handlers back."""
+        self.pressed = False
+        previous_sigint, previous_unraisable = signal.getsignal(signal.SIGINT), sys.unraisablehook
+        if previous_sigint is not signal.default_int_handler:
+            return lambda: None
+
+        def on_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+            if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+                previous_unraisable(unraisable)
+
+        def restore() -> None:
+            signal.signal(signal.SIGINT, previous_sigint)
+            sys.unraisablehook = previous_unraisable
+
+        signal.signal(signal.SIGINT, self._on_sigint)
+        sys.unraisablehook = on_unraisable
+        return restore
+
+    def raise_if_pressed(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+
+#: The command line's Ctrl-C (``main`` installs it; a search raises it at its next visit).
+CTRL_C = CtrlC()

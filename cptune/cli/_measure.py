@@ -1,0 +1,170 @@
+"""``cptune measure`` (every feasible configuration of one workload, timed, nothing stored)
+and ``cptune calibrate`` (this machine's collectives and attention rate, stored)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cptune.calibration import REPEATS, ROUNDS, Calibration
+from cptune.cli._common import (
+    DB_HELP,
+    MAX_RANKS_HELP,
+    USAGE_ERROR,
+    add_backend,
+    add_workload_flags,
+    non_negative,
+    positive,
+    seconds,
+    table,
+    warn,
+    workload_of,
+)
+from cptune.cli._search import LiveSearch
+from cptune.config import STRATEGIES, CPConfig
+from cptune.errors import EngineError
+from cptune.execute import measure_all
+from cptune.measurement import Measurement
+from cptune.workload import Workload
+
+#: Workload defaults of ``cptune measure`` (a small demo shape).
+_MEASURE_DEFAULTS = {"seq_len": 4096, "heads": 8, "head_dim": 64}
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    measure = commands.add_parser(
+        "measure",
+        help="measure every feasible configuration of one workload (nothing stored)",
+        description=(
+            "Run every feasible strategy / rank count / head group for one attention workload "
+            "on real ranks, check each output against a float64 reference, and print their "
+            "latencies. With no flags: a small demo workload."
+        ),
+    )
+    add_workload_flags(measure, defaults=_MEASURE_DEFAULTS, with_strategies=True)
+    measure.add_argument("--max-ranks", type=positive, default=None, help=MAX_RANKS_HELP)
+    measure.add_argument("--warmup", type=non_negative, default=2, help="untimed iterations (default 2)")
+    measure.add_argument("--repeats", type=positive, default=10, help="timed iterations (default 10)")
+    measure.add_argument("--timeout", type=seconds, default=None,
+                     help="seconds before a configuration's run is stopped (default: scaled to its size)")
+    measure.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+    add_backend(measure)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure this host's collective latency/bandwidth and attention rate (about a minute)",
+        description=(
+            "For each rank count, time every collective the strategies use over a sweep of "
+            "message sizes (fitted to latency + bytes / bandwidth) and the attention kernel on "
+            "a few shapes; store the result for this hardware. The cost model's prior stands on it."
+        ),
+    )
+    calibrate.add_argument("--db", help=DB_HELP)
+    calibrate.add_argument("--max-ranks", type=positive, help=MAX_RANKS_HELP)
+    calibrate.add_argument("--repeats", type=positive, default=REPEATS,
+                           help=f"timed iterations per point in each round (default {REPEATS})")
+    calibrate.add_argument("--rounds", type=positive, default=ROUNDS,
+                           help=f"rounds, each timing every point once; a point's time is the median "
+                                f"of its rounds (default {ROUNDS})")
+    calibrate.add_argument("--oversubscribe", action="store_true",
+                           help="allow --max-ranks above this host's cores (those rates time the sharing)")
+    add_backend(calibrate)
+
+
+
+def _measurements_table(
+    workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]
+) -> Table:
+    disturbed = "; * = disturbed by other load (why: below)" if any(m.disturbed for m in results) else ""
+    shown = table(f"{workload.describe()} - fastest first",
+                  "ms per iteration, slowest rank; spread = p90 - p10; peak = MiB per rank; "
+                  f"ulysses2xring2 = 2-way Ulysses x 2-way Ring{disturbed}")
+    for column in ("config", "ranks", "median", "spread", "compute", "comm", "peak", "error"):
+        shown.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
+    for m in sorted(results, key=lambda m: m.median_ms):
+        shown.add_row(
+            m.config.label, str(m.config.ranks), f"{m.median_ms:.1f}{'*' if m.disturbed else ''}",
+            f"{m.spread_ms:.1f}", f"{m.compute_ms:.1f}", f"{m.comm_ms:.1f}",
+            f"{m.peak_bytes / 2**20:.0f}", f"{m.max_error:.0e}",
+        )
+    for config, error in failures:
+        shown.add_row(config.label, str(config.ranks), f"[red]failed: {error.kind}[/]", "", "", "", "", "")
+    return shown
+
+
+def run_measure(args: argparse.Namespace, console: Console) -> int:
+    workload = workload_of(args, args.seq_len)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=True, disable=args.json)
+    with progress:
+        task = progress.add_task("measuring", total=None)
+
+        def on_config(config: CPConfig, index: int, total: int) -> None:
+            progress.update(task, description=f"measuring {config.describe()}", completed=index, total=total)
+
+        results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
+                                        backend=args.backend, warmup=args.warmup, repeats=args.repeats,
+                                        timeout=args.timeout, on_config=on_config)
+    if args.json:
+        print(json.dumps({
+            "results": [m.to_dict() for m in results],
+            "failures": [{"config": c.to_dict(), "kind": e.kind, "error": str(e)} for c, e in failures],
+        }, indent=2))
+    else:
+        console.print(_measurements_table(workload, results, failures))
+    for m in results:
+        if m.disturbed:
+            warn((f"{m.config.describe()} disturbed:", "yellow"),
+                 f" {m.disturbed}, so its timing is not clean; measure again when the host is quiet")
+    for config, failure in failures:
+        warn((f"{config.describe()} failed ({failure.kind}):", "red"), f" {failure}")
+    return USAGE_ERROR if failures else 0
+
+
+def _calibration_tables(calibration: Calibration) -> list[Table]:
+    comms = table("collectives: time = latency + bytes sent per rank / bandwidth",
+                   "bus bw: nccl-tests' bus bandwidth at the largest message (bytes sent per rank / s); "
+                   "the mpi engine's all-to-all and all-gather are timed with their copies")
+    for column in ("collective", "ranks", "group", "latency us", "fit GB/s", "bus bw GB/s"):
+        comms.add_column(column, justify="left" if column == "collective" else "right", no_wrap=True)
+    for f in calibration.collectives:
+        comms.add_row(f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
+                      f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}")
+    compute = table("attention compute rate", "every rank computing at once on its share of the cores")
+    for column in ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank", "GFLOP/s total"):
+        compute.add_column(column, justify="left" if column == "mask" else "right", no_wrap=True)
+    for r in calibration.compute:
+        mask = "causal" if r.causal else "full"
+        compute.add_row(str(r.ranks), str(r.head_dim), mask, f"{r.flops / 1e9:.2f}",
+                        f"{r.flops_per_s / 1e9:.1f}", f"{r.flops_per_s * r.ranks / 1e9:.1f}")
+    if not calibration.steps:
+        return [comms, compute]
+    steps = table("the kernel's memory-bound steps (the work each Ring step repeats)",
+                   "query: a query block made scaled float32; merge: a block's output merged into the "
+                   "running one; every rank at once")
+    for column in ("step", "wire dtype", "ranks", "ns per element"):
+        justify = "left" if column in ("step", "wire dtype") else "right"
+        steps.add_column(column, justify=justify, no_wrap=True)
+    for step in calibration.steps:
+        steps.add_row(step.kind, step.wire, str(step.ranks), f"{step.seconds_per_element * 1e9:.3f}")
+    return [comms, compute, steps]
+
+
+def run_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from cptune.search import calibrate_host
+
+    shown = LiveSearch(console)
+    try:
+        _, calibration = calibrate_host(
+            args.db, backend=args.backend, max_ranks=args.max_ranks, oversubscribe=args.oversubscribe,
+            repeats=args.repeats, rounds=args.rounds, progress=shown,  # type: ignore[arg-type] - by shape
+        )
+    finally:
+        shown.close()
+    for shown_table in _calibration_tables(calibration):
+        console.print(shown_table)
+    return 0

@@ -1,0 +1,166 @@
+"""``cptune fit`` (the cost model, cross-validated on what is stored) and ``cptune recommend``
+(the fastest configuration for a workload, measured or predicted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from cptune.cli._common import (
+    DB_HELP,
+    HARDWARE_HELP,
+    add_workload_flags,
+    positive,
+    say,
+    table,
+    warn,
+    workload_of,
+)
+from cptune.measurement import format_ms
+
+if TYPE_CHECKING:
+    from cptune.model import GroupScore
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    fit = commands.add_parser(
+        "fit",
+        help="cross-validate the cost model on the stored measurements",
+        description=(
+            "Fit the cost model holding out each sequence length in turn (and each hardware, "
+            "when the database has several) and print, beside the prior alone and a fixed rule "
+            "(always the config fastest most often in the training folds), and per held-out "
+            "group: top-1 accuracy, regret (latency of the pick / best measured), Spearman rank "
+            "correlation, MAPE and the interval's coverage; then whether recommend applies the "
+            "learned correction."
+        ),
+    )
+    fit.add_argument("--db", help=DB_HELP)
+    fit.add_argument("--include-oversubscribed", action="store_true",
+                     help="also train on measurements that ran more ranks than their host's cores")
+
+
+    rec = commands.add_parser(
+        "recommend",
+        help="the fastest configuration for a workload, measured or predicted",
+        description=(
+            "Rank every feasible configuration of one attention workload by latency: measured "
+            "where this database has it, predicted by the cost model (or its physical prior) "
+            "elsewhere, and say why the others cannot run."
+        ),
+    )
+    add_workload_flags(rec, required=True)
+    rec.add_argument("--ranks", type=positive,
+                     help="exactly this many ranks (default: any up to the hardware's)")
+    rec.add_argument("--hardware", help=HARDWARE_HELP)
+    rec.add_argument("--db", help=DB_HELP)
+    rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+
+
+def _score_cells(score: GroupScore) -> list[str]:
+    """top-1, regret and worst, both again with ties as ties, Spearman, MAPE and coverage of
+    one score; "-" where it does not apply."""
+    def shown(value: float, form: str) -> str:
+        return "-" if math.isnan(value) else format(value, form)
+
+    return [f"{score.top1:.2f}", f"{score.regret:.3f}", f"{score.worst_regret:.3f}",
+            f"{score.tie_regret:.3f}", f"{score.worst_tie_regret:.3f}",
+            shown(score.spearman, ".2f"), shown(score.mape, ".1f"), shown(score.coverage * 100, ".0f")]
+
+
+_SCORE_COLUMNS = ("top-1", "regret", "worst", "regret*", "worst*", "rho", "MAPE%", "cover%")
+
+
+def run_fit(args: argparse.Namespace, console: Console) -> int:
+    from cptune.model import CostModel, compare, fit_advised, load_training
+
+    data = load_training(args.db, args.include_oversubscribed)
+    tied = data.tied_with_leader()
+    if uncalibrated := ", ".join(sorted(data.uncalibrated)):
+        warn(("left out", "yellow"), f": measurements of {uncalibrated}, which have no calibration "
+                                      f"(run cptune calibrate there)")
+    groupings = ["seq_len"] + (["hardware"] if len(data.profiles) > 1 else [])
+    band = CostModel().interval
+    for by in groupings:
+        held_out = by.replace("_", " ")
+        evaluations = compare(data.cases, data.latencies_s, by, tied=tied)
+        advised = evaluations[2]
+        summary = table(f"cost model against baselines, holding out each {held_out} in turn",
+                         f"{len(data.cases)} configurations measured (each its clean visits combined), "
+                         f"{advised.overall.decisions} workloads; regret = measured latency of the pick / "
+                         f"best measured (mean, worst); * = ties as ties: 1.0 where the measured verdict "
+                         f"cannot tell the pick from the best; rho = Spearman rank "
+                         f"correlation within a workload; cover = measurements "
+                         f"inside the {band[0]:.0%}-{band[1]:.0%} band (advertised "
+                         f"{band[1] - band[0]:.0%}); recommend's pick = the correction unless it is worse "
+                         f"than the prior beyond the noise on the training folds; fixed rule = always "
+                         f"the config fastest most often in the training folds")
+        summary.add_column("method", no_wrap=True)
+        for column in _SCORE_COLUMNS:
+            summary.add_column(column, justify="right", no_wrap=True)
+        for evaluation in evaluations:
+            summary.add_row(evaluation.method, *_score_cells(evaluation.overall))
+        console.print(summary)
+        picks = table(f"recommend's pick, holding out each {held_out} in turn",
+                       f"over held-out groups: median regret {advised.median_regret:.3f}, worst "
+                       f"{advised.worst_regret:.3f}; ties as ties: median {advised.median_tie_regret:.3f}, "
+                       f"worst {advised.worst_tie_regret:.3f}")
+        for column in ("held out", "workloads", "configs", *_SCORE_COLUMNS[:5]):
+            picks.add_column(column, justify="left" if column == "held out" else "right", no_wrap=True)
+        for g in advised.groups:
+            picks.add_row(g.held_out, str(g.decisions), str(g.samples), *_score_cells(g)[:5])
+        console.print(picks)
+    _, decision = fit_advised(data.cases, data.latencies_s, tied)
+    use = "applies the learned correction" if decision.applied else "uses the prior alone"
+    console.print(f"recommend {use} on this database: {decision.reason}", markup=False, highlight=False,
+                  soft_wrap=True)
+    return 0
+
+
+def run_recommend(args: argparse.Namespace, console: Console) -> int:
+    from cptune.model import recommend
+
+    workload = workload_of(args, args.seq_len)
+    pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db)
+    if args.json:
+        print(json.dumps(pick.to_dict(), indent=2))
+        return 0
+    ranked = table(f"{workload.describe()}\non {pick.hardware}",
+                   "ms per attention call, slowest rank; measured: every clean visit combined, interval "
+                   "95%; predicted: the model's 10-90% band, or what the figures' ranges allow for a "
+                   "description's prior")
+    for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
+        ranked.add_column(column, justify="left" if column in ("config", "source") else "right",
+                          no_wrap=True)
+    for i, c in enumerate(pick.candidates, start=1):
+        style = "bold green" if i == 1 else ""
+        ranked.add_row(str(i), c.config.label, str(c.config.ranks), format_ms(c.latency_ms),
+                      f"{format_ms(c.low_ms)}-{format_ms(c.high_ms)}", c.source, style=style)
+    console.print(ranked)
+    say(console, ("pick:", "bold"),
+         f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
+    if pick.verdict is not None:
+        say(console, ("measured verdict:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
+    for tie in pick.ties:
+        say(console, ("tied within what the description's figures allow:", "yellow"),
+             f" {tie.other.label} on {tie.other.ranks} may be faster; "
+             f"{tie.figure} at its {tie.end} end decides")
+    sources = {c.source for c in pick.candidates}
+    correction = None
+    if "model" in sources:
+        correction = f"learned correction applied: {pick.correction.reason}"
+    elif "prior" in sources and not pick.correction.applied:
+        correction = f"learned correction not applied, predictions are the prior's: {pick.correction.reason}"
+    elif "prior" in sources:
+        correction = "predictions are the prior's: the learned correction is fitted on other hardware"
+    if correction:
+        say(console, (correction, "dim"))
+    for config, reasons in pick.infeasible.items():
+        say(console, (f"cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}", "dim"))
+    return 0
+
+

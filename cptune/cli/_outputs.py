@@ -1,0 +1,167 @@
+"""What cptune writes for deployments and people: ``cptune export`` (a plan), ``cptune
+export-graph`` (each rank's ONNX graph) and ``cptune report`` (figures and an HTML page)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from cptune.cli._common import (
+    DB_HELP,
+    HARDWARE_HELP,
+    UsageError,
+    add_workload_flags,
+    positive,
+    say,
+    table,
+    workload_of,
+)
+from cptune.cli._search import space_of
+from cptune.config import STRATEGIES, CPConfig
+from cptune.errors import InfeasibleConfigError
+from cptune.feasibility import check_feasible
+from cptune.measurement import format_ms
+from cptune.space import DEMO_SPACE, find_space
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write a plan: the configuration to run per sequence-length bucket, for a deployment",
+        description=(
+            "For each sequence length of a search space (or of the workload flags), take the "
+            "recommended configuration - measured where the database has it, predicted elsewhere "
+            "- and write them as a JSON plan with their evidence and the launch command. A "
+            "deployment loads it with cptune.load_plan (or any JSON Schema reader: the schema "
+            "ships as cptune/plans/plan.schema.json)."
+        ),
+    )
+    export.add_argument("space", nargs="?",
+                        help=f"search space file or built-in name (default {DEMO_SPACE})")
+    export.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
+    export.add_argument("--hardware", help=HARDWARE_HELP)
+    export.add_argument("--ranks", dest="plan_ranks", type=positive,
+                        help="exactly this many ranks (default: the fastest count up to the hardware's)")
+    export.add_argument("--db", help=DB_HELP)
+    add_workload_flags(export, lengths=True, with_strategies=True)
+    export.set_defaults(ranks=None)  # the search-space reader's rank list: not a flag of export
+
+
+    report = commands.add_parser(
+        "report",
+        help="figures and an HTML page (or terminal tables) of what the database holds",
+        description=(
+            "Draw, for each hardware and attention shape: latency against rank count per strategy, "
+            "speedup and parallel efficiency, the strategy map (measured where measured, predicted "
+            "elsewhere, marked so) and the cost model's held-out predictions against the "
+            "measurements. Writes PNG files and one self-contained report.html; --text prints "
+            "the same data as tables instead."
+        ),
+    )
+    report.add_argument("--db", help=DB_HELP)
+    report.add_argument("-o", "--output-dir", default="cptune-report",
+                        help="directory for the PNGs and report.html (default cptune-report)")
+    report.add_argument("--hardware", help="a stored fingerprint or 4+ of its leading characters "
+                                           "(default: every hardware with measurements)")
+    report.add_argument("--text", action="store_true", help="print tables in the terminal; write no files")
+
+
+    graph = commands.add_parser(
+        "export-graph",
+        help="write each rank's ONNX graph of one configuration, for a TensorRT deployment",
+        description=(
+            "Write rank0.onnx ... rankN-1.onnx: one attention layer of the configuration as each "
+            "rank runs it (standard ONNX ops plus TensorRT's DistCollective nodes), the very graphs "
+            "the onnx engine checks on real ranks, and manifest.json (workload, configuration, each "
+            "rank's tokens, input/output shapes, SHA-256 of each file). A deployment builds its "
+            "TensorRT engines from these files."
+        ),
+    )
+    add_workload_flags(graph, required=True)
+    graph.add_argument("--strategy", choices=STRATEGIES, required=True, help="context strategy")
+    graph.add_argument("--ranks", type=positive, required=True, help="ranks (one graph each)")
+    graph.add_argument("--head-group", type=positive, default=None,
+                       help="Ulysses degree u (default: all ranks for ulysses, else 1)")
+    graph.add_argument("-o", "--output-dir", required=True, help="directory to write the graphs into")
+
+
+def run_export(args: argparse.Namespace, console: Console) -> int:
+    from cptune.plans.export import export_plan
+
+    space = find_space(space_of(args))
+    plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
+                       strategies=space.strategies)
+    path = plan.write(args.output)
+    shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
+                   "ms per attention call, slowest rank: the pick's stored measurements combined, "
+                   "or predicted (model/prior); the plan lists every measurement compared")
+    for column in ("seq_len range", "tuned at", "config", "ranks", "ms", "source", "measurement"):
+        shown.add_column(column, justify="left" if column in ("config", "source") else "right", no_wrap=True)
+    for b in plan.buckets:
+        pick_id = str(b.measurement_ids[0]) if b.measurement_ids else "-"
+        shown.add_row(f"{b.min_seq_len}-{b.max_seq_len}", str(b.seq_len), b.config.label, str(b.config.ranks),
+                      format_ms(b.latency_ms), b.source, pick_id)
+    console.print(shown)
+    for b in plan.buckets:
+        if b.tied:
+            names = ", ".join(c.describe() for c in b.tied)
+            say(console, (f"{b.min_seq_len}-{b.max_seq_len}:", "yellow"),
+                 f" {b.config.describe()} is tied with {names}; the plan lists them (tied), any may run")
+    say(console, f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
+                  f"(Slurm: {' '.join(plan.launch.srun)} <your program>)")
+    say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")
+    return 0
+
+
+def run_report(args: argparse.Namespace, console: Console) -> int:
+    from cptune.report import gather, text_tables, write_report
+
+    with console.status("reading the database and predicting the strategy map"):
+        data = gather(args.db, args.hardware)
+    if args.text:
+        for shown in text_tables(data):
+            console.print(shown)
+        return 0
+    with console.status("drawing"):
+        try:
+            written = write_report(data, Path(args.output_dir))
+        except OSError as exc:
+            raise UsageError(f"cannot write the report to {args.output_dir}: {exc.strerror or exc}") from None
+    say(console, f"wrote {len(written) - 1} figure(s) and {written[-1]}: open it in a browser")
+    return 0
+
+
+def run_export_graph(args: argparse.Namespace, console: Console) -> int:
+    from cptune.engines.onnx import export_graphs
+
+    workload = workload_of(args, args.seq_len)
+    try:
+        config = CPConfig(args.strategy, args.ranks, args.head_group)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        check_feasible(workload, config)
+    except InfeasibleConfigError as exc:
+        reasons = "; ".join(exc.reasons)
+        raise UsageError(f"{config.describe()} cannot run {workload.describe()}: {reasons}") from None
+    try:
+        manifest_path = export_graphs(workload, config, Path(args.output_dir))
+    except OSError as exc:
+        raise UsageError(f"cannot write the graphs to {args.output_dir}: {exc.strerror or exc}") from None
+    manifest = json.loads(manifest_path.read_text())
+    shown = table(f"{config.describe()} for {workload.describe()}",
+                   "one ONNX graph per rank; tokens = the positions each rank holds, as [start, stop) runs")
+    for column in ("rank", "file", "nodes", "tokens", "sha256"):
+        shown.add_column(column, justify="right" if column in ("rank", "nodes") else "left", no_wrap=True)
+    for r in manifest["ranks"]:
+        tokens = " ".join(f"{a}-{b}" for a, b in r["tokens"])
+        shown.add_row(str(r["rank"]), r["file"], str(r["nodes"]), tokens, r["sha256"][:12])
+    console.print(shown)
+    console.print(f"wrote {len(manifest['ranks'])} graph(s) and {manifest_path}",
+                  highlight=False, soft_wrap=True)
+    return 0
+
+

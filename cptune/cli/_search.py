@@ -1,0 +1,278 @@
+"""``cptune search``: a whole space searched on this machine (``cptune.search.search_space``),
+drawn live: a progress bar per sequence length and each length's fastest configuration so far."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cptune.calibration import RETIMED
+from cptune.cli._common import (
+    CTRL_C,
+    DB_HELP,
+    MAX_RANKS_HELP,
+    UsageError,
+    add_backend,
+    add_workload_flags,
+    non_negative,
+    positive,
+    positive_list,
+    say,
+    seconds,
+    table,
+    workload_of,
+)
+from cptune.config import STRATEGIES
+from cptune.measurement import format_ms, oversubscribed
+from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace
+
+if TYPE_CHECKING:
+    from cptune.estimate import Verdict
+    from cptune.hardware import Hardware
+    from cptune.search import SpaceSearch, Visit, WorkloadSearch
+
+OVERSUBSCRIBE_HELP = ("allow more ranks than this host's cores: such runs time ranks waiting for a core, so "
+                      "they are stored marked oversubscribed and left out of the model and the picks")
+#: How the progress bar names each phase of a search (``cptune.search.PHASES``).
+_PHASE_WORDS = {"explore": "exploring", "round": "rounds", "race": "final race", "confirm": "second sitting"}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    search = commands.add_parser(
+        "search",
+        help="search the CP configurations of a model on this hardware and store every result",
+        description=(
+            "For each sequence length of a search space, run Optuna trials over strategy, rank "
+            "count and head group: every configuration is run on real ranks, checked against a "
+            "float64 reference, timed, and stored. Then interleaved rounds visit each one again in "
+            "a fresh random order, and a final race re-runs those tied with the fastest until it is "
+            "separated or the budget is spent; the answer is a winner with its margin or a tie. "
+            "What is stored counts: a rerun runs only what is missing. SPACE is a TOML file or a "
+            f"built-in space name (default: {DEMO_SPACE}); or describe one model with the workload flags."
+        ),
+    )
+    search.add_argument("space", nargs="?", help=f"search space file or built-in name (default {DEMO_SPACE})")
+    search.add_argument("--db", help=DB_HELP)
+    search.add_argument("--trials", type=positive, help="trial budget per sequence length (default: the space's)")
+    search.add_argument("--timeout", type=seconds,
+                        help="time budget per sequence length (trials, rounds and race), in seconds")
+    search.add_argument("--max-ranks", type=positive, help=MAX_RANKS_HELP)
+    search.add_argument("--ranks", type=positive_list, help="rank counts to try, e.g. 1,2 (with workload flags)")
+    add_backend(search)
+    search.add_argument("--remeasure", action="store_true",
+                        help="visit every configuration afresh (exploration, rounds, race) even if stored; "
+                             "the verdict combines the new visits with the stored ones")
+    search.add_argument("--rounds", type=positive,
+                        help="clean visits every configuration that ran gets, in interleaved rounds "
+                             "(default: the space's [measure] rounds, else 2); each visit times [measure] "
+                             "repeats iterations")
+    search.add_argument("--race-rounds", type=non_negative,
+                        help="further visits the configurations tied with the fastest may get in the final "
+                             "race (default: the space's [measure] race_rounds, else 10; 0: no race)")
+    search.add_argument("--confirm-rounds", type=non_negative,
+                        help="rounds a winner and the configurations close to it get again in a second "
+                             "sitting, after the other sequence lengths, so the verdict covers two states "
+                             "of the host (default: the space's [measure] confirm_rounds, else 3; 0: none)")
+    search.add_argument("--no-calibrate", action="store_true",
+                        help="skip the calibration a first search on new hardware runs (the cost "
+                             "model needs one; cptune calibrate adds it later)")
+    search.add_argument("--oversubscribe", action="store_true", help=OVERSUBSCRIBE_HELP)
+    search.add_argument("--order", choices=ORDERS, default="exhaustive",
+                        help="guided: the cost model orders the trials, best predicted first, and the search "
+                             "stops when no configuration left is likely to beat the fastest measured one "
+                             "(needs a calibration); exhaustive: every configuration (TPE within a --trials "
+                             "budget below the space's size). Default: exhaustive")
+    search.add_argument("--seed", type=non_negative,
+                        help="seed of the rounds' random order, to repeat a search's order (default: fresh)")
+    add_workload_flags(search, lengths=True, with_strategies=True)
+
+
+def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
+    missing = [flag for flag, value in (("--heads", args.heads), ("--head-dim", args.head_dim),
+                                        ("--seq-lens", args.seq_lens)) if value is None]
+    if missing:
+        raise UsageError(f"a workload given by flags needs {', '.join(missing)} "
+                         f"(or name a search space file instead)")
+    for seq_len in args.seq_lens:
+        workload_of(args, seq_len)  # refuses a bad shape in the user's terms
+    return SearchSpace(
+        name="flags", description="command-line flags", source=None,
+        shape=workload_of(args, args.seq_lens[0]).shape, seq_lens=tuple(dict.fromkeys(args.seq_lens)),
+        ranks=args.ranks, strategies=args.strategies or STRATEGIES, trials=None, measure=MeasureSettings(),
+    )
+
+
+def space_of(args: argparse.Namespace) -> SearchSpace | str:
+    """The space the command line names: the workload flags' (``--ranks`` among them), or a
+    file or built-in name (default: the demo)."""
+    flags_given = any(getattr(args, name, None) is not None for name in (
+        "heads", "head_dim", "seq_lens", "kv_heads", "strategies", "ranks")) or args.causal
+    if args.space and flags_given:
+        raise UsageError("give either a search space or workload flags (--heads, --seq-lens, ...), not both")
+    return _space_from_flags(args) if flags_given else args.space or DEMO_SPACE
+
+
+def best_table(run: SpaceSearch, finished: set[int]) -> Table:
+    """Each sequence length's fastest configuration so far, with its interval and standing
+    (``finished``: the lengths whose search is over)."""
+    shown = table(f"{run.space.name}: fastest configuration so far",
+                  "ms per iteration of the slowest rank, combined over its clean visits, 95% interval; "
+                  "tied: within the noise of this hardware")
+    for column in ("seq_len", "config", "ranks", "ms", "95% interval", "visits", "verdict"):
+        shown.add_column(column, justify="left" if column in ("config", "verdict") else "right", no_wrap=True)
+    for seq_len in run.space.seq_lens:
+        search = run.searches.get(seq_len)
+        verdict = search.verdict if search is not None else None
+        if verdict is None:
+            shown.add_row(str(seq_len), "-", "-", "-", "-", "-", "-")
+            continue
+        lead, done = verdict.leader, seq_len in finished
+        if verdict.tied:
+            standing = f"tied with {len(verdict.tied)}"
+        elif not verdict.comparisons:
+            standing = "only one" if done else "only one so far"
+        else:
+            standing = "winner" if done else "leads"
+        shown.add_row(str(seq_len), lead.config.label, str(lead.config.ranks), format_ms(lead.median_ms),
+                      f"{format_ms(lead.low_ms)}-{format_ms(lead.high_ms)}", str(lead.rounds), standing)
+    return shown
+
+
+def verdict_line(seq_len: int, verdict: Verdict | None, second: bool, unconfirmed: bool) -> str | None:
+    """What one sitting of a workload's search found, in words, and whether its winner is
+    still ``unconfirmed`` (``WorkloadSearch.unconfirmed``); None when nothing ran clean."""
+    if verdict is None:
+        return None
+    line = f"seq {seq_len}" + (" after a second sitting" if second else "") + f": {verdict.describe()}"
+    if unconfirmed:
+        line += ("; not confirmed yet (the time budget or the runs ran out, or the leader changed): a "
+                 "rerun of this search adds a sitting" if second
+                 else "; a second sitting after the other lengths confirms it")
+    if oversubscribed(verdict.leader.config.ranks):
+        line += "; it ran more ranks than cores (--oversubscribe), so the model and the picks leave it out"
+    return line
+
+
+class LiveSearch:
+    """A ``cptune.search.SearchProgress`` drawn on the terminal: a bar per sitting, the table
+    of each length's fastest configuration, and a line per verdict."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console)
+        self.live: Live | None = None
+        self.run: SpaceSearch | None = None
+        self.finished: set[int] = set()
+        self._task = 0
+        self._seen = 0  # visits of the current sitting (reused ones too), for its bar
+        self._status = None
+
+    def _redraw(self) -> None:
+        if self.live is not None and self.run is not None:
+            self.live.update(Group(self.progress, best_table(self.run, self.finished)))
+
+    def started(self, run: SpaceSearch) -> None:
+        self.run = run
+        say(self.console, "searching ", (run.space.name, "bold"), f" ({run.space.origin}) on "
+            f"{run.hardware.describe()} ", (run.hardware.fingerprint, "dim"), f" in {run.rounds} round(s), up "
+            f"to {run.race_rounds} more in the final race, {run.confirm_rounds} in a second sitting for each "
+            f"winner; results in {run.url}, {run.order} order")
+
+    def calibrating(self, hardware: Hardware, ranks: int, url: str, first_run: bool) -> None:
+        if first_run:
+            say(self.console, f"this hardware has no calibration yet: calibrating 1..{ranks} ranks first "
+                              f"(the cost model's prior needs it; --no-calibrate skips)")
+        else:
+            say(self.console, f"calibrating {hardware.describe()} ", (hardware.fingerprint, "dim"),
+                f" on 1..{ranks} ranks; results in {url}")
+        self._status = self.console.status("calibrating")
+        self._status.start()
+
+    def calibration_step(self, step: str) -> None:
+        if self._status is not None:
+            self._status.update(f"calibrating: {step}")
+        if RETIMED in step:  # a step timed again: say so beyond the spinner
+            self.console.print(step, style="yellow", markup=False, highlight=False)
+
+    def calibrated(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def sitting_started(self, search: WorkloadSearch, second: bool) -> None:
+        self.calibrated()
+        if self.live is None:
+            self.live = Live(Group(self.progress), console=self.console, refresh_per_second=4)
+            self.live.start()
+        name = f"seq {search.workload.seq_len}" + (" (second sitting)" if second else "")
+        self._task = self.progress.add_task(name, total=None)
+        self._seen = 0
+        self._redraw()
+
+    def visited(self, search: WorkloadSearch, visit: Visit, second: bool) -> None:
+        CTRL_C.raise_if_pressed()
+        self._seen += 1
+        self.progress.update(self._task, description=f"seq {search.workload.seq_len} "
+                             f"{_PHASE_WORDS[visit.phase]}", completed=self._seen, total=self._seen + visit.left)
+        self._redraw()
+
+    def sitting_done(self, search: WorkloadSearch, second: bool, visits: list[Visit], unconfirmed: bool) -> None:
+        seq_len = search.workload.seq_len
+        name = f"seq {seq_len}" + (" (second sitting)" if second else "")
+        self.progress.update(self._task, description=name, total=self._seen, completed=self._seen)
+        if not second and search.unguided is not None:
+            say(self.console, f"seq {seq_len}: not guided, every configuration instead: {search.unguided}")
+        if not second and search.early_stop is not None:
+            say(self.console, f"seq {seq_len}: {search.early_stop.describe()}")
+        if line := verdict_line(seq_len, search.verdict, second, unconfirmed):
+            say(self.console, line)
+        if here := sum(v.disturbed is not None for v in visits):
+            say(self.console, f"seq {seq_len}: {here} visit(s) disturbed by other load: stored marked, "
+                              f"not counted, visited again")
+        if second or not unconfirmed:
+            self.finished.add(seq_len)
+        if search.never_clean:
+            names = ", ".join(c.describe() for c in search.never_clean)
+            them = "it" if len(search.never_clean) == 1 else "them"
+            say(self.console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
+                              f"(other load each time), so the verdict leaves {them} out; rerun when the "
+                              f"host is quiet")
+        self._redraw()
+
+    def close(self) -> None:
+        self.calibrated()
+        if self.live is not None:
+            self._redraw()
+            self.live.stop()
+            self.live = None
+            if not self.console.is_terminal:
+                self.console.line()  # Rich ends the last frame with a newline only on a terminal
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    from cptune.search import search_space
+    from cptune.store import display_url
+
+    shown = LiveSearch(console)
+    try:
+        done = search_space(
+            space_of(args), args.db, backend=args.backend, max_ranks=args.max_ranks, trials=args.trials,
+            timeout=args.timeout, rounds=args.rounds, race_rounds=args.race_rounds,
+            confirm_rounds=args.confirm_rounds, order=args.order, remeasure=args.remeasure,
+            oversubscribe=args.oversubscribe, calibrate_first=not args.no_calibrate, seed=args.seed,
+            progress=shown,  # type: ignore[arg-type] - a SearchProgress by shape
+        )
+    finally:
+        shown.close()
+    where_db = f" --db {display_url(args.db)}" if args.db else ""
+    say(console, f"{len(done.measured)} configuration(s) measured now in {done.visits} visit(s) ({done.failed} "
+                 f"failed, stored with their reason; {done.disturbed} disturbed by other load, stored marked "
+                 f"and visited again); see them with: cptune results{where_db}")
+    say(console, f"each workload's runs are also an Optuna study there: optuna-dashboard {done.url}")
+    return 0

@@ -1,0 +1,37 @@
+"""The search: which configuration is fastest on this machine, measured, and how sure that is.
+
+``search_space`` runs a whole space as ``cptune search`` does (and ``calibrate_host`` calibrates
+this machine as ``cptune calibrate`` does); ``WorkloadSearch`` searches one workload in
+phases: Optuna trials (``_trials``; exhaustive, TPE, or the cost model's ``GuidedSampler``
+order), interleaved rounds, a final race and a second sitting (``_workload``).
+"""
+
+from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler, any_wins, win_probability
+from cptune.search._space import (
+    SearchProgress,
+    SearchSetupError,
+    SpaceSearch,
+    calibrate_host,
+    search_space,
+)
+from cptune.search._trials import study_name
+from cptune.search._workload import NEAR_MISS_RATIO, PHASES, Visit, WorkloadSearch, is_near_miss
+
+__all__ = [
+    "NEAR_MISS_RATIO",
+    "PHASES",
+    "STOP_PROBABILITY",
+    "EarlyStop",
+    "GuidedSampler",
+    "SearchProgress",
+    "SearchSetupError",
+    "SpaceSearch",
+    "Visit",
+    "WorkloadSearch",
+    "any_wins",
+    "calibrate_host",
+    "is_near_miss",
+    "search_space",
+    "study_name",
+    "win_probability",
+]

@@ -1,0 +1,237 @@
+"""A whole space searched on this machine, and this machine calibrated: what ``cptune search``
+and ``cptune calibrate`` do, callable from Python with the same defaults.
+
+``search_space`` resolves the space's rank counts on this machine (its cores, or its GPUs),
+refuses oversubscription unless asked, checks every sequence length can run, calibrates new
+hardware first (the cost model's prior needs it), searches each sequence length
+(``WorkloadSearch``), then gives each winner that is not yet sure a second sitting after the
+other lengths. ``SearchProgress`` hears each step; the command line draws it live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cptune.calibration import REPEATS, ROUNDS, Calibration, calibrate
+from cptune.config import CPConfig
+from cptune.engines import Engine, get_engine, untimed
+from cptune.errors import CPTuneError
+from cptune.estimate import Verdict
+from cptune.feasibility import enumerate_configs
+from cptune.guard import enabled as guard_enabled
+from cptune.hardware import Hardware
+from cptune.search._workload import Visit, WorkloadSearch
+from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
+from cptune.store import Store
+
+
+class SearchSetupError(CPTuneError, ValueError):
+    """A search or calibration that cannot start as asked; nothing ran, nothing was stored."""
+
+
+class SearchProgress:
+    """What a search or a calibration of this machine tells as it goes. Every method does
+    nothing here: override what you want to show."""
+
+    def started(self, run: SpaceSearch) -> None:
+        """The search is set up: space, hardware and database known, nothing run yet."""
+
+    def calibrating(self, hardware: Hardware, ranks: int, url: str, first_run: bool) -> None:
+        """A calibration of 1..``ranks`` ranks begins (``first_run``: the one a search runs
+        on hardware that has none)."""
+
+    def calibration_step(self, step: str) -> None:
+        """A calibration step begins, or was timed again (``cptune.calibration.RETIMED``)."""
+
+    def sitting_started(self, search: WorkloadSearch, second: bool) -> None:
+        """One sitting of a sequence length's search begins (``second``: its confirmation)."""
+
+    def visited(self, search: WorkloadSearch, visit: Visit, second: bool) -> None:
+        """A configuration was visited (or, ``visit.reused``, taken from the store)."""
+
+    def sitting_done(self, search: WorkloadSearch, second: bool, visits: list[Visit],
+                     unconfirmed: bool) -> None:
+        """A sitting ended; ``unconfirmed``: its winner still wants a second sitting."""
+
+
+@dataclass
+class SpaceSearch:
+    """A whole space's search: how it was set up, and afterwards what it found."""
+
+    space: SearchSpace  # its rank counts resolved on this machine
+    hardware: Hardware
+    url: str  # the database, as it may be shown
+    rounds: int
+    race_rounds: int
+    confirm_rounds: int
+    order: str
+    #: The calibration this search ran first (None: the hardware had one, or none was asked).
+    calibration: Calibration | None = None
+    #: Each sequence length's search, in the space's order.
+    searches: dict[int, WorkloadSearch] = field(default_factory=dict)
+    #: Visits run (not taken from the store), and how many failed or were disturbed.
+    visits: int = 0
+    failed: int = 0
+    disturbed: int = 0
+    #: (seq_len, configuration) pairs measured by this search.
+    measured: set[tuple[int, CPConfig]] = field(default_factory=set)
+
+    @property
+    def verdicts(self) -> dict[int, Verdict | None]:
+        """Each sequence length's verdict over every clean visit stored (None: none ran clean)."""
+        return {seq_len: search.verdict for seq_len, search in self.searches.items()}
+
+
+def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, oversubscribe: bool
+                   ) -> tuple[SearchSpace, int, int]:
+    """``space`` with the rank counts it runs here, the ranks available and this machine's
+    capacity; ``SearchSetupError`` when none is left or oversubscription is refused."""
+    cores = engine.capacity()
+    available = max_ranks or cores
+    counts = tuple(n for n in space.rank_counts(available) if max_ranks is None or n <= max_ranks)
+    if not counts:
+        raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
+    over = ", ".join(str(n) for n in counts if n > cores)
+    if over and engine.spec.device == "cpu":  # a GPU engine's preflight refuses more ranks than GPUs
+        refuse_oversubscription(f"ranks {over} of {space.origin}", cores, oversubscribe)
+    return dataclasses.replace(space, ranks=counts), available, cores
+
+
+def refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
+    """``SearchSetupError`` for rank counts (``asked``, in words) above this host's
+    ``cores``, unless ``allowed``."""
+    if not allowed:
+        raise SearchSetupError(
+            f"{asked}: more ranks than this host's {cores} cores, and ranks sharing a core time the "
+            f"sharing, not the strategy. Use at most {cores} ranks, or add --oversubscribe to run them "
+            f"anyway (stored marked oversubscribed, left out of the model and the picks)"
+        )
+
+
+def search_space(
+    space: SearchSpace | str | Path = DEMO_SPACE,
+    db: str | None = None,
+    *,
+    backend: str | Engine = "mpi",
+    max_ranks: int | None = None,
+    trials: int | None = None,
+    timeout: float | None = None,
+    rounds: int | None = None,
+    race_rounds: int | None = None,
+    confirm_rounds: int | None = None,
+    order: str = "exhaustive",
+    remeasure: bool = False,
+    oversubscribe: bool = False,
+    calibrate_first: bool = True,
+    seed: int | None = None,
+    progress: SearchProgress | None = None,
+) -> SpaceSearch:
+    """Search every sequence length of ``space`` (a ``SearchSpace``, a TOML file or a
+    built-in name) on this machine and keep every result in ``db`` (a path or SQLAlchemy
+    URL; default ``$CPTUNE_DB`` or ./cptune.db), exactly as ``cptune search`` does.
+
+    ``max_ranks`` caps the space's rank counts (default: this machine's cores or GPUs);
+    ``trials`` (default: the space's) bounds each length's exploration and ``timeout`` its
+    seconds; ``rounds``, ``race_rounds`` and ``confirm_rounds`` default to the space's
+    ``[measure]`` settings. ``order`` is one of ``cptune.space.ORDERS``. ``calibrate_first``:
+    hardware without a calibration is calibrated before the search. ``seed`` fixes the
+    rounds' random order. Raises ``CPTuneError`` subclasses before anything runs for what
+    cannot run here (an untimed or unavailable backend, a space with nothing feasible, more
+    ranks than cores without ``oversubscribe``, a database that cannot be written)."""
+    guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs, not at the first run
+    if order not in ORDERS:
+        raise SearchSetupError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    engine = get_engine(backend)
+    if not engine.spec.timed:
+        raise untimed(engine.name)
+    space = find_space(space)
+    engine.preflight(max_ranks or 1)
+    space, available, cores = _counted_ranks(space, engine, max_ranks, oversubscribe)
+    counts = space.rank_counts(available)
+    check_runnable(space, available, space.origin)
+    engine.preflight(max(counts))
+    hardware = engine.hardware()
+    told = progress or SearchProgress()
+    with Store(db) as store:
+        store.require_writable()
+        run = SpaceSearch(
+            space=space, hardware=hardware, url=store.url, order=order,
+            rounds=rounds or space.measure.rounds,
+            race_rounds=space.measure.race_rounds if race_rounds is None else race_rounds,
+            confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
+        )
+        told.started(run)
+        studies = store.optuna_storage()
+        if calibrate_first and store.calibration(hardware.fingerprint) is None:
+            ranks = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
+            told.calibrating(hardware, ranks, store.url, first_run=True)
+            run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
+            store.add_calibration(hardware, run.calibration)
+        pending = []  # searches whose winner a second sitting confirms
+        for workload in space.workloads():
+            configs = [c for c in enumerate_configs(workload, max(counts), space.strategies) if c.ranks in counts]
+            search = WorkloadSearch(
+                workload, configs, store, hardware, warmup=space.measure.warmup,
+                repeats=space.measure.repeats, run_timeout=space.measure.timeout,
+                trials=trials or space.trials, time_budget=timeout, remeasure=remeasure,
+                backend=engine, order=order, study_storage=studies, rounds=run.rounds,
+                race_rounds=run.race_rounds, confirm_rounds=run.confirm_rounds, seed=seed,
+            )
+            run.searches[workload.seq_len] = search
+            if _sitting(run, search, second=False, told=told):
+                pending.append(search)
+        for search in pending:
+            _sitting(run, search, second=True, told=told)
+    return run
+
+
+def _sitting(run: SpaceSearch, search: WorkloadSearch, second: bool, told: SearchProgress) -> bool:
+    """One sitting of ``search`` (``run``, or ``confirm`` when ``second``), counted into
+    ``run``; whether its winner is still unconfirmed."""
+
+    def on_visit(visit: Visit) -> None:
+        if not visit.reused:
+            run.visits += 1
+            run.failed += visit.status != "ok"
+            run.disturbed += visit.disturbed is not None
+        told.visited(search, visit, second)
+
+    told.sitting_started(search, second)
+    search.on_visit = on_visit
+    visits = search.confirm() if second else search.run()
+    run.measured.update((search.workload.seq_len, v.config) for v in visits if not v.reused)
+    unconfirmed = bool(search.unconfirmed())
+    told.sitting_done(search, second, visits, unconfirmed)
+    return unconfirmed
+
+
+def calibrate_host(
+    db: str | None = None,
+    *,
+    backend: str | Engine = "mpi",
+    max_ranks: int | None = None,
+    oversubscribe: bool = False,
+    repeats: int = REPEATS,
+    rounds: int = ROUNDS,
+    progress: SearchProgress | None = None,
+) -> tuple[Hardware, Calibration]:
+    """Calibrate this machine on 1..``max_ranks`` ranks (default: its cores, or its GPUs) and
+    keep the calibration in ``db``, exactly as ``cptune calibrate`` does: this machine's
+    hardware and its calibration."""
+    engine = get_engine(backend)
+    engine.preflight(max_ranks or 1)
+    cores = engine.capacity()
+    max_ranks = max_ranks or cores
+    if max_ranks > cores and engine.spec.device == "cpu":  # a GPU engine's preflight refused this
+        refuse_oversubscription(f"--max-ranks {max_ranks}", cores, oversubscribe)
+    told = progress or SearchProgress()
+    with Store(db) as store:
+        store.require_writable()
+        hardware = engine.hardware()
+        told.calibrating(hardware, max_ranks, store.url, first_run=False)
+        calibration = calibrate(max_ranks, backend=engine, repeats=repeats, progress=told.calibration_step,
+                                rounds=rounds)
+        store.add_calibration(hardware, calibration)
+    return hardware, calibration
