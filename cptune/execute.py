@@ -1,5 +1,6 @@
-"""Run a configuration for real: ``compute`` its output, ``measure`` it, or measure several
-interleaved as one round of a search (``measure_round``).
+"""Run a configuration for real: ``compute`` its output, ``measure`` it, measure every
+feasible configuration of a workload (``measure_all``, what ``cptune measure`` prints), or
+measure several interleaved as one round of a search (``measure_round``).
 
 Engine-independent: the sequence is split by ``SequenceLayout``, each rank gets its shard,
 outputs are put back in token order, and ``measure`` checks the output against the float64
@@ -10,16 +11,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
 
-from cptune.config import CPConfig
+from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
 from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import EngineError
-from cptune.feasibility import check_feasible
+from cptune.feasibility import check_feasible, enumerate_configs
 from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
 from cptune.layout import SequenceLayout
@@ -152,7 +153,38 @@ def measure(
     )
     summary = summarize(timings)
     return _measurement(engine, workload, config, summary, peaks, error, warmup,
-                        watch.verdict(config.ranks, summary["samples_ms"]) if watch else None)
+                        watch.disturbance(config.ranks, summary["samples_ms"]) if watch else None)
+
+
+def measure_all(
+    workload: Workload,
+    max_ranks: int | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    backend: str | Engine = "mpi",
+    warmup: int = 2,
+    repeats: int = 10,
+    timeout: float | None = None,
+    on_config: Callable[[CPConfig, int, int], None] | None = None,
+) -> tuple[list[Measurement], list[tuple[CPConfig, EngineError]]]:
+    """``measure`` every feasible configuration of ``workload`` on 1..``max_ranks`` ranks
+    (default: the engine's capacity here, this host's cores or its GPUs), one after another:
+    the measurements, and each configuration whose run failed with its ``EngineError``.
+    ``on_config(config, index, total)`` is told before each one runs."""
+    guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
+    engine = _timed_engine(backend)
+    engine.preflight(max_ranks or 1)
+    configs = enumerate_configs(workload, max_ranks or engine.capacity(), tuple(strategies))
+    results: list[Measurement] = []
+    failures: list[tuple[CPConfig, EngineError]] = []
+    for index, config in enumerate(configs):
+        if on_config is not None:
+            on_config(config, index, len(configs))
+        try:
+            results.append(measure(workload, config, backend=engine, warmup=warmup, repeats=repeats,
+                                   timeout=timeout))
+        except EngineError as error:
+            failures.append((config, error))
+    return results, failures
 
 
 def measure_round(
@@ -207,7 +239,7 @@ def measure_round(
                 continue
             seen_error, seen_peaks = checks.get(config, (0.0, []))
             checks[config] = (max(seen_error, error), [*seen_peaks, *peaks])
-    host = watch.host_verdict(max(config.ranks for config in configs)) if watch else None
+    host = watch.host_disturbance(max(config.ranks for config in configs)) if watch else None
     results: dict[CPConfig, Measurement | EngineError] = {}
     for config in configs:
         if config in failures:
@@ -227,7 +259,7 @@ def _check_counts(warmup: int, repeats: int) -> None:
 
 def _timed_engine(backend: str | Engine) -> Engine:
     engine = get_engine(backend)
-    if not engine.timed:
+    if not engine.spec.timed:
         raise untimed(engine.name)
     return engine
 

@@ -20,7 +20,7 @@ about a minute:
   and without a causal mask; the prior interpolates between them, each rank count's rate
   against one rank's read as one line in log work per call over all shapes
   (``Calibration.pooled_compute``: shape by shape that ratio is noisy);
-- for the numpy kernel (the mpi engine, a ``StepTimer``), the work over
+- where the engine's spec says so (``times_steps``: the mpi engine's numpy kernel), the work over
   a query block that a Ring step repeats beyond one call over all keys: preparing the query
   block (cast from each wire dtype, scaled, row norms) and merging the block's output into
   the running one, per element, every rank at once. Both are passes over memory whose cost
@@ -33,17 +33,15 @@ rounds: a burst of load the contention guard cannot see slows one round, not the
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 from scipy.optimize import nnls
 
-from cptune.cost import STREAM_KINDS, engine_collectives
-from cptune.engines import Engine, attention_kernel, get_engine, untimed
-from cptune.engines.mpi import computed_pairs
+from cptune.calibration._record import Calibration, CollectiveFit, ComputeRate, StepCost
+from cptune.cost import STREAM_KINDS
+from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import CPTuneError
 from cptune.guard import Watch
 from cptune.guard import enabled as guard_enabled
@@ -61,8 +59,9 @@ ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
     for causal in (0, 1)
     for seq_q in (512, 1024, 2048)
 )
-#: Memory-bound steps timed per rank count (``StepTimer``) on a 4-head x 1024-row x d128 block
-#: (half a million elements): preparing a query block from each wire dtype, merging an output.
+#: Memory-bound steps timed per rank count (where ``EngineSpec.times_steps``) on a 4-head x
+#: 1024-row x d128 block (half a million elements): preparing a query block from each wire
+#: dtype, merging an output.
 STEP_SHAPES: tuple[dict[str, object], ...] = (
     *({"kind": "query", "wire": wire, "heads": 4, "rows": 1024, "head_dim": 128}
       for wire in ("float16", "float32")),
@@ -80,204 +79,6 @@ ROUNDS = 3
 REPEATS = 5
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class CollectiveFit:
-    """One collective on ``ranks`` ranks in groups of ``group``: ``latency_s`` + bytes sent
-    per rank / ``bandwidth`` (B/s) fits its ``times_s`` at ``sizes`` (bytes sent per rank);
-    ``bus_bandwidth`` is measured at the largest size, as nccl-tests reports it."""
-
-    kind: str
-    ranks: int
-    group: int
-    latency_s: float
-    bandwidth: float
-    bus_bandwidth: float
-    sizes: tuple[int, ...]
-    times_s: tuple[float, ...]
-
-    def time(self, nbytes: float, calls: int = 1) -> float:
-        """Seconds for ``calls`` calls sending ``nbytes`` per rank in total."""
-        return calls * self.latency_s + nbytes / self.bandwidth if nbytes else 0.0
-
-
-@dataclass(frozen=True)
-class ComputeRate:
-    """The attention kernel's rate per rank with ``ranks`` ranks computing at once. Causal
-    shapes put the queries at the last ``seq_q`` of ``seq_k`` positions (a diagonal block)."""
-
-    ranks: int
-    heads: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    seconds: float
-    causal: bool = False
-
-    @property
-    def flops(self) -> int:
-        """Useful FLOPs, counted as ``analytic_cost`` does: 4 * head_dim per visible pair."""
-        q, k = self.seq_q, self.seq_k
-        pairs = q * (k - q) + q * (q + 1) // 2 if self.causal else q * k
-        return 4 * self.heads * self.head_dim * pairs
-
-    @property
-    def flops_per_s(self) -> float:
-        return self.flops / self.seconds
-
-    def computed_flops(self, kernel: str) -> int:
-        """FLOPs ``kernel`` executes on this shape (``cptune.model.computed_flops``): the
-        useful ones, and for the numpy kernel the masked pairs of its diagonal row blocks."""
-        if kernel == "fused" or not self.causal:
-            return self.flops
-        return 4 * self.heads * self.head_dim * _numpy_diagonal_pairs(self.seq_q, self.seq_k)
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """One memory-bound step of the kernel (``kind`` "query" or "merge") on ``elements``
-    elements in ``wire`` dtype, with ``ranks`` ranks running it at once: ``seconds``."""
-
-    ranks: int
-    kind: str
-    wire: str
-    elements: int
-    seconds: float
-
-    @property
-    def seconds_per_element(self) -> float:
-        return self.seconds / self.elements
-
-
-@runtime_checkable
-class StepTimer(Protocol):
-    """An engine that can time the numpy kernel's memory-bound steps (``STEP_SHAPES``)."""
-
-    def time_steps(
-        self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
-    ) -> np.ndarray: ...
-
-
-@functools.lru_cache(maxsize=64)  # a calibration's few shapes, asked on every prior
-def _numpy_diagonal_pairs(seq_q: int, seq_k: int) -> int:
-    """Pairs per head the numpy kernel computes for ``seq_q`` causal queries on the last
-    positions of ``seq_k`` keys (the calibrated causal shape)."""
-    return computed_pairs([(seq_k - seq_q, seq_q)], [(0, seq_k)], True, seq_k)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Everything ``calibrate`` measured on one host."""
-
-    engine: str
-    collectives: tuple[CollectiveFit, ...]
-    compute: tuple[ComputeRate, ...]
-    measured_at: str
-    #: Empty for a fused kernel (its steps are not timed yet) and for calibrations stored
-    #: before steps were timed: the prior then counts those steps as 0 s.
-    steps: tuple[StepCost, ...] = ()
-
-    @property
-    def max_ranks(self) -> int:
-        return max(rate.ranks for rate in self.compute)
-
-    @property
-    def kernel(self) -> str:
-        """The attention kernel the calibrated engine runs (``cptune.engines.ATTENTION_KERNELS``)."""
-        return attention_kernel(self.engine)
-
-    def collective(self, kind: str, ranks: int, group: int) -> CollectiveFit:
-        """The fit for ``kind`` in groups of ``group`` among ``ranks`` ranks; the nearest
-        calibrated rank count with that group size when ``ranks`` was not calibrated."""
-        fits = [f for f in self.collectives if f.kind == kind]
-        if not fits:
-            raise ValueError(f"the calibration has no {kind} measurements")
-        return min(fits, key=lambda f: (f.group != group, abs(f.group - group), abs(f.ranks - ranks)))
-
-    def measured_rates(self) -> dict[tuple[int, bool, int, int], float]:
-        """FLOP/s per (head_dim, causal, seq_q, ranks) as timed, before pooling: what
-        benchmarks compare from one calibration to the next."""
-        return {(r.head_dim, r.causal, r.seq_q, r.ranks): r.computed_flops(self.kernel) / r.seconds
-                for r in self.compute}
-
-    @functools.cached_property
-    def pooled_compute(self) -> tuple[ComputeRate, ...]:
-        """``compute`` with each rank count's effect on the rate fitted over every shape at
-        once: log rate = a term per shape + a_n + b_n log(work per call), a and b 0 on the
-        fewest ranks, least squares over all points. What the prior compares across rank
-        counts is the ratio of their rates, and measured shape by shape it is noisy: a rate
-        ratio of one rank to two varied 2-9% per shape (standard deviation) across 19
-        calibrations of a 2-core host, and the prior's ratio of one configuration to another
-        moved with it from one length to the next. The ratio does change with the work per
-        call (more threads in one call pay its fixed costs differently: 1.75 at the smallest
-        d64 shape to 1.91 at the largest, mean of those 19), hence the slope b_n. The
-        measured points stay as they are in ``compute``; these are what the prior reads."""
-        ranks = sorted({r.ranks for r in self.compute})
-        if len(ranks) < 2:
-            return self.compute
-        shapes = sorted({(r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal) for r in self.compute})
-        column = {shape: i for i, shape in enumerate(shapes)}
-        log_work = np.log([r.computed_flops(self.kernel) for r in self.compute])
-        centred = log_work - log_work.mean()
-        design = np.zeros((len(self.compute), len(shapes) + 2 * (len(ranks) - 1)))
-        for row, rate in enumerate(self.compute):
-            design[row, column[(rate.heads, rate.seq_q, rate.seq_k, rate.head_dim, rate.causal)]] = 1.0
-            if rate.ranks != ranks[0]:
-                offset = len(shapes) + 2 * (ranks.index(rate.ranks) - 1)
-                design[row, offset:offset + 2] = 1.0, centred[row]
-        log_rates = log_work - np.log([r.seconds for r in self.compute])
-        coefficients, *_ = np.linalg.lstsq(design, log_rates, rcond=None)
-        seconds = np.exp(log_work - design @ coefficients)
-        return tuple(replace(rate, seconds=float(t)) for rate, t in zip(self.compute, seconds, strict=True))
-
-    def attention_rate(
-        self, ranks: int, head_dim: int, causal: bool = False, flops: float | None = None
-    ) -> float:
-        """FLOP/s one of ``ranks`` ranks executes attention at, from the shapes calibrated
-        with the head_dim nearest ``head_dim`` (in ratio) and the same mask (when any), at
-        their pooled rates (``pooled_compute``): interpolated in log-log over the work per
-        call ``flops`` (held constant beyond the calibrated sizes), or their geometric mean
-        when ``flops`` is None. FLOPs here are the ones the engine's kernel executes
-        (``ComputeRate.computed_flops``), masked pairs it computes included, so the rate
-        carries over to shapes that waste more or less."""
-        nearest_ranks = min({r.ranks for r in self.compute}, key=lambda n: (abs(n - ranks), n))
-        at_ranks = [r for r in self.pooled_compute if r.ranks == nearest_ranks]
-        nearest = min({abs(np.log(r.head_dim / head_dim)) for r in at_ranks})
-        points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
-        points = [r for r in points if r.causal == causal] or points
-        work = np.array([r.computed_flops(self.kernel) for r in points], dtype=float)
-        log_rates = np.log(work / [r.seconds for r in points])
-        if flops is None:
-            return float(np.exp(np.mean(log_rates)))
-        order = np.argsort(work)
-        log_flops = np.log(work[order])
-        return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
-
-    def step_seconds(self, kind: str, ranks: int, wire: str) -> float:
-        """Seconds per element of step ``kind`` in ``wire`` dtype at the calibrated rank count
-        nearest ``ranks``; 0 when the calibration did not time it."""
-        timed = [step for step in self.steps if step.kind == kind and step.wire == wire]
-        if not timed:
-            return 0.0
-        return min(timed, key=lambda step: (abs(step.ranks - ranks), step.ranks)).seconds_per_element
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Calibration:
-        """The inverse of ``to_dict`` (plain JSON data, as the store keeps it)."""
-        return cls(
-            engine=data["engine"],
-            collectives=tuple(
-                CollectiveFit(**{**c, "sizes": tuple(c["sizes"]), "times_s": tuple(c["times_s"])})
-                for c in data["collectives"]
-            ),
-            compute=tuple(ComputeRate(**c) for c in data["compute"]),
-            measured_at=data["measured_at"],
-            steps=tuple(StepCost(**step) for step in data.get("steps", ())),
-        )
 
 
 def fit_latency_bandwidth(sizes: np.ndarray, times: np.ndarray) -> tuple[float, float]:
@@ -316,7 +117,7 @@ def _guarded(
     for _ in range(GUARD_RETRIES + 1):
         watch = Watch(engine.process_ids) if guarded else None
         timings = time_it()
-        reason = watch.host_verdict(ranks) if watch else None
+        reason = watch.host_disturbance(ranks) if watch else None
         if reason is None:
             return timings
         report(f"{what} {RETIMED} ({reason}): timing it again")
@@ -385,17 +186,18 @@ def calibrate(
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     engine = get_engine(backend)
-    if not engine.timed:
+    if not engine.spec.timed:
         raise untimed(engine.name)
     report = progress or (lambda _: None)
     guarded = guard_enabled() if guard is None else guard
-    numpy_steps = attention_kernel(engine.name) == "numpy" and isinstance(engine, StepTimer)
+    spec = engine.spec
+    numpy_steps = spec.times_steps
     attention: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     step_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     collective_times: dict[tuple[str, int, int], list[np.ndarray]] = {
         (kind, ranks, group): []
         for ranks in range(1, max_ranks + 1) for group in group_sizes(ranks)
-        for kind in engine_collectives(engine.name)
+        for kind in spec.collectives
     }
     for round_index in range(rounds):
         prefix = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
@@ -413,7 +215,7 @@ def calibrate(
                                    time_it, guarded, report)
                 step_times[ranks].append(np.median(timings, axis=1))
             for group in group_sizes(ranks):
-                for kind in engine_collectives(engine.name):
+                for kind in spec.collectives:
                     report(f"{prefix}{kind} on {ranks} ranks in groups of {group}")
                     collective_times[(kind, ranks, group)].append(
                         _collective_times(engine, kind, ranks, group, warmup, repeats, guarded, report))

@@ -1,46 +1,103 @@
-"""Engines run a configuration on real ranks: one module each, behind ``Engine``.
+"""Engines run a configuration on real ranks: one subpackage each, described by an ``EngineSpec``.
 
 ``mpi`` (the default) runs anywhere: MPI processes with numpy math. ``onnx`` runs each
 rank's ONNX graph (the one a TensorRT deployment builds) with ONNX's reference runtime on
 MPI processes: it checks correctness and does not time. ``tensorrt`` builds the same graphs
 into TensorRT engines and runs them on one GPU per rank (written for GPU nodes, not yet run
-on one). Engines are created on first use and kept, with their worker pools, until the
-interpreter exits.
+on one).
+
+What an engine is - its attention kernel, what its Ring's stream is made of, which
+collectives it has, whether it times, whether calibration times its kernel's steps, where
+its ranks run - is its ``EngineSpec``, known without importing the engine: the cost counts,
+calibration, the prior and the report read the spec, never the engine's name. A new engine
+is one more subpackage (an ``Engine`` and the rank side of its tasks) and one ``register``.
+Engines are created on first use and kept, with their worker pools, until the interpreter
+exits.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from cptune.config import CPConfig
+from cptune.cost import collectives_with
 from cptune.errors import CPTuneError
+from cptune.kernels import check_kernel
 from cptune.workload import Workload
 
-BACKENDS: tuple[str, ...] = ("mpi", "onnx", "tensorrt")
-#: Attention kernels, by the work they execute: "numpy", the mpi engine's, computes whole
-#: query row blocks up to each block's last query (``cptune.engines.mpi.computed_pairs``);
-#: "fused", a fused attention kernel (TensorRT's, FlashAttention's), skips masked tiles, and
-#: the masked work inside its diagonal tiles is neglected.
-ATTENTION_KERNELS: tuple[str, ...] = ("numpy", "fused")
+if TYPE_CHECKING:
+    from cptune.hardware import Hardware
+
+#: Where an engine's ranks run: one per CPU core (more may share cores), or one per GPU.
+DEVICES: tuple[str, ...] = ("cpu", "gpu")
 
 
-def attention_kernel(engine: str) -> str:
-    """The attention kernel ``engine`` runs (``ATTENTION_KERNELS``)."""
-    return "numpy" if engine == "mpi" else "fused"
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is, known without starting (or importing) it."""
+
+    name: str
+    #: One line for ``--help``.
+    summary: str
+    #: The attention kernel its ranks run (``cptune.kernels.ATTENTION_KERNELS``): what the
+    #: prior counts as its compute.
+    kernel: str
+    #: What its Ring's K/V stream step is made of (``cptune.cost.STREAM_KINDS``).
+    stream: str
+    #: Whether it times anything (False: a correctness-only engine, which ``measure``,
+    #: ``calibrate`` and ``search`` refuse before running).
+    timed: bool
+    #: Whether calibration times its kernel's memory-bound steps (``Engine.time_steps``).
+    times_steps: bool
+    #: Where its ranks run (``DEVICES``).
+    device: str
+    #: The ``Engine`` class, as "module:Class", imported on first use.
+    engine: str
+    #: The module mpiexec runs for each of its ranks.
+    worker: str = "cptune.engines._worker"
+    #: The module of its rank side in the shared worker (a ``RankTask`` for "run", and
+    #: ``OPS``, its calibration ops), imported by a rank on its first request for this
+    #: engine; None where its ranks run a ``worker`` of their own.
+    rank_task: str | None = None
+
+    def __post_init__(self) -> None:
+        check_kernel(self.kernel)
+        collectives_with(self.stream)  # raises for an unknown stream kind
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collective kinds its runs use: what its calibration times."""
+        return collectives_with(self.stream)
 
 
 class Engine(Protocol):
-    name: str
-    #: Whether ``time`` and calibration measure anything (False: a correctness-only engine,
-    #: which ``measure`` and ``calibrate`` refuse before running).
-    timed: bool
+    """An engine's driver side: the ranks it runs, and what it can time on them."""
+
+    spec: EngineSpec
     #: The largest relative error of an output, per workload dtype, ``measure`` accepts
     #: (``cptune.reference.TOLERANCE`` unless the engine computes in another precision).
     tolerance: Mapping[str, float]
+
+    @property
+    def name(self) -> str: ...
+
+    def preflight(self, ranks: int) -> None:
+        """Raise ``BackendUnavailableError`` naming what this machine lacks to run ``ranks``
+        ranks, before any process starts."""
+
+    def capacity(self) -> int:
+        """Ranks this machine runs without sharing: its cores, or its GPUs."""
+
+    def hardware(self) -> Hardware:
+        """This machine as the engine uses it (its fingerprint keys what is stored)."""
 
     def run(
         self, workload: Workload, config: CPConfig,
@@ -55,8 +112,8 @@ class Engine(Protocol):
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
         timeout: float,
     ) -> np.ndarray:
-        """Seconds [chunk, iteration] of the slowest rank: collective ``kind`` (see
-        ``cptune.cost.COLLECTIVES``) in groups of ``group`` among ``ranks`` ranks, ``chunks[i]``
+        """Seconds [chunk, iteration] of the slowest rank: collective ``kind`` (one of
+        ``spec.collectives``) in groups of ``group`` among ``ranks`` ranks, ``chunks[i]``
         bytes per peer."""
 
     def time_attention(
@@ -64,6 +121,12 @@ class Engine(Protocol):
     ) -> np.ndarray:
         """Seconds [shape, iteration] of the slowest rank: the attention kernel on ``ranks``
         ranks at once, each shape given as heads, seq_q, seq_k, head_dim."""
+
+    def time_steps(
+        self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Seconds [step, iteration] of the slowest rank: the kernel's memory-bound steps
+        (only where ``spec.times_steps``)."""
 
     def describe(self) -> dict[str, str]:
         """The engine's software versions."""
@@ -79,13 +142,56 @@ class UntimedEngineError(CPTuneError, ValueError):
     """A correctness-only engine was asked to time something."""
 
 
+class BackendUnavailableError(CPTuneError):
+    """This machine cannot run the requested engine; the message says what is missing and
+    how to get it."""
+
+
 def untimed(engine: str) -> UntimedEngineError:
     """The error for timing with ``engine``, which only checks correctness."""
+    timed = ", ".join(repr(spec.name) for spec in ENGINES.values() if spec.timed)
     return UntimedEngineError(
         f"the {engine} engine checks that each configuration's graphs compute the right "
         f"attention and does not time them: use compute(..., backend={engine!r}) to check a "
-        f"configuration, and backend 'mpi' to measure one"
+        f"configuration, and a timing backend ({timed}) to measure one"
     )
+
+
+#: Every engine, by name, in the order ``--backend`` lists them (the first is the default).
+ENGINES: dict[str, EngineSpec] = {}
+
+
+def register(spec: EngineSpec) -> EngineSpec:
+    """Make ``spec``'s engine available as ``backend=spec.name`` (and ``--backend``)."""
+    if spec.name in ENGINES and ENGINES[spec.name] != spec:
+        raise ValueError(f"an engine named {spec.name!r} is registered already")
+    ENGINES[spec.name] = spec
+    return spec
+
+
+register(EngineSpec(
+    name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
+    kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
+    engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank",
+))
+register(EngineSpec(
+    name="onnx", summary="each rank's ONNX graph on ONNX's reference runtime (checks, does not time)",
+    kernel="fused", stream="broadcast", timed=False, times_steps=False, device="cpu",
+    engine="cptune.engines.onnx:OnnxEngine", rank_task="cptune.engines.onnx._rank",
+))
+register(EngineSpec(
+    name="tensorrt", summary="TensorRT 11 engines, one GPU per rank (pip install 'cptune[tensorrt]')",
+    kernel="fused", stream="broadcast", timed=True, times_steps=False, device="gpu",
+    engine="cptune.engines.tensorrt:TensorRTEngine", worker="cptune.engines.tensorrt._worker",
+))
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The spec of the engine called ``name``; ``ValueError`` naming the known ones."""
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"backend must be one of {', '.join(ENGINES)}, got {name!r}") from None
 
 
 _engines: dict[str, Engine] = {}
@@ -96,21 +202,10 @@ def get_engine(backend: str | Engine) -> Engine:
     used as given."""
     if not isinstance(backend, str):
         return backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    spec = engine_spec(backend)
     if backend not in _engines:
-        if backend == "onnx":
-            from cptune.engines.onnx import OnnxEngine
-
-            _engines[backend] = OnnxEngine()
-        elif backend == "tensorrt":
-            from cptune.engines.tensorrt import TensorRTEngine
-
-            _engines[backend] = TensorRTEngine()
-        else:
-            from cptune.engines.mpi import MPIEngine
-
-            _engines[backend] = MPIEngine()
+        module, _, name = spec.engine.partition(":")
+        _engines[backend] = getattr(importlib.import_module(module), name)()
     return _engines[backend]
 
 
@@ -119,3 +214,18 @@ def close_engines() -> None:
     """Stop every engine's worker processes."""
     while _engines:
         _engines.popitem()[1].close()
+
+
+__all__ = [
+    "DEVICES",
+    "ENGINES",
+    "BackendUnavailableError",
+    "Engine",
+    "EngineSpec",
+    "UntimedEngineError",
+    "close_engines",
+    "engine_spec",
+    "get_engine",
+    "register",
+    "untimed",
+]

@@ -1,7 +1,7 @@
 """The supervised worker pool every engine's ranks run in, and the engine base that keeps one.
 
 The calling process never initialises MPI. It starts ``mpiexec`` with a pool of worker
-ranks (``cptune.engines._mpi_worker``) once, keeps it for every later run (a search does
+ranks (``cptune.engines._worker``, or an engine's own) once, keeps it for every later run (a search does
 not pay process start-up per trial) and talks to each rank over a private Unix socket.
 Every wait has a deadline; a rank that raises, dies or overruns ends the pool with one
 ``EngineError`` and no process left behind, and a fresh pool starts on the next call. The
@@ -25,14 +25,21 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import cptune
+import numpy as np
+
+from cptune.engines import EngineSpec
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
+from cptune.hardware import Hardware, this_host
+from cptune.measurement import available_cores
 from cptune.reference import TOLERANCE
 
-# -P: the ranks must not import a cptune from their working directory; PYTHONPATH (set
-# when the pool starts) points them at the very package this process imported.
-WORKER = [sys.executable, "-P", "-m", "cptune.engines._mpi_worker"]
+
+def worker_command(module: str) -> list[str]:
+    """The command of one rank running ``module``. -P: the ranks must not import a cptune
+    from their working directory; PYTHONPATH (set when the pool starts) points them at the
+    very package this process imported."""
+    return [sys.executable, "-P", "-m", module]
 
 _OUTPUT_TAIL_LINES = 15
 
@@ -68,7 +75,7 @@ class WorkerPool:
         mpiexec = find_mpiexec()
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
-        package_root = str(Path(cptune.__file__).resolve().parent.parent)
+        package_root = str(Path(__file__).resolve().parents[2])  # the directory holding this cptune
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         command = [mpiexec, "-n", str(size), *worker,
                    "--socket", str(self.dir / "driver.sock"), "--driver-pid", str(os.getpid())]
@@ -105,7 +112,13 @@ class WorkerPool:
             except TimeoutError:
                 continue
             conn.settimeout(max(1.0, deadline - time.monotonic()))
-            hello, _ = protocol.receive(conn)
+            try:
+                hello, _ = protocol.receive(conn)
+            except OSError as exc:  # the rank died (or its job was ended) between connecting and hello
+                conn.close()
+                raise EngineError(
+                    "launch", f"a rank was lost during start-up ({exc}). Output so far:\n{self.output_tail()}"
+                ) from None
             conn.settimeout(None)
             self.socks[hello["rank"]] = conn
             self.pids += [hello["pid"], hello["parent_pid"]]
@@ -214,15 +227,34 @@ class WorkerPool:
 
 class PooledEngine:
     """Base of the engines whose ranks run in a ``WorkerPool``: keeps one pool, grows it when
-    a run needs more ranks, and forgets it after any failure (the pool stopped itself)."""
+    a run needs more ranks, and forgets it after any failure (the pool stopped itself).
+    A subclass sets ``spec``; ``worker`` (default: the spec's worker module) is the command
+    each rank runs."""
 
+    spec: EngineSpec
     #: The largest relative error of an output, per workload dtype, ``measure`` accepts.
     tolerance: Mapping[str, float] = TOLERANCE
 
-    def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
-        self.worker = list(worker)
+    def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 60.0) -> None:
+        self.worker = list(worker) if worker is not None else worker_command(self.spec.worker)
         self.start_timeout = start_timeout
         self._pool: WorkerPool | None = None
+        self._timed_ranks = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def preflight(self, ranks: int) -> None:
+        """Nothing to check: CPU ranks run anywhere (more ranks than cores share them)."""
+
+    def capacity(self) -> int:
+        """This host's cores: one rank each."""
+        return available_cores()
+
+    def hardware(self) -> Hardware:
+        """This host: its CPU cores, linked by shared memory."""
+        return this_host()
 
     def _pool_for(self, ranks: int) -> WorkerPool:
         if self._pool is not None and (self._pool.size < ranks or self._pool.proc.poll() is not None):
@@ -242,9 +274,31 @@ class PooledEngine:
             self._pool = None  # request() already stopped it
             raise
 
+    def _ran(self, replies: dict[int, protocol.Message], ranks: int) -> tuple[list[np.ndarray], list[int]]:
+        """Each rank's output shard and peak bytes from a run's ``replies``; the ranks keep
+        the run for ``time``."""
+        self._timed_ranks = ranks
+        ordered = [replies[r] for r in range(ranks)]
+        return [arrays[0] for _, arrays in ordered], [int(h.get("peak_bytes", 0)) for h, _ in ordered]
+
+    def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
+        """Time the last ``run``: seconds [rank, iteration, (wall, compute, comm)]."""
+        if self._pool is None or not self._timed_ranks:
+            raise RuntimeError("time() needs a successful run() first")
+        header = {"op": "time", "warmup": warmup, "repeats": repeats}
+        replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what)
+        return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
+
+    def time_steps(
+        self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Refused: this engine's calibration times no kernel steps (``spec.times_steps``)."""
+        raise ValueError(f"the {self.name} engine's kernel has no memory-bound steps to time "
+                         f"(its spec says times_steps=False)")
+
     def _pool_software(self) -> dict[str, str]:
         """What the ranks run on, for the record of a measurement: the MPI library, and
-        whether the ranks' allocator is ``steady`` (``_mpi_worker.steady_allocator``); empty
+        whether the ranks' allocator is ``steady`` (``_worker.steady_allocator``); empty
         before the pool has started."""
         if self._pool is None:
             return {}

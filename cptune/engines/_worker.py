@@ -1,15 +1,16 @@
-"""One rank of the engines' worker pool (run by mpiexec, never by users).
+"""One rank of an engine's worker pool (run by mpiexec, never by users).
 
-Each rank connects to the driver's socket, then serves tasks until told to exit: "run"
-receives a configuration and this rank's input shard, runs it once with the engine the
-request names (``RANK_TASKS``: every engine's ranks live in this one supervised pool) and
-returns its output shard; "time" repeats the same run with warm-up and returns
-per-iteration timings. "time_collective", "time_attention" and "time_steps" time one
-collective over a sweep of message sizes, the attention kernel on a few shapes, or the
-kernel's memory-bound steps (the work over a query block a Ring step repeats), for
-calibration. Ranks that a task
-does not use wait on their socket, asleep. A watchdog exits the rank as soon as the driver
-process is gone, whatever the rank is doing.
+Each rank connects to the driver's socket, then serves requests until told to exit. A
+request names its engine; the rank side of that engine's tasks (``EngineSpec.rank_task``: a
+``RankTask`` and the engine's calibration ``OPS``) is imported on the rank's first request
+for it, so every engine whose ranks need nothing more live in this one supervised loop.
+"run" receives a configuration and this rank's input shard, runs it once and returns its
+output shard; "time" repeats the last run with warm-up and returns per-iteration timings;
+any other op is the engine's (calibration: one collective over a sweep of message sizes,
+the attention kernel on a few shapes, ...). Ranks that a task does not use wait on their
+socket, asleep. A watchdog exits the rank as soon as the driver process is gone, whatever
+the rank is doing. An engine whose ranks hold state of their own between requests (the
+TensorRT engine's GPUs) subclasses ``Worker`` and runs its own module.
 
 Each rank fixes its allocator as it starts (``steady_allocator``): left to itself, glibc's malloc
 decides from what a process freed earlier whether an iteration's arrays come from reused
@@ -29,8 +30,8 @@ import sys
 import threading
 import time
 import traceback
-import tracemalloc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -38,12 +39,9 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from cptune.config import CPConfig
-from cptune.engines import _numpy_kernels as kernels
 from cptune.engines import _protocol as protocol
-from cptune.layout import SequenceLayout
-from cptune.strategies import run_strategy
-from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
-from cptune.workload import Workload
+from cptune.engines import engine_spec
+from cptune.layout import rank_coordinates
 
 
 def _exit_when_gone(pid: int) -> None:
@@ -97,233 +95,7 @@ def release_free_memory() -> None:
         trim(0)
 
 
-def in_send_order(x: np.ndarray, split_axis: int, members: int, wire: np.dtype) -> np.ndarray:
-    """``x`` cut into ``members`` chunks along ``split_axis``, chunk j first: the contiguous
-    [members, ...] buffer an all-to-all sends, in ``wire`` dtype (one copy, cast included)."""
-    split = split_axis % x.ndim
-    chunked = x.reshape(x.shape[:split] + (members, x.shape[split] // members) + x.shape[split + 1 :])
-    return np.ascontiguousarray(np.moveaxis(chunked, split, 0), dtype=wire)
-
-
-def out_of_receive_order(received: np.ndarray, axis: int) -> np.ndarray:
-    """The members' arrivals (``received[j]`` from member j) joined along ``axis`` of one
-    arrival: a copy, unless every dim before ``axis`` is 1 (then a view)."""
-    axis %= received.ndim - 1
-    shape = list(received.shape[1:])
-    shape[axis] *= received.shape[0]
-    return np.moveaxis(received, 0, axis).reshape(shape)
-
-
-def exchange_all_to_all(comm: MPI.Comm, x: np.ndarray, split_axis: int, concat_axis: int,
-                        wire: np.dtype) -> np.ndarray:
-    """Member j gets chunk j of ``x`` along ``split_axis``; the arrivals are joined along
-    ``concat_axis``. With the copies into send order and out of receive order: the
-    exchange as a strategy pays for it, which calibration times too."""
-    send = in_send_order(x, split_axis, comm.Get_size(), wire)
-    received = np.empty_like(send)
-    comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
-    return out_of_receive_order(received, concat_axis)
-
-
-def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype) -> np.ndarray:
-    """Every member's ``x`` joined along ``axis`` in member order, the copy out of receive
-    order included (see ``exchange_all_to_all``)."""
-    send = np.ascontiguousarray(x, dtype=wire)
-    received = np.empty((comm.Get_size(), *send.shape), dtype=wire)
-    comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
-    return out_of_receive_order(received, axis)
-
-
-class MpiOps:
-    """``Primitives`` on MPI communicators with numpy math; times compute and communication
-    separately (``compute_s``, ``comm_s``: seconds this rank spent in each, communication
-    counting only the time it waited, not transfers hidden behind compute)."""
-
-    def __init__(self, workload: Workload, comms: dict[str, MPI.Comm], threads: int) -> None:
-        self.workload = workload
-        self.threads = threads
-        self.wire = workload.wire_dtype
-        self.comms = comms
-        self.compute_s = 0.0
-        self.comm_s = 0.0
-        self._in_flight: list[MPI.Request] = []
-
-    def _poll(self) -> None:
-        MPI.Request.Testall(self._in_flight)
-
-    def attention(self, q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
-        start = time.perf_counter()
-        out, lse = kernels.attention(
-            q, kv, q_pos, k_pos,
-            causal=self.workload.causal,
-            seq_len=self.workload.seq_len,
-            threads=self.threads,
-            poll=self._poll if self._in_flight else None,
-        )
-        self.compute_s += time.perf_counter() - start
-        return Partial(out, lse)
-
-    def merge(self, acc: Partial | None, part: Partial) -> Partial:
-        start = time.perf_counter()
-        merged = Partial(*kernels.merge(acc, part, self.threads))
-        self.compute_s += time.perf_counter() - start
-        return merged
-
-    def repeat_heads(self, kv: np.ndarray, times: int) -> np.ndarray:
-        start = time.perf_counter()
-        repeated = np.repeat(kv, times, axis=HEADS)
-        self.compute_s += time.perf_counter() - start
-        return repeated
-
-    def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int) -> np.ndarray:
-        comm = self.comms[group]
-        if comm.Get_size() == 1:
-            return x
-        start = time.perf_counter()
-        out = exchange_all_to_all(comm, x, split_axis, concat_axis, self.wire)
-        self.comm_s += time.perf_counter() - start
-        return out
-
-    def all_gather(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
-        comm = self.comms[group]
-        if comm.Get_size() == 1:
-            return x
-        start = time.perf_counter()
-        out = exchange_all_gather(comm, x, axis, self.wire)
-        self.comm_s += time.perf_counter() - start
-        return out
-
-    def kv_stream(self, kv: np.ndarray, group: Group) -> Iterator[tuple[int, np.ndarray]]:
-        """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take
-        the next from me - 1 while the caller attends to it (progressed by ``_poll``)."""
-        comm = self.comms[group]
-        n, me = comm.Get_size(), comm.Get_rank()
-        current = np.ascontiguousarray(kv, dtype=self.wire)
-        incoming = np.empty_like(current) if n > 1 else current
-        for step in range(n):
-            if step < n - 1:
-                self._in_flight = [
-                    comm.Irecv([incoming, MPI.BYTE], source=(me - 1) % n),
-                    comm.Isend([current, MPI.BYTE], dest=(me + 1) % n),
-                ]
-            yield (me - step) % n, current
-            if self._in_flight:
-                start = time.perf_counter()
-                MPI.Request.Waitall(self._in_flight)
-                self._in_flight = []
-                self.comm_s += time.perf_counter() - start
-                current, incoming = incoming, current
-
-
-class RankTask:
-    """One configuration on this rank: its inputs, communicators and how to run it."""
-
-    def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, MPI.Comm], rank: int) -> None:
-        self.threads = int(header["threads"])
-        self.workload = Workload(**header["workload"])
-        self.config = CPConfig(**header["config"])
-        self.layout = SequenceLayout(self.workload, self.config)
-        self.comms = comms
-        self.rank = rank
-        q, k, v = arrays  # [batch, seq, heads, head_dim] in the wire dtype
-        self.q = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
-        self.kv = np.ascontiguousarray(np.stack([k, v]).transpose(0, 1, 3, 2, 4))
-        self.input_bytes = self.q.nbytes + self.kv.nbytes
-
-    def iteration(self) -> tuple[np.ndarray, MpiOps]:
-        ops = MpiOps(self.workload, self.comms, self.threads)
-        out = run_strategy(ops, self.layout, self.rank, self.q, self.kv)
-        return kernels.cast(out, self.workload.wire_dtype, self.threads), ops
-
-    def run_once(self) -> protocol.Message:
-        """Run once, tracing allocations: the output shard and the peak bytes held."""
-        tracemalloc.start()
-        tracemalloc.reset_peak()
-        try:
-            out, _ = self.iteration()
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        return {"peak_bytes": self.input_bytes + peak}, [out.transpose(0, 2, 1, 3)]
-
-    def time(self, warmup: int, repeats: int) -> protocol.Message:
-        """Per timed iteration: wall, compute and communication seconds on this rank. All
-        ranks start each iteration together (barrier) so the slowest rank's wall time is the
-        iteration's latency."""
-        comm = self.comms["all"]
-        timings = np.zeros((repeats, 3), dtype=np.float64)
-        for i in range(warmup + repeats):
-            comm.Barrier()
-            start = time.perf_counter()
-            _, ops = self.iteration()
-            wall = time.perf_counter() - start
-            if i >= warmup:
-                timings[i - warmup] = (wall, ops.compute_s, ops.comm_s)
-        return {}, [timings]
-
-
-#: Heads of the K/V tensor calibration exchanges: a chunk is K and V of this many heads,
-#: each a run of sequence rows of one byte.
-_CHUNK_HEADS = 4
-
-
-def _collective(kind: str, comm: MPI.Comm, chunk: int) -> Callable[[], object]:
-    """One ``kind`` collective over ``comm`` as the strategies use it, ``chunk`` bytes per
-    peer (rounded down to whole rows of its ``2 * _CHUNK_HEADS`` runs): all-to-all and
-    all-gather send a chunk to each of the n - 1 others through the engine's own exchange,
-    its copies into send order and out of receive order included; the Ring's stream step
-    ("p2p") passes one chunk to the next rank while taking one from the previous, and copies
-    nothing."""
-    n, me = comm.Get_size(), comm.Get_rank()
-    # shaped as a strategy's K/V block [K and V, heads, seq, 1 byte], so both copies move runs
-    # of one sequence block (with leading dims of 1 they would be views)
-    rows = max(1, chunk // (2 * _CHUNK_HEADS))
-    if kind == "all_to_all":
-        tensor = np.ones((2, _CHUNK_HEADS * n, rows, 1), np.uint8)
-        return lambda: exchange_all_to_all(comm, tensor, HEADS, SEQ, tensor.dtype)
-    if kind == "all_gather":
-        block = np.ones((2, _CHUNK_HEADS, rows, 1), np.uint8)
-        return lambda: exchange_all_gather(comm, block, SEQ, block.dtype)
-    if kind == "p2p":
-        send, received = np.ones(chunk, np.uint8), np.empty(chunk, np.uint8)
-        return lambda: MPI.Request.Waitall([
-            comm.Irecv([received, MPI.BYTE], source=(me - 1) % n),
-            comm.Isend([send, MPI.BYTE], dest=(me + 1) % n),
-        ])
-    raise ValueError(f"unknown collective {kind!r}")
-
-
-def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]:
-    """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal); causal
-    queries sit at the last seq_q key positions, a diagonal block."""
-    rng = np.random.default_rng(0)
-    h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
-    causal = bool(shape.get("causal", False))
-    q = rng.standard_normal((1, h, sq, d), dtype=np.float32)
-    kv = rng.standard_normal((2, 1, h, sk, d), dtype=np.float32)
-    q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
-    return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
-
-
-def _step_case(step: dict[str, object], threads: int) -> Callable[[], object]:
-    """One memory-bound step of the kernel on a random block of ``step``'s heads, rows and
-    head_dim: "query" prepares a query block in wire dtype ``step["wire"]``
-    (``kernels.prepare_query``), "merge" merges a float32 block's output into a running one
-    (``kernels.merge``)."""
-    rng = np.random.default_rng(0)
-    heads, rows = int(step["heads"]), int(step["rows"])
-    block = rng.standard_normal((1, heads, rows, int(step["head_dim"])), dtype=np.float32)
-    if step["kind"] == "query":
-        q = block.astype(np.dtype(str(step["wire"])))
-        return lambda: kernels.prepare_query(q, threads)
-    if step["kind"] == "merge":
-        lse = rng.standard_normal((1, heads, rows), dtype=np.float32)
-        running = (block.copy(), lse.copy())
-        return lambda: kernels.merge(running, (block, lse), threads)
-    raise ValueError(f"unknown step {step['kind']!r}")
-
-
-def _time_each(
+def time_each(
     cases: Sequence[Callable[[], object]], barrier: MPI.Comm, warmup: int, repeats: int
 ) -> np.ndarray:
     """Seconds [case, iteration] on this rank; every iteration starts at a barrier."""
@@ -338,19 +110,13 @@ def _time_each(
     return timings
 
 
-#: Modules holding the rank side (a ``RankTask`` class) of engines other than "mpi", imported
-#: on a rank's first run of that engine, so a rank loads only what its runs need.
-RANK_TASKS: dict[str, str] = {"onnx": "cptune.engines._onnx_rank"}
 
-
-def _task_class(engine: str) -> type:
-    """The ``RankTask`` of ``engine``: built from a "run" request's header, arrays, the group
-    communicators and this rank; it answers ``run_once()`` and ``time(warmup, repeats)``."""
-    if engine == "mpi":
-        return RankTask
-    if engine not in RANK_TASKS:
-        raise RuntimeError(f"unknown engine {engine!r}")
-    return importlib.import_module(RANK_TASKS[engine]).RankTask
+def rank_side(engine: str) -> ModuleType:
+    """The module of ``engine``'s rank side (``EngineSpec.rank_task``), imported once."""
+    module = engine_spec(engine).rank_task
+    if module is None:
+        raise RuntimeError(f"the {engine} engine's ranks run a worker of their own")
+    return importlib.import_module(module)
 
 
 class Worker:
@@ -379,44 +145,36 @@ class Worker:
         })
 
     def comms_for(self, ranks: int, head_group: int) -> dict[str, MPI.Comm]:
-        """The first ``ranks`` ranks ("all"), their head groups of ``head_group`` consecutive
-        ranks ("heads") and the context groups across them ("context")."""
+        """The first ``ranks`` ranks ("all"), their head groups of ``head_group`` ranks
+        ("heads") and the context groups across them ("context"), numbered as
+        ``cptune.layout`` numbers them."""
         key = (ranks, head_group)
         if key not in self.group_comms:
             comm = self.prefix[ranks - 1]
-            u = head_group
+            group, member = rank_coordinates(self.rank, head_group)
             self.group_comms[key] = {
                 "all": comm,
-                "heads": comm.Split(self.rank // u, self.rank),
-                "context": comm.Split(self.rank % u, self.rank),
+                "heads": comm.Split(group, self.rank),
+                "context": comm.Split(member, self.rank),
             }
         return self.group_comms[key]
 
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
-        if header["op"] == "run":
-            threadpool_limits(limits=1, user_api="blas")  # the kernel threads over heads
-            config = CPConfig(**header["config"])
-            comms = self.comms_for(config.ranks, config.head_group)
-            self.task = _task_class(header["engine"])(header, arrays, comms, self.rank)
-            return self.task.run_once()
-        if header["op"] == "time":
+        op = header["op"]
+        if op == "time":
             if self.task is None:
                 raise RuntimeError("'time' before any 'run'")
             return self.task.time(header["warmup"], header["repeats"])
-        if header["op"] == "time_collective":
-            comms = self.comms_for(header["ranks"], header["group"])
-            cases = [_collective(header["kind"], comms["heads"], chunk) for chunk in header["chunks"]]
-            return {}, [_time_each(cases, comms["all"], header["warmup"], header["repeats"])]
-        if header["op"] == "time_attention":
-            threadpool_limits(limits=1, user_api="blas")
-            cases = [_attention_case(shape, header["threads"]) for shape in header["shapes"]]
-            barrier = self.prefix[header["ranks"] - 1]
-            return {}, [_time_each(cases, barrier, header["warmup"], header["repeats"])]
-        if header["op"] == "time_steps":
-            cases = [_step_case(step, header["threads"]) for step in header["steps"]]
-            barrier = self.prefix[header["ranks"] - 1]
-            return {}, [_time_each(cases, barrier, header["warmup"], header["repeats"])]
-        raise RuntimeError(f"unknown op {header['op']!r}")
+        side = rank_side(header["engine"])
+        if op == "run":
+            threadpool_limits(limits=1, user_api="blas")  # the kernels thread over heads
+            config = CPConfig(**header["config"])
+            comms = self.comms_for(config.ranks, config.head_group)
+            self.task = side.RankTask(header, arrays, comms, self.rank)
+            return self.task.run_once()
+        if op not in side.OPS:
+            raise RuntimeError(f"unknown op {op!r}")
+        return side.OPS[op](self, header)
 
     def serve(self) -> None:
         self.hello()
@@ -435,14 +193,13 @@ class Worker:
                 lines = traceback.format_exception(exc)
                 protocol.send(self.sock, {"ok": False, "kind": "error", "error": "".join(lines[-6:])})
 
-
     def close(self) -> None:
         """Release what this rank holds once served (nothing on the CPU)."""
 
 
 def main(argv: list[str] | None = None, worker: type[Worker] = Worker) -> None:
-    """Serve as one rank of the pool with ``worker``: this engine's, or an engine's subclass
-    of it (the TensorRT ranks)."""
+    """Serve as one rank of the pool with ``worker``: this loop, or an engine's subclass of
+    it (the TensorRT ranks)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--socket", required=True, help="the driver's Unix socket")
     parser.add_argument("--driver-pid", type=int, required=True)

@@ -13,7 +13,15 @@ from cptune.hardware._description import (
     builtin_descriptions,
     load_description,
 )
-from cptune.hardware._host import GpuInfo, Hardware, mpi_library, this_gpu_node, this_host
+from cptune.hardware._host import (
+    GpuInfo,
+    Hardware,
+    list_gpus,
+    mpi_library,
+    tensorrt_version,
+    this_gpu_node,
+    this_host,
+)
 
 __all__ = [
     "GpuInfo",
@@ -23,8 +31,10 @@ __all__ = [
     "HardwareDescriptionError",
     "LinkTier",
     "builtin_descriptions",
+    "list_gpus",
     "load_description",
     "mpi_library",
+    "tensorrt_version",
     "this_gpu_node",
     "this_host",
 ]

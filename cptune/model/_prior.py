@@ -27,7 +27,8 @@ ranks, hardware that is only calibrated or only described.
                   (c - 1) * max(block + slowdown * min(block, transfer) + merge + requery,
                                 the step's launches, transfer) + last block
                   (p2p. An engine without point-to-point broadcasts every block, its own
-                  included: c steps, the one beyond c - 1 hides behind nothing)
+                  included: c steps, the one beyond c - 1 hides behind nothing; the profile
+                  says which: a calibration's engine spec, ``Profile.stream``)
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 """
 
@@ -39,15 +40,15 @@ from typing import Protocol
 
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
-from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, STREAM_KINDS, analytic_cost
-from cptune.engines import ATTENTION_KERNELS
-from cptune.engines.mpi import computed_pairs
+from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
 from cptune.hardware import Hardware, HardwareDescription
-from cptune.layout import SequenceLayout
+from cptune.kernels import check_kernel, computed_pairs
+from cptune.layout import Groups, SequenceLayout, rank_groups
 from cptune.workload import Workload
 
-#: Groups of global ranks that run one collective at once (every group of a configuration).
-Groups = tuple[tuple[int, ...], ...]
+#: How the published benchmarks' Ring implementations (ring-flash-attn, used by yunchang and
+#: xDiT) stream K/V: NCCL send/recv. A described hardware's prior streams so.
+DESCRIBED_STREAM = "p2p"
 
 
 class Profile(Protocol):
@@ -83,8 +84,12 @@ class Profile(Protocol):
 
     @property
     def attention_kernel(self) -> str:
-        """The attention kernel the hardware runs (``cptune.engines.ATTENTION_KERNELS``):
+        """The attention kernel the hardware runs (``cptune.kernels.ATTENTION_KERNELS``):
         what ``computed_flops`` counts as its work."""
+
+    @property
+    def stream(self) -> str:
+        """What the Ring's K/V stream step is made of there (``cptune.cost.STREAM_KINDS``)."""
 
     def describe(self) -> str: ...
 
@@ -145,6 +150,10 @@ class CalibratedProfile:
     def attention_kernel(self) -> str:
         return self.calibration.kernel
 
+    @property
+    def stream(self) -> str:
+        return self.calibration.spec.stream
+
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
 
@@ -192,6 +201,10 @@ class DescribedProfile:
     def attention_kernel(self) -> str:
         return "fused"  # the published benchmarks' FlashAttention kernels
 
+    @property
+    def stream(self) -> str:
+        return DESCRIBED_STREAM
+
     def describe(self) -> str:
         return self.description.describe()
 
@@ -237,15 +250,6 @@ class PriorTime:
         return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
 
 
-def groups_of(config: CPConfig) -> tuple[Groups, Groups]:
-    """(head groups, context groups) of ``config`` as global ranks: ranks g*u .. g*u+u-1 share
-    heads, ranks j, j+u, j+2u, ... a context (the layout's numbering)."""
-    n, u = config.ranks, config.head_group
-    heads = tuple(tuple(range(g * u, (g + 1) * u)) for g in range(config.context_degree))
-    context = tuple(tuple(range(j, n, u)) for j in range(u))
-    return heads, context
-
-
 #: Longest padded sequence whose numpy-kernel work ``computed_flops`` counts block by block
 #: (well under a second of counting); longer ones waste under rows_per_block / length.
 EXACT_KERNEL_WORK_TOKENS = 2**20
@@ -261,8 +265,7 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     every block: in one call (AllGather-KV, Ulysses, one rank) or one call per block (Ring).
     Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
     0.1% and the useful FLOPs stand for it."""
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+    check_kernel(kernel)
     cost = analytic_cost(workload, config)
     if kernel == "fused" or not workload.causal or cost.padded_seq_len > EXACT_KERNEL_WORK_TOKENS:
         return cost.flops
@@ -281,10 +284,10 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
 
 
-def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: str = "mpi") -> PriorTime:
-    """The physical prior of ``config`` on ``workload`` as ``engine`` runs it (see the module
-    docstring)."""
-    cost = analytic_cost(workload, config, engine)
+def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
+    """The physical prior of ``config`` on ``workload`` on ``profile``'s hardware and engine
+    (see the module docstring)."""
+    cost = analytic_cost(workload, config, profile.stream)
     n, u, c = config.ranks, config.head_group, config.context_degree
     calls = cost.kernels["attention"]
     flops = computed_flops(workload, config, profile.attention_kernel)
@@ -294,7 +297,7 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: s
               for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
     kernels = sum(cost.kernels.values())
-    heads, context = groups_of(config)
+    heads, context = rank_groups(config)
 
     all_to_all = 0.0
     if u > 1:
@@ -304,12 +307,10 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile, engine: s
     if cost.comm_steps["all_gather"]:
         all_gather = profile.collective_time("all_gather", n, context, cost.bytes_sent["all_gather"], 1)
     ring_exposed = 0.0
-    # the Ring's stream, however the engine expresses it (send/recv, or a broadcast per step)
-    streamed = {kind: cost.comm_steps[kind] for kind in STREAM_KINDS if cost.comm_steps[kind]}
-    if streamed:
-        steps = max(streamed.values())
-        transfer = sum(profile.collective_time(kind, n, context, cost.bytes_sent[kind] / s, 1)
-                       for kind, s in streamed.items())
+    # the Ring's stream, as the profile's engine expresses it (send/recv, or a broadcast per step)
+    stream = profile.stream
+    if steps := cost.comm_steps[stream]:
+        transfer = profile.collective_time(stream, n, context, cost.bytes_sent[stream] / steps, 1)
         block = compute / c
         overlapped = c - 1  # steps hidden behind the attention on the block in hand
         ring_kernels = calls + cost.kernels["merge"] + cost.kernels["stream"]

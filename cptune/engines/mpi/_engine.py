@@ -1,9 +1,9 @@
-"""The MPI engine: strategies on real processes, mpi4py over the MPICH wheel, numpy math.
+"""The mpi engine's driver side: configurations on a persistent pool of MPI ranks on this host.
 
 Its ranks run in the shared supervised pool (``cptune.engines._pool``): started once and
 kept, a deadline on every wait, one ``EngineError`` and no process left behind on failure.
-Its attention kernel's work (``computed_pairs``: whole query row blocks, so masked pairs
-near the causal diagonal cost too) is what the cost model's prior counts for this engine.
+The rank side is ``cptune.engines.mpi._rank``: the strategies over MPI communicators with
+the numpy kernel (``_kernels``), whose work the prior counts (``cptune.kernels``).
 """
 
 from __future__ import annotations
@@ -13,23 +13,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from cptune.config import CPConfig
-from cptune.engines._numpy_kernels import computed_pairs
-from cptune.engines._pool import WORKER, PooledEngine
+from cptune.engines import ENGINES
+from cptune.engines._pool import PooledEngine
 from cptune.measurement import threads_per_rank
 from cptune.workload import Workload
-
-__all__ = ["MPIEngine", "computed_pairs"]
 
 
 class MPIEngine(PooledEngine):
     """Runs configurations on a persistent pool of MPI ranks on this host."""
 
-    name = "mpi"
-    timed = True
-
-    def __init__(self, worker: Sequence[str] = WORKER, start_timeout: float = 60.0) -> None:
-        super().__init__(worker, start_timeout)
-        self._timed_ranks = 0
+    spec = ENGINES["mpi"]
 
     def run(
         self,
@@ -53,17 +46,7 @@ class MPIEngine(PooledEngine):
             {rank: (header, list(shard)) for rank, shard in enumerate(shards)},
             timeout, config.describe(),
         )
-        self._timed_ranks = config.ranks
-        ordered = [replies[r] for r in range(config.ranks)]
-        return [arrays[0] for _, arrays in ordered], [int(h["peak_bytes"]) for h, _ in ordered]
-
-    def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
-        """Time the last ``run``: seconds [rank, iteration, (wall, compute, comm)]."""
-        if self._pool is None or not self._timed_ranks:
-            raise RuntimeError("time() needs a successful run() first")
-        header = {"op": "time", "warmup": warmup, "repeats": repeats}
-        replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what)
-        return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
+        return self._ran(replies, config.ranks)
 
     def time_collective(
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
@@ -97,7 +80,8 @@ class MPIEngine(PooledEngine):
 
     def _time_on(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:
         self._pool_for(ranks)
-        replies = self._request({r: (header, []) for r in range(ranks)}, timeout, what)
+        request = {**header, "engine": self.name}
+        replies = self._request({r: (request, []) for r in range(ranks)}, timeout, what)
         return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
 
     def describe(self) -> dict[str, str]:

@@ -1,10 +1,11 @@
 """Attention on a block with its log-sum-exp, and the online-softmax merge, in numpy.
 
-float32 compute whatever the wire dtype. Keys are processed in equal chunks of at most
-``KEY_CHUNK`` (``key_chunk``; so K and V stay in cache) merged by log-sum-exp, queries in
-row blocks, and each block is worked in place: one reused score buffer, scale folded into
-Q, exp and sum on the buffer, normalisation applied to the [rows, head_dim] output rather
-than the [rows, keys] scores.
+float32 compute whatever the wire dtype. Keys are processed in equal chunks
+(``chunk_slices``; so K and V stay in cache) merged by log-sum-exp, queries in row blocks
+(``rows_per_block``); both sizes are defined in ``cptune.kernels``, where the cost model
+counts this kernel's work with them. Each block is worked in place: one reused score
+buffer, scale folded into Q, exp and sum on the buffer, normalisation applied to the
+[rows, head_dim] output rather than the [rows, keys] scores.
 
 Softmax usually subtracts each row's max before exp, which costs two passes over the
 scores. By Cauchy-Schwarz a score never exceeds |q| * max|k|; when that bound is small
@@ -26,47 +27,17 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cptune.kernels import chunk_slices, rows_per_block
+from cptune.layout import position_runs
+
 Segment = tuple[int, int, bool]  # key index range [start, stop) and whether it needs a mask
 
-#: Most keys per chunk: K and V of one chunk (2 x 2048 x head_dim 128 float32 = 2 MiB) stay in cache.
-KEY_CHUNK = 2048
 #: Largest score bound for which exp is taken without subtracting the row max: e^50 times
 #: a million keys times |v| <= 1e6 stays far below float32's 3.4e38.
 _UNSHIFTED_EXP_LIMIT = 50.0
 _LARGEST_UNSHIFTED_VALUE = 1e6
 #: A row sum below this may have lost precision to underflow: recompute the block exactly.
 _SMALLEST_UNSHIFTED_SUM = 1e-30
-
-
-def key_chunk(keys: int) -> int:
-    """Keys per chunk for a call over ``keys`` keys: as few chunks as ``KEY_CHUNK`` allows,
-    all of one size. A short last chunk (1024 of 3072 keys) ran at a lower rate than the
-    shapes calibration times, all of whose chunks are full: 3072 keys in two chunks of 1536
-    took 0.95 of the time of 2048 + 1024 (16 heads x d64 fp32, one process, interleaved)."""
-    if keys <= 0:
-        return KEY_CHUNK
-    chunks = -(-keys // KEY_CHUNK)
-    return -(-keys // chunks)
-
-
-def chunk_slices(keys: int) -> list[slice]:
-    """The key index ranges ``attention`` reads in turn for a call over ``keys`` keys (one,
-    empty, where there are none: the call still returns its partial)."""
-    size = key_chunk(keys)
-    return [slice(start, start + size) for start in range(0, max(keys, 1), size)]
-
-
-def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
-    """Index ranges [start, stop) over which positions increase by exactly one."""
-    breaks = (np.flatnonzero(np.diff(positions) != 1) + 1).tolist()
-    edges = [0, *breaks, len(positions)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def rows_per_block(keys: int) -> int:
-    """Query rows per block: about 2 MiB of float32 scores, between 256 and 1024 rows (fewer
-    rows make the two GEMMs inefficient; more spill the scores out of cache)."""
-    return int(np.clip(2**19 // max(keys, 1), 256, 1024))
 
 
 def _plan(
@@ -94,64 +65,6 @@ def _plan(
                     segments.append((k_start, stop, first_k + (stop - k_start) - 1 > first_q))
             plan.append((i, j, segments))
     return plan
-
-
-#: Consecutive token positions in index order: (first position, count).
-Run = tuple[int, int]
-
-
-def _joined(runs: list[Run]) -> list[Run]:
-    """``runs`` with neighbours whose positions continue one another made one run (as
-    ``position_runs`` finds them in a position array)."""
-    joined: list[Run] = []
-    for first, count in runs:
-        if count <= 0:
-            continue
-        if joined and joined[-1][0] + joined[-1][1] == first:
-            joined[-1] = (joined[-1][0], joined[-1][1] + count)
-        else:
-            joined.append((first, count))
-    return joined
-
-
-def _key_chunks(runs: list[Run]) -> list[list[Run]]:
-    """``runs`` cut into chunks of ``key_chunk`` keys by index, as ``attention`` reads them."""
-    size = key_chunk(sum(count for _, count in runs))
-    chunks: list[list[Run]] = [[]]
-    room = size
-    for first, count in runs:
-        while count:
-            if not room:
-                chunks.append([])
-                room = size
-            taken = min(count, room)
-            chunks[-1].append((first, taken))
-            first, count, room = first + taken, count - taken, room - taken
-    return chunks
-
-
-def computed_pairs(q_runs: list[Run], k_runs: list[Run], causal: bool, seq_len: int) -> int:
-    """(query, key) pairs per head ``attention`` computes for queries and keys at these
-    runs of positions, counted by run, not by position: the same plan (key chunks, query
-    row blocks, each block's segments up to its last query), so pairs masked inside a block
-    that straddles the diagonal count and skipped segments do not. Padding keys (positions
-    >= ``seq_len``) are never computed; padding queries are."""
-    queries = _joined(q_runs)
-    total = 0
-    for chunk in _key_chunks(_joined(k_runs)):
-        rows = rows_per_block(sum(count for _, count in chunk))
-        keys = [(first, min(count, seq_len - first)) for first, count in _joined(chunk)]
-        firsts = np.array([first for first, real in keys if real > 0], dtype=np.int64)
-        reals = np.array([real for _, real in keys if real > 0], dtype=np.int64)
-        for first_q, count_q in queries:
-            block_rows = np.minimum(rows, count_q - np.arange(0, count_q, rows, dtype=np.int64))
-            if not causal:
-                total += int(block_rows.sum() * reals.sum())
-                continue
-            last_q = first_q + np.arange(0, count_q, rows, dtype=np.int64) + block_rows - 1
-            seen = np.clip(last_q[:, None] - firsts[None, :] + 1, 0, reals[None, :])
-            total += int(block_rows @ seen.sum(axis=1))
-    return total
 
 
 def attention(

@@ -2,7 +2,7 @@
 attention op, per graph.
 
 They are ONNX like the strategies' rank graphs, so TensorRT times exactly the layers a
-configuration uses: a ``DistCollective`` node (written by ``_onnx_dialect``) in groups of
+configuration uses: a ``DistCollective`` node (written by ``_dialect``) in groups of
 ``group`` consecutive ranks, or the fused ``Attention`` op with the causal mask as a
 constant, as the rank graphs carry it. Built and checked here without a GPU.
 """
@@ -15,8 +15,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cptune.engines._onnx_dialect import dist_collective, opset_import
-from cptune.engines._onnx_graph import OPSET
+from cptune.engines.onnx._builder import OPSET
+from cptune.engines.onnx._dialect import dist_collective, opset_import
+from cptune.layout import head_group_members
 
 #: Element type the collectives move (bytes are what is calibrated; 2 per element).
 COLLECTIVE_DTYPE = TensorProto.FLOAT16
@@ -34,11 +35,11 @@ def _model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outpu
 
 
 def group_members(ranks: int, group: int, rank: int) -> list[int]:
-    """The ``group`` consecutive ranks ``rank`` belongs to, as the MPI engine groups them."""
+    """The ``group`` ranks ``rank`` belongs to: its head group of ``group`` (the ranks every
+    engine calibrates a collective over, ``cptune.layout.head_group_members``)."""
     if group < 1 or ranks % group or not 0 <= rank < ranks:
         raise ValueError(f"cannot form groups of {group} among {ranks} ranks for rank {rank}")
-    first = rank // group * group
-    return list(range(first, first + group))
+    return head_group_members(rank, group)
 
 
 def collective_graph(kind: str, ranks: int, group: int, rank: int, chunk_bytes: int) -> onnx.ModelProto:

@@ -1,12 +1,11 @@
 """The onnx engine: every configuration as per-rank ONNX graphs, run on real MPI ranks.
 
-The driver writes each rank's graph (``cptune.engines._onnx_graph``), serializes it and
-sends the bytes with the rank's inputs; each rank runs exactly those bytes with ONNX's
-reference runtime, its ``DistCollective`` nodes as MPI collectives
-(``cptune.engines._onnx_rank``). The ranks live in the same supervised pool as the MPI
-engine's (``cptune.engines._pool``). It checks that the graphs a TensorRT deployment would
-build compute the right attention; it does not time them (numpy on a CPU says nothing
-about a GPU), so ``measure`` and ``calibrate`` refuse it.
+The driver writes each rank's graph (``_graph``), serializes it and sends the bytes with the
+rank's inputs; each rank runs exactly those bytes with ONNX's reference runtime, its
+``DistCollective`` nodes as MPI collectives (``_rank``). The ranks live in the same
+supervised pool as the mpi engine's (``cptune.engines._pool``). It checks that the graphs a
+TensorRT deployment would build compute the right attention; it does not time them (numpy on
+a CPU says nothing about a GPU), so ``measure`` and ``calibrate`` refuse it.
 
 ``export_graphs`` writes the same graphs to files with a manifest, for a deployment that
 builds its own TensorRT engines.
@@ -22,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-import cptune
 from cptune.config import CPConfig
-from cptune.engines import untimed
-from cptune.engines._numpy_kernels import position_runs
-from cptune.engines._onnx_dialect import DOMAIN, DOMAIN_VERSION
-from cptune.engines._onnx_graph import OPSET, io_shapes, rank_graphs
+from cptune.engines import ENGINES, untimed
 from cptune.engines._pool import PooledEngine
-from cptune.layout import SequenceLayout
+from cptune.engines.onnx._builder import OPSET
+from cptune.engines.onnx._dialect import DOMAIN, DOMAIN_VERSION
+from cptune.engines.onnx._graph import io_shapes, rank_graphs
+from cptune.layout import SequenceLayout, position_runs
+from cptune.version import __version__
 from cptune.workload import Workload
 
 MANIFEST = "manifest.json"
@@ -39,8 +38,7 @@ _ONNX_TYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 class OnnxEngine(PooledEngine):
     """Runs each rank's exported ONNX graph on a pool of MPI ranks (correctness only)."""
 
-    name = "onnx"
-    timed = False
+    spec = ENGINES["onnx"]
 
     def run(
         self,
@@ -67,7 +65,7 @@ class OnnxEngine(PooledEngine):
             timeout,
             f"{config.describe()} as ONNX graphs",
         )
-        return [replies[r][1][0] for r in range(config.ranks)], [0] * config.ranks
+        return self._ran(replies, config.ranks)
 
     def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
         raise untimed(self.name)
@@ -86,6 +84,11 @@ class OnnxEngine(PooledEngine):
 
     def time_attention(
         self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        raise untimed(self.name)
+
+    def time_steps(
+        self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
     ) -> np.ndarray:
         raise untimed(self.name)
 
@@ -130,7 +133,7 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
     manifest = {
         "format": "cptune-onnx-graphs",
         "version": 1,
-        "cptune": cptune.__version__,
+        "cptune": __version__,
         "onnx": onnx.__version__,
         "opsets": {"": OPSET, DOMAIN: DOMAIN_VERSION},
         "workload": workload.to_dict(),

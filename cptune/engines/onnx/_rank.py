@@ -3,7 +3,7 @@
 ``RankTask`` loads the serialized graph it was sent (never rebuilds it) and runs it with
 ``onnx.reference.ReferenceEvaluator``; each ``DistCollective`` node runs as the matching
 MPI collective over the communicator of its ``groups``, with TensorRT's dim-0 semantics
-(``cptune.engines._onnx_dialect``). Imported on a rank's first onnx run only.
+(``_dialect``). Imported on a rank's first onnx run only.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from onnx.reference.op_run import OpRun
 
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
-from cptune.engines._onnx_dialect import DOMAIN
-from cptune.engines._onnx_graph import ELEMENT_TYPES
+from cptune.engines.onnx._builder import ELEMENT_TYPES
+from cptune.engines.onnx._dialect import DOMAIN
 from cptune.layout import SequenceLayout
 from cptune.workload import Workload
 
@@ -109,3 +109,7 @@ class RankTask:
 
     def time(self, warmup: int, repeats: int) -> protocol.Message:
         raise RuntimeError("the onnx engine checks correctness and does not time")
+
+
+#: Calibration ops: none (the onnx engine does not time).
+OPS: dict[str, object] = {}

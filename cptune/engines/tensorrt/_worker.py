@@ -5,7 +5,7 @@ NOT YET RUN ON A GPU: nothing where cptune is developed has one. Every call belo
 as TensorRT 11, nccl4py and cuda-bindings document it; where a detail could not be
 confirmed, a comment says so.
 
-The serving loop, sockets and watchdog are the MPI worker's (``_mpi_worker.Worker``); the
+The serving loop, sockets and watchdog are the shared worker's (``cptune.engines._worker``); the
 tasks differ:
 
 - "prepare": build this rank's ONNX graph (``rank_graph``), get its engine from the disk
@@ -45,9 +45,9 @@ from mpi4py import MPI
 
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
-from cptune.engines._engine_cache import EngineCache, engine_key, graph_digest
-from cptune.engines._mpi_worker import Worker, main
-from cptune.engines._onnx_dialect import OP_TYPE
+from cptune.engines._worker import Worker, main
+from cptune.engines.onnx import OP_TYPE, case_graphs, rank_graph
+from cptune.engines.tensorrt._cache import EngineCache, engine_key, graph_digest
 from cptune.workload import Workload
 
 
@@ -379,8 +379,6 @@ class TensorRTWorker(Worker):
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
         op = header["op"]
         if op == "prepare":
-            from cptune.engines._onnx_graph import rank_graph  # the graph layer (onnx, no GPU)
-
             self._drop()
             workload, config = Workload(**header["workload"]), CPConfig(**header["config"])
             self.barrier = self.prefix[config.ranks - 1]
@@ -399,11 +397,9 @@ class TensorRTWorker(Worker):
             split = graph.profile(self.barrier, header["repeats"])
             return {}, [np.column_stack([wall, split])]
         if op == "prepare_cases":
-            from cptune.engines import _calibration_graphs as graphs
-
             self._drop()
             self.barrier = self.prefix[header["ranks"] - 1]
-            models = graphs.case_graphs(header["case"], header["ranks"], self.rank)
+            models = case_graphs(header["case"], header["ranks"], self.rank)
             loaded = [self._load(model, self.barrier) for model in models]
             self.cases = [graph for graph, _ in loaded]
             for graph in self.cases:

@@ -1,0 +1,278 @@
+"""The mpi engine on one rank: ``Primitives`` on MPI communicators with numpy math, and the
+calibration ops that time its collectives, its kernel and the kernel's memory-bound steps.
+
+Imported by a rank (``cptune.engines._worker``) on its first request for the mpi engine.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from cptune.config import CPConfig
+from cptune.engines import _protocol as protocol
+from cptune.engines._worker import time_each
+from cptune.engines.mpi import _kernels as kernels
+from cptune.layout import SequenceLayout
+from cptune.strategies import run_strategy
+from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
+from cptune.workload import Workload
+
+if TYPE_CHECKING:
+    from cptune.engines._worker import Worker
+
+def in_send_order(x: np.ndarray, split_axis: int, members: int, wire: np.dtype) -> np.ndarray:
+    """``x`` cut into ``members`` chunks along ``split_axis``, chunk j first: the contiguous
+    [members, ...] buffer an all-to-all sends, in ``wire`` dtype (one copy, cast included)."""
+    split = split_axis % x.ndim
+    chunked = x.reshape(x.shape[:split] + (members, x.shape[split] // members) + x.shape[split + 1 :])
+    return np.ascontiguousarray(np.moveaxis(chunked, split, 0), dtype=wire)
+
+
+def out_of_receive_order(received: np.ndarray, axis: int) -> np.ndarray:
+    """The members' arrivals (``received[j]`` from member j) joined along ``axis`` of one
+    arrival: a copy, unless every dim before ``axis`` is 1 (then a view)."""
+    axis %= received.ndim - 1
+    shape = list(received.shape[1:])
+    shape[axis] *= received.shape[0]
+    return np.moveaxis(received, 0, axis).reshape(shape)
+
+
+def exchange_all_to_all(comm: MPI.Comm, x: np.ndarray, split_axis: int, concat_axis: int,
+                        wire: np.dtype) -> np.ndarray:
+    """Member j gets chunk j of ``x`` along ``split_axis``; the arrivals are joined along
+    ``concat_axis``. With the copies into send order and out of receive order: the
+    exchange as a strategy pays for it, which calibration times too."""
+    send = in_send_order(x, split_axis, comm.Get_size(), wire)
+    received = np.empty_like(send)
+    comm.Alltoall([send, MPI.BYTE], [received, MPI.BYTE])
+    return out_of_receive_order(received, concat_axis)
+
+
+def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype) -> np.ndarray:
+    """Every member's ``x`` joined along ``axis`` in member order, the copy out of receive
+    order included (see ``exchange_all_to_all``)."""
+    send = np.ascontiguousarray(x, dtype=wire)
+    received = np.empty((comm.Get_size(), *send.shape), dtype=wire)
+    comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
+    return out_of_receive_order(received, axis)
+
+
+class MpiOps:
+    """``Primitives`` on MPI communicators with numpy math; times compute and communication
+    separately (``compute_s``, ``comm_s``: seconds this rank spent in each, communication
+    counting only the time it waited, not transfers hidden behind compute)."""
+
+    def __init__(self, workload: Workload, comms: dict[str, MPI.Comm], threads: int) -> None:
+        self.workload = workload
+        self.threads = threads
+        self.wire = workload.wire_dtype
+        self.comms = comms
+        self.compute_s = 0.0
+        self.comm_s = 0.0
+        self._in_flight: list[MPI.Request] = []
+
+    def _poll(self) -> None:
+        MPI.Request.Testall(self._in_flight)
+
+    def attention(self, q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+        start = time.perf_counter()
+        out, lse = kernels.attention(
+            q, kv, q_pos, k_pos,
+            causal=self.workload.causal,
+            seq_len=self.workload.seq_len,
+            threads=self.threads,
+            poll=self._poll if self._in_flight else None,
+        )
+        self.compute_s += time.perf_counter() - start
+        return Partial(out, lse)
+
+    def merge(self, acc: Partial | None, part: Partial) -> Partial:
+        start = time.perf_counter()
+        merged = Partial(*kernels.merge(acc, part, self.threads))
+        self.compute_s += time.perf_counter() - start
+        return merged
+
+    def repeat_heads(self, kv: np.ndarray, times: int) -> np.ndarray:
+        start = time.perf_counter()
+        repeated = np.repeat(kv, times, axis=HEADS)
+        self.compute_s += time.perf_counter() - start
+        return repeated
+
+    def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int) -> np.ndarray:
+        comm = self.comms[group]
+        if comm.Get_size() == 1:
+            return x
+        start = time.perf_counter()
+        out = exchange_all_to_all(comm, x, split_axis, concat_axis, self.wire)
+        self.comm_s += time.perf_counter() - start
+        return out
+
+    def all_gather(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
+        comm = self.comms[group]
+        if comm.Get_size() == 1:
+            return x
+        start = time.perf_counter()
+        out = exchange_all_gather(comm, x, axis, self.wire)
+        self.comm_s += time.perf_counter() - start
+        return out
+
+    def kv_stream(self, kv: np.ndarray, group: Group) -> Iterator[tuple[int, np.ndarray]]:
+        """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take
+        the next from me - 1 while the caller attends to it (progressed by ``_poll``)."""
+        comm = self.comms[group]
+        n, me = comm.Get_size(), comm.Get_rank()
+        current = np.ascontiguousarray(kv, dtype=self.wire)
+        incoming = np.empty_like(current) if n > 1 else current
+        for step in range(n):
+            if step < n - 1:
+                self._in_flight = [
+                    comm.Irecv([incoming, MPI.BYTE], source=(me - 1) % n),
+                    comm.Isend([current, MPI.BYTE], dest=(me + 1) % n),
+                ]
+            yield (me - step) % n, current
+            if self._in_flight:
+                start = time.perf_counter()
+                MPI.Request.Waitall(self._in_flight)
+                self._in_flight = []
+                self.comm_s += time.perf_counter() - start
+                current, incoming = incoming, current
+
+
+class RankTask:
+    """One configuration on this rank: its inputs, communicators and how to run it."""
+
+    def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, MPI.Comm], rank: int) -> None:
+        self.threads = int(header["threads"])
+        self.workload = Workload(**header["workload"])
+        self.config = CPConfig(**header["config"])
+        self.layout = SequenceLayout(self.workload, self.config)
+        self.comms = comms
+        self.rank = rank
+        q, k, v = arrays  # [batch, seq, heads, head_dim] in the wire dtype
+        self.q = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+        self.kv = np.ascontiguousarray(np.stack([k, v]).transpose(0, 1, 3, 2, 4))
+        self.input_bytes = self.q.nbytes + self.kv.nbytes
+
+    def iteration(self) -> tuple[np.ndarray, MpiOps]:
+        ops = MpiOps(self.workload, self.comms, self.threads)
+        out = run_strategy(ops, self.layout, self.rank, self.q, self.kv)
+        return kernels.cast(out, self.workload.wire_dtype, self.threads), ops
+
+    def run_once(self) -> protocol.Message:
+        """Run once, tracing allocations: the output shard and the peak bytes held."""
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        try:
+            out, _ = self.iteration()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return {"peak_bytes": self.input_bytes + peak}, [out.transpose(0, 2, 1, 3)]
+
+    def time(self, warmup: int, repeats: int) -> protocol.Message:
+        """Per timed iteration: wall, compute and communication seconds on this rank. All
+        ranks start each iteration together (barrier) so the slowest rank's wall time is the
+        iteration's latency."""
+        comm = self.comms["all"]
+        timings = np.zeros((repeats, 3), dtype=np.float64)
+        for i in range(warmup + repeats):
+            comm.Barrier()
+            start = time.perf_counter()
+            _, ops = self.iteration()
+            wall = time.perf_counter() - start
+            if i >= warmup:
+                timings[i - warmup] = (wall, ops.compute_s, ops.comm_s)
+        return {}, [timings]
+
+
+#: Heads of the K/V tensor calibration exchanges: a chunk is K and V of this many heads,
+#: each a run of sequence rows of one byte.
+_CHUNK_HEADS = 4
+
+
+def _collective(kind: str, comm: MPI.Comm, chunk: int) -> Callable[[], object]:
+    """One ``kind`` collective over ``comm`` as the strategies use it, ``chunk`` bytes per
+    peer (rounded down to whole rows of its ``2 * _CHUNK_HEADS`` runs): all-to-all and
+    all-gather send a chunk to each of the n - 1 others through the engine's own exchange,
+    its copies into send order and out of receive order included; the Ring's stream step
+    ("p2p") passes one chunk to the next rank while taking one from the previous, and copies
+    nothing."""
+    n, me = comm.Get_size(), comm.Get_rank()
+    # shaped as a strategy's K/V block [K and V, heads, seq, 1 byte], so both copies move runs
+    # of one sequence block (with leading dims of 1 they would be views)
+    rows = max(1, chunk // (2 * _CHUNK_HEADS))
+    if kind == "all_to_all":
+        tensor = np.ones((2, _CHUNK_HEADS * n, rows, 1), np.uint8)
+        return lambda: exchange_all_to_all(comm, tensor, HEADS, SEQ, tensor.dtype)
+    if kind == "all_gather":
+        block = np.ones((2, _CHUNK_HEADS, rows, 1), np.uint8)
+        return lambda: exchange_all_gather(comm, block, SEQ, block.dtype)
+    if kind == "p2p":
+        send, received = np.ones(chunk, np.uint8), np.empty(chunk, np.uint8)
+        return lambda: MPI.Request.Waitall([
+            comm.Irecv([received, MPI.BYTE], source=(me - 1) % n),
+            comm.Isend([send, MPI.BYTE], dest=(me + 1) % n),
+        ])
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]:
+    """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal); causal
+    queries sit at the last seq_q key positions, a diagonal block."""
+    rng = np.random.default_rng(0)
+    h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
+    causal = bool(shape.get("causal", False))
+    q = rng.standard_normal((1, h, sq, d), dtype=np.float32)
+    kv = rng.standard_normal((2, 1, h, sk, d), dtype=np.float32)
+    q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
+    return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
+
+
+def _step_case(step: dict[str, object], threads: int) -> Callable[[], object]:
+    """One memory-bound step of the kernel on a random block of ``step``'s heads, rows and
+    head_dim: "query" prepares a query block in wire dtype ``step["wire"]``
+    (``kernels.prepare_query``), "merge" merges a float32 block's output into a running one
+    (``kernels.merge``)."""
+    rng = np.random.default_rng(0)
+    heads, rows = int(step["heads"]), int(step["rows"])
+    block = rng.standard_normal((1, heads, rows, int(step["head_dim"])), dtype=np.float32)
+    if step["kind"] == "query":
+        q = block.astype(np.dtype(str(step["wire"])))
+        return lambda: kernels.prepare_query(q, threads)
+    if step["kind"] == "merge":
+        lse = rng.standard_normal((1, heads, rows), dtype=np.float32)
+        running = (block.copy(), lse.copy())
+        return lambda: kernels.merge(running, (block, lse), threads)
+    raise ValueError(f"unknown step {step['kind']!r}")
+
+
+def _time_collective(worker: Worker, header: dict) -> protocol.Message:
+    comms = worker.comms_for(header["ranks"], header["group"])
+    cases = [_collective(header["kind"], comms["heads"], chunk) for chunk in header["chunks"]]
+    return {}, [time_each(cases, comms["all"], header["warmup"], header["repeats"])]
+
+
+def _time_attention(worker: Worker, header: dict) -> protocol.Message:
+    threadpool_limits(limits=1, user_api="blas")
+    cases = [_attention_case(shape, header["threads"]) for shape in header["shapes"]]
+    barrier = worker.prefix[header["ranks"] - 1]
+    return {}, [time_each(cases, barrier, header["warmup"], header["repeats"])]
+
+
+def _time_steps(worker: Worker, header: dict) -> protocol.Message:
+    cases = [_step_case(step, header["threads"]) for step in header["steps"]]
+    barrier = worker.prefix[header["ranks"] - 1]
+    return {}, [time_each(cases, barrier, header["warmup"], header["repeats"])]
+
+
+#: The mpi engine's calibration ops, by request name.
+OPS: dict[str, Callable[[Worker, dict], protocol.Message]] = {
+    "time_collective": _time_collective, "time_attention": _time_attention, "time_steps": _time_steps,
+}

@@ -1,0 +1,172 @@
+"""The graph under construction: its tensors, nodes and constants, with attention requests
+kept as placeholders until the graph is finished (``cptune.engines.onnx._graph``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import NodeProto, TensorProto, helper, numpy_helper
+
+from cptune.engines.onnx import _dialect as dialect
+
+#: The default-domain opset: the first with the fused ``Attention`` op.
+OPSET = 23
+#: ONNX element type of each workload dtype.
+ELEMENT_TYPES: dict[str, int] = {
+    "fp32": TensorProto.FLOAT,
+    "fp16": TensorProto.FLOAT16,
+    "bf16": TensorProto.BFLOAT16,
+}
+FLOAT = TensorProto.FLOAT
+#: Additive score bias of a masked (query, key) pair in the spelled-out blocks: finite, so a
+#: row that sees nothing in one block gets a log-sum-exp near -1e30 (weight 0 in the merge)
+#: instead of NaN; float32 holds it, and exp(-1e30 - max) is exactly 0.
+MASKED = -1e30
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A tensor of the graph under construction."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: int
+
+
+@dataclass
+class AttentionCall:
+    """One ``attention`` request, expanded when the graph is finished: which tensors it
+    reads, its static mask, and which of its results (in which dtype) were read."""
+
+    q: Sym
+    kv: Sym
+    q_pos: np.ndarray  # token position of each query row
+    k_pos: np.ndarray  # ... and of each key
+    out_names: dict[int, str] = field(default_factory=dict)  # dtype -> name requested
+    lse_name: str | None = None  # requested: the block must be spelled out
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return (*self.q.shape[:-1], 1)
+
+
+@dataclass(frozen=True)
+class OutOf:
+    call: AttentionCall
+
+
+@dataclass(frozen=True)
+class LseOf:
+    call: AttentionCall
+
+
+Tensor = Sym | OutOf | LseOf
+
+
+class GraphBuilder:
+    """Nodes, constants and value infos of one graph; attention requests stay placeholders
+    until ``finish``."""
+
+    def __init__(self) -> None:
+        self._items: list[NodeProto | AttentionCall] = []
+        self._sink: list[NodeProto | AttentionCall] = self._items
+        self.initializers: list[TensorProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self._ids = itertools.count()
+        self._constants: dict[tuple[object, ...], str] = {}
+        self._memo: dict[tuple[object, ...], Sym] = {}
+
+    def fresh(self, stem: str) -> str:
+        return f"{stem}_{next(self._ids)}"
+
+    def node(
+        self,
+        op: str,
+        inputs: Sequence[str],
+        stem: str,
+        shape: tuple[int, ...],
+        dtype: int,
+        output: str | None = None,
+        **attributes: object,
+    ) -> Sym:
+        """Append one single-output node (its output named ``output`` if given, else after
+        ``stem``); returns its output."""
+        out = Sym(output or self.fresh(stem), tuple(shape), dtype)
+        self._sink.append(helper.make_node(op, list(inputs), [out.name], name=self.fresh(op), **attributes))
+        return out
+
+    def memo(self, key: tuple[object, ...], make: Callable[[], Sym]) -> Sym:
+        """The value ``make()`` built once per ``key`` (a cast, a scaled Q, a K/V split)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def constant(self, array: np.ndarray, stem: str, dtype: int | None = None) -> str:
+        """An initializer holding ``array`` (in ``dtype`` if given), shared between uses."""
+        key = (array.dtype.str, array.shape, array.tobytes(), dtype)
+        if key not in self._constants:
+            name = self.fresh(stem)
+            if dtype is None:
+                tensor = numpy_helper.from_array(array, name)
+            else:
+                tensor = helper.make_tensor(
+                    name, dtype, array.shape, array.astype(np.float32).ravel().tolist()
+                )
+            self.initializers.append(tensor)
+            self._constants[key] = name
+        return self._constants[key]
+
+    def ints(self, values: Sequence[int], stem: str = "shape") -> str:
+        return self.constant(np.asarray(values, dtype=np.int64), stem)
+
+    def collective(
+        self, x: Sym, operation: str, groups: list[int], shape: tuple[int, ...], root: int = -1
+    ) -> Sym:
+        """A ``DistCollective`` over ``groups`` (global ranks, in member order); its output's
+        shape is recorded so shape inference sees through the custom op."""
+        out = Sym(self.fresh(operation), tuple(shape), x.dtype)
+        self._sink.append(
+            dialect.dist_collective(
+                x.name,
+                out.name,
+                operation,
+                groups=groups,
+                nb_rank=len(groups),
+                root=root,
+                name=self.fresh(f"DistCollective_{operation}"),
+            )
+        )
+        self.value_info.append(helper.make_tensor_value_info(out.name, out.dtype, out.shape))
+        return out
+
+    def request(self, call: AttentionCall) -> None:
+        self._sink.append(call)
+
+    def finish(self, expand: Callable[[AttentionCall], None]) -> list[NodeProto]:
+        """The final node list: each attention placeholder replaced, in place, by the nodes
+        ``expand(call)`` appends."""
+        nodes: list[NodeProto | AttentionCall] = []
+        self._sink = nodes
+        for item in self._items:
+            if isinstance(item, AttentionCall):
+                expand(item)
+            else:
+                nodes.append(item)
+        self._sink = self._items
+        return [node for node in nodes if isinstance(node, NodeProto)]
+
+
+def transpose_perm(ndim: int, a: int, b: int) -> list[int]:
+    perm = list(range(ndim))
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
