@@ -12,7 +12,11 @@ from typing import TypedDict
 import numpy as np
 
 from cptune.config import CPConfig
+from cptune.errors import EngineError
 from cptune.workload import Workload
+
+#: How a run of a configuration ends: "ok", or the kind of the ``EngineError`` that ended it.
+STATUSES: tuple[str, ...] = ("ok", *EngineError.KINDS)
 
 
 @dataclass(frozen=True)

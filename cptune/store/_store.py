@@ -13,56 +13,41 @@ at most the one in flight. A URL is shown only with its password hidden (``displ
 
 from __future__ import annotations
 
-import os
-import re
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
-from urllib.parse import unquote
 
-from sqlalchemy import (
-    JSON,
-    BigInteger,
-    Boolean,
-    DateTime,
-    Engine,
-    Float,
-    ForeignKey,
-    Index,
-    Integer,
-    String,
-    Text,
-    UniqueConstraint,
-    create_engine,
-    event,
-    func,
-    select,
-)
+from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+from sqlalchemy.orm import Session
 
-from cptune import __version__
 from cptune._shipped import shipped
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
+from cptune.store._result import STATUSES, Result
+from cptune.store._schema import VERSION_TABLE, CalibrationRow, HardwareRow, MeasurementRow, WorkloadRow
+from cptune.store._urls import (
+    database_url,
+    display_url,
+    missing_database,
+    missing_driver_hint,
+    passwords_in,
+    redact,
+)
+from cptune.version import __version__
 from cptune.workload import Workload
 
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
 
-DEFAULT_DB = "cptune.db"
-VERSION_TABLE = "cptune_alembic_version"
-#: Measurement statuses: "ok", or the kind of the EngineError that ended the run.
-STATUSES = ("ok", "crash", "timeout", "error", "out_of_memory", "wrong_output")
 _BUSY_TIMEOUT_MS = 60_000
 #: Tries at opening Optuna's storage (a first open creates its tables).
 _OPTUNA_ATTEMPTS = 3
@@ -74,220 +59,9 @@ class StoreError(CPTuneError):
     """The database cannot be opened or used; the message says which and what to do."""
 
 
-class Base(DeclarativeBase):
-    pass
-
-
-class HardwareRow(Base):
-    __tablename__ = "hardware"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    fingerprint: Mapped[str] = mapped_column(String(32), unique=True)
-    host: Mapped[str] = mapped_column(String(255))
-    cpu_model: Mapped[str] = mapped_column(String(255))
-    cpu_count: Mapped[int] = mapped_column(Integer)
-    gpu_model: Mapped[str | None] = mapped_column(String(255))
-    gpu_count: Mapped[int] = mapped_column(Integer)
-    interconnect: Mapped[str] = mapped_column(String(255))
-    mpi_library: Mapped[str | None] = mapped_column(String(255))
-    nccl_version: Mapped[str | None] = mapped_column(String(64))
-    tensorrt_version: Mapped[str | None] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-    def to_hardware(self) -> Hardware:
-        return Hardware(
-            host=self.host, cpu_model=self.cpu_model, cpu_count=self.cpu_count, gpu_model=self.gpu_model,
-            gpu_count=self.gpu_count, interconnect=self.interconnect, mpi_library=self.mpi_library,
-            nccl_version=self.nccl_version, tensorrt_version=self.tensorrt_version,
-        )
-
-
-class WorkloadRow(Base):
-    __tablename__ = "workloads"
-    __table_args__ = (
-        UniqueConstraint("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal",
-                         name="uq_workload_shape"),
-    )
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    seq_len: Mapped[int] = mapped_column(Integer)
-    heads: Mapped[int] = mapped_column(Integer)
-    kv_heads: Mapped[int] = mapped_column(Integer)
-    head_dim: Mapped[int] = mapped_column(Integer)
-    batch: Mapped[int] = mapped_column(Integer)
-    dtype: Mapped[str] = mapped_column(String(8))
-    causal: Mapped[bool] = mapped_column(Boolean)
-
-    def to_workload(self) -> Workload:
-        return Workload(
-            seq_len=self.seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-            batch=self.batch, dtype=self.dtype, causal=self.causal,
-        )
-
-
-class MeasurementRow(Base):
-    __tablename__ = "measurements"
-    __table_args__ = (
-        # "what has this hardware measured for this workload" (resume, cost-model training)
-        Index("ix_measurements_hardware_workload", "hardware_id", "workload_id", "status"),
-        # "how does this configuration do across workloads" (the model's features)
-        Index("ix_measurements_config", "strategy", "ranks", "head_group"),
-    )
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
-    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"))
-    strategy: Mapped[str] = mapped_column(String(32))
-    ranks: Mapped[int] = mapped_column(Integer)
-    head_group: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))
-    error: Mapped[str | None] = mapped_column(Text)
-    median_ms: Mapped[float | None] = mapped_column(Float)
-    p10_ms: Mapped[float | None] = mapped_column(Float)
-    p90_ms: Mapped[float | None] = mapped_column(Float)
-    compute_ms: Mapped[float | None] = mapped_column(Float)
-    comm_ms: Mapped[float | None] = mapped_column(Float)
-    peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    max_error: Mapped[float | None] = mapped_column(Float)
-    samples_ms: Mapped[list[float] | None] = mapped_column(JSON)
-    warmup: Mapped[int | None] = mapped_column(Integer)
-    repeats: Mapped[int | None] = mapped_column(Integer)
-    engine: Mapped[str] = mapped_column(String(32))
-    cptune_version: Mapped[str] = mapped_column(String(32))
-    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    #: Ran more ranks than the host has cores (``--oversubscribe``): its timings measure
-    #: the sharing, so the model and the picks leave it out unless asked.
-    oversubscribed: Mapped[bool] = mapped_column(Boolean, default=False)
-    #: Set aside by the user (``cptune results --exclude``): kept, but used for nothing.
-    excluded: Mapped[bool] = mapped_column(Boolean, default=False)
-    #: The interleaved round this run belongs to (``cptune.estimate``); None: a round of its own.
-    round_id: Mapped[str | None] = mapped_column(String(64))
-    #: Why the contention guard judged this run disturbed by other load; None: it ran clean.
-    disturbed: Mapped[str | None] = mapped_column(Text)
-
-    hardware: Mapped[HardwareRow] = relationship()
-    workload: Mapped[WorkloadRow] = relationship()
-
-    @property
-    def config(self) -> CPConfig:
-        return CPConfig(self.strategy, self.ranks, self.head_group)
-
-
-class CalibrationRow(Base):
-    __tablename__ = "calibrations"
-    __table_args__ = (Index("ix_calibrations_hardware", "hardware_id"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
-    engine: Mapped[str] = mapped_column(String(32))
-    #: ``Calibration.to_dict()``: plain JSON, read back with ``Calibration.from_dict``.
-    data: Mapped[dict] = mapped_column(JSON)
-    cptune_version: Mapped[str] = mapped_column(String(32))
-    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-#: The keys of ``Result.to_dict``, in order: known without a row (a CSV header).
-RESULT_COLUMNS = (
-    "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy",
-    "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms", "peak_bytes",
-    "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
-)
-
-
-@dataclass(frozen=True)
-class Result:
-    """One stored measurement or failure, flattened for listing and export."""
-
-    id: int
-    hardware: str
-    workload: Workload
-    config: CPConfig
-    status: str
-    median_ms: float | None
-    p10_ms: float | None
-    p90_ms: float | None
-    compute_ms: float | None
-    comm_ms: float | None
-    peak_bytes: int | None
-    max_error: float | None
-    error: str | None
-    engine: str
-    #: ISO 8601 in UTC, with its offset, whatever the database keeps.
-    measured_at: str
-    oversubscribed: bool = False
-    excluded: bool = False
-    round_id: str | None = None
-    #: Why the contention guard judged the run disturbed; None when it ran clean.
-    disturbed: str | None = None
-
-    @property
-    def clean(self) -> bool:
-        """A successful run that counts: not disturbed, not set aside by the user."""
-        return self.status == "ok" and self.median_ms is not None and not self.disturbed and not self.excluded
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "id": self.id, "hardware": self.hardware, **self.workload.to_dict(), **self.config.to_dict(),
-            "status": self.status, "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
-            "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
-            "max_error": self.max_error, "error": self.error, "engine": self.engine,
-            "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
-            "round_id": self.round_id, "disturbed": self.disturbed,
-        }
-
-
-#: ``user:password@`` in a URL, up to the last ``@``: a password may hold an unencoded ``@``.
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)(.*)@")
-#: ``password=...`` in a URL's query or a libpq DSN.
-_KEY_PASSWORD = re.compile(r"(?i)(\bpassword\s*=\s*)([^&\s]*)")
-#: The driver cptune installs for PostgreSQL (the ``postgres`` extra) and the URL form it takes.
-POSTGRES_DRIVER = "postgresql+psycopg"
-
-
-def display_url(url: str) -> str:
-    """``url`` as it may be shown or written anywhere (messages, reports): any password
-    replaced by ``***``, whether SQLAlchemy can parse the URL or not."""
-    return _KEY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
-
-
-def _passwords(url: str) -> list[str]:
-    """Every form of ``url``'s password that an error message might echo, longest first."""
-    found = {m[2] for m in _URL_PASSWORD.finditer(url)} | {m[2] for m in _KEY_PASSWORD.finditer(url)}
-    with suppress(ArgumentError, ValueError):
-        found.add(make_url(url).password or "")
-    found |= {unquote(p) for p in found}
-    return sorted((p for p in found if p), key=len, reverse=True)
-
-
-def _redact(text: str, passwords: list[str]) -> str:
-    """``text`` (an error from SQLAlchemy or a driver, which may echo the URL or a DSN) on one
-    line, with each of ``passwords`` and any password in a URL or DSN replaced by ``***``."""
-    for password in passwords:
-        text = text.replace(password, "***")
-    return display_url(" ".join(text.split()))
-
-
-def _missing_driver_hint(backend: str) -> str:
-    if backend == "postgresql":
-        return ("pip install 'cptune[postgres]' (psycopg 3) and write the URL as "
-                "postgresql://user:password@host/database")
-    return "install the Python package that provides it"
-
-
 def _utc(moment: datetime) -> datetime:
     """``moment`` in UTC; a naive one (SQLite keeps no offset) is UTC, as cptune writes it."""
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-
-
-def database_url(db: str | None = None) -> str:
-    """The SQLAlchemy URL for ``db``: a URL as given (a plain ``postgresql://`` one gets
-    psycopg 3, the driver of the ``postgres`` extra), a file path as SQLite, None as
-    $CPTUNE_DB or ./cptune.db."""
-    db = db or os.environ.get("CPTUNE_DB") or DEFAULT_DB
-    if "://" in db:
-        scheme, rest = db.split("://", 1)
-        return f"{POSTGRES_DRIVER}://{rest}" if scheme in ("postgresql", "postgres") else db
-    return f"sqlite:///{Path(db).expanduser().resolve()}"
 
 
 def _sqlite_setup(engine: Engine) -> None:
@@ -321,17 +95,6 @@ def _use_wal(cursor: sqlite3.Cursor) -> None:
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
-
-
-def missing_database(url: str) -> Path | None:
-    """The file of a SQLite ``url`` when it does not exist (opening it would create it)."""
-    parsed = make_url(url)
-    database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" \
-            or parsed.query.get("mode") == "memory":
-        return None
-    path = Path(database.removeprefix("file:"))
-    return None if path.exists() else path
 
 
 def _migrate(engine: Engine, url: str) -> None:
@@ -390,7 +153,7 @@ class Store:
         url = database_url(db)
         #: The URL as it may be shown or written: its password lives only inside the engine.
         self.url = display_url(url)
-        self._passwords = _passwords(url)
+        self._passwords = passwords_in(url)
         usage = "pass a file path or a SQLAlchemy URL such as postgresql://user:password@host/database"
         try:
             backend = make_url(url).get_backend_name()
@@ -398,7 +161,7 @@ class Store:
             self.engine = create_engine(url)
         except ImportError as exc:
             raise StoreError(f"cannot use database {self.url}: its driver {exc.name or exc} is not "
-                             f"installed; {_missing_driver_hint(backend)}") from None
+                             f"installed; {missing_driver_hint(backend)}") from None
         except ArgumentError as exc:
             raise StoreError(f"cannot use database {self.url}: {self._explain(exc)}; {usage}") from None
         except ValueError:  # the text may hold pieces of a password the URL split wrongly
@@ -428,7 +191,7 @@ class Store:
 
     def _explain(self, error: BaseException) -> str:
         """The text of a driver's or SQLAlchemy's ``error`` on one line, with no password."""
-        return _redact(str(error), self._passwords)
+        return redact(str(error), self._passwords)
 
     def close(self) -> None:
         self.engine.dispose()

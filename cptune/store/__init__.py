@@ -1,0 +1,25 @@
+"""Every measurement, kept: SQLAlchemy 2 over SQLite by default, any SQLAlchemy URL allowed.
+
+``Store(db)`` opens (and migrates) a database; ``Result`` is one stored row as it is handed
+out. The tables (``_schema``) are this package's own; nothing outside it reads them.
+"""
+
+from cptune.store._result import RESULT_COLUMNS, STATUSES, Result
+from cptune.store._schema import VERSION_TABLE, Base
+from cptune.store._store import Store, StoreError
+from cptune.store._urls import DEFAULT_DB, POSTGRES_DRIVER, database_url, display_url, missing_database
+
+__all__ = [
+    "DEFAULT_DB",
+    "POSTGRES_DRIVER",
+    "RESULT_COLUMNS",
+    "STATUSES",
+    "VERSION_TABLE",
+    "Base",
+    "Result",
+    "Store",
+    "StoreError",
+    "database_url",
+    "display_url",
+    "missing_database",
+]

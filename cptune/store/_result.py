@@ -1,0 +1,63 @@
+"""One stored measurement or failure as the store hands it out (its ``status``: ``STATUSES``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cptune.config import CPConfig
+from cptune.measurement import STATUSES
+from cptune.workload import Workload
+
+__all__ = ["RESULT_COLUMNS", "STATUSES", "Result"]
+
+
+#: The keys of ``Result.to_dict``, in order: known without a row (a CSV header).
+RESULT_COLUMNS = (
+    "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy",
+    "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms", "peak_bytes",
+    "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One stored measurement or failure, flattened for listing and export."""
+
+    id: int
+    hardware: str
+    workload: Workload
+    config: CPConfig
+    status: str
+    median_ms: float | None
+    p10_ms: float | None
+    p90_ms: float | None
+    compute_ms: float | None
+    comm_ms: float | None
+    peak_bytes: int | None
+    max_error: float | None
+    error: str | None
+    engine: str
+    #: ISO 8601 in UTC, with its offset, whatever the database keeps.
+    measured_at: str
+    oversubscribed: bool = False
+    excluded: bool = False
+    round_id: str | None = None
+    #: Why the contention guard judged the run disturbed; None when it ran clean.
+    disturbed: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        """A successful run that counts: not disturbed, not set aside by the user."""
+        return self.status == "ok" and self.median_ms is not None and not self.disturbed and not self.excluded
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "id": self.id, "hardware": self.hardware, **self.workload.to_dict(), **self.config.to_dict(),
+            "status": self.status, "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
+            "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
+            "max_error": self.max_error, "error": self.error, "engine": self.engine,
+            "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
+            "round_id": self.round_id, "disturbed": self.disturbed,
+        }
+
+

@@ -1,0 +1,142 @@
+"""The tables cptune keeps (SQLAlchemy ORM); Alembic's migrations in ``cptune.db`` build them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from cptune.config import CPConfig
+from cptune.hardware import Hardware
+from cptune.workload import Workload
+
+#: Alembic's version table of cptune's schema (not ``alembic_version``: Optuna's tables and
+#: a user's own Alembic may live in the same database).
+VERSION_TABLE = "cptune_alembic_version"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class HardwareRow(Base):
+    __tablename__ = "hardware"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(32), unique=True)
+    host: Mapped[str] = mapped_column(String(255))
+    cpu_model: Mapped[str] = mapped_column(String(255))
+    cpu_count: Mapped[int] = mapped_column(Integer)
+    gpu_model: Mapped[str | None] = mapped_column(String(255))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    interconnect: Mapped[str] = mapped_column(String(255))
+    mpi_library: Mapped[str | None] = mapped_column(String(255))
+    nccl_version: Mapped[str | None] = mapped_column(String(64))
+    tensorrt_version: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    def to_hardware(self) -> Hardware:
+        return Hardware(
+            host=self.host, cpu_model=self.cpu_model, cpu_count=self.cpu_count, gpu_model=self.gpu_model,
+            gpu_count=self.gpu_count, interconnect=self.interconnect, mpi_library=self.mpi_library,
+            nccl_version=self.nccl_version, tensorrt_version=self.tensorrt_version,
+        )
+
+
+class WorkloadRow(Base):
+    __tablename__ = "workloads"
+    __table_args__ = (
+        UniqueConstraint("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal",
+                         name="uq_workload_shape"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    seq_len: Mapped[int] = mapped_column(Integer)
+    heads: Mapped[int] = mapped_column(Integer)
+    kv_heads: Mapped[int] = mapped_column(Integer)
+    head_dim: Mapped[int] = mapped_column(Integer)
+    batch: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(8))
+    causal: Mapped[bool] = mapped_column(Boolean)
+
+    def to_workload(self) -> Workload:
+        return Workload(
+            seq_len=self.seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
+            batch=self.batch, dtype=self.dtype, causal=self.causal,
+        )
+
+
+class MeasurementRow(Base):
+    __tablename__ = "measurements"
+    __table_args__ = (
+        # "what has this hardware measured for this workload" (resume, cost-model training)
+        Index("ix_measurements_hardware_workload", "hardware_id", "workload_id", "status"),
+        # "how does this configuration do across workloads" (the model's features)
+        Index("ix_measurements_config", "strategy", "ranks", "head_group"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    workload_id: Mapped[int] = mapped_column(ForeignKey("workloads.id"))
+    strategy: Mapped[str] = mapped_column(String(32))
+    ranks: Mapped[int] = mapped_column(Integer)
+    head_group: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    median_ms: Mapped[float | None] = mapped_column(Float)
+    p10_ms: Mapped[float | None] = mapped_column(Float)
+    p90_ms: Mapped[float | None] = mapped_column(Float)
+    compute_ms: Mapped[float | None] = mapped_column(Float)
+    comm_ms: Mapped[float | None] = mapped_column(Float)
+    peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_error: Mapped[float | None] = mapped_column(Float)
+    samples_ms: Mapped[list[float] | None] = mapped_column(JSON)
+    warmup: Mapped[int | None] = mapped_column(Integer)
+    repeats: Mapped[int | None] = mapped_column(Integer)
+    engine: Mapped[str] = mapped_column(String(32))
+    cptune_version: Mapped[str] = mapped_column(String(32))
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    #: Ran more ranks than the host has cores (``--oversubscribe``): its timings measure
+    #: the sharing, so the model and the picks leave it out unless asked.
+    oversubscribed: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: Set aside by the user (``cptune results --exclude``): kept, but used for nothing.
+    excluded: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: The interleaved round this run belongs to (``cptune.estimate``); None: a round of its own.
+    round_id: Mapped[str | None] = mapped_column(String(64))
+    #: Why the contention guard judged this run disturbed by other load; None: it ran clean.
+    disturbed: Mapped[str | None] = mapped_column(Text)
+
+    hardware: Mapped[HardwareRow] = relationship()
+    workload: Mapped[WorkloadRow] = relationship()
+
+    @property
+    def config(self) -> CPConfig:
+        return CPConfig(self.strategy, self.ranks, self.head_group)
+
+
+class CalibrationRow(Base):
+    __tablename__ = "calibrations"
+    __table_args__ = (Index("ix_calibrations_hardware", "hardware_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    engine: Mapped[str] = mapped_column(String(32))
+    #: ``Calibration.to_dict()``: plain JSON, read back with ``Calibration.from_dict``.
+    data: Mapped[dict] = mapped_column(JSON)
+    cptune_version: Mapped[str] = mapped_column(String(32))
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+

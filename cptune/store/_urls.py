@@ -1,0 +1,76 @@
+"""Where a store lives: database URLs from what users type, and URLs fit to show (no password)."""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import suppress
+from pathlib import Path
+from urllib.parse import unquote
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+DEFAULT_DB = "cptune.db"
+
+
+#: ``user:password@`` in a URL, up to the last ``@``: a password may hold an unencoded ``@``.
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)(.*)@")
+#: ``password=...`` in a URL's query or a libpq DSN.
+_KEY_PASSWORD = re.compile(r"(?i)(\bpassword\s*=\s*)([^&\s]*)")
+#: The driver cptune installs for PostgreSQL (the ``postgres`` extra) and the URL form it takes.
+POSTGRES_DRIVER = "postgresql+psycopg"
+
+
+def display_url(url: str) -> str:
+    """``url`` as it may be shown or written anywhere (messages, reports): any password
+    replaced by ``***``, whether SQLAlchemy can parse the URL or not."""
+    return _KEY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
+
+
+def passwords_in(url: str) -> list[str]:
+    """Every form of ``url``'s password that an error message might echo, longest first."""
+    found = {m[2] for m in _URL_PASSWORD.finditer(url)} | {m[2] for m in _KEY_PASSWORD.finditer(url)}
+    with suppress(ArgumentError, ValueError):
+        found.add(make_url(url).password or "")
+    found |= {unquote(p) for p in found}
+    return sorted((p for p in found if p), key=len, reverse=True)
+
+
+def redact(text: str, passwords: list[str]) -> str:
+    """``text`` (an error from SQLAlchemy or a driver, which may echo the URL or a DSN) on one
+    line, with each of ``passwords`` and any password in a URL or DSN replaced by ``***``."""
+    for password in passwords:
+        text = text.replace(password, "***")
+    return display_url(" ".join(text.split()))
+
+
+def missing_driver_hint(backend: str) -> str:
+    if backend == "postgresql":
+        return ("pip install 'cptune[postgres]' (psycopg 3) and write the URL as "
+                "postgresql://user:password@host/database")
+    return "install the Python package that provides it"
+
+
+def database_url(db: str | None = None) -> str:
+    """The SQLAlchemy URL for ``db``: a URL as given (a plain ``postgresql://`` one gets
+    psycopg 3, the driver of the ``postgres`` extra), a file path as SQLite, None as
+    $CPTUNE_DB or ./cptune.db."""
+    db = db or os.environ.get("CPTUNE_DB") or DEFAULT_DB
+    if "://" in db:
+        scheme, rest = db.split("://", 1)
+        return f"{POSTGRES_DRIVER}://{rest}" if scheme in ("postgresql", "postgres") else db
+    return f"sqlite:///{Path(db).expanduser().resolve()}"
+
+
+def missing_database(url: str) -> Path | None:
+    """The file of a SQLite ``url`` when it does not exist (opening it would create it)."""
+    parsed = make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" \
+            or parsed.query.get("mode") == "memory":
+        return None
+    path = Path(database.removeprefix("file:"))
+    return None if path.exists() else path
+
+
