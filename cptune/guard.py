@@ -1,7 +1,8 @@
 """The contention guard: was a measurement disturbed by other load on this host?
 
-``measure`` opens a ``Watch`` just before it times a configuration and asks it for a
-verdict just after. Three kinds of evidence, each judged on its own (any one suffices):
+``measure`` opens a ``Watch`` just before it times a configuration and asks it just after
+whether other load disturbed the run (``Watch.disturbance``). Three kinds of evidence, each
+judged on its own (any one suffices):
 
 - Foreign CPU load: the busy time of this process's CPUs (their wall time less their idle
   time in ``/proc/stat``, which a tickless kernel keeps to the microsecond, where its busy
@@ -214,7 +215,7 @@ _REFERENCE = ReferenceKernel()
 
 
 class Watch:
-    """The evidence around one timed run: create it just before the run, ask ``verdict``
+    """The evidence around one timed run: create it just before the run, ask ``disturbance``
     just after."""
 
     def __init__(self, process_ids: Callable[[], Sequence[int]]) -> None:
@@ -223,12 +224,12 @@ class Watch:
         self._reference_before = _REFERENCE.time()
         self._before = read_cpu(process_ids())
 
-    def verdict(self, ranks: int, samples_ms: Sequence[float]) -> str | None:
+    def disturbance(self, ranks: int, samples_ms: Sequence[float]) -> str | None:
         """Why the run of ``ranks`` ranks was disturbed ("; "-joined reasons), or None when it
         ran clean: the host's evidence and the iterations' own spread (``own_spread``)."""
-        return join_reasons(self.host_verdict(ranks), own_spread(ranks, samples_ms))
+        return join_reasons(self.host_disturbance(ranks), own_spread(ranks, samples_ms))
 
-    def host_verdict(self, ranks: int) -> str | None:
+    def host_disturbance(self, ranks: int) -> str | None:
         """The host's evidence alone (foreign load, the reference kernel) over the window,
         judged for runs of up to ``ranks`` ranks: what a round's interleaved runs share."""
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle

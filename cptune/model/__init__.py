@@ -5,88 +5,50 @@ prior (``_prior``: analytic terms x a hardware profile's rates), the cost model 
 where measurements exist (``_cost_model``), cross-validation scores both and decides whether
 the correction is trusted (``_evaluation``), and ``recommend`` ranks every feasible
 configuration from the best evidence (``_recommend``). Imported on first use by ``cptune``:
-it brings scikit-learn and SQLAlchemy, which the MPI ranks never need.
+it brings scikit-learn and SQLAlchemy, which the ranks never need.
 """
 
-from cptune.model._cost_model import MIN_SAMPLES, Case, CostModel, TrainingSet, features, training_set
+from cptune.model._cost_model import Case, CostModel, TrainingSet, training_set
 from cptune.model._evaluation import (
-    GROUPINGS,
-    CorrectionVerdict,
-    Evaluation,
+    CorrectionDecision,
     GroupScore,
     compare,
-    correction_verdict,
-    cross_validate_groups,
     evaluate,
     fit_advised,
-    fixed_rule,
     held_out_predictions,
     load_training,
-    score_group,
 )
-from cptune.model._prior import (
-    CalibratedProfile,
-    DescribedProfile,
-    FigureSwing,
-    PriorTime,
-    Profile,
-    Tie,
-    computed_flops,
-    decide,
-    figure_swings,
-    groups_of,
-    prior_range,
-    prior_time,
-)
+from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, computed_flops, prior_time
 from cptune.model._recommend import (
-    SOURCES,
     Candidate,
     Recommendation,
-    correction_verdict_of,
+    correction_decision_of,
     hardware_profile,
     predict_for,
-    predicted,
     recommend,
 )
 
 __all__ = [
-    "GROUPINGS",
-    "MIN_SAMPLES",
-    "SOURCES",
     "CalibratedProfile",
     "Candidate",
     "Case",
-    "CorrectionVerdict",
+    "CorrectionDecision",
     "CostModel",
     "DescribedProfile",
-    "Evaluation",
-    "FigureSwing",
     "GroupScore",
-    "PriorTime",
     "Profile",
     "Recommendation",
-    "Tie",
     "TrainingSet",
     "compare",
     "computed_flops",
-    "correction_verdict",
-    "correction_verdict_of",
-    "cross_validate_groups",
-    "decide",
+    "correction_decision_of",
     "evaluate",
-    "features",
-    "fixed_rule",
-    "figure_swings",
     "fit_advised",
-    "groups_of",
     "hardware_profile",
     "held_out_predictions",
     "load_training",
     "predict_for",
-    "predicted",
-    "prior_range",
     "prior_time",
     "recommend",
-    "score_group",
     "training_set",
 ]

@@ -36,7 +36,7 @@ cross (one error distribution, two quantiles), and it is widened to contain the 
 (low <= estimate <= high, always). Its coverage on held-out measurements is what ``cptune
 fit`` reports. The same out-of-fold predictions (``out_of_fold_``) are what ``recommend``
 judges the correction by against the prior alone
-(``cptune.model._evaluation.correction_verdict``).
+(``cptune.model._evaluation.correction_decision``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ worse than the prior alone), beside two baselines a user would otherwise rely on
 the physical prior alone (no learned correction), and a fixed rule - always the
 configuration that was fastest in the most decisions of the training folds (among those
 measured for the decision; a rule picks, it predicts no latency, so it has no MAPE or
-coverage). ``correction_verdict`` decides whether ``recommend`` applies the learned
+coverage). ``correction_decision`` decides whether ``recommend`` applies the learned
 correction: unless, out of fold, it is worse than the prior alone beyond the noise, on how
 its numbers order the configurations of each workload (their log error with the
 decision's shared part taken out: a level every configuration shares misleads no pick, so
@@ -116,7 +116,7 @@ class Evaluation:
 
 
 @dataclass(frozen=True)
-class CorrectionVerdict:
+class CorrectionDecision:
     """Whether ``recommend`` applies the learned correction, and the out-of-fold scores of
     the correction and of the prior alone it was decided on (None when nothing was fitted)."""
 
@@ -332,9 +332,9 @@ def _workload_error(cases: Sequence[Case], measured: np.ndarray, predicted: np.n
     return float(np.mean(_within_errors(cases, measured, predicted)))
 
 
-def correction_verdict(
+def correction_decision(
     model: CostModel, cases: Sequence[Case], latencies: np.ndarray, tied: np.ndarray | None = None
-) -> CorrectionVerdict:
+) -> CorrectionDecision:
     """Whether the learned correction of ``model`` (fitted on ``cases``) should be applied:
     its out-of-fold predictions against the prior alone on the same cases, by their error
     within each decision and by regret with ties as ties (``tied`` as for ``score_group``);
@@ -342,7 +342,7 @@ def correction_verdict(
     if model.out_of_fold_ is None:
         reason = (f"fewer than {MIN_SAMPLES} measurements" if model.learn_correction and
                   model.n_samples_ < MIN_SAMPLES else "no correction fitted")
-        return CorrectionVerdict(False, reason, None, None)
+        return CorrectionDecision(False, reason, None, None)
     cases = list(cases)
     prior = np.array([case.prior().total_s for case in cases])
     learned = score_group("correction", cases, latencies, model.out_of_fold_, tied=tied)
@@ -352,27 +352,27 @@ def correction_verdict(
     worse_order = _worse_beyond_noise(_within_errors(cases, latencies, model.out_of_fold_)
                                       - _within_errors(cases, latencies, prior))
     applied = not (worse_picks or worse_order)
-    verdict = "not worse than the prior alone beyond the noise" if applied else "worse than the prior alone"
-    reason = (f"held out, the learned correction is {verdict}: regret (ties as ties) "
+    finding = "not worse than the prior alone beyond the noise" if applied else "worse than the prior alone"
+    reason = (f"held out, the learned correction is {finding}: regret (ties as ties) "
               f"{learned.tie_regret:.3f} vs {alone.tie_regret:.3f}, error within a workload "
               f"{learned.workload_error:.1f}% vs {alone.workload_error:.1f}% "
               f"(MAPE {learned.mape:.1f}% vs {alone.mape:.1f}%)")
-    return CorrectionVerdict(applied, reason, learned, alone)
+    return CorrectionDecision(applied, reason, learned, alone)
 
 
 def fit_advised(
     cases: Sequence[Case], latencies_s: np.ndarray, tied: np.ndarray | None = None
-) -> tuple[CostModel, CorrectionVerdict]:
+) -> tuple[CostModel, CorrectionDecision]:
     """The model ``recommend`` predicts with, fitted on ``cases``: the learned correction (both
-    layers averaged, ``CostModel``'s default) where the verdict keeps it (``tied`` as for
-    ``correction_verdict``), else the prior alone. One candidate and no choice among layers:
+    layers averaged, ``CostModel``'s default) where the decision keeps it (``tied`` as for
+    ``correction_decision``), else the prior alone. One candidate and no choice among layers:
     such a choice is won by the noise of a dozen decisions."""
     cases = list(cases)
     model = CostModel().fit(cases, latencies_s)
-    verdict = correction_verdict(model, cases, latencies_s, tied)
-    if not verdict.applied and model.correction_ is not None:
+    decision = correction_decision(model, cases, latencies_s, tied)
+    if not decision.applied and model.correction_ is not None:
         model = model.set_params(learn_correction=False).fit(cases, latencies_s)
-    return model, verdict
+    return model, decision
 
 
 def load_training(db: str | None = None, include_oversubscribed: bool = False) -> TrainingSet:

@@ -17,7 +17,7 @@ band reaches the pick is a reason to measure it (``cptune search``), not evidenc
 
 The model is fitted in memory from the database and refitted when the database gains
 measurements or calibrations; nothing is ever unpickled. The learned correction is applied
-unless, held out, it is worse than the prior alone beyond the noise (``correction_verdict``,
+unless, held out, it is worse than the prior alone beyond the noise (``correction_decision``,
 decided once per database revision); otherwise the predictions are the prior's, and say so. After
 the first call for a database, a recommendation costs one small query plus the predictions.
 """
@@ -38,7 +38,7 @@ from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import HardwareDescriptionError, load_description, this_host
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
-from cptune.model._evaluation import CorrectionVerdict, fit_advised
+from cptune.model._evaluation import CorrectionDecision, fit_advised
 from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, Tie, decide, figure_swings
 from cptune.store import Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
@@ -79,7 +79,7 @@ class Recommendation:
     fingerprint: str
     candidates: tuple[Candidate, ...]
     infeasible: dict[CPConfig, list[str]]
-    correction: CorrectionVerdict
+    correction: CorrectionDecision
     #: Alternatives the description's figure ranges cannot tell from the pick (prior only),
     #: each with the figure that would decide.
     ties: tuple[Tie, ...] = ()
@@ -166,7 +166,7 @@ class _Advisor:
         self.store = store
         self.revision: tuple[int, int] | None = None
         self.model = CostModel()
-        self.verdict = CorrectionVerdict(False, "nothing fitted yet", None, None)
+        self.decision = CorrectionDecision(False, "nothing fitted yet", None, None)
         self.profiles: dict[str, CalibratedProfile] = {}
         self.fingerprints: list[str] = []
         self.measured: dict[tuple[str, Workload, CPConfig], Estimate] = {}
@@ -179,7 +179,7 @@ class _Advisor:
         if revision == self.revision:
             return
         data = training_set(self.store)
-        self.model, self.verdict = fit_advised(data.cases, data.latencies_s, data.tied_with_leader())
+        self.model, self.decision = fit_advised(data.cases, data.latencies_s, data.tied_with_leader())
         self.profiles = data.profiles
         self.fingerprints = list(self.store.hardware())  # rows come only with measurements or calibrations
         self.measured = {(e.hardware, e.workload, e.config): e for e in data.estimates}
@@ -272,9 +272,9 @@ def hardware_profile(hardware: str | None = None, db: str | None = None) -> Prof
     return _advisor(db).profile(hardware)
 
 
-def correction_verdict_of(db: str | None = None) -> CorrectionVerdict:
+def correction_decision_of(db: str | None = None) -> CorrectionDecision:
     """Whether ``recommend`` applies the learned correction on ``db``'s measurements, and why."""
-    return _advisor(db).verdict
+    return _advisor(db).decision
 
 
 def recommend(
@@ -324,7 +324,7 @@ def recommend(
     candidates.sort(key=lambda c: c.latency_ms)
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
-        candidates=tuple(candidates), infeasible=infeasible, correction=advisor.verdict,
+        candidates=tuple(candidates), infeasible=infeasible, correction=advisor.decision,
         ties=_ties(workload, profile, candidates),
         verdict=judge(measured) if candidates[0].source == "measured" else None,
     )

@@ -19,14 +19,14 @@ from itertools import pairwise
 
 import numpy as np
 
-from cptune import __version__
 from cptune.calibration import Calibration
 from cptune.config import LOCAL, CPConfig
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.estimate import Estimate, Verdict, combine, judge
 from cptune.measurement import format_ms
-from cptune.model import TrainingSet, correction_verdict_of, held_out_predictions, recommend, training_set
+from cptune.model import TrainingSet, correction_decision_of, held_out_predictions, recommend, training_set
 from cptune.store import Result, Store
+from cptune.version import __version__
 from cptune.workload import AttentionShape, Workload
 
 
@@ -480,7 +480,7 @@ def _accuracy(
             result.id, result.workload, result.config.label, result.config.ranks, float(measured_s) * 1e3,
             float(model_s) * 1e3, case.prior().total_s * 1e3, float(low) * 1e3, float(high) * 1e3,
         ))
-    verdict = correction_verdict_of(db)
+    verdict = correction_decision_of(db)
     use = "applies the learned correction" if verdict.applied else "uses the prior alone"
     return {
         fp: Accuracy(tuple(p), mape((x.model_ms for x in p), (x.measured_ms for x in p)),
