@@ -15,14 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from cptune._shipped import shipped
-from cptune._toml import TomlFileError, _got, _Reader, _show, _suggest
-from cptune._toml import _read_file as _read_toml
+from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
 from cptune.config import STRATEGIES, CPConfig
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.workload import WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
 DEMO_SPACE = "demo"
+#: The orders a search takes its trials in (``cptune.search``): "guided", the cost model's
+#: best prediction first, stopping when no configuration left is likely to beat the fastest
+#: (needs a calibration), or "exhaustive", every configuration (TPE within a trial budget).
+ORDERS: tuple[str, ...] = ("guided", "exhaustive")
 
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
@@ -109,6 +112,11 @@ class SearchSpace:
     trials: int | None
     measure: MeasureSettings
 
+    @property
+    def origin(self) -> str:
+        """Where the space came from, as messages name it: its file, else its description."""
+        return str(self.source) if self.source is not None else self.description
+
     def workloads(self) -> list[Workload]:
         """One Workload per sequence length, in the order the file lists them."""
         return [self.shape.at(s) for s in self.seq_lens]
@@ -126,14 +134,14 @@ class SearchSpace:
 # --------------------------------------------------------------------------- loading
 
 
-def _read_file(file: str) -> dict[str, Any]:
+def _read_space_file(file: str) -> dict[str, Any]:
     """Parse the TOML file, turning every read or syntax failure into a SpaceError."""
 
     def missing() -> str:
         names = ", ".join(builtin_spaces())
         return f"no such file; check the path (built-in spaces, usable by name: {names})"
 
-    return _read_toml(file, SpaceError, missing)
+    return read_toml(file, SpaceError, missing)
 
 
 def load_space(path: str | Path) -> SearchSpace:
@@ -142,8 +150,8 @@ def load_space(path: str | Path) -> SearchSpace:
     problem found: unreadable file, bad TOML, unknown key, wrong type or range, or a model
     Workload rejects."""
     file = str(path)
-    doc = _read_file(file)
-    r = _Reader(file, error=SpaceError, examples=_EXAMPLES)
+    doc = _read_space_file(file)
+    r = TableReader(file, error=SpaceError, examples=_EXAMPLES)
 
     r.check_keys(doc, TOP_KEYS, "")
     name = r.string(r.value(doc, "name", "", required=True), "name", non_empty=True)
@@ -162,7 +170,7 @@ def load_space(path: str | Path) -> SearchSpace:
     raw = r.value(model, "dtype", "model", required=False)
     dtype = "bf16" if raw is None else r.string(raw, "model.dtype", non_empty=True)
     if dtype not in WIRE_DTYPES:
-        raise r.fail("model.dtype", f"unknown dtype {_show(dtype)}{_suggest(dtype, list(WIRE_DTYPES))}; "
+        raise r.fail("model.dtype", f"unknown dtype {show(dtype)}{suggest(dtype, list(WIRE_DTYPES))}; "
                      f"choose one of {', '.join(WIRE_DTYPES)}")
     raw = r.value(model, "causal", "model", required=False)
     causal = False if raw is None else r.boolean(raw, "model.causal")
@@ -207,25 +215,25 @@ def load_space(path: str | Path) -> SearchSpace:
     )
 
 
-def _read_ranks(r: _Reader, raw: object) -> tuple[int, ...] | None:
+def _read_ranks(r: TableReader, raw: object) -> tuple[int, ...] | None:
     """``"auto"`` (or absent) -> None; else a non-empty array of distinct positive ints."""
     if raw is None or raw == "auto":
         return None
     if isinstance(raw, str):
-        raise r.fail("sweep.ranks", f'expected "auto" or an array of positive integers, {_got(raw)}'
+        raise r.fail("sweep.ranks", f'expected "auto" or an array of positive integers, {got(raw)}'
                      f"{r.example('sweep.ranks')}")
     return r.array(raw, "sweep.ranks", lambda v, k: r.integer(v, k, 1))
 
 
-def _strategy(r: _Reader, value: object, key: str) -> str:
+def _strategy(r: TableReader, value: object, key: str) -> str:
     name = r.string(value, key, non_empty=True)
     if name not in STRATEGIES:
-        raise r.fail(key, f"unknown strategy {_show(name)}{_suggest(name, STRATEGIES)}; "
+        raise r.fail(key, f"unknown strategy {show(name)}{suggest(name, STRATEGIES)}; "
                      f"choose from {', '.join(STRATEGIES)}")
     return name
 
 
-def _shape(r: _Reader, heads: int, kv_heads: int, head_dim: int, batch: int, dtype: str,
+def _shape(r: TableReader, heads: int, kv_heads: int, head_dim: int, batch: int, dtype: str,
            causal: bool) -> AttentionShape:
     """The model's attention shape; a combination it rejects is reported against the key at fault."""
     try:
@@ -298,6 +306,14 @@ def builtin_spaces() -> dict[str, Traversable]:
     return dict(sorted(found.items()))
 
 
+def find_space(space: SearchSpace | str | Path) -> SearchSpace:
+    """``space`` itself, or the space a file path or built-in name (``resolve_space``) holds,
+    loaded and validated (``load_space``)."""
+    if isinstance(space, SearchSpace):
+        return space
+    return load_space(resolve_space(str(space)))
+
+
 def resolve_space(name_or_path: str) -> Path:
     """The file a space argument names: an existing file path wins, then a built-in name
     (e.g. "demo", "flux1-dev"); otherwise SpaceError listing the built-in names."""
@@ -309,7 +325,7 @@ def resolve_space(name_or_path: str) -> Path:
         # The package is a plain directory in both editable and regular installs.
         return Path(str(builtins[name_or_path]))
     names = ", ".join(builtins)
-    close = _suggest(name_or_path, list(builtins))
+    close = suggest(name_or_path, list(builtins))
     raise SpaceError(
         name_or_path, "(file)",
         f"no such file and no built-in space of that name{close}; give the path of a .toml "

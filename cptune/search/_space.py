@@ -171,7 +171,8 @@ def search_space(
             store.add_calibration(hardware, run.calibration)
         pending = []  # searches whose winner a second sitting confirms
         for workload in space.workloads():
-            configs = [c for c in enumerate_configs(workload, max(counts), space.strategies) if c.ranks in counts]
+            configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
+                       if c.ranks in counts]
             search = WorkloadSearch(
                 workload, configs, store, hardware, warmup=space.measure.warmup,
                 repeats=space.measure.repeats, run_timeout=space.measure.timeout,

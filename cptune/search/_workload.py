@@ -28,14 +28,13 @@ the source of truth: the sampler's own study lives in memory, seeded from the st
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import random
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from uuid import uuid4
 
@@ -47,12 +46,13 @@ from optuna.trial import TrialState
 from cptune.config import CPConfig
 from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
-from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine, judge
+from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine
 from cptune.execute import measure, measure_round
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement, oversubscribed
 from cptune.model import Candidate, predict_for
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler
+from cptune.search._ledger import Ledger, Tally, read_ledger
 from cptune.search._trials import (
     Known,
     distributions,
@@ -89,12 +89,6 @@ def is_near_miss(comparison: Comparison) -> bool:
             and comparison.ratio < NEAR_MISS_RATIO)
 
 
-def sitting_of(round_id: str) -> str:
-    """The sitting (one ``WorkloadSearch`` session) a stored round belongs to: the part of
-    its id before ``:<n>``."""
-    return round_id.rpartition(":")[0] or round_id
-
-
 #: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
 PHASES = ("explore", "round", "race", "confirm")
 
@@ -117,53 +111,6 @@ class Visit:
     left: int = 0
 
 
-
-
-@dataclass
-class _Tally:
-    """What the counted rows say of one configuration's visits."""
-
-    clean: int = 0  # clean visits (``Result.clean``)
-    attempts: int = 0  # every run: clean, disturbed or failed
-    latest: Result | None = None  # the newest run
-
-    @property
-    def failed(self) -> bool:
-        """Its latest run failed: a search does not run it again (a failure is not noise)."""
-        return self.latest is not None and self.latest.status != "ok"
-
-    @property
-    def disturbed(self) -> bool:
-        """Its latest run was judged disturbed by other load."""
-        return self.latest is not None and self.latest.disturbed is not None
-
-
-@dataclass
-class _Ledger:
-    """What the store holds of one search's workload, read once: every stored run on this
-    hardware (``stored``, oldest first: the study view's), the runs the search counts
-    (``counted``, see ``WorkloadSearch``), those among them that decide what to run
-    (``own``: all, or with ``remeasure`` this search's sittings') and each configuration's
-    ``tally`` of those."""
-
-    stored: list[Result]
-    counted: list[Result]
-    own: list[Result]
-    tally: dict[CPConfig, _Tally]
-
-    @functools.cached_property
-    def verdict(self) -> Verdict | None:
-        """The verdict over every counted clean visit (None before any)."""
-        return judge(combine(self.counted).values())
-
-    def shared(self, one: CPConfig, other: CPConfig) -> Counter[str]:
-        """The clean rounds of ``own`` that ``one`` and ``other`` share, counted by sitting,
-        the sittings in the order they ran."""
-        rounds: dict[CPConfig, dict[str, None]] = {one: {}, other: {}}
-        for row in self.own:
-            if row.clean and row.round_id is not None and row.config in rounds:
-                rounds[row.config][row.round_id] = None
-        return Counter(sitting_of(r) for r in rounds[one] if r in rounds[other])
 
 
 @dataclass
@@ -270,24 +217,13 @@ class WorkloadSearch:
         """The most runs of a configuration (clean, disturbed or failed): constant load ends here."""
         return 2 * self.cap
 
-    def _ledger(self) -> _Ledger:
-        """Read what the store holds of this workload on this hardware, once (``_Ledger``)."""
-        stored = self.store.results(**self.workload.to_dict(), hardware=self.hardware.fingerprint)
-        wanted = set(self.configs)
+    def _ledger(self) -> Ledger:
+        """Read what the store holds of this workload on this hardware, once (``Ledger``)."""
         engine = get_engine(self.backend).name
-        counted = [r for r in stored if not r.excluded and r.config in wanted and r.engine == engine
-                   and r.oversubscribed == oversubscribed(r.config.ranks)]
-        own = counted if not self.remeasure else [
-            r for r in counted if r.round_id is not None and sitting_of(r.round_id) in self._sittings]
-        tally: dict[CPConfig, _Tally] = {}
-        for row in own:
-            entry = tally.setdefault(row.config, _Tally())
-            entry.clean += row.clean
-            entry.attempts += 1
-            entry.latest = row
-        return _Ledger(stored, counted, own, tally)
+        return read_ledger(self.store, self.workload, self.hardware, self.configs, engine,
+                           self._sittings if self.remeasure else None)
 
-    def _runnable(self, config: CPConfig, entry: _Tally) -> bool:
+    def _runnable(self, config: CPConfig, entry: Tally) -> bool:
         """Whether ``config`` may be visited again: its latest run did not fail and its runs are
         not used up (counted in the store, and by this search itself, so it ends whatever the
         store holds)."""
@@ -342,7 +278,7 @@ class WorkloadSearch:
         return predict_for(self.store, self.hardware.fingerprint, self.workload, configs)
 
     def _sync_view(self, view: Study, stored: list[Result]) -> None:
-        """Add every run in ``stored`` (``_Ledger.stored``) that ``view`` lacks."""
+        """Add every run in ``stored`` (``Ledger.stored``) that ``view`` lacks."""
         try:
             kept = {trial.user_attrs.get("measurement_id") for trial in view.get_trials(deepcopy=False)}
             for row in stored:
@@ -358,6 +294,7 @@ class WorkloadSearch:
         took from the store, ``reused``) in the order it happened."""
         started = time.monotonic()
         deadline = None if self.time_budget is None else started + self.time_budget
+        self.verdict = self.current_verdict()
         if self.study_storage is not None:
             self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
                                              load_if_exists=True,
@@ -426,7 +363,7 @@ class WorkloadSearch:
                 rivals.append(comparison.other)
         return self._still_runnable(leader, rivals, ledger.tally)
 
-    def _still_runnable(self, leader: CPConfig, others: list[CPConfig], tally: dict[CPConfig, _Tally]
+    def _still_runnable(self, leader: CPConfig, others: list[CPConfig], tally: dict[CPConfig, Tally]
                         ) -> list[CPConfig]:
         """``leader`` and those of ``others`` that may run again; empty unless the leader and
         one other can: a round without the leader compares nothing with it."""
@@ -581,14 +518,14 @@ class WorkloadSearch:
         self._report(visit, ledger)
         return visit
 
-    def _report(self, visit: Visit, ledger: _Ledger) -> None:
+    def _report(self, visit: Visit, ledger: Ledger) -> None:
         """Bring ``verdict`` up to date from ``ledger`` and tell ``on_visit``, with the visits
         still planned."""
         self.verdict = ledger.verdict
         if self.on_visit is not None:
             self.on_visit(dataclasses.replace(visit, left=self._planned(ledger)))
 
-    def _planned(self, ledger: _Ledger) -> int:
+    def _planned(self, ledger: Ledger) -> int:
         """Visits still planned as things stand: the exploration's trials left with their
         rounds, the rounds' missing clean visits, or the rest of the race's current round
         (the race plans one round at a time)."""
