@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
-from cptune import __version__
 from cptune.cli import _measure, _model, _outputs, _results, _search
 from cptune.cli._common import CTRL_C, USAGE_ERROR, Parser, UsageError, warn
 from cptune.errors import CPTuneError
+from cptune.version import __version__
 
 #: What each command runs: (parsed flags, the console for normal output) -> exit code.
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {

@@ -143,11 +143,13 @@ def add_workload_flags(
                            help=shown("seq_len", "tokens per sequence"))
     group.add_argument("--heads", type=positive, default=d.get("heads"), required=required,
                        help=shown("heads", "query heads"))
-    group.add_argument("--kv-heads", type=positive, default=None, help="KV heads (default: as many as --heads)")
+    group.add_argument("--kv-heads", type=positive, default=None,
+                       help="KV heads (default: as many as --heads)")
     group.add_argument("--head-dim", type=positive, default=d.get("head_dim"), required=required,
                        help=shown("head_dim", "head dimension"))
     group.add_argument("--batch", type=positive, default=1, help="sequences per batch (default 1)")
-    group.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16", help="activation dtype (default bf16)")
+    group.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
+                       help="activation dtype (default bf16)")
     group.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
     if with_strategies:
         group.add_argument("--strategies", type=strategies, default=None,

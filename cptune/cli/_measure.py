@@ -98,17 +98,24 @@ def _measurements_table(
 
 def run_measure(args: argparse.Namespace, console: Console) -> int:
     workload = workload_of(args, args.seq_len)
+    # drawn from the first configuration on: what is refused before anything runs draws nothing
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True, disable=args.json)
-    with progress:
-        task = progress.add_task("measuring", total=None)
+    task = progress.add_task("measuring", total=None)
 
-        def on_config(config: CPConfig, index: int, total: int) -> None:
-            progress.update(task, description=f"measuring {config.describe()}", completed=index, total=total)
 
+    def on_config(config: CPConfig, index: int, total: int) -> None:
+        if not progress.live.is_started:
+            progress.start()
+        progress.update(task, description=f"measuring {config.describe()}", completed=index, total=total)
+
+    try:
         results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
                                         backend=args.backend, warmup=args.warmup, repeats=args.repeats,
                                         timeout=args.timeout, on_config=on_config)
+    finally:
+        if progress.live.is_started:
+            progress.stop()
     if args.json:
         print(json.dumps({
             "results": [m.to_dict() for m in results],

@@ -58,11 +58,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     search.add_argument("space", nargs="?", help=f"search space file or built-in name (default {DEMO_SPACE})")
     search.add_argument("--db", help=DB_HELP)
-    search.add_argument("--trials", type=positive, help="trial budget per sequence length (default: the space's)")
+    search.add_argument("--trials", type=positive,
+                        help="trial budget per sequence length (default: the space's)")
     search.add_argument("--timeout", type=seconds,
                         help="time budget per sequence length (trials, rounds and race), in seconds")
     search.add_argument("--max-ranks", type=positive, help=MAX_RANKS_HELP)
-    search.add_argument("--ranks", type=positive_list, help="rank counts to try, e.g. 1,2 (with workload flags)")
+    search.add_argument("--ranks", type=positive_list,
+                        help="rank counts to try, e.g. 1,2 (with workload flags)")
     add_backend(search)
     search.add_argument("--remeasure", action="store_true",
                         help="visit every configuration afresh (exploration, rounds, race) even if stored; "
@@ -179,10 +181,11 @@ class LiveSearch:
 
     def started(self, run: SpaceSearch) -> None:
         self.run = run
-        say(self.console, "searching ", (run.space.name, "bold"), f" ({run.space.origin}) on "
-            f"{run.hardware.describe()} ", (run.hardware.fingerprint, "dim"), f" in {run.rounds} round(s), up "
-            f"to {run.race_rounds} more in the final race, {run.confirm_rounds} in a second sitting for each "
-            f"winner; results in {run.url}, {run.order} order")
+        say(self.console, "searching ", (run.space.name, "bold"),
+            f" ({run.space.origin}) on {run.hardware.describe()} ", (run.hardware.fingerprint, "dim"),
+            f" in {run.rounds} round(s), up to {run.race_rounds} more in the final race, "
+            f"{run.confirm_rounds} in a second sitting for each winner; results in {run.url}, "
+            f"{run.order} order")
 
     def calibrating(self, hardware: Hardware, ranks: int, url: str, first_run: bool) -> None:
         if first_run:
@@ -218,11 +221,13 @@ class LiveSearch:
     def visited(self, search: WorkloadSearch, visit: Visit, second: bool) -> None:
         CTRL_C.raise_if_pressed()
         self._seen += 1
-        self.progress.update(self._task, description=f"seq {search.workload.seq_len} "
-                             f"{_PHASE_WORDS[visit.phase]}", completed=self._seen, total=self._seen + visit.left)
+        phase = _PHASE_WORDS[visit.phase]
+        self.progress.update(self._task, description=f"seq {search.workload.seq_len} {phase}",
+                             completed=self._seen, total=self._seen + visit.left)
         self._redraw()
 
-    def sitting_done(self, search: WorkloadSearch, second: bool, visits: list[Visit], unconfirmed: bool) -> None:
+    def sitting_done(self, search: WorkloadSearch, second: bool, visits: list[Visit],
+                     unconfirmed: bool) -> None:
         seq_len = search.workload.seq_len
         name = f"seq {seq_len}" + (" (second sitting)" if second else "")
         self.progress.update(self._task, description=name, total=self._seen, completed=self._seen)
@@ -271,8 +276,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     finally:
         shown.close()
     where_db = f" --db {display_url(args.db)}" if args.db else ""
-    say(console, f"{len(done.measured)} configuration(s) measured now in {done.visits} visit(s) ({done.failed} "
-                 f"failed, stored with their reason; {done.disturbed} disturbed by other load, stored marked "
-                 f"and visited again); see them with: cptune results{where_db}")
+    say(console, f"{len(done.measured)} configuration(s) measured now in {done.visits} visit(s) "
+                 f"({done.failed} failed, stored with their reason; {done.disturbed} disturbed by other "
+                 f"load, stored marked and visited again); see them with: cptune results{where_db}")
     say(console, f"each workload's runs are also an Optuna study there: optuna-dashboard {done.url}")
     return 0
