@@ -1,7 +1,9 @@
 """cptune: measure the context-parallel attention strategies on your hardware and pick one.
 
 The vocabulary (``Workload``, ``CPConfig``, ``feasibility``, ``analytic_cost``) describes
-what could run; ``compute`` and ``measure`` run it for real on MPI ranks; ``recommend``
+what could run; ``compute``, ``measure`` and ``measure_all`` run it for real on real ranks;
+``search_space`` searches a whole space and stores every result, as ``cptune search`` does
+(``calibrate_host`` calibrates this machine, as ``cptune calibrate`` does); ``recommend``
 picks a configuration from measurements and the cost model; ``evaluate`` scores that model;
 ``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s.
 """
@@ -9,12 +11,11 @@ picks a configuration from measurements and the cost model; ``evaluate`` scores 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import AnalyticCost, analytic_cost
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
-from cptune.execute import compute, measure
+from cptune.execute import compute, measure, measure_all
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.measurement import Measurement
+from cptune.version import __version__ as __version__
 from cptune.workload import AttentionShape, Workload
-
-__version__ = "0.1.0"
 
 #: Imported on first use: they bring scikit-learn and SQLAlchemy, which the MPI ranks
 #: (importing this package) never need. No name here may also be a submodule of cptune:
@@ -28,6 +29,8 @@ _LAZY = {
     "PlanMismatchError": "cptune.plans",
     "load_plan": "cptune.plans",
     "export_plan": "cptune.plans.export",
+    "search_space": "cptune.search",
+    "calibrate_host": "cptune.search",
 }
 
 
@@ -53,6 +56,7 @@ __all__ = [
     "Recommendation",
     "Workload",
     "analytic_cost",
+    "calibrate_host",
     "compute",
     "enumerate_configs",
     "evaluate",
@@ -60,5 +64,7 @@ __all__ = [
     "feasibility",
     "load_plan",
     "measure",
+    "measure_all",
     "recommend",
+    "search_space",
 ]

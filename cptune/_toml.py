@@ -33,7 +33,7 @@ def _toml_type(value: object) -> str:
     return next((name for kind, name in _TOML_TYPES if isinstance(value, kind)), type(value).__name__)
 
 
-def _show(value: object) -> str:
+def show(value: object) -> str:
     """``value`` as it would be written in TOML (shortened), so the user recognises it."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -42,17 +42,17 @@ def _show(value: object) -> str:
     elif isinstance(value, dict):
         text = "{" + ", ".join(value) + "}"
     elif isinstance(value, list):
-        text = "[" + ", ".join(_show(v) for v in value) + "]"
+        text = "[" + ", ".join(show(v) for v in value) + "]"
     else:
         text = str(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _got(value: object) -> str:
-    return f"got {_toml_type(value)} ({_show(value)})"
+def got(value: object) -> str:
+    return f"got {_toml_type(value)} ({show(value)})"
 
 
-def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
+def suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -67,7 +67,7 @@ class TomlFileError(CPTuneError, ValueError):
         self.reason = reason
 
 
-class _Reader:
+class TableReader:
     """Reads typed values out of a parsed TOML document, raising ``error(file, key, reason)``
     for the first value that does not fit. ``examples`` maps dotted keys (and table names)
     to a line the user can copy; it is appended to the reason where one exists."""
@@ -91,7 +91,7 @@ class _Reader:
                 section = f"in [{prefix}]" if prefix else "at the top level"
                 raise self.fail(
                     where,
-                    f"unknown key{_suggest(key, allowed)}; allowed {section}: "
+                    f"unknown key{suggest(key, allowed)}; allowed {section}: "
                     f"{', '.join(allowed)}",
                 )
 
@@ -104,7 +104,7 @@ class _Reader:
             return None
         value = doc[key]
         if not isinstance(value, dict):
-            raise self.fail(where, f"expected a table ([{where}] section), {_got(value)}")
+            raise self.fail(where, f"expected a table ([{where}] section), {got(value)}")
         return value
 
     def value(self, table: dict[str, Any], name: str, prefix: str, required: bool) -> Any:
@@ -118,7 +118,7 @@ class _Reader:
     def integer(self, value: object, key: str, minimum: int) -> int:
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected {wanted}, {_got(value)}{self.example(key)}")
+            raise self.fail(key, f"expected {wanted}, {got(value)}{self.example(key)}")
         if value < minimum:
             raise self.fail(key, f"out of range: expected {wanted}, got {value}{self.example(key)}")
         return value
@@ -127,27 +127,27 @@ class _Reader:
         """A finite number > 0, integer or float; ``unit`` names what it counts."""
         wanted = f"a positive number of {unit}"
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"expected {wanted}, {_got(value)}{self.example(key)}")
+            raise self.fail(key, f"expected {wanted}, {got(value)}{self.example(key)}")
         if not value > 0 or value == float("inf"):
-            raise self.fail(key, f"out of range: expected {wanted}, got {_show(value)}{self.example(key)}")
+            raise self.fail(key, f"out of range: expected {wanted}, got {show(value)}{self.example(key)}")
         return float(value)
 
     def string(self, value: object, key: str, non_empty: bool) -> str:
         if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, {_got(value)}{self.example(key)}")
+            raise self.fail(key, f"expected a string, {got(value)}{self.example(key)}")
         if non_empty and not value.strip():
             raise self.fail(key, f"must not be empty{self.example(key)}")
         return value
 
     def boolean(self, value: object, key: str) -> bool:
         if not isinstance(value, bool):
-            raise self.fail(key, f"expected a boolean (true or false), {_got(value)}{self.example(key)}")
+            raise self.fail(key, f"expected a boolean (true or false), {got(value)}{self.example(key)}")
         return value
 
     def array(self, value: object, key: str, item: Callable[[object, str], Any]) -> tuple[Any, ...]:
         """A non-empty array without duplicates, each item read by ``item(value, key[i])``."""
         if not isinstance(value, list):
-            raise self.fail(key, f"expected an array, {_got(value)}{self.example(key)}")
+            raise self.fail(key, f"expected an array, {got(value)}{self.example(key)}")
         if not value:
             raise self.fail(key, f"must not be empty: list at least one value{self.example(key)}")
         seen: dict[object, int] = {}
@@ -157,14 +157,14 @@ class _Reader:
             if entry in seen:
                 raise self.fail(
                     f"{key}[{i}]",
-                    f"duplicate value {_show(entry)} (already {key}[{seen[entry]}]); list each value once",
+                    f"duplicate value {show(entry)} (already {key}[{seen[entry]}]); list each value once",
                 )
             seen[entry] = i
             items.append(entry)
         return tuple(items)
 
 
-def _read_file(file: str, error: ErrorFactory, missing: Callable[[], str]) -> dict[str, Any]:
+def read_toml(file: str, error: ErrorFactory, missing: Callable[[], str]) -> dict[str, Any]:
     """Parse the TOML file, turning every read or syntax failure into ``error``. ``missing()``
     is the reason given when the file does not exist (called only then)."""
     try:

@@ -69,8 +69,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from cptune._toml import TomlFileError, _Reader, _show, _suggest
-from cptune._toml import _read_file as _read_toml
+from cptune._toml import TableReader, TomlFileError, read_toml, show, suggest
 from cptune.cost import COLLECTIVES
 from cptune.workload import WIRE_DTYPES
 
@@ -377,14 +376,14 @@ def load_description(name_or_path: str | Path) -> HardwareDescription:
 
 def _not_found(name: str, builtins: dict[str, Traversable]) -> str:
     return (
-        f"no such file and no shipped hardware description of that name{_suggest(name, list(builtins))}; "
+        f"no such file and no shipped hardware description of that name{suggest(name, list(builtins))}; "
         f"give the path of a .toml file or one of the shipped descriptions: {', '.join(builtins)}"
     )
 
 
 def _load(file: str, name: str) -> HardwareDescription:
-    doc = _read_toml(file, HardwareDescriptionError, lambda: _not_found(file, builtin_descriptions()))
-    r = _Reader(file, error=HardwareDescriptionError, examples=_EXAMPLES)
+    doc = read_toml(file, HardwareDescriptionError, lambda: _not_found(file, builtin_descriptions()))
+    r = TableReader(file, error=HardwareDescriptionError, examples=_EXAMPLES)
     figures: dict[str, Figure] = {}
 
     r.check_keys(doc, TOP_KEYS, "")
@@ -430,7 +429,7 @@ def _load(file: str, name: str) -> HardwareDescription:
     )
 
 
-def _figure(r: _Reader, raw: object, key: str) -> Figure:
+def _figure(r: TableReader, raw: object, key: str) -> Figure:
     """A figure: a positive number, or a table ``{ value, low, high }`` with low <= value <= high."""
     unit, scale = _UNITS[next(part for part in key.split(".") if part in _UNITS)]
     if not isinstance(raw, dict):
@@ -443,18 +442,18 @@ def _figure(r: _Reader, raw: object, key: str) -> Figure:
     )
     if not low <= value <= high:
         raise r.fail(key, f"the range must hold the value: expected low <= value <= high, got low = "
-                     f"{_show(low / scale)}, value = {_show(value / scale)}, high = {_show(high / scale)}")
+                     f"{show(low / scale)}, value = {show(value / scale)}, high = {show(high / scale)}")
     return Figure(value, low, high)
 
 
-def _read_matmul(r: _Reader, device: dict[str, Any], figures: dict[str, Figure]) -> None:
+def _read_matmul(r: TableReader, device: dict[str, Any], figures: dict[str, Figure]) -> None:
     """``device.matmul_tflops`` by dtype: bf16 required, fp16 defaults to it."""
     key = "device.matmul_tflops"
     table = r.table(device, "matmul_tflops", required=True, prefix="device")
     assert table is not None
     for dtype in table:
         if dtype not in DTYPES:
-            raise r.fail(f"{key}.{dtype}", f"unknown dtype {_show(dtype)}{_suggest(dtype, DTYPES)}; "
+            raise r.fail(f"{key}.{dtype}", f"unknown dtype {show(dtype)}{suggest(dtype, DTYPES)}; "
                          f"give throughput for {', '.join(DTYPES)}{r.example(key)}")
     for dtype in DTYPES:
         raw = r.value(table, dtype, key, required=dtype == "bf16")
@@ -462,7 +461,7 @@ def _read_matmul(r: _Reader, device: dict[str, Any], figures: dict[str, Figure])
             figures[f"{key}.{dtype}"] = _figure(r, raw, f"{key}.{dtype}")
 
 
-def _read_by_kind(r: _Reader, raw: object, key: str, figures: dict[str, Figure]) -> None:
+def _read_by_kind(r: TableReader, raw: object, key: str, figures: dict[str, Figure]) -> None:
     """A bandwidth: one figure for every collective kind, or a table by kind with a default."""
     if isinstance(raw, dict) and not set(raw) <= set(FIGURE_KEYS):
         r.check_keys(raw, (DEFAULT_KIND, *COLLECTIVES), key)
@@ -475,7 +474,7 @@ def _read_by_kind(r: _Reader, raw: object, key: str, figures: dict[str, Figure])
     figures[f"{key}.{DEFAULT_KIND}"] = _figure(r, raw, key)
 
 
-def _read_tier(r: _Reader, table_of: dict[str, Any], tier: str, ranks: int, figures: dict[str, Figure],
+def _read_tier(r: TableReader, table_of: dict[str, Any], tier: str, ranks: int, figures: dict[str, Figure],
                allowed: tuple[str, ...], ranks_per_node: int = 0, prefix: str | None = None) -> LinkTier:
     """One tier's table: name, bandwidth (by kind), latency and, where allowed, the uplink
     (the network's defaults to ``ranks_per_node`` flows: one NIC per rank)."""
@@ -500,7 +499,7 @@ def _read_tier(r: _Reader, table_of: dict[str, Any], tier: str, ranks: int, figu
     return LinkTier(name=name, key=prefix, ranks=ranks, has_uplink=has_uplink)
 
 
-def _read_domains(r: _Reader, links: dict[str, Any], ranks_per_node: int,
+def _read_domains(r: TableReader, links: dict[str, Any], ranks_per_node: int,
                   figures: dict[str, Figure]) -> tuple[LinkTier, ...]:
     """``[[links.domains]]``, innermost first: sizes that divide each other and the node."""
     raw = r.value(links, "domains", "links", required=False)
