@@ -9,7 +9,7 @@ import pytest
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import CPConfig
-from cptune.cost import engine_collectives
+from cptune.engines import ENGINES
 from cptune.engines.mpi import MPIEngine
 from cptune.measurement import Measurement
 from cptune.workload import Workload
@@ -56,7 +56,7 @@ def make_calibration(max_ranks: int = 4) -> Calibration:
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=30e-6, bandwidth=1e9, bus_bandwidth=1e9,
                       sizes=(1024,), times_s=(31e-6,))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in engine_collectives("mpi")
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in ENGINES["mpi"].collectives
     )
     compute = tuple(
         ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,
@@ -91,8 +91,8 @@ def stand_in_measuring(monkeypatch: pytest.MonkeyPatch, measure: Callable[..., M
                 outcomes[config] = error
         return outcomes
 
-    monkeypatch.setattr("cptune.search.measure", measure)
-    monkeypatch.setattr("cptune.search.measure_round", measure_round)
+    monkeypatch.setattr("cptune.search._workload.measure", measure)
+    monkeypatch.setattr("cptune.search._workload.measure_round", measure_round)
 
 
 def write_toml(tmp_path: Path, text: str, name: str) -> Path:

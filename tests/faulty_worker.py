@@ -2,18 +2,20 @@
 
 Rank 1 of every "run" request fails the way MODE says: "raise" (a Python exception),
 "crash" (the process dies), "hang" (never answers), "wrong" (returns a slightly wrong
-output). All other ranks behave. Used to check that the engine turns each into one error.
+output); with "launch" rank 1 exits as it starts, so no pool of two or more ranks ever
+starts. All other ranks behave. Used to check that the engine turns each into one error.
 """
 
 import os
 import sys
 import time
 
-from cptune.engines import _mpi_worker
+from cptune.engines import _worker
+from cptune.engines.mpi import _rank
 
 MODE = sys.argv.pop(1)
-_handle = _mpi_worker.Worker.handle
-_iteration = _mpi_worker.RankTask.iteration
+_handle = _worker.Worker.handle
+_iteration = _rank.RankTask.iteration
 
 
 def faulty_handle(self, header, arrays):
@@ -35,9 +37,11 @@ def wrong_iteration(self):
     return out, ops
 
 
-_mpi_worker.Worker.handle = faulty_handle
+_worker.Worker.handle = faulty_handle
 if MODE == "wrong":
-    _mpi_worker.RankTask.iteration = wrong_iteration
+    _rank.RankTask.iteration = wrong_iteration
 
 if __name__ == "__main__":
-    _mpi_worker.main()
+    if MODE == "launch" and _worker.MPI.COMM_WORLD.Get_rank() == 1:
+        os._exit(5)
+    _worker.main()

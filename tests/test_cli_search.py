@@ -242,7 +242,7 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
         return dataclasses.replace(measurement(workload, config, 10.0 * config.ranks), disturbed=reason)
 
     stand_in_measuring(monkeypatch, measure)
-    monkeypatch.setattr("cptune.search.time.sleep", lambda seconds: None)
+    monkeypatch.setattr("cptune.search._workload.time.sleep", lambda seconds: None)
     code = main(["search", "--db", str(tmp_path / "d.db"), *QUICK[:4], "--seq-lens", "64", "--ranks", "1,2",
                  "--no-calibrate", "--rounds", "1", "--race-rounds", "1"])
     out = capsys.readouterr().out
@@ -278,11 +278,9 @@ def test_narrow_winners_get_a_second_sitting_after_every_length_ran_once(tmp_pat
 
 
 def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
     from conftest import measurement
     from cptune import CPConfig, Workload
-    from cptune.cli import _verdict_line
+    from cptune.cli._search import verdict_line
     from cptune.estimate import combine, judge
 
     workload = Workload(seq_len=64, heads=4, head_dim=16)
@@ -291,11 +289,10 @@ def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monk
             store.add_measurement(this_host(), measurement(workload, config, ms))
         rows = store.results()
     verdict = judge(combine(rows).values())
-    monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: ranks > 2)
-    search = SimpleNamespace(verdict=verdict)
-    line = _verdict_line(64, search, second=False, unconfirmed=False)
+    monkeypatch.setattr("cptune.cli._search.oversubscribed", lambda ranks: ranks > 2)
+    line = verdict_line(64, verdict, second=False, unconfirmed=False)
     assert line.startswith("seq 64: Ring on 4 ranks, faster than local attention on 1 rank by 300.0%")
     assert line.endswith("; it ran more ranks than cores (--oversubscribe), so the model and the picks "
                          "leave it out")
-    monkeypatch.setattr("cptune.cli.oversubscribed", lambda ranks: False)
-    assert "oversubscribe" not in _verdict_line(64, search, second=False, unconfirmed=False)
+    monkeypatch.setattr("cptune.cli._search.oversubscribed", lambda ranks: False)
+    assert "oversubscribe" not in verdict_line(64, verdict, second=False, unconfirmed=False)

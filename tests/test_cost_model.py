@@ -13,27 +13,23 @@ from sklearn.utils.validation import check_is_fitted
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import CPConfig
-from cptune.cost import engine_collectives
+from cptune.engines import ENGINES
 from cptune.errors import CPTuneError
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
-from cptune.model import (
-    MIN_SAMPLES,
-    CalibratedProfile,
-    Case,
-    CostModel,
-    GroupScore,
-    compare,
-    correction_verdict,
+from cptune.model import CalibratedProfile, Case, CostModel, GroupScore, compare, evaluate, training_set
+from cptune.model._cost_model import MIN_SAMPLES, features
+from cptune.model._evaluation import (  # the internals the scores are made of; the method names fit prints
+    FIXED_RULE,
+    MODEL,
+    PRIOR,
+    RECOMMENDED,
+    correction_decision,
     cross_validate_groups,
-    evaluate,
-    features,
     fixed_rule,
     score_group,
-    training_set,
 )
-from cptune.model._evaluation import FIXED_RULE, MODEL, PRIOR, RECOMMENDED  # the method names fit prints
 from cptune.store import Store
 from cptune.workload import Workload
 
@@ -50,7 +46,7 @@ def calibration(max_ranks: int = 4, latency: float = 50e-6, bandwidth: float = 0
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=latency, bandwidth=bandwidth,
                       bus_bandwidth=bandwidth, sizes=(1024,), times_s=(latency,))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in engine_collectives("mpi")
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in ENGINES["mpi"].collectives
     )
     compute = tuple(
         ComputeRate(ranks=n, heads=4, seq_q=512, seq_k=2048, head_dim=d,
@@ -436,24 +432,24 @@ def flipping(cases: list[Case]) -> np.ndarray:
     return prior * np.exp(0.3 * np.array(signs))
 
 
-def test_correction_verdict_rejects_a_correction_that_does_not_carry_across_lengths():
+def test_correction_decision_rejects_a_correction_that_does_not_carry_across_lengths():
     # whatever the correction learns from the other lengths points the wrong way at the one
     # held out, so held out it is worse than the prior alone and recommend must not apply it
     cases = [case for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len)]
     measured = flipping(cases)
-    verdict = correction_verdict(CostModel().fit(cases, measured), cases, measured)
+    verdict = correction_decision(CostModel().fit(cases, measured), cases, measured)
     assert not verdict.applied and "worse than the prior alone" in verdict.reason
     assert verdict.correction is not None and verdict.prior is not None
     assert verdict.correction.workload_error > verdict.prior.workload_error
 
 
-def test_correction_verdict_keeps_a_correction_that_helps(fitted, train):
-    verdict = correction_verdict(fitted, *train)
+def test_correction_decision_keeps_a_correction_that_helps(fitted, train):
+    verdict = correction_decision(fitted, *train)
     assert verdict.applied and verdict.correction is not None and verdict.prior is not None
     assert verdict.correction.mape < verdict.prior.mape and verdict.correction.regret <= verdict.prior.regret
     assert verdict.to_dict()["applied"] is True
     assert set(verdict.to_dict()["correction"]) == {"regret", "tie_regret", "mape", "workload_error"}
-    unfitted = correction_verdict(CostModel().fit(train[0][:3], train[1][:3]), train[0][:3], train[1][:3])
+    unfitted = correction_decision(CostModel().fit(train[0][:3], train[1][:3]), train[0][:3], train[1][:3])
     assert not unfitted.applied and "fewer than" in unfitted.reason
 
 
@@ -581,7 +577,7 @@ def _swap_picks(cases, measured: np.ndarray, decisions: int) -> np.ndarray:
     return predicted
 
 
-def test_correction_verdict_ignores_an_error_every_configuration_of_a_workload_shares(train):
+def test_correction_decision_ignores_an_error_every_configuration_of_a_workload_shares(train):
     """Predictions off by one factor per workload rank its configurations as well as exact
     ones: the verdict judges the numbers by their errors within each decision, so a
     correction that gets the order right is kept however far its level is off."""
@@ -590,7 +586,7 @@ def test_correction_verdict_ignores_an_error_every_configuration_of_a_workload_s
     lengths = sorted({case.workload.seq_len for case in cases})
     shared = np.array([3.0 ** lengths.index(case.workload.seq_len) for case in cases])
     model.out_of_fold_ = measured * shared
-    verdict = correction_verdict(model, cases, measured)
+    verdict = correction_decision(model, cases, measured)
     assert verdict.correction.mape > verdict.prior.mape  # far off in level...
     assert verdict.correction.workload_error == pytest.approx(0.0, abs=1e-9)  # ...yet relative to one
     assert verdict.prior.workload_error > 1.0  # another exact, where the prior's numbers are not
@@ -598,7 +594,7 @@ def test_correction_verdict_ignores_an_error_every_configuration_of_a_workload_s
 
 
 @pytest.mark.parametrize("misses, applied", [(1, True), (5, False)])
-def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise(train, misses, applied):
+def test_correction_decision_rejects_only_regret_worse_beyond_the_decisions_noise(train, misses, applied):
     # the truth is the prior x 1.5, and every configuration but the prior's pick slower by up
     # to 60% more: the prior picks every decision right, its numbers and their order are off;
     # the correction's numbers are close, but it misses the pick in ``misses`` of the 5 decisions
@@ -610,7 +606,7 @@ def test_correction_verdict_rejects_only_regret_worse_beyond_the_decisions_noise
     measured = prior * 1.5 * slower
     model = CostModel().fit(cases, measured)
     model.out_of_fold_ = _swap_picks(cases, measured, misses)
-    verdict = correction_verdict(model, cases, measured)
+    verdict = correction_decision(model, cases, measured)
     assert verdict.correction is not None and verdict.prior is not None
     assert verdict.prior.tie_regret == 1.0 and verdict.correction.mape < verdict.prior.mape
     assert verdict.correction.tie_regret > 1.01  # one miss of five already: a flat 1% rule would refuse it
@@ -634,7 +630,7 @@ def test_fit_advised_keeps_the_averaged_correction_where_it_helps_and_the_prior_
 
 
 @pytest.mark.parametrize("spread, applied", [(0.05, True), (0.3, False)])
-def test_correction_verdict_refuses_an_order_only_when_worse_beyond_its_noise(train, spread, applied):
+def test_correction_decision_refuses_an_order_only_when_worse_beyond_its_noise(train, spread, applied):
     """The prior is 5% off the truth, scattered; the correction's numbers scatter about as much
     (a hair more within each workload: a tie, kept) or six times as much (refused). Every
     configuration is tied with its workload's leader, so regret speaks for neither and only
@@ -644,7 +640,7 @@ def test_correction_verdict_refuses_an_order_only_when_worse_beyond_its_noise(tr
     measured = prior * np.exp(np.random.default_rng(0).normal(0, 0.05, len(cases)))
     model = CostModel().fit(cases, measured)
     model.out_of_fold_ = measured * np.exp(np.random.default_rng(100).normal(0, spread, len(cases)))
-    verdict = correction_verdict(model, cases, measured, tied=np.ones(len(cases), dtype=bool))
+    verdict = correction_decision(model, cases, measured, tied=np.ones(len(cases), dtype=bool))
     assert verdict.correction.tie_regret == verdict.prior.tie_regret == 1.0
     assert verdict.correction.workload_error > verdict.prior.workload_error  # a point estimate says worse
     assert verdict.applied is applied, verdict.reason

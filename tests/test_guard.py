@@ -1,5 +1,6 @@
 """The contention guard: each evidence judged on given readings, and real runs under load."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,10 +17,11 @@ import pytest
 
 import cptune
 from cptune import CPConfig, Workload, guard
-from cptune import calibration as calibration_module
 from cptune.calibration import CalibrationDisturbedError, calibrate
+from cptune.calibration import _calibrate as calibration_module
 from cptune.cli import main
 from cptune.cost import STREAM_KINDS
+from cptune.engines import ENGINES
 from cptune.engines.mpi import MPIEngine
 from cptune.execute import measure_round
 from cptune.guard import (
@@ -181,7 +183,7 @@ def watched(monkeypatch, readings, kernel_s, samples_ms, ranks: int = 1) -> str 
     monkeypatch.setattr(guard, "read_cpu", lambda pids: next(readings))
     monkeypatch.setattr(guard, "_REFERENCE", StandInKernel(*kernel_s))
     watch = guard.Watch(lambda: [])
-    return watch.verdict(ranks, samples_ms)
+    return watch.disturbance(ranks, samples_ms)
 
 
 def test_a_run_on_a_quiet_host_is_clean(monkeypatch):
@@ -329,7 +331,7 @@ class CountingEngine:
     """An in-process stand-in for calibrate on one rank: each attention timing is 1 s per
     shape and iteration on its first call, 0.5 s after."""
 
-    name, timed = "mpi", True
+    name, spec = "mpi", dataclasses.replace(ENGINES["mpi"], times_steps=False)  # no steps to time
 
     def __init__(self) -> None:
         self.attention_calls = 0
@@ -343,16 +345,16 @@ class CountingEngine:
 
 
 class DisturbedFirst:
-    """A Watch whose first verdict finds foreign load and later ones none."""
+    """A Watch whose first look finds foreign load and later ones none."""
 
-    verdicts = 0
+    looks = 0
 
     def __init__(self, process_ids) -> None:
         pass
 
-    def host_verdict(self, ranks: int) -> str | None:
-        DisturbedFirst.verdicts += 1
-        return "other processes used 1.0 of 2 cores during the run" if DisturbedFirst.verdicts == 1 else None
+    def host_disturbance(self, ranks: int) -> str | None:
+        DisturbedFirst.looks += 1
+        return "other processes used 1.0 of 2 cores during the run" if DisturbedFirst.looks == 1 else None
 
 
 def test_a_disturbed_calibration_step_is_timed_again_and_only_the_clean_timing_kept(monkeypatch):
@@ -372,7 +374,7 @@ class BurstEngine:
     rank and 0.6 s on two, but twice that during a burst of other load the guard cannot see,
     in the ``burst``-th attention timing on two ranks; collectives 1 ms plus 1 ns per byte."""
 
-    name, timed = "mpi", True
+    name, spec = "mpi", dataclasses.replace(ENGINES["mpi"], times_steps=False)  # no steps to time
 
     def __init__(self, burst: int) -> None:
         self.burst, self.order, self.two_rank_calls = burst, [], 0

@@ -10,7 +10,8 @@ import pytest
 
 from cptune.config import CPConfig
 from cptune.model import Candidate
-from cptune.search import GuidedSampler, _suggest, _tree, any_wins, win_probability
+from cptune.search import GuidedSampler, any_wins, win_probability
+from cptune.search._trials import suggest, tree_of
 
 RING2, RING4, ULY2, ULY4, AG2, AG4 = (CPConfig("ring", 2), CPConfig("ring", 4), CPConfig("ulysses", 2, 2),
                                      CPConfig("ulysses", 4, 4), CPConfig("allgather_kv", 2),
@@ -27,10 +28,10 @@ def replay(truth: dict[CPConfig, float], predictions: dict[CPConfig, Candidate],
     the model fixed at ``predictions``."""
     configs = list(truth)
     sampler = GuidedSampler(configs, lambda pending: [predictions[c] for c in pending], stop_probability)
-    tree, order = _tree(configs), []
+    tree, order = tree_of(configs), []
 
     def objective(trial: optuna.Trial) -> float:
-        config = _suggest(trial, tree)
+        config = suggest(trial, tree)
         order.append(config)
         return truth[config]
 

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from cptune import Workload
-from cptune.engines import _numpy_kernels as kernels
+from cptune import kernels as work
+from cptune.engines.mpi import _kernels as kernels
+from cptune.layout import position_runs
 from cptune.reference import make_inputs, reference_attention, relative_error
 
 
@@ -31,7 +33,7 @@ def test_both_softmax_paths_match_reference(causal, magnitude):
 
 
 def test_key_chunks_are_merged(monkeypatch):
-    monkeypatch.setattr(kernels, "KEY_CHUNK", 64)
+    monkeypatch.setattr(work, "KEY_CHUNK", 64)
     workload = Workload(seq_len=200, heads=3, head_dim=8, kv_heads=1, dtype="fp32", causal=True)
     q, k, v = make_inputs(workload, seed=2)
     out, _ = run(workload, q, k, v)
@@ -40,12 +42,12 @@ def test_key_chunks_are_merged(monkeypatch):
 
 def test_key_chunks_are_as_few_as_fit_and_of_one_size():
     for keys in (1, 2047, 2048, 2049, 3072, 4096, 5000, 8192):
-        size = kernels.key_chunk(keys)
+        size = work.key_chunk(keys)
         chunks = -(-keys // size)
-        assert size <= kernels.KEY_CHUNK, keys
-        assert chunks == -(-keys // kernels.KEY_CHUNK), keys
+        assert size <= work.KEY_CHUNK, keys
+        assert chunks == -(-keys // work.KEY_CHUNK), keys
         assert chunks * size - keys < chunks, keys  # the last chunk short by less than one key per chunk
-    assert kernels.key_chunk(3072) == 1536
+    assert work.key_chunk(3072) == 1536
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -86,13 +88,13 @@ def test_padding_keys_are_ignored():
 
 
 def test_position_runs():
-    assert kernels.position_runs(np.array([0, 1, 2, 7, 8, 3])) == [(0, 3), (3, 5), (5, 6)]
+    assert position_runs(np.array([0, 1, 2, 7, 8, 3])) == [(0, 3), (3, 5), (5, 6)]
 
 
 def planned_pairs(q_pos, k_pos, causal, seq_len):
     """(query, key) pairs the kernel's plan computes, block by block, chunk by chunk."""
     total = 0
-    for chunk in kernels.chunk_slices(len(k_pos)):
+    for chunk in work.chunk_slices(len(k_pos)):
         for i, j, segments in kernels._plan(q_pos, k_pos[chunk], causal, seq_len):
             total += (j - i) * sum(stop - first for first, stop, _ in segments)
     return total
@@ -111,17 +113,17 @@ def test_computed_pairs_count_what_the_plan_computes():
         chosen = rng.choice(len(pieces), size=int(rng.integers(1, len(pieces) + 1)), replace=False)
         q_pos = np.concatenate([pieces[i] for i in chosen])
         seq_len = length - int(rng.integers(0, min(length, 40)))
-        runs = [[(int(p[a]), b - a) for a, b in kernels.position_runs(p)] for p in (q_pos, k_pos)]
+        runs = [[(int(p[a]), b - a) for a, b in position_runs(p)] for p in (q_pos, k_pos)]
         for causal in (False, True):
-            counted = kernels.computed_pairs(*runs, causal, seq_len)
+            counted = work.computed_pairs(*runs, causal, seq_len)
             assert counted == planned_pairs(q_pos, k_pos, causal, seq_len)
 
 
 def test_a_causal_block_computes_its_masked_corner():
     """1024 causal positions in row blocks of 512: the first block sees keys 0..511, the
     second all 1024, so 3/4 of the square is computed where only half is visible."""
-    assert kernels.rows_per_block(1024) == 512
-    assert kernels.computed_pairs([(0, 1024)], [(0, 1024)], True, 1024) == 512 * 512 + 512 * 1024
+    assert work.rows_per_block(1024) == 512
+    assert work.computed_pairs([(0, 1024)], [(0, 1024)], True, 1024) == 512 * 512 + 512 * 1024
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -8,6 +8,7 @@ import pytest
 
 from cptune import CPConfig, Workload, analytic_cost, feasibility
 from cptune.cost import COLLECTIVES
+from cptune.engines import ENGINES
 from cptune.layout import SequenceLayout
 from cptune.model import computed_flops
 from cptune.reference import make_inputs
@@ -251,11 +252,12 @@ def test_kernel_work_is_the_useful_work_plus_the_numpy_kernels_masked_corners(ca
 def test_numpy_kernel_work_is_what_its_plan_computes_on_the_strategys_calls(strategy):
     """Against the kernel's own plan on the position arrays each rank's calls use: its
     block's queries over all keys gathered (AllGather-KV, Ulysses) or over each block (Ring)."""
-    from cptune.engines import _numpy_kernels as kernels
+    from cptune import kernels as work
+    from cptune.engines.mpi import _kernels as kernels
 
     def planned(q_pos, k_pos, workload):
         return sum((j - i) * sum(b - a for a, b, _ in segments)
-                   for chunk in kernels.chunk_slices(len(k_pos))
+                   for chunk in work.chunk_slices(len(k_pos))
                    for i, j, segments in kernels._plan(q_pos, k_pos[chunk], True, workload.seq_len))
 
     workload = Workload(seq_len=5000, heads=4, head_dim=8, kv_heads=2, causal=True)
@@ -348,13 +350,13 @@ def test_ring_and_allgather_move_the_same_kv(shape, causal):
         assert gather.bytes_sent["all_gather"] == (c - 1) * kv_block
         # without point-to-point (onnx, tensorrt) the stream is c broadcasts of one block each
         for engine in ("onnx", "tensorrt"):
-            broadcast = analytic_cost(workload, ring_config, engine)
+            broadcast = analytic_cost(workload, ring_config, ENGINES[engine].stream)
             assert broadcast.bytes_sent["broadcast"] == c * kv_block
             assert broadcast.comm_steps["broadcast"] == c
             assert broadcast.bytes_sent["p2p"] == broadcast.comm_steps["p2p"] == 0
             assert broadcast.bytes_sent["all_to_all"] == ring.bytes_sent["all_to_all"]
         assert ring.bytes_sent["broadcast"] == 0  # the default engine (mpi) sends p2p
-        assert analytic_cost(workload, gather_config, "onnx") == gather  # only the Ring differs
+        assert analytic_cost(workload, gather_config, "broadcast") == gather  # only the Ring differs
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather_kv"])

@@ -12,8 +12,8 @@ import pytest
 import cptune
 from cptune import CPConfig, Workload
 from cptune.cli import main
-from cptune.engines._mpi_worker import _collective, in_send_order, out_of_receive_order
 from cptune.engines.mpi import MPIEngine
+from cptune.engines.mpi._rank import _collective, in_send_order, out_of_receive_order
 from cptune.errors import EngineError
 from cptune.execute import ITERATIONS_PER_PASS, measure_round
 from cptune.reference import TOLERANCE
@@ -158,7 +158,7 @@ def test_summarize_takes_each_iteration_from_its_slowest_rank():
 _ITERATIONS_FAULTS = """
 import resource, sys
 import numpy as np
-from cptune.engines._mpi_worker import steady_allocator
+from cptune.engines._worker import steady_allocator
 if sys.argv[1] == "steady":
     assert steady_allocator()
 def iteration():  # eight 1 MiB arrays written, then freed together, as an iteration's temporaries

@@ -16,8 +16,7 @@ from conftest import TESTS
 from cptune import CPConfig, CPTuneError, EngineError, Workload
 from cptune.cli import main
 from cptune.engines import get_engine
-from cptune.engines._onnx_graph import rank_graph
-from cptune.engines.onnx import OnnxEngine
+from cptune.engines.onnx import OnnxEngine, rank_graph
 from cptune.feasibility import enumerate_configs
 from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
 
@@ -81,7 +80,7 @@ def test_16_bit_graphs_stay_within_their_tolerance(engine, dtype, config, causal
 def test_a_wrong_graph_is_caught_by_the_reference(engine, monkeypatch):
     """The check has teeth: graphs whose causal mask is dropped on the ranks' side compute
     a different attention, far outside the tolerance."""
-    import cptune.engines.onnx as onnx_engine
+    from cptune.engines.onnx import _engine as onnx_engine
 
     workload = Workload(16, 4, 8, causal=True, dtype="fp32")  # no padding either way: same shapes
     blind = Workload(16, 4, 8, causal=False, dtype="fp32")
@@ -93,7 +92,7 @@ def test_a_wrong_graph_is_caught_by_the_reference(engine, monkeypatch):
 
 def test_the_ranks_run_the_bytes_they_were_sent(engine, monkeypatch):
     """A graph that fails on the ranks fails the run: they do not rebuild it themselves."""
-    import cptune.engines.onnx as onnx_engine
+    from cptune.engines.onnx import _engine as onnx_engine
 
     def broken(wl, c):
         models = [rank_graph(wl, c, r) for r in range(c.ranks)]

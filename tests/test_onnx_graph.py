@@ -11,8 +11,17 @@ import pytest
 from onnx import AttributeProto, helper
 
 from cptune import CPConfig, Workload, analytic_cost
-from cptune.engines._onnx_dialect import DOMAIN, OP_TYPE, collective_attributes, dist_collective
-from cptune.engines._onnx_graph import ELEMENT_TYPES, OPSET, io_shapes, rank_graph, rank_graphs
+from cptune.engines import ENGINES
+from cptune.engines.onnx import (
+    OP_TYPE,
+    collective_attributes,
+    dist_collective,
+    io_shapes,
+    rank_graph,
+    rank_graphs,
+)
+from cptune.engines.onnx._builder import ELEMENT_TYPES, OPSET
+from cptune.engines.onnx._dialect import DOMAIN
 from cptune.feasibility import enumerate_configs, kv_replication
 from cptune.layout import SequenceLayout
 
@@ -148,7 +157,7 @@ def test_analytic_cost_counts_what_the_graphs_move(workload, config):
     """Bytes each rank sends per kind, read off the DistCollective nodes: an all-to-all keeps
     1/n of its input, an all-gather sends its input to n - 1 others, a broadcast moves one
     block per step (bus-bandwidth factor 1); and KV tensors keep their KV heads."""
-    cost = analytic_cost(workload, config, "onnx")
+    cost = analytic_cost(workload, config, ENGINES["onnx"].stream)
     width = workload.wire_dtype.itemsize
     u = config.head_group
     kv_heads = workload.kv_heads * (kv_replication(workload, u) if u > 1 else 1) // (u if u > 1 else 1)

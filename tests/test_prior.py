@@ -17,21 +17,13 @@ from cptune.calibration import (
     group_sizes,
 )
 from cptune.config import CPConfig
-from cptune.cost import analytic_cost, engine_collectives
+from cptune.cost import analytic_cost
+from cptune.engines import ENGINES
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
-from cptune.model import (
-    CalibratedProfile,
-    DescribedProfile,
-    FigureSwing,
-    Tie,
-    computed_flops,
-    decide,
-    figure_swings,
-    groups_of,
-    prior_range,
-    prior_time,
-)
+from cptune.layout import rank_groups
+from cptune.model import CalibratedProfile, DescribedProfile, computed_flops, prior_time
+from cptune.model._prior import FigureSwing, Tie, decide, figure_swings, prior_range
 from cptune.workload import Workload
 
 HOST = Hardware(host="prior-test", cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
@@ -56,7 +48,7 @@ def make_calibration(max_ranks: int = 4, links=None, rates=None, rank_scale: flo
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=links[kind][0], bandwidth=links[kind][1],
                       bus_bandwidth=links[kind][1], sizes=(1024, 4096), times_s=(1e-5, 2e-5))
-        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in engine_collectives("mpi")
+        for n in range(2, max_ranks + 1) for g in group_sizes(n) for kind in ENGINES["mpi"].collectives
     )
     compute = tuple(rate_entry(n, d, r / n**rank_scale)
                     for n in range(1, max_ranks + 1) for d, r in rates.items())
@@ -154,20 +146,25 @@ def test_ring_exposes_the_part_of_a_slow_transfer_compute_cannot_hide():
 
 def test_a_broadcast_ring_also_exposes_its_first_step():
     """Without point-to-point the Ring broadcasts each of its c blocks; the broadcast of the
-    rank's own block has no attention to hide behind, the other c - 1 overlap as with p2p."""
+    rank's own block has no attention to hide behind, the other c - 1 overlap as with p2p.
+    The calibration says how its engine streams: a TensorRT calibration (broadcast fits, no
+    p2p) feeds the prior as it is (it used to raise "the calibration has no p2p
+    measurements" unless the caller also named the engine)."""
     latency, bandwidth = 1e-4, 1e8
     links = {**LINKS, "broadcast": (latency, bandwidth)}
     fits = tuple(
         CollectiveFit(kind=kind, ranks=n, group=g, latency_s=links[kind][0], bandwidth=links[kind][1],
                       bus_bandwidth=links[kind][1], sizes=(1024, 4096), times_s=(1e-5, 2e-5))
-        for n in range(2, 5) for g in group_sizes(n) for kind in engine_collectives("tensorrt")
+        for n in range(2, 5) for g in group_sizes(n) for kind in ENGINES["tensorrt"].collectives
     )
     base = make_calibration()
     calibration = Calibration(engine="tensorrt", collectives=fits, compute=base.compute,
                               measured_at=base.measured_at)
     config = CPConfig("ring", 4)
-    t = prior_time(W, config, CalibratedProfile(HOST, calibration), engine="tensorrt")
-    cost = analytic_cost(W, config, "tensorrt")
+    t = prior_time(W, config, CalibratedProfile(HOST, calibration))
+    assert not [f for f in calibration.collectives if f.kind == "p2p"]
+    assert prior_time(W, CPConfig("ring", 2), CalibratedProfile(HOST, calibration)).ring_exposed_s > 0
+    cost = analytic_cost(W, config, "broadcast")
     assert cost.comm_steps["broadcast"] == 4
     step = latency + cost.bytes_sent["broadcast"] / 4 / bandwidth
     block = t.compute_s / 4
@@ -250,6 +247,7 @@ class Recording:
     launch_s = property(lambda self: self.inner.launch_s)
     overlap_slowdown = property(lambda self: self.inner.overlap_slowdown)
     attention_kernel = property(lambda self: self.inner.attention_kernel)
+    stream = property(lambda self: self.inner.stream)
 
     def describe(self):
         return self.inner.describe()
@@ -394,7 +392,7 @@ def test_pcie_all_to_all_is_limited_by_the_tier_it_crosses_and_its_share():
     nbytes = 1e8
 
     def seconds(u):
-        heads, _ = groups_of(CPConfig("ulysses", 8) if u == 8 else CPConfig("ring", 8, u))
+        heads, _ = rank_groups(CPConfig("ulysses", 8) if u == 8 else CPConfig("ring", 8, u))
         return profile.collective_time("all_to_all", 8, heads, nbytes, 1)
 
     switch_latency = l20.figure("links.domains[0].latency_us")
@@ -411,7 +409,7 @@ def test_pcie_all_to_all_is_limited_by_the_tier_it_crosses_and_its_share():
 
 def test_a_subset_of_a_node_takes_the_ranks_that_share_a_switch_first():
     l20 = load_description("l20-pcie-8")
-    heads, context = groups_of(CPConfig("ring", 4, 2))
+    heads, context = rank_groups(CPConfig("ring", 4, 2))
     assert heads == ((0, 1), (2, 3)) and context == ((0, 2), (1, 3))
     assert l20.link(heads[0]).name == "PCIe Gen4 switch"
     assert l20.link(range(4)).name == "CPU socket (root complex)"

@@ -14,15 +14,9 @@ from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
 from cptune.measurement import Measurement
-from cptune.model import (
-    SOURCES,
-    DescribedProfile,
-    figure_swings,
-    prior_range,
-    prior_time,
-    recommend,
-    training_set,
-)
+from cptune.model import DescribedProfile, prior_time, recommend, training_set
+from cptune.model._prior import figure_swings, prior_range
+from cptune.model._recommend import SOURCES
 from cptune.store import Store
 from cptune.workload import Workload
 

@@ -10,7 +10,8 @@ import math
 import pytest
 
 from conftest import measurement
-from cptune.cli import COMBINED_COLUMNS, main
+from cptune.cli import main
+from cptune.cli._results import COMBINED_COLUMNS
 from cptune.config import CPConfig
 from cptune.estimate import combine, verdicts
 from cptune.hardware import this_host

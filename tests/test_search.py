@@ -72,6 +72,16 @@ def test_failures_are_stored_and_the_search_goes_on(store, faulty_engine):
     assert search(store, backend=engine, rounds=2, race_rounds=0).run() == []  # failures count as measured
 
 
+def test_a_pool_that_fails_to_launch_is_stored_as_launch_and_the_search_goes_on(store, faulty_engine):
+    engine = faulty_engine("launch")  # rank 1 exits at start: no pool of two ranks starts
+    visits = search(store, backend=engine, rounds=2, race_rounds=0).run()
+    assert [v.status for v in visits if v.config == CPConfig("ring", 1)] == ["ok", "ok"]
+    failed = [v for v in visits if v.config.ranks == 2]
+    assert {v.status for v in failed} == {"launch"} and len(failed) == 3
+    assert all("start-up" in v.error for v in failed)
+    assert Counter(r.status for r in store.results()) == {"ok": 2, "launch": 3}
+
+
 def test_tpe_never_proposes_an_infeasible_point(store):
     """A budget below the space size uses TPE; every proposal is a feasible config."""
     workload = Workload(seq_len=48, heads=6, head_dim=8, kv_heads=3, dtype="fp32")
@@ -120,7 +130,8 @@ def _replay(configs, truth, predictions, stop_probability=0.1):
     """Run ``GuidedSampler`` over ``configs`` valued at ``truth`` (ms) with fixed predictions."""
     import optuna
 
-    from cptune.search import GuidedSampler, _suggest, _tree
+    from cptune.search import GuidedSampler
+    from cptune.search._trials import suggest, tree_of
 
     asked = []
 
@@ -129,10 +140,10 @@ def _replay(configs, truth, predictions, stop_probability=0.1):
         return [predictions[c] for c in pending]
 
     sampler = GuidedSampler(configs, predict, stop_probability)
-    tree, order = _tree(configs), []
+    tree, order = tree_of(configs), []
 
     def objective(trial):
-        config = _suggest(trial, tree)
+        config = suggest(trial, tree)
         order.append(config)
         return truth[config]
 
@@ -224,10 +235,12 @@ def test_a_search_keeps_its_runs_as_an_optuna_study(store):
 
 
 def test_the_command_line_offers_every_order():
-    from cptune.cli import SEARCH_ORDERS
-    from cptune.search import ORDERS
+    from cptune.cli import build_parser
+    from cptune.space import ORDERS
 
-    assert SEARCH_ORDERS == ORDERS
+    search = build_parser()._subparsers._group_actions[0].choices["search"]
+    order = next(action for action in search._actions if action.dest == "order")
+    assert tuple(order.choices) == ORDERS
 
 
 def test_a_study_that_cannot_be_written_is_one_store_error_and_the_run_is_kept(store):
@@ -461,7 +474,7 @@ def test_a_resumed_race_continues_where_it_stopped(store, runs):
 
 def test_disturbed_visits_are_kept_marked_count_for_nothing_and_are_run_again(store, runs, monkeypatch):
     pauses = []
-    monkeypatch.setattr("cptune.search.time.sleep", pauses.append)
+    monkeypatch.setattr("cptune.search._workload.time.sleep", pauses.append)
     runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n],
          disturbed=lambda config, n: "load 3.0 on 2 cores" if (config, n) in {(AG, 0), (AG, 1)} else None)
     s = search(store, configs=[RING, AG], rounds=2, race_rounds=0, seed=0)
@@ -479,7 +492,7 @@ def test_disturbed_visits_are_kept_marked_count_for_nothing_and_are_run_again(st
 
 
 def test_constant_load_ends_after_a_bounded_number_of_runs(store, runs, monkeypatch):
-    monkeypatch.setattr("cptune.search.time.sleep", lambda seconds: None)
+    monkeypatch.setattr("cptune.search._workload.time.sleep", lambda seconds: None)
     fake = runs(lambda config, n: 10.0, disturbed=lambda config, n: "always loaded")
     s = search(store, configs=[RING, AG], rounds=2, race_rounds=1)
     assert s.run() and Counter(fake.calls) == {RING: 2 * 3, AG: 2 * 3}  # twice the cap of 3
@@ -514,7 +527,8 @@ def test_only_runs_like_the_search_own_count(store, runs):
 
 
 def test_an_oversubscribed_search_races_its_oversubscribed_configurations(store, runs, monkeypatch):
-    monkeypatch.setattr("cptune.search.oversubscribed", lambda ranks: ranks > 1)
+    monkeypatch.setattr("cptune.search._workload.oversubscribed", lambda ranks: ranks > 1)
+    monkeypatch.setattr("cptune.search._ledger.oversubscribed", lambda ranks: ranks > 1)
     monkeypatch.setattr("cptune.measurement.available_cores", lambda: 1)
     runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n])
     s = search(store, configs=[LOCAL, RING], rounds=2)

@@ -24,12 +24,12 @@ from conftest import processes_left
 from cptune import CPConfig, EngineError, Workload
 from cptune.calibration import calibrate
 from cptune.cli import main
-from cptune.engines import _calibration_graphs as graphs
-from cptune.engines._engine_cache import EngineCache, cache_dir, engine_key
-from cptune.engines._onnx_dialect import collective_attributes
-from cptune.engines._onnx_graph import rank_graph
-from cptune.engines._tensorrt_worker import io_specs, split_layer_times, to_device_dtype
-from cptune.engines.tensorrt import BackendUnavailableError, NodeProbe, TensorRTEngine, preflight, probe_node
+from cptune.engines import BackendUnavailableError
+from cptune.engines.onnx import _calibration as graphs
+from cptune.engines.onnx import collective_attributes, rank_graph
+from cptune.engines.tensorrt import NodeProbe, TensorRTEngine, preflight, probe_node
+from cptune.engines.tensorrt._cache import EngineCache, cache_dir, engine_key
+from cptune.engines.tensorrt._worker import io_specs, split_layer_times, to_device_dtype
 from cptune.hardware import Hardware
 from cptune.hardware._host import (
     GpuInfo,
@@ -98,8 +98,8 @@ def test_runtime_modules_import_without_the_gpu_packages():
         "        if name.split('.')[0] in ('tensorrt', 'nccl', 'cuda'):\n"
         "            raise ImportError(f'{name} blocked by the test')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import cptune.engines.tensorrt, cptune.engines._tensorrt_worker\n"
-        "import cptune.engines._calibration_graphs\n"
+        "import cptune.engines.tensorrt, cptune.engines.tensorrt._worker\n"
+        "import cptune.engines.onnx._calibration\n"
         "from cptune.engines import get_engine\n"
         "assert get_engine('tensorrt').name == 'tensorrt'\n"
         "assert not {'tensorrt', 'nccl', 'cuda'} & {m.split('.')[0] for m in sys.modules}\n"
@@ -124,7 +124,8 @@ def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None
 
     monkeypatch.setattr("cptune.hardware._host._nvidia_smi", nvidia_smi)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr("cptune.engines.tensorrt._import_problem", lambda module: (missing or {}).get(module))
+    monkeypatch.setattr("cptune.engines.tensorrt._preflight._import_problem",
+                        lambda module: (missing or {}).get(module))
 
 
 BRANCHES = {
@@ -209,7 +210,7 @@ def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monk
     assert re.match(r"rank \d failed running building the engines of Ulysses on 2 ranks", str(failure.value))
     if importlib.util.find_spec("tensorrt") is None:  # the graph was made; the GPU stack is what is missing
         assert "No module named 'tensorrt'" in str(failure.value)
-    assert processes_left("cptune.engines._tensorrt_worker") == []
+    assert processes_left("cptune.engines.tensorrt._worker") == []
 
 
 # --------------------------------------------------------------------------- engine cache
@@ -246,7 +247,7 @@ def test_engine_cache_failed_write_leaves_no_file(tmp_path, monkeypatch):
     def broken_replace(source, target):
         raise OSError("disk full")
 
-    monkeypatch.setattr("cptune.engines._engine_cache.os.replace", broken_replace)
+    monkeypatch.setattr("cptune.engines.tensorrt._cache.os.replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         cache.store("k", b"engine", 1.0)
     assert list(tmp_path.iterdir()) == []
@@ -539,14 +540,14 @@ def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_i
     assert failure.value.kind == "timeout"  # rank 0 waits on rank 1 in a collective: both overrun
     assert "did not finish Ring on 2 ranks within 5 s" in str(failure.value)
     assert stand_in_engine._pool is None
-    assert processes_left("cptune.engines._tensorrt_worker") == []
+    assert processes_left("cptune.engines.tensorrt._worker") == []
 
 
 def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in_engine, monkeypatch):
     """calibrate() asks the TensorRT engine for the Ring's broadcast (no p2p) and gets a fit
     for every kind and group; sizes shrunk so the reference runtime stays quick."""
-    monkeypatch.setattr("cptune.calibration.MESSAGE_SIZES", (1024, 4096, 16384))
-    monkeypatch.setattr("cptune.calibration.ATTENTION_SHAPES", tuple(
+    monkeypatch.setattr("cptune.calibration._calibrate.MESSAGE_SIZES", (1024, 4096, 16384))
+    monkeypatch.setattr("cptune.calibration._calibrate.ATTENTION_SHAPES", tuple(
         {"heads": 2, "seq_q": q, "seq_k": 4 * q, "head_dim": 8, "causal": c} for c in (0, 1) for q in (4, 8)))
     calibration = calibrate(2, backend=stand_in_engine, warmup=0, repeats=2)
     assert calibration.engine == "tensorrt"

@@ -19,11 +19,11 @@ import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from cptune import __version__
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
 from cptune.model import DescribedProfile, hardware_profile, recommend
 from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
+from cptune.version import __version__
 from cptune.workload import Workload
 
 

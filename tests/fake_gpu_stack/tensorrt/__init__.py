@@ -13,7 +13,7 @@ from mpi4py import MPI
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from cptune.engines._onnx_rank import collective_op
+from cptune.engines.onnx._rank import collective_op
 
 __version__ = "0.0-fake"
 _MAGIC = b"FAKE-TRT-ENGINE\n"
