@@ -1,6 +1,5 @@
 """benchmarks/reproducibility.py on two small constructed databases: today's newest-wins
-figures beside the verdict-based ones; benchmarks/pool_variation.py's spreads on constructed
-latencies."""
+figures beside the verdict-based ones."""
 
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ def _benchmark(name: str) -> ModuleType:
 
 
 reproducibility = _benchmark("reproducibility")
-pool_variation = _benchmark("pool_variation")
 
 CLEAR = Workload(seq_len=1024, heads=8, head_dim=64)  # ring wins by ~30%
 CLOSE = Workload(seq_len=2048, heads=8, head_dim=64)  # ring and ulysses within a few %
@@ -184,74 +182,6 @@ def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert err.count("\n") == 1 and "absent.db" in err
     assert reproducibility.main(["--first", runs[0], "--second", runs[1], "--hardware", "nothing"]) == 2
     assert "no workload" in capsys.readouterr().err
-
-
-def test_pool_variation_tells_a_pools_own_level_from_round_to_round_noise():
-    """Ulysses 10% slower than AllGather-KV in every round of pool 1 and level in pool 2: no
-    spread within a pool, all of it between pools. Ring alternates 10% either way round to
-    round in both pools: all of its spread within, none between."""
-    latency = np.full((2, 4, 3), 20.0)  # [pool, round, config]; config 0 is the reference
-    latency[0, :, 1] = 22.0
-    latency[:, :, 2] = [22.0, 20.0 / 1.1, 22.0, 20.0 / 1.1]
-    latency[0, 3, 1] = np.nan  # a disturbed visit counts for nothing
-    ulysses, ring = pool_variation.ratio_spreads(latency)
-    assert ulysses["within_pool_sd"] < 1e-12 and ulysses["between_pool_sd"] > 0.06
-    assert ring["between_pool_sd"] < 1e-12 and ring["within_pool_sd"] > 0.09
-    assert math.isclose(ulysses["ratio"], math.sqrt(1.1))
-
-
-def test_near_misses_replays_the_race_entry_and_says_how_each_ended(tmp_path, capsys):
-    """CLOSE: after two visits ulysses trails ring 1.2x (a slow pair of visits), and in the
-    end the two are tied; CLEAR: ulysses trails 2x, far beyond a near miss."""
-    near_misses = _benchmark("near_misses")
-    rounds = {
-        (CLOSE, RING): [10.0, 10.1, 10.2, 9.9, 10.0],
-        (CLOSE, ULYSSES): [12.0, 12.1, 10.0, 9.8, 10.3],
-        (CLEAR, RING): [10.0, 10.1],
-        (CLEAR, ULYSSES): [20.0, 20.2],
-    }
-    db = _database(tmp_path / "sweep.db", rounds)
-    with Store(db) as store:
-        found = near_misses.near_misses(store.results())
-    assert [(n.config, n.clean_visits, n.ended) for n in found] == [(ULYSSES.describe(), 5, "tied")]
-    assert 1.15 < found[0].ratio_after_two < 1.25
-    assert near_misses.main(["--db", db]) == 0
-    assert "1 near misses raced, 1 ended tied with the leader or leading" in capsys.readouterr().out
-    assert near_misses.main(["--db", str(tmp_path / "missing.db")]) == 2
-    assert "near_misses:" in capsys.readouterr().err
-
-
-def test_interleave_grain_reports_each_grains_ratio_and_spread():
-    interleave_grain = _benchmark("interleave_grain")
-    steady, phased = [0.0, 0.02, -0.02, 0.0], [0.3, -0.3, 0.0, 0.0]
-    figures = interleave_grain.spreads({"visit": phased, "iteration": steady})
-    assert figures["iteration"]["log_sd"] == pytest.approx(float(np.std(steady, ddof=1)))
-    assert figures["visit"]["log_sd"] > 10 * figures["iteration"]["log_sd"]
-    assert figures["visit"]["ratio"] == pytest.approx(1.0) and figures["visit"]["rounds"] == 4
-
-
-def test_round_spread_pairs_configurations_round_by_round_leaving_out_the_exploration(tmp_path, capsys):
-    """Ring and local attention keep a constant ratio in every round after the exploration
-    (whose 3x outlier is left out), as the host slows all; Ulysses alternates 10% either way."""
-    round_spread = _benchmark("round_spread")
-    local = CPConfig("ring", 1)
-    latency = {RING: [30.0, 10.0, 10.0, 12.0, 12.0], local: [10.0, 20.0, 20.0, 24.0, 24.0],
-               ULYSSES: [10.0, 11.0, 10.0 / 1.1, 13.2, 12.0 / 1.1]}
-    host = this_host()
-    with Store(str(tmp_path / "sweep.db")) as store:
-        for config, medians in latency.items():
-            for i, ms in enumerate(medians):
-                store.add_measurement(host, measurement(CLOSE, config, ms), round_id=f"s:{i}")
-        rows = store.results()
-    spreads = sorted(round_spread.pair_spreads(rows))
-    assert len(spreads) == 3 and spreads[0] < 1e-12  # local / ring: the same ratio every round
-    alternating = [math.log(1.1), -math.log(1.1)] * 2
-    assert spreads[1:] == pytest.approx([float(np.std(alternating, ddof=1))] * 2)
-    assert round_spread.pair_spreads(rows, min_shared=5) == []  # four rounds after the exploration
-    assert round_spread.main(["--db", str(tmp_path / "sweep.db")]) == 0
-    assert "3 pairs sharing 4+ rounds" in capsys.readouterr().out
-    assert round_spread.main(["--db", str(tmp_path / "missing.db")]) == 2
-    assert "round_spread:" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("causal", [False, True])
