@@ -184,20 +184,6 @@ def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert "no workload" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_step_work_times_the_same_attention_both_ways(causal):
-    """The Ring's calls merged and the one call over all keys compute one rank's attention
-    alike, so their timings compare the same work."""
-    ring_step_work = _benchmark("ring_step_work")
-    workload = Workload(seq_len=96, heads=4, kv_heads=2, head_dim=16, dtype="fp32", causal=causal)
-    for group in range(2):
-        cases = ring_step_work.rank_cases(workload, group, np.random.default_rng(group))
-        (ring_out, ring_lse), (one_out, one_lse) = cases["ring"](), cases["one call"]()
-        np.testing.assert_allclose(ring_out, one_out, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ring_lse, one_lse, rtol=1e-5, atol=1e-6)
-        cases["steps"]()  # runs on the block's shape
-
-
 def test_rate_pooling_scores_the_measured_reading_beside_the_pooled_one():
     """The benchmark's "as measured" calibration reads each shape's rates as stored, where
     the pooled reading smooths two ranks' scattered ratio to one rank."""
