@@ -6,16 +6,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import pytest
 
 from conftest import measurement
-from cptune.calibration import Calibration, ComputeRate
 from cptune.config import CPConfig
 from cptune.estimate import combine
 from cptune.hardware import this_host
@@ -182,63 +179,3 @@ def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert err.count("\n") == 1 and "absent.db" in err
     assert reproducibility.main(["--first", runs[0], "--second", runs[1], "--hardware", "nothing"]) == 2
     assert "no workload" in capsys.readouterr().err
-
-
-def test_rate_pooling_scores_the_measured_reading_beside_the_pooled_one():
-    """The benchmark's "as measured" calibration reads each shape's rates as stored, where
-    the pooled reading smooths two ranks' scattered ratio to one rank."""
-    rate_pooling = _benchmark("rate_pooling")
-
-    def timed(ranks, seq_q, rate):
-        return ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64,
-                           seconds=4 * 4 * 64 * seq_q * 4 * seq_q / rate)
-
-    compute = (timed(1, 256, 1e9), timed(1, 512, 2e9), timed(1, 1024, 3e9),
-               timed(2, 256, 0.6e9), timed(2, 512, 0.9e9), timed(2, 1024, 1.5e9))
-    pooled = Calibration("mpi", (), compute, "2025-01-01T00:00:00+00:00")
-    measured = rate_pooling.MeasuredPoints("mpi", (), compute, "2025-01-01T00:00:00+00:00")
-    assert rate_pooling.rank_ratios(pooled) == pytest.approx({(64, False, 256): 1e9 / 0.6e9,
-                                                              (64, False, 512): 2e9 / 0.9e9,
-                                                              (64, False, 1024): 2.0})
-    middle = compute[1].flops
-    assert measured.attention_rate(2, 64, flops=middle) == pytest.approx(0.9e9)
-    assert pooled.attention_rate(2, 64, flops=middle) != pytest.approx(0.9e9, rel=1e-3)
-
-
-def test_calibration_rounds_reads_the_rank_ratio_spread_and_a_bursts_deviation():
-    """The ratio spread is the sd of log(1-rank / 2-rank rate) over calibrations, and a point
-    one calibration read at half speed is the worst deviation of its variant alone."""
-    calibration_rounds = _benchmark("calibration_rounds")
-
-    def calibration(two_rank_rate: float) -> Calibration:
-        work = 4 * 4 * 64 * 256 * 1024
-        compute = (ComputeRate(ranks=1, heads=4, seq_q=256, seq_k=1024, head_dim=64, seconds=work / 1e9),
-                   ComputeRate(ranks=2, heads=4, seq_q=256, seq_k=1024, head_dim=64,
-                               seconds=work / two_rank_rate))
-        return Calibration("mpi", (), compute, "2025-01-01T00:00:00+00:00")
-
-    steady = [calibration(0.5e9), calibration(0.5e9), calibration(0.5e9)]
-    burst = [calibration(0.5e9), calibration(0.25e9), calibration(0.5e9)]
-    assert calibration_rounds.ratio_spread(steady) == pytest.approx(0.0, abs=1e-12)
-    assert calibration_rounds.ratio_spread(burst) == pytest.approx(np.std(np.log([2, 4, 2]), ddof=1))
-    worst = calibration_rounds.worst_deviations({"rounds": steady, "one pass": burst})
-    assert worst == pytest.approx({"rounds": 0.0, "one pass": np.log(2)}, abs=1e-12)
-
-
-def test_averaged_layers_scores_each_rule_held_out_by_length():
-    """Each configuration's level shows at every length: the level alone predicts every
-    held-out pick exactly and meets the goal, the rule before chose it (its held-out error
-    within a workload is the smallest), and the prior alone, blind to the levels, misses."""
-    from dataclasses import replace
-
-    from test_cost_model import TRAIN_LENGTHS, cases_at, level_truth
-
-    averaged_layers = _benchmark("averaged_layers")
-    cases = [replace(case, workload=replace(case.workload, causal=causal))
-             for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len) for causal in (False, True)]
-    latencies = np.array([level_truth(case) for case in cases])
-    scores = averaged_layers.score(cases, latencies, np.zeros(len(cases), dtype=bool))
-    assert set(scores) == {"now", "before", "level alone", "boosted alone", "prior alone"}
-    assert scores["level alone"] == {"median": 1.0, "worst": 1.0, "meets_goal": True}
-    assert scores["before"] == scores["level alone"]
-    assert not scores["prior alone"]["meets_goal"] and scores["prior alone"]["worst"] > 1.05
