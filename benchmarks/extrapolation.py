@@ -6,7 +6,7 @@ to its measured latency, with the rank correlation and the regret of the model's
 Use it with a check database measured at sequence lengths longer than any in the training
 one (e.g. twice the longest).
 
-    python benchmarks/extrapolation.py --train-db cpu.db --check-db cpu-long.db
+    python benchmarks/extrapolation.py --train-db TRAIN_DB --check-db LONGER_DB
 """
 
 from __future__ import annotations

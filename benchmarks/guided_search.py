@@ -27,7 +27,7 @@ Oversubscribed rows (more ranks than the host's cores) are left out unless
 ``--include-oversubscribed``: they time the sharing of cores, so a replay that uses them
 scores the order on those timings, marked as such in the output.
 
-    python benchmarks/guided_search.py --db /tmp/cpu4-copy.db --include-oversubscribed
+    python benchmarks/guided_search.py --db COPY_OF_A_SWEEP --include-oversubscribed
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """benchmarks/reproducibility.py on two small constructed databases: today's newest-wins
-figures beside the verdict-based ones; benchmarks/pool_variation.py's spreads on constructed
-latencies."""
+figures beside the verdict-based ones."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import pytest
 
 from conftest import measurement
-from cptune.calibration import Calibration, ComputeRate
 from cptune.config import CPConfig
 from cptune.estimate import combine
 from cptune.hardware import this_host
@@ -37,7 +33,6 @@ def _benchmark(name: str) -> ModuleType:
 
 
 reproducibility = _benchmark("reproducibility")
-pool_variation = _benchmark("pool_variation")
 
 CLEAR = Workload(seq_len=1024, heads=8, head_dim=64)  # ring wins by ~30%
 CLOSE = Workload(seq_len=2048, heads=8, head_dim=64)  # ring and ulysses within a few %
@@ -184,145 +179,3 @@ def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert err.count("\n") == 1 and "absent.db" in err
     assert reproducibility.main(["--first", runs[0], "--second", runs[1], "--hardware", "nothing"]) == 2
     assert "no workload" in capsys.readouterr().err
-
-
-def test_pool_variation_tells_a_pools_own_level_from_round_to_round_noise():
-    """Ulysses 10% slower than AllGather-KV in every round of pool 1 and level in pool 2: no
-    spread within a pool, all of it between pools. Ring alternates 10% either way round to
-    round in both pools: all of its spread within, none between."""
-    latency = np.full((2, 4, 3), 20.0)  # [pool, round, config]; config 0 is the reference
-    latency[0, :, 1] = 22.0
-    latency[:, :, 2] = [22.0, 20.0 / 1.1, 22.0, 20.0 / 1.1]
-    latency[0, 3, 1] = np.nan  # a disturbed visit counts for nothing
-    ulysses, ring = pool_variation.ratio_spreads(latency)
-    assert ulysses["within_pool_sd"] < 1e-12 and ulysses["between_pool_sd"] > 0.06
-    assert ring["between_pool_sd"] < 1e-12 and ring["within_pool_sd"] > 0.09
-    assert math.isclose(ulysses["ratio"], math.sqrt(1.1))
-
-
-def test_near_misses_replays_the_race_entry_and_says_how_each_ended(tmp_path, capsys):
-    """CLOSE: after two visits ulysses trails ring 1.2x (a slow pair of visits), and in the
-    end the two are tied; CLEAR: ulysses trails 2x, far beyond a near miss."""
-    near_misses = _benchmark("near_misses")
-    rounds = {
-        (CLOSE, RING): [10.0, 10.1, 10.2, 9.9, 10.0],
-        (CLOSE, ULYSSES): [12.0, 12.1, 10.0, 9.8, 10.3],
-        (CLEAR, RING): [10.0, 10.1],
-        (CLEAR, ULYSSES): [20.0, 20.2],
-    }
-    db = _database(tmp_path / "sweep.db", rounds)
-    with Store(db) as store:
-        found = near_misses.near_misses(store.results())
-    assert [(n.config, n.clean_visits, n.ended) for n in found] == [(ULYSSES.describe(), 5, "tied")]
-    assert 1.15 < found[0].ratio_after_two < 1.25
-    assert near_misses.main(["--db", db]) == 0
-    assert "1 near misses raced, 1 ended tied with the leader or leading" in capsys.readouterr().out
-    assert near_misses.main(["--db", str(tmp_path / "missing.db")]) == 2
-    assert "near_misses:" in capsys.readouterr().err
-
-
-def test_interleave_grain_reports_each_grains_ratio_and_spread():
-    interleave_grain = _benchmark("interleave_grain")
-    steady, phased = [0.0, 0.02, -0.02, 0.0], [0.3, -0.3, 0.0, 0.0]
-    figures = interleave_grain.spreads({"visit": phased, "iteration": steady})
-    assert figures["iteration"]["log_sd"] == pytest.approx(float(np.std(steady, ddof=1)))
-    assert figures["visit"]["log_sd"] > 10 * figures["iteration"]["log_sd"]
-    assert figures["visit"]["ratio"] == pytest.approx(1.0) and figures["visit"]["rounds"] == 4
-
-
-def test_round_spread_pairs_configurations_round_by_round_leaving_out_the_exploration(tmp_path, capsys):
-    """Ring and local attention keep a constant ratio in every round after the exploration
-    (whose 3x outlier is left out), as the host slows all; Ulysses alternates 10% either way."""
-    round_spread = _benchmark("round_spread")
-    local = CPConfig("ring", 1)
-    latency = {RING: [30.0, 10.0, 10.0, 12.0, 12.0], local: [10.0, 20.0, 20.0, 24.0, 24.0],
-               ULYSSES: [10.0, 11.0, 10.0 / 1.1, 13.2, 12.0 / 1.1]}
-    host = this_host()
-    with Store(str(tmp_path / "sweep.db")) as store:
-        for config, medians in latency.items():
-            for i, ms in enumerate(medians):
-                store.add_measurement(host, measurement(CLOSE, config, ms), round_id=f"s:{i}")
-        rows = store.results()
-    spreads = sorted(round_spread.pair_spreads(rows))
-    assert len(spreads) == 3 and spreads[0] < 1e-12  # local / ring: the same ratio every round
-    alternating = [math.log(1.1), -math.log(1.1)] * 2
-    assert spreads[1:] == pytest.approx([float(np.std(alternating, ddof=1))] * 2)
-    assert round_spread.pair_spreads(rows, min_shared=5) == []  # four rounds after the exploration
-    assert round_spread.main(["--db", str(tmp_path / "sweep.db")]) == 0
-    assert "3 pairs sharing 4+ rounds" in capsys.readouterr().out
-    assert round_spread.main(["--db", str(tmp_path / "missing.db")]) == 2
-    assert "round_spread:" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_step_work_times_the_same_attention_both_ways(causal):
-    """The Ring's calls merged and the one call over all keys compute one rank's attention
-    alike, so their timings compare the same work."""
-    ring_step_work = _benchmark("ring_step_work")
-    workload = Workload(seq_len=96, heads=4, kv_heads=2, head_dim=16, dtype="fp32", causal=causal)
-    for group in range(2):
-        cases = ring_step_work.rank_cases(workload, group, np.random.default_rng(group))
-        (ring_out, ring_lse), (one_out, one_lse) = cases["ring"](), cases["one call"]()
-        np.testing.assert_allclose(ring_out, one_out, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ring_lse, one_lse, rtol=1e-5, atol=1e-6)
-        cases["steps"]()  # runs on the block's shape
-
-
-def test_rate_pooling_scores_the_measured_reading_beside_the_pooled_one():
-    """The benchmark's "as measured" calibration reads each shape's rates as stored, where
-    the pooled reading smooths two ranks' scattered ratio to one rank."""
-    rate_pooling = _benchmark("rate_pooling")
-
-    def timed(ranks, seq_q, rate):
-        return ComputeRate(ranks=ranks, heads=4, seq_q=seq_q, seq_k=4 * seq_q, head_dim=64,
-                           seconds=4 * 4 * 64 * seq_q * 4 * seq_q / rate)
-
-    compute = (timed(1, 256, 1e9), timed(1, 512, 2e9), timed(1, 1024, 3e9),
-               timed(2, 256, 0.6e9), timed(2, 512, 0.9e9), timed(2, 1024, 1.5e9))
-    pooled = Calibration("mpi", (), compute, "2025-01-01T00:00:00+00:00")
-    measured = rate_pooling.MeasuredPoints("mpi", (), compute, "2025-01-01T00:00:00+00:00")
-    assert rate_pooling.rank_ratios(pooled) == pytest.approx({(64, False, 256): 1e9 / 0.6e9,
-                                                              (64, False, 512): 2e9 / 0.9e9,
-                                                              (64, False, 1024): 2.0})
-    middle = compute[1].flops
-    assert measured.attention_rate(2, 64, flops=middle) == pytest.approx(0.9e9)
-    assert pooled.attention_rate(2, 64, flops=middle) != pytest.approx(0.9e9, rel=1e-3)
-
-
-def test_calibration_rounds_reads_the_rank_ratio_spread_and_a_bursts_deviation():
-    """The ratio spread is the sd of log(1-rank / 2-rank rate) over calibrations, and a point
-    one calibration read at half speed is the worst deviation of its variant alone."""
-    calibration_rounds = _benchmark("calibration_rounds")
-
-    def calibration(two_rank_rate: float) -> Calibration:
-        work = 4 * 4 * 64 * 256 * 1024
-        compute = (ComputeRate(ranks=1, heads=4, seq_q=256, seq_k=1024, head_dim=64, seconds=work / 1e9),
-                   ComputeRate(ranks=2, heads=4, seq_q=256, seq_k=1024, head_dim=64,
-                               seconds=work / two_rank_rate))
-        return Calibration("mpi", (), compute, "2025-01-01T00:00:00+00:00")
-
-    steady = [calibration(0.5e9), calibration(0.5e9), calibration(0.5e9)]
-    burst = [calibration(0.5e9), calibration(0.25e9), calibration(0.5e9)]
-    assert calibration_rounds.ratio_spread(steady) == pytest.approx(0.0, abs=1e-12)
-    assert calibration_rounds.ratio_spread(burst) == pytest.approx(np.std(np.log([2, 4, 2]), ddof=1))
-    worst = calibration_rounds.worst_deviations({"rounds": steady, "one pass": burst})
-    assert worst == pytest.approx({"rounds": 0.0, "one pass": np.log(2)}, abs=1e-12)
-
-
-def test_averaged_layers_scores_each_rule_held_out_by_length():
-    """Each configuration's level shows at every length: the level alone predicts every
-    held-out pick exactly and meets the goal, the rule before chose it (its held-out error
-    within a workload is the smallest), and the prior alone, blind to the levels, misses."""
-    from dataclasses import replace
-
-    from test_cost_model import TRAIN_LENGTHS, cases_at, level_truth
-
-    averaged_layers = _benchmark("averaged_layers")
-    cases = [replace(case, workload=replace(case.workload, causal=causal))
-             for seq_len in TRAIN_LENGTHS for case in cases_at(seq_len) for causal in (False, True)]
-    latencies = np.array([level_truth(case) for case in cases])
-    scores = averaged_layers.score(cases, latencies, np.zeros(len(cases), dtype=bool))
-    assert set(scores) == {"now", "before", "level alone", "boosted alone", "prior alone"}
-    assert scores["level alone"] == {"median": 1.0, "worst": 1.0, "meets_goal": True}
-    assert scores["before"] == scores["level alone"]
-    assert not scores["prior alone"]["meets_goal"] and scores["prior alone"]["worst"] > 1.05
