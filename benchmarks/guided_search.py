@@ -43,7 +43,7 @@ import optuna
 
 from cptune.config import CPConfig
 from cptune.model import Candidate, Case, Profile, fit_advised, predicted, training_set
-from cptune.search import STOP_PROBABILITY, GuidedSampler, _suggest, _tree
+from cptune.search import STOP_PROBABILITY, GuidedSampler, suggest, tree_of
 from cptune.store import Store, display_url
 from cptune.workload import Workload
 
@@ -70,11 +70,11 @@ def _run(sampler: optuna.samplers.BaseSampler, latency: dict[CPConfig, float],
          order: list[CPConfig] | None = None) -> list[CPConfig]:
     """The configurations ``sampler`` tries (appended to ``order``), each valued at its sweep
     latency, until it stops or has tried as many as there are."""
-    tree = _tree(list(latency))
+    tree = tree_of(list(latency))
     order = [] if order is None else order
 
     def objective(trial: optuna.Trial) -> float:
-        config = _suggest(trial, tree)
+        config = suggest(trial, tree)
         order.append(config)
         return latency[config]
 

@@ -205,7 +205,7 @@ def measure_round(
     ``ITERATIONS_PER_PASS`` iterations, until each has ``repeats``; ``warmup`` more
     iterations on its first pass. A slow phase of the host (on this project's VMs one to two
     seconds at 1.3x, as long as a round of whole visits) then falls on every configuration
-    alike instead of on those visited during it (``benchmarks/interleave_grain.py``).
+    alike instead of on those visited during it (``docs/decisions/0006-interleaved-passes.md``).
 
     The guard watches the whole round: other load on the host marks every configuration
     of it, the spread of its own iterations each one. A configuration whose run fails gets

@@ -10,8 +10,7 @@ import pytest
 
 from cptune.config import CPConfig
 from cptune.model import Candidate
-from cptune.search import GuidedSampler, any_wins, win_probability
-from cptune.search._trials import suggest, tree_of
+from cptune.search import GuidedSampler, any_wins, suggest, tree_of, win_probability
 
 RING2, RING4, ULY2, ULY4, AG2, AG4 = (CPConfig("ring", 2), CPConfig("ring", 4), CPConfig("ulysses", 2, 2),
                                      CPConfig("ulysses", 4, 4), CPConfig("allgather_kv", 2),

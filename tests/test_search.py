@@ -130,8 +130,7 @@ def _replay(configs, truth, predictions, stop_probability=0.1):
     """Run ``GuidedSampler`` over ``configs`` valued at ``truth`` (ms) with fixed predictions."""
     import optuna
 
-    from cptune.search import GuidedSampler
-    from cptune.search._trials import suggest, tree_of
+    from cptune.search import GuidedSampler, suggest, tree_of
 
     asked = []
 

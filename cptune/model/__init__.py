@@ -25,6 +25,7 @@ from cptune.model._recommend import (
     correction_decision_of,
     hardware_profile,
     predict_for,
+    predicted,
     recommend,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "held_out_predictions",
     "load_training",
     "predict_for",
+    "predicted",
     "prior_time",
     "recommend",
     "training_set",

@@ -19,7 +19,7 @@ length better is decided by the noise of a dozen decisions. Held out by length o
 databases of four fresh pairs calibrated in rounds, where this rule was chosen, the
 average met ``cptune fit``'s goal on all 16; choosing between the two per database, as
 ``recommend`` did before, met it on 13; on a fifth pair and a run made afterwards, 6 of 6
-either way (``benchmarks/results/averaged-layers-2026-11-26.txt``). Trees cannot
+either way (``docs/decisions/0014-averaged-correction.md``). Trees cannot
 extrapolate: beyond the measured range they hold their edge value, so there the prior
 carries the trend (longer sequences, more ranks). The correction is applied only to
 hardware the model was fitted on; elsewhere the prediction is the prior's. Its interval on

@@ -38,7 +38,7 @@ mean paired difference lies above 0. A difference within that interval is a tie,
 between two measured configurations is, and a tie keeps the correction, which speaks from
 measurements where the prior speaks from rates: refusing it on a difference the noise
 could make cost ``recommend`` cptune fit's goal on a database where the correction met it
-(``benchmarks/results/averaged-layers-2026-11-26.txt``).
+(``docs/decisions/0014-averaged-correction.md``).
 """
 
 from __future__ import annotations

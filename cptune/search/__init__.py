@@ -14,7 +14,7 @@ from cptune.search._space import (
     calibrate_host,
     search_space,
 )
-from cptune.search._trials import study_name
+from cptune.search._trials import study_name, suggest, tree_of
 from cptune.search._workload import NEAR_MISS_RATIO, PHASES, Visit, WorkloadSearch, is_near_miss
 
 __all__ = [
@@ -33,5 +33,7 @@ __all__ = [
     "is_near_miss",
     "search_space",
     "study_name",
+    "suggest",
+    "tree_of",
     "win_probability",
 ]

@@ -77,7 +77,7 @@ _WARM_START = 3
 #: than a paired comparison needs (``MIN_PAIRED_ROUNDS``), joins the race until it has them:
 #: slow phases of this project's CPU hosts slowed both visits of one configuration by 1.22x
 #: and 1.27-1.45x where other runs of the same sweep had it tied with the leader
-#: (``benchmarks/results/fit-steady-2026-11-24.txt``), and two visits cannot tell that apart
+#: (``docs/decisions/0005-race-near-misses.md``), and two visits cannot tell that apart
 #: from a slower configuration.
 NEAR_MISS_RATIO = 1.5
 
