@@ -1,9 +1,12 @@
+from __future__ import annotations
+
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -14,7 +17,14 @@ from cptune.engines.mpi import MPIEngine
 from cptune.measurement import Measurement
 from cptune.workload import Workload
 
+if TYPE_CHECKING:
+    from cptune.model import Candidate
+    from cptune.search import GuidedSampler
+
 TESTS = Path(__file__).parent
+#: ``cptune`` as a user starts it: a fresh interpreter (``-P``: the working directory is not
+#: put on sys.path, so the installed or PYTHONPATH cptune runs, not a stray module beside it).
+CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +59,27 @@ def processes_left(marker: str, within: float = 10.0) -> list[int]:
     while (found := pool_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return found
+
+
+def cptune(*args: object, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``cptune *args`` in a subprocess (each argument passed as ``str``), its output captured as
+    text; ``kwargs`` go to ``subprocess.run`` (``cwd``, ``env``, ``timeout``). For what needs a
+    process of its own: real ranks end to end, signals, a fresh interpreter."""
+    kwargs.setdefault("timeout", 300)
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, **kwargs)
+
+
+def assert_refused(result: subprocess.CompletedProcess, *fragments: str,
+                   prefix: str = "cptune: error: ") -> None:
+    """Exit 2, nothing on stdout, one line on stderr (so no traceback) starting ``prefix`` and
+    naming every one of ``fragments``."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(prefix), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
 
 
 def make_calibration(max_ranks: int = 4) -> Calibration:
@@ -128,3 +159,37 @@ def faulty_engine():
     yield make
     for engine in engines:
         engine.close()
+
+
+def candidate(config: CPConfig, ms: float, low: float, high: float) -> Candidate:
+    """The model's prediction for ``config``: ``ms``, its interval ``low``..``high`` ms."""
+    from cptune.model import Candidate
+
+    return Candidate(config, ms, low, high, "model")
+
+
+def replay(truth: dict[CPConfig, float], predictions: dict[CPConfig, Candidate],
+           stop_probability: float = 0.1) -> tuple[list[CPConfig], GuidedSampler, list[list[CPConfig]]]:
+    """``GuidedSampler`` over ``truth``'s configurations, each valued at its ``truth`` (ms),
+    the model fixed at ``predictions``: the order it tried them in, the sampler (its
+    ``early_stop``), and the configurations it asked the model about, call by call."""
+    import optuna
+
+    from cptune.search import GuidedSampler, suggest, tree_of
+
+    configs, asked = list(truth), []
+
+    def predict(pending: list[CPConfig]) -> list[Candidate]:
+        asked.append(list(pending))
+        return [predictions[c] for c in pending]
+
+    sampler = GuidedSampler(configs, predict, stop_probability)
+    tree, order = tree_of(configs), []
+
+    def objective(trial: optuna.Trial) -> float:
+        config = suggest(trial, tree)
+        order.append(config)
+        return truth[config]
+
+    optuna.create_study(sampler=sampler).optimize(objective, n_trials=len(configs))
+    return order, sampler, asked

@@ -23,22 +23,17 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.engine import make_url
 
-from conftest import make_calibration, measurement
+from conftest import CLI, cptune, make_calibration, measurement
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware
 from cptune.search import WorkloadSearch
 from cptune.store import VERSION_TABLE, Base, Store, database_url
 
 SERVER = os.environ.get("CPTUNE_TEST_POSTGRES_URL")
-CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 HARDWARE = Hardware(host="pg1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
                     interconnect="shared memory (one host)", mpi_library="MPICH 5")
 WORKLOAD = Workload(seq_len=64, heads=4, head_dim=16, kv_heads=2, causal=True)
 TINY = ["--heads", "4", "--head-dim", "16", "--ranks", "1,2", "--no-calibrate"]
-
-
-def cptune(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
 
 
 def libpq(url: str) -> str:

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import stand_in_measuring
+from conftest import candidate, replay, stand_in_measuring
 from cptune import CPConfig, Workload, enumerate_configs, feasibility
 from cptune.estimate import verdicts
 from cptune.hardware import this_host
@@ -108,12 +108,6 @@ def test_tpe_is_warm_started_from_other_lengths(store):
 # --------------------------------------------------------------------------- guided order
 
 
-def candidate(config, ms, low, high):
-    from cptune.model import Candidate
-
-    return Candidate(config, ms, low, high, "model")
-
-
 def test_win_probability_reads_the_interval_as_its_quantiles():
     from cptune.search import win_probability
 
@@ -126,30 +120,6 @@ def test_win_probability_reads_the_interval_as_its_quantiles():
     assert win_probability(no_spread_below, 9.99) == 0.0
 
 
-def _replay(configs, truth, predictions, stop_probability=0.1):
-    """Run ``GuidedSampler`` over ``configs`` valued at ``truth`` (ms) with fixed predictions."""
-    import optuna
-
-    from cptune.search import GuidedSampler, suggest, tree_of
-
-    asked = []
-
-    def predict(pending):
-        asked.append(list(pending))
-        return [predictions[c] for c in pending]
-
-    sampler = GuidedSampler(configs, predict, stop_probability)
-    tree, order = tree_of(configs), []
-
-    def objective(trial):
-        config = suggest(trial, tree)
-        order.append(config)
-        return truth[config]
-
-    optuna.create_study(sampler=sampler).optimize(objective, n_trials=len(configs))
-    return order, sampler, asked
-
-
 def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win():
     local, ring, ag, uly = CONFIGS  # ring x1, ring x2, allgather_kv x2, ulysses x2
     predictions = {
@@ -159,7 +129,7 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
         uly: candidate(uly, 60.0, 50.0, 80.0),
     }
     truth = {local: 41.0, ring: 21.0, ag: 18.5, uly: 55.0}
-    order, sampler, asked = _replay(list(CONFIGS), truth, predictions)
+    order, sampler, asked = replay(truth, predictions)
     # ring first (lowest estimate); ag's interval reaches below 21 ms, so it runs; then local
     # (low edge 30 ms) and ulysses (50 ms) cannot plausibly beat 18.5 ms: stop
     assert order == [ring, ag]
@@ -168,7 +138,7 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
     assert (stop.tried, stop.unmeasured, stop.likeliest) == (2, 2, local)
     assert stop.probability < 0.1 and "stopped after 2 of 4 configurations" in stop.describe()
     assert "a 10% chance" in stop.describe()
-    _, bolder, _ = _replay(list(CONFIGS), truth, predictions, stop_probability=0.3)
+    _, bolder, _ = replay(truth, predictions, stop_probability=0.3)
     assert "stopped after 2 of 4 configurations" in bolder.early_stop.describe()
     assert "a 30% chance" in bolder.early_stop.describe()  # the threshold it ran with
     assert all(ring not in pending for pending in asked[1:])  # never asked again once tried
@@ -177,7 +147,7 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
 def test_guided_search_runs_everything_when_each_remaining_config_may_still_win():
     predictions = {c: candidate(c, 20.0 + i, 5.0, 60.0) for i, c in enumerate(CONFIGS)}  # wide bands
     truth = {c: 30.0 - i for i, c in enumerate(CONFIGS)}
-    order, sampler, _ = _replay(list(CONFIGS), truth, predictions)
+    order, sampler, _ = replay(truth, predictions)
     assert order == list(CONFIGS) and sampler.early_stop is None
 
 
@@ -318,8 +288,8 @@ def test_rounds_visit_every_candidate_in_a_fresh_random_order_and_store_their_ro
     # the same seed gives the same orders; the rounds are what a seed decides
     with Store(str(tmp_path / "again.db")) as other:
         WorkloadSearch(WORKLOAD, CONFIGS, other, this_host(), rounds=5, race_rounds=0, seed=3).run()
-        replay = by_round(other)
-    assert [tuple(c) for round_id, c in replay.items() if not round_id.endswith(":0")] == orders
+        seeded_again = by_round(other)
+    assert [tuple(c) for round_id, c in seeded_again.items() if not round_id.endswith(":0")] == orders
 
 
 def test_the_race_ends_as_soon_as_the_leader_is_separated(store, runs):
