@@ -69,6 +69,26 @@ def cptune(*args: object, **kwargs: Any) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, **kwargs)
 
 
+@pytest.fixture
+def cptune_here(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess]:
+    """``cptune *args`` run in this process by ``cptune.cli.main``, answered like ``cptune()``
+    (returncode, stdout, stderr): a flag error's exit (argparse's ``SystemExit``) is its code.
+    For bad flags and databases, where a subprocess would only pay for the imports."""
+    from cptune.cli import main
+
+    def run(*args: object) -> subprocess.CompletedProcess:
+        argv = [str(arg) for arg in args]
+        capsys.readouterr()  # only what this command prints
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = 0 if exit_.code is None else exit_.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["cptune", *argv], code, out, err)
+
+    return run
+
+
 def assert_refused(result: subprocess.CompletedProcess, *fragments: str,
                    prefix: str = "cptune: error: ") -> None:
     """Exit 2, nothing on stdout, one line on stderr (so no traceback) starting ``prefix`` and
