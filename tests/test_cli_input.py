@@ -220,6 +220,7 @@ def test_a_read_only_database_is_refused_before_measuring(cptune_here, db, args)
     assert rows(db) == before
 
 
+@pytest.mark.slow  # a subprocess: its reader must really close the pipe
 def test_a_reader_that_leaves_early_ends_the_listing_quietly(tmp_path):
     path = tmp_path / "big.db"
     with Store(str(path)) as store:

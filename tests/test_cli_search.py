@@ -107,6 +107,7 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
                       for t in trials) == sorted((r[0], r[1], r[2], r[5]) for r in rows if r[3] == seq_len)
 
 
+@pytest.mark.slow
 def test_search_calibrates_then_results_export_and_report(tmp_path):
     db = str(tmp_path / "r.db")
     first = cptune("search", "--db", db, *QUICK, *ONE_VISIT)
@@ -161,6 +162,7 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     assert len(stored(db)) == before + int(visits[1])
 
 
+@pytest.mark.slow
 def test_search_gives_each_length_its_verdict_in_words_and_a_rerun_runs_nothing(tmp_path):
     db = str(tmp_path / "v.db")
     first = cptune("search", "--db", db, *QUICK, "--no-calibrate", "--rounds", "3", "--race-rounds", "2")

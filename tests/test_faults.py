@@ -14,6 +14,8 @@ from conftest import TESTS, pool_processes, processes_left
 from cptune import CPConfig, EngineError, Workload
 from cptune.reference import make_inputs
 
+pytestmark = pytest.mark.slow  # every test here runs MPI ranks (and one a caller process)
+
 WORKLOAD = Workload(seq_len=32, heads=4, head_dim=8, dtype="fp32")
 CONFIG = CPConfig("ring", 2)
 

@@ -301,6 +301,7 @@ def test_a_described_plan_launches_gpus_and_is_refused_on_this_host(db, tmp_path
 # --------------------------------------------------------------------------- command line
 
 
+@pytest.mark.slow  # the plan is loaded by a fresh interpreter: what it imports shows
 def test_cli_export_then_load_in_another_process_without_the_model(cptune_here, db, tmp_path):
     out = tmp_path / "cli-plan.json"
     done = cptune_here("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens",

@@ -147,6 +147,7 @@ with Store(sys.argv[1]) as store:
 """
 
 
+@pytest.mark.slow
 def test_two_writers_on_one_new_database(postgres_url):
     """Two processes open a new database at once (both migrate) and add rows naming the same
     hardware and workloads in parallel: no error, no lost row, no duplicate."""
@@ -162,6 +163,7 @@ def test_two_writers_on_one_new_database(postgres_url):
     assert len({r.workload for r in rows}) == 5
 
 
+@pytest.mark.slow
 def test_two_searches_share_one_database(postgres_url, password):
     runs = [subprocess.Popen([*CLI, "search", "--db", postgres_url, "--seq-lens", seq_lens, *TINY],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -183,6 +185,7 @@ def test_two_searches_share_one_database(postgres_url, password):
     assert sorted(s.n_trials for s in studies) == sorted(per_length.values())
 
 
+@pytest.mark.slow
 def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp_path):
     """The loop a team runs on a shared database, with a password in the URL: calibrate,
     search, search again (only what is missing runs), results, recommend, export, report, fit.

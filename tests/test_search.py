@@ -31,6 +31,7 @@ def clean_visits(store):
     return Counter(r.config for r in store.results() if r.clean)
 
 
+@pytest.mark.slow
 def test_small_space_gets_its_rounds_and_a_rerun_runs_nothing(store):
     first = search(store, rounds=2, race_rounds=0).run()
     assert {v.config for v in first} == set(CONFIGS)
@@ -45,6 +46,7 @@ def test_small_space_gets_its_rounds_and_a_rerun_runs_nothing(store):
     assert again.verdict is not None and again.verdict.leader.rounds == 4  # and combined
 
 
+@pytest.mark.slow
 def test_interrupted_search_resumes_with_what_is_missing(store):
     def stop_after_two(visit, seen=[]):  # noqa: B006 - state across calls on purpose
         seen.append(visit)
@@ -60,6 +62,7 @@ def test_interrupted_search_resumes_with_what_is_missing(store):
     assert clean_visits(store) == dict.fromkeys(CONFIGS, 1)
 
 
+@pytest.mark.slow
 def test_failures_are_stored_and_the_search_goes_on(store, faulty_engine):
     engine = faulty_engine("raise")  # rank 1 raises: every multi-rank run fails
     visits = search(store, backend=engine, rounds=2, race_rounds=0).run()
@@ -72,6 +75,7 @@ def test_failures_are_stored_and_the_search_goes_on(store, faulty_engine):
     assert search(store, backend=engine, rounds=2, race_rounds=0).run() == []  # failures count as measured
 
 
+@pytest.mark.slow
 def test_a_pool_that_fails_to_launch_is_stored_as_launch_and_the_search_goes_on(store, faulty_engine):
     engine = faulty_engine("launch")  # rank 1 exits at start: no pool of two ranks starts
     visits = search(store, backend=engine, rounds=2, race_rounds=0).run()
@@ -82,6 +86,7 @@ def test_a_pool_that_fails_to_launch_is_stored_as_launch_and_the_search_goes_on(
     assert Counter(r.status for r in store.results()) == {"ok": 2, "launch": 3}
 
 
+@pytest.mark.slow
 def test_tpe_never_proposes_an_infeasible_point(store):
     """A budget below the space size uses TPE; every proposal is a feasible config."""
     workload = Workload(seq_len=48, heads=6, head_dim=8, kv_heads=3, dtype="fp32")
@@ -95,6 +100,7 @@ def test_tpe_never_proposes_an_infeasible_point(store):
         assert o.config in configs and feasibility(workload, o.config) == []
 
 
+@pytest.mark.slow
 def test_tpe_is_warm_started_from_other_lengths(store):
     host = this_host()
     shorter = Workload(seq_len=48, heads=4, head_dim=16, dtype="fp32")
@@ -151,6 +157,7 @@ def test_guided_search_runs_everything_when_each_remaining_config_may_still_win(
     assert order == list(CONFIGS) and sampler.early_stop is None
 
 
+@pytest.mark.slow
 def test_guided_search_without_a_calibration_falls_back_to_every_configuration(store):
     s = search(store, order="guided", rounds=1, race_rounds=0)
     outcomes = s.run()
@@ -158,6 +165,7 @@ def test_guided_search_without_a_calibration_falls_back_to_every_configuration(s
     assert s.unguided is not None and "no calibration" in s.unguided and s.early_stop is None
 
 
+@pytest.mark.slow
 def test_guided_search_orders_by_the_stored_model(store):
     from conftest import make_calibration
     from cptune.model import predict_for
@@ -181,6 +189,7 @@ def test_guided_search_orders_by_the_stored_model(store):
 # --------------------------------------------------------------------------- the dashboard's study
 
 
+@pytest.mark.slow
 def test_a_search_keeps_its_runs_as_an_optuna_study(store):
     import optuna
 
@@ -212,6 +221,7 @@ def test_the_command_line_offers_every_order():
     assert tuple(order.choices) == ORDERS
 
 
+@pytest.mark.slow
 def test_a_study_that_cannot_be_written_is_one_store_error_and_the_run_is_kept(store):
     import optuna
 
