@@ -14,7 +14,9 @@ from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_si
 from cptune.config import CPConfig
 from cptune.engines import ENGINES
 from cptune.engines.mpi import MPIEngine
+from cptune.hardware import Hardware, this_host
 from cptune.measurement import Measurement
+from cptune.store import Store
 from cptune.workload import Workload
 
 if TYPE_CHECKING:
@@ -25,6 +27,9 @@ TESTS = Path(__file__).parent
 #: ``cptune`` as a user starts it: a fresh interpreter (``-P``: the working directory is not
 #: put on sys.path, so the installed or PYTHONPATH cptune runs, not a stray module beside it).
 CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
+#: A host other than this one, for measurements and calibrations stored under another fingerprint.
+OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu_model=None, gpu_count=0,
+                      interconnect="shared memory (one host)", mpi_library="MPICH 5")
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +107,17 @@ def assert_refused(result: subprocess.CompletedProcess, *fragments: str,
         assert fragment in lines[0], lines[0]
 
 
+def assert_pool_gone(pool_dir: Path, pids: list[int]) -> None:
+    """Within 10 s, no process of the pool in ``pool_dir`` (nor any of ``pids``) is left and
+    its directory is removed."""
+    deadline = time.monotonic() + 10
+    while (pool_processes(str(pool_dir)) or any(os.path.exists(f"/proc/{p}") for p in pids)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool_processes(str(pool_dir)) == []
+    assert not pool_dir.exists()
+
+
 def make_calibration(max_ranks: int = 4) -> Calibration:
     """A hand-built calibration of 1..``max_ranks`` ranks: no MPI run needed."""
     fits = tuple(
@@ -124,6 +140,13 @@ def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
         compute_ms=0.8 * ms, comm_ms=0.2 * ms, peak_bytes=2**20, max_error=1e-3, engine="mpi", host={},
         warmup=1, repeats=3, samples_ms=[0.9 * ms, ms, 1.2 * ms],
     )
+
+
+def add_measurements(db: str, *measurements: Measurement, hardware: Hardware | None = None) -> None:
+    """Store ``measurements`` in ``db``, taken on ``hardware`` (this host unless given)."""
+    with Store(db) as store:
+        for m in measurements:
+            store.add_measurement(hardware or this_host(), m)
 
 
 def stand_in_measuring(monkeypatch: pytest.MonkeyPatch, measure: Callable[..., Measurement]) -> None:

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import cptune
-from conftest import TESTS
+from conftest import TESTS, assert_pool_gone
 from cptune import CPConfig, CPTuneError, EngineError, Workload
 from cptune.cli import main
 from cptune.engines import get_engine
@@ -131,8 +131,6 @@ def test_cli_search_with_the_onnx_backend_is_one_line(capsys, tmp_path):
 @pytest.mark.slow
 def test_rank_failures_end_as_one_error_with_no_process_left(faulty_engine):
     """The onnx engine's ranks are the shared supervised pool: a crashing rank is one error."""
-    from test_faults import assert_pool_gone
-
     engine = OnnxEngine(worker=[sys.executable, str(TESTS / "faulty_worker.py"), "crash"])
     try:
         engine._pool_for(2)

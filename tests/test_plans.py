@@ -9,9 +9,8 @@ import sys
 import jsonschema
 import numpy as np
 import pytest
-from test_recommend import OTHER_HOST, add
 
-from conftest import assert_refused, make_calibration, measurement
+from conftest import OTHER_HOST, add_measurements, assert_refused, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import candidate_configs, feasibility
@@ -39,8 +38,9 @@ def db(tmp_path):
         store.add_calibration(this_host(), make_calibration())
     for seq_len, fastest in ((SHORT, FAST_SHORT), (LONG, FAST_LONG)):
         configs = [c for c in candidate_configs(4) if not feasibility(at(seq_len), c)]
-        add(path, *(measurement(at(seq_len), c, (5.0 if c == fastest else 9.0 + i) * seq_len / SHORT)
-                    for i, c in enumerate(configs)))
+        add_measurements(path, *(measurement(at(seq_len), c,
+                                             (5.0 if c == fastest else 9.0 + i) * seq_len / SHORT)
+                                 for i, c in enumerate(configs)))
     return path
 
 
@@ -345,7 +345,7 @@ def test_cli_export_bad_input_exits_2_in_one_line(cptune_here, db, tmp_path, mon
 def test_a_plan_for_a_stored_fingerprint_uses_its_measurements(db, tmp_path):
     with Store(db) as store:
         store.add_calibration(OTHER_HOST, make_calibration())
-    add(db, measurement(at(SHORT), CPConfig("allgather_kv", 2), 1.0), hardware=OTHER_HOST)
+    add_measurements(db, measurement(at(SHORT), CPConfig("allgather_kv", 2), 1.0), hardware=OTHER_HOST)
     plan = export_plan([at(SHORT)], ranks=2, hardware=OTHER_HOST.fingerprint[:8], db=db)
     (bucket,) = plan.buckets
     assert plan.hardware.fingerprint == OTHER_HOST.fingerprint and plan.hardware.kind == "host"
