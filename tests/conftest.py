@@ -1,9 +1,12 @@
+from __future__ import annotations
+
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -11,10 +14,22 @@ from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_si
 from cptune.config import CPConfig
 from cptune.engines import ENGINES
 from cptune.engines.mpi import MPIEngine
+from cptune.hardware import Hardware, this_host
 from cptune.measurement import Measurement
+from cptune.store import Store
 from cptune.workload import Workload
 
+if TYPE_CHECKING:
+    from cptune.model import Candidate
+    from cptune.search import GuidedSampler
+
 TESTS = Path(__file__).parent
+#: ``cptune`` as a user starts it: a fresh interpreter (``-P``: the working directory is not
+#: put on sys.path, so the installed or PYTHONPATH cptune runs, not a stray module beside it).
+CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
+#: A host other than this one, for measurements and calibrations stored under another fingerprint.
+OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu_model=None, gpu_count=0,
+                      interconnect="shared memory (one host)", mpi_library="MPICH 5")
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +66,58 @@ def processes_left(marker: str, within: float = 10.0) -> list[int]:
     return found
 
 
+def cptune(*args: object, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``cptune *args`` in a subprocess (each argument passed as ``str``), its output captured as
+    text; ``kwargs`` go to ``subprocess.run`` (``cwd``, ``env``, ``timeout``). For what needs a
+    process of its own: real ranks end to end, signals, a fresh interpreter."""
+    kwargs.setdefault("timeout", 300)
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture
+def cptune_here(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess]:
+    """``cptune *args`` run in this process by ``cptune.cli.main``, answered like ``cptune()``
+    (returncode, stdout, stderr): a flag error's exit (argparse's ``SystemExit``) is its code.
+    For bad flags and databases, where a subprocess would only pay for the imports."""
+    from cptune.cli import main
+
+    def run(*args: object) -> subprocess.CompletedProcess:
+        argv = [str(arg) for arg in args]
+        capsys.readouterr()  # only what this command prints
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = 0 if exit_.code is None else exit_.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["cptune", *argv], code, out, err)
+
+    return run
+
+
+def assert_refused(result: subprocess.CompletedProcess, *fragments: str,
+                   prefix: str = "cptune: error: ") -> None:
+    """Exit 2, nothing on stdout, one line on stderr (so no traceback) starting ``prefix`` and
+    naming every one of ``fragments``."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(prefix), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def assert_pool_gone(pool_dir: Path, pids: list[int]) -> None:
+    """Within 10 s, no process of the pool in ``pool_dir`` (nor any of ``pids``) is left and
+    its directory is removed."""
+    deadline = time.monotonic() + 10
+    while (pool_processes(str(pool_dir)) or any(os.path.exists(f"/proc/{p}") for p in pids)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool_processes(str(pool_dir)) == []
+    assert not pool_dir.exists()
+
+
 def make_calibration(max_ranks: int = 4) -> Calibration:
     """A hand-built calibration of 1..``max_ranks`` ranks: no MPI run needed."""
     fits = tuple(
@@ -73,6 +140,13 @@ def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:
         compute_ms=0.8 * ms, comm_ms=0.2 * ms, peak_bytes=2**20, max_error=1e-3, engine="mpi", host={},
         warmup=1, repeats=3, samples_ms=[0.9 * ms, ms, 1.2 * ms],
     )
+
+
+def add_measurements(db: str, *measurements: Measurement, hardware: Hardware | None = None) -> None:
+    """Store ``measurements`` in ``db``, taken on ``hardware`` (this host unless given)."""
+    with Store(db) as store:
+        for m in measurements:
+            store.add_measurement(hardware or this_host(), m)
 
 
 def stand_in_measuring(monkeypatch: pytest.MonkeyPatch, measure: Callable[..., Measurement]) -> None:
@@ -128,3 +202,37 @@ def faulty_engine():
     yield make
     for engine in engines:
         engine.close()
+
+
+def candidate(config: CPConfig, ms: float, low: float, high: float) -> Candidate:
+    """The model's prediction for ``config``: ``ms``, its interval ``low``..``high`` ms."""
+    from cptune.model import Candidate
+
+    return Candidate(config, ms, low, high, "model")
+
+
+def replay(truth: dict[CPConfig, float], predictions: dict[CPConfig, Candidate],
+           stop_probability: float = 0.1) -> tuple[list[CPConfig], GuidedSampler, list[list[CPConfig]]]:
+    """``GuidedSampler`` over ``truth``'s configurations, each valued at its ``truth`` (ms),
+    the model fixed at ``predictions``: the order it tried them in, the sampler (its
+    ``early_stop``), and the configurations it asked the model about, call by call."""
+    import optuna
+
+    from cptune.search import GuidedSampler, suggest, tree_of
+
+    configs, asked = list(truth), []
+
+    def predict(pending: list[CPConfig]) -> list[Candidate]:
+        asked.append(list(pending))
+        return [predictions[c] for c in pending]
+
+    sampler = GuidedSampler(configs, predict, stop_probability)
+    tree, order = tree_of(configs), []
+
+    def objective(trial: optuna.Trial) -> float:
+        config = suggest(trial, tree)
+        order.append(config)
+        return truth[config]
+
+    optuna.create_study(sampler=sampler).optimize(objective, n_trials=len(configs))
+    return order, sampler, asked

@@ -7,11 +7,10 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 
 import pytest
 
-from conftest import make_calibration, measurement
+from conftest import CLI, assert_refused, cptune, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost
 from cptune.hardware import builtin_descriptions, this_host
@@ -19,23 +18,7 @@ from cptune.measurement import available_cores, host_memory_bytes
 from cptune.store import VERSION_TABLE, Store
 from cptune.workload import Workload
 
-CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 SMALL = Workload(seq_len=64, heads=4, head_dim=16)
-
-
-def cptune(*args, **kwargs):
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, **kwargs)
-
-
-def assert_refused(result, *fragments, prefix="cptune: error: "):
-    """Exit 2, nothing on stdout, one line on stderr starting ``prefix`` and naming ``fragments``."""
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(prefix), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def rows(db):
@@ -77,8 +60,8 @@ def db(tmp_path):
     (["search", "--rounds", "0"], "cptune search: error: ", "--rounds: must be positive, got 0"),
     ([], "cptune: error: ", "command"),
 ])
-def test_a_flag_error_is_one_line_with_where_to_get_help(args, prefix, fragment):
-    result = cptune(*args)
+def test_a_flag_error_is_one_line_with_where_to_get_help(cptune_here, args, prefix, fragment):
+    result = cptune_here(*args)
     assert_refused(result, fragment, prefix=prefix)
     assert result.stderr.rstrip().endswith("--help)")
     assert "usage:" not in result.stderr
@@ -88,36 +71,39 @@ def test_a_flag_error_is_one_line_with_where_to_get_help(args, prefix, fragment)
 
 
 @pytest.mark.parametrize("command", ["results", "fit", "report", "export", "recommend"])
-def test_reading_a_database_that_does_not_exist_refuses_and_creates_nothing(tmp_path, command):
+def test_reading_a_database_that_does_not_exist_refuses_and_creates_nothing(cptune_here, tmp_path,
+                                                                            monkeypatch, command):
     shape = {"recommend": ["--heads", "4", "--head-dim", "16", "--seq-len", "64"],
              "export": ["--heads", "4", "--head-dim", "16", "--seq-lens", "64"]}.get(command, [])
-    result = cptune(command, *shape, "--db", tmp_path / "typo.db", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = cptune_here(command, *shape, "--db", tmp_path / "typo.db")
     assert_refused(result, f"no database at {tmp_path / 'typo.db'}")
     assert list(tmp_path.iterdir()) == []
 
 
-def test_recommend_for_a_description_needs_no_database_and_creates_none(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "CPTUNE_DB"}
-    result = cptune("recommend", "--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128",
-                    "--seq-len", "16896", "--json", cwd=tmp_path, env=env)
+def test_recommend_for_a_description_needs_no_database_and_creates_none(cptune_here, tmp_path, monkeypatch):
+    monkeypatch.delenv("CPTUNE_DB", raising=False)  # the default database: ./cptune.db
+    monkeypatch.chdir(tmp_path)
+    result = cptune_here("recommend", "--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128",
+                         "--seq-len", "16896", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["source"] == "prior"
     assert list(tmp_path.iterdir()) == []
 
 
-def test_messages_are_text_not_markup(tmp_path):
+def test_messages_are_text_not_markup(cptune_here, tmp_path):
     space = tmp_path / "space.toml"
     space.write_text('name = "x"\n[model]\nhaeds = 8\nhead_dim = 64\n[sweep]\nseq_lens = [64]\n')
-    assert_refused(cptune("search", space, "--db", tmp_path / "x.db"), "allowed in [model]: heads")
+    assert_refused(cptune_here("search", space, "--db", tmp_path / "x.db"), "allowed in [model]: heads")
     assert not (tmp_path / "x.db").exists()
 
 
-def test_a_description_name_in_brackets_is_shown_as_written(tmp_path, db):
+def test_a_description_name_in_brackets_is_shown_as_written(cptune_here, tmp_path, db):
     description = tmp_path / "box.toml"
     shipped = builtin_descriptions()["h100-sxm-8"].read_text()
     description.write_text(shipped.replace('name = "', 'name = "[bold]lab[/bold] ', 1))
-    result = cptune("recommend", "--hardware", description, "--heads", "8", "--head-dim", "64",
-                    "--seq-len", "4096", "--db", db)
+    result = cptune_here("recommend", "--hardware", description, "--heads", "8", "--head-dim", "64",
+                         "--seq-len", "4096", "--db", db)
     assert result.returncode == 0, result.stderr
     assert "[bold]lab[/bold]" in result.stdout
 
@@ -126,7 +112,7 @@ def test_a_description_name_in_brackets_is_shown_as_written(tmp_path, db):
 
 
 @pytest.mark.parametrize("how", ["flags", "space", "max-ranks", "calibrate"])
-def test_more_ranks_than_cores_are_refused_without_the_flag(tmp_path, how):
+def test_more_ranks_than_cores_are_refused_without_the_flag(cptune_here, tmp_path, how):
     too_many = available_cores() + 1
     space = tmp_path / "space.toml"
     space.write_text(f'name = "big"\n[model]\nheads = 1\nhead_dim = 16\n[sweep]\nseq_lens = [64]\n'
@@ -136,7 +122,7 @@ def test_more_ranks_than_cores_are_refused_without_the_flag(tmp_path, how):
             "space": ["search", space],
             "max-ranks": ["search", "--max-ranks", too_many],
             "calibrate": ["calibrate", "--max-ranks", too_many]}[how]
-    result = cptune(*args, "--db", tmp_path / "o.db")
+    result = cptune_here(*args, "--db", tmp_path / "o.db")
     assert_refused(result, f"more ranks than this host's {available_cores()} cores", "--oversubscribe")
     assert not (tmp_path / "o.db").exists()
 
@@ -155,7 +141,7 @@ def test_an_oversubscribed_search_is_stored_marked_and_left_out_of_the_picks(db)
     assert json.loads(cptune("results", "--db", db, "--json").stdout)[3]["oversubscribed"] is True
 
 
-def test_oversubscribed_and_excluded_rows_answer_for_nothing(tmp_path):
+def test_oversubscribed_and_excluded_rows_answer_for_nothing(cptune_here, tmp_path):
     path = tmp_path / "m.db"
     with Store(str(path)) as store:
         store.add_calibration(this_host(), make_calibration(2))
@@ -164,8 +150,8 @@ def test_oversubscribed_and_excluded_rows_answer_for_nothing(tmp_path):
         store.add_measurement(this_host(), dataclasses.replace(fastest, oversubscribed=True))
         excluded = store.add_measurement(this_host(), measurement(SMALL, CPConfig("ulysses", 2), 0.1))
         store.set_excluded([excluded])
-    picked = json.loads(cptune("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", "64", "--json",
-                               "--db", path).stdout)
+    picked = json.loads(cptune_here("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", "64",
+                                    "--json", "--db", path).stdout)
     measured = {(c["strategy"], c["ranks"]): c["measurement_id"] for c in picked["candidates"]
                 if c["source"] == "measured"}
     assert measured == {("ring", 1): kept}
@@ -174,21 +160,21 @@ def test_oversubscribed_and_excluded_rows_answer_for_nothing(tmp_path):
 # --------------------------------------------------------------------------- exclude / delete (item 3)
 
 
-def test_results_exclude_include_and_delete(db):
+def test_results_exclude_include_and_delete(cptune_here, db):
     before = rows(db)
-    excluded = cptune("results", "--exclude", "2,3", "--db", db)
+    excluded = cptune_here("results", "--exclude", "2,3", "--db", db)
     assert excluded.returncode == 0, excluded.stderr
     assert excluded.stdout.startswith("excluded 2 measurement(s): 2, 3\n")
     assert "--include 2,3" in excluded.stdout
     assert [r[4] for r in rows(db)] == [0, 1, 1]
-    listed = cptune("results", "--db", db).stdout
+    listed = cptune_here("results", "--db", db).stdout
     assert listed.count("ok, excluded") == 2
 
-    included = cptune("results", "--include", "3", "--db", db)
+    included = cptune_here("results", "--include", "3", "--db", db)
     assert included.stdout.startswith("included again 1 measurement(s): 3\n")
     assert [r[4] for r in rows(db)] == [0, 1, 0]
 
-    deleted = cptune("results", "--delete", "1", "--db", db)
+    deleted = cptune_here("results", "--delete", "1", "--db", db)
     assert deleted.returncode == 0, deleted.stderr
     assert "deleted 1 measurement(s)" in deleted.stdout and "1: local attention on 1 rank" in deleted.stdout
     assert [r[0] for r in rows(db)] == [2, 3]
@@ -196,28 +182,29 @@ def test_results_exclude_include_and_delete(db):
 
 
 @pytest.mark.parametrize("change", ["--exclude", "--include", "--delete"])
-def test_unknown_ids_are_refused_and_nothing_changes(db, change):
+def test_unknown_ids_are_refused_and_nothing_changes(cptune_here, db, change):
     before = rows(db)
-    assert_refused(cptune("results", change, "2,7,9", "--db", db), "no measurement with id 7, 9")
+    assert_refused(cptune_here("results", change, "2,7,9", "--db", db), "no measurement with id 7, 9")
     assert rows(db) == before
 
 
 # --------------------------------------------------------------------------- tracebacks (item 8)
 
 
-def test_an_absurd_length_is_one_line(tmp_path):
-    result = cptune("recommend", "--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128",
-                    "--seq-len", "10000000000", cwd=tmp_path)
+def test_an_absurd_length_is_one_line(cptune_here, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = cptune_here("recommend", "--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128",
+                         "--seq-len", "10000000000")
     assert_refused(result, "no configuration can run seq 10000000000", "per rank, over the limit of 80.0 GiB")
 
 
-def test_a_database_of_a_newer_cptune_is_refused_untouched(db):
+def test_a_database_of_a_newer_cptune_is_refused_untouched(cptune_here, db):
     with sqlite3.connect(db) as connection:
         connection.execute(f"UPDATE {VERSION_TABLE} SET version_num = '0099'")
     before = dump(db)
     search = ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", "1"]
     for args in (["results"], search):
-        assert_refused(cptune(*args, "--db", db), "by a newer cptune", "'0099'", "Nothing was changed")
+        assert_refused(cptune_here(*args, "--db", db), "by a newer cptune", "'0099'", "Nothing was changed")
     assert dump(db) == before
 
 
@@ -226,13 +213,14 @@ def test_a_database_of_a_newer_cptune_is_refused_untouched(db):
     ["calibrate", "--max-ranks", "1"],
     ["results", "--exclude", "1"],
 ])
-def test_a_read_only_database_is_refused_before_measuring(db, args):
+def test_a_read_only_database_is_refused_before_measuring(cptune_here, db, args):
     before = rows(db)
     read_only = f"sqlite:///file:{db}?mode=ro&uri=true"
-    assert_refused(cptune(*args, "--db", read_only), "cannot write to database", "readonly")
+    assert_refused(cptune_here(*args, "--db", read_only), "cannot write to database", "readonly")
     assert rows(db) == before
 
 
+@pytest.mark.slow  # a subprocess: its reader must really close the pipe
 def test_a_reader_that_leaves_early_ends_the_listing_quietly(tmp_path):
     path = tmp_path / "big.db"
     with Store(str(path)) as store:
@@ -252,13 +240,13 @@ def test_a_reader_that_leaves_early_ends_the_listing_quietly(tmp_path):
 # --------------------------------------------------------------------------- host memory (item 4)
 
 
-def test_this_hosts_memory_is_shared_by_its_ranks(db):
+def test_this_hosts_memory_is_shared_by_its_ranks(cptune_here, db):
     # long enough that one rank's activations alone exceed half of this host's memory
     workload = Workload(seq_len=1024, heads=4, head_dim=16)
     while analytic_cost(workload, CPConfig("ring", 2)).peak_bytes * 2 <= host_memory_bytes():
         workload = dataclasses.replace(workload, seq_len=workload.seq_len * 2)
-    result = cptune("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", workload.seq_len, "--json",
-                    "--db", db)
+    result = cptune_here("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", workload.seq_len,
+                         "--json", "--db", db)
     if result.returncode == 0:
         picked = json.loads(result.stdout)
         for c in picked["candidates"]:

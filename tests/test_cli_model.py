@@ -1,26 +1,18 @@
-"""cptune recommend / fit / calibrate as a user runs them (subprocesses)."""
+"""cptune recommend / fit / calibrate as a user runs them: in this process where only what
+the command prints counts, as a subprocess where real ranks run."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from conftest import assert_refused, cptune, make_calibration, measurement
 from cptune.hardware import builtin_descriptions, this_host
 from cptune.store import Store
 
-CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 H100 = ["--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128"]
 
-
-def cptune(*args):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
-
-
-#: The runs that start no MPI ranks, by name: each gets its own database.
-RUNS = {
-    "json": ["recommend", *H100, "--seq-len", "16896", "--json"],
+#: Bad input that starts no MPI ranks, by name.
+BAD_INPUT = {
     "unknown-hardware": ["recommend", "--hardware", "h300-sxm-8", "--heads", "24", "--head-dim", "128",
                          "--seq-len", "4096"],
     "malformed-description": ["recommend", "--hardware", "{broken}", "--heads", "8", "--head-dim", "64",
@@ -31,42 +23,17 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run in RUNS, started at once (each mostly pays Python imports) and finished."""
-    tmp = tmp_path_factory.mktemp("cli")
-    broken = tmp / "broken.toml"
-    broken.write_text('ranks_per_node = 8\n[device\nname = "x"\n')
-    env = {k: v for k, v in os.environ.items() if k != "CPTUNE_DB"}  # the default database, absent
-    started = {
-        name: subprocess.Popen(
-            [*CLI, *(a.format(broken=broken) for a in args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=env,
-        )
-        for name, args in RUNS.items()
-    }
-    done = {}
-    for name, process in started.items():
-        out, err = process.communicate(timeout=300)
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
-    assert not (tmp / "cptune.db").exists()  # reading commands create no database
-    return done
+@pytest.fixture
+def no_database(tmp_path, monkeypatch):
+    """A working directory without a database and no $CPTUNE_DB: the default, ./cptune.db, is
+    absent (and reading commands must not create it)."""
+    monkeypatch.delenv("CPTUNE_DB", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "cptune.db"
 
 
-def assert_usage_error(result, *fragments):
-    """Exit 2 with one line "cptune: error: ..." on stderr naming ``fragments``, and no traceback."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "Traceback" not in output and result.stdout == ""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, output
-    assert lines[0].startswith("cptune: error: ")
-    for fragment in fragments:
-        assert fragment in lines[0], output
-
-
-def test_recommend_on_a_shipped_description_prints_json(runs):
-    result = runs["json"]
+def test_recommend_on_a_shipped_description_prints_json(cptune_here, no_database):
+    result = cptune_here("recommend", *H100, "--seq-len", "16896", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(result.stdout)
     assert data["source"] == "prior" and data["latency_ms"] > 0
@@ -77,6 +44,7 @@ def test_recommend_on_a_shipped_description_prints_json(runs):
     assert latencies == sorted(latencies) and latencies[0] == data["latency_ms"]
     assert data["fingerprint"].startswith("described:")
     assert data["workload"]["seq_len"] == 16896 and data["workload"]["heads"] == 24
+    assert not no_database.exists()
 
 
 @pytest.mark.parametrize(
@@ -89,8 +57,11 @@ def test_recommend_on_a_shipped_description_prints_json(runs):
         ("fit-empty", ["cptune search"]),
     ],
 )
-def test_bad_input_is_one_line(runs, name, fragments):
-    assert_usage_error(runs[name], *fragments)
+def test_bad_input_is_one_line(cptune_here, no_database, tmp_path, name, fragments):
+    broken = tmp_path / "broken.toml"
+    broken.write_text('ranks_per_node = 8\n[device\nname = "x"\n')
+    assert_refused(cptune_here(*(a.format(broken=broken) for a in BAD_INPUT[name])), *fragments)
+    assert not no_database.exists()
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -132,8 +103,7 @@ def test_calibrate_then_recommend_from_the_prior(tmp_path):
     assert {c["ranks"] for c in data["candidates"]} == {1, 2}
 
 
-def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(tmp_path):
-    from conftest import make_calibration, measurement
+def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(cptune_here, tmp_path):
     from cptune.feasibility import enumerate_configs
     from cptune.model import CalibratedProfile, Case
     from cptune.workload import Workload
@@ -148,14 +118,9 @@ def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(
             for config in enumerate_configs(workload, 4):
                 ms = Case(workload, config, profile).prior().total_s * 1e3 * factor[config.strategy]
                 store.add_measurement(profile.hardware, measurement(workload, config, ms))
-    fit = subprocess.Popen([*CLI, "fit", "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    workload = ["--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--db", db]
-    said = subprocess.Popen([*CLI, "recommend", *workload], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    rec = cptune("recommend", *workload, "--json")
-    out, err = fit.communicate(timeout=300)
-    assert fit.returncode == 0, out + err
+    fit = cptune_here("fit", "--db", db)
+    out = fit.stdout
+    assert fit.returncode == 0, out + fit.stderr
     # the summary's rows: a two-word method and its eight scores
     methods = ("cost model", "prior alone", "recommend's pick", "fixed rule")
     rows = {" ".join(words[:2]): words[2:] for words in map(str.split, out.splitlines())
@@ -169,15 +134,17 @@ def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(
     assert all(float(row[3]) <= float(row[1]) and float(row[4]) <= float(row[2]) for row in rows.values())
     assert "ties as ties: median" in " ".join(out.split()) and "regret*" in out  # the caption wraps
     assert "cover%" in out and "recommend applies the learned correction" in out
+    workload = ["--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--db", db]
+    rec = cptune_here("recommend", *workload, "--json")
     assert rec.returncode == 0, rec.stdout + rec.stderr
     data = json.loads(rec.stdout)
     assert data["correction"]["applied"] is True and data["source"] == "model"
-    out, err = said.communicate(timeout=300)
-    assert said.returncode == 0 and "learned correction applied: held out" in out, out + err
+    said = cptune_here("recommend", *workload)
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert "learned correction applied: held out" in said.stdout, said.stdout
 
 
-def test_recommend_says_a_measured_tie_in_text_and_json(tmp_path):
-    from conftest import make_calibration, measurement
+def test_recommend_says_a_measured_tie_in_text_and_json(cptune_here, tmp_path):
     from cptune.config import CPConfig
     from cptune.workload import Workload
 
@@ -192,13 +159,13 @@ def test_recommend_says_a_measured_tie_in_text_and_json(tmp_path):
             for i, ms in enumerate(figures):
                 store.add_measurement(this_host(), measurement(workload, config, ms), round_id=f"r{i}")
     args = ["recommend", "--heads", "8", "--head-dim", "64", "--seq-len", "1024", "--ranks", "2", "--db", db]
-    text = cptune(*args)
+    text = cptune_here(*args)
     assert text.returncode == 0, text.stdout + text.stderr
     said = " ".join(text.stdout.split())  # the line may wrap
     assert "measured verdict:" in said and "tied within the noise of this hardware" in said
     verdict = said.split("measured verdict:")[-1]
     assert "AllGather-KV" in verdict and "Ring" in verdict
-    data = json.loads(cptune(*args, "--json").stdout)
+    data = json.loads(cptune_here(*args, "--json").stdout)
     assert data["source"] == "measured" and "tied within the noise of this hardware" in data["verdict"]
     assert {(t["strategy"], t["ranks"]) for t in data["tied"]} | {(data["config"]["strategy"], 2)} == {
         ("ring", 2), ("allgather_kv", 2)}

@@ -13,20 +13,16 @@ from collections import Counter
 import optuna
 import pytest
 
+from conftest import CLI, assert_refused, cptune, measurement, stand_in_measuring
 from cptune.hardware import this_host
 from cptune.store import Store
 
-CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 # 3 lengths x (ring x1, ring x2, allgather_kv x2, ulysses x2) = 12 configurations
 SLOW = ["--heads", "8", "--head-dim", "64", "--seq-lens", "1024,1536,2048", "--ranks", "1,2",
         "--no-calibrate"]
 QUICK = ["--heads", "4", "--head-dim", "16", "--seq-lens", "64,96", "--ranks", "1,2"]
 ROUNDS = ["--rounds", "2", "--race-rounds", "0", "--confirm-rounds", "0"]  # 2 clean visits each, fixed
 ONE_VISIT = ["--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0"]  # one clean visit each
-
-
-def cptune(*args, **kwargs):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, **kwargs)
 
 
 def stored(db):
@@ -111,6 +107,7 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
                       for t in trials) == sorted((r[0], r[1], r[2], r[5]) for r in rows if r[3] == seq_len)
 
 
+@pytest.mark.slow
 def test_search_calibrates_then_results_export_and_report(tmp_path):
     db = str(tmp_path / "r.db")
     first = cptune("search", "--db", db, *QUICK, *ONE_VISIT)
@@ -165,6 +162,7 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     assert len(stored(db)) == before + int(visits[1])
 
 
+@pytest.mark.slow
 def test_search_gives_each_length_its_verdict_in_words_and_a_rerun_runs_nothing(tmp_path):
     db = str(tmp_path / "v.db")
     first = cptune("search", "--db", db, *QUICK, "--no-calibrate", "--rounds", "3", "--race-rounds", "2")
@@ -203,29 +201,27 @@ def test_search_gives_each_length_its_verdict_in_words_and_a_rerun_runs_nothing(
     (["search", "--rounds", "0"], "--rounds"),
     (["search", "--race-rounds", "-1"], "--race-rounds"),
 ])
-def test_bad_search_input_exits_2_without_traceback(tmp_path, args, message):
-    result = cptune(*args, "--db", str(tmp_path / "x.db"), cwd=tmp_path)
+def test_bad_search_input_exits_2_without_traceback(cptune_here, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = cptune_here(*args, "--db", tmp_path / "x.db")
     assert result.returncode == 2
     assert message in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "x.db").exists()  # refused before anything was opened
 
 
-def test_bad_space_file_exits_2(tmp_path):
+def test_bad_space_file_exits_2(cptune_here, tmp_path):
     space = tmp_path / "space.toml"
     space.write_text('name = "x"\n[model]\nhaeds = 8\nhead_dim = 64\n[sweep]\nseq_lens = [64]\n')
-    result = cptune("search", str(space), "--db", str(tmp_path / "x.db"))
-    assert result.returncode == 2 and result.stdout == ""
-    assert "space.toml" in result.stderr and "haeds" in result.stderr
+    result = cptune_here("search", space, "--db", tmp_path / "x.db")
+    assert_refused(result, "space.toml", "haeds")
 
 
-def test_corrupt_database_exits_2_and_is_kept(tmp_path):
+def test_corrupt_database_exits_2_and_is_kept(cptune_here, tmp_path):
     db = tmp_path / "broken.db"
     db.write_bytes(b"\x00garbage" * 512)
     before = db.read_bytes()
-    result = cptune("results", "--db", str(db))
-    assert result.returncode == 2 and "not a database" in result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+    assert_refused(cptune_here("results", "--db", db), "not a database")
     assert db.read_bytes() == before
 
 
@@ -233,7 +229,6 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
     """In process, with ``measure`` standing in: ring on 2 ranks is always disturbed."""
     import dataclasses
 
-    from conftest import measurement, stand_in_measuring
     from cptune import CPConfig
     from cptune.cli import main
 
@@ -258,7 +253,6 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
 def test_narrow_winners_get_a_second_sitting_after_every_length_ran_once(tmp_path, monkeypatch, capsys):
     """In process, with ``measure`` standing in: local attention runs in 10 ms, every 2-rank
     configuration in 12 (a narrow winner at each length)."""
-    from conftest import measurement, stand_in_measuring
     from cptune.cli import main
 
     stand_in_measuring(monkeypatch, lambda workload, config, **_: measurement(
@@ -278,7 +272,6 @@ def test_narrow_winners_get_a_second_sitting_after_every_length_ran_once(tmp_pat
 
 
 def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monkeypatch):
-    from conftest import measurement
     from cptune import CPConfig, Workload
     from cptune.cli._search import verdict_line
     from cptune.estimate import combine, judge

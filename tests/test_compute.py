@@ -39,9 +39,18 @@ def cases():
     return case
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.label}-{c.ranks}r")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", WORKLOADS)
+def every_case():
+    """(name, causal, config) for each workload, mask and configuration; those that run (a
+    feasible pair starts MPI ranks) are slow, the refusals are not."""
+    for name in WORKLOADS:
+        for causal, mask in ((False, "full"), (True, "causal")):
+            workload = Workload(**WORKLOADS[name], causal=causal)
+            for config in CONFIGS:
+                yield pytest.param(name, causal, config, id=f"{name}-{mask}-{config.label}-{config.ranks}r",
+                                   marks=() if cptune.feasibility(workload, config) else pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("name", "causal", "config"), list(every_case()))
 def test_compute_matches_reference(cases, name, causal, config, monkeypatch):
     workload, (q, k, v), reference = cases(name, causal)
     reasons = cptune.feasibility(workload, config)
@@ -76,6 +85,7 @@ def test_wrong_shapes_are_refused():
         cptune.compute(workload, CPConfig("ring", 2), q, q, v)
 
 
+@pytest.mark.slow
 def test_long_causal_sequence_spanning_row_blocks():
     """A longer causal sequence where zigzag blocks span several query row blocks."""
     workload = Workload(seq_len=1100, heads=4, head_dim=16, kv_heads=2, dtype="fp32", causal=True)

@@ -1,7 +1,6 @@
 """A rank that raises, crashes, hangs or computes garbage ends as one clear error, in
 bounded time, with no process left behind: also when the caller itself is killed."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,9 +9,11 @@ import time
 import pytest
 
 import cptune
-from conftest import TESTS, pool_processes, processes_left
+from conftest import TESTS, assert_pool_gone, pool_processes, processes_left
 from cptune import CPConfig, EngineError, Workload
 from cptune.reference import make_inputs
+
+pytestmark = pytest.mark.slow  # every test here runs MPI ranks (and one a caller process)
 
 WORKLOAD = Workload(seq_len=32, heads=4, head_dim=8, dtype="fp32")
 CONFIG = CPConfig("ring", 2)
@@ -24,15 +25,6 @@ def run_until_failure(engine, timeout=None):
     with pytest.raises(EngineError) as failure:
         cptune.compute(WORKLOAD, CONFIG, q, k, v, backend=engine, timeout=timeout)
     return failure.value, time.monotonic() - started
-
-
-def assert_pool_gone(pool_dir, pids):
-    deadline = time.monotonic() + 10
-    while (pool_processes(str(pool_dir)) or any(os.path.exists(f"/proc/{p}") for p in pids)) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert pool_processes(str(pool_dir)) == []
-    assert not pool_dir.exists()
 
 
 def start_pool(engine):

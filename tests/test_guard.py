@@ -266,6 +266,7 @@ def competing_load() -> Iterator[None]:
             burner.wait()
 
 
+@pytest.mark.slow
 def test_engine_names_its_processes():
     engine = MPIEngine()
     try:
@@ -280,6 +281,7 @@ def test_engine_names_its_processes():
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_run_beside_a_competing_process_is_marked_disturbed(monkeypatch):
     with competing_load():
         loaded = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=1, repeats=3)
@@ -291,6 +293,7 @@ def test_a_run_beside_a_competing_process_is_marked_disturbed(monkeypatch):
     assert unguarded.disturbed is None and switched_off.disturbed is None
 
 
+@pytest.mark.slow
 def test_a_round_beside_a_competing_process_marks_every_configuration_of_it():
     configs = [CPConfig("ring", 1), CPConfig("ring", 2)]
     with competing_load():
@@ -298,6 +301,7 @@ def test_a_round_beside_a_competing_process_marks_every_configuration_of_it():
     assert all("other processes used" in results[config].disturbed for config in configs)
 
 
+@pytest.mark.slow
 def test_no_measurement_taken_under_load_during_a_search_is_stored_as_clean(tmp_path):
     """The acceptance test: every core busy with another process for the whole search, and
     not one of the search's successful runs is stored as clean."""
@@ -313,6 +317,7 @@ def test_no_measurement_taken_under_load_during_a_search_is_stored_as_clean(tmp_
         assert all("other processes used" in r.disturbed for r in stored)
 
 
+@pytest.mark.slow
 def test_cli_measure_says_which_runs_were_disturbed(capsys):
     argv = ["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "1",
             "--warmup", "0", "--repeats", "2"]
@@ -412,6 +417,7 @@ def test_calibration_rounds_take_the_median_so_one_burst_does_not_set_a_rate():
         calibrate(2, backend=engine, rounds=0)
 
 
+@pytest.mark.slow
 def test_a_calibration_beside_a_competing_process_is_refused_not_stored(monkeypatch, tmp_path, capsys):
     """Real ranks, every core busy with another process: calibrate times the attention again
     and then gives up in one line, and the database gains no calibration."""

@@ -5,37 +5,15 @@ from __future__ import annotations
 
 import math
 
-import optuna
 import pytest
 
+from conftest import candidate, replay
 from cptune.config import CPConfig
-from cptune.model import Candidate
-from cptune.search import GuidedSampler, any_wins, suggest, tree_of, win_probability
+from cptune.search import any_wins, win_probability
 
 RING2, RING4, ULY2, ULY4, AG2, AG4 = (CPConfig("ring", 2), CPConfig("ring", 4), CPConfig("ulysses", 2, 2),
                                      CPConfig("ulysses", 4, 4), CPConfig("allgather_kv", 2),
                                      CPConfig("allgather_kv", 4))
-
-
-def candidate(config: CPConfig, ms: float, low: float, high: float) -> Candidate:
-    return Candidate(config, ms, low, high, "model")
-
-
-def replay(truth: dict[CPConfig, float], predictions: dict[CPConfig, Candidate],
-           stop_probability: float = 0.1) -> tuple[list[CPConfig], GuidedSampler]:
-    """``GuidedSampler`` over ``truth``'s configurations, each valued at its ``truth`` (ms),
-    the model fixed at ``predictions``."""
-    configs = list(truth)
-    sampler = GuidedSampler(configs, lambda pending: [predictions[c] for c in pending], stop_probability)
-    tree, order = tree_of(configs), []
-
-    def objective(trial: optuna.Trial) -> float:
-        config = suggest(trial, tree)
-        order.append(config)
-        return truth[config]
-
-    optuna.create_study(sampler=sampler).optimize(objective, n_trials=len(configs))
-    return order, sampler
 
 
 def test_the_workload_spread_widens_both_sides_of_the_interval():
@@ -68,7 +46,7 @@ def test_many_unlikely_candidates_together_keep_the_search_going():
     single = win_probability(predictions[RING4], 10.0)
     assert single == pytest.approx(0.038, abs=0.001)
     assert any_wins([single] * 3) > 0.1 > any_wins([single] * 2)
-    order, sampler = replay(truth, predictions)
+    order, sampler, _ = replay(truth, predictions)
     assert order == [RING2, RING4, ULY2, ULY4] and sampler.workload_spread == 0.0
     stop = sampler.early_stop
     assert stop is not None and stop.unmeasured == 2 and stop.likeliest == AG2
@@ -84,7 +62,7 @@ def test_the_models_errors_on_this_workload_widen_the_stop_rule():
         ULY2: candidate(ULY2, 20.0, 16.8, 24.0), ULY4: candidate(ULY4, 21.0, 17.6, 25.2),
         AG2: candidate(AG2, 22.0, 18.5, 26.4), AG4: candidate(AG4, 23.0, 19.3, 27.6),
     }
-    order, sampler = replay(truth, predictions)
+    order, sampler, _ = replay(truth, predictions)
     assert order[:2] == [RING2, RING4]
     assert sampler.errors[:2] == pytest.approx([math.log(0.6)] * 2)
     assert ULY4 in order and sampler.workload_spread > 0.3
@@ -95,7 +73,7 @@ def test_the_models_errors_on_this_workload_widen_the_stop_rule():
 def test_a_model_right_here_still_stops_early_and_says_why():
     truth = {RING2: 10.0, RING4: 20.0, ULY2: 21.0, ULY4: 22.0, AG2: 23.0, AG4: 24.0}
     predictions = {c: candidate(c, ms * 1.01, ms * 0.9, ms * 1.3) for c, ms in truth.items()}
-    order, sampler = replay(truth, predictions)
+    order, sampler, _ = replay(truth, predictions)
     assert order == [RING2]
     stop = sampler.early_stop
     assert stop is not None and stop.leader == RING2 and stop.tried == 1 and stop.unmeasured == 5

@@ -24,6 +24,7 @@ WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="bf16",
 
 @pytest.mark.parametrize("config", [CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("allgather_kv", 1)],
                          ids=lambda c: f"{c.label}-{c.ranks}r")
+@pytest.mark.slow
 def test_measurement_fields(config):
     m = cptune.measure(WORKLOAD, config, warmup=1, repeats=5)
     assert m.workload == WORKLOAD and m.config == config
@@ -41,6 +42,7 @@ def test_measurement_fields(config):
     assert json.loads(json.dumps(m.to_dict()))["config"] == config.to_dict()
 
 
+@pytest.mark.slow
 def test_communication_is_timed_where_there_is_some():
     ulysses = cptune.measure(WORKLOAD, CPConfig("ulysses", 2), warmup=1, repeats=3)
     local = cptune.measure(WORKLOAD, CPConfig("ring", 1), warmup=1, repeats=3)
@@ -73,6 +75,7 @@ class RecordingEngine(MPIEngine):
 ROUND = [CPConfig("ring", 1), CPConfig("ulysses", 2), CPConfig("allgather_kv", 2)]
 
 
+@pytest.mark.slow
 def test_a_round_interleaves_its_configurations_in_passes_each_checked():
     engine = RecordingEngine()
     try:
@@ -90,6 +93,7 @@ def test_a_round_interleaves_its_configurations_in_passes_each_checked():
         assert m.warmup == 1 and 0 <= m.max_error <= TOLERANCE["bf16"]
 
 
+@pytest.mark.slow
 def test_a_configuration_that_fails_in_a_round_leaves_it_and_the_others_go_on(faulty_engine):
     engine = faulty_engine("wrong")  # rank 1 computes a wrong output: every 2-rank configuration
     results = measure_round(WORKLOAD, [CPConfig("ring", 1), CPConfig("ring", 2)], backend=engine,
@@ -99,11 +103,13 @@ def test_a_configuration_that_fails_in_a_round_leaves_it_and_the_others_go_on(fa
     assert len(results[CPConfig("ring", 1)].samples_ms) == 4
 
 
+@pytest.mark.slow
 def test_past_its_deadline_a_round_starts_no_further_pass():
     results = measure_round(WORKLOAD, ROUND[:2], warmup=0, repeats=6, deadline=time.monotonic())
     assert [len(m.samples_ms) for m in results.values()] == [ITERATIONS_PER_PASS] * 2
 
 
+@pytest.mark.slow
 def test_cli_measure_json(capsys):
     code = main(["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "2",
                  "--warmup", "0", "--repeats", "2", "--json"])
@@ -114,6 +120,7 @@ def test_cli_measure_json(capsys):
     assert report["failures"] == []
 
 
+@pytest.mark.slow
 def test_cli_table(capsys):
     code = main(["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "2",
                  "--strategies", "ulysses", "--warmup", "0", "--repeats", "2"])
@@ -172,6 +179,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 def test_steady_allocator_keeps_timed_iterations_from_faulting_fresh_pages():
     """glibc left to itself returns the freed arrays' pages and faults them in again every
     iteration; with the ranks' fixed thresholds the iterations reuse them."""

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 import cptune
-from conftest import TESTS
+from conftest import TESTS, assert_pool_gone
 from cptune import CPConfig, CPTuneError, EngineError, Workload
 from cptune.cli import main
 from cptune.engines import get_engine
@@ -60,6 +60,7 @@ def check(engine, workload, config, seed=0):
 
 
 @pytest.mark.parametrize(("workload", "config"), cases())
+@pytest.mark.slow
 def test_graphs_on_real_ranks_match_the_float64_reference(engine, workload, config):
     check(engine, workload, config)
 
@@ -72,11 +73,13 @@ def test_graphs_on_real_ranks_match_the_float64_reference(engine, workload, conf
     ids=lambda c: f"{c.label}-{c.ranks}",
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.slow
 def test_16_bit_graphs_stay_within_their_tolerance(engine, dtype, config, causal):
     workload = Workload(37, 12, 16, kv_heads=4, causal=causal, dtype=dtype)
     check(engine, workload, config)
 
 
+@pytest.mark.slow
 def test_a_wrong_graph_is_caught_by_the_reference(engine, monkeypatch):
     """The check has teeth: graphs whose causal mask is dropped on the ranks' side compute
     a different attention, far outside the tolerance."""
@@ -90,6 +93,7 @@ def test_a_wrong_graph_is_caught_by_the_reference(engine, monkeypatch):
         check(engine, workload, CPConfig("ring", 2))
 
 
+@pytest.mark.slow
 def test_the_ranks_run_the_bytes_they_were_sent(engine, monkeypatch):
     """A graph that fails on the ranks fails the run: they do not rebuild it themselves."""
     from cptune.engines.onnx import _engine as onnx_engine
@@ -124,10 +128,9 @@ def test_cli_search_with_the_onnx_backend_is_one_line(capsys, tmp_path):
     assert not (tmp_path / "db.sqlite").exists()
 
 
+@pytest.mark.slow
 def test_rank_failures_end_as_one_error_with_no_process_left(faulty_engine):
     """The onnx engine's ranks are the shared supervised pool: a crashing rank is one error."""
-    from test_faults import assert_pool_gone
-
     engine = OnnxEngine(worker=[sys.executable, str(TESTS / "faulty_worker.py"), "crash"])
     try:
         engine._pool_for(2)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts a fresh interpreter
+
 
 def run_python(script: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)

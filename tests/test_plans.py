@@ -9,9 +9,8 @@ import sys
 import jsonschema
 import numpy as np
 import pytest
-from test_recommend import OTHER_HOST, add
 
-from conftest import make_calibration, measurement
+from conftest import OTHER_HOST, add_measurements, assert_refused, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import candidate_configs, feasibility
@@ -25,7 +24,6 @@ from cptune.workload import Workload
 SHAPE = {"heads": 8, "head_dim": 64}
 SHORT, LONG = 1024, 4096
 FAST_SHORT, FAST_LONG = CPConfig("ring", 2), CPConfig("ulysses", 4)
-CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 
 
 def at(seq_len: int, **shape) -> Workload:
@@ -40,8 +38,9 @@ def db(tmp_path):
         store.add_calibration(this_host(), make_calibration())
     for seq_len, fastest in ((SHORT, FAST_SHORT), (LONG, FAST_LONG)):
         configs = [c for c in candidate_configs(4) if not feasibility(at(seq_len), c)]
-        add(path, *(measurement(at(seq_len), c, (5.0 if c == fastest else 9.0 + i) * seq_len / SHORT)
-                    for i, c in enumerate(configs)))
+        add_measurements(path, *(measurement(at(seq_len), c,
+                                             (5.0 if c == fastest else 9.0 + i) * seq_len / SHORT)
+                                 for i, c in enumerate(configs)))
     return path
 
 
@@ -302,14 +301,11 @@ def test_a_described_plan_launches_gpus_and_is_refused_on_this_host(db, tmp_path
 # --------------------------------------------------------------------------- command line
 
 
-def run(*args, cwd=None):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
-
-
-def test_cli_export_then_load_in_another_process_without_the_model(db, tmp_path):
+@pytest.mark.slow  # the plan is loaded by a fresh interpreter: what it imports shows
+def test_cli_export_then_load_in_another_process_without_the_model(cptune_here, db, tmp_path):
     out = tmp_path / "cli-plan.json"
-    done = run("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens", f"{SHORT},{LONG}",
-               "-o", str(out))
+    done = cptune_here("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens",
+                       f"{SHORT},{LONG}", "-o", out)
     assert done.returncode == 0, done.stderr
     assert "mpiexec -n 4 <your program>" in done.stdout and f"wrote {out}" in done.stdout
     script = (f"import sys, cptune; plan = cptune.load_plan({str(out)!r}); "
@@ -320,10 +316,10 @@ def test_cli_export_then_load_in_another_process_without_the_model(db, tmp_path)
     assert loaded.stdout.split() == ["ulysses", "4", "ring", "False", "False"]
 
 
-def test_cli_export_says_which_configurations_are_tied(tmp_path):
+def test_cli_export_says_which_configurations_are_tied(cptune_here, tmp_path):
     db = tied_db(tmp_path)
     out = tmp_path / "tied-plan.json"
-    done = run("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens", str(SHORT),
+    done = cptune_here("export", "--db", db, "--heads", "8", "--head-dim", "64", "--seq-lens", str(SHORT),
                "-o", str(out))
     assert done.returncode == 0, done.stderr
     said = " ".join(done.stdout.split())
@@ -337,21 +333,19 @@ def test_cli_export_says_which_configurations_are_tied(tmp_path):
     (["--ranks", "4", "--strategies", "ulysses", "--heads", "6"], "no configuration can run"),
     (["-o", "/nonexistent-dir/plan.json"], "cannot write the plan to /nonexistent-dir/plan.json"),
 ])
-def test_cli_export_bad_input_exits_2_in_one_line(db, tmp_path, args, message):
+def test_cli_export_bad_input_exits_2_in_one_line(cptune_here, db, tmp_path, monkeypatch, args, message):
     shape = ["--heads", "8", "--head-dim", "64", "--seq-lens", f"{SHORT},{LONG}"]
     flags = dict(zip(shape[::2], shape[1::2], strict=True))
     flags.update(dict(zip(args[::2], args[1::2], strict=True)))
     given = [part for pair in flags.items() for part in pair]
-    done = run("export", "--db", db, *given, cwd=tmp_path)
-    assert done.returncode == 2 and done.stdout == ""
-    (line,) = done.stderr.splitlines()  # one line on stderr, whatever the width
-    assert line.startswith("cptune: error: ") and message in line
+    monkeypatch.chdir(tmp_path)
+    assert_refused(cptune_here("export", "--db", db, *given), message)  # one line, whatever the width
 
 
 def test_a_plan_for_a_stored_fingerprint_uses_its_measurements(db, tmp_path):
     with Store(db) as store:
         store.add_calibration(OTHER_HOST, make_calibration())
-    add(db, measurement(at(SHORT), CPConfig("allgather_kv", 2), 1.0), hardware=OTHER_HOST)
+    add_measurements(db, measurement(at(SHORT), CPConfig("allgather_kv", 2), 1.0), hardware=OTHER_HOST)
     plan = export_plan([at(SHORT)], ranks=2, hardware=OTHER_HOST.fingerprint[:8], db=db)
     (bucket,) = plan.buckets
     assert plan.hardware.fingerprint == OTHER_HOST.fingerprint and plan.hardware.kind == "host"

@@ -23,22 +23,17 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.engine import make_url
 
-from conftest import make_calibration, measurement
+from conftest import CLI, cptune, make_calibration, measurement
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware
 from cptune.search import WorkloadSearch
 from cptune.store import VERSION_TABLE, Base, Store, database_url
 
 SERVER = os.environ.get("CPTUNE_TEST_POSTGRES_URL")
-CLI = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
 HARDWARE = Hardware(host="pg1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
                     interconnect="shared memory (one host)", mpi_library="MPICH 5")
 WORKLOAD = Workload(seq_len=64, heads=4, head_dim=16, kv_heads=2, causal=True)
 TINY = ["--heads", "4", "--head-dim", "16", "--ranks", "1,2", "--no-calibrate"]
-
-
-def cptune(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
 
 
 def libpq(url: str) -> str:
@@ -152,6 +147,7 @@ with Store(sys.argv[1]) as store:
 """
 
 
+@pytest.mark.slow
 def test_two_writers_on_one_new_database(postgres_url):
     """Two processes open a new database at once (both migrate) and add rows naming the same
     hardware and workloads in parallel: no error, no lost row, no duplicate."""
@@ -167,6 +163,7 @@ def test_two_writers_on_one_new_database(postgres_url):
     assert len({r.workload for r in rows}) == 5
 
 
+@pytest.mark.slow
 def test_two_searches_share_one_database(postgres_url, password):
     runs = [subprocess.Popen([*CLI, "search", "--db", postgres_url, "--seq-lens", seq_lens, *TINY],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -188,6 +185,7 @@ def test_two_searches_share_one_database(postgres_url, password):
     assert sorted(s.n_trials for s in studies) == sorted(per_length.values())
 
 
+@pytest.mark.slow
 def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp_path):
     """The loop a team runs on a shared database, with a password in the URL: calibrate,
     search, search again (only what is missing runs), results, recommend, export, report, fit.

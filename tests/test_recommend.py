@@ -7,13 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import make_calibration, measurement
+from conftest import OTHER_HOST, add_measurements, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
-from cptune.hardware import Hardware, builtin_descriptions, load_description, this_host
-from cptune.measurement import Measurement
+from cptune.hardware import builtin_descriptions, load_description, this_host
 from cptune.model import DescribedProfile, prior_time, recommend, training_set
 from cptune.model._prior import figure_swings, prior_range
 from cptune.model._recommend import SOURCES
@@ -22,8 +21,6 @@ from cptune.workload import Workload
 
 MAX_RANKS = 4
 W = Workload(seq_len=1024, heads=8, head_dim=64)
-OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu_model=None, gpu_count=0,
-                      interconnect="shared memory (one host)", mpi_library="MPICH 5")
 
 
 @pytest.fixture
@@ -33,12 +30,6 @@ def db(tmp_path):
     with Store(path) as store:
         store.add_calibration(this_host(), make_calibration())
     return path
-
-
-def add(db: str, *measurements: Measurement, hardware: Hardware | None = None) -> None:
-    with Store(db) as store:
-        for m in measurements:
-            store.add_measurement(hardware or this_host(), m)
 
 
 def by_config(recommendation):
@@ -53,7 +44,7 @@ def latencies(recommendation):
 
 
 def test_stored_config_is_measured_the_others_come_from_the_prior(db):
-    add(db, measurement(W, CPConfig("ring", 2), 7.5))
+    add_measurements(db, measurement(W, CPConfig("ring", 2), 7.5))
     rec = recommend(W, db=db)
     candidates = by_config(rec)
     measured = candidates[CPConfig("ring", 2)]
@@ -78,8 +69,9 @@ def test_enough_measurements_let_the_model_predict_the_rest(db):
     stored = [(seq_len, config) for seq_len in (512, 768) for config in
               (CPConfig("ring", 1), CPConfig("ring", 2), CPConfig("ulysses", 2), CPConfig("ulysses", 4))]
     stored += [(1024, CPConfig("ring", 1))]
-    add(db, *(measurement(Workload(seq_len=s, heads=8, head_dim=64), c, 1.0 + 0.1 * c.ranks + s / 512)
-              for s, c in stored))
+    add_measurements(db, *(measurement(Workload(seq_len=s, heads=8, head_dim=64), c,
+                                       1.0 + 0.1 * c.ranks + s / 512)
+                           for s, c in stored))
     rec = recommend(W, db=db)
     sources = {c.config: c.source for c in rec.candidates}
     assert sources[CPConfig("ring", 1)] == "measured"
@@ -91,7 +83,7 @@ def test_enough_measurements_let_the_model_predict_the_rest(db):
 def test_measurements_of_another_hardware_do_not_answer_for_this_host(db):
     with Store(db) as store:
         store.add_calibration(OTHER_HOST, make_calibration())
-    add(db, measurement(W, CPConfig("ulysses", 4), 1e-6), hardware=OTHER_HOST)
+    add_measurements(db, measurement(W, CPConfig("ulysses", 4), 1e-6), hardware=OTHER_HOST)
     rec = recommend(W, db=db)
     assert all(c.source == "prior" for c in rec.candidates)
     assert by_config(rec)[CPConfig("ulysses", 4)].latency_ms != 1e-6
@@ -144,7 +136,7 @@ def test_ranks_beyond_the_hardware_is_refused(db):
 
 
 def test_a_shipped_description_predicts_from_the_prior(db):
-    add(db, measurement(W, CPConfig("ring", 2), 7.5))  # this host's: must not be used
+    add_measurements(db, measurement(W, CPConfig("ring", 2), 7.5))  # this host's: must not be used
     workload = Workload(seq_len=16896, heads=24, head_dim=128)
     rec = recommend(workload, hardware="h100-sxm-8", db=db)
     h100 = load_description("h100-sxm-8")
@@ -165,7 +157,7 @@ def test_unknown_hardware_names_the_shipped_descriptions(db):
 
 def test_this_host_without_a_calibration_says_to_calibrate(tmp_path):
     path = str(tmp_path / "r.db")
-    add(path, measurement(W, CPConfig("ring", 2), 7.5))  # measured, never calibrated
+    add_measurements(path, measurement(W, CPConfig("ring", 2), 7.5))  # measured, never calibrated
     with pytest.raises(CPTuneError, match="cptune calibrate"):
         recommend(W, db=path)
     with pytest.raises(CPTuneError, match="cptune calibrate"):
@@ -176,15 +168,15 @@ def test_this_host_without_a_calibration_says_to_calibrate(tmp_path):
 
 
 def test_a_new_measurement_changes_the_answer(db):
-    add(db, measurement(W, CPConfig("ring", 1), 50.0))
+    add_measurements(db, measurement(W, CPConfig("ring", 1), 50.0))
     first = recommend(W, db=db)
     loser = first.candidates[-1].config
     assert loser != first.config
-    add(db, measurement(W, loser, 1e-3))
+    add_measurements(db, measurement(W, loser, 1e-3))
     second = recommend(W, db=db)
     assert second.config == loser and second.source == "measured" and second.latency_ms == pytest.approx(1e-3)
     # and a later measurement of the same config is combined with the earlier one, not put in its place
-    add(db, measurement(W, loser, 1e4))
+    add_measurements(db, measurement(W, loser, 1e4))
     third = recommend(W, db=db)
     assert third.config == loser and third.latency_ms == pytest.approx(np.sqrt(1e-3 * 1e4))
     assert len(third.best.measurement_ids) == 2
@@ -203,7 +195,7 @@ def test_a_new_calibration_is_picked_up(db):
 
 
 def test_to_dict_is_json(db):
-    add(db, measurement(W, CPConfig("ring", 2), 7.5))
+    add_measurements(db, measurement(W, CPConfig("ring", 2), 7.5))
     rec = recommend(Workload(seq_len=1024, heads=6, head_dim=64), db=db)
     data = json.loads(json.dumps(rec.to_dict()))
     assert data["config"] == rec.config.to_dict() and data["source"] == rec.source
@@ -233,8 +225,8 @@ def sweep(db: str, factor) -> None:
 
     for seq_len in (512, 768, 1536, 2048):
         workload = Workload(seq_len=seq_len, heads=8, head_dim=64)
-        add(db, *(measurement(workload, c, prior_ms(workload, c) * factor(c))
-                  for c in enumerate_configs(workload, MAX_RANKS)))
+        add_measurements(db, *(measurement(workload, c, prior_ms(workload, c) * factor(c))
+                               for c in enumerate_configs(workload, MAX_RANKS)))
 
 
 def test_a_correction_that_only_learned_noise_is_not_applied(db):
@@ -301,7 +293,7 @@ def test_configurations_the_figures_cannot_order_are_reported_with_the_deciding_
 
 
 def test_oversubscribed_and_excluded_measurements_train_nothing_unless_asked(db):
-    add(db, measurement(W, CPConfig("ring", 1), 5.0),
+    add_measurements(db, measurement(W, CPConfig("ring", 1), 5.0),
         replace(measurement(W, CPConfig("ring", 2), 0.1), oversubscribed=True),
         measurement(W, CPConfig("ulysses", 2), 0.2))
     with Store(db) as store:
@@ -378,7 +370,7 @@ def test_a_separated_measured_pick_says_by_how_much(db):
 
 
 def test_predicted_candidates_are_never_called_tied(db):
-    add(db, measurement(W, CPConfig("ring", 1), 1e-3))  # the measured pick, the rest predicted
+    add_measurements(db, measurement(W, CPConfig("ring", 1), 1e-3))  # the measured pick, the rest predicted
     rec = recommend(W, db=db)
     assert rec.source == "measured" and all(c.source == "prior" for c in rec.alternatives)
     assert rec.tied == () and rec.describe().endswith("(the only configuration measured)")

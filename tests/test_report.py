@@ -6,14 +6,12 @@ import dataclasses
 import html
 import itertools
 import re
-import subprocess
-import sys
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from rich.console import Console
 
-from conftest import make_calibration, measurement
+from conftest import assert_refused, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.estimate import combine, judge
@@ -351,13 +349,8 @@ def test_an_empty_database_says_to_search_first(tmp_path):
 # --------------------------------------------------------------------------- command line
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-P", "-c", "import sys; from cptune.cli import main; sys.exit(main())"]
-    return subprocess.run([*command, "report", *args], capture_output=True, text=True, timeout=120)
-
-
-def test_cli_report_text_prints_tables_and_writes_nothing(db, tmp_path):
-    done = cli("--db", db, "--text", "-o", str(tmp_path / "unused"))
+def test_cli_report_text_prints_tables_and_writes_nothing(cptune_here, db, tmp_path):
+    done = cptune_here("report", "--db", db, "--text", "-o", tmp_path / "unused")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fastest configuration" in done.stdout and "speedup over 1 rank" in done.stdout
     assert not (tmp_path / "unused").exists()
@@ -367,13 +360,11 @@ def test_cli_report_text_prints_tables_and_writes_nothing(db, tmp_path):
     (["--hardware", "ffff"], "names no single fingerprint"),
     (["-o", "{file}"], "cannot write the report to"),
 ])
-def test_cli_report_bad_input_exits_2_in_one_line(db, tmp_path, args, message):
+def test_cli_report_bad_input_exits_2_in_one_line(cptune_here, db, tmp_path, args, message):
     occupied = tmp_path / "a-file"
     occupied.write_text("not a directory")
-    done = cli("--db", db, *(a.format(file=occupied) for a in args))
-    assert done.returncode == 2 and done.stdout == ""  # errors go to stderr, in one line
-    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert message in done.stderr
+    done = cptune_here("report", "--db", db, *(a.format(file=occupied) for a in args))
+    assert_refused(done, message)  # errors go to stderr, in one line
     assert occupied.read_text() == "not a directory"
 
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import stand_in_measuring
+from conftest import candidate, replay, stand_in_measuring
 from cptune import CPConfig, Workload, enumerate_configs, feasibility
 from cptune.estimate import verdicts
 from cptune.hardware import this_host
@@ -31,6 +31,7 @@ def clean_visits(store):
     return Counter(r.config for r in store.results() if r.clean)
 
 
+@pytest.mark.slow
 def test_small_space_gets_its_rounds_and_a_rerun_runs_nothing(store):
     first = search(store, rounds=2, race_rounds=0).run()
     assert {v.config for v in first} == set(CONFIGS)
@@ -45,6 +46,7 @@ def test_small_space_gets_its_rounds_and_a_rerun_runs_nothing(store):
     assert again.verdict is not None and again.verdict.leader.rounds == 4  # and combined
 
 
+@pytest.mark.slow
 def test_interrupted_search_resumes_with_what_is_missing(store):
     def stop_after_two(visit, seen=[]):  # noqa: B006 - state across calls on purpose
         seen.append(visit)
@@ -60,6 +62,7 @@ def test_interrupted_search_resumes_with_what_is_missing(store):
     assert clean_visits(store) == dict.fromkeys(CONFIGS, 1)
 
 
+@pytest.mark.slow
 def test_failures_are_stored_and_the_search_goes_on(store, faulty_engine):
     engine = faulty_engine("raise")  # rank 1 raises: every multi-rank run fails
     visits = search(store, backend=engine, rounds=2, race_rounds=0).run()
@@ -72,6 +75,7 @@ def test_failures_are_stored_and_the_search_goes_on(store, faulty_engine):
     assert search(store, backend=engine, rounds=2, race_rounds=0).run() == []  # failures count as measured
 
 
+@pytest.mark.slow
 def test_a_pool_that_fails_to_launch_is_stored_as_launch_and_the_search_goes_on(store, faulty_engine):
     engine = faulty_engine("launch")  # rank 1 exits at start: no pool of two ranks starts
     visits = search(store, backend=engine, rounds=2, race_rounds=0).run()
@@ -82,6 +86,7 @@ def test_a_pool_that_fails_to_launch_is_stored_as_launch_and_the_search_goes_on(
     assert Counter(r.status for r in store.results()) == {"ok": 2, "launch": 3}
 
 
+@pytest.mark.slow
 def test_tpe_never_proposes_an_infeasible_point(store):
     """A budget below the space size uses TPE; every proposal is a feasible config."""
     workload = Workload(seq_len=48, heads=6, head_dim=8, kv_heads=3, dtype="fp32")
@@ -95,6 +100,7 @@ def test_tpe_never_proposes_an_infeasible_point(store):
         assert o.config in configs and feasibility(workload, o.config) == []
 
 
+@pytest.mark.slow
 def test_tpe_is_warm_started_from_other_lengths(store):
     host = this_host()
     shorter = Workload(seq_len=48, heads=4, head_dim=16, dtype="fp32")
@@ -106,12 +112,6 @@ def test_tpe_is_warm_started_from_other_lengths(store):
 
 
 # --------------------------------------------------------------------------- guided order
-
-
-def candidate(config, ms, low, high):
-    from cptune.model import Candidate
-
-    return Candidate(config, ms, low, high, "model")
 
 
 def test_win_probability_reads_the_interval_as_its_quantiles():
@@ -126,30 +126,6 @@ def test_win_probability_reads_the_interval_as_its_quantiles():
     assert win_probability(no_spread_below, 9.99) == 0.0
 
 
-def _replay(configs, truth, predictions, stop_probability=0.1):
-    """Run ``GuidedSampler`` over ``configs`` valued at ``truth`` (ms) with fixed predictions."""
-    import optuna
-
-    from cptune.search import GuidedSampler, suggest, tree_of
-
-    asked = []
-
-    def predict(pending):
-        asked.append(list(pending))
-        return [predictions[c] for c in pending]
-
-    sampler = GuidedSampler(configs, predict, stop_probability)
-    tree, order = tree_of(configs), []
-
-    def objective(trial):
-        config = suggest(trial, tree)
-        order.append(config)
-        return truth[config]
-
-    optuna.create_study(sampler=sampler).optimize(objective, n_trials=len(configs))
-    return order, sampler, asked
-
-
 def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win():
     local, ring, ag, uly = CONFIGS  # ring x1, ring x2, allgather_kv x2, ulysses x2
     predictions = {
@@ -159,7 +135,7 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
         uly: candidate(uly, 60.0, 50.0, 80.0),
     }
     truth = {local: 41.0, ring: 21.0, ag: 18.5, uly: 55.0}
-    order, sampler, asked = _replay(list(CONFIGS), truth, predictions)
+    order, sampler, asked = replay(truth, predictions)
     # ring first (lowest estimate); ag's interval reaches below 21 ms, so it runs; then local
     # (low edge 30 ms) and ulysses (50 ms) cannot plausibly beat 18.5 ms: stop
     assert order == [ring, ag]
@@ -168,7 +144,7 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
     assert (stop.tried, stop.unmeasured, stop.likeliest) == (2, 2, local)
     assert stop.probability < 0.1 and "stopped after 2 of 4 configurations" in stop.describe()
     assert "a 10% chance" in stop.describe()
-    _, bolder, _ = _replay(list(CONFIGS), truth, predictions, stop_probability=0.3)
+    _, bolder, _ = replay(truth, predictions, stop_probability=0.3)
     assert "stopped after 2 of 4 configurations" in bolder.early_stop.describe()
     assert "a 30% chance" in bolder.early_stop.describe()  # the threshold it ran with
     assert all(ring not in pending for pending in asked[1:])  # never asked again once tried
@@ -177,10 +153,11 @@ def test_guided_order_takes_the_best_predicted_first_and_stops_when_none_can_win
 def test_guided_search_runs_everything_when_each_remaining_config_may_still_win():
     predictions = {c: candidate(c, 20.0 + i, 5.0, 60.0) for i, c in enumerate(CONFIGS)}  # wide bands
     truth = {c: 30.0 - i for i, c in enumerate(CONFIGS)}
-    order, sampler, _ = _replay(list(CONFIGS), truth, predictions)
+    order, sampler, _ = replay(truth, predictions)
     assert order == list(CONFIGS) and sampler.early_stop is None
 
 
+@pytest.mark.slow
 def test_guided_search_without_a_calibration_falls_back_to_every_configuration(store):
     s = search(store, order="guided", rounds=1, race_rounds=0)
     outcomes = s.run()
@@ -188,6 +165,7 @@ def test_guided_search_without_a_calibration_falls_back_to_every_configuration(s
     assert s.unguided is not None and "no calibration" in s.unguided and s.early_stop is None
 
 
+@pytest.mark.slow
 def test_guided_search_orders_by_the_stored_model(store):
     from conftest import make_calibration
     from cptune.model import predict_for
@@ -211,6 +189,7 @@ def test_guided_search_orders_by_the_stored_model(store):
 # --------------------------------------------------------------------------- the dashboard's study
 
 
+@pytest.mark.slow
 def test_a_search_keeps_its_runs_as_an_optuna_study(store):
     import optuna
 
@@ -242,6 +221,7 @@ def test_the_command_line_offers_every_order():
     assert tuple(order.choices) == ORDERS
 
 
+@pytest.mark.slow
 def test_a_study_that_cannot_be_written_is_one_store_error_and_the_run_is_kept(store):
     import optuna
 
@@ -318,8 +298,8 @@ def test_rounds_visit_every_candidate_in_a_fresh_random_order_and_store_their_ro
     # the same seed gives the same orders; the rounds are what a seed decides
     with Store(str(tmp_path / "again.db")) as other:
         WorkloadSearch(WORKLOAD, CONFIGS, other, this_host(), rounds=5, race_rounds=0, seed=3).run()
-        replay = by_round(other)
-    assert [tuple(c) for round_id, c in replay.items() if not round_id.endswith(":0")] == orders
+        seeded_again = by_round(other)
+    assert [tuple(c) for round_id, c in seeded_again.items() if not round_id.endswith(":0")] == orders
 
 
 def test_the_race_ends_as_soon_as_the_leader_is_separated(store, runs):

@@ -67,6 +67,7 @@ def test_a_new_file_opened_while_another_process_creates_it_waits_for_it(tmp_pat
     store.close()
 
 
+@pytest.mark.slow
 def test_real_measurement_round_trip(store):
     m = cptune.measure(WORKLOAD, CPConfig("ring", 2), warmup=0, repeats=3)
     hardware = this_host()
@@ -175,6 +176,7 @@ with Store(sys.argv[1]) as store:
 """
 
 
+@pytest.mark.slow
 def test_two_writers_on_one_sqlite_file(tmp_path):
     """Two processes open a fresh file at once (both migrate) and write in parallel: no
     'database is locked', no lost rows."""
@@ -204,6 +206,7 @@ with Store(sys.argv[1]) as store:
 """
 
 
+@pytest.mark.slow
 def test_two_study_writers_on_one_sqlite_file(tmp_path):
     """Optuna's storage from the store queues writers as cptune's engine does (Optuna's own
     engine, without the busy timeout and BEGIN IMMEDIATE, loses trials to 'database is locked')."""

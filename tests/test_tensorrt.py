@@ -88,6 +88,7 @@ def node(query: str = QUERY_H100, missing: dict[str, str] | None = None) -> Node
 # --------------------------------------------------------------------------- imports
 
 
+@pytest.mark.slow
 def test_runtime_modules_import_without_the_gpu_packages():
     """Even where TensorRT, nccl4py and cuda-bindings are installed, importing the engine
     must not import them (they load only on the ranks, when a task needs them)."""
@@ -178,6 +179,7 @@ def test_preflight_checks_only_the_gpus_the_ranks_use():
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA driver")
+@pytest.mark.slow
 def test_search_with_tensorrt_here_exits_2_with_one_line(tmp_path):
     """No injection: this machine, as it is, has no GPU."""
     done = subprocess.run([sys.executable, "-m", "cptune.cli", "search", "--backend", "tensorrt",
@@ -196,6 +198,7 @@ def test_library_callers_get_the_preflight_before_any_process_starts(tmp_path):
     assert engine._pool is None
 
 
+@pytest.mark.slow
 def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monkeypatch):
     """The node is said to be fine, but the ranks cannot import TensorRT here: the
     supervised pool reports the rank's failure as one EngineError and leaves nothing."""
@@ -396,6 +399,7 @@ def gpu_node_or_skip(ranks: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [CPConfig("ulysses", 1), CPConfig("allgather_kv", 2), CPConfig("ring", 2),
                                     CPConfig("ulysses", 2)], ids=lambda c: c.label + str(c.ranks))
+@pytest.mark.slow
 def test_tensorrt_output_matches_the_reference_and_times(config, tmp_path, monkeypatch):
     gpu_node_or_skip(config.ranks)
     monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path))  # the ranks start with it: a fresh engine
@@ -413,6 +417,7 @@ def test_tensorrt_output_matches_the_reference_and_times(config, tmp_path, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_tensorrt_calibration_times_every_collective(tmp_path, monkeypatch):
     gpu_node_or_skip(2)
     monkeypatch.setenv("CPTUNE_CACHE", str(tmp_path))
@@ -432,6 +437,7 @@ def test_gpu_tests_skip_with_the_preflight_reason_here():
         gpu_node_or_skip(1)
 
 
+@pytest.mark.slow
 def test_measure_holds_each_engine_to_its_own_tolerance():
     """The same correct run passes under the MPI engine's tolerance and is refused as
     wrong_output under a stricter one: the check reads the engine's, not a global table."""
@@ -492,6 +498,7 @@ def stand_in_engine(monkeypatch, tmp_path):
 @pytest.mark.parametrize(("config", "dtype"), [
     (CPConfig("ring", 2), "fp32"), (CPConfig("ulysses", 2), "bf16"), (CPConfig("allgather_kv", 1), "fp16"),
 ], ids=["ring2-fp32", "ulysses2-bf16", "one-rank-fp16"])
+@pytest.mark.slow
 def test_rank_side_runs_checks_times_and_caches_on_a_stand_in(stand_in_engine, tmp_path, config, dtype):
     """The worker's whole path on real MPI ranks, TensorRT replaced by the stand-in: the
     rank graph goes through build, cache, deserialize and device buffers, the output
@@ -515,6 +522,7 @@ def test_rank_side_runs_checks_times_and_caches_on_a_stand_in(stand_in_engine, t
     assert sorted((tmp_path / "engines").glob("*.engine")) == engines
 
 
+@pytest.mark.slow
 def test_calibration_runs_its_graphs_on_a_stand_in(stand_in_engine, tmp_path):
     """Every rank of a group runs the same collective graph: rank 0 builds it once and
     broadcasts it; the timing comes back as [chunk, iteration]."""
@@ -532,6 +540,7 @@ def test_members_of_a_group_get_the_same_collective_graph():
     assert same[0] == same[1] and other != same[0]
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_in_engine, monkeypatch):
     monkeypatch.setenv("FAKE_TENSORRT_HANG_RANK", "1")
     w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
@@ -543,6 +552,7 @@ def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_i
     assert processes_left("cptune.engines.tensorrt._worker") == []
 
 
+@pytest.mark.slow
 def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in_engine, monkeypatch):
     """calibrate() asks the TensorRT engine for the Ring's broadcast (no p2p) and gets a fit
     for every kind and group; sizes shrunk so the reference runtime stays quick."""
