@@ -72,6 +72,7 @@ def test_python_and_the_command_line_store_the_same_rows_for_the_same_space_and_
     assert len(python) > 8  # explored, rounds, a race and a second sitting, not just a sweep
     assert {row[5] for row in python} == {0, 1, 2, 3}  # two lengths, each in two sittings
     assert set(run.verdicts) == {64, 96} and all(v is not None for v in run.verdicts.values())
+    assert run.describe().splitlines() == [f"seq {n}: {run.verdicts[n].describe()}" for n in (64, 96)]
     assert run.visits == len(python) and run.failed == 0
 
 

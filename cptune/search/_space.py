@@ -83,6 +83,11 @@ class SpaceSearch:
         """Each sequence length's verdict over every clean visit stored (None: none ran clean)."""
         return {seq_len: search.verdict for seq_len, search in self.searches.items()}
 
+    def describe(self) -> str:
+        """Each sequence length's verdict in words, a line each, as ``cptune search`` ends."""
+        return "\n".join(f"seq {seq_len}: {verdict.describe() if verdict else 'nothing ran clean'}"
+                         for seq_len, verdict in self.verdicts.items())
+
 
 def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, oversubscribe: bool
                    ) -> tuple[SearchSpace, int, int]:
