@@ -191,7 +191,6 @@ def calibrate(
     report = progress or (lambda _: None)
     guarded = guard_enabled() if guard is None else guard
     spec = engine.spec
-    numpy_steps = spec.times_steps
     attention: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     step_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     collective_times: dict[tuple[str, int, int], list[np.ndarray]] = {
@@ -207,7 +206,7 @@ def calibrate(
                                         _TIMEOUT_S)
             timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
             attention[ranks].append(np.median(timings, axis=1))
-            if numpy_steps:
+            if spec.times_steps:
                 report(f"{prefix}the kernel's memory-bound steps on {ranks} rank(s)")
                 time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats,
                                             _TIMEOUT_S)

@@ -27,12 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from cptune.config import CPConfig
 from cptune.engines import EngineSpec
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
 from cptune.hardware import Hardware, this_host
 from cptune.measurement import available_cores
 from cptune.reference import TOLERANCE
+from cptune.workload import Workload
 
 
 def worker_command(module: str) -> list[str]:
@@ -273,6 +275,20 @@ class PooledEngine:
         except BaseException:
             self._pool = None  # request() already stopped it
             raise
+
+    def _run(
+        self, workload: Workload, config: CPConfig, arrays: Sequence[Sequence[np.ndarray]], timeout: float,
+        what: str, **extra: object,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """A "run" of ``config`` by this engine's rank side, rank r sent ``arrays[r]`` (its
+        shard, and whatever else the engine's ranks need) and ``extra`` in the header: each
+        rank's output shard and peak bytes (``_ran``)."""
+        self._pool_for(config.ranks)
+        header = {"op": "run", "engine": self.name, "workload": workload.to_dict(),
+                  "config": config.to_dict(), **extra}
+        messages = {rank: (header, list(sent)) for rank, sent in enumerate(arrays)}
+        replies = self._request(messages, timeout, what)
+        return self._ran(replies, config.ranks)
 
     def _ran(self, replies: dict[int, protocol.Message], ranks: int) -> tuple[list[np.ndarray], list[int]]:
         """Each rank's output shard and peak bytes from a run's ``replies``; the ranks keep

@@ -34,19 +34,8 @@ class MPIEngine(PooledEngine):
         """Run ``config`` once with rank r holding ``shards[r]`` (q, k, v in the API layout);
         returns each rank's output shard and peak bytes. The ranks keep the inputs for
         ``time``."""
-        self._pool_for(config.ranks)
-        header = {
-            "op": "run",
-            "engine": self.name,
-            "workload": workload.to_dict(),
-            "config": config.to_dict(),
-            "threads": threads_per_rank(config.ranks),
-        }
-        replies = self._request(
-            {rank: (header, list(shard)) for rank, shard in enumerate(shards)},
-            timeout, config.describe(),
-        )
-        return self._ran(replies, config.ranks)
+        return self._run(workload, config, shards, timeout, config.describe(),
+                         threads=threads_per_rank(config.ranks))
 
     def time_collective(
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,

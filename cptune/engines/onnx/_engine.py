@@ -53,19 +53,8 @@ class OnnxEngine(PooledEngine):
             np.frombuffer(model.SerializeToString(), dtype=np.uint8)
             for model in rank_graphs(workload, config)
         ]
-        self._pool_for(config.ranks)
-        header = {
-            "op": "run",
-            "engine": self.name,
-            "workload": workload.to_dict(),
-            "config": config.to_dict(),
-        }
-        replies = self._request(
-            {rank: (header, [*shard, graphs[rank]]) for rank, shard in enumerate(shards)},
-            timeout,
-            f"{config.describe()} as ONNX graphs",
-        )
-        return self._ran(replies, config.ranks)
+        sent = [[*shard, graph] for shard, graph in zip(shards, graphs, strict=True)]
+        return self._run(workload, config, sent, timeout, f"{config.describe()} as ONNX graphs")
 
     def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
         raise untimed(self.name)
