@@ -4,7 +4,8 @@
 rank's ONNX graph (the one a TensorRT deployment builds) with ONNX's reference runtime on
 MPI processes: it checks correctness and does not time. ``tensorrt`` builds the same graphs
 into TensorRT engines and runs them on one GPU per rank (written for GPU nodes, not yet run
-on one).
+on one). ``torch`` runs the strategies on ``torch.distributed`` with PyTorch's fused
+attention: gloo ranks on a CPU host, one NCCL rank per GPU on a GPU node.
 
 What an engine is - its attention kernel, what its Ring's stream is made of, which
 collectives it has, whether it times, whether calibration times its kernel's steps, where
@@ -34,8 +35,9 @@ from cptune.workload import Workload
 if TYPE_CHECKING:
     from cptune.hardware import Hardware
 
-#: Where an engine's ranks run: one per CPU core (more may share cores), or one per GPU.
-DEVICES: tuple[str, ...] = ("cpu", "gpu")
+#: Where an engine's ranks run: one per CPU core (more may share cores), one per GPU, or
+#: either, by what the machine has ("any": ``Engine.device`` says which).
+DEVICES: tuple[str, ...] = ("cpu", "gpu", "any")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,11 @@ class Engine(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def device(self) -> str:
+        """Where its ranks run on this machine: "cpu" (more ranks than cores share them) or
+        "gpu" (one GPU each)."""
 
     def preflight(self, ranks: int) -> None:
         """Raise ``BackendUnavailableError`` naming what this machine lacks to run ``ranks``
@@ -183,6 +190,12 @@ register(EngineSpec(
     name="tensorrt", summary="TensorRT 11 engines, one GPU per rank (pip install 'cptune[tensorrt]')",
     kernel="fused", stream="broadcast", timed=True, times_steps=False, device="gpu",
     engine="cptune.engines.tensorrt:TensorRTEngine", worker="cptune.engines.tensorrt._worker",
+))
+register(EngineSpec(
+    name="torch", summary="torch.distributed ranks, PyTorch's fused attention: gloo on CPUs, NCCL on GPUs "
+                          "(pip install 'cptune[torch]')",
+    kernel="fused", stream="p2p", timed=True, times_steps=False, device="any",
+    engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker",
 ))
 
 

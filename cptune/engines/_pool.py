@@ -247,6 +247,11 @@ class PooledEngine:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def device(self) -> str:
+        """Where this engine's ranks run on this machine: "cpu" or "gpu"."""
+        return self.spec.device
+
     def preflight(self, ranks: int) -> None:
         """Nothing to check: CPU ranks run anywhere (more ranks than cores share them)."""
 
@@ -304,6 +309,14 @@ class PooledEngine:
         header = {"op": "time", "warmup": warmup, "repeats": repeats}
         replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what)
         return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
+
+    def _time_slowest(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:
+        """A calibration op's timings (``header``, sent to the first ``ranks`` ranks) of the
+        slowest rank, element by element."""
+        self._pool_for(ranks)
+        request = {**header, "engine": self.name}
+        replies = self._request({r: (request, []) for r in range(ranks)}, timeout, what)
+        return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
 
     def time_steps(
         self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float

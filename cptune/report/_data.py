@@ -250,6 +250,7 @@ class HardwareReport:
     """One hardware fingerprint's section of the report."""
 
     fingerprint: str
+    #: The hardware and the engine(s) its measurements ran on.
     description: str
     calibrated: bool
     shapes: tuple[ShapeReport, ...]
@@ -560,7 +561,9 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
                                       cells, tuple(sorted({s for s, _ in measured})),
                                       _breakdown(shape_estimates)))
         profile = training.profiles.get(fp)
-        sections.append(HardwareReport(fp, described[fp].describe(), calibrated, tuple(shapes),
+        engines = ", ".join(sorted({v.engine for e in estimates if e.hardware == fp for v in e.visits}))
+        description = f"{described[fp].describe()} (engine: {engines})"
+        sections.append(HardwareReport(fp, description, calibrated, tuple(shapes),
                                        accuracy.get(fp), tuple(dict.fromkeys(notes)),
                                        profile.calibration if profile else None))
     return ReportData(url, datetime.now(UTC).isoformat(timespec="seconds"), __version__, tuple(sections),

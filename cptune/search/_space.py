@@ -99,7 +99,7 @@ def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, ov
     if not counts:
         raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
     over = ", ".join(str(n) for n in counts if n > cores)
-    if over and engine.spec.device == "cpu":  # a GPU engine's preflight refuses more ranks than GPUs
+    if over and engine.device == "cpu":  # a GPU engine's preflight refuses more ranks than GPUs
         refuse_oversubscription(f"ranks {over} of {space.origin}", cores, oversubscribe)
     return dataclasses.replace(space, ranks=counts), available, cores
 
@@ -230,7 +230,7 @@ def calibrate_host(
     engine.preflight(max_ranks or 1)
     cores = engine.capacity()
     max_ranks = max_ranks or cores
-    if max_ranks > cores and engine.spec.device == "cpu":  # a GPU engine's preflight refused this
+    if max_ranks > cores and engine.device == "cpu":  # a GPU engine's preflight refused this
         refuse_oversubscription(f"--max-ranks {max_ranks}", cores, oversubscribe)
     told = progress or SearchProgress()
     with Store(db) as store:

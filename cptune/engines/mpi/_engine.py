@@ -46,7 +46,7 @@ class MPIEngine(PooledEngine):
         ``chunks[i]`` bytes per peer."""
         header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group,
                   "chunks": [int(c) for c in chunks], "warmup": warmup, "repeats": repeats}
-        return self._time_on(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
+        return self._time_slowest(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
 
     def time_attention(
         self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
@@ -56,7 +56,7 @@ class MPIEngine(PooledEngine):
         of the cores."""
         header = {"op": "time_attention", "ranks": ranks, "shapes": list(shapes),
                   "threads": threads_per_rank(ranks), "warmup": warmup, "repeats": repeats}
-        return self._time_on(ranks, header, timeout, f"attention calibration on {ranks} ranks")
+        return self._time_slowest(ranks, header, timeout, f"attention calibration on {ranks} ranks")
 
     def time_steps(
         self, ranks: int, steps: Sequence[dict[str, object]], warmup: int, repeats: int, timeout: float
@@ -65,13 +65,7 @@ class MPIEngine(PooledEngine):
         "query" or "merge", wire dtype, heads, rows, head_dim), ``ranks`` ranks at once."""
         header = {"op": "time_steps", "ranks": ranks, "steps": list(steps),
                   "threads": threads_per_rank(ranks), "warmup": warmup, "repeats": repeats}
-        return self._time_on(ranks, header, timeout, f"step calibration on {ranks} ranks")
-
-    def _time_on(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:
-        self._pool_for(ranks)
-        request = {**header, "engine": self.name}
-        replies = self._request({r: (request, []) for r in range(ranks)}, timeout, what)
-        return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
+        return self._time_slowest(ranks, header, timeout, f"step calibration on {ranks} ranks")
 
     def describe(self) -> dict[str, str]:
         """The engine's software, for the record of a measurement."""

@@ -1,0 +1,130 @@
+"""The torch engine's driver side: configurations on a persistent pool of torch ranks.
+
+Its ranks run in the shared supervised pool (``cptune.engines._pool``): mpiexec starts
+them, every wait has a deadline, a rank that raises, dies or hangs ends the pool with one
+``EngineError`` and no process left behind. The rank side is ``_worker``: the strategies on
+``TorchOps`` in one ``torch.distributed`` world, gloo on the CPU, NCCL on a GPU node (one
+GPU per rank). PyTorch is imported here only to ask where the ranks will run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.engines import ENGINES, BackendUnavailableError
+from cptune.engines._pool import PooledEngine, WorkerPool
+from cptune.hardware import Hardware, list_gpus, this_gpu_node, this_host
+from cptune.measurement import available_cores, threads_per_rank
+from cptune.reference import TOLERANCE
+from cptune.workload import Workload
+
+INSTALL_HINT = "pip install 'cptune[torch]'"
+#: How a CPU host's torch ranks are linked.
+GLOO_LINK = "gloo over TCP loopback (one host)"
+
+
+class TorchEngine(PooledEngine):
+    """Runs configurations on torch ranks: one per GPU where PyTorch sees CUDA GPUs, CPU
+    ranks with gloo otherwise."""
+
+    spec = ENGINES["torch"]
+    #: bf16 is real bfloat16 here, inputs rounded to it included (up to 2^-9 each), as on
+    #: the TensorRT engine: held to the same 3e-2. A wrong piece or merge is off by far more.
+    tolerance: Mapping[str, float] = TOLERANCE | {"bf16": 3e-2}
+
+    def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 120.0) -> None:
+        super().__init__(worker, start_timeout)
+        self._ran_with: dict[str, str] = {}
+
+    @cached_property
+    def _torch(self) -> tuple[str, int]:
+        """PyTorch's version and the CUDA GPUs it sees (0: the ranks run on the CPU)."""
+        if importlib.util.find_spec("torch") is None:
+            raise BackendUnavailableError(
+                f"the torch engine needs PyTorch, which is not installed: {INSTALL_HINT}")
+        import torch
+
+        return torch.__version__, torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    @property
+    def device(self) -> str:
+        """Where this machine's ranks run: "gpu" (one each) or "cpu"."""
+        return "gpu" if self._torch[1] else "cpu"
+
+    def preflight(self, ranks: int) -> None:
+        """``BackendUnavailableError`` when PyTorch is missing, or on a GPU node when
+        ``ranks`` exceeds its GPUs (NCCL takes one GPU per rank)."""
+        gpus = self._torch[1]
+        if gpus and ranks > gpus:
+            raise BackendUnavailableError(
+                f"{ranks} ranks need {ranks} GPUs (one per rank) and PyTorch sees {gpus} here: "
+                f"ask for at most {gpus} ranks")
+
+    def capacity(self) -> int:
+        """This machine's GPUs, or its cores where it has none."""
+        return self._torch[1] or available_cores()
+
+    def hardware(self) -> Hardware:
+        """This machine as its ranks use it: its GPUs (model, count, driver, CUDA, links) or
+        its CPU cores."""
+        if not self._torch[1]:
+            # gloo talks over TCP on loopback, not MPI's shared memory: another stack, so
+            # another fingerprint (its rows and calibration never mix with the mpi engine's)
+            return dataclasses.replace(this_host(), interconnect=GLOO_LINK, mpi_library=None)
+        try:
+            return dataclasses.replace(this_gpu_node(list_gpus()), mpi_library=None, tensorrt_version=None)
+        except (OSError, ValueError) as exc:
+            raise BackendUnavailableError(f"cannot read this node's GPU facts for its fingerprint ({exc}); "
+                                          f"check that nvidia-smi works here") from None
+
+    def _pool_for(self, ranks: int) -> WorkerPool:
+        """The pool, after ``preflight``: a library caller gets the command line's reason."""
+        self.preflight(ranks)
+        return super()._pool_for(ranks)
+
+    def run(
+        self, workload: Workload, config: CPConfig, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        timeout: float,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """Run ``config`` once with rank r holding ``shards[r]``: each rank's output shard
+        (float32) and peak bytes; the ranks keep the inputs for ``time``."""
+        outputs, peaks = self._run(workload, config, shards, timeout, config.describe(),
+                                   threads=threads_per_rank(config.ranks) if self.device == "cpu" else 1)
+        return outputs, peaks
+
+    def _ran(self, replies: dict, ranks: int) -> tuple[list[np.ndarray], list[int]]:
+        first = replies[0][0]
+        self._ran_with = {key: str(first.get(key, "")) for key in ("kernel", "process_group")}
+        return super()._ran(replies, ranks)
+
+    def time_collective(
+        self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
+        timeout: float,
+    ) -> np.ndarray:
+        """Seconds [chunk, iteration], slowest rank, of collective ``kind`` in groups of
+        ``group`` consecutive ranks among the first ``ranks``, ``chunks[i]`` bytes per peer."""
+        header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group,
+                  "chunks": [int(c) for c in chunks], "warmup": warmup, "repeats": repeats}
+        return self._time_slowest(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
+
+    def time_attention(
+        self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Seconds [shape, iteration], slowest rank, of the fused kernel on each shape,
+        ``ranks`` ranks computing at once (on their share of the cores on a CPU host)."""
+        threads = threads_per_rank(ranks) if self.device == "cpu" else 1
+        header = {"op": "time_attention", "ranks": ranks, "shapes": list(shapes), "threads": threads,
+                  "warmup": warmup, "repeats": repeats}
+        return self._time_slowest(ranks, header, timeout, f"attention calibration on {ranks} ranks")
+
+    def describe(self) -> dict[str, str]:
+        """The engine's software, and the kernel and process group the last run used."""
+        version, gpus = self._torch
+        info = {"engine": self.name, "torch": version, "device": f"{gpus} GPUs" if gpus else "cpu"}
+        return info | self._pool_software() | self._ran_with

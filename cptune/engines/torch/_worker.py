@@ -1,0 +1,267 @@
+"""One rank of the torch engine's pool (run by mpiexec, never by users).
+
+The serving loop, sockets and watchdog are the shared worker's (``cptune.engines._worker``);
+mpiexec only starts and supervises the processes. As the pool starts, its ranks join one
+``torch.distributed`` world (gloo on the CPU, NCCL with one GPU per rank by local rank on a
+GPU node) through a TCPStore rank 0 opens, and make, all together, every process group a
+configuration or a calibration of up to that many ranks uses (``torch.distributed.new_group``
+is collective over the world; a task reaches only the ranks it runs on).
+
+"run" receives a configuration and this rank's shard, runs the strategy once on ``TorchOps``
+and returns its output shard; "time" repeats it: each iteration starts at an MPI barrier
+(after the device is idle), wall time by CUDA events on a GPU, the compute and
+communication split from ``TorchOps``' clock. "time_collective" and "time_attention" are
+the calibration ops.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cptune.config import CPConfig
+from cptune.engines import _protocol as protocol
+from cptune.engines._worker import Worker, main
+from cptune.engines.torch._ops import (
+    TORCH_DTYPES,
+    TorchOps,
+    attend,
+    exchange_all_gather,
+    exchange_all_to_all,
+    kernel_name,
+    ring_step,
+)
+from cptune.layout import SequenceLayout, context_group_members, head_group_members
+from cptune.strategies import run_strategy
+from cptune.strategies.primitives import HEADS, SEQ
+from cptune.workload import Workload
+
+#: Heads of the K/V tensor calibration exchanges (as the mpi engine's calibration).
+_CHUNK_HEADS = 4
+
+
+def group_members(world: int) -> list[tuple[int, ...]]:
+    """Every group of two or more ranks a task on up to ``world`` ranks uses, once each in
+    one order: the first r ranks, and each configuration's head and context groups."""
+    found: dict[tuple[int, ...], None] = {}
+    for ranks in range(2, world + 1):
+        found[tuple(range(ranks))] = None
+        for head_group in (u for u in range(1, ranks + 1) if ranks % u == 0):
+            for rank in range(ranks):
+                heads = head_group_members(rank, head_group)
+                for members in (heads, context_group_members(rank, head_group, ranks)):
+                    if len(members) > 1:
+                        found[tuple(members)] = None
+    return list(found)
+
+
+def rss_bytes(field: str) -> int:
+    """``VmHWM`` (peak) or ``VmRSS`` (now) of this process, bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak resident size for this process (Linux: clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class TorchRank(Worker):
+    """The serving loop of one torch rank: the shared loop plus this rank's process groups."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        size = self.world.Get_size()
+        if torch.cuda.is_available():
+            local = int(os.environ.get("MPI_LOCALRANKID", self.rank))
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        store_port = 0
+        if self.rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+            store_port = store.port
+        store_port = self.world.bcast(store_port, root=0)
+        if self.rank != 0:
+            store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=size)
+        self.backend = backend
+        self.groups = {members: dist.new_group(list(members)) for members in group_members(size)}
+        self.task: RankTask | None = None  # type: ignore[assignment]
+
+    def group(self, members: Sequence[int]) -> dist.ProcessGroup | None:
+        """The process group of ``members`` (None: this rank alone)."""
+        return None if len(members) == 1 else self.groups[tuple(members)]
+
+    def sync(self) -> None:
+        """Wait for this rank's device to finish what was queued."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self, ranks: int) -> None:
+        """All of the first ``ranks`` ranks here, their devices idle."""
+        self.sync()
+        self.prefix[ranks - 1].Barrier()
+
+    def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
+        op = header["op"]
+        if op == "run":
+            torch.set_num_threads(int(header["threads"]))
+            self.task = RankTask(self, header, arrays)
+            return self.task.run_once()
+        if op == "time":
+            if self.task is None:
+                raise RuntimeError("'time' before any 'run'")
+            return self.task.time(header["warmup"], header["repeats"])
+        if op == "time_collective":
+            return {}, [self.time_each(header["ranks"], self._collectives(header), header)]
+        if op == "time_attention":
+            torch.set_num_threads(int(header["threads"]))
+            cases = [self._attention(shape) for shape in header["shapes"]]
+            return {}, [self.time_each(header["ranks"], cases, header)]
+        raise RuntimeError(f"unknown op {op!r}")
+
+    def time_each(self, ranks: int, cases: Sequence[Callable[[], object]], header: dict) -> np.ndarray:
+        """Seconds [case, iteration] on this rank, every iteration started at a barrier and
+        timed until the device is done."""
+        warmup, repeats = header["warmup"], header["repeats"]
+        timings = np.zeros((len(cases), repeats))
+        for c, case in enumerate(cases):
+            for i in range(warmup + repeats):
+                self.barrier(ranks)
+                start = time.perf_counter()
+                case()
+                self.sync()
+                if i >= warmup:
+                    timings[c, i - warmup] = time.perf_counter() - start
+        return timings
+
+    def _collectives(self, header: dict) -> list[Callable[[], object]]:
+        """One ``kind`` collective per chunk size, in groups of ``group`` consecutive ranks,
+        as ``TorchOps`` runs it: all-to-all and all-gather with their copies into send order
+        and out of receive order, the Ring's stream step as one send and one receive."""
+        kind = header["kind"]
+        pg = self.group(head_group_members(self.rank, header["group"]))
+        members = dist.get_world_size(pg)
+        cases: list[Callable[[], object]] = []
+        for chunk in header["chunks"]:
+            rows = max(1, int(chunk) // (2 * _CHUNK_HEADS))
+            if kind == "all_to_all":
+                shape = (2, _CHUNK_HEADS * members, rows, 1)
+                tensor = torch.ones(shape, dtype=torch.uint8, device=self.device)
+                cases.append(lambda t=tensor: exchange_all_to_all(pg, t, HEADS, SEQ, t.dtype))
+            elif kind == "all_gather":
+                block = torch.ones((2, _CHUNK_HEADS, rows, 1), dtype=torch.uint8, device=self.device)
+                cases.append(lambda b=block: exchange_all_gather(pg, b, SEQ, b.dtype))
+            elif kind == "p2p":
+                send = torch.ones(int(chunk), dtype=torch.uint8, device=self.device)
+                received = torch.empty_like(send)
+                cases.append(lambda s=send, r=received: [w.wait() for w in ring_step(pg, s, r)])
+            else:
+                raise ValueError(f"unknown collective {kind!r}")
+        return cases
+
+    def _attention(self, shape: dict[str, int]) -> Callable[[], object]:
+        """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal) as
+        ``TorchOps`` runs it; causal queries sit at the last seq_q key positions. float32 on
+        the CPU, bfloat16 on a GPU (what each serves in)."""
+        h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
+        causal = bool(shape.get("causal", False))
+        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        q = torch.randn((1, h, sq, d), generator=generator, device=self.device).to(dtype)
+        kv = torch.randn((2, 1, h, sk, d), generator=generator, device=self.device).to(dtype)
+        q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
+        return lambda: attend(q, kv, q_pos, k_pos, causal, sk)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankTask:
+    """One configuration on this rank: its inputs on the device, its groups, and how to run it."""
+
+    def __init__(self, rank: TorchRank, header: dict, arrays: list[np.ndarray]) -> None:
+        self.rank = rank
+        self.workload = Workload(**header["workload"])
+        self.config = CPConfig(**header["config"])
+        self.layout = SequenceLayout(self.workload, self.config)
+        me = rank.rank
+        self.groups = {
+            "heads": rank.group(head_group_members(me, self.config.head_group)),
+            "context": rank.group(context_group_members(me, self.config.head_group, self.config.ranks)),
+        }
+        dtype = TORCH_DTYPES[self.workload.dtype]
+        q, k, v = (torch.from_numpy(a).to(rank.device, dtype) for a in arrays)  # [batch, seq, heads, dim]
+        self.q = q.transpose(1, 2).contiguous()
+        self.kv = torch.stack([k, v]).transpose(2, 3).contiguous()
+        self.input_bytes = self.q.nbytes + self.kv.nbytes
+
+    def iteration(self) -> tuple[torch.Tensor, TorchOps]:
+        ops = TorchOps(self.workload, self.groups, self.rank.device)
+        out = run_strategy(ops, self.layout, self.rank.rank, self.q, self.kv)
+        return out.to(TORCH_DTYPES[self.workload.dtype]), ops
+
+    def run_once(self) -> protocol.Message:
+        """Run once: the output shard (float32, [batch, seq, heads, head_dim]), the peak bytes
+        held (device memory on a GPU; on the CPU the resident growth over the inputs, which
+        the allocator may round up) and the kernel that ran."""
+        device = self.rank.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            baseline = rss_bytes("VmRSS")
+            measured = reset_peak_rss()
+        out, _ = self.iteration()
+        self.rank.sync()
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = self.input_bytes + (max(0, rss_bytes("VmHWM") - baseline) if measured else 0)
+        shard = out.transpose(1, 2).float().cpu().numpy()
+        return {"peak_bytes": int(peak), "kernel": kernel_name(device, self.q.dtype),
+                "process_group": self.rank.backend}, [shard]
+
+    def time(self, warmup: int, repeats: int) -> protocol.Message:
+        """Per timed iteration: wall, compute and communication seconds on this rank; every
+        iteration starts at a barrier, its wall time ends when this rank's device is done."""
+        timings = np.zeros((repeats, 3), dtype=np.float64)
+        cuda = self.rank.device.type == "cuda"
+        for i in range(warmup + repeats):
+            self.rank.barrier(self.config.ranks)
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            else:
+                start = time.perf_counter()
+            _, ops = self.iteration()
+            if cuda:
+                end.record()
+                end.synchronize()
+                wall = begin.elapsed_time(end) / 1e3
+            else:
+                wall = time.perf_counter() - start
+            if i >= warmup:
+                timings[i - warmup] = (wall, *ops.clock.totals())
+        return {}, [timings]
+
+
+if __name__ == "__main__":
+    main(worker=TorchRank)
