@@ -163,6 +163,15 @@ def add_backend(parser: argparse.ArgumentParser) -> None:
                         help=f"engine ({listed})")
 
 
+def add_host_backend(parser: argparse.ArgumentParser) -> None:
+    """``--backend`` where it only says whose view of this host ``--hardware``'s default is:
+    each engine stores its measurements and calibration under its own fingerprint."""
+    timed = tuple(name for name, spec in ENGINES.items() if spec.timed)
+    parser.add_argument("--backend", choices=timed, default=timed[0],
+                        help=f"with no --hardware: this host as this engine's ranks ran it "
+                             f"(default {timed[0]})")
+
+
 def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
     """The workload the flags describe at ``seq_len`` tokens; a bad shape as a ``UsageError``."""
     try:

@@ -13,6 +13,7 @@ from rich.console import Console
 from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
+    add_host_backend,
     add_workload_flags,
     positive,
     say,
@@ -57,6 +58,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     rec.add_argument("--ranks", type=positive,
                      help="exactly this many ranks (default: any up to the hardware's)")
     rec.add_argument("--hardware", help=HARDWARE_HELP)
+    add_host_backend(rec)
     rec.add_argument("--db", help=DB_HELP)
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
 
@@ -125,7 +127,7 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.model import recommend
 
     workload = workload_of(args, args.seq_len)
-    pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db)
+    pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend)
     if args.json:
         print(json.dumps(pick.to_dict(), indent=2))
         return 0

@@ -13,6 +13,7 @@ from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
     UsageError,
+    add_host_backend,
     add_workload_flags,
     positive,
     say,
@@ -43,6 +44,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help=f"search space file or built-in name (default {DEMO_SPACE})")
     export.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
     export.add_argument("--hardware", help=HARDWARE_HELP)
+    add_host_backend(export)
     export.add_argument("--ranks", dest="plan_ranks", type=positive,
                         help="exactly this many ranks (default: the fastest count up to the hardware's)")
     export.add_argument("--db", help=DB_HELP)
@@ -93,7 +95,7 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
 
     space = find_space(space_of(args))
     plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
-                       strategies=space.strategies)
+                       strategies=space.strategies, backend=args.backend)
     path = plan.write(args.output)
     shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
                    "ms per attention call, slowest rank: the pick's stored measurements combined, "

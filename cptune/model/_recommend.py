@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cptune.config import STRATEGIES, CPConfig
+from cptune.engines import get_engine
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.estimate import Estimate, Verdict, judge
 from cptune.feasibility import candidate_configs, feasibility
-from cptune.hardware import HardwareDescriptionError, load_description, this_host
+from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
 from cptune.model._evaluation import CorrectionDecision, fit_advised
@@ -185,10 +186,11 @@ class _Advisor:
         self.measured = {(e.hardware, e.workload, e.config): e for e in data.estimates}
         self.revision = revision
 
-    def profile(self, hardware: str | None) -> Profile:
-        """This host, a stored fingerprint (or a unique prefix of one), or a description."""
+    def profile(self, hardware: str | None, backend: str = "mpi") -> Profile:
+        """This host as ``backend``'s ranks use it, a stored fingerprint (or a unique prefix
+        of one), or a description."""
         if hardware in (None, "host"):
-            host = _this_host()
+            host = this_machine(backend)
             if self.store is None:
                 raise StoreError(
                     f"no database at {missing_database(self.url)}: this host's recommendations stand on its "
@@ -196,10 +198,11 @@ class _Advisor:
                     f"hardware description with --hardware"
                 )
             if host.fingerprint not in self.profiles:
+                flag = "" if backend == "mpi" else f" --backend {backend}"
                 raise CPTuneError(
-                    f"this host ({host.describe()}, {host.fingerprint}) has no calibration in "
-                    f"{display_url(self.url)}: run cptune calibrate (about a minute), or name a hardware "
-                    f"description with --hardware"
+                    f"this host as the {backend} engine runs it ({host.describe()}, {host.fingerprint}) has "
+                    f"no calibration in {display_url(self.url)}: run cptune calibrate{flag} (about a "
+                    f"minute), or name a hardware description with --hardware"
                 )
             return _with_memory(self.profiles[host.fingerprint])
         assert hardware is not None
@@ -233,12 +236,22 @@ def predicted(
     ]
 
 
-_this_host = functools.cache(this_host)
+_machines: dict[str, Hardware] = {}
+
+
+def this_machine(backend: str = "mpi") -> Hardware:
+    """This machine as ``backend``'s ranks use it (``Engine.hardware``): the fingerprint its
+    measurements and calibration are stored under. Read once per engine."""
+    if backend not in _machines:
+        _machines[backend] = get_engine(backend).hardware()
+    return _machines[backend]
 
 
 def _with_memory(profile: CalibratedProfile) -> CalibratedProfile:
-    """``profile`` with this machine's memory, when it is this machine: the limit its ranks share."""
-    if profile.fingerprint != _this_host().fingerprint:
+    """``profile`` with this machine's memory, when it is this machine's CPU ranks: the limit
+    they share (a GPU rank's limit is its own device's)."""
+    here = {this_machine().fingerprint, *(h.fingerprint for h in _machines.values())}
+    if profile.fingerprint not in here or profile.hardware.gpu_count:
         return profile
     return dataclasses.replace(profile, memory_bytes=host_memory_bytes())
 
@@ -267,9 +280,9 @@ def _advisor(db: str | None) -> _Advisor:
     return advisor
 
 
-def hardware_profile(hardware: str | None = None, db: str | None = None) -> Profile:
+def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi") -> Profile:
     """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
-    return _advisor(db).profile(hardware)
+    return _advisor(db).profile(hardware, backend)
 
 
 def correction_decision_of(db: str | None = None) -> CorrectionDecision:
@@ -283,6 +296,7 @@ def recommend(
     hardware: str | None = None,
     db: str | None = None,
     strategies: Sequence[str] = STRATEGIES,
+    backend: str = "mpi",
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
@@ -290,9 +304,10 @@ def recommend(
     ``hardware``: None for this host (needs a calibration), a stored fingerprint, a shipped
     description name (e.g. "h100-sxm-8") or a description file. ``db``: a SQLAlchemy URL or
     a file path (default: $CPTUNE_DB or ./cptune.db). ``strategies``: the context strategies
-    to consider (default all)."""
+    to consider (default all). ``backend``: the engine whose view of this host ``hardware``
+    None means (its measurements and calibration are stored under their own fingerprint)."""
     advisor = _advisor(db)
-    profile = advisor.profile(hardware)
+    profile = advisor.profile(hardware, backend)
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from cptune.config import CPConfig
+from cptune.engines import get_engine
 from cptune.errors import CPTuneError
 from cptune.feasibility import feasibility
-from cptune.hardware import HardwareDescriptionError, load_description, this_host
+from cptune.hardware import HardwareDescriptionError, load_description
 from cptune.workload import AttentionShape, Workload, check_positive_int
 
 SCHEMA_VERSION = 1
@@ -50,6 +51,9 @@ class PlanHardware:
     kind: str
     #: The description's name, e.g. "h100-sxm-8"; None for a host.
     name: str | None
+    #: The engine whose ranks measured a host (its fingerprint is that engine's view of the
+    #: host, ``Engine.hardware``); None for a description.
+    engine: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class Device:
     rank: int
     node: int
     local_rank: int
-    #: "cpu" (the MPI engine) or "cuda:<local rank>".
+    #: "cpu" (CPU ranks) or "cuda:<local rank>".
     device: str
 
 
@@ -100,29 +104,33 @@ class Launch:
     mpiexec: tuple[str, ...]
     srun: tuple[str, ...]
     devices: tuple[Device, ...]
+    #: PyTorch's launcher (a multi-node run adds its rendezvous flags); empty in plans
+    #: written before it was added.
+    torchrun: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ranks": self.ranks, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
-            "mpiexec": list(self.mpiexec), "srun": list(self.srun),
+            "mpiexec": list(self.mpiexec), "srun": list(self.srun), "torchrun": list(self.torchrun),
             "devices": [vars(d).copy() for d in self.devices],
         }
 
 
 def launch_for(ranks: int, ranks_per_node: int, gpus: bool) -> Launch:
     """The launch of ``ranks`` ranks packed ``ranks_per_node`` to a node (MPICH's mpiexec,
-    Slurm's srun), one GPU per rank when ``gpus``."""
+    Slurm's srun, PyTorch's torchrun), one GPU per rank when ``gpus``."""
     per_node = min(ranks, ranks_per_node)
     nodes = -(-ranks // per_node)
     mpiexec = ["mpiexec", "-n", str(ranks)] + (["-ppn", str(per_node)] if nodes > 1 else [])
     srun = ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}"]
+    torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
     if gpus:
         srun.append("--gpus-per-task=1")
     devices = tuple(
         Device(rank, rank // per_node, rank % per_node, f"cuda:{rank % per_node}" if gpus else "cpu")
         for rank in range(ranks)
     )
-    return Launch(ranks, nodes, per_node, tuple(mpiexec), tuple(srun), devices)
+    return Launch(ranks, nodes, per_node, tuple(mpiexec), tuple(srun), devices, tuple(torchrun))
 
 
 @dataclass(frozen=True)
@@ -181,8 +189,8 @@ class Plan:
         this host, a fingerprint, or a hardware description's name or file."""
         if force:
             return
-        if hardware is None:
-            host = this_host()
+        if hardware is None:  # as the engine that measured the plan's host sees this one
+            host = get_engine(self.hardware.engine or "mpi").hardware()
             here, what = host.fingerprint, f"this host ({host.describe()}, {host.fingerprint})"
         elif hardware == self.hardware.fingerprint:
             return
@@ -375,7 +383,7 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
         shape=shape,
         buckets=tuple(buckets),
         launch=Launch(launch["ranks"], launch["nodes"], launch["ranks_per_node"], tuple(launch["mpiexec"]),
-                      tuple(launch["srun"]), devices),
+                      tuple(launch["srun"]), devices, tuple(launch.get("torchrun", ()))),
         cptune_version=data["cptune_version"],
         created_at=data["created_at"],
         source=name,

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
-from cptune.model import DescribedProfile, hardware_profile, recommend
+from cptune.model import CalibratedProfile, DescribedProfile, hardware_profile, recommend
 from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
 from cptune.version import __version__
 from cptune.workload import Workload
@@ -45,21 +45,23 @@ def export_plan(
     hardware: str | None = None,
     db: str | None = None,
     strategies: Sequence[str] = STRATEGIES,
+    backend: str = "mpi",
 ) -> Plan:
     """A plan for ``workloads`` (one attention shape at several sequence lengths): the
     ``recommend`` pick at each length (same ``ranks``, ``hardware``, ``db``, ``strategies``)
-    with its evidence, and the launch of as many ranks as the largest pick uses."""
+    with its evidence, and the launch of as many ranks as the largest pick uses. ``backend``:
+    the engine whose view of this host ``hardware`` None means (``recommend``)."""
     if not workloads:
         raise CPTuneError("a plan needs at least one sequence length")
     shape = workloads[0].shape
     if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
-    profile = hardware_profile(hardware, db)
+    profile = hardware_profile(hardware, db, backend)
     lengths = sorted({w.seq_len for w in workloads})
     buckets = []
     for seq_len, (low, high) in zip(lengths, bucket_bounds(lengths), strict=True):
-        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies)
+        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies, backend)
         # the pick's measurements first, then those it was judged against; none when predicted
         ids = [i for c in pick.candidates for i in c.measurement_ids]
         evidence = tuple(ids) if pick.source == "measured" else ()
@@ -72,8 +74,10 @@ def export_plan(
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
         launch = launch_for(used, description.ranks_per_node, gpus=True)
     else:
-        plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "host", None)
-        launch = launch_for(used, used, gpus=False)
+        assert isinstance(profile, CalibratedProfile)
+        plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "host", None,
+                                     profile.calibration.engine)
+        launch = launch_for(used, used, gpus=profile.hardware.gpu_count > 0)
     return Plan(
         hardware=plan_hardware, shape=shape, buckets=tuple(buckets), launch=launch,
         cptune_version=__version__, created_at=datetime.now(UTC).isoformat(timespec="seconds"),

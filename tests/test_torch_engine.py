@@ -1,0 +1,261 @@
+"""The torch engine: its attention by position pieces against a float64 reference (quick),
+then every configuration on 1-4 gloo ranks against the reference, its timings, its
+calibration ops, its supervision and its refusals (slow: they start ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
+
+import cptune  # noqa: E402
+from conftest import assert_pool_gone  # noqa: E402
+from cptune import CPConfig, EngineError, Workload  # noqa: E402
+from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
+from cptune.engines.torch import TorchEngine  # noqa: E402
+from cptune.engines.torch._ops import _explicit, attend, attention_pieces, fused_attention, merge_partials  # noqa: E402
+from cptune.engines.torch._worker import group_members  # noqa: E402
+from cptune.reference import make_inputs, reference_attention, relative_error  # noqa: E402
+from cptune.strategies.primitives import Partial  # noqa: E402
+
+
+def dense_reference(q, k, v, q_pos, k_pos, causal, seq_len):
+    """float64 attention by positions, masks written out: keys at seq_len or beyond never
+    count, a causal query sees keys at or before it. Rows that see nothing: output 0."""
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k64, v64 = k64.repeat_interleave(groups, dim=1), v64.repeat_interleave(groups, dim=1)
+    scores = q64 @ k64.transpose(-1, -2) / np.sqrt(q.shape[-1])
+    visible = torch.as_tensor(k_pos)[None, :] < seq_len
+    if causal:
+        visible = visible & (torch.as_tensor(k_pos)[None, :] <= torch.as_tensor(q_pos)[:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.where(visible, torch.exp(scores - lse[..., None].clamp(min=-1e300)), 0.0)
+    return weights @ v64, lse
+
+
+# zigzag blocks of a 2-way context split of 64 positions, padding past 60: chunks of 16
+ZIGZAG = [np.r_[0:16, 48:64], np.r_[16:48]]
+POSITIONS = {
+    "zigzag-own": (ZIGZAG[0], ZIGZAG[0]),
+    "zigzag-other": (ZIGZAG[0], ZIGZAG[1]),
+    "zigzag-future": (ZIGZAG[1][:8], np.r_[48:64]),  # every key in every query's future
+    "gathered": (ZIGZAG[1], np.concatenate(ZIGZAG)),
+    "keys-start-inside": (np.r_[10:30], np.r_[20:40]),  # not aligned: the query run is cut
+    "queries-after": (np.r_[30:50], np.r_[0:40]),  # the past, then a diagonal
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("positions", list(POSITIONS), ids=list(POSITIONS))
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_attention_by_pieces_matches_the_masked_reference(positions, causal, kv_heads):
+    q_pos, k_pos = POSITIONS[positions]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn((2, 4, len(q_pos), 16), generator=generator)
+    kv = torch.randn((2, 2, kv_heads, len(k_pos), 16), generator=generator)
+    out, lse = attend(q, kv, q_pos, k_pos, causal, seq_len=60)
+    ref_out, ref_lse = dense_reference(q, kv[0], kv[1], q_pos, k_pos, causal, 60)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert torch.allclose(lse.double()[seen], ref_lse[seen], atol=1e-5)
+
+
+def test_pieces_never_need_a_mask_tensor_and_skip_the_future():
+    """Zigzag blocks cut into unmasked and aligned-diagonal pieces only; a key block wholly
+    in the queries' future is no piece at all."""
+    own = attention_pieces(ZIGZAG[0], ZIGZAG[0], True, 64)
+    assert [[(p.keys.start, p.keys.stop, p.causal) for p in run.pieces] for run in own] == [
+        [(0, 16, True)],  # first chunk: its own diagonal
+        [(0, 16, False), (16, 32, True)],  # last chunk: the first in full, then its diagonal
+    ]
+    future = attention_pieces(ZIGZAG[1][:8], np.r_[48:64], True, 64)
+    assert [run.pieces for run in future] == [()]
+    padded = attention_pieces(np.r_[0:8], np.r_[0:64], False, 60)
+    assert padded[0].pieces[0].keys == slice(0, 60)  # the padding keys are left out
+
+
+def test_merging_two_halves_equals_attending_to_both():
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn((1, 2, 8, 16), generator=generator)
+    k, v = torch.randn((1, 2, 32, 16), generator=generator), torch.randn((1, 2, 32, 16), generator=generator)
+    whole = fused_attention(q, k, v, False)
+    halves = [Partial(*fused_attention(q, k[..., keys, :], v[..., keys, :], False))
+              for keys in (slice(0, 20), slice(20, 32))]
+    merged = merge_partials(merge_partials(None, halves[0]), halves[1])
+    assert torch.allclose(merged.out, whole[0], atol=1e-6) and torch.allclose(merged.lse, whole[1], atol=1e-5)
+    nothing = Partial(torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf")))
+    kept = merge_partials(merge_partials(None, nothing), halves[1])
+    assert torch.allclose(kept.out, halves[1].out) and torch.equal(kept.lse, halves[1].lse)
+
+
+def test_the_explicit_fallback_agrees_with_the_fused_kernel():
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn((1, 4, 24, 8), generator=generator) for _ in range(3))
+    for causal in (False, True):
+        fused = fused_attention(q, k[:, :2], v[:, :2], causal)
+        explicit = _explicit(q, k[:, :2], v[:, :2], causal)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused, explicit, strict=True))
+
+
+def test_every_group_a_task_uses_is_made_once():
+    groups = group_members(4)
+    assert len(groups) == len(set(groups))
+    assert set(groups) == {(0, 1), (0, 1, 2), (0, 1, 2, 3), (2, 3), (0, 2), (1, 3)}
+
+
+def test_spec_and_fingerprint_keep_the_engine_apart_from_mpi():
+    spec = ENGINES["torch"]
+    assert (spec.kernel, spec.stream, spec.timed, spec.device) == ("fused", "p2p", True, "any")
+    engine = TorchEngine()
+    assert engine.device == "cpu"  # no CUDA in this build
+    assert engine.hardware().fingerprint != get_engine("mpi").hardware().fingerprint
+    assert "gloo" in engine.hardware().interconnect
+
+
+def test_a_machine_without_pytorch_is_told_how_to_get_it(monkeypatch, cptune_here):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "torch" else real(name, *args))
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'cptune\[torch\]'"):
+        TorchEngine().preflight(1)
+    monkeypatch.setattr("cptune.engines._engines", {})
+    result = cptune_here("measure", "--backend", "torch", "--max-ranks", "1")
+    assert result.returncode == 2 and "pip install 'cptune[torch]'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# -- on real gloo ranks ---------------------------------------------------------------------
+
+WORKLOADS = {
+    f"{heads}-{dtype}": dict(seq_len=seq_len, heads=8, head_dim=16, kv_heads=kv, dtype=dtype)
+    for heads, kv, seq_len in (("mha", 8, 37), ("gqa", 2, 64), ("mqa", 1, 50))
+    for dtype in ("fp32", "bf16")
+}
+# largest rank counts first so the pool starts once at its full size
+CONFIGS = [
+    CPConfig(strategy, ranks, u)
+    for ranks in (4, 3, 2, 1)
+    for strategy in cptune.STRATEGIES
+    for u in range(1, ranks + 1)
+    if ranks % u == 0 and (strategy != "ulysses" or u == ranks)
+]
+
+
+@pytest.fixture(scope="module")
+def cases():
+    cache = {}
+
+    def case(name, causal):
+        if (name, causal) not in cache:
+            workload = Workload(**WORKLOADS[name], causal=causal)
+            q, k, v = make_inputs(workload, seed=len(cache))
+            cache[name, causal] = workload, (q, k, v), reference_attention(workload, q, k, v)
+        return cache[name, causal]
+
+    return case
+
+
+def runnable_cases():
+    for name in WORKLOADS:
+        for causal, mask in ((False, "full"), (True, "causal")):
+            workload = Workload(**WORKLOADS[name], causal=causal)
+            for config in CONFIGS:
+                if not cptune.feasibility(workload, config):
+                    label = f"{name}-{mask}-{config.label}-{config.ranks}r"
+                    yield pytest.param(name, causal, config, id=label)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "causal", "config"), list(runnable_cases()))
+def test_every_configuration_matches_the_reference(cases, name, causal, config):
+    workload, (q, k, v), reference = cases(name, causal)
+    out = cptune.compute(workload, config, q, k, v, backend="torch")
+    assert out.shape == reference.shape and out.dtype == np.float32
+    assert relative_error(out, reference) <= get_engine("torch").tolerance[workload.dtype]
+
+
+class Corrupting(TorchEngine):
+    """The torch engine with one rank's output shard off by a little after each run."""
+
+    def run(self, workload, config, shards, timeout):
+        outputs, peaks = super().run(workload, config, shards, timeout)
+        outputs[-1] = outputs[-1] + 0.05
+        return outputs, peaks
+
+
+@pytest.mark.slow
+def test_a_wrong_output_is_caught_before_any_timing():
+    engine = Corrupting()
+    try:
+        with pytest.raises(EngineError) as failure:
+            cptune.measure(Workload(seq_len=32, heads=4, head_dim=8, dtype="bf16"), CPConfig("ring", 2),
+                           backend=engine, warmup=0, repeats=1)
+    finally:
+        engine.close()
+    assert failure.value.kind == "wrong_output"
+
+
+@pytest.mark.slow
+def test_a_measurement_records_the_engine_its_kernel_and_its_split():
+    workload = Workload(seq_len=512, heads=4, head_dim=32, kv_heads=2, dtype="bf16", causal=True)
+    m = cptune.measure(workload, CPConfig("ring", 2), backend="torch", warmup=1, repeats=3)
+    assert m.engine == "torch"
+    assert m.host["kernel"] == "flash_for_cpu" and m.host["process_group"] == "gloo"
+    assert m.compute_ms > 0 and m.comm_ms >= 0 and m.compute_ms <= m.median_ms * 1.5
+    assert m.peak_bytes > 0 and m.max_error <= TorchEngine.tolerance["bf16"]
+
+
+@pytest.mark.slow
+def test_calibration_ops_time_each_collective_and_shape():
+    engine = get_engine("torch")
+    for kind in ENGINES["torch"].collectives:
+        timings = engine.time_collective(kind, 2, 2, [1024, 65536], warmup=1, repeats=2, timeout=120)
+        assert timings.shape == (2, 2) and np.all(timings > 0)
+    shapes = [{"heads": 2, "seq_q": 64, "seq_k": 256, "head_dim": 32, "causal": c} for c in (0, 1)]
+    timings = engine.time_attention(2, shapes, warmup=1, repeats=2, timeout=120)
+    assert timings.shape == (2, 2) and np.all(timings > 0)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_as_one_error_and_no_process_is_left():
+    engine = TorchEngine()
+    workload = Workload(seq_len=4096, heads=8, head_dim=64, dtype="fp32")
+    q, k, v = make_inputs(workload)
+    engine._pool_for(2)
+    pool_dir, pids = engine._pool.dir, list(engine._pool.pids)
+    rank_pids = [pid for pid in pids
+                 if b"cptune.engines.torch._worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert rank_pids, "the pool should run torch ranks"
+    threading.Timer(1.0, lambda: os.kill(rank_pids[-1], signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(EngineError) as failure:
+        for _ in range(30):
+            cptune.compute(workload, CPConfig("ring", 2), q, k, v, backend=engine, timeout=120)
+    assert failure.value.kind == "crash"
+    assert time.monotonic() - started < 60
+    assert_pool_gone(pool_dir, pids)
+
+
+@pytest.mark.slow
+def test_a_hung_run_times_out_and_no_process_is_left():
+    engine = TorchEngine()
+    workload = Workload(seq_len=8192, heads=8, head_dim=64, dtype="fp32", causal=True)
+    q, k, v = make_inputs(workload)
+    engine._pool_for(2)
+    pool_dir, pids = engine._pool.dir, list(engine._pool.pids)
+    with pytest.raises(EngineError) as failure:
+        cptune.compute(workload, CPConfig("ring", 2), q, k, v, backend=engine, timeout=0.5)
+    assert failure.value.kind == "timeout"
+    assert_pool_gone(pool_dir, pids)
