@@ -259,3 +259,65 @@ def test_a_hung_run_times_out_and_no_process_is_left():
         cptune.compute(workload, CPConfig("ring", 2), q, k, v, backend=engine, timeout=0.5)
     assert failure.value.kind == "timeout"
     assert_pool_gone(pool_dir, pids)
+
+
+# -- ranks the user launched (torchrun, srun) ------------------------------------------------
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_launched_ranks_are_read_from_torchrun_and_srun():
+    from cptune.engines.torch._launch import launched_ranks
+
+    assert launched_ranks({}) is None
+    assert launched_ranks({**TORCHRUN, "WORLD_SIZE": "1", "RANK": "0"}) is None  # alone
+    torchrun = launched_ranks(TORCHRUN)
+    assert (torchrun.rank, torchrun.size, torchrun.local_rank, torchrun.store) == (1, 2, 1, "127.0.0.1:29500")
+    srun = launched_ranks({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3",
+                           "SLURM_NNODES": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "1234"})
+    assert (srun.rank, srun.size, srun.store) == (3, 4, "node1:1234")
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"LOCAL_WORLD_SIZE": "1"}, "several nodes"),
+    ({"MASTER_PORT": ""}, "MASTER_ADDR and MASTER_PORT"),
+])
+def test_a_launch_cptune_cannot_drive_is_refused_with_the_reason(change, reason):
+    from cptune.engines.torch._launch import launched_ranks
+
+    with pytest.raises(BackendUnavailableError, match=reason):
+        launched_ranks({**TORCHRUN, **change})
+
+
+def torchrun(*args, timeout=240):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "cptune.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "CPTUNE_GUARD": "off"})
+
+
+@pytest.mark.slow
+def test_a_measure_runs_on_ranks_torchrun_launched():
+    done = torchrun("measure", "--backend", "torch", "--seq-len", "256", "--heads", "4", "--head-dim", "16",
+                    "--repeats", "2", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    rows = json.loads(done.stdout)["results"]
+    configs = {(r["config"]["strategy"], r["config"]["ranks"]) for r in rows}
+    assert configs >= {("ring", 2), ("ulysses", 2), ("allgather_kv", 2)}
+    assert all(r["engine"] == "torch" and r["host"]["mpi_library"] == "torch.distributed gloo" for r in rows)
+
+
+@pytest.mark.slow
+def test_rank_0_refusing_ends_every_launched_rank():
+    started = time.monotonic()
+    done = torchrun("measure", "--backend", "torch", "--seq-len", "256", "--heads", "4", "--head-dim", "16",
+                    "--max-ranks", "3")
+    assert done.returncode != 0
+    assert "cptune: error: 3 ranks asked and 2 were launched" in done.stderr
+    assert time.monotonic() - started < 120  # the other rank was told and left

@@ -11,6 +11,7 @@ stderr. Text from users and messages is printed as text, never as Rich markup.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -34,6 +35,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "report": _outputs.run_report,
     "export-graph": _outputs.run_export_graph,
 }
+#: The commands that run an engine's ranks: under torchrun with --backend torch, rank 0 runs
+#: them and the other ranks serve it.
+RANK_COMMANDS = ("search", "measure", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
     restore_sigint = CTRL_C.install()
     try:
-        code = COMMANDS[args.command](args, console)
+        command = functools.partial(COMMANDS[args.command], args, console)
+        if getattr(args, "backend", None) == "torch" and args.command in RANK_COMMANDS:
+            from cptune.engines.torch import on_launched_ranks
+
+            code = on_launched_ranks(command)  # ranks torchrun launched: rank 0 drives, the rest serve
+        else:
+            code = command()
         CTRL_C.raise_if_pressed()
         return code
     except CPTuneError as error:

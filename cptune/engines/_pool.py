@@ -63,7 +63,8 @@ def find_mpiexec() -> str:
 class WorkerPool:
     """``size`` worker ranks under one mpiexec, each connected to this process."""
 
-    def __init__(self, size: int, worker: Sequence[str], start_timeout: float) -> None:
+    def __init__(self, size: int, worker: Sequence[str], start_timeout: float,
+                 env: Mapping[str, str] | None = None) -> None:
         self.size = size
         self.dir = Path(tempfile.mkdtemp(prefix="cptune-pool-"))
         self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
@@ -75,7 +76,7 @@ class WorkerPool:
         listener.bind(str(self.dir / "driver.sock"))
         listener.listen(size)
         mpiexec = find_mpiexec()
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
         package_root = str(Path(__file__).resolve().parents[2])  # the directory holding this cptune
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
@@ -267,8 +268,12 @@ class PooledEngine:
         if self._pool is not None and (self._pool.size < ranks or self._pool.proc.poll() is not None):
             self.close()
         if self._pool is None:
-            self._pool = WorkerPool(ranks, self.worker, self.start_timeout)
+            self._pool = WorkerPool(ranks, self.worker, self.start_timeout, self._pool_env())
         return self._pool
+
+    def _pool_env(self) -> dict[str, str]:
+        """Environment variables a new pool's ranks get beyond this process's own."""
+        return {}
 
     def _request(
         self, messages: dict[int, protocol.Message], timeout: float, what: str

@@ -44,7 +44,7 @@ from cptune.engines import engine_spec
 from cptune.layout import rank_coordinates
 
 
-def _exit_when_gone(pid: int) -> None:
+def exit_when_gone(pid: int) -> None:
     """Block until process ``pid`` exits, then end this process at once."""
     try:
         fd = os.pidfd_open(pid)
@@ -119,14 +119,54 @@ def rank_side(engine: str) -> ModuleType:
     return importlib.import_module(module)
 
 
-class Worker:
-    """The serving loop of one rank."""
+class RankServer:
+    """The serving loop of one rank on its socket to the driver: hello, then one reply per
+    request until "exit". A subclass says who it is (``hello_facts``) and what it does
+    (``handle``)."""
+
+    def __init__(self, sock: socket.socket, rank: int) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.allocator = "steady" if steady_allocator() else "system default"
+
+    def hello_facts(self) -> dict[str, str]:
+        """What the driver records of the ranks' software: the MPI library (or launcher)."""
+        return {"mpi_library": ""}
+
+    def hello(self) -> None:
+        protocol.send(self.sock, {"rank": self.rank, "pid": os.getpid(), "parent_pid": os.getppid(),
+                                  "allocator": self.allocator, **self.hello_facts()})
+
+    def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
+        raise NotImplementedError
+
+    def serve(self) -> None:
+        self.hello()
+        while True:
+            header, arrays = protocol.receive(self.sock)
+            if header["op"] == "exit":
+                return
+            try:
+                reply, out = self.handle(header, arrays)
+                protocol.send(self.sock, {"ok": True, **reply}, out)
+                if header["op"] != "run":  # a run's timing comes next and reuses its memory
+                    release_free_memory()
+            except MemoryError:
+                protocol.send(self.sock, {"ok": False, "kind": "out_of_memory", "error": "out of memory"})
+            except Exception as exc:  # reported to the driver, which stops the pool
+                lines = traceback.format_exception(exc)
+                protocol.send(self.sock, {"ok": False, "kind": "error", "error": "".join(lines[-6:])})
+
+    def close(self) -> None:
+        """Release what this rank holds once served (nothing on the CPU)."""
+
+
+class Worker(RankServer):
+    """The serving loop of one MPI rank: the engines' rank sides on MPI communicators."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.world = MPI.COMM_WORLD
-        self.sock = sock
-        self.allocator = "steady" if steady_allocator() else "system default"
-        self.rank = self.world.Get_rank()
+        super().__init__(sock, self.world.Get_rank())
         # A communicator for each task size: the first r ranks. Made once, collectively.
         self.prefix = [
             self.world.Split(0 if self.rank < r else MPI.UNDEFINED, self.rank)
@@ -135,14 +175,8 @@ class Worker:
         self.group_comms: dict[tuple[int, int], dict[str, MPI.Comm]] = {}
         self.task: Any = None  # the last run's RankTask, of whichever engine
 
-    def hello(self) -> None:
-        protocol.send(self.sock, {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "parent_pid": os.getppid(),
-            "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
-            "allocator": self.allocator,
-        })
+    def hello_facts(self) -> dict[str, str]:
+        return {"mpi_library": MPI.Get_library_version().strip().splitlines()[0]}
 
     def comms_for(self, ranks: int, head_group: int) -> dict[str, MPI.Comm]:
         """The first ``ranks`` ranks ("all"), their head groups of ``head_group`` ranks
@@ -176,45 +210,30 @@ class Worker:
             raise RuntimeError(f"unknown op {op!r}")
         return side.OPS[op](self, header)
 
-    def serve(self) -> None:
-        self.hello()
-        while True:
-            header, arrays = protocol.receive(self.sock)
-            if header["op"] == "exit":
-                return
-            try:
-                reply, out = self.handle(header, arrays)
-                protocol.send(self.sock, {"ok": True, **reply}, out)
-                if header["op"] != "run":  # a run's timing comes next and reuses its memory
-                    release_free_memory()
-            except MemoryError:
-                protocol.send(self.sock, {"ok": False, "kind": "out_of_memory", "error": "out of memory"})
-            except Exception as exc:  # reported to the driver, which stops the pool
-                lines = traceback.format_exception(exc)
-                protocol.send(self.sock, {"ok": False, "kind": "error", "error": "".join(lines[-6:])})
 
-    def close(self) -> None:
-        """Release what this rank holds once served (nothing on the CPU)."""
-
-
-def main(argv: list[str] | None = None, worker: type[Worker] = Worker) -> None:
-    """Serve as one rank of the pool with ``worker``: this loop, or an engine's subclass of
-    it (the TensorRT ranks)."""
+def main(argv: list[str] | None = None, worker: Callable[[socket.socket], RankServer] = Worker) -> None:
+    """Serve as one rank of the pool with ``worker``: this loop, or an engine's own (the
+    TensorRT and torch ranks)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--socket", required=True, help="the driver's Unix socket")
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    threading.Thread(target=_exit_when_gone, args=(args.driver_pid,), daemon=True).start()
+    threading.Thread(target=exit_when_gone, args=(args.driver_pid,), daemon=True).start()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
-    rank = worker(sock)
+    serve_until_done(worker(sock))
+
+
+def serve_until_done(rank: RankServer) -> None:
+    """Serve, then end this process without MPI_Finalize (it waits for every rank, and the
+    driver is done); at once when the driver went away."""
     try:
         rank.serve()
         rank.close()
     except ConnectionError:
         os._exit(3)  # the driver went away: nothing left to report to
     sys.stdout.flush()
-    os._exit(0)  # skip MPI_Finalize: it waits for every rank, and the driver is done
+    os._exit(0)
 
 
 if __name__ == "__main__":

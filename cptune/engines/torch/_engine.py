@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 from collections.abc import Mapping, Sequence
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,18 @@ class TorchEngine(PooledEngine):
     def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 120.0) -> None:
         super().__init__(worker, start_timeout)
         self._ran_with: dict[str, str] = {}
+        self._store: Any = None  # the pools' rendezvous (a torch TCPStore), opened with the first
+        self._worlds = 0
+        self._launched_started = False
+
+    @cached_property
+    def launched(self) -> Any:
+        """The ranks the user launched with torchrun or srun (``_launch.Launched``), whom
+        this engine drives instead of starting its own; None when this process is alone."""
+        self._torch  # noqa: B018 - PyTorch must be there before its launch is read
+        from cptune.engines.torch._launch import launched_ranks
+
+        return launched_ranks()
 
     @cached_property
     def _torch(self) -> tuple[str, int]:
@@ -58,16 +71,22 @@ class TorchEngine(PooledEngine):
         return "gpu" if self._torch[1] else "cpu"
 
     def preflight(self, ranks: int) -> None:
-        """``BackendUnavailableError`` when PyTorch is missing, or on a GPU node when
-        ``ranks`` exceeds its GPUs (NCCL takes one GPU per rank)."""
+        """``BackendUnavailableError`` when PyTorch is missing, when ``ranks`` exceeds the
+        ranks the user launched, or on a GPU node its GPUs (NCCL takes one GPU per rank)."""
         gpus = self._torch[1]
+        if self.launched is not None and ranks > self.launched.size:
+            raise BackendUnavailableError(
+                f"{ranks} ranks asked and {self.launched.size} were launched: launch {ranks} "
+                f"(torchrun --nproc-per-node {ranks}), or ask for at most {self.launched.size}")
         if gpus and ranks > gpus:
             raise BackendUnavailableError(
                 f"{ranks} ranks need {ranks} GPUs (one per rank) and PyTorch sees {gpus} here: "
                 f"ask for at most {gpus} ranks")
 
     def capacity(self) -> int:
-        """This machine's GPUs, or its cores where it has none."""
+        """The ranks the user launched; else this machine's GPUs, or its cores where it has none."""
+        if self.launched is not None:
+            return self.launched.size
         return self._torch[1] or available_cores()
 
     def hardware(self) -> Hardware:
@@ -84,9 +103,30 @@ class TorchEngine(PooledEngine):
                                           f"check that nvidia-smi works here") from None
 
     def _pool_for(self, ranks: int) -> WorkerPool:
-        """The pool, after ``preflight``: a library caller gets the command line's reason."""
+        """The pool, after ``preflight`` (a library caller gets the command line's reason):
+        the launched ranks where the user launched them, once; else a pool mpiexec starts."""
         self.preflight(ranks)
-        return super()._pool_for(ranks)
+        if self.launched is None:
+            return super()._pool_for(ranks)
+        from cptune.engines.torch._launch import LaunchedPool, lost
+
+        if self._pool is None:
+            if self._launched_started:
+                raise lost()
+            self._launched_started = True
+            self._pool = LaunchedPool(self.launched, self.worker, self.start_timeout)
+        return self._pool
+
+    def _pool_env(self) -> dict[str, str]:
+        """Where a new pool's ranks rendezvous: a store this process holds, a fresh key
+        prefix per pool (a pool after a failure is a new world)."""
+        import torch.distributed as dist
+
+        if self._store is None:
+            self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        self._worlds += 1
+        return {"CPTUNE_TORCH_STORE": f"127.0.0.1:{self._store.port}",
+                "CPTUNE_TORCH_WORLD": f"world-{self._worlds}"}
 
     def run(
         self, workload: Workload, config: CPConfig, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],

@@ -208,6 +208,10 @@ def exchange_all_to_all(group: dist.ProcessGroup, x: torch.Tensor, split_axis: i
     return out_of_receive_order(received, concat_axis)
 
 
+#: ``all_gather_into_tensor`` under the name newer PyTorch releases give it (2.13 warns on the old one).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def exchange_all_gather(
     group: dist.ProcessGroup, x: torch.Tensor, axis: int, wire: torch.dtype
 ) -> torch.Tensor:
@@ -215,7 +219,7 @@ def exchange_all_gather(
     send = x.to(wire).contiguous()
     members = dist.get_world_size(group)
     received = torch.empty((members * send.shape[0], *send.shape[1:]), dtype=wire, device=send.device)
-    dist.all_gather_into_tensor(received, send, group=group)  # the arrivals stacked along dim 0
+    _all_gather_single(received, send, group=group)  # the arrivals stacked along dim 0
     return out_of_receive_order(received.view(members, *send.shape), axis)
 
 

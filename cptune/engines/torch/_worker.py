@@ -1,23 +1,27 @@
-"""One rank of the torch engine's pool (run by mpiexec, never by users).
+"""One rank of the torch engine (run by mpiexec or by the driver, never by users).
 
-The serving loop, sockets and watchdog are the shared worker's (``cptune.engines._worker``);
-mpiexec only starts and supervises the processes. As the pool starts, its ranks join one
-``torch.distributed`` world (gloo on the CPU, NCCL with one GPU per rank by local rank on a
-GPU node) through a TCPStore rank 0 opens, and make, all together, every process group a
-configuration or a calibration of up to that many ranks uses (``torch.distributed.new_group``
-is collective over the world; a task reaches only the ranks it runs on).
+The serving loop and its socket to the driver are the shared ``RankServer``'s
+(``cptune.engines._worker``); MPI plays no part but starting the processes. A pool's ranks
+join one ``torch.distributed`` world (gloo on the CPU, NCCL with one GPU per rank by local
+rank on a GPU node) through a TCPStore the driver holds, and make, all together, every
+process group a configuration or a calibration of up to that many ranks uses
+(``torch.distributed.new_group`` is collective over the world; a task reaches only the ranks
+it runs on). Ranks the user launched with torchrun join the same way (``_launch``).
 
 "run" receives a configuration and this rank's shard, runs the strategy once on ``TorchOps``
-and returns its output shard; "time" repeats it: each iteration starts at an MPI barrier
-(after the device is idle), wall time by CUDA events on a GPU, the compute and
+and returns its output shard; "time" repeats it: each iteration starts at a barrier of its
+ranks (after the device is idle), wall time by CUDA events on a GPU, the compute and
 communication split from ``TorchOps``' clock. "time_collective" and "time_attention" are
 the calibration ops.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +32,7 @@ import torch.distributed as dist
 
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
-from cptune.engines._worker import Worker, main
+from cptune.engines._worker import RankServer, exit_when_gone, serve_until_done
 from cptune.engines.torch._ops import (
     TORCH_DTYPES,
     TorchOps,
@@ -43,6 +47,9 @@ from cptune.strategies import run_strategy
 from cptune.strategies.primitives import HEADS, SEQ
 from cptune.workload import Workload
 
+#: How long a rank waits on the driver's store (for the others to join, for a launched
+#: world's driver to say where it listens).
+STORE_TIMEOUT = datetime.timedelta(hours=1)
 #: Heads of the K/V tensor calibration exchanges (as the mpi engine's calibration).
 _CHUNK_HEADS = 4
 
@@ -79,31 +86,38 @@ def reset_peak_rss() -> bool:
     return True
 
 
-class TorchRank(Worker):
-    """The serving loop of one torch rank: the shared loop plus this rank's process groups."""
+def join_world(store: dist.Store, rank: int, size: int, local_rank: int) -> tuple[torch.device, str]:
+    """Join the ``torch.distributed`` world rendezvousing in ``store`` as ``rank`` of ``size``:
+    NCCL with GPU ``local_rank`` where PyTorch sees CUDA, gloo on the CPU otherwise. Returns
+    this rank's device and the backend."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+    return device, backend
 
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__(sock)
-        size = self.world.Get_size()
-        if torch.cuda.is_available():
-            local = int(os.environ.get("MPI_LOCALRANKID", self.rank))
-            self.device = torch.device("cuda", local)
-            torch.cuda.set_device(self.device)
-            backend = "nccl"
-        else:
-            self.device = torch.device("cpu")
-            backend = "gloo"
-        store_port = 0
-        if self.rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
-            store_port = store.port
-        store_port = self.world.bcast(store_port, root=0)
-        if self.rank != 0:
-            store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=size)
-        self.backend = backend
-        self.groups = {members: dist.new_group(list(members)) for members in group_members(size)}
-        self.task: RankTask | None = None  # type: ignore[assignment]
+
+def store_at(address: str, prefix: str) -> dist.Store:
+    """The driver's key-value store at host:port ``address``, keys under ``prefix``."""
+    host, _, port = address.rpartition(":")
+    return dist.PrefixStore(prefix, dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT))
+
+
+class TorchRank(RankServer):
+    """The serving loop of one torch rank, in the world it joined (``join_world``), with
+    every process group a task may use."""
+
+    def __init__(self, sock: socket.socket, device: torch.device, backend: str) -> None:
+        super().__init__(sock, dist.get_rank())
+        self.device, self.backend = device, backend
+        self.groups = {tuple(m): dist.new_group(list(m)) for m in group_members(dist.get_world_size())}
+        self.task: RankTask | None = None
+
+    def hello_facts(self) -> dict[str, str]:
+        return {"mpi_library": f"torch.distributed {self.backend}"}
 
     def group(self, members: Sequence[int]) -> dist.ProcessGroup | None:
         """The process group of ``members`` (None: this rank alone)."""
@@ -117,7 +131,8 @@ class TorchRank(Worker):
     def barrier(self, ranks: int) -> None:
         """All of the first ``ranks`` ranks here, their devices idle."""
         self.sync()
-        self.prefix[ranks - 1].Barrier()
+        if ranks > 1:
+            dist.barrier(group=self.groups[tuple(range(ranks))])
 
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
         op = header["op"]
@@ -263,5 +278,32 @@ class RankTask:
         return {}, [timings]
 
 
+def main(argv: list[str] | None = None) -> None:
+    """One rank of a pool mpiexec started (its rank in PMI_RANK), or rank 0 of a world the
+    user launched with torchrun, started by the driver (``_launch``)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="the driver's Unix socket (a pool mpiexec started)")
+    where.add_argument("--driver", help="the driver's host:port (rank 0 of launched ranks)")
+    parser.add_argument("--driver-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    threading.Thread(target=exit_when_gone, args=(args.driver_pid,), daemon=True).start()
+    if args.socket:
+        rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+        store = store_at(os.environ["CPTUNE_TORCH_STORE"], os.environ["CPTUNE_TORCH_WORLD"])
+        device, backend = join_world(store, rank, size, int(os.environ.get("MPI_LOCALRANKID", rank)))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(args.socket)
+    else:  # rank 0 of ranks the user launched: the others joined from their own cptune (_launch)
+        from cptune.engines.torch._launch import LAUNCHED_WORLD, connect, launched_ranks
+
+        launch = launched_ranks()
+        assert launch is not None and launch.rank == 0
+        world = store_at(launch.store, LAUNCHED_WORLD)
+        device, backend = join_world(world, 0, launch.size, launch.local_rank)
+        sock = connect(args.driver)
+    serve_until_done(TorchRank(sock, device, backend))
+
+
 if __name__ == "__main__":
-    main(worker=TorchRank)
+    main()

@@ -1,0 +1,199 @@
+"""Ranks the user launched the PyTorch way: torchrun (or srun) started one cptune per rank.
+
+Rank 0's cptune runs the command and drives; it holds the world's key-value store at
+MASTER_ADDR:MASTER_PORT (unless torchrun's agent holds it already). When its engine first
+needs ranks it listens on loopback, writes where into the store and starts its own rank-0
+worker; every other rank's cptune, instead of running the command, waits for that address,
+joins the world and serves the driver until told to exit (``serve_launched``). A driver that
+never needed its ranks tells them so as it ends, and they exit. A rank whose driver is gone
+exits too, so torchrun's job ends with its command.
+
+One node: the driver listens on loopback only. Several nodes are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import select
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from cptune.engines import BackendUnavailableError
+from cptune.engines._pool import WorkerPool
+from cptune.errors import EngineError
+
+#: The prefix of the launched world's keys in the store.
+LAUNCHED_WORLD = "cptune-world"
+_DRIVER_KEY = "cptune/driver"
+_NO_DRIVER = "none"
+#: How long launched ranks wait for their driver to need them.
+_WAIT = datetime.timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """This process as one of ``size`` ranks the user launched."""
+
+    rank: int
+    size: int
+    local_rank: int
+    #: host:port of the world's store (MASTER_ADDR:MASTER_PORT).
+    store: str
+    #: Whether torchrun's agent holds the store (else rank 0's driver opens it).
+    agent_store: bool
+
+
+def launched_ranks(environ: Mapping[str, str] = os.environ) -> Launched | None:
+    """This process as one of several ranks torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE) or srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NNODES)
+    launched, with MASTER_ADDR and MASTER_PORT; None when it is alone.
+    ``BackendUnavailableError`` for a launch cptune cannot drive."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        rank, size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+        local_rank = int(environ.get("LOCAL_RANK", rank))
+        one_node = int(environ.get("LOCAL_WORLD_SIZE", size)) == size
+    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        rank, size = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
+        local_rank = int(environ.get("SLURM_LOCALID", rank))
+        one_node = environ.get("SLURM_NNODES", "1") == "1"
+    else:
+        return None
+    if size < 2:
+        return None
+    if not one_node:
+        raise BackendUnavailableError(
+            f"these {size} ranks were launched on several nodes; cptune drives launched ranks on one "
+            f"node: launch one node's ranks (torchrun --nnodes=1), or let cptune start them")
+    address, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if not address or not port:
+        raise BackendUnavailableError(
+            "launched ranks need MASTER_ADDR and MASTER_PORT (torchrun sets them; with srun, export "
+            "MASTER_ADDR=$(hostname) and a free MASTER_PORT first)")
+    agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return Launched(rank, size, local_rank, f"{address}:{port}", agent)
+
+
+def _store(launch: Launched, is_master: bool) -> dist.TCPStore:
+    host, _, port = launch.store.rpartition(":")
+    return dist.TCPStore(host, int(port), launch.size if is_master else None, is_master=is_master,
+                         timeout=_WAIT, wait_for_workers=False)
+
+
+_driver_store: dist.TCPStore | None = None
+
+
+@contextlib.contextmanager
+def driving(launch: Launched) -> Iterator[None]:
+    """Run rank 0's command as the launched ranks' driver: the store open while it runs;
+    when it ends, ranks that were never needed are told to exit."""
+    global _driver_store
+    _driver_store = _store(launch, is_master=not launch.agent_store)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            if not _driver_store.check([_DRIVER_KEY]):
+                _driver_store.set(_DRIVER_KEY, _NO_DRIVER)
+
+
+def connect(address: str, timeout: float = 60.0) -> socket.socket:
+    """A TCP connection to the driver at host:port ``address``."""
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def _exit_when_closed(sock: socket.socket) -> None:
+    """End this process as soon as the driver closes its connection, whatever the rank is
+    doing (a rank stuck in a collective would never read the close)."""
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.5)
+        if readable:
+            try:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    os._exit(0)
+            except OSError:
+                os._exit(0)
+            time.sleep(0.5)  # a request waits for the serving loop: look again later
+
+
+def serve_launched(launch: Launched) -> None:
+    """Serve as launched rank ``launch.rank`` > 0 once the driver needs it; returns (and the
+    process exits) when the driver never does."""
+    from cptune.engines._worker import serve_until_done
+    from cptune.engines.torch._worker import TorchRank, join_world
+
+    address = _store(launch, is_master=False).get(_DRIVER_KEY).decode()
+    if address == _NO_DRIVER:
+        return
+    world = dist.PrefixStore(LAUNCHED_WORLD, _store(launch, is_master=False))
+    device, backend = join_world(world, launch.rank, launch.size, launch.local_rank)
+    sock = connect(address)
+    sock.settimeout(None)
+    threading.Thread(target=_exit_when_closed, args=(sock,), daemon=True).start()
+    serve_until_done(TorchRank(sock, device, backend))
+
+
+class LaunchedPool(WorkerPool):
+    """The launched ranks as the pool an engine drives: rank 0's worker is a child of this
+    process, the others are the user's processes, connected over loopback. A failure ends
+    them all: torchrun's job cannot be started again from here."""
+
+    def __init__(self, launch: Launched, worker: Sequence[str], start_timeout: float) -> None:
+        if _driver_store is None:
+            raise BackendUnavailableError("launched ranks are driven from cptune's command line on rank 0")
+        self.size = launch.size
+        self.dir = Path(tempfile.mkdtemp(prefix="cptune-launched-"))
+        self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
+        self.socks: dict[int, socket.socket] = {}
+        self.pids: list[int] = []
+        self.mpi_library = ""
+        self.allocator = ""
+        listener = socket.create_server(("127.0.0.1", 0), backlog=self.size)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        _driver_store.set(_DRIVER_KEY, address)
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[3])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [*worker, "--driver", address, "--driver-pid", str(os.getpid())], stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        try:
+            self._accept(listener, start_timeout)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            listener.close()
+        self.pids = [self.proc.pid]  # the user's ranks exit when their connection closes
+
+    def kill(self) -> None:
+        if self.log.closed:
+            return
+        for sock in self.socks.values():
+            sock.close()  # the user's ranks see it and exit
+        self.socks.clear()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        self.pids.clear()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def lost() -> EngineError:
+    """The error for a run after the launched ranks ended."""
+    return EngineError("launch", "the ranks torchrun launched ended with an earlier failure and cannot be "
+                                 "started again from here: launch them again to go on")
