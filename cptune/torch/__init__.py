@@ -1,0 +1,13 @@
+"""Deploy a tuned context-parallel attention in a PyTorch model (``docs/torch.md``).
+
+``ContextParallelAttention`` runs one configuration, or a plan's per sequence length, on the
+caller's ``torch.distributed`` ranks: each rank passes its local q, k, v shards and gets its
+local output. ``shard_sequence`` and ``unshard_sequence`` cut a full sequence into the shards
+a configuration's layout names and put it back together (the module's ``shard`` and
+``unshard`` do the same for its own rank and length).
+"""
+
+from cptune.torch._attention import ContextParallelAttention
+from cptune.torch._sequence import shard_sequence, unshard_sequence
+
+__all__ = ["ContextParallelAttention", "shard_sequence", "unshard_sequence"]

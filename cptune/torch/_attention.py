@@ -1,0 +1,197 @@
+"""``ContextParallelAttention``: the strategies cptune tunes, as a module a model calls.
+
+It runs exactly what the torch engine measured (``run_strategy`` on ``TorchOps``) on the
+caller's ranks: each rank passes its local shards of q, k and v in the layout the chosen
+configuration names and gets its local output back. The head and context process groups
+every configuration it may run needs are made once, at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from cptune.config import CPConfig
+from cptune.engines.torch import TORCH_DTYPES, TorchOps
+from cptune.feasibility import check_feasible
+from cptune.layout import context_group_members, head_group_members, rank_groups
+from cptune.plans import Plan, PlanMismatchError
+from cptune.strategies import run_strategy
+from cptune.torch._sequence import sequence_layout, shard_length, shard_sequence, unshard_sequence
+from cptune.workload import AttentionShape, Workload
+
+#: The process groups one configuration runs with on this rank (None: this rank alone).
+RankGroups = dict[str, dist.ProcessGroup | None]
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """Attention over a sequence split across the ranks of ``group``: each rank passes its
+    local q, k, v shards (``shard`` cuts them) and gets its local output.
+
+    ``choice`` is one ``CPConfig``, or a ``Plan`` whose configuration is picked per sequence
+    length. ``shape`` is the attention layer (an ``AttentionShape``, or a ``Workload``
+    standing for its shape): required with a config, checked against the plan's with a plan
+    (the batch may differ: the strategies do not depend on it). ``group`` is the caller's
+    process group, default the world; a configuration on fewer ranks than the group runs on
+    its first ``config.ranks`` ranks, and the others hold empty shards. Ranks are numbered
+    by global rank within the group (for a group ``new_group`` made: the group rank).
+
+    Construction is collective over the whole world, as ``torch.distributed.new_group`` is:
+    every process builds it with the same ``choice`` and shape, each passing its own group
+    (e.g. its context-parallel group in data x context parallelism). The module holds no
+    parameters: build one and call it from every layer. It computes forward only: its
+    exchanges carry no gradients.
+    """
+
+    def __init__(self, choice: CPConfig | Plan, shape: AttentionShape | Workload | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ContextParallelAttention needs torch.distributed: call "
+                               "torch.distributed.init_process_group first (torchrun sets its environment)")
+        self.plan = choice if isinstance(choice, Plan) else None
+        self.shape = _attention_shape(choice, shape)
+        configs = [b.config for b in choice.buckets] if isinstance(choice, Plan) else [choice]
+        self.configs: tuple[CPConfig, ...] = tuple(dict.fromkeys(configs))
+        self.group = dist.group.WORLD if group is None else group
+        members = sorted(dist.get_process_group_ranks(self.group))
+        #: This process's place in the layout: which shard it holds.
+        self.rank = members.index(dist.get_rank())
+        self.group_size = len(members)
+        for config in self.configs:
+            check_feasible(self.shape.at(config.ranks), config)  # the head limits: any length
+            if config.ranks > self.group_size:
+                raise ValueError(f"{config.describe()} needs {config.ranks} ranks, but the group has "
+                                 f"{self.group_size}: start {config.ranks} ranks (torchrun --nproc-per-node "
+                                 f"{config.ranks}) or pass a larger group")
+        #: Group ranks in layout order: where each rank's piece arrives in an all-gather.
+        self._group_ranks = [dist.get_group_rank(self.group, g) for g in members]
+        self._groups = _process_groups(self.configs, members, self.rank)
+
+    def config_for(self, seq_len: int) -> CPConfig:
+        """The configuration that runs sequences of ``seq_len`` tokens: the plan's pick (a
+        ``PlanError`` beyond its longest bucket), or the one config."""
+        return self.plan.select(seq_len) if self.plan is not None else self.configs[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype q, k and v come in: the attention shape's, which the exchanges send."""
+        return TORCH_DTYPES[self.shape.dtype]
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """The token positions this rank's shard holds, in order (int64; positions from
+        ``seq_len`` on are padding): what position-dependent layers (rotary embeddings)
+        need, as the zigzag order is not contiguous."""
+        workload, config = self.shape.at(seq_len), self.config_for(seq_len)
+        if self.rank >= config.ranks:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(sequence_layout(workload, config).rank_positions(self.rank)).to(torch.int64)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the full sequence ``x`` ([batch, seq_len, ...]) under the
+        configuration for its length (``shard_sequence``); empty where this rank takes no part."""
+        if x.dim() < 2:
+            raise ValueError(f"x must be [batch, seq_len, ...], got {list(x.shape)}")
+        seq_len = x.shape[1]
+        return shard_sequence(x, self.shape.at(seq_len), self.config_for(seq_len), self.rank)
+
+    def unshard(self, local: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The full sequence [batch, seq_len, ...] on every rank, from each rank's shard
+        ``local`` (``unshard_sequence`` after an all-gather: collective over the group)."""
+        workload, config = self.shape.at(seq_len), self.config_for(seq_len)
+        length, piece = shard_length(workload, config, self.rank), shard_length(workload, config, 0)
+        if local.dim() < 2 or local.shape[1] != length:
+            raise ValueError(f"local must be [batch, {length}, ...]: rank {self.rank}'s shard of {seq_len} "
+                             f"tokens under {config.describe()}; got {list(local.shape)}")
+        # every rank sends as many rows (gloo gathers equal sizes); one that takes no part, zeros
+        send = local if length else local.new_zeros((local.shape[0], piece, *local.shape[2:]))
+        received = [torch.empty_like(send) for _ in range(self.group_size)]
+        dist.all_gather(received, send.contiguous(), group=self.group)
+        in_layout_order = [received[g] for g in self._group_ranks[: config.ranks]]
+        return unshard_sequence(in_layout_order, workload, config)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """This rank's output shard [batch, local_seq, heads, head_dim] of attention over a
+        sequence of ``seq_len`` tokens, from its shards ``q`` [batch, local_seq, heads,
+        head_dim] and ``k``, ``v`` [batch, local_seq, kv_heads, head_dim] in the shape's dtype.
+        Every rank of the group calls it with the same ``seq_len``."""
+        workload, config = self.shape.at(seq_len), self.config_for(seq_len)
+        check_feasible(workload, config)  # the one reason left: fewer tokens than ranks
+        local = shard_length(workload, config, self.rank)
+        self._check_shards(q, k, v, local, seq_len, config)
+        if local == 0:
+            return q.new_empty((q.shape[0], 0, *q.shape[2:]))
+        ops = TorchOps(workload, self._groups[config], q.device)
+        # the strategies' layout: q [batch, heads, seq, head_dim], K and V packed in one tensor
+        q, kv = q.transpose(1, 2).contiguous(), torch.stack([k, v]).transpose(2, 3).contiguous()
+        out = run_strategy(ops, sequence_layout(workload, config), self.rank, q, kv)
+        return out.to(q.dtype).transpose(1, 2).contiguous()
+
+    def _check_shards(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: int, seq_len: int,
+                      config: CPConfig) -> None:
+        """Refuse shards that are not this rank's, in the wrong dtype, or that want gradients."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise RuntimeError("ContextParallelAttention computes forward only (its exchanges carry no "
+                               "gradients): call it under torch.no_grad() or torch.inference_mode()")
+        batch = q.shape[0] if q.dim() else 0
+        for name, tensor, heads in (("q", q, self.shape.heads), ("k", k, self.shape.kv_heads),
+                                    ("v", v, self.shape.kv_heads)):
+            expected = [batch, local, heads, self.shape.head_dim]
+            if list(tensor.shape) != expected:
+                raise ValueError(f"{name} must be {expected} (batch, rank {self.rank}'s shard of {seq_len} "
+                                 f"tokens under {config.describe()}, heads, head_dim), got "
+                                 f"{list(tensor.shape)}: cut the sequence with .shard(x)")
+            if tensor.dtype != self.dtype:
+                raise ValueError(f"{name} is {tensor.dtype} but the attention shape is {self.shape.dtype}: "
+                                 f"pass {self.dtype} tensors (the exchanges send {self.shape.dtype})")
+
+    def extra_repr(self) -> str:
+        choice = (f"plan of {len(self.plan.buckets)} buckets up to {self.plan.max_seq_len} tokens"
+                  if self.plan is not None else self.configs[0].describe())
+        return f"{self.shape.describe()}; {choice}; rank {self.rank} of {self.group_size}"
+
+
+def _attention_shape(choice: CPConfig | Plan, shape: AttentionShape | Workload | None) -> AttentionShape:
+    """The attention shape the module serves: ``shape``, or the plan's (refusing a shape
+    the plan was not tuned for; the batch may differ)."""
+    if isinstance(shape, Workload):
+        shape = shape.shape
+    if not isinstance(choice, Plan):
+        if shape is None:
+            raise ValueError("with a CPConfig, name the attention shape: "
+                             "ContextParallelAttention(config, AttentionShape(heads, kv_heads, head_dim, "
+                             "batch, dtype, causal))")
+        return shape
+    if shape is not None and dataclasses.replace(shape, batch=choice.shape.batch) != choice.shape:
+        raise PlanMismatchError(f"the plan was tuned for {choice.shape.describe()}, not "
+                                f"{shape.describe()}: export a plan for this shape (cptune export)")
+    return choice.shape
+
+
+def _process_groups(configs: tuple[CPConfig, ...], members: list[int],
+                    rank: int) -> dict[CPConfig, RankGroups]:
+    """This rank's head and context groups for each configuration it takes part in.
+
+    ``new_group`` is collective over the world, so every process makes every group that any
+    process's configurations need, in one order: the processes first share their groups'
+    members (global ranks, ``members`` is this one's) and configurations."""
+    mine = (tuple(members), tuple((c.strategy, c.ranks, c.head_group) for c in configs))
+    everyone: list[tuple | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    needed: set[tuple[int, ...]] = set()
+    for their_members, their_configs in set(everyone):  # type: ignore[misc]
+        for fields in their_configs:
+            heads, context = rank_groups(CPConfig(*fields))
+            needed |= {tuple(their_members[r] for r in group) for group in heads + context if len(group) > 1}
+    made = {ranks: dist.new_group(list(ranks)) for ranks in sorted(needed)}
+
+    def process_group(layout_ranks: list[int]) -> dist.ProcessGroup | None:
+        return None if len(layout_ranks) == 1 else made[tuple(members[r] for r in layout_ranks)]
+
+    return {
+        config: {"heads": process_group(head_group_members(rank, config.head_group)),
+                 "context": process_group(context_group_members(rank, config.head_group, config.ranks))}
+        for config in configs if rank < config.ranks
+    }
