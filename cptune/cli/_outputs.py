@@ -113,7 +113,8 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
             say(console, (f"{b.min_seq_len}-{b.max_seq_len}:", "yellow"),
                  f" {b.config.describe()} is tied with {names}; the plan lists them (tied), any may run")
     say(console, f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
-                  f"(Slurm: {' '.join(plan.launch.srun)} <your program>)")
+                  f"(Slurm: {' '.join(plan.launch.srun)} <your program>; PyTorch: "
+                  f"{' '.join(plan.launch.torchrun)} <your program>)")
     say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")
     return 0
 
