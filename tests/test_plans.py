@@ -261,6 +261,17 @@ def test_a_plan_without_tied_alternatives_still_loads(plan_file, tmp_path):
     assert load_plan(old).select(SHORT) == FAST_SHORT
 
 
+def test_a_plan_without_an_engine_or_torchrun_still_loads(plan_file, tmp_path):
+    data = json.loads(plan_file.read_text())
+    assert data["hardware"]["engine"] == "mpi" and data["launch"]["torchrun"][0] == "torchrun"
+    del data["hardware"]["engine"], data["launch"]["torchrun"]  # as written before they were added
+    old = tmp_path / "old.json"
+    old.write_text(resigned(data))
+    plan = load_plan(old)
+    assert plan.hardware.engine is None and plan.launch.torchrun == ()
+    assert plan.select(SHORT) == FAST_SHORT
+
+
 def test_missing_and_non_plan_files_are_refused(tmp_path):
     with pytest.raises(PlanError, match="no such file; write one with cptune export"):
         load_plan(tmp_path / "absent.json")

@@ -374,3 +374,28 @@ def test_predicted_candidates_are_never_called_tied(db):
     rec = recommend(W, db=db)
     assert rec.source == "measured" and all(c.source == "prior" for c in rec.alternatives)
     assert rec.tied == () and rec.describe().endswith("(the only configuration measured)")
+
+
+def test_this_host_is_the_host_as_the_backend_ran_it(tmp_path, monkeypatch):
+    """Another engine's view of this host is another fingerprint: its calibration answers
+    recommend(backend=...) and export(backend=...), and a plan exported so names the engine
+    and is checked against this host through it."""
+    from cptune.engines import get_engine
+    from cptune.plans import load_plan
+    from cptune.plans.export import export_plan
+
+    seen = replace(this_host(), interconnect="gloo over TCP loopback (one host)", mpi_library=None)
+    monkeypatch.setattr(get_engine("torch"), "hardware", lambda: seen)
+    monkeypatch.setattr("cptune.model._recommend._machines", {})
+    path = str(tmp_path / "t.db")
+    with Store(path) as store:
+        store.add_calibration(seen, replace(make_calibration(), engine="torch"))
+    pick = recommend(W, db=path, backend="torch")
+    assert pick.fingerprint == seen.fingerprint != this_host().fingerprint
+    with pytest.raises(CPTuneError, match=r"as the mpi engine runs it .* run cptune calibrate \(about"):
+        recommend(W, db=path)
+    plan = export_plan([W], db=path, backend="torch")
+    assert plan.hardware.engine == "torch" and plan.hardware.fingerprint == seen.fingerprint
+    assert plan.launch.torchrun[0] == "torchrun"
+    written = plan.write(tmp_path / "plan.json")
+    assert load_plan(written).hardware.engine == "torch"  # checked against the torch engine's view

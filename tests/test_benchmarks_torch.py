@@ -1,0 +1,70 @@
+"""benchmarks/gpu_check.py: its plan at full size, and a smoke run on the CPU at tiny shapes
+(the ratios there say nothing about a GPU; they only have to be numbers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from cptune.hardware import load_description
+from cptune.layout import kv_replication
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as the module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _benchmark("gpu_check")
+
+
+@pytest.mark.parametrize("description", ["h100-sxm-8", "h200-sxm-8"])
+def test_the_plan_covers_the_per_rank_shapes_the_issue_names(description):
+    cases = gpu_check.cases(description, gpu_check.PER_RANK)
+    assert {tokens for tokens, _, _ in cases} == {1024, 4096, 16384, 65536}
+    assert {w.head_dim for _, w, _ in cases} == {64, 128} and {w.causal for _, w, _ in cases} == {False, True}
+    assert all(config.ranks == 8 and w.seq_len == 8 * tokens for tokens, w, config in cases)
+    # every strategy and hybrid of 8 ranks, GQA among them, and one that replicates KV heads
+    assert {config.label for _, _, config in cases} == {
+        "allgather_kv", "ring", "ulysses", "ulysses2xring4", "ulysses4xring2",
+        "ulysses2xallgather_kv4", "ulysses4xallgather_kv2"}
+    assert any(w.kv_heads < w.heads and kv_replication(w, c.head_group) > 1 for _, w, c in cases)
+    # at the description's rates the whole plan takes under half the default budget: the
+    # kernel path may run twice as slow as described and the check still ends in time
+    prior = gpu_check._prior()
+    profile = prior.DescribedProfile(load_description(description))
+    assert sum(gpu_check.expected_s(w, c, [], profile, prior, 5) for _, w, c in cases) < 420 / 2
+
+
+def test_a_quick_cpu_run_prints_a_table_of_finite_ratios(tmp_path, capsys):
+    out = tmp_path / "gpu_check.txt"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert text == capsys.readouterr().out
+    lines = text.splitlines()
+    assert "kernel flash_for_cpu" in lines[1] and "--out <file>" in lines[2] and str(tmp_path) not in text
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("tokens/rank"))
+    end = lines[header].index("ratio") + len("ratio")
+    rows = lines[header + 1 : lines.index("", header)]
+    assert len(rows) > 100  # 42 configurations, two to five pieces each
+    for row in rows:
+        ratio = float(row[end - 9 : end])
+        assert math.isfinite(ratio) and ratio > 0, row
+    pieces = {row.split()[0] for row in lines[lines.index("ratio measured / predicted, by piece:") + 2 :]
+              if not row.startswith("elapsed")}
+    assert pieces == set(gpu_check.PIECES)
+    assert lines[-1].startswith("elapsed") and "for 42 cases" in lines[-1]
