@@ -9,6 +9,7 @@ every configuration it may run needs are made once, at construction.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 import torch.distributed as dist
@@ -177,11 +178,9 @@ def _process_groups(configs: tuple[CPConfig, ...], members: list[int],
     ``new_group`` is collective over the world, so every process makes every group that any
     process's configurations need, in one order: the processes first share their groups'
     members (global ranks, ``members`` is this one's) and configurations."""
-    mine = (tuple(members), tuple((c.strategy, c.ranks, c.head_group) for c in configs))
-    everyone: list[tuple | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    mine = [members, [[c.strategy, c.ranks, c.head_group] for c in configs]]
     needed: set[tuple[int, ...]] = set()
-    for their_members, their_configs in set(everyone):  # type: ignore[misc]
+    for their_members, their_configs in _gathered_json(mine):
         for fields in their_configs:
             heads, context = rank_groups(CPConfig(*fields))
             needed |= {tuple(their_members[r] for r in group) for group in heads + context if len(group) > 1}
@@ -195,3 +194,19 @@ def _process_groups(configs: tuple[CPConfig, ...], members: list[int],
                  "context": process_group(context_group_members(rank, config.head_group, config.ranks))}
         for config in configs if rank < config.ranks
     }
+
+
+def _gathered_json(value: object) -> list:
+    """Every process's ``value`` (JSON data), in rank order: exchanged as bytes, so nothing
+    a peer sends is ever unpickled (``all_gather_object`` would)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    longest = int(max(size.item() for size in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: len(data)] = data
+    received = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(received, padded)
+    return [json.loads(bytes(got[: int(size.item())].cpu().tolist()))
+            for got, size in zip(received, sizes, strict=True)]
