@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py imported as the module ``name``."""
+    """benchmarks/<name>.py imported as the module ``name`` (benchmarks/ on the path, as when
+    the script runs, for the helpers it imports)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
