@@ -505,3 +505,9 @@ def test_predicted_against_measured_tick_labels_do_not_overlap(low, high):
         boxes = sorted((label.get_window_extent(renderer) for label in shown), key=lambda b: (b.x0, b.y0))
         for a, b in itertools.pairwise(boxes):
             assert not a.overlaps(b), [label.get_text() for label in shown]
+
+
+def test_each_hardware_names_the_engine_its_measurements_ran_on(data, written):
+    assert all(h.description.endswith("(engine: mpi)") for h in data.hardware)
+    page = next(path for path in written if path.name == "report.html")
+    assert "(engine: mpi)" in page.read_text()
