@@ -70,7 +70,7 @@ def test_bad_input_is_one_line(cptune_here, no_database, tmp_path, name, fragmen
 @pytest.mark.slow
 def test_calibrate_then_recommend_from_the_prior(tmp_path):
     db = str(tmp_path / "cal.db")
-    result = cptune("calibrate", "--max-ranks", "2", "--repeats", "2", "--db", db)
+    result = cptune("calibrate", "--max-ranks", "2", "--repeats", "2", "--rounds", "1", "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "collectives" in result.stdout and "attention compute rate" in result.stdout
     for kind in ("all_to_all", "all_gather", "p2p"):

@@ -321,3 +321,34 @@ def test_rank_0_refusing_ends_every_launched_rank():
     assert done.returncode != 0
     assert "cptune: error: 3 ranks asked and 2 were launched" in done.stderr
     assert time.monotonic() - started < 120  # the other rank was told and left
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
+    """calibrate, search, fit, recommend, export and report with --backend torch: the rows
+    record the engine, this host is the torch engine's view of it, the report names it."""
+    import json
+
+    from conftest import cptune
+
+    db = str(tmp_path / "t.db")
+    shape = ["--heads", "4", "--head-dim", "16"]
+    calibrated = cptune("calibrate", "--backend", "torch", "--db", db, "--repeats", "1", "--rounds", "1")
+    assert calibrated.returncode == 0, calibrated.stderr
+    searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
+                      "--ranks", "1,2", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0")
+    assert searched.returncode == 0, searched.stderr
+    assert "gloo over TCP loopback" in searched.stdout and "calibrating" not in searched.stdout
+    rows = json.loads(cptune("results", "--db", db, "--json").stdout)
+    assert len(rows) == 8 and {row["engine"] for row in rows} == {"torch"}
+    assert cptune("fit", "--db", db).returncode == 0
+    picked = cptune("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
+    assert picked.returncode == 0, picked.stderr
+    assert json.loads(picked.stdout)["fingerprint"] == TorchEngine().hardware().fingerprint
+    plan = tmp_path / "plan.json"
+    exported = cptune("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96", "-o", plan)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(plan.read_text())["hardware"]["engine"] == "torch"
+    reported = cptune("report", "--db", db, "-o", tmp_path / "report")
+    assert reported.returncode == 0, reported.stderr
+    assert "(engine: torch)" in (tmp_path / "report" / "report.html").read_text()
