@@ -12,6 +12,10 @@ on the functions the engine's ranks call (``cptune.engines.torch._ops``):
   (``in_send_order``, ``out_of_receive_order``) of Q, K/V and the output (Ulysses groups);
 - replicate: the K/V heads repeated for a head group larger than the KV heads;
 - merge: the Ring's ``merge_partials`` of its blocks' partials, one per block;
+- sdpa: where the engine's attention is one call with no merge (Ulysses), the same call
+  through the public ``scaled_dot_product_attention`` with the backend PyTorch picks (cuDNN,
+  flash or efficient) instead of the log-sum-exp-returning op the engine runs: whether the
+  engine leaves speed on the table there (not part of "local");
 - local: all of the above together.
 
 Predicted, from the description (``DescribedProfile``, the prior's own terms): attention =
@@ -56,6 +60,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from _provenance import command, commit
 
 import cptune
@@ -64,6 +69,7 @@ from cptune.cost import analytic_cost
 from cptune.engines.torch._ops import (
     TORCH_DTYPES,
     attend,
+    attention_pieces,
     in_send_order,
     kernel_name,
     merge_partials,
@@ -82,7 +88,7 @@ PER_RANK = (1024, 4096, 16384, 65536)
 QUICK_PER_RANK = (32,)
 #: A description for each GPU the check is meant for (by a word of its name).
 DESCRIPTIONS = {"H200": "h200-sxm-8", "H100": "h100-sxm-8"}
-PIECES = ("attention", "permute", "replicate", "merge", "local")
+PIECES = ("attention", "sdpa", "permute", "replicate", "merge", "local")
 #: A piece whose warm-up takes longer than this is timed at most 3 times.
 LONG_PIECE_S = 0.5
 
@@ -235,16 +241,25 @@ def run_case(workload: Workload, config: CPConfig, profile: Any, prior: ModuleTy
 
         measured["permute"], _ = timer(permute)
     measured["local"] = sum(measured.values())
+    plan = attention_pieces(q_pos, sources[0], workload.causal, workload.seq_len)
+    whole = slice(0, len(sources[0]))
+    if not ring and len(plan) == 1 and len(plan[0].pieces) == 1 and plan[0].pieces[0].keys == whole:
+        # the same one call through the public API, the backend PyTorch picks (not in "local")
+        causal_piece = plan[0].pieces[0].causal
+        measured["sdpa"], _ = timer(lambda: F.scaled_dot_product_attention(
+            q, kv[0], kv[1], is_causal=causal_piece, enable_gqa=heads != kv_heads))
 
     cost = analytic_cost(workload, config, profile.stream)
     prior_time = prior.prior_time(workload, config, profile)
     memory = {step: profile.memory_time(step, nbytes, workload, config.ranks)
               for step, nbytes in cost.memory_bytes.items()}
     predicted = {"attention": prior_time.compute_s + memory["requery"],
+                 "sdpa": prior_time.compute_s + memory["requery"],
                  "local": prior_time.compute_s + prior_time.memory_s + prior_time.overhead_s} | memory
-    amounts = {"attention": cost.flops} | cost.memory_bytes
+    amounts = {"attention": cost.flops, "sdpa": cost.flops} | cost.memory_bytes
     work = {
         "attention": f"q {heads}x{len(q_pos)} kv {kv_heads}x{len(sources[0])}" + (f" x{c}" if ring else ""),
+        "sdpa": f"q {heads}x{len(q_pos)} kv {kv_heads}x{len(sources[0])}",
         "permute": f"{cost.memory_bytes['permute'] / 2**20:.0f} MiB",
         "replicate": f"kv {workload.kv_heads}->{workload.kv_heads * rep} heads",
         "merge": f"{c} x {heads}x{len(q_pos)}",
@@ -271,7 +286,7 @@ def _rate(row: Row) -> str:
     """What the piece reached: TFLOP/s for attention, GB/s for a memory step."""
     if not row.amount:
         return ""
-    if row.piece == "attention":
+    if row.piece in ("attention", "sdpa"):
         return f"{row.amount / row.measured_s / 1e12:.3g} TF/s"
     return f"{row.amount / row.measured_s / 1e9:.3g} GB/s"
 
