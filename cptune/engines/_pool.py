@@ -32,7 +32,7 @@ from cptune.engines import EngineSpec
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
 from cptune.hardware import Hardware, this_host
-from cptune.measurement import available_cores
+from cptune.measurement import available_cores, threads_per_rank
 from cptune.reference import TOLERANCE
 from cptune.workload import Workload
 
@@ -60,26 +60,27 @@ def find_mpiexec() -> str:
     return found
 
 
+def rank_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a rank this process starts: its own, ``extra`` added, and
+    PYTHONPATH leading to the very cptune this process imported."""
+    env = {**os.environ, **(extra or {})}
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding this cptune
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
 class WorkerPool:
     """``size`` worker ranks under one mpiexec, each connected to this process."""
 
     def __init__(self, size: int, worker: Sequence[str], start_timeout: float,
                  env: Mapping[str, str] | None = None) -> None:
-        self.size = size
-        self.dir = Path(tempfile.mkdtemp(prefix="cptune-pool-"))
-        self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
-        self.socks: dict[int, socket.socket] = {}
-        self.pids: list[int] = []
-        self.mpi_library = ""
-        self.allocator = ""
+        self._prepare(size, "cptune-pool-")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.dir / "driver.sock"))
         listener.listen(size)
         mpiexec = find_mpiexec()
-        env = {**os.environ, **(env or {})}
+        env = rank_environment(env)
         env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
-        package_root = str(Path(__file__).resolve().parents[2])  # the directory holding this cptune
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         command = [mpiexec, "-n", str(size), *worker,
                    "--socket", str(self.dir / "driver.sock"), "--driver-pid", str(os.getpid())]
         self.proc = subprocess.Popen(
@@ -93,6 +94,16 @@ class WorkerPool:
             raise
         finally:
             listener.close()
+
+    def _prepare(self, size: int, prefix: str) -> None:
+        """The pool's state before any rank connects: its directory and the ranks' log."""
+        self.size = size
+        self.dir = Path(tempfile.mkdtemp(prefix=prefix))
+        self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
+        self.socks: dict[int, socket.socket] = {}
+        self.pids: list[int] = []
+        self.mpi_library = ""
+        self.allocator = ""
 
     def _accept(self, listener: socket.socket, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -232,7 +243,8 @@ class PooledEngine:
     """Base of the engines whose ranks run in a ``WorkerPool``: keeps one pool, grows it when
     a run needs more ranks, and forgets it after any failure (the pool stopped itself).
     A subclass sets ``spec``; ``worker`` (default: the spec's worker module) is the command
-    each rank runs."""
+    each rank runs. ``run``, ``time_collective`` and ``time_attention`` send the requests the
+    shared rank loop and the torch ranks answer; an engine whose ranks want others overrides them."""
 
     spec: EngineSpec
     #: The largest relative error of an output, per workload dtype, ``measure`` accepts.
@@ -314,6 +326,40 @@ class PooledEngine:
         header = {"op": "time", "warmup": warmup, "repeats": repeats}
         replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what)
         return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
+
+    def _threads(self, ranks: int) -> int:
+        """Compute threads of each of ``ranks`` ranks: its share of the cores on a CPU host."""
+        return threads_per_rank(ranks) if self.device == "cpu" else 1
+
+    def run(
+        self, workload: Workload, config: CPConfig, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        timeout: float,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """Run ``config`` once with rank r holding ``shards[r]`` (q, k, v in the API layout):
+        each rank's output shard and peak bytes. The ranks keep the inputs for ``time``."""
+        return self._run(workload, config, shards, timeout, config.describe(),
+                         threads=self._threads(config.ranks))
+
+    def time_collective(
+        self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
+        timeout: float,
+    ) -> np.ndarray:
+        """Seconds [chunk, iteration], slowest rank, of collective ``kind`` in groups of
+        ``group`` consecutive ranks among the first ``ranks`` (all groups at once), moving
+        ``chunks[i]`` bytes per peer."""
+        header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group,
+                  "chunks": [int(c) for c in chunks], "warmup": warmup, "repeats": repeats}
+        return self._time_slowest(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
+
+    def time_attention(
+        self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
+    ) -> np.ndarray:
+        """Seconds [shape, iteration], slowest rank, of the attention kernel on each shape
+        (heads, seq_q, seq_k, head_dim), ``ranks`` ranks computing at once (on their share of
+        the cores on a CPU host)."""
+        header = {"op": "time_attention", "ranks": ranks, "shapes": list(shapes),
+                  "threads": self._threads(ranks), "warmup": warmup, "repeats": repeats}
+        return self._time_slowest(ranks, header, timeout, f"attention calibration on {ranks} ranks")
 
     def _time_slowest(self, ranks: int, header: dict[str, object], timeout: float, what: str) -> np.ndarray:
         """A calibration op's timings (``header``, sent to the first ``ranks`` ranks) of the

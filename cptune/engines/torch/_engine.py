@@ -17,13 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from cptune.config import CPConfig
 from cptune.engines import ENGINES, BackendUnavailableError
 from cptune.engines._pool import PooledEngine, WorkerPool
 from cptune.hardware import Hardware, list_gpus, this_gpu_node, this_host
-from cptune.measurement import available_cores, threads_per_rank
+from cptune.measurement import available_cores
 from cptune.reference import TOLERANCE
-from cptune.workload import Workload
 
 INSTALL_HINT = "pip install 'cptune[torch]'"
 #: How a CPU host's torch ranks are linked.
@@ -128,40 +126,10 @@ class TorchEngine(PooledEngine):
         return {"CPTUNE_TORCH_STORE": f"127.0.0.1:{self._store.port}",
                 "CPTUNE_TORCH_WORLD": f"world-{self._worlds}"}
 
-    def run(
-        self, workload: Workload, config: CPConfig, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-        timeout: float,
-    ) -> tuple[list[np.ndarray], list[int]]:
-        """Run ``config`` once with rank r holding ``shards[r]``: each rank's output shard
-        (float32) and peak bytes; the ranks keep the inputs for ``time``."""
-        outputs, peaks = self._run(workload, config, shards, timeout, config.describe(),
-                                   threads=threads_per_rank(config.ranks) if self.device == "cpu" else 1)
-        return outputs, peaks
-
     def _ran(self, replies: dict, ranks: int) -> tuple[list[np.ndarray], list[int]]:
         first = replies[0][0]
         self._ran_with = {key: str(first.get(key, "")) for key in ("kernel", "process_group")}
         return super()._ran(replies, ranks)
-
-    def time_collective(
-        self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
-        timeout: float,
-    ) -> np.ndarray:
-        """Seconds [chunk, iteration], slowest rank, of collective ``kind`` in groups of
-        ``group`` consecutive ranks among the first ``ranks``, ``chunks[i]`` bytes per peer."""
-        header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group,
-                  "chunks": [int(c) for c in chunks], "warmup": warmup, "repeats": repeats}
-        return self._time_slowest(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
-
-    def time_attention(
-        self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
-    ) -> np.ndarray:
-        """Seconds [shape, iteration], slowest rank, of the fused kernel on each shape,
-        ``ranks`` ranks computing at once (on their share of the cores on a CPU host)."""
-        threads = threads_per_rank(ranks) if self.device == "cpu" else 1
-        header = {"op": "time_attention", "ranks": ranks, "shapes": list(shapes), "threads": threads,
-                  "warmup": warmup, "repeats": repeats}
-        return self._time_slowest(ranks, header, timeout, f"attention calibration on {ranks} ranks")
 
     def describe(self) -> dict[str, str]:
         """The engine's software, and the kernel and process group the last run used."""

@@ -20,17 +20,15 @@ import select
 import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch.distributed as dist
 
 from cptune.engines import BackendUnavailableError
-from cptune.engines._pool import WorkerPool
+from cptune.engines._pool import WorkerPool, rank_environment
 from cptune.errors import EngineError
 
 #: The prefix of the launched world's keys in the store.
@@ -152,22 +150,13 @@ class LaunchedPool(WorkerPool):
     def __init__(self, launch: Launched, worker: Sequence[str], start_timeout: float) -> None:
         if _driver_store is None:
             raise BackendUnavailableError("launched ranks are driven from cptune's command line on rank 0")
-        self.size = launch.size
-        self.dir = Path(tempfile.mkdtemp(prefix="cptune-launched-"))
-        self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
-        self.socks: dict[int, socket.socket] = {}
-        self.pids: list[int] = []
-        self.mpi_library = ""
-        self.allocator = ""
+        self._prepare(launch.size, "cptune-launched-")
         listener = socket.create_server(("127.0.0.1", 0), backlog=self.size)
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         _driver_store.set(_DRIVER_KEY, address)
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[3])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [*worker, "--driver", address, "--driver-pid", str(os.getpid())], stdin=subprocess.DEVNULL,
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=self.log, stderr=subprocess.STDOUT, env=rank_environment(), start_new_session=True,
         )
         try:
             self._accept(listener, start_timeout)
