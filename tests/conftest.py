@@ -1,21 +1,24 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
-from cptune.config import CPConfig
+from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import ENGINES
 from cptune.engines.mpi import MPIEngine
 from cptune.hardware import Hardware, this_host
 from cptune.measurement import Measurement
+from cptune.reference import make_inputs, reference_attention
 from cptune.store import Store
 from cptune.workload import Workload
 
@@ -39,6 +42,46 @@ def _unguarded(monkeypatch: pytest.MonkeyPatch) -> None:
     other's runs. tests/test_guard.py turns it on for the guard's own tests, the loaded
     search included."""
     monkeypatch.setenv("CPTUNE_GUARD", "off")
+
+
+#: Every strategy and head group on 4, 3, 2 and 1 ranks, largest first (so an engine's pool
+#: starts once at its full size): what the engines' reference tests run.
+EVERY_CONFIG = [
+    CPConfig(strategy, ranks, u)
+    for ranks in (4, 3, 2, 1)
+    for strategy in STRATEGIES
+    for u in range(1, ranks + 1)
+    if ranks % u == 0 and (strategy != "ulysses" or u == ranks)
+]
+
+
+def reference_cases(workloads: dict[str, dict[str, Any]]) -> Callable[[str, bool], tuple]:
+    """(workload, (q, k, v), float64 reference) of each of ``workloads`` (by name) with or
+    without a causal mask, made on first use and kept."""
+    cache: dict[tuple[str, bool], tuple] = {}
+
+    def case(name: str, causal: bool) -> tuple:
+        if (name, causal) not in cache:
+            workload = Workload(**workloads[name], causal=causal)
+            q, k, v = make_inputs(workload, seed=len(cache))
+            cache[name, causal] = workload, (q, k, v), reference_attention(workload, q, k, v)
+        return cache[name, causal]
+
+    return case
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as the module ``name``, with benchmarks/ on the path as
+    when the script runs (for the helpers it imports)."""
+    folder = TESTS.parent / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def pool_processes(marker: str) -> list[int]:

@@ -4,35 +4,19 @@ figures beside the verdict-based ones."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from conftest import measurement
+from conftest import load_benchmark, measurement
 from cptune.config import CPConfig
 from cptune.estimate import combine
 from cptune.hardware import this_host
 from cptune.store import Store
 from cptune.workload import Workload
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py imported as the module ``name``."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-reproducibility = _benchmark("reproducibility")
+reproducibility = load_benchmark("reproducibility")
 
 CLEAR = Workload(seq_len=1024, heads=8, head_dim=64)  # ring wins by ~30%
 CLOSE = Workload(seq_len=2048, heads=8, head_dim=64)  # ring and ulysses within a few %

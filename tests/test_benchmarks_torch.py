@@ -3,36 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from conftest import load_benchmark
 from cptune.hardware import load_description
 from cptune.layout import kv_replication
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def _benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py imported as the module ``name`` (benchmarks/ on the path, as when
-    the script runs, for the helpers it imports)."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _benchmark("gpu_check")
+gpu_check = load_benchmark("gpu_check")
 
 
 @pytest.mark.parametrize("description", ["h100-sxm-8", "h200-sxm-8"])

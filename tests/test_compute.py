@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import cptune
+from conftest import EVERY_CONFIG, reference_cases
 from cptune import CPConfig, Workload
 from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
 
@@ -15,28 +16,12 @@ WORKLOADS = {
     "gqa-bf16": dict(seq_len=45, heads=4, head_dim=32, kv_heads=2, dtype="bf16"),
 }
 
-# Largest rank counts first so the shared worker pool starts once at its full size.
-CONFIGS = [
-    CPConfig(strategy, ranks, u)
-    for ranks in (4, 3, 2, 1)
-    for strategy in cptune.STRATEGIES
-    for u in range(1, ranks + 1)
-    if ranks % u == 0 and (strategy != "ulysses" or u == ranks)
-]
+CONFIGS = EVERY_CONFIG
 
 
 @pytest.fixture(scope="module")
 def cases():
-    cache = {}
-
-    def case(name, causal):
-        if (name, causal) not in cache:
-            workload = Workload(**WORKLOADS[name], causal=causal)
-            q, k, v = make_inputs(workload, seed=len(cache))
-            cache[name, causal] = workload, (q, k, v), reference_attention(workload, q, k, v)
-        return cache[name, causal]
-
-    return case
+    return reference_cases(WORKLOADS)
 
 
 def every_case():

@@ -16,13 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 
 import cptune  # noqa: E402
-from conftest import assert_pool_gone  # noqa: E402
+from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
 from cptune.engines.torch import TorchEngine  # noqa: E402
 from cptune.engines.torch._ops import _explicit, attend, attention_pieces, fused_attention, merge_partials  # noqa: E402
 from cptune.engines.torch._worker import group_members  # noqa: E402
-from cptune.reference import make_inputs, reference_attention, relative_error  # noqa: E402
+from cptune.reference import make_inputs, relative_error  # noqa: E402
 from cptune.strategies.primitives import Partial  # noqa: E402
 
 
@@ -143,28 +143,12 @@ WORKLOADS = {
     for heads, kv, seq_len in (("mha", 8, 37), ("gqa", 2, 64), ("mqa", 1, 50))
     for dtype in ("fp32", "bf16")
 }
-# largest rank counts first so the pool starts once at its full size
-CONFIGS = [
-    CPConfig(strategy, ranks, u)
-    for ranks in (4, 3, 2, 1)
-    for strategy in cptune.STRATEGIES
-    for u in range(1, ranks + 1)
-    if ranks % u == 0 and (strategy != "ulysses" or u == ranks)
-]
+CONFIGS = EVERY_CONFIG
 
 
 @pytest.fixture(scope="module")
 def cases():
-    cache = {}
-
-    def case(name, causal):
-        if (name, causal) not in cache:
-            workload = Workload(**WORKLOADS[name], causal=causal)
-            q, k, v = make_inputs(workload, seed=len(cache))
-            cache[name, causal] = workload, (q, k, v), reference_attention(workload, q, k, v)
-        return cache[name, causal]
-
-    return case
+    return reference_cases(WORKLOADS)
 
 
 def runnable_cases():
