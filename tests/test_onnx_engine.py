@@ -16,7 +16,7 @@ from conftest import TESTS, assert_pool_gone
 from cptune import CPConfig, CPTuneError, EngineError, Workload
 from cptune.cli import main
 from cptune.engines import get_engine
-from cptune.engines.onnx import OnnxEngine, rank_graph
+from cptune.engines.onnx import OnnxEngine, rank_graph, tensorrt_rank_graph
 from cptune.feasibility import enumerate_configs
 from cptune.reference import TOLERANCE, make_inputs, reference_attention, relative_error
 
@@ -87,8 +87,7 @@ def test_a_wrong_graph_is_caught_by_the_reference(engine, monkeypatch):
 
     workload = Workload(16, 4, 8, causal=True, dtype="fp32")  # no padding either way: same shapes
     blind = Workload(16, 4, 8, causal=False, dtype="fp32")
-    monkeypatch.setattr(onnx_engine, "rank_graphs",
-                        lambda wl, c: [rank_graph(blind, c, r) for r in range(c.ranks)])
+    monkeypatch.setattr(onnx_engine, "tensorrt_rank_graph", lambda wl, c, r: tensorrt_rank_graph(blind, c, r))
     with pytest.raises(AssertionError, match="Ring on 2 ranks"):
         check(engine, workload, CPConfig("ring", 2))
 
@@ -98,12 +97,13 @@ def test_the_ranks_run_the_bytes_they_were_sent(engine, monkeypatch):
     """A graph that fails on the ranks fails the run: they do not rebuild it themselves."""
     from cptune.engines.onnx import _engine as onnx_engine
 
-    def broken(wl, c):
-        models = [rank_graph(wl, c, r) for r in range(c.ranks)]
-        models[1].graph.node[0].op_type = "NoSuchOp"
-        return models
+    def broken(wl, c, r):
+        model, feeds = tensorrt_rank_graph(wl, c, r)
+        if r == 1:
+            model.graph.node[0].op_type = "NoSuchOp"
+        return model, feeds
 
-    monkeypatch.setattr(onnx_engine, "rank_graphs", broken)
+    monkeypatch.setattr(onnx_engine, "tensorrt_rank_graph", broken)
     with pytest.raises(EngineError, match="rank 1 failed") as failure:
         check(engine, Workload(8, 4, 8, dtype="fp32"), CPConfig("ring", 2))
     assert failure.value.kind == "error"
@@ -156,9 +156,13 @@ def test_export_graph_writes_the_graphs_the_engine_runs(tmp_path, capsys):
     for rank, entry in enumerate(manifest["ranks"]):
         data = (tmp_path / entry["file"]).read_bytes()
         assert entry["sha256"] == hashlib.sha256(data).hexdigest()
-        assert data == rank_graph(workload, config, rank).SerializeToString()  # deterministic, the same graph
-        model = onnx.load_from_string(data)
-        onnx.checker.check_model(model, full_check=True)
+        model, feeds = tensorrt_rank_graph(workload, config, rank)
+        assert data == model.SerializeToString(deterministic=True)  # deterministic, the graph TensorRT builds
+        standard = rank_graph(workload, config, rank)  # checked before TensorRT's attribute went in
+        onnx.checker.check_model(standard, full_check=True)
+        assert [n.op_type for n in model.graph.node] == [n.op_type for n in standard.graph.node]
+        for name, value in feeds.items():
+            assert entry["inputs"][name]["values"] == value.ravel().tolist()
         assert entry["nodes"] == len(model.graph.node)
         tokens = np.concatenate([np.arange(a, b) for a, b in entry["tokens"]])
         assert np.array_equal(tokens, layout.rank_positions(rank))

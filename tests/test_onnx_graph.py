@@ -19,6 +19,7 @@ from cptune.engines.onnx import (
     io_shapes,
     rank_graph,
     rank_graphs,
+    rank_inputs,
 )
 from cptune.engines.onnx._builder import ELEMENT_TYPES, OPSET
 from cptune.engines.onnx._dialect import DOMAIN
@@ -88,7 +89,8 @@ def test_every_rank_graph_is_valid_onnx_with_inferred_shapes(workload, config):
     for rank, model in enumerate(rank_graphs(workload, config)):
         onnx.checker.check_model(model, full_check=True)
         assert {o.domain: o.version for o in model.opset_import}[""] == OPSET
-        assert [i.name for i in model.graph.input] == ["q", "k", "v"]  # masks are constants, not inputs
+        feeds = rank_inputs(workload, config, rank)  # what differs by rank is an input
+        assert [i.name for i in model.graph.input] == ["q", "k", "v", *feeds]
         assert [o.name for o in model.graph.output] == ["out"]
         shapes = shapes_of(model)
         for name in ("q", "k", "v", "out"):
@@ -97,7 +99,9 @@ def test_every_rank_graph_is_valid_onnx_with_inferred_shapes(workload, config):
         produced = {out for node in model.graph.node for out in node.output}
         assert all(None not in shapes.get(name, (None,)) for name in produced), rank
         element = ELEMENT_TYPES[workload.dtype]
-        assert all(i.type.tensor_type.elem_type == element for i in (*model.graph.input, *model.graph.output))
+        data = [*model.graph.input[:3], *model.graph.output]
+        assert all(i.type.tensor_type.elem_type == element for i in data)
+        assert all(i.type.tensor_type.elem_type == onnx.TensorProto.INT32 for i in model.graph.input[3:])
 
 
 @pytest.mark.parametrize(("workload", "config"), MATRIX)
@@ -118,14 +122,14 @@ def test_dist_collective_nodes_follow_the_tensorrt_parser_rules(workload, config
             groups = attrs["groups"]
             assert attrs["group_size"] == len(groups)
             assert attrs["nb_rank"] == (len(groups) if groups else config.ranks) > 1
+            n = attrs["nb_rank"]
             members = groups or list(range(config.ranks))
             assert rank in members and len(set(members)) == len(members)
             assert all(0 <= g < config.ranks for g in members)
-            if rule["rooted"]:
-                assert attrs["root"] in members
+            if rule["rooted"]:  # a group-local root where the graph has its group's communicator
+                assert attrs["root"] in (members if groups else range(n))
             else:
                 assert attrs["root"] == -1
-            n = attrs["nb_rank"]
             x, y = shapes[node.input[0]], shapes[node.output[0]]
             assert x[1:] == y[1:]
             expected = {"multiply": x[0] * n, "divide": x[0] // n, "keep": x[0], "keep_divisible": x[0]}
@@ -143,7 +147,7 @@ def test_every_member_of_a_group_issues_the_same_collectives_in_the_same_order(w
         per_group = defaultdict(list)
         for node in collectives(model):
             attrs = collective_attributes(node)
-            per_group[tuple(attrs["groups"])].append(
+            per_group[tuple(attrs["groups"] or range(config.ranks))].append(
                 (attrs["collective_operation"], attrs["root"], shapes[node.input[0]]))
         for group, sequence in per_group.items():
             sequences[group][rank] = sequence
@@ -197,13 +201,13 @@ def test_fused_attention_unless_the_ring_needs_the_log_sum_exp(workload, config)
             assert "ReduceMax" not in ops and "MatMul" not in ops
 
 
-def mask_of(model, attention):
+def mask_of(model, attention, feeds):
     """The boolean mask input of ``attention``, evaluated: LessOrEqual of two position
-    constants (the masks are baked into the graph, as vectors, not [q, k] tables)."""
+    vectors, constants or the rank's ``query_positions`` input (never [q, k] tables)."""
     (node,) = [n for n in model.graph.node if n.output[0] == attention.input[3]]
     assert node.op_type == "LessOrEqual"
-    constants = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    keys, limits = (constants[name] for name in node.input)
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer} | feeds
+    keys, limits = (values[name] for name in node.input)
     assert keys.shape[0] == 1 and limits.shape[1] == 1
     return keys <= limits
 
@@ -219,7 +223,8 @@ def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_mask():
     (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
     layout = SequenceLayout(unpadded, CPConfig("allgather_kv", 2))
     q_pos, k_pos = layout.block_positions(0), layout.context_positions()
-    assert np.array_equal(mask_of(model, attention), k_pos[None, :] <= q_pos[:, None])
+    feeds = rank_inputs(unpadded, CPConfig("allgather_kv", 2), 0)
+    assert np.array_equal(mask_of(model, attention, feeds), k_pos[None, :] <= q_pos[:, None])
     # padding keys (seq 13 padded to 16) are never visible, causal or not
     for causal in (False, True):
         padded = Workload(13, 4, 8, causal=causal, dtype="fp16")
@@ -228,7 +233,8 @@ def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_mask():
         layout = SequenceLayout(padded, CPConfig("allgather_kv", 2))
         q_pos, k_pos = layout.block_positions(1), layout.context_positions()
         expected = (k_pos[None, :] < 13) & ((k_pos[None, :] <= q_pos[:, None]) | (not causal))
-        assert np.array_equal(mask_of(model, attention), expected)
+        feeds = rank_inputs(padded, CPConfig("allgather_kv", 2), 1)
+        assert np.array_equal(mask_of(model, attention, feeds), expected)
     # no mask at all without causality or padding
     full = Workload(16, 4, 8, dtype="fp16")
     (attention,) = [n for n in rank_graph(full, CPConfig("allgather_kv", 2), 1).graph.node
@@ -250,6 +256,22 @@ def test_graph_dtype_is_the_workloads_and_the_softmax_statistics_are_float32(dty
     assert stats and all(types[n.output[0]] == onnx.TensorProto.FLOAT for n in stats)
     for node in collectives(model):
         assert types[node.output[0]] == element  # collectives move the workload dtype
+
+
+@pytest.mark.parametrize(("workload", "config"), MATRIX)
+def test_every_rank_runs_the_same_graph_but_a_hybrid(workload, config):
+    """What differs by rank is fed as an input, so every rank's graph is the same bytes (one
+    engine for all); a hybrid's name their own two groups, by design."""
+    graphs = {model.SerializeToString(deterministic=True) for model in rank_graphs(workload, config)}
+    hybrid = config.head_group > 1 and config.context_degree > 1
+    assert len(graphs) == (config.ranks if hybrid else 1)
+    feeds = [rank_inputs(workload, config, rank) for rank in range(config.ranks)]
+    assert len({tuple((k, v.shape, v.dtype) for k, v in f.items()) for f in feeds}) == 1
+    if workload.causal and config.context_degree > 1:  # the queries' positions differ by rank
+        layout = SequenceLayout(workload, config)
+        for rank, values in enumerate(feeds):
+            group = layout.head_group_of(rank)
+            assert values["query_positions"].ravel().tolist() == layout.block_positions(group).tolist()
 
 
 def test_rank_outside_the_configuration_is_refused():

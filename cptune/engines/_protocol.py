@@ -16,7 +16,7 @@ import numpy as np
 
 _LENGTH = struct.Struct("!I")
 _MAX_HEADER = 16 * 2**20
-_DTYPES = {"float16", "float32", "float64", "int64", "uint8"}  # uint8: serialized graphs
+_DTYPES = {"float16", "float32", "float64", "int32", "int64", "uint8"}  # uint8: serialized graphs
 
 Message = tuple[dict[str, Any], list[np.ndarray]]
 

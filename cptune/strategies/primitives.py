@@ -58,6 +58,7 @@ class Primitives(Protocol):
         """Concatenate every member's ``x`` along ``axis`` in member order."""
 
     def kv_stream(self, kv: Tensor, group: Group) -> Iterator[tuple[int, Tensor]]:
-        """Yield ``(member, kv block of that member)`` once for each member of ``group``,
-        starting with this rank's own; the engine may move the next block while the caller
-        works on the current one."""
+        """Yield ``(member, kv block of that member)`` once for each member of ``group``, in
+        the engine's order (the MPI engine: this rank's own first, then round the ring; a
+        graph: member order, the same on every rank); the engine may move the next block
+        while the caller works on the current one."""

@@ -11,7 +11,14 @@ right attention (it does not time).
 from cptune.engines.onnx._calibration import case_graphs
 from cptune.engines.onnx._dialect import OP_TYPE, collective_attributes, dist_collective
 from cptune.engines.onnx._engine import MANIFEST, OnnxEngine, export_graphs
-from cptune.engines.onnx._graph import io_shapes, rank_graph, rank_graphs
+from cptune.engines.onnx._graph import (
+    io_shapes,
+    rank_graph,
+    rank_graphs,
+    rank_inputs,
+    tensorrt_rank_graph,
+)
+from cptune.engines.onnx._tensorrt import for_tensorrt, reference_ops
 
 __all__ = [
     "MANIFEST",
@@ -21,7 +28,11 @@ __all__ = [
     "collective_attributes",
     "dist_collective",
     "export_graphs",
+    "for_tensorrt",
     "io_shapes",
     "rank_graph",
     "rank_graphs",
+    "rank_inputs",
+    "reference_ops",
+    "tensorrt_rank_graph",
 ]

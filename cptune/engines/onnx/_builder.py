@@ -83,6 +83,9 @@ class GraphBuilder:
         self._ids = itertools.count()
         self._constants: dict[tuple[object, ...], str] = {}
         self._memo: dict[tuple[object, ...], Sym] = {}
+        #: Inputs beyond q, k, v whose values differ by rank, and this rank's values.
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.feeds: dict[str, np.ndarray] = {}
 
     def fresh(self, stem: str) -> str:
         return f"{stem}_{next(self._ids)}"
@@ -128,24 +131,42 @@ class GraphBuilder:
         return self.constant(np.asarray(values, dtype=np.int64), stem)
 
     def collective(
-        self, x: Sym, operation: str, groups: list[int], shape: tuple[int, ...], root: int = -1
+        self, x: Sym, operation: str, members: list[int], shape: tuple[int, ...], root: int = -1,
+        local: bool = False,
     ) -> Sym:
-        """A ``DistCollective`` over ``groups`` (global ranks, in member order); its output's
-        shape is recorded so shape inference sees through the custom op."""
+        """A ``DistCollective`` among ``members`` (global ranks, in member order; ``root`` one
+        of them). ``local``: written for a communicator of exactly these ranks (``groups``
+        empty, ``root`` its index among them), so the node is the same on every member;
+        else with the global ranks in ``groups``, for a communicator over all ranks. Its
+        output's shape is recorded so shape inference sees through the custom op."""
         out = Sym(self.fresh(operation), tuple(shape), x.dtype)
+        if local and root != -1:
+            root = members.index(root)
         self._sink.append(
             dialect.dist_collective(
                 x.name,
                 out.name,
                 operation,
-                groups=groups,
-                nb_rank=len(groups),
+                groups=[] if local else members,
+                nb_rank=len(members),
                 root=root,
                 name=self.fresh(f"DistCollective_{operation}"),
             )
         )
         self.value_info.append(helper.make_tensor_value_info(out.name, out.dtype, out.shape))
         return out
+
+    def rank_input(self, name: str, value: np.ndarray, dtype: int) -> Sym:
+        """A graph input whose value differs by rank (positions, a member index): the graph
+        stays the same on every rank, and this rank's ``value`` is kept in ``feeds``. Asked
+        again under the same name, it must be the same value."""
+        if name in self.feeds:
+            if not np.array_equal(self.feeds[name], value):
+                raise ValueError(f"rank input {name!r} asked for with two different values")
+        else:
+            self.feeds[name] = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
+            self.inputs.append(helper.make_tensor_value_info(name, dtype, list(value.shape)))
+        return Sym(name, tuple(value.shape), dtype)
 
     def request(self, call: AttentionCall) -> None:
         self._sink.append(call)

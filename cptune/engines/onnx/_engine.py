@@ -26,7 +26,7 @@ from cptune.engines import ENGINES, untimed
 from cptune.engines._pool import PooledEngine
 from cptune.engines.onnx._builder import OPSET
 from cptune.engines.onnx._dialect import DOMAIN, DOMAIN_VERSION
-from cptune.engines.onnx._graph import io_shapes, rank_graphs
+from cptune.engines.onnx._graph import io_shapes, tensorrt_rank_graph
 from cptune.layout import SequenceLayout, position_runs
 from cptune.version import __version__
 from cptune.workload import Workload
@@ -49,11 +49,11 @@ class OnnxEngine(PooledEngine):
     ) -> tuple[list[np.ndarray], list[int]]:
         """Run ``config``'s graphs once, rank r holding ``shards[r]``: each rank's output
         shard (float32) and 0 peak bytes (not measured)."""
-        graphs = [
-            np.frombuffer(model.SerializeToString(), dtype=np.uint8)
-            for model in rank_graphs(workload, config)
-        ]
-        sent = [[*shard, graph] for shard, graph in zip(shards, graphs, strict=True)]
+        sent = []
+        for rank, shard in enumerate(shards):
+            model, feeds = tensorrt_rank_graph(workload, config, rank)
+            graph = np.frombuffer(model.SerializeToString(), dtype=np.uint8)
+            sent.append([*shard, graph, *(feeds[value.name] for value in model.graph.input[3:])])
         return self._run(workload, config, sent, timeout, f"{config.describe()} as ONNX graphs")
 
     def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
@@ -93,16 +93,19 @@ class OnnxEngine(PooledEngine):
 
 
 def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path:
-    """Write ``rank<r>.onnx`` for every rank of ``config`` and a JSON manifest (workload,
-    configuration, opsets, each rank's tokens as [start, stop) runs, input/output shapes and
-    the SHA-256 of its file) into ``directory``; returns the manifest's path."""
+    """Write ``rank<r>.onnx`` for every rank of ``config`` (the graph TensorRT builds; the
+    same bytes on every rank but a hybrid's) and a JSON manifest (workload, configuration,
+    opsets, each rank's tokens as [start, stop) runs, input/output shapes, the values of its
+    rank inputs and the SHA-256 of its file) into ``directory``; returns the manifest's
+    path."""
     directory.mkdir(parents=True, exist_ok=True)
     layout = SequenceLayout(workload, config)
     shapes = io_shapes(workload, config)
     dtype = _ONNX_TYPES[workload.dtype]
     ranks = []
-    for rank, model in enumerate(rank_graphs(workload, config)):
-        data = model.SerializeToString()
+    for rank in range(config.ranks):
+        model, feeds = tensorrt_rank_graph(workload, config, rank)
+        data = model.SerializeToString(deterministic=True)
         path = directory / f"rank{rank}.onnx"
         path.write_bytes(data)
         positions = layout.rank_positions(rank)
@@ -115,7 +118,9 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
                 "tokens": [
                     [int(positions[a]), int(positions[b - 1]) + 1] for a, b in position_runs(positions)
                 ],
-                "inputs": {name: {"shape": list(shapes[name]), "dtype": dtype} for name in ("q", "k", "v")},
+                "inputs": {name: {"shape": list(shapes[name]), "dtype": dtype} for name in ("q", "k", "v")}
+                | {name: {"shape": list(value.shape), "dtype": str(value.dtype),
+                          "values": value.ravel().tolist()} for name, value in feeds.items()},
                 "outputs": {"out": {"shape": list(shapes["out"]), "dtype": dtype}},
             }
         )
@@ -130,7 +135,8 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
         "padded_seq_len": layout.padded_len,
         "layout": "q, k, v and out are [batch, tokens, heads, head_dim]; rank r holds the token "
         "positions in its 'tokens' runs, in order; positions >= seq_len are padding "
-        "(inputs zero, outputs dropped)",
+        "(inputs zero, outputs dropped); inputs with 'values' are fed as given (they differ by rank, "
+        "the graph does not)",
         "ranks": ranks,
     }
     out = directory / MANIFEST

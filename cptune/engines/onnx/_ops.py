@@ -34,6 +34,11 @@ class OnnxOps:
         self.rank = rank
         self.g = builder
         self.dtype = ELEMENT_TYPES[self.workload.dtype]
+        #: A graph whose collectives all run in one group (every configuration but the
+        #: hybrids) writes them for a communicator of that group (``groups`` empty, roots
+        #: group-local), so every rank's graph is the same; a hybrid's run in two groups
+        #: over one communicator of all ranks, named by their global ranks.
+        self.local = not (layout.head_group > 1 and layout.context_degree > 1)
 
     # ---- tensors in a given dtype -------------------------------------------------------
 
@@ -126,7 +131,7 @@ class OnnxOps:
         perm = transpose_perm(len(x.shape), 0, axis)
         front = self._transpose(x, perm)
         grown = (front.shape[0] * n, *front.shape[1:])
-        gathered = self.g.collective(front, "all_gather", members, grown)
+        gathered = self.g.collective(front, "all_gather", members, grown, local=self.local)
         return self._transpose(gathered, perm)
 
     def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int) -> Sym:
@@ -141,7 +146,7 @@ class OnnxOps:
         split, concat = split_axis % ndim, concat_axis % ndim
         perm = transpose_perm(ndim, 0, split)
         front = self._transpose(x, perm)
-        exchanged = self.g.collective(front, "all_to_all", members, front.shape)
+        exchanged = self.g.collective(front, "all_to_all", members, front.shape, local=self.local)
         # Dims of ``exchanged`` viewed as [n, chunk, the rest of ``front``], labelled by the
         # axis of ``x`` each came from (the member index as "n").
         chunk = x.shape[split] // n
@@ -162,21 +167,28 @@ class OnnxOps:
         )
 
     def kv_stream(self, kv: Tensor, group: Group) -> Iterator[tuple[int, Tensor]]:
-        """One broadcast per member, in member order, rooted at that member (see the module
-        docstring); yields this rank's own block first, then the others in ring order."""
+        """One broadcast per member, in member order, rooted at that member, and the blocks
+        yielded in member order: the same nodes on every rank (see the module docstring).
+        Each step's input is this rank's block where it is the root, else the previous
+        step's output (a ``Where`` on the rank input ``ring_member``), so the steps stay in
+        order on every rank."""
         kv = self.wire(kv)
         members = self._members(group)
-        n, me = len(members), members.index(self.rank)
-        if n == 1:
+        if len(members) == 1:
             yield 0, kv
             return
+        g = self.g
+        me = g.rank_input("ring_member", np.asarray([members.index(self.rank)], np.int32), TensorProto.INT32)
         blocks: list[Sym] = []
         for step, root in enumerate(members):
-            source = kv if step == me or step == 0 else blocks[-1]
-            blocks.append(self.g.collective(source, "broadcast", members, kv.shape, root=root))
-        for offset in range(n):  # every output is read (this rank's own too), so none is pruned
-            member = (me - offset) % n
-            yield member, blocks[member]
+            source = kv
+            if step:
+                is_root = g.node("Equal", [me.name, g.constant(np.asarray([step], np.int32), "step")],
+                                 "is_root", (1,), TensorProto.BOOL)
+                source = g.node("Where", [is_root.name, kv.name, blocks[-1].name], "stream_in", kv.shape,
+                                kv.dtype)
+            blocks.append(g.collective(source, "broadcast", members, kv.shape, root=root, local=self.local))
+        yield from enumerate(blocks)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -215,14 +227,16 @@ class OnnxOps:
     def _mask_kind(self, q_pos: np.ndarray, k_pos: np.ndarray) -> str:
         """What masking the real queries at ``q_pos`` need over keys at ``k_pos`` (padding
         queries' rows are dropped, so they may see anything): "none"; "causal", the plain
-        lower triangle (queries and keys the same consecutive positions); or "mask"."""
+        lower triangle (queries and keys the same consecutive positions); or "mask". Decided
+        the same way on every rank: where the queries' positions differ by rank (several
+        context blocks), a causal block is always masked by position."""
         wl = self.workload
-        real_queries = q_pos[q_pos < wl.seq_len]
         real_keys = k_pos < wl.seq_len
-        if real_queries.size == 0:
-            return "none"
         if not wl.causal:
             return "none" if real_keys.all() else "mask"
+        if self.layout.context_degree > 1:
+            return "mask"
+        real_queries = q_pos[q_pos < wl.seq_len]
         if real_keys.all() and k_pos.max() <= real_queries.min():
             return "none"
         if np.array_equal(q_pos, k_pos) and bool(np.all(np.diff(q_pos) == 1)):
@@ -231,13 +245,19 @@ class OnnxOps:
 
     def _visible(self, q_pos: np.ndarray, k_pos: np.ndarray) -> Sym:
         """The [queries, keys] boolean mask, computed in the graph from two position vectors
-        (constants of the two lengths, not of their product): a key is visible if it is a
-        real token at or before the query (causal) or any real token."""
+        (not their product): a key is visible if it is a real token at or before the query
+        (causal) or any real token. Key positions are constants (the same block on every
+        rank); causal query positions are the rank input ``query_positions`` where they
+        differ by rank, else constants."""
         wl = self.workload
         never = np.iinfo(np.int32).max  # a padding key's stand-in position
         keys = np.where(k_pos < wl.seq_len, k_pos, never).astype(np.int32)[None, :]
         limits = (q_pos if wl.causal else np.full(len(q_pos), wl.seq_len - 1)).astype(np.int32)[:, None]
-        key_name, limit_name = self.g.constant(keys, "key_positions"), self.g.constant(limits, "query_limits")
+        key_name = self.g.constant(keys, "key_positions")
+        if wl.causal and self.layout.context_degree > 1:
+            limit_name = self.g.rank_input("query_positions", limits, TensorProto.INT32).name
+        else:
+            limit_name = self.g.constant(limits, "query_limits")
         return self.g.memo(
             ("visible", key_name, limit_name),
             lambda: self.g.node(

@@ -2,7 +2,8 @@
 
 ``RankTask`` loads the serialized graph it was sent (never rebuilds it) and runs it with
 ``onnx.reference.ReferenceEvaluator``; each ``DistCollective`` node runs as the matching
-MPI collective over the communicator of its ``groups``, with TensorRT's dim-0 semantics
+MPI collective over the communicator of its ``groups`` (empty: the graph's own
+communicator, here every rank of the configuration), with TensorRT's dim-0 semantics
 (``_dialect``). Imported on a rank's first onnx run only.
 """
 
@@ -19,6 +20,7 @@ from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines.onnx._builder import ELEMENT_TYPES
 from cptune.engines.onnx._dialect import DOMAIN
+from cptune.engines.onnx._tensorrt import reference_ops
 from cptune.layout import SequenceLayout
 from cptune.workload import Workload
 
@@ -83,23 +85,26 @@ def collective_op(comms: dict[tuple[int, ...], MPI.Comm]) -> type[OpRun]:
 
 
 class RankTask:
-    """One configuration's graph on this rank, ready to run."""
+    """One configuration's graph on this rank, ready to run: the graph TensorRT builds
+    (``for_tensorrt``), its rank inputs sent after the graph, in the graph's input order."""
 
     def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, MPI.Comm], rank: int) -> None:
         workload = Workload(**header["workload"])
         config = CPConfig(**header["config"])
         layout = SequenceLayout(workload, config)
-        q, k, v, graph = arrays
+        q, k, v, graph, *extra = arrays
         dtype = GRAPH_DTYPES[workload.dtype]
+        model = onnx.load_from_string(graph.tobytes())
+        names = [value.name for value in model.graph.input]
         self.feeds = {"q": q.astype(dtype), "k": k.astype(dtype), "v": v.astype(dtype)}
+        self.feeds.update(zip(names[3:], extra, strict=True))
         groups = {
-            (): comms["all"],
+            (): comms["all"],  # a graph written for one group's communicator: here, all ranks
             tuple(range(config.ranks)): comms["all"],
             tuple(layout.head_group_ranks(rank)): comms["heads"],
             tuple(layout.context_group_ranks(rank)): comms["context"],
         }
-        model = onnx.load_from_string(graph.tobytes())
-        self.session = ReferenceEvaluator(model, new_ops=[collective_op(groups)])
+        self.session = ReferenceEvaluator(model, new_ops=[collective_op(groups), *reference_ops()])
 
     def run_once(self) -> protocol.Message:
         """Run the graph once: this rank's output in float32 (peak memory is not measured:
