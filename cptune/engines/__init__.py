@@ -28,6 +28,7 @@ import numpy as np
 
 from cptune.config import CPConfig
 from cptune.cost import collectives_with
+from cptune.engines._verdict import PROBES, NodeVerdict, ProbeResult
 from cptune.errors import CPTuneError
 from cptune.kernels import check_kernel
 from cptune.workload import Workload
@@ -67,6 +68,9 @@ class EngineSpec:
     #: ``OPS``, its calibration ops), imported by a rank on its first request for this
     #: engine; None where its ranks run a ``worker`` of their own.
     rank_task: str | None = None
+    #: Whether a node must be probed (``Engine.check_node``, ``cptune doctor``) before its
+    #: first measurement: what only a GPU can tell about the runtime.
+    probes: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -105,6 +109,10 @@ class Engine(Protocol):
 
     def hardware(self) -> Hardware:
         """This machine as the engine uses it (its fingerprint keys what is stored)."""
+
+    def check_node(self, ranks: int | None = None) -> NodeVerdict:
+        """Probe what this node's runtime does on ``ranks`` ranks (default: all it has),
+        where only running it can tell (``spec.probes``); an empty verdict elsewhere."""
 
     def run(
         self, workload: Workload, config: CPConfig,
@@ -189,7 +197,7 @@ register(EngineSpec(
 register(EngineSpec(
     name="tensorrt", summary="TensorRT 11 engines, one GPU per rank (pip install 'cptune[tensorrt]')",
     kernel="fused", stream="broadcast", timed=True, times_steps=False, device="gpu",
-    engine="cptune.engines.tensorrt:TensorRTEngine", worker="cptune.engines.tensorrt._worker",
+    engine="cptune.engines.tensorrt:TensorRTEngine", worker="cptune.engines.tensorrt._worker", probes=True,
 ))
 register(EngineSpec(
     name="torch", summary="torch.distributed ranks, PyTorch's fused attention: gloo on CPUs, NCCL on GPUs "
@@ -235,6 +243,9 @@ __all__ = [
     "BackendUnavailableError",
     "Engine",
     "EngineSpec",
+    "NodeVerdict",
+    "PROBES",
+    "ProbeResult",
     "UntimedEngineError",
     "close_engines",
     "engine_spec",

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from cptune.config import CPConfig
-from cptune.engines import EngineSpec
+from cptune.engines import EngineSpec, NodeVerdict
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
 from cptune.hardware import Hardware, this_host
@@ -271,6 +271,11 @@ class PooledEngine:
     def capacity(self) -> int:
         """This host's cores: one rank each."""
         return available_cores()
+
+    def check_node(self, ranks: int | None = None) -> NodeVerdict:
+        """Nothing only a run can tell: an empty verdict (the engine's runs are checked
+        against the reference as they go)."""
+        return NodeVerdict(ranks or 1)
 
     def hardware(self) -> Hardware:
         """This host: its CPU cores, linked by shared memory."""
