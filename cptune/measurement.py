@@ -26,7 +26,8 @@ class Measurement:
     Latencies are per iteration of the slowest rank (all ranks start each iteration
     together). ``compute_ms`` and ``comm_ms`` are the medians of the slowest rank (largest
     median iteration time): time in attention math, and time spent waiting on
-    communication that compute did not hide. ``oversubscribed``: the run had more ranks
+    communication that compute did not hide; None where the engine could not tell them
+    apart (a TensorRT collective fused into a region with compute). ``oversubscribed``: the run had more ranks
     than this host's cores, so its timings include ranks waiting for a core. ``disturbed``:
     the contention guard saw other load during the run, so its timings do not count."""
 
@@ -35,8 +36,8 @@ class Measurement:
     median_ms: float
     p10_ms: float
     p90_ms: float
-    compute_ms: float
-    comm_ms: float
+    compute_ms: float | None
+    comm_ms: float | None
     peak_bytes: int
     max_error: float
     engine: str
@@ -65,8 +66,8 @@ class TimingSummary(TypedDict):
     median_ms: float
     p10_ms: float
     p90_ms: float
-    compute_ms: float
-    comm_ms: float
+    compute_ms: float | None
+    comm_ms: float | None
     samples_ms: list[float]
 
 
@@ -78,15 +79,18 @@ def format_ms(value: float) -> str:
 def summarize(timings: np.ndarray) -> TimingSummary:
     """Turn seconds [rank, iteration, (wall, compute, comm)] into the figures of a
     ``Measurement``: per-iteration latency is the slowest rank's wall time; the phase split
-    is that of the rank with the largest median wall time."""
+    is that of the rank with the largest median wall time (None where an engine reported
+    it as NaN: unavailable)."""
     latency_ms = timings[:, :, 0].max(axis=0) * 1e3
     slowest = int(np.argmax(np.median(timings[:, :, 0], axis=1)))
+    split = np.median(timings[slowest, :, 1:], axis=0) * 1e3
+    compute_ms, comm_ms = (None, None) if np.isnan(split).any() else (float(split[0]), float(split[1]))
     return TimingSummary(
         median_ms=float(np.median(latency_ms)),
         p10_ms=float(np.percentile(latency_ms, 10)),
         p90_ms=float(np.percentile(latency_ms, 90)),
-        compute_ms=float(np.median(timings[slowest, :, 1]) * 1e3),
-        comm_ms=float(np.median(timings[slowest, :, 2]) * 1e3),
+        compute_ms=compute_ms,
+        comm_ms=comm_ms,
         samples_ms=[float(x) for x in latency_ms],
     )
 

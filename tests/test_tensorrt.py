@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,12 @@ from conftest import processes_left
 from cptune import CPConfig, EngineError, Workload
 from cptune.calibration import calibrate
 from cptune.cli import main
-from cptune.engines import BackendUnavailableError
+from cptune.engines import PROBES, BackendUnavailableError, NodeVerdict, ProbeResult
 from cptune.engines.onnx import _calibration as graphs
 from cptune.engines.onnx import collective_attributes, rank_graph
 from cptune.engines.tensorrt import NodeProbe, TensorRTEngine, preflight, probe_node
 from cptune.engines.tensorrt._cache import EngineCache, cache_dir, engine_key
-from cptune.engines.tensorrt._worker import io_specs, split_layer_times, to_device_dtype
+from cptune.engines.tensorrt._worker import fused_collectives, io_specs, split_layer_times, to_device_dtype
 from cptune.hardware import Hardware
 from cptune.hardware._host import (
     GpuInfo,
@@ -114,9 +115,10 @@ def test_runtime_modules_import_without_the_gpu_packages():
 # --------------------------------------------------------------------------- preflight
 
 
-def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None) -> None:
-    """Make the node's probe see ``query`` as nvidia-smi's answer (None: no nvidia-smi) and
-    ``missing`` packages fail to import; the checks themselves run as they are."""
+def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None, nccl: str | None = None) -> None:
+    """Make the node's probe see ``query`` as nvidia-smi's answer (None: no nvidia-smi),
+    ``missing`` packages fail to import and NCCL's library fail to load for reason ``nccl``
+    (None: it loads); the checks themselves run as they are."""
 
     def nvidia_smi(*arguments):
         if query is None:
@@ -127,10 +129,12 @@ def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr("cptune.engines.tensorrt._preflight._import_problem",
                         lambda module: (missing or {}).get(module))
+    monkeypatch.setattr("cptune.engines.tensorrt._preflight._nccl_problem", lambda: nccl)
 
 
 BRANCHES = {
     "no GPU": (None, None, [], "has no CUDA GPU (nvidia-smi is not on PATH"),
+    "NCCL library missing": (QUERY_H100, None, ["--nccl-fails"], "needs NCCL's library, which cannot be loaded here"),
     "TensorRT missing": (QUERY_H100, {"tensorrt": "ModuleNotFoundError: No module named 'tensorrt'"}, [],
                          "needs tensorrt, which cannot be imported here"),
     "fewer GPUs than ranks": (QUERY_H100, None, ["--max-ranks", "8"],
@@ -148,7 +152,9 @@ COMMANDS = {
 @pytest.mark.parametrize("branch", BRANCHES)
 def test_preflight_exits_2_with_one_line(monkeypatch, capsys, tmp_path, command, branch):
     query, missing, extra, message = BRANCHES[branch]
-    inject(monkeypatch, query, missing)
+    nccl = "DynamicLibNotFoundError: libnccl.so.2 not found" if "--nccl-fails" in extra else None
+    extra = [e for e in extra if e != "--nccl-fails"]
+    inject(monkeypatch, query, missing, nccl)
     db = tmp_path / "x.db"
     args = [*COMMANDS[command], "--backend", "tensorrt", *extra]
     code = main([*args, "--db", str(db)] if command != "measure" else args)
@@ -211,8 +217,8 @@ def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monk
         engine.close()
     assert failure.value.kind == "error"
     assert re.match(r"rank \d failed running building the engines of Ulysses on 2 ranks", str(failure.value))
-    if importlib.util.find_spec("tensorrt") is None:  # the graph was made; the GPU stack is what is missing
-        assert "No module named 'tensorrt'" in str(failure.value)
+    if importlib.util.find_spec("cuda") is None:  # the graph was made; NCCL's loader, first, is missing
+        assert "No module named 'cuda'" in str(failure.value)
     assert processes_left("cptune.engines.tensorrt._worker") == []
 
 
@@ -319,10 +325,21 @@ def test_cpu_host_fingerprint_is_unchanged():
 
 
 def test_layer_times_split_into_compute_and_communication():
-    layers = {"q_transpose + q_cast": 0.5, "exchange_kv": 2.0, "{ForeignNode[exchange_out...out_cast]}": 1.0,
-              "attention": 3.0, "{ForeignNode[scores...merge]}": 4.0, "exchange_kv_2": 0.25}
-    compute, comm = split_layer_times(layers, {"exchange_kv", "exchange_out"})
-    assert (compute, comm) == (0.5 + 3.0 + 4.0 + 0.25, 2.0 + 1.0)
+    collectives = {"exchange_kv": {"exchange_kv", "kv_out"}, "exchange_out": {"exchange_out"}}
+    alone = {"q_transpose + q_cast": 0.5, "exchange_kv": 2.0, "exchange_out": 1.0, "attention": 3.0,
+             "{ForeignNode[scores...merge]}": 4.0}
+    assert split_layer_times(alone, collectives) == (0.5 + 3.0 + 4.0, 2.0 + 1.0)
+    assert fused_collectives(alone, collectives) == []
+
+
+def test_no_split_where_a_collective_is_fused_with_compute():
+    """A collective inside a Myelin region or a fused "a + b" layer has no time of its own:
+    the split is unavailable (NaN), never a guess."""
+    collectives = {"exchange_kv": {"exchange_kv"}, "exchange_out": {"exchange_out"}}
+    for fused in ({"exchange_kv": 2.0, "{ForeignNode[exchange_out...out_cast]}": 1.0, "attention": 3.0},
+                  {"exchange_kv": 2.0, "exchange_out + out_cast": 1.0}):
+        assert fused_collectives(fused, collectives) == ["exchange_out"]
+        assert all(np.isnan(split_layer_times(fused, collectives)))
 
 
 def test_io_specs_and_bfloat16_inputs():
@@ -341,21 +358,47 @@ def test_io_specs_and_bfloat16_inputs():
 
 @pytest.mark.parametrize("kind", ["all_to_all", "all_gather", "broadcast"])
 def test_collective_graphs_are_valid_and_grouped_like_the_mpi_engine(kind):
+    """Calibration writes each collective for its group's own communicator (no ranks named,
+    root 0 of the group), so every rank's graph is the same; the doctor's subgroup probe
+    names the members among all ranks, as a hybrid's graphs do."""
     for rank in range(4):
-        model = graphs.collective_graph(kind, ranks=4, group=2, rank=rank, chunk_bytes=4096)
-        onnx.checker.check_model(model, full_check=True)
-        (node,) = model.graph.node
-        attributes = collective_attributes(node)
         members = [0, 1] if rank < 2 else [2, 3]
-        assert attributes["collective_operation"] == kind
-        assert attributes["groups"] == members and attributes["nb_rank"] == 2
-        assert attributes["root"] == (members[0] if kind == "broadcast" else -1)
-        shapes = {name: spec[0] for name, spec in io_specs(model).items()}
-        per_peer = 4096 // 2  # float16 elements
-        assert shapes["x"] == {"all_to_all": (2 * per_peer,)}.get(kind, (per_peer,))
-        assert shapes["y"] == {"all_gather": (2 * per_peer,)}.get(kind, shapes["x"])
+        for local in (True, False):
+            model = graphs.collective_graph(kind, ranks=4, group=2, rank=rank, chunk_bytes=4096, local=local)
+            onnx.checker.check_model(model, full_check=True)
+            (node,) = model.graph.node
+            attributes = collective_attributes(node)
+            assert attributes["collective_operation"] == kind
+            assert attributes["groups"] == ([] if local else members) and attributes["nb_rank"] == 2
+            assert attributes["root"] == ((0 if local else members[0]) if kind == "broadcast" else -1)
+            shapes = {name: spec[0] for name, spec in io_specs(model).items()}
+            per_peer = 4096 // 2  # float16 elements
+            assert shapes["x"] == {"all_to_all": (2 * per_peer,)}.get(kind, (per_peer,))
+            assert shapes["y"] == {"all_gather": (2 * per_peer,)}.get(kind, shapes["x"])
     with pytest.raises(ValueError, match="groups of 3 among 4"):
         graphs.collective_graph(kind, ranks=4, group=3, rank=0, chunk_bytes=64)
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "all_gather", "broadcast"])
+def test_calibration_values_tell_which_member_sent_which_chunk(kind):
+    """Every member's expected output is what the collective makes of every member's
+    marked input; a collective run in the wrong group, or not at all, gives other values."""
+    group, elements = 4, 8
+    shape_in = (group * elements,) if kind == "all_to_all" else (elements,)
+    sent = [graphs.collective_inputs(kind, group, m, shape_in) for m in range(group)]
+    for member in range(group):
+        if kind == "all_to_all":
+            made = np.concatenate([np.split(sent[j], group)[member] for j in range(group)])
+        elif kind == "all_gather":
+            made = np.concatenate(sent)
+        else:
+            made = sent[0]
+        expected = graphs.collective_expected(kind, group, member, made.shape)
+        assert np.array_equal(made, expected)
+        if member and kind == "broadcast":  # a broadcast that did nothing leaves the input: not the expected
+            assert not np.array_equal(sent[member], expected)
+    if kind == "all_to_all":  # each member gets its own chunks, from every member
+        assert len({graphs.collective_expected(kind, group, m, shape_in).tobytes() for m in range(group)}) == group
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -497,13 +540,16 @@ def stand_in_engine(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(("config", "dtype"), [
     (CPConfig("ring", 2), "fp32"), (CPConfig("ulysses", 2), "bf16"), (CPConfig("allgather_kv", 1), "fp16"),
-], ids=["ring2-fp32", "ulysses2-bf16", "one-rank-fp16"])
+    (CPConfig("allgather_kv", 2), "fp32"), (CPConfig("ring", 4, 2), "bf16"),
+], ids=["ring2-fp32", "ulysses2-bf16", "one-rank-fp16", "allgather2-fp32", "hybrid4-bf16"])
 @pytest.mark.slow
 def test_rank_side_runs_checks_times_and_caches_on_a_stand_in(stand_in_engine, tmp_path, config, dtype):
     """The worker's whole path on real MPI ranks, TensorRT replaced by the stand-in: the
-    rank graph goes through build, cache, deserialize and device buffers, the output
-    passes measure's reference check, timing has the [rank, iteration, 3] shape with the
-    DistCollective layers counted as communication, and a second run loads the cache."""
+    rank graph goes through build (fp32 attention only builds decomposable), cache,
+    deserialize and device buffers, the output passes measure's reference check, timing has
+    the [rank, iteration, 3] shape with the DistCollective layers counted as communication,
+    and a second run loads the cache. One engine for the configuration, built once, not
+    one per rank (a hybrid's ranks name their own groups: one each, by design)."""
     workload = Workload(seq_len=24, heads=4, kv_heads=2, head_dim=8, dtype=dtype, causal=True)
     first = cptune.measure(workload, config, backend=stand_in_engine, warmup=1, repeats=2)
     assert first.engine == "tensorrt" and first.median_ms > 0
@@ -516,7 +562,8 @@ def test_rank_side_runs_checks_times_and_caches_on_a_stand_in(stand_in_engine, t
     assert first.max_error <= stand_in_engine.tolerance[dtype]
     assert first.host["build_s"] != "cached" and first.host["tensorrt"] == "0.0-fake"
     engines = sorted((tmp_path / "engines").glob("*.engine"))
-    assert len(engines) == config.ranks  # causal rank graphs differ: one engine each
+    hybrid = config.head_group > 1 and config.context_degree > 1
+    assert len(engines) == (config.ranks if hybrid else 1)
     second = cptune.measure(workload, config, backend=stand_in_engine, warmup=0, repeats=1)
     assert second.host["build_s"] == "cached"
     assert sorted((tmp_path / "engines").glob("*.engine")) == engines
@@ -534,10 +581,13 @@ def test_calibration_runs_its_graphs_on_a_stand_in(stand_in_engine, tmp_path):
     assert seconds.shape == (2, 2) and np.all(seconds > 0)
 
 
-def test_members_of_a_group_get_the_same_collective_graph():
-    same = [graphs.collective_graph("all_gather", 4, 2, rank, 64).SerializeToString() for rank in (0, 1)]
-    other = graphs.collective_graph("all_gather", 4, 2, 2, 64).SerializeToString()
-    assert same[0] == same[1] and other != same[0]
+def test_every_rank_gets_the_same_calibration_graph():
+    """Written for their group's own communicator, the collective graphs are the same bytes
+    on every rank of every group: one engine for all."""
+    same = {graphs.collective_graph("all_gather", 4, 2, rank, 64).SerializeToString() for rank in range(4)}
+    named = {graphs.collective_graph("all_gather", 4, 2, rank, 64, local=False).SerializeToString()
+             for rank in range(4)}
+    assert len(same) == 1 and len(named) == 2
 
 
 @pytest.mark.slow
@@ -564,3 +614,165 @@ def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in
     assert sorted((f.kind, f.ranks, f.group) for f in calibration.collectives) == [
         ("all_gather", 2, 2), ("all_to_all", 2, 2), ("broadcast", 2, 2)]
     assert len(calibration.compute) == 2 * 4 and all(r.seconds > 0 for r in calibration.compute)
+
+
+# --------------------------------------------------------------------------- first contact: what TensorRT may do
+
+
+@pytest.fixture
+def faulty(monkeypatch, stand_in_engine):
+    """The stand-in engine, with ``FAKE_TENSORRT_FAULT`` set by calling the fixture's value."""
+
+    def fault(*names: str) -> TensorRTEngine:
+        stand_in_engine.close()  # new ranks read the new environment
+        monkeypatch.setenv("FAKE_TENSORRT_FAULT", ",".join(names))
+        return stand_in_engine
+
+    return fault
+
+
+@pytest.mark.slow
+def test_the_rank_loads_nccl4pys_nccl_before_tensorrt(monkeypatch):
+    """TensorRT finds NCCL by bare name when its runtime starts; the stand-in's runtime
+    remembers whether nccl4py's copy was loaded by then (a communicator from one NCCL cannot
+    be used by another). Creating the runtime first, as the rank once did, gets another."""
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_GPU_STACK))
+    script = (
+        "import tensorrt as trt\n"
+        "first = trt.Runtime(trt.Logger(trt.Logger.WARNING)).nccl_copy\n"
+        "from cptune.engines.tensorrt._worker import GpuRank\n"
+        "print(first, '|', GpuRank(0).runtime.nccl_copy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "another on the library path | nccl4py's"
+
+
+@pytest.mark.slow
+def test_collectives_fused_away_are_rebuilt_behind_a_cast_boundary(faulty, tmp_path):
+    """The inspector finds a collective inside a Myelin region: every rank rebuilds with a
+    float32 Cast on each side, and the run is checked and timed as usual; if even that is
+    fused, the configuration fails with the reason instead of running collectives that do
+    not communicate."""
+    workload = Workload(seq_len=24, heads=4, head_dim=8, dtype="bf16", causal=True)
+    engine = faulty("fused")
+    measured = cptune.measure(workload, CPConfig("ulysses", 2), backend=engine, warmup=0, repeats=1)
+    assert measured.host["cast_boundary"] == "True" and measured.max_error <= engine.tolerance["bf16"]
+    assert measured.comm_ms is not None and measured.comm_ms > 0  # the collectives stand alone again
+    engine = faulty("fused_always")
+    with pytest.raises(EngineError, match="fused DistCollective layer.* even with a float32 Cast"):
+        cptune.measure(workload, CPConfig("ulysses", 2), backend=engine, warmup=0, repeats=1)
+
+
+def test_a_calibration_collective_with_wrong_values_stops_calibration():
+    """What the rank checks before timing a calibration graph: the right chunk from the
+    right member, or an error naming the collective."""
+    from cptune.engines.tensorrt._worker import check_case
+
+    class Ran:  # a loaded graph whose collective ran: "y" holds what it produced
+        def __init__(self, kind: str, produced: np.ndarray) -> None:
+            self.specs = {"x": ((8,), np.dtype(np.float16)), "y": (produced.shape, np.dtype(np.float16))}
+            self.produced = produced
+
+        def fill(self, arrays):
+            pass
+
+        def execute(self):
+            return 0.0
+
+        def read(self, name):
+            return self.produced
+
+    case = {"collective": "all_gather", "group": 2}
+    right = graphs.collective_expected("all_gather", 2, 1, (16,))
+    check_case(Ran("all_gather", right), case, 16, rank=3)
+    in_the_wrong_group = graphs.collective_expected("all_gather", 2, 1, (16,)) * 0 + right[::-1]
+    with pytest.raises(RuntimeError, match="all_gather over groups of 2 gave rank 3 wrong values"):
+        check_case(Ran("all_gather", in_the_wrong_group), case, 16, rank=3)
+
+
+@pytest.mark.slow
+def test_a_rank_blocked_holding_the_gil_dies_with_its_driver(monkeypatch, tmp_path):
+    """TensorRT's set_communicator blocks in native code holding the GIL until every rank
+    calls it; ranks all stuck there (a peer never came) must still go when their driver is
+    killed, though no watchdog thread of theirs can run."""
+    mark = tmp_path / "blocked"
+    env = {**os.environ, "PYTHONPATH": str(FAKE_GPU_STACK), "CPTUNE_CACHE": str(tmp_path),
+           "FAKE_TENSORRT_HANG_COMMUNICATOR": "0,1", "FAKE_TENSORRT_HANG_MARK": str(mark)}
+    script = (
+        "import cptune\n"
+        "from cptune import CPConfig, Workload\n"
+        "from cptune.engines.tensorrt import NodeProbe, TensorRTEngine\n"
+        "from cptune.hardware._host import parse_gpu_query\n"
+        f"gpus = tuple(parse_gpu_query({QUERY_H100!r}))\n"
+        "engine = TensorRTEngine(probe=lambda: NodeProbe(gpus, None, {}))\n"
+        "w = Workload(seq_len=16, heads=2, head_dim=8, dtype='fp32')\n"
+        "cptune.compute(w, CPConfig('ring', 2), *cptune.reference.make_inputs(w), backend=engine, timeout=600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        marks = [Path(f"{mark}.{rank}") for rank in (0, 1)]
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.1)
+        assert all(m.exists() for m in marks), "the ranks never reached set_communicator"
+        time.sleep(0.5)  # well inside the native call
+        assert processes_left("cptune.engines.tensorrt._worker", within=0)  # the ranks are there
+        driver.kill()
+        driver.wait()
+    finally:
+        driver.kill()
+    assert processes_left("cptune.engines.tensorrt._worker", within=20) == []
+
+
+def doctor(engine: TensorRTEngine, ranks: int) -> dict[str, tuple[bool, str, str, str]]:
+    verdict = engine.check_node(ranks)
+    assert [r.probe for r in verdict.results] == list(PROBES)
+    return {r.probe: (r.ok, r.answer, r.action, r.seen) for r in verdict.results}
+
+
+def verdict_seen(found: dict, probe: str) -> str:
+    return found[probe][3]
+
+
+@pytest.mark.slow
+def test_the_doctors_probes_on_a_healthy_stand_in(stand_in_engine):
+    found = doctor(stand_in_engine, 4)
+    assert all(ok for ok, *_ in found.values()), found
+    assert found["broadcast_root"][1] == "global" and found["standalone"][1] == "alone"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "probe", "answer", "action", "also"), [
+    # groups ignored: the reversed-order broadcast runs on ranks in world order, its root read so too
+    ("subgroups_ignored", "subgroups", "", "hybrids .* are refused", {"broadcast_root"}),
+    # a root read as an index: the subgroup probe's global root 2 is no index into [2, 3]
+    ("root_local", "broadcast_root", "local", "hybrids are refused", {"subgroups"}),
+    ("fused", "standalone", "boundary", "float32 Cast on each side", set()),
+    ("fused_always", "standalone", "fused", "every multi-GPU configuration is refused", set()),
+])
+def test_the_doctor_names_each_failure_and_what_cptune_does(faulty, fault, probe, answer, action, also):
+    found = doctor(faulty(fault), 4)
+    ok, seen_answer, said, _ = found[probe]
+    assert not ok and seen_answer == answer and re.search(action, said), found[probe]
+    if fault == "subgroups_ignored":
+        assert "Did not properly set the child communicator" in verdict_seen(found, probe)
+    assert {name for name, (ok, *_) in found.items() if not ok} == {probe, *also}, found
+
+
+def test_a_verdict_refuses_what_the_node_cannot_run():
+    healthy = NodeVerdict(4, tuple(ProbeResult.judged(p, True, "fine") for p in PROBES))
+    w = Workload(seq_len=64, heads=4, head_dim=8, dtype="bf16")
+    hybrid, pure = CPConfig("ring", 4, 2), CPConfig("ulysses", 4)
+    assert healthy.refuses(w, hybrid) is None and healthy.healthy
+    broken = NodeVerdict(4, (ProbeResult.judged("subgroups", False, "Did not properly set the child communicator",
+                                                "error"),))
+    assert "is a hybrid" in broken.refuses(w, hybrid) and broken.refuses(w, pure) is None
+    boundary = NodeVerdict(4, (ProbeResult.judged("standalone", False, "fused", "boundary"),))
+    assert boundary.refuses(w, pure) is None  # rebuilt behind casts: runs
+    fused = NodeVerdict(4, (ProbeResult.judged("standalone", False, "fused", "fused"),))
+    assert "needs collectives" in fused.refuses(w, pure) and fused.refuses(w, CPConfig("ulysses", 1)) is None
+    no_fp32 = NodeVerdict(4, (ProbeResult.judged("attention_fp32", False, "build failed"),))
+    assert "attention in fp32" in no_fp32.refuses(Workload(64, 4, 8, dtype="fp32"), pure)
+    assert NodeVerdict.from_dict(broken.to_dict()) == broken

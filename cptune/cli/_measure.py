@@ -88,7 +88,7 @@ def _measurements_table(
     for m in sorted(results, key=lambda m: m.median_ms):
         shown.add_row(
             m.config.label, str(m.config.ranks), f"{m.median_ms:.1f}{'*' if m.disturbed else ''}",
-            f"{m.spread_ms:.1f}", f"{m.compute_ms:.1f}", f"{m.comm_ms:.1f}",
+            f"{m.spread_ms:.1f}", _ms(m.compute_ms), _ms(m.comm_ms),
             f"{m.peak_bytes / 2**20:.0f}", f"{m.max_error:.0e}",
         )
     for config, error in failures:
@@ -175,3 +175,8 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
     for shown_table in _calibration_tables(calibration):
         console.print(shown_table)
     return 0
+
+
+def _ms(value: float | None) -> str:
+    """A phase's milliseconds, or "n/a" where the engine could not split the phases."""
+    return "n/a" if value is None else f"{value:.1f}"

@@ -6,9 +6,11 @@ work on all ranks, and on a subgroup named in ``groups``; is a grouped broadcast
 read as a global or a group-local rank; does attention build in fp32 and bf16; do the
 ``DistCollective`` layers stay layers of their own in a built engine, or are they fused
 into a Myelin region. A ``NodeVerdict`` keeps the answers (JSON, stored with the host by
-the search) and turns them into decisions: hybrids refused where subgroups fail, the
-Cast boundary around collectives where they are fused away, a dtype refused where its
-attention does not build.
+the search) and turns them into decisions: hybrids refused where subgroups or roots go
+wrong, a dtype refused where its attention does not build, multi-GPU configurations
+refused where collectives do not run. (A collective fused away is also caught per engine
+as it is built, and rebuilt behind a Cast boundary: the probe says ahead whether that
+will happen.)
 """
 
 from __future__ import annotations
@@ -29,15 +31,38 @@ PROBES: dict[str, str] = {
 }
 
 
+#: What cptune does when a probe fails (per answer where the answers differ).
+ACTIONS: dict[str, str] = {
+    "collectives": "every multi-GPU configuration is refused: its collectives would not run as written",
+    "subgroups": "hybrids (Ulysses in head groups, Ring or AllGather-KV across them) are refused; "
+                 "pure strategies run, each on a communicator of its own group",
+    "broadcast_root": "hybrids are refused (their Ring's broadcasts name global roots); pure strategies "
+                      "write group-local roots on their group's communicator and run",
+    "attention_fp32": "fp32 workloads are refused on this node",
+    "attention_bf16": "bf16 workloads are refused on this node",
+    "standalone:boundary": "every engine is built with a float32 Cast on each side of each collective "
+                           "(16-bit workloads move twice the bytes)",
+    "standalone": "every multi-GPU configuration is refused: TensorRT fuses its collectives away",
+}
+
+
 @dataclass(frozen=True)
 class ProbeResult:
-    """One probe's answer: whether the node does it, what was seen (one line), and what
-    cptune does about it."""
+    """One probe's answer: whether the node does it as cptune writes it, what was seen (one
+    line), a short machine-readable ``answer`` (e.g. "global" or "local" for a root; "" where
+    the probe was not tried) and what cptune does about it."""
 
     probe: str
     ok: bool
     seen: str
+    answer: str = ""
     action: str = ""
+
+    @classmethod
+    def judged(cls, probe: str, ok: bool, seen: str, answer: str = "") -> ProbeResult:
+        """The result with the action cptune takes when it failed."""
+        action = "" if ok else ACTIONS.get(f"{probe}:{answer}", ACTIONS[probe])
+        return cls(probe, ok, seen, answer, action)
 
 
 @dataclass(frozen=True)
@@ -58,20 +83,23 @@ class NodeVerdict:
     def healthy(self) -> bool:
         return all(r.ok for r in self.results)
 
-    @property
-    def cast_boundary(self) -> bool:
-        """Collectives need a dtype-changing Cast on each side to stay layers of their own."""
-        return self._fails("standalone")
-
     def refuses(self, workload: Workload, config: CPConfig) -> str | None:
         """Why this node cannot run ``config`` on ``workload`` (one line), or None."""
-        hybrid = config.head_group > 1 and config.context_degree > 1
-        if hybrid and self._fails("subgroups"):
-            return (f"{config.describe()} is a hybrid, which needs collectives in subgroups, and this node's "
-                    f"TensorRT got them wrong (cptune doctor: subgroups); pure strategies still run")
-        probe = "attention_fp32" if workload.dtype == "fp32" else "attention_bf16"
-        if workload.dtype in ("fp32", "bf16") and self._fails(probe):
-            return (f"attention in {workload.dtype} does not build on this node's TensorRT "
+        standalone = self.result("standalone")
+        if config.ranks > 1 and (self._fails("collectives") or (
+                standalone is not None and not standalone.ok and standalone.answer != "boundary")):
+            probe = "collectives" if self._fails("collectives") else "standalone"
+            return (f"{config.describe()} needs collectives, which this node's TensorRT does not run as "
+                    f"written (cptune doctor: {probe}); only one-GPU configurations run here")
+        if config.head_group > 1 and config.context_degree > 1:
+            for probe in ("subgroups", "broadcast_root"):
+                if self._fails(probe):
+                    return (f"{config.describe()} is a hybrid, whose collectives name subgroups, and this "
+                            f"node's TensorRT got them wrong (cptune doctor: {probe}); pure strategies "
+                            f"still run")
+        probe = f"attention_{workload.dtype}"
+        if self._fails(probe):
+            return (f"attention in {workload.dtype} does not build or compute right on this node's TensorRT "
                     f"(cptune doctor: {probe}); use another --dtype")
         return None
 

@@ -8,9 +8,10 @@ for it, so every engine whose ranks need nothing more live in this one supervise
 output shard; "time" repeats the last run with warm-up and returns per-iteration timings;
 any other op is the engine's (calibration: one collective over a sweep of message sizes,
 the attention kernel on a few shapes, ...). Ranks that a task does not use wait on their
-socket, asleep. A watchdog exits the rank as soon as the driver process is gone, whatever
-the rank is doing. An engine whose ranks hold state of their own between requests (the
-TensorRT engine's GPUs) subclasses ``Worker`` and runs its own module.
+socket, asleep. A watchdog process kills the rank as soon as the driver process is gone,
+whatever the rank is doing (even blocked in native code that holds the GIL). An engine
+whose ranks hold state of their own between requests (the TensorRT engine's GPUs)
+subclasses ``Worker`` and runs its own module.
 
 Each rank fixes its allocator as it starts (``steady_allocator``): left to itself, glibc's malloc
 decides from what a process freed earlier whether an iteration's arrays come from reused
@@ -21,13 +22,14 @@ depended on what its rank ran before it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib
 import os
 import select
+import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -44,16 +46,26 @@ from cptune.engines import engine_spec
 from cptune.layout import rank_coordinates
 
 
-def exit_when_gone(pid: int) -> None:
-    """Block until process ``pid`` exits, then end this process at once."""
+def kill_when_gone(driver: int) -> None:
+    """SIGKILL this process as soon as process ``driver`` exits, from a watchdog process
+    forked for it. A watchdog thread needs the GIL to act, and a rank blocked in native
+    code that holds it (TensorRT's ``set_communicator`` waits for its peers so) would starve
+    it forever. The watchdog touches nothing of the rank's and ends with it."""
+    rank = os.getpid()
+    if os.fork():
+        return
     try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os._exit(3)
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    poller.poll()
-    os._exit(3)
+        watched = {os.pidfd_open(driver): True, os.pidfd_open(rank): False}
+        poller = select.poll()
+        for fd in watched:
+            poller.register(fd, select.POLLIN)
+        if any(watched[fd] for fd, _ in poller.poll()):
+            os.kill(rank, signal.SIGKILL)
+    except ProcessLookupError:  # the driver is already gone (or the rank: then nothing to do)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 #: glibc ``mallopt`` parameters (malloc.h).
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None, worker: Callable[[socket.socket], RankSe
     parser.add_argument("--socket", required=True, help="the driver's Unix socket")
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    threading.Thread(target=exit_when_gone, args=(args.driver_pid,), daemon=True).start()
+    kill_when_gone(args.driver_pid)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.socket)
     serve_until_done(worker(sock))

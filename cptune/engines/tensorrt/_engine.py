@@ -27,15 +27,18 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from cptune.config import CPConfig
-from cptune.engines import ENGINES, BackendUnavailableError
+from cptune.engines import ENGINES, PROBES, BackendUnavailableError, NodeVerdict, ProbeResult
 from cptune.engines._pool import PooledEngine, WorkerPool
 from cptune.engines.tensorrt._preflight import NodeProbe, preflight, probe_node
+from cptune.errors import EngineError
 from cptune.hardware import Hardware, tensorrt_version, this_gpu_node
-from cptune.reference import TOLERANCE
+from cptune.reference import REAL_BF16_TOLERANCE
 from cptune.workload import Workload
 
 #: Seconds allowed for building (or loading) the engines of one request on every rank.
 BUILD_TIMEOUT_S = 1800.0
+#: Seconds allowed for one of ``cptune doctor``'s probes (a few tiny engines built).
+PROBE_TIMEOUT_S = 300.0
 
 
 class TensorRTEngine(PooledEngine):
@@ -43,11 +46,8 @@ class TensorRTEngine(PooledEngine):
     ``_worker``."""
 
     spec = ENGINES["tensorrt"]
-    #: bf16 is real bfloat16 here (8 significant bits: inputs rounded to it alone are off by
-    #: up to 2^-9 ~ 2e-3), not the MPI engine's float16 wire: held to 3e-2, the bound the
-    #: same graphs are checked to on ONNX's reference runtime. A wrong lowering is off by
-    #: far more (of order one).
-    tolerance: Mapping[str, float] = TOLERANCE | {"bf16": 3e-2}
+    #: bf16 is real bfloat16 here.
+    tolerance: Mapping[str, float] = REAL_BF16_TOLERANCE
 
     def __init__(
         self, worker: Sequence[str] | None = None, start_timeout: float = 180.0,
@@ -85,6 +85,28 @@ class TensorRTEngine(PooledEngine):
             raise BackendUnavailableError(f"cannot read this node's GPU facts for its fingerprint ({exc}); "
                                           f"check that nvidia-smi works here") from None
 
+    def check_node(self, ranks: int | None = None) -> NodeVerdict:
+        """``cptune doctor``'s probes (``PROBES``) on ``ranks`` GPUs (default: all of this
+        node's), after the preflight. Each has its own deadline: a probe that fails, crashes
+        or hangs is recorded as failed with what was seen, and the next starts on fresh
+        ranks."""
+        ranks = ranks or self.capacity()
+        self.preflight(ranks)
+        return NodeVerdict(ranks, tuple(self._run_probe(name, ranks) for name in PROBES))
+
+    def _run_probe(self, name: str, ranks: int) -> ProbeResult:
+        self._pool_for(ranks)
+        request = {"op": "probe", "probe": name, "ranks": ranks}
+        try:
+            replies = self._request({r: (request, []) for r in range(ranks)}, PROBE_TIMEOUT_S,
+                                    f"cptune doctor's {name} probe")
+        except EngineError as failure:  # the rank's own words: the last line of its report
+            said = [line.strip() for line in str(failure).splitlines() if line.strip()]
+            return ProbeResult.judged(name, False, f"{failure.kind}: {said[-1]}", "error")
+        answers = [replies[r][0] for r in range(ranks)]
+        worst = next((a for a in answers if not a["passed"]), answers[0])
+        return ProbeResult.judged(name, worst["passed"], worst["seen"], worst["answer"])
+
     def _pool_for(self, ranks: int) -> WorkerPool:
         """The pool, after ``preflight``: a library caller gets the same one-line reason as
         the command line, before any process starts."""
@@ -96,7 +118,7 @@ class TensorRTEngine(PooledEngine):
         seconds = [h["build_seconds"] for h, _ in replies.values() if h.get("build_seconds") is not None]
         self._built = {"build_s": f"{max(seconds):.1f}" if seconds else "cached"}
         first = replies[min(replies)][0]
-        for key in ("gpu", "tensorrt"):
+        for key in ("gpu", "tensorrt", "cast_boundary"):
             if key in first:
                 self._built[key] = str(first[key])
 

@@ -2,29 +2,42 @@
 
 Written after NVIDIA's Python multi-device sample (samples/python/attention_mdtrt) and
 NOT YET RUN ON A GPU: nothing where cptune is developed has one. Every call below is named
-as TensorRT 11, nccl4py and cuda-bindings document it; where a detail could not be
-confirmed, a comment says so.
+as TensorRT 11, nccl4py and cuda-bindings document it (a test checks the names against the
+published bindings); where a detail could not be confirmed, a comment says so.
 
-The serving loop, sockets and watchdog are the shared worker's (``cptune.engines._worker``); the
-tasks differ:
+The serving loop, sockets and watchdog are the shared worker's (``cptune.engines._worker``);
+the tasks differ:
 
-- "prepare": build this rank's ONNX graph (``rank_graph``), get its engine from the disk
-  cache or build it on this GPU (strongly typed network, ``OnnxParser``,
-  ``build_serialized_network``), deserialize it on ``cuda:<local rank>``, give its
-  execution context the NCCL communicator (all ranks at once: ``set_communicator`` is a
-  collective call) and put its inputs and outputs on the device. When every rank's graph
-  is the same, rank 0 builds it and broadcasts the engine over MPI, as the sample does;
-  rank graphs usually differ (masks and positions are constants of each rank's graph),
-  and then every rank builds its own at the same time on its own GPU.
+- "prepare": the configuration's graph as TensorRT builds it (``tensorrt_rank_graph``: the
+  same bytes on every rank but a hybrid's, what differs by rank fed as inputs), its engine
+  from the disk cache or built on this GPU (strongly typed network, ``OnnxParser``, no
+  auxiliary streams, ``build_serialized_network``) - by rank 0 alone and broadcast when
+  every rank's graph is the same, as NVIDIA's sample does - then deserialized on
+  ``cuda:<local rank>`` and inspected: if TensorRT fused any ``DistCollective`` into a
+  region with compute (where it fails or stops communicating, pytorch/TensorRT#4381),
+  every rank rebuilds with a float32 Cast on each side of each collective, and if they
+  are still fused the configuration fails with that reason. An execution context gets its
+  own NCCL communicator (``set_communicator`` is collective: all ranks at once), and the
+  inputs and outputs live on the device.
 - "run": copy the shards in, run once, copy the output back (the driver checks it
   against the reference before anything is timed).
 - "time": per iteration, all ranks start at an MPI barrier; CUDA events around
   ``execute_async_v3`` give the device time. The split into compute and communication
   comes from TensorRT's per-layer profiler in a second pass of as many iterations, in a
   second execution context (a profiler serializes the layers and cannot be detached, so
-  it never touches the latency): mean time in DistCollective layers vs the rest.
+  it never touches the latency): mean time in DistCollective layers vs the rest, NaN
+  (unavailable) where a collective is not a layer of its own in the report.
 - "prepare_cases" / "time_cases": the calibration graphs (one collective or one
-  attention op each), built and loaded first, then timed like "time".
+  attention op each), built and loaded first; each is then run once with rank-dependent
+  values and its output checked (a collective that ran in the wrong group, or not at
+  all, fails calibration instead of timing the wrong thing), then timed like "time".
+- "probe": one of ``cptune doctor``'s probes (``_probes``).
+
+NCCL is loaded before TensorRT is imported (``load_nccl``), so TensorRT's own lookup of
+"libnccl.so.2" finds the copy nccl4py uses. Communicators: one NCCL communicator over the
+task's ranks, made with nccl4py from a unique id MPI broadcasts, and for every execution
+context a communicator split from it - of the task's ranks, or of this rank's group where
+a calibration graph is written for its group alone.
 
 Deadlines are the driver's: a rank stuck in NCCL never replies, the driver's wait runs
 out, and it kills the pool.
@@ -33,10 +46,11 @@ out, and it kills the pool.
 from __future__ import annotations
 
 import ctypes
+import json
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,14 +60,25 @@ from mpi4py import MPI
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines._worker import Worker, main
-from cptune.engines.onnx import OP_TYPE, case_graphs, rank_graph
+from cptune.engines.onnx import OP_TYPE, case_graphs, for_tensorrt, tensorrt_rank_graph
+from cptune.engines.onnx._calibration import attention_expected, collective_expected, collective_inputs
+from cptune.engines.tensorrt import _probes
 from cptune.engines.tensorrt._cache import EngineCache, engine_key, graph_digest
+from cptune.engines.tensorrt._preflight import load_nccl
+from cptune.layout import head_group_members
+from cptune.reference import REAL_BF16_TOLERANCE
 from cptune.workload import Workload
+
+#: How a graph is made for TensorRT, with or without the Cast boundary around collectives:
+#: (model, this rank's input values beyond q, k, v).
+GraphMaker = Callable[[bool], tuple[onnx.ModelProto, dict[str, np.ndarray]]]
 
 
 def _import_gpu_stack() -> tuple[Any, Any]:
     """``tensorrt`` and ``cuda.bindings.runtime``, imported on first use so this module
-    imports (and its pure parts are tested) where they are not installed."""
+    imports (and its pure parts are tested) where they are not installed; NCCL's library
+    first, so that TensorRT's lookup of it finds nccl4py's copy."""
+    load_nccl()
     import tensorrt as trt
     from cuda.bindings import runtime as cudart
 
@@ -79,46 +104,56 @@ def io_specs(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], np.dtyp
     return specs
 
 
-def collective_layer_names(model: onnx.ModelProto) -> set[str]:
-    """Names TensorRT's layers for the graph's DistCollective nodes can carry: the node's
-    name, else its output's (the ONNX parser names a layer after its node; for an unnamed
-    node the name is derived from its output - the exact form is not confirmed, so both
-    are matched)."""
-    names = set()
-    for node in model.graph.node:
-        if node.op_type == OP_TYPE:
-            names.update(n for n in (node.name, *node.output) if n)
-    return names
+def collective_layer_names(model: onnx.ModelProto) -> dict[str, set[str]]:
+    """For each DistCollective node, the names TensorRT's layer for it can carry: the
+    node's name and its output's (the ONNX parser names a layer after its node; for an
+    unnamed node the name is derived from its output - the exact form is not confirmed,
+    so both are matched)."""
+    return {node.name or node.output[0]: {n for n in (node.name, *node.output) if n}
+            for node in model.graph.node if node.op_type == OP_TYPE}
 
 
 _LAYER_NAME_SEPARATORS = re.compile(r"\.\.\.|[\s\[\]{}(),+]+")
 
 
-def split_layer_times(layer_ms: Mapping[str, float], collectives: set[str]) -> tuple[float, float]:
-    """(compute, communication) milliseconds of one profiled iteration: a reported layer is
-    communication when its name mentions a DistCollective node (TensorRT names fused
-    layers "a + b" and Myelin regions "{ForeignNode[first...last]}"). A collective fused
-    inside a region with compute is counted by that region's name only: it is
-    communication if it is the region's first or last node, else compute."""
-    compute = comm = 0.0
-    for name, ms in layer_ms.items():
-        tokens = set(_LAYER_NAME_SEPARATORS.split(name))
-        if tokens & collectives:
-            comm += ms
-        else:
-            compute += ms
-    return compute, comm
+def _tokens(layer: str) -> set[str]:
+    return {token for token in _LAYER_NAME_SEPARATORS.split(layer) if token}
+
+
+def fused_collectives(layers: Iterable[str], collectives: Mapping[str, set[str]]) -> list[str]:
+    """The DistCollective nodes no layer stands for alone. TensorRT names a fused layer
+    "a + b" and a Myelin region "{ForeignNode[first...last]}"; a layer stands for a node
+    alone when every name in it is one of that node's."""
+    alone = {node for layer in layers for node, names in collectives.items() if _tokens(layer) <= names}
+    return sorted(set(collectives) - alone)
+
+
+def split_layer_times(
+    layer_ms: Mapping[str, float], collectives: Mapping[str, set[str]]
+) -> tuple[float, float]:
+    """(compute, communication) milliseconds of one profiled iteration: the layers that
+    are DistCollective nodes alone, and the rest. NaN for both where some collective is
+    not a layer of its own in the report: its time is mixed with compute's there, and no
+    split of it would be honest."""
+    if fused_collectives(layer_ms, collectives):
+        return float("nan"), float("nan")
+    names = set().union(*collectives.values()) if collectives else set()
+    comm = sum(ms for layer, ms in layer_ms.items() if _tokens(layer) and _tokens(layer) <= names)
+    return sum(layer_ms.values()) - comm, comm
 
 
 def to_device_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``array`` as the contiguous bytes a graph tensor of ``dtype`` holds (bfloat16 by
-    round-to-nearest-even, as ml_dtypes casts)."""
+    round-to-nearest-even, as ml_dtypes casts; integer inputs as they are)."""
+    if np.issubdtype(dtype, np.integer):
+        return np.ascontiguousarray(np.asarray(array).astype(dtype))
     return np.ascontiguousarray(np.asarray(array, dtype=np.float32).astype(dtype))
 
 
 class GpuRank:
-    """This rank's GPU (``cuda:<local rank>``), TensorRT runtime, stream, events and its NCCL
-    communicators, one per task size (made on first use, collectively)."""
+    """This rank's GPU (``cuda:<local rank>``), TensorRT runtime, stream, events and NCCL
+    communicators: one over each task size's ranks (made on first use, collectively), and
+    one split from it for every execution context."""
 
     def __init__(self, local_rank: int) -> None:
         self.trt, self.cudart = _import_gpu_stack()
@@ -134,7 +169,7 @@ class GpuRank:
         self.start = self.cuda(self.cudart.cudaEventCreate())
         self.end = self.cuda(self.cudart.cudaEventCreate())
         self.cache = EngineCache()
-        self.nccl: dict[int, Any] = {}
+        self.worlds: dict[int, Any] = {}
 
     def cuda(self, result: tuple) -> Any:
         """The value(s) of a cuda-bindings call, which returns (error, values...); raises on error."""
@@ -145,19 +180,26 @@ class GpuRank:
             raise RuntimeError(f"CUDA error on cuda:{self.device}: {text}")
         return values[0] if len(values) == 1 else tuple(values)
 
-    def communicator(self, comm: MPI.Comm) -> Any:
+    def world(self, comm: MPI.Comm) -> Any:
         """The NCCL communicator of ``comm``'s ranks (nccl4py): rank 0 makes the unique id,
         MPI broadcasts its bytes, every rank joins. Collective over ``comm``."""
         size = comm.Get_size()
-        if size not in self.nccl:
+        if size not in self.worlds:
             import nccl.core as nccl
 
             uid = nccl.get_unique_id().as_bytes if comm.Get_rank() == 0 else None
             uid = comm.bcast(uid, root=0)
-            self.nccl[size] = nccl.Communicator.init(
+            self.worlds[size] = nccl.Communicator.init(
                 nranks=size, rank=comm.Get_rank(), unique_id=nccl.UniqueId.from_bytes(uid)
             )
-        return self.nccl[size]
+        return self.worlds[size]
+
+    def communicator(self, comm: MPI.Comm, group: int | None = None) -> Any:
+        """A new NCCL communicator for one execution context, split from ``comm``'s: all
+        of its ranks, or (``group``) this rank's group of ``group`` consecutive ranks, in
+        rank order. Contexts never share one. Collective over ``comm``."""
+        rank = comm.Get_rank()
+        return self.world(comm).split(color=0 if group is None else rank // group, key=rank)
 
     def build(self, graph: bytes) -> bytes:
         """Build a serialized engine from ONNX ``graph`` on this GPU."""
@@ -169,11 +211,16 @@ class GpuRank:
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise RuntimeError(f"TensorRT's ONNX parser rejected the graph: {errors}")
         config = builder.create_builder_config()
-        # Layer names in the engine, so the profiler can tell DistCollective layers apart.
+        # Layer names in the engine, so the profiler and the inspector tell DistCollective
+        # layers apart.
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+        # Everything on the one stream the rank enqueues on: with auxiliary streams,
+        # independent collectives could run in a different order on different ranks, and
+        # NCCL hangs.
+        config.max_aux_streams = 0
         # TensorRT 10.16+ refuses a network with IDistCollectiveLayer unless this preview
-        # feature is on (as Torch-TensorRT and Polygraphy's tests set it); a 11.x that has
-        # dropped the flag (reported, not confirmed) needs nothing.
+        # feature is on (as Torch-TensorRT and Polygraphy's tests set it); 11.4 has dropped
+        # the flag and needs nothing.
         if (multidevice := getattr(trt.PreviewFeature, "MULTIDEVICE_RUNTIME_10_16", None)) is not None:
             config.set_preview_feature(multidevice, True)
         # Every input has a static shape (``io_specs`` refuses others), so the network needs
@@ -186,8 +233,8 @@ class GpuRank:
     def engine_for(self, graph: bytes, comm: MPI.Comm) -> tuple[bytes, float | None]:
         """The serialized engine of ``graph`` and the seconds its build took (None: from the
         cache). Collective over ``comm``: when all ranks hold the same graph, rank 0 builds
-        (or loads) it and broadcasts the engine, as NVIDIA's sample does; otherwise each
-        rank builds its own, all at once."""
+        (or loads) it and broadcasts the engine, as NVIDIA's sample does; otherwise (a
+        hybrid's graphs) each rank builds its own, all at once."""
         digests = comm.allgather(graph_digest(graph))
         if len(set(digests)) == 1 and comm.Get_size() > 1:
             found = self._cached_or_built(graph) if comm.Get_rank() == 0 else None
@@ -206,9 +253,9 @@ class GpuRank:
         return engine, seconds
 
     def close(self) -> None:
-        for communicator in self.nccl.values():
+        for communicator in self.worlds.values():
             communicator.destroy()
-        self.nccl.clear()
+        self.worlds.clear()
 
 
 def _communicator_capsule(communicator: Any) -> object:
@@ -223,35 +270,54 @@ def _communicator_capsule(communicator: Any) -> object:
 
 
 class LoadedGraph:
-    """One engine ready to run on this rank: its execution context (with the NCCL
-    communicator when the graph communicates) and a device buffer per input and output."""
+    """One engine on this rank: deserialized, a device buffer per input and output (the
+    rank inputs filled once), and its execution contexts - each with an NCCL communicator of
+    its own when the graph communicates, over ``comm``'s ranks or this rank's ``group``."""
 
-    def __init__(self, gpu: GpuRank, engine_bytes: bytes, model: onnx.ModelProto, communicator: Any) -> None:
-        self.gpu = gpu
+    def __init__(self, gpu: GpuRank, engine_bytes: bytes, model: onnx.ModelProto,
+                 feeds: Mapping[str, np.ndarray], comm: MPI.Comm, group: int | None) -> None:
+        self.gpu, self.comm, self.group = gpu, comm, group
         self.specs = io_specs(model)
         self.inputs = [value.name for value in model.graph.input]
         self.outputs = [value.name for value in model.graph.output]
         self.collectives = collective_layer_names(model)
-        self.communicator = communicator
+        self.cast_boundary = False
         self.engine = gpu.runtime.deserialize_cuda_engine(engine_bytes)
         if self.engine is None:
             raise RuntimeError("TensorRT could not deserialize the engine")
         self.buffers = {name: gpu.cuda(gpu.cudart.cudaMalloc(max(1, int(np.prod(shape)) * dtype.itemsize)))
                         for name, (shape, dtype) in self.specs.items()}
         self.io_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in self.specs.values())
-        self.context = self._new_context()
+        self.fill(feeds)
+        self._contexts: list[tuple[Any, Any]] = []  # (context, its communicator or None)
+        self.context: Any = None
 
-    def _new_context(self) -> Any:
-        """An execution context on the graph's device buffers, with the NCCL communicator
-        when the graph communicates: a collective call, as ``set_communicator`` blocks until
-        every rank of the communicator has made it."""
+    def layers(self) -> list[str]:
+        """The built engine's layer names, from TensorRT's engine inspector."""
+        inspector = self.engine.create_engine_inspector()
+        info = json.loads(inspector.get_engine_information(self.gpu.trt.LayerInformationFormat.JSON))
+        return [layer["Name"] if isinstance(layer, dict) else str(layer) for layer in info.get("Layers", [])]
+
+    def fused(self) -> list[str]:
+        """The graph's DistCollective nodes that are not layers of their own in the engine."""
+        return fused_collectives(self.layers(), self.collectives) if self.collectives else []
+
+    def open(self) -> Any:
+        """A new execution context on the graph's device buffers, with its own NCCL
+        communicator when the graph communicates: a collective call, as ``set_communicator``
+        blocks until every rank of the communicator has made it."""
         context = self.engine.create_execution_context()
-        if self.collectives and not context.set_communicator(_communicator_capsule(self.communicator)):
-            raise RuntimeError("IExecutionContext.set_communicator refused the NCCL communicator")
+        communicator = self.gpu.communicator(self.comm, self.group) if self.collectives else None
+        self._contexts.append((context, communicator))
+        if communicator is not None and not context.set_communicator(_communicator_capsule(communicator)):
+            raise RuntimeError("IExecutionContext.set_communicator refused the NCCL communicator "
+                               "(TensorRT answers so for an engine it does not count as multi-device)")
         for name, (shape, _) in self.specs.items():
             if name in self.inputs:
                 context.set_input_shape(name, shape)
             context.set_tensor_address(name, self.buffers[name])
+        if self.context is None:
+            self.context = context
         return context
 
     @property
@@ -271,10 +337,6 @@ class LoadedGraph:
             self.gpu.cuda(cudart.cudaMemcpy(self.buffers[name], host.ctypes.data, host.nbytes,
                                             cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
-    def fill_ones(self) -> None:
-        """Every input set to ones (calibration: the values do not matter, their size does)."""
-        self.fill({name: np.ones(self.specs[name][0], np.float32) for name in self.inputs})
-
     def read(self, name: str) -> np.ndarray:
         """Output ``name`` copied back, as float32."""
         cudart = self.gpu.cudart
@@ -285,7 +347,7 @@ class LoadedGraph:
         return host.astype(np.float32)
 
     def execute(self, context: Any = None) -> float:
-        """Run once (in ``context``, default the graph's own); the device milliseconds
+        """Run once (in ``context``, default the graph's first); the device milliseconds
         between CUDA events around ``execute_async_v3``."""
         gpu, cudart = self.gpu, self.gpu.cudart
         gpu.cuda(cudart.cudaEventRecord(gpu.start, gpu.stream))
@@ -310,10 +372,11 @@ class LoadedGraph:
     def profile(self, barrier: MPI.Comm, repeats: int) -> np.ndarray:
         """Seconds [iteration, (compute, comm)] from TensorRT's per-layer profiler over
         ``repeats`` more iterations (each started at a barrier): every layer's mean time,
-        split by ``split_layer_times``, the same for every row. The profiled iterations run
-        in a second execution context, dropped afterwards: a profiler serializes the layers
-        and cannot be detached (``context.profiler = None`` is refused and the old one stays,
-        as NVIDIA's TensorRT cookbook shows), so the timed context never carries one."""
+        split by ``split_layer_times`` (NaN: unavailable), the same for every row. The
+        profiled iterations run in a second execution context, dropped afterwards: a
+        profiler serializes the layers and cannot be detached (``context.profiler = None``
+        is refused and the old one stays, as NVIDIA's TensorRT cookbook shows), so the timed
+        context never carries one."""
         trt = self.gpu.trt
         layers: dict[str, list[float]] = {}
 
@@ -324,21 +387,31 @@ class LoadedGraph:
             def report_layer_time(self, layer_name: str, ms: float) -> None:
                 layers.setdefault(layer_name, []).append(ms)
 
-        profiled = self._new_context()
+        profiled = self.open()
         profiled.profiler = LayerTimes()  # reports every execution (enqueue_emits_profile is on)
         try:
             for _ in range(repeats):
                 barrier.Barrier()
                 self.execute(profiled)
         finally:
-            del profiled
+            self._close_context(profiled)
         mean_ms = {name: sum(times) / len(times) for name, times in layers.items()}
         compute_ms, comm_ms = split_layer_times(mean_ms, self.collectives)
         return np.tile([compute_ms / 1e3, comm_ms / 1e3], (repeats, 1))
 
+    def _close_context(self, context: Any) -> None:
+        for i, (held, communicator) in enumerate(self._contexts):
+            if held is context:
+                del self._contexts[i]
+                if communicator is not None:
+                    communicator.destroy()
+                return
+
     def close(self) -> None:
-        """Free the context, then the engine, then the device buffers."""
+        """Free the contexts (then their communicators), the engine, then the device buffers."""
         self.context = None
+        while self._contexts:
+            self._close_context(self._contexts[-1][0])
         self.engine = None
         for pointer in self.buffers.values():
             self.gpu.cuda(self.gpu.cudart.cudaFree(pointer))
@@ -354,6 +427,7 @@ class TensorRTWorker(Worker):
         self._gpu: GpuRank | None = None
         self.graph: LoadedGraph | None = None
         self.cases: list[LoadedGraph] = []
+        self.case: dict = {}
         self.barrier: MPI.Comm | None = None
 
     @property
@@ -362,13 +436,33 @@ class TensorRTWorker(Worker):
             self._gpu = GpuRank(self.local_rank)
         return self._gpu
 
-    def _load(self, model: onnx.ModelProto, comm: MPI.Comm) -> tuple[LoadedGraph, float | None]:
-        """``model``'s engine on this rank, every step collective over ``comm``. The NCCL
-        communicator comes first, as in NVIDIA's sample: nccl4py then loads libnccl before
-        TensorRT looks it up by name, so both use the same library (as they must)."""
-        communicator = self.gpu.communicator(comm) if collective_layer_names(model) else None
-        engine, build_seconds = self.gpu.engine_for(serialize(model), comm)
-        return LoadedGraph(self.gpu, engine, model, communicator), build_seconds
+    def load(
+        self, make: GraphMaker, comm: MPI.Comm, group: int | None = None
+    ) -> tuple[LoadedGraph, float | None]:
+        """The engine of ``make``'s graph on this rank, every step collective over ``comm``,
+        with its first execution context open. Built as written; rebuilt by every rank with
+        the Cast boundary where any rank's engine has a collective fused away; refused if one
+        still is (it would not communicate)."""
+        loaded, seconds = self._built(*make(False), comm, group)
+        if comm.allreduce(bool(loaded.fused()), op=MPI.LOR):
+            loaded.close()
+            loaded, more = self._built(*make(True), comm, group)
+            seconds = None if seconds is None and more is None else (seconds or 0.0) + (more or 0.0)
+            still = loaded.fused()
+            if comm.allreduce(bool(still), op=MPI.LOR):
+                loaded.close()
+                raise RuntimeError(
+                    f"TensorRT fused DistCollective layer(s) {', '.join(still) or 'on another rank'} into "
+                    f"regions with compute even with a float32 Cast on each side, where they do not "
+                    f"communicate (pytorch/TensorRT#4381); see cptune doctor's 'standalone' probe")
+            loaded.cast_boundary = True
+        loaded.open()
+        return loaded, seconds
+
+    def _built(self, model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], comm: MPI.Comm,
+               group: int | None) -> tuple[LoadedGraph, float | None]:
+        engine, seconds = self.gpu.engine_for(serialize(model), comm)
+        return LoadedGraph(self.gpu, engine, model, feeds, comm, group), seconds
 
     def _drop(self) -> None:
         for loaded in [self.graph, *self.cases]:
@@ -382,9 +476,10 @@ class TensorRTWorker(Worker):
             self._drop()
             workload, config = Workload(**header["workload"]), CPConfig(**header["config"])
             self.barrier = self.prefix[config.ranks - 1]
-            self.graph, build_seconds = self._load(rank_graph(workload, config, self.rank), self.barrier)
+            self.graph, build_seconds = self.load(
+                lambda boundary: tensorrt_rank_graph(workload, config, self.rank, boundary), self.barrier)
             return {"build_seconds": build_seconds, "gpu": self.gpu.gpu_name,
-                    "tensorrt": self.gpu.trt.__version__}, []
+                    "tensorrt": self.gpu.trt.__version__, "cast_boundary": self.graph.cast_boundary}, []
         if op == "run":
             graph = self._prepared(self.graph)
             graph.fill(dict(zip(("q", "k", "v"), arrays, strict=True)))
@@ -397,21 +492,33 @@ class TensorRTWorker(Worker):
             split = graph.profile(self.barrier, header["repeats"])
             return {}, [np.column_stack([wall, split])]
         if op == "prepare_cases":
-            self._drop()
-            self.barrier = self.prefix[header["ranks"] - 1]
-            models = case_graphs(header["case"], header["ranks"], self.rank)
-            loaded = [self._load(model, self.barrier) for model in models]
-            self.cases = [graph for graph, _ in loaded]
-            for graph in self.cases:
-                graph.fill_ones()
-            built = [s for _, s in loaded if s is not None]
-            return {"build_seconds": sum(built) if built else None}, []
+            return self._prepare_cases(header["ranks"], header["case"])
         if op == "time_cases":
             if not self.cases or self.barrier is None:
                 raise RuntimeError("'time_cases' before 'prepare_cases'")
             barrier = self.barrier
             return {}, [np.stack([g.time(barrier, header["warmup"], header["repeats"]) for g in self.cases])]
+        if op == "probe":
+            self._drop()
+            size = header["ranks"]
+            return _probes.run(header["probe"], self, self.prefix[size - 1]), []
         raise RuntimeError(f"unknown op {op!r}")
+
+    def _prepare_cases(self, ranks: int, case: dict) -> protocol.Message:
+        """Load one calibration request's graphs, run each once and check its values."""
+        self._drop()
+        self.barrier = self.prefix[ranks - 1]
+        group = case.get("group")
+        points = case.get("chunks") or case["shapes"]
+        built = []
+        for point, model in zip(points, case_graphs(case, ranks, self.rank), strict=True):
+            graph, seconds = self.load(lambda boundary, m=model: (for_tensorrt(m, boundary), {}),
+                                       self.barrier, group)
+            self.cases.append(graph)
+            built.append(seconds)
+            check_case(graph, case, point, self.rank)
+        seconds = [s for s in built if s is not None]
+        return {"build_seconds": sum(seconds) if seconds else None}, []
 
     def _prepared(self, graph: LoadedGraph | None) -> LoadedGraph:
         if graph is None:
@@ -422,6 +529,37 @@ class TensorRTWorker(Worker):
         self._drop()
         if self._gpu is not None:
             self._gpu.close()
+
+
+def check_case(graph: LoadedGraph, case: dict, point: int | dict, rank: int) -> None:
+    """Run a calibration graph (``point``: its chunk bytes or attention shape) once with
+    inputs whose output shows what the layer did, and raise unless it did what the graph
+    says: a collective's chunks from the right members of the right group, an attention's
+    output within the bf16 tolerance runs are held to."""
+    if "collective" in case:
+        kind, group = case["collective"], case["group"]
+        member = head_group_members(rank, group).index(rank)
+        graph.fill({"x": collective_inputs(kind, group, member, graph.specs["x"][0])})
+        graph.execute()
+        got, expected = graph.read("y"), collective_expected(kind, group, member, graph.specs["y"][0])
+        if not np.array_equal(got, expected):
+            raise RuntimeError(
+                f"calibration's {kind} over groups of {group} gave rank {rank} wrong values "
+                f"({int(np.count_nonzero(got != expected))} of {got.size}): TensorRT did not run this "
+                f"collective in its group as written; nothing was timed")
+        return
+    assert isinstance(point, dict)
+    rng = np.random.default_rng(rank)
+    q, k, v = (rng.standard_normal(graph.specs[name][0], dtype=np.float32) for name in ("q", "k", "v"))
+    graph.fill({"q": q, "k": k, "v": v})
+    graph.execute()
+    rounded = (x.astype(graph.specs["q"][1]).astype(np.float32) for x in (q, k, v))  # as the graph holds them
+    expected = attention_expected(point, *rounded)
+    error = float(np.max(np.abs(graph.read("out") - expected)) / np.max(np.abs(expected)))
+    if error > REAL_BF16_TOLERANCE["bf16"]:
+        raise RuntimeError(f"calibration's attention on {point} is off by {error:.2g} of its largest "
+                           f"value on rank {rank}: TensorRT did not compute attention as written; "
+                           f"nothing was timed")
 
 
 if __name__ == "__main__":

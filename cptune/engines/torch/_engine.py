@@ -21,7 +21,7 @@ from cptune.engines import ENGINES, BackendUnavailableError
 from cptune.engines._pool import PooledEngine, WorkerPool
 from cptune.hardware import Hardware, list_gpus, this_gpu_node, this_host
 from cptune.measurement import available_cores
-from cptune.reference import TOLERANCE
+from cptune.reference import REAL_BF16_TOLERANCE
 
 INSTALL_HINT = "pip install 'cptune[torch]'"
 #: How a CPU host's torch ranks are linked.
@@ -33,9 +33,8 @@ class TorchEngine(PooledEngine):
     ranks with gloo otherwise."""
 
     spec = ENGINES["torch"]
-    #: bf16 is real bfloat16 here, inputs rounded to it included (up to 2^-9 each), as on
-    #: the TensorRT engine: held to the same 3e-2. A wrong piece or merge is off by far more.
-    tolerance: Mapping[str, float] = TOLERANCE | {"bf16": 3e-2}
+    #: bf16 is real bfloat16 here.
+    tolerance: Mapping[str, float] = REAL_BF16_TOLERANCE
 
     def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 120.0) -> None:
         super().__init__(worker, start_timeout)

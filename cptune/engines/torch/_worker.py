@@ -21,7 +21,6 @@ import argparse
 import datetime
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
-from cptune.engines._worker import RankServer, exit_when_gone, serve_until_done
+from cptune.engines._worker import RankServer, kill_when_gone, serve_until_done
 from cptune.engines.torch._ops import (
     TORCH_DTYPES,
     TorchOps,
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--driver", help="the driver's host:port (rank 0 of launched ranks)")
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    threading.Thread(target=exit_when_gone, args=(args.driver_pid,), daemon=True).start()
+    kill_when_gone(args.driver_pid)
     if args.socket:
         rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
         store = store_at(os.environ["CPTUNE_TORCH_STORE"], os.environ["CPTUNE_TORCH_WORLD"])

@@ -1,6 +1,16 @@
-"""Stand-in for nccl4py's ``nccl.core`` (tests only): ids and communicators with no NCCL."""
+"""Stand-in for nccl4py's ``nccl.core`` (tests only): a communicator is an MPI communicator
+over the same ranks (the first ``nranks`` of the world at init, as the TensorRT rank makes
+them; any split of one), its ``ptr`` a key the stand-in TensorRT finds it by. Like nccl4py,
+its first communicator loads NCCL's library (through cuda.pathfinder)."""
 
 import os
+
+from mpi4py import MPI
+
+from cuda import pathfinder
+
+#: Live communicators by ``ptr`` (what a "ncclComm_t" capsule points at).
+LIVE: dict[int, "Communicator"] = {}
 
 
 class UniqueId:
@@ -17,13 +27,22 @@ def get_unique_id() -> UniqueId:
 
 
 class Communicator:
-    def __init__(self, nranks: int, rank: int) -> None:
-        self.nranks, self.rank, self.ptr = nranks, rank, 0xC0FFEE
+    def __init__(self, mpi: MPI.Comm) -> None:
+        self.mpi = mpi
+        self.ptr = id(self)
+        LIVE[self.ptr] = self
 
     @classmethod
     def init(cls, nranks: int, rank: int, unique_id: UniqueId) -> "Communicator":
         assert isinstance(unique_id, UniqueId) and len(unique_id.as_bytes) == 128
-        return cls(nranks, rank)
+        pathfinder.load_nvidia_dynamic_lib("nccl")
+        world = MPI.COMM_WORLD
+        assert world.Get_rank() == rank < nranks, "the stand-in's communicators start from the world's first ranks"
+        return cls(world.Create_group(world.Get_group().Incl(list(range(nranks)))))
+
+    def split(self, color: int | None = None, key: int = 0) -> "Communicator":
+        return Communicator(self.mpi.Split(MPI.UNDEFINED if color is None else color, key))
 
     def destroy(self) -> None:
+        LIVE.pop(self.ptr, None)
         self.ptr = 0
