@@ -115,7 +115,9 @@ def test_runtime_modules_import_without_the_gpu_packages():
 # --------------------------------------------------------------------------- preflight
 
 
-def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None, nccl: str | None = None) -> None:
+def inject(
+    monkeypatch, query: str | None, missing: dict[str, str] | None = None, nccl: str | None = None
+) -> None:
     """Make the node's probe see ``query`` as nvidia-smi's answer (None: no nvidia-smi),
     ``missing`` packages fail to import and NCCL's library fail to load for reason ``nccl``
     (None: it loads); the checks themselves run as they are."""
@@ -134,7 +136,8 @@ def inject(monkeypatch, query: str | None, missing: dict[str, str] | None = None
 
 BRANCHES = {
     "no GPU": (None, None, [], "has no CUDA GPU (nvidia-smi is not on PATH"),
-    "NCCL library missing": (QUERY_H100, None, ["--nccl-fails"], "needs NCCL's library, which cannot be loaded here"),
+    "NCCL library missing": (QUERY_H100, None, ["--nccl-fails"],
+                             "needs NCCL's library, which cannot be loaded here"),
     "TensorRT missing": (QUERY_H100, {"tensorrt": "ModuleNotFoundError: No module named 'tensorrt'"}, [],
                          "needs tensorrt, which cannot be imported here"),
     "fewer GPUs than ranks": (QUERY_H100, None, ["--max-ranks", "8"],
@@ -398,7 +401,8 @@ def test_calibration_values_tell_which_member_sent_which_chunk(kind):
         if member and kind == "broadcast":  # a broadcast that did nothing leaves the input: not the expected
             assert not np.array_equal(sent[member], expected)
     if kind == "all_to_all":  # each member gets its own chunks, from every member
-        assert len({graphs.collective_expected(kind, group, m, shape_in).tobytes() for m in range(group)}) == group
+        outputs = {graphs.collective_expected(kind, group, m, shape_in).tobytes() for m in range(group)}
+        assert len(outputs) == group
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -616,7 +620,7 @@ def test_calibrate_times_the_engines_own_collective_kinds_on_a_stand_in(stand_in
     assert len(calibration.compute) == 2 * 4 and all(r.seconds > 0 for r in calibration.compute)
 
 
-# --------------------------------------------------------------------------- first contact: what TensorRT may do
+# --------------------------------------------------------------- first contact: what TensorRT may do
 
 
 @pytest.fixture
@@ -707,7 +711,8 @@ def test_a_rank_blocked_holding_the_gil_dies_with_its_driver(monkeypatch, tmp_pa
         f"gpus = tuple(parse_gpu_query({QUERY_H100!r}))\n"
         "engine = TensorRTEngine(probe=lambda: NodeProbe(gpus, None, {}))\n"
         "w = Workload(seq_len=16, heads=2, head_dim=8, dtype='fp32')\n"
-        "cptune.compute(w, CPConfig('ring', 2), *cptune.reference.make_inputs(w), backend=engine, timeout=600)\n"
+        "inputs = cptune.reference.make_inputs(w)\n"
+        "cptune.compute(w, CPConfig('ring', 2), *inputs, backend=engine, timeout=600)\n"
     )
     driver = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -766,8 +771,8 @@ def test_a_verdict_refuses_what_the_node_cannot_run():
     w = Workload(seq_len=64, heads=4, head_dim=8, dtype="bf16")
     hybrid, pure = CPConfig("ring", 4, 2), CPConfig("ulysses", 4)
     assert healthy.refuses(w, hybrid) is None and healthy.healthy
-    broken = NodeVerdict(4, (ProbeResult.judged("subgroups", False, "Did not properly set the child communicator",
-                                                "error"),))
+    child = "Did not properly set the child communicator"
+    broken = NodeVerdict(4, (ProbeResult.judged("subgroups", False, child, "error"),))
     assert "is a hybrid" in broken.refuses(w, hybrid) and broken.refuses(w, pure) is None
     boundary = NodeVerdict(4, (ProbeResult.judged("standalone", False, "fused", "boundary"),))
     assert boundary.refuses(w, pure) is None  # rebuilt behind casts: runs

@@ -5,9 +5,8 @@ its first communicator loads NCCL's library (through cuda.pathfinder)."""
 
 import os
 
-from mpi4py import MPI
-
 from cuda import pathfinder
+from mpi4py import MPI
 
 #: Live communicators by ``ptr`` (what a "ncclComm_t" capsule points at).
 LIVE: dict[int, "Communicator"] = {}
@@ -37,8 +36,9 @@ class Communicator:
         assert isinstance(unique_id, UniqueId) and len(unique_id.as_bytes) == 128
         pathfinder.load_nvidia_dynamic_lib("nccl")
         world = MPI.COMM_WORLD
-        assert world.Get_rank() == rank < nranks, "the stand-in's communicators start from the world's first ranks"
-        return cls(world.Create_group(world.Get_group().Incl(list(range(nranks)))))
+        assert world.Get_rank() == rank < nranks, "the stand-in's communicators start at world rank 0"
+        first = world.Get_group().Incl(list(range(nranks)))
+        return cls(world.Create_group(first))
 
     def split(self, color: int | None = None, key: int = 0) -> "Communicator":
         return Communicator(self.mpi.Split(MPI.UNDEFINED if color is None else color, key))

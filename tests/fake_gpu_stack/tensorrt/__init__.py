@@ -28,14 +28,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from cuda import pathfinder
 from mpi4py import MPI
+from nccl import core as nccl
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from cptune.engines.onnx import reference_ops
 from cptune.engines.onnx._rank import collective_op
-from cuda import pathfinder
-from nccl import core as nccl
 
 __version__ = "0.0-fake"
 _MAGIC = b"FAKE-TRT-ENGINE\n"
@@ -98,7 +98,8 @@ class Builder:
         for node in model.graph.node:
             decomposable = any(a.name == "TRT_decomposable" and a.i == 1 for a in node.attribute)
             if node.op_type == "Attention" and not decomposable and _dtype_of(model, node.input[0]) == 1:
-                print("[E] IAttention: no fused kernel for FLOAT and the layer is not decomposable", flush=True)
+                print("[E] IAttention: no fused kernel for FLOAT and the layer is not decomposable",
+                      flush=True)
                 return None
         return _MAGIC + network.graph
 
@@ -131,7 +132,7 @@ def _layers(model: onnx.ModelProto) -> list[str]:
         if node.name in taken:
             continue
         before, after = producers.get(node.input[0]) if node.input else None, consumers.get(node.output[0])
-        behind_casts = before is not None and before.op_type == "Cast" and after is not None and after.op_type == "Cast"
+        behind_casts = all(n is not None and n.op_type == "Cast" for n in (before, after))
         if node.op_type == "DistCollective" and before is not None and after is not None and (
                 "fused_always" in FAULTS or ("fused" in FAULTS and not behind_casts)):
             layers.append(f"{{ForeignNode[{before.name}...{after.name}]}}")
@@ -237,7 +238,8 @@ class IExecutionContext:
         pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
         communicator = nccl.LIVE[pointer(capsule, b"ncclComm_t")]
         if self.nccl_copy != "nccl4py's":
-            raise RuntimeError(f"the communicator comes from nccl4py's libnccl, TensorRT loaded {self.nccl_copy}")
+            raise RuntimeError(f"the communicator comes from nccl4py's libnccl, TensorRT loaded "
+                               f"{self.nccl_copy}")
         rank = MPI.COMM_WORLD.Get_rank()
         if str(rank) in os.environ.get("FAKE_TENSORRT_HANG_COMMUNICATOR", "").split(","):
             Path(f"{os.environ['FAKE_TENSORRT_HANG_MARK']}.{rank}").touch()
