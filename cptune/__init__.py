@@ -3,7 +3,8 @@
 The vocabulary (``Workload``, ``CPConfig``, ``feasibility``, ``analytic_cost``) describes
 what could run; ``compute``, ``measure`` and ``measure_all`` run it for real on real ranks;
 ``search_space`` searches a whole space and stores every result, as ``cptune search`` does
-(``calibrate_host`` calibrates this machine, as ``cptune calibrate`` does); ``recommend``
+(``calibrate_host`` calibrates this machine, as ``cptune calibrate`` does; ``check_host``
+probes a GPU node's runtime, as ``cptune doctor`` does); ``recommend``
 picks a configuration from measurements and the cost model; ``evaluate`` scores that model;
 ``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s.
 """
@@ -31,6 +32,7 @@ _LAZY = {
     "export_plan": "cptune.plans.export",
     "search_space": "cptune.search",
     "calibrate_host": "cptune.search",
+    "check_host": "cptune.search",
 }
 
 
@@ -57,6 +59,7 @@ __all__ = [
     "Workload",
     "analytic_cost",
     "calibrate_host",
+    "check_host",
     "compute",
     "enumerate_configs",
     "evaluate",

@@ -16,6 +16,7 @@ import cptune
 from conftest import measurement
 from cptune import CPConfig, Workload
 from cptune.cli import main
+from cptune.engines import NodeVerdict, ProbeResult
 from cptune.hardware import Hardware, this_host
 from cptune.store import RESULT_COLUMNS, VERSION_TABLE, Base, Store, StoreError, database_url
 
@@ -346,3 +347,77 @@ def test_results_csv_gives_utc_timestamps_with_their_offset(tmp_path, capsys):
     ok, failed = csv.DictReader(io.StringIO(out))
     assert ok["measured_at"] == "2026-01-01T12:00:00+00:00" and ok["median_ms"] == "2.0"
     assert failed["measured_at"].endswith("+00:00") and failed["error"] == "rank 1 died"
+
+
+# --------------------------------------------------------------------------- node checks
+
+GPU_NODE = Hardware(host="g1", cpu_model="test cpu", cpu_count=32, gpu_model="NVIDIA H100 (SM90)",
+                    gpu_count=4, interconnect="NVLink (NV18)", mpi_library="MPICH 5", nccl_version="2.27",
+                    tensorrt_version="11.0")
+SUBGROUPS_FAIL = NodeVerdict(4, (
+    ProbeResult("collectives", True, "all_to_all, all_gather, broadcast right on 4 ranks"),
+    ProbeResult("subgroups", False, "ranks 2-3 got rank 0's values", "hybrids are left out"),
+))
+
+
+def test_a_node_verdict_round_trips_per_hardware_and_engine(store):
+    assert store.node_verdict(GPU_NODE.fingerprint, "tensorrt") is None
+    store.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)
+    assert store.node_verdict(GPU_NODE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
+    assert store.node_verdict(GPU_NODE.fingerprint, "torch") is None  # another engine: its own
+    assert store.node_verdict(HARDWARE.fingerprint, "tensorrt") is None  # another host: its own
+    assert GPU_NODE.fingerprint in store.hardware()
+
+
+def test_a_new_node_verdict_replaces_the_one_before(store):
+    store.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)
+    healthy = NodeVerdict(2, (ProbeResult("subgroups", True, "right in both groups"),))
+    store.add_node_verdict(GPU_NODE, "tensorrt", healthy)
+    store.add_node_verdict(HARDWARE, "tensorrt", SUBGROUPS_FAIL)
+    assert store.node_verdict(GPU_NODE.fingerprint, "tensorrt") == healthy
+    assert store.node_verdict(HARDWARE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
+    with store.engine.connect() as connection:
+        assert connection.exec_driver_sql("SELECT count(*) FROM node_checks").scalar() == 2
+
+
+def test_a_damaged_node_verdict_is_named_with_the_fix(store):
+    store.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)
+    with store.engine.begin() as connection:
+        connection.exec_driver_sql("UPDATE node_checks SET verdict = '{\"results\": []}'")
+    with pytest.raises(StoreError, match="node check of .* is damaged .*run cptune doctor"):
+        store.node_verdict(GPU_NODE.fingerprint, "tensorrt")
+
+
+def test_migration_0006_keeps_the_rows_of_a_0005_database(tmp_path):
+    path = tmp_path / "old.db"
+    engine = _database_at(path, "0005")
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO hardware (id, fingerprint, host, cpu_model, cpu_count, gpu_count, interconnect, "
+            f"created_at) VALUES (1, '{GPU_NODE.fingerprint}', 'g1', 'cpu', 2, 0, 'shm', "
+            "'2026-01-01 00:00:00')")
+        connection.exec_driver_sql(
+            "INSERT INTO workloads (id, seq_len, heads, kv_heads, head_dim, batch, dtype, causal) "
+            "VALUES (1, 64, 4, 4, 16, 1, 'bf16', 0)")
+        connection.exec_driver_sql(
+            "INSERT INTO measurements (id, hardware_id, workload_id, strategy, ranks, head_group, status, "
+            "median_ms, engine, cptune_version, measured_at, oversubscribed, excluded, round_id, disturbed) "
+            "VALUES (1, 1, 1, 'ring', 2, 1, 'ok', 1.5, 'mpi', '0.1.0', '2026-01-01 00:00:00', 0, 0, 'r:1', "
+            "NULL)")
+        connection.exec_driver_sql(
+            "INSERT INTO calibrations (id, hardware_id, engine, data, cptune_version, measured_at) VALUES "
+            "(1, 1, 'mpi', '{}', '0.1.0', '2026-01-01 00:00:00')")
+        assert "node_checks" not in {row[0] for row in connection.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    engine.dispose()
+    with Store(str(path)) as migrated:
+        (row,) = migrated.results()
+        assert (row.config, row.median_ms, row.round_id) == (CPConfig("ring", 2), 1.5, "r:1")
+        with migrated.engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT count(*) FROM calibrations").scalar() == 1
+            context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+            assert context.get_current_revision() == "0006"
+        assert migrated.node_verdict(GPU_NODE.fingerprint, "tensorrt") is None
+        migrated.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)  # the stored hardware row
+        assert migrated.node_verdict(GPU_NODE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
+        assert list(migrated.hardware()) == [GPU_NODE.fingerprint]

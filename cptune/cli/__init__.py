@@ -1,9 +1,10 @@
 """The ``cptune`` command line: it parses and prints; what each command does is a library call.
 
 ``search`` (``_search``), ``results`` (``_results``), ``measure`` and ``calibrate``
-(``_measure``), ``fit`` and ``recommend`` (``_model``), ``export``, ``export-graph`` and
-``report`` (``_outputs``). Bad input (flags, space files, databases) ends with one line on
-stderr naming the problem and the fix, and exit code 2; never a traceback. Normal output goes
+(``_measure``), ``doctor`` (``_doctor``), ``fit`` and ``recommend`` (``_model``), ``export``,
+``export-graph`` and ``report`` (``_outputs``). Bad input (flags, space files, databases)
+ends with one line on stderr naming the problem and the fix, and exit code 2; never a
+traceback. Normal output goes
 to stdout (to stderr when stdout carries --json or --csv); errors and warnings always to
 stderr. Text from users and messages is printed as text, never as Rich markup.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
-from cptune.cli import _measure, _model, _outputs, _results, _search
+from cptune.cli import _doctor, _measure, _model, _outputs, _results, _search
 from cptune.cli._common import CTRL_C, USAGE_ERROR, Parser, UsageError, warn
 from cptune.errors import CPTuneError
 from cptune.version import __version__
@@ -29,6 +30,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "results": _results.run,
     "measure": _measure.run_measure,
     "calibrate": _measure.run_calibrate,
+    "doctor": _doctor.run_doctor,
     "fit": _model.run_fit,
     "recommend": _model.run_recommend,
     "export": _outputs.run_export,
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _search.add_parser(commands)
     _results.add_parser(commands)
     _measure.add_parsers(commands)
+    _doctor.add_parser(commands)
     _model.add_parsers(commands)
     _outputs.add_parsers(commands)
     for command_parser in commands.choices.values():  # flags it does not know are its error

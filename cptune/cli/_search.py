@@ -32,9 +32,12 @@ from cptune.measurement import format_ms, oversubscribed
 from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace
 
 if TYPE_CHECKING:
+    from cptune.config import CPConfig
+    from cptune.engines import NodeVerdict
     from cptune.estimate import Verdict
     from cptune.hardware import Hardware
     from cptune.search import SpaceSearch, Visit, WorkloadSearch
+    from cptune.workload import Workload
 
 OVERSUBSCRIBE_HELP = ("allow more ranks than this host's cores: such runs time ranks waiting for a core, so "
                       "they are stored marked oversubscribed and left out of the model and the picks")
@@ -131,7 +134,8 @@ def best_table(run: SpaceSearch, finished: set[int]) -> Table:
         search = run.searches.get(seq_len)
         verdict = search.verdict if search is not None else None
         if verdict is None:
-            shown.add_row(str(seq_len), "-", "-", "-", "-", "-", "-")
+            standing = "node refuses all" if seq_len in run.skipped else "-"
+            shown.add_row(str(seq_len), "-", "-", "-", "-", "-", standing)
             continue
         lead, done = verdict.leader, seq_len in finished
         if verdict.tied:
@@ -174,6 +178,9 @@ class LiveSearch:
         self._task = 0
         self._seen = 0  # visits of the current sitting (reused ones too), for its bar
         self._status = None
+        #: The configurations the node refused of the workload being set up, by reason.
+        self._refused: dict[str, list[CPConfig]] = {}
+        self._refused_of = 0  # that workload's length
 
     def _redraw(self) -> None:
         if self.live is not None and self.run is not None:
@@ -208,8 +215,53 @@ class LiveSearch:
             self._status.stop()
             self._status = None
 
+    def checking_node(self, hardware: Hardware, ranks: int) -> None:
+        self.calibrated()
+        engine = self.run.engine if self.run is not None else "the engine"
+        say(self.console, f"this node has not been probed for {engine} yet: probing it on {ranks} GPU(s) "
+                          f"first (once per host; cptune doctor --backend {engine} shows what probes find)")
+        self._status = self.console.status("probing this node")
+        self._status.start()
+
+    def node_checked(self, verdict: NodeVerdict, stored: bool) -> None:
+        self.calibrated()
+        if verdict.healthy:
+            if not stored and verdict.results:
+                say(self.console, f"this node passed all {len(verdict.results)} probes (kept for later "
+                                  f"searches)")
+            return
+        engine = self.run.engine if self.run is not None else "the engine"
+        failed = ", ".join(r.probe for r in verdict.results if not r.ok)
+        when = "the stored verdict" if stored else "probed now"
+        say(self.console, ("this node failed probes:", "yellow"),
+            f" {failed} ({when}); cptune leaves out or works around what they affect "
+            f"(cptune doctor --backend {engine} shows how)")
+
+    def refused(self, workload: Workload, config: CPConfig, reason: str) -> None:
+        self.calibrated()
+        if workload.seq_len != self._refused_of:
+            self._say_refused()
+        self._refused_of = workload.seq_len
+        self._refused.setdefault(reason, []).append(config)
+
+    def _say_refused(self) -> None:
+        """A line per reason the node gave to refuse configurations of the workload being set
+        up, naming those the reason does not name itself."""
+        for reason, configs in self._refused.items():
+            names = ", ".join(c.describe() for c in configs if c.describe() not in reason)
+            say(self.console, f"seq {self._refused_of}: left out{' ' + names if names else ''}: {reason}")
+        self._refused.clear()
+
+    def skipped(self, workload: Workload) -> None:
+        line = f"seq {workload.seq_len}: not searched, this node refuses every configuration"
+        if len(self._refused) == 1:  # one reason for all: said once, naming none
+            line += f": {self._refused.popitem()[0]}"
+        self._say_refused()
+        say(self.console, line)
+
     def sitting_started(self, search: WorkloadSearch, second: bool) -> None:
         self.calibrated()
+        self._say_refused()
         if self.live is None:
             self.live = Live(Group(self.progress), console=self.console, refresh_per_second=4)
             self.live.start()
@@ -252,6 +304,7 @@ class LiveSearch:
 
     def close(self) -> None:
         self.calibrated()
+        self._say_refused()
         if self.live is not None:
             self._redraw()
             self.live.stop()
@@ -279,5 +332,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
     say(console, f"{len(done.measured)} configuration(s) measured now in {done.visits} visit(s) "
                  f"({done.failed} failed, stored with their reason; {done.disturbed} disturbed by other "
                  f"load, stored marked and visited again); see them with: cptune results{where_db}")
+    if done.refused_count:
+        lengths = ", ".join(map(str, done.skipped))
+        skipped = f"; seq {lengths} not searched at all" if done.skipped else ""
+        say(console, f"{done.refused_count} configuration(s) left out, refused by this node (the reasons are "
+                     f"above; cptune doctor --backend {done.engine} shows its probes){skipped}")
     say(console, f"each workload's runs are also an Optuna study there: optuna-dashboard {done.url}")
     return 0

@@ -1,7 +1,8 @@
 """The search: which configuration is fastest on this machine, measured, and how sure that is.
 
-``search_space`` runs a whole space as ``cptune search`` does (and ``calibrate_host`` calibrates
-this machine as ``cptune calibrate`` does); ``WorkloadSearch`` searches one workload in
+``search_space`` runs a whole space as ``cptune search`` does (``calibrate_host`` calibrates
+this machine as ``cptune calibrate`` does, and ``check_host`` probes it as ``cptune doctor``
+does); ``WorkloadSearch`` searches one workload in
 phases: Optuna trials (``_trials``; exhaustive, TPE, or the cost model's ``GuidedSampler``
 order), interleaved rounds, a final race and a second sitting (``_workload``).
 """
@@ -12,6 +13,7 @@ from cptune.search._space import (
     SearchSetupError,
     SpaceSearch,
     calibrate_host,
+    check_host,
     search_space,
 )
 from cptune.search._trials import study_name, suggest, tree_of
@@ -30,6 +32,7 @@ __all__ = [
     "WorkloadSearch",
     "any_wins",
     "calibrate_host",
+    "check_host",
     "is_near_miss",
     "search_space",
     "study_name",

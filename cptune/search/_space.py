@@ -3,9 +3,12 @@ and ``cptune calibrate`` do, callable from Python with the same defaults.
 
 ``search_space`` resolves the space's rank counts on this machine (its cores, or its GPUs),
 refuses oversubscription unless asked, checks every sequence length can run, calibrates new
-hardware first (the cost model's prior needs it), searches each sequence length
-(``WorkloadSearch``), then gives each winner that is not yet sure a second sitting after the
-other lengths. ``SearchProgress`` hears each step; the command line draws it live.
+hardware first (the cost model's prior needs it), probes the node where the engine has probes
+(``EngineSpec.probes``: once per host and engine, the verdict kept in the store) and leaves
+out what the verdict refuses, searches each sequence length (``WorkloadSearch``), then gives
+each winner that is not yet sure a second sitting after the other lengths. ``check_host``
+probes this node as ``cptune doctor`` does. ``SearchProgress`` hears each step; the command
+line draws it live.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 from cptune.calibration import REPEATS, ROUNDS, Calibration, calibrate
 from cptune.config import CPConfig
-from cptune.engines import Engine, get_engine, untimed
+from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, untimed
 from cptune.errors import CPTuneError
 from cptune.estimate import Verdict
 from cptune.feasibility import enumerate_configs
@@ -25,6 +28,7 @@ from cptune.hardware import Hardware
 from cptune.search._workload import Visit, WorkloadSearch
 from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
 from cptune.store import Store
+from cptune.workload import Workload
 
 
 class SearchSetupError(CPTuneError, ValueError):
@@ -45,6 +49,22 @@ class SearchProgress:
     def calibration_step(self, step: str) -> None:
         """A calibration step begins, or was timed again (``cptune.calibration.RETIMED``)."""
 
+    def checking_node(self, hardware: Hardware, ranks: int) -> None:
+        """The engine's probes of this node on ``ranks`` ranks begin (``Engine.check_node``):
+        the first search with a probing engine on this hardware keeps their verdict."""
+
+    def node_checked(self, verdict: NodeVerdict, stored: bool) -> None:
+        """The node's verdict the search goes by: taken from the store (``stored``), or just
+        probed (and stored now)."""
+
+    def refused(self, workload: Workload, config: CPConfig, reason: str) -> None:
+        """The node's verdict refuses ``config`` of ``workload`` (``reason``, one line): it is
+        left out of that workload's search."""
+
+    def skipped(self, workload: Workload) -> None:
+        """The node's verdict refuses every configuration of ``workload`` (each told to
+        ``refused`` first): its search is skipped."""
+
     def sitting_started(self, search: WorkloadSearch, second: bool) -> None:
         """One sitting of a sequence length's search begins (``second``: its confirmation)."""
 
@@ -62,6 +82,7 @@ class SpaceSearch:
 
     space: SearchSpace  # its rank counts resolved on this machine
     hardware: Hardware
+    engine: str  # the engine's name
     url: str  # the database, as it may be shown
     rounds: int
     race_rounds: int
@@ -77,6 +98,21 @@ class SpaceSearch:
     disturbed: int = 0
     #: (seq_len, configuration) pairs measured by this search.
     measured: set[tuple[int, CPConfig]] = field(default_factory=set)
+    #: The node's verdict the search went by (engines with probes; None for the others).
+    node: NodeVerdict | None = None
+    #: Per sequence length, each configuration the node's verdict refused, with the reason:
+    #: left out of that length's search (and of ``searches``, where it refused them all).
+    refused: dict[int, dict[CPConfig, str]] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> tuple[int, ...]:
+        """The sequence lengths not searched: the node's verdict refused every configuration."""
+        return tuple(seq_len for seq_len in self.refused if seq_len not in self.searches)
+
+    @property
+    def refused_count(self) -> int:
+        """(seq_len, configuration) pairs left out because the node's verdict refused them."""
+        return sum(len(reasons) for reasons in self.refused.values())
 
     @property
     def verdicts(self) -> dict[int, Verdict | None]:
@@ -85,8 +121,15 @@ class SpaceSearch:
 
     def describe(self) -> str:
         """Each sequence length's verdict in words, a line each, as ``cptune search`` ends."""
-        return "\n".join(f"seq {seq_len}: {verdict.describe() if verdict else 'nothing ran clean'}"
-                         for seq_len, verdict in self.verdicts.items())
+        verdicts = self.verdicts
+        lines = []
+        for seq_len in self.space.seq_lens:
+            if seq_len in verdicts:
+                verdict = verdicts[seq_len]
+                lines.append(f"seq {seq_len}: {verdict.describe() if verdict else 'nothing ran clean'}")
+            elif seq_len in self.skipped:
+                lines.append(f"seq {seq_len}: not searched, this node refuses every configuration")
+        return "\n".join(lines)
 
 
 def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, oversubscribe: bool
@@ -162,7 +205,7 @@ def search_space(
     with Store(db) as store:
         store.require_writable()
         run = SpaceSearch(
-            space=space, hardware=hardware, url=store.url, order=order,
+            space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
             rounds=rounds or space.measure.rounds,
             race_rounds=space.measure.race_rounds if race_rounds is None else race_rounds,
             confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
@@ -174,10 +217,17 @@ def search_space(
             told.calibrating(hardware, ranks, store.url, first_run=True)
             run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
             store.add_calibration(hardware, run.calibration)
+        if engine.spec.probes:
+            run.node = _node_verdict(store, engine, hardware, max(counts), told)
         pending = []  # searches whose winner a second sitting confirms
         for workload in space.workloads():
             configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
                        if c.ranks in counts]
+            if run.node is not None:
+                configs = _allowed(run, workload, configs, told)
+                if not configs:
+                    told.skipped(workload)
+                    continue
             search = WorkloadSearch(
                 workload, configs, store, hardware, warmup=space.measure.warmup,
                 repeats=space.measure.repeats, run_timeout=space.measure.timeout,
@@ -191,6 +241,35 @@ def search_space(
         for search in pending:
             _sitting(run, search, second=True, told=told)
     return run
+
+
+def _node_verdict(store: Store, engine: Engine, hardware: Hardware, ranks: int, told: SearchProgress
+                  ) -> NodeVerdict:
+    """The verdict of ``engine``'s probes on this node kept in ``store``, or (none kept, or
+    one probed on fewer than ``ranks`` ranks) the node probed on ``ranks`` ranks now and kept."""
+    verdict = store.node_verdict(hardware.fingerprint, engine.name)
+    if verdict is not None and verdict.ranks >= ranks:
+        told.node_checked(verdict, stored=True)
+        return verdict
+    told.checking_node(hardware, ranks)
+    verdict = engine.check_node(ranks)
+    store.add_node_verdict(hardware, engine.name, verdict)
+    told.node_checked(verdict, stored=False)
+    return verdict
+
+
+def _allowed(run: SpaceSearch, workload: Workload, configs: list[CPConfig], told: SearchProgress
+             ) -> list[CPConfig]:
+    """``configs`` less those the node's verdict refuses, each told and kept in ``run.refused``."""
+    assert run.node is not None
+    allowed = []
+    for config in configs:
+        if (reason := run.node.refuses(workload, config)) is None:
+            allowed.append(config)
+        else:
+            run.refused.setdefault(workload.seq_len, {})[config] = reason
+            told.refused(workload, config, reason)
+    return allowed
 
 
 def _sitting(run: SpaceSearch, search: WorkloadSearch, second: bool, told: SearchProgress) -> bool:
@@ -211,6 +290,44 @@ def _sitting(run: SpaceSearch, search: WorkloadSearch, second: bool, told: Searc
     unconfirmed = bool(search.unconfirmed())
     told.sitting_done(search, second, visits, unconfirmed)
     return unconfirmed
+
+
+def probing_engines() -> tuple[str, ...]:
+    """The engines with node probes (``EngineSpec.probes``): what ``cptune doctor`` checks."""
+    return tuple(name for name, spec in ENGINES.items() if spec.probes)
+
+
+def no_probes(name: str) -> str:
+    """Why ``cptune doctor`` has nothing to check with the engine ``name`` (one line)."""
+    known = "has no node probes (its runs show all it can do)" if name in ENGINES else "is not an engine"
+    return f"{name} {known}; engines with probes: {', '.join(probing_engines())}"
+
+
+def check_host(
+    db: str | None = None,
+    *,
+    backend: str | Engine = "tensorrt",
+    max_ranks: int | None = None,
+) -> tuple[Hardware, NodeVerdict]:
+    """Probe this node on ``max_ranks`` ranks (default: all its GPUs) with an engine that has
+    node probes (``EngineSpec.probes``), exactly as ``cptune doctor`` does: this machine's
+    hardware and the verdict. With ``db`` (a path or SQLAlchemy URL) the verdict is kept
+    there, replacing the one before, and searches on this host go by it instead of probing
+    again. Raises before anything runs for an engine without probes (``SearchSetupError``),
+    a node that cannot run it (``BackendUnavailableError``, the preflight's one line) or a
+    database that cannot be written."""
+    engine = get_engine(backend)
+    if not engine.spec.probes:
+        raise SearchSetupError(no_probes(engine.name))
+    engine.preflight(max_ranks or 1)
+    hardware = engine.hardware()
+    if db is None:
+        return hardware, engine.check_node(max_ranks)
+    with Store(db) as store:
+        store.require_writable()
+        verdict = engine.check_node(max_ranks)
+        store.add_node_verdict(hardware, engine.name, verdict)
+    return hardware, verdict
 
 
 def calibrate_host(

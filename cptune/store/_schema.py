@@ -140,3 +140,19 @@ class CalibrationRow(Base):
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+
+
+class NodeCheckRow(Base):
+    """What a node's probes found (``cptune doctor``, or a search's first run there): one
+    verdict per hardware and engine, the latest replacing the one before."""
+
+    __tablename__ = "node_checks"
+    __table_args__ = (UniqueConstraint("hardware_id", "engine", name="uq_node_check_hardware_engine"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    engine: Mapped[str] = mapped_column(String(32))
+    #: ``NodeVerdict.to_dict()``: plain JSON, read back with ``NodeVerdict.from_dict``.
+    verdict: Mapped[dict] = mapped_column(JSON)
+    cptune_version: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -29,11 +29,19 @@ from sqlalchemy.orm import Session
 from cptune._shipped import shipped
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
+from cptune.engines import NodeVerdict
 from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
 from cptune.store._result import STATUSES, Result
-from cptune.store._schema import VERSION_TABLE, CalibrationRow, HardwareRow, MeasurementRow, WorkloadRow
+from cptune.store._schema import (
+    VERSION_TABLE,
+    CalibrationRow,
+    HardwareRow,
+    MeasurementRow,
+    NodeCheckRow,
+    WorkloadRow,
+)
 from cptune.store._urls import (
     database_url,
     display_url,
@@ -325,6 +333,45 @@ class Store:
             raise StoreError(
                 f"the stored calibration of {fingerprint} in {self.url} is damaged ({exc!r}); "
                 f"run cptune calibrate again to store a fresh one"
+            ) from None
+
+    def add_node_verdict(self, hardware: Hardware, engine: str, verdict: NodeVerdict) -> None:
+        """Keep what ``engine``'s probes found on ``hardware`` (``Engine.check_node``),
+        replacing the verdict kept before for the two. Two writers at once: the later insert
+        fails on the unique pair inside a savepoint and replaces the other's instead."""
+        with self.session() as session:
+            hardware_id = self._hardware_row(session, hardware).id
+            query = select(NodeCheckRow).filter_by(hardware_id=hardware_id, engine=engine)
+            fields = {"verdict": verdict.to_dict(), "cptune_version": __version__,
+                      "created_at": datetime.now(UTC)}
+            row = session.scalar(query)
+            if row is None:
+                try:
+                    with session.begin_nested():
+                        session.add(NodeCheckRow(hardware_id=hardware_id, engine=engine, **fields))
+                    return
+                except IntegrityError:
+                    row = session.scalar(query)
+                    assert row is not None
+            for key, value in fields.items():
+                setattr(row, key, value)
+
+    def node_verdict(self, fingerprint: str, engine: str) -> NodeVerdict | None:
+        """What ``engine``'s probes last found on the hardware with ``fingerprint``, if they ran."""
+        query = (
+            select(NodeCheckRow.verdict).join(HardwareRow, NodeCheckRow.hardware_id == HardwareRow.id)
+            .where(HardwareRow.fingerprint == fingerprint, NodeCheckRow.engine == engine)
+        )
+        with self.session() as session:
+            data = session.scalar(query)
+        if data is None:
+            return None
+        try:
+            return NodeVerdict.from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(
+                f"the stored node check of {fingerprint} ({engine}) in {self.url} is damaged ({exc!r}); "
+                f"run cptune doctor --backend {engine} --db ... again to store a fresh one"
             ) from None
 
     def hardware(self) -> dict[str, Hardware]:
