@@ -1,10 +1,13 @@
 """benchmarks/reproducibility.py on two small constructed databases: today's newest-wins
-figures beside the verdict-based ones."""
+figures beside the verdict-based ones; benchmarks/gpu_tensorrt_stack.py where there is no GPU."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,22 @@ def test_a_missing_database_is_one_line_and_exit_2(runs, tmp_path, capsys):
     assert err.count("\n") == 1 and "absent.db" in err
     assert reproducibility.main(["--first", runs[0], "--second", runs[1], "--hardware", "nothing"]) == 2
     assert "no workload" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_gpu_stack_check_says_why_each_check_cannot_run_without_a_gpu(tmp_path):
+    """The prepared GPU-node check runs anywhere: here, no GPU, every check ends with its
+    reason and the doctor's one line, none hangs."""
+    out = tmp_path / "stack.txt"
+    done = subprocess.run([sys.executable, "benchmarks/gpu_tensorrt_stack.py", "--timeout", "120",
+                           "--out", str(out)], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    report = out.read_text()
+    sections = report.split("\n## ")[1:]
+    names = ["nccl_bare_name", "nccl_load_order", "nccl4py_communicators", "cuda_runtime_path", "preflight"]
+    assert [s.splitlines()[0] for s in sections] == names
+    assert all(len(s.strip().splitlines()) > 1 for s in sections)  # each said something
+    assert "did not finish" not in report
+    if shutil.which("nvidia-smi") is None:
+        assert "cptune doctor: exit 2" in report and "needs NVIDIA GPUs" in report
