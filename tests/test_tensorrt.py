@@ -25,7 +25,7 @@ from conftest import processes_left
 from cptune import CPConfig, EngineError, Workload
 from cptune.calibration import calibrate
 from cptune.cli import main
-from cptune.engines import PROBES, BackendUnavailableError, NodeVerdict, ProbeResult
+from cptune.engines import PROBES, UNTRIED, BackendUnavailableError, NodeVerdict, ProbeResult
 from cptune.engines.onnx import _calibration as graphs
 from cptune.engines.onnx import collective_attributes, rank_graph
 from cptune.engines.tensorrt import NodeProbe, TensorRTEngine, preflight, probe_node
@@ -781,3 +781,43 @@ def test_a_verdict_refuses_what_the_node_cannot_run():
     no_fp32 = NodeVerdict(4, (ProbeResult.judged("attention_fp32", False, "build failed"),))
     assert "attention in fp32" in no_fp32.refuses(Workload(64, 4, 8, dtype="fp32"), pure)
     assert NodeVerdict.from_dict(broken.to_dict()) == broken
+
+
+@pytest.mark.slow
+def test_calibration_needs_no_subgroups_of_tensorrt(faulty, monkeypatch):
+    """Where TensorRT ignores the groups a node names (pytorch/TensorRT#4380), calibration in
+    groups smaller than the ranks still times the right collective: each group's graph runs
+    on a communicator of that group alone, and its values are checked before it is timed."""
+    engine = faulty("subgroups_ignored")
+    for kind in ("all_to_all", "all_gather", "broadcast"):
+        seconds = engine.time_collective(kind, 4, 2, [1024, 4096], 0, 2, timeout=120)
+        assert seconds.shape == (2, 2) and np.all(seconds > 0)
+
+
+@pytest.mark.slow
+def test_the_doctor_command_prints_the_table_and_exits_by_the_verdict(faulty, monkeypatch, capsys):
+    """``cptune doctor`` as a user runs it, on four stand-in GPUs: healthy (exit 0), then on
+    a node that ignores subgroups (exit 1, the failed probes and what cptune does)."""
+    from cptune.engines import _engines
+
+    answers = {("topo", "-m"): TOPO_NVLINK, ("-q",): SMI_HEADER}  # the fingerprint's driver facts
+    monkeypatch.setattr("cptune.hardware._host._nvidia_smi", lambda *arguments: answers[arguments])
+    monkeypatch.setitem(_engines, "tensorrt", faulty())
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["doctor", "--max-ranks", "4"]) == 0
+    healthy = capsys.readouterr().out
+    assert all(probe in healthy for probe in PROBES) and "healthy" in healthy and "FAILED" not in healthy
+    monkeypatch.setitem(_engines, "tensorrt", faulty("subgroups_ignored"))
+    assert main(["doctor", "--max-ranks", "4"]) == 1
+    unhealthy = capsys.readouterr().out
+    assert "FAILED" in unhealthy and "hybrids" in unhealthy and "child communicator" in unhealthy
+
+
+@pytest.mark.slow
+def test_probes_two_gpus_cannot_ask_say_so(stand_in_engine):
+    """On 2 GPUs there are no two subgroups of 2: that probe passes as "not tried", and the
+    others run (a root read either way is still told apart by the reversed group)."""
+    verdict = stand_in_engine.check_node(2)
+    untried = {r.probe for r in verdict.results if r.answer == UNTRIED}
+    assert untried == {"subgroups"} and verdict.healthy
+    assert verdict.result("broadcast_root").answer == "global"

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cptune.cli._common import positive, say, table
-from cptune.engines import ENGINES, PROBES, NodeVerdict
+from cptune.engines import ENGINES, PROBES, UNTRIED, NodeVerdict
 
 #: Exit code of a doctor that ran and found a probe failing.
 UNHEALTHY = 1
@@ -59,7 +59,10 @@ def verdict_table(verdict: NodeVerdict, where: str) -> Table:
     shown.add_column("what was seen")
     shown.add_column("what cptune does")
     for result in verdict.results:
-        outcome = Text("ok", style="green") if result.ok else Text("FAILED", style="bold red")
+        if result.answer == UNTRIED:
+            outcome = Text("not tried", style="dim")
+        else:
+            outcome = Text("ok", style="green") if result.ok else Text("FAILED", style="bold red")
         shown.add_row(result.probe, outcome, Text(result.seen), Text(result.action or "-"))
     return shown
 

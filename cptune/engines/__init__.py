@@ -28,7 +28,7 @@ import numpy as np
 
 from cptune.config import CPConfig
 from cptune.cost import collectives_with
-from cptune.engines._verdict import PROBES, NodeVerdict, ProbeResult
+from cptune.engines._verdict import PROBES, UNTRIED, NodeVerdict, ProbeResult
 from cptune.errors import CPTuneError
 from cptune.kernels import check_kernel
 from cptune.workload import Workload
@@ -246,6 +246,7 @@ __all__ = [
     "NodeVerdict",
     "PROBES",
     "ProbeResult",
+    "UNTRIED",
     "UntimedEngineError",
     "close_engines",
     "engine_spec",

@@ -31,6 +31,9 @@ PROBES: dict[str, str] = {
 }
 
 
+#: The answer of a probe the node's GPUs are too few to ask (it passes: nothing that runs on
+#: them needs it).
+UNTRIED = "untried"
 #: What cptune does when a probe fails (per answer where the answers differ).
 ACTIONS: dict[str, str] = {
     "collectives": "every multi-GPU configuration is refused: its collectives would not run as written",

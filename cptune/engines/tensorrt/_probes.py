@@ -17,6 +17,7 @@ from mpi4py import MPI
 from onnx import TensorProto, helper
 
 from cptune.config import CPConfig
+from cptune.engines import UNTRIED
 from cptune.engines.onnx import dist_collective, for_tensorrt, tensorrt_rank_graph
 from cptune.engines.onnx._calibration import (
     COLLECTIVE_DTYPE,
@@ -70,7 +71,8 @@ def subgroups(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
     communicator of all ranks: how a hybrid's graphs are written."""
     n = comm.Get_size()
     if n < 4:
-        return _answer(True, f"not tried: two groups of 2 need 4 GPUs, {n} here (hybrids need 4 too)")
+        return _answer(True, f"not tried: two groups of 2 need 4 GPUs, {n} here (hybrids need 4 too)",
+                       UNTRIED)
     half = n // 2
     wrong = [problem for kind in KINDS if (problem := _checked(
         rank, comm, {"collective": kind, "group": half},
@@ -84,7 +86,7 @@ def broadcast_root(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
     if it is read as an index into ``groups``."""
     n = comm.Get_size()
     if n < 2:
-        return _answer(True, "not tried: needs 2 GPUs")
+        return _answer(True, "not tried: needs 2 GPUs", UNTRIED)
     node = dist_collective("x", "y", "broadcast", groups=list(range(n))[::-1], nb_rank=n, root=0,
                            name="collective")
     shape = [PROBE_BYTES // 2]
@@ -123,7 +125,7 @@ def standalone(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
     layers of their own, or only behind a Cast boundary, or not at all?"""
     n = comm.Get_size()
     if n < 2:
-        return _answer(True, "not tried: one GPU has no collectives")
+        return _answer(True, "not tried: one GPU has no collectives", UNTRIED)
     workload = Workload(seq_len=128 * n, heads=2 * n, head_dim=64, dtype="bf16", causal=True)
     config = CPConfig("ulysses", n)
     try:

@@ -7,7 +7,8 @@ Only what cptune calls exists. It behaves as TensorRT is documented or reported 
   and no fused fp32 kernel exists, so such a build fails;
 - TensorRT finds NCCL by bare name when its runtime starts: unless nccl4py's copy was
   loaded first, it has another, and ``set_communicator`` with nccl4py's fails;
-- ``set_communicator`` blocks holding the GIL until the communicator's ranks all call it.
+- ``set_communicator`` blocks holding the GIL until the communicator's ranks all call it;
+  a communicator serves one execution context (cptune gives each its own).
 
 ``FAKE_TENSORRT_FAULT`` (comma-separated) fakes what a real node may do wrong:
 "subgroups_ignored" (groups named in a node are ignored for the communicator's first
@@ -237,6 +238,9 @@ class IExecutionContext:
         pointer = ctypes.pythonapi.PyCapsule_GetPointer
         pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
         communicator = nccl.LIVE[pointer(capsule, b"ncclComm_t")]
+        if getattr(communicator, "context", None) is not None:
+            raise RuntimeError("this NCCL communicator already serves another execution context")
+        communicator.context = self
         if self.nccl_copy != "nccl4py's":
             raise RuntimeError(f"the communicator comes from nccl4py's libnccl, TensorRT loaded "
                                f"{self.nccl_copy}")
