@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy import Engine, Select, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
@@ -133,6 +133,7 @@ def _migrate(engine: Engine, url: str) -> None:
 
 
 Row = TypeVar("Row", HardwareRow, WorkloadRow)
+T = TypeVar("T")
 
 
 def _get_or_add(session: Session, model: type[Row], key: dict[str, object], **rest: object) -> Row:
@@ -323,17 +324,8 @@ class Store:
             select(CalibrationRow.data).join(HardwareRow, CalibrationRow.hardware_id == HardwareRow.id)
             .where(HardwareRow.fingerprint == fingerprint).order_by(CalibrationRow.id.desc()).limit(1)
         )
-        with self.session() as session:
-            data = session.scalar(query)
-        if data is None:
-            return None
-        try:
-            return Calibration.from_dict(data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(
-                f"the stored calibration of {fingerprint} in {self.url} is damaged ({exc!r}); "
-                f"run cptune calibrate again to store a fresh one"
-            ) from None
+        return self._parsed(query, Calibration.from_dict, f"calibration of {fingerprint}",
+                            "run cptune calibrate again to store a fresh one")
 
     def add_node_verdict(self, hardware: Hardware, engine: str, verdict: NodeVerdict) -> None:
         """Keep what ``engine``'s probes found on ``hardware`` (``Engine.check_node``),
@@ -362,17 +354,20 @@ class Store:
             select(NodeCheckRow.verdict).join(HardwareRow, NodeCheckRow.hardware_id == HardwareRow.id)
             .where(HardwareRow.fingerprint == fingerprint, NodeCheckRow.engine == engine)
         )
+        return self._parsed(query, NodeVerdict.from_dict, f"node check of {fingerprint} ({engine})",
+                            f"run cptune doctor --backend {engine} --db ... again to store a fresh one")
+
+    def _parsed(self, query: Select, parse: Callable[[dict], T], what: str, fix: str) -> T | None:
+        """The JSON ``query`` finds, as ``parse`` reads it; None when nothing is stored, a
+        ``StoreError`` naming ``what`` was damaged and the ``fix`` when it cannot be read."""
         with self.session() as session:
             data = session.scalar(query)
         if data is None:
             return None
         try:
-            return NodeVerdict.from_dict(data)
+            return parse(data)
         except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(
-                f"the stored node check of {fingerprint} ({engine}) in {self.url} is damaged ({exc!r}); "
-                f"run cptune doctor --backend {engine} --db ... again to store a fresh one"
-            ) from None
+            raise StoreError(f"the stored {what} in {self.url} is damaged ({exc!r}); {fix}") from None
 
     def hardware(self) -> dict[str, Hardware]:
         """Every hardware with something stored, by fingerprint."""
