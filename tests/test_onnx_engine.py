@@ -79,6 +79,27 @@ def test_16_bit_graphs_stay_within_their_tolerance(engine, dtype, config, causal
     check(engine, workload, config)
 
 
+@pytest.mark.parametrize(
+    "config", [CPConfig("ring", 4, 2), CPConfig("ulysses", 4), CPConfig("allgather_kv", 2)],
+    ids=lambda c: f"{c.label}-{c.ranks}",
+)
+@pytest.mark.slow
+def test_graphs_behind_the_cast_boundary_compute_the_same(engine, monkeypatch, config):
+    """What the TensorRT rank builds where a collective was fused away: a float32 Cast on each
+    side of every 16-bit collective, the collective in float32; the outputs still match."""
+    from cptune.engines.onnx import _engine as onnx_engine
+
+    def boundary(wl, c, r):
+        model, feeds = tensorrt_rank_graph(wl, c, r, cast_boundary=True)
+        collectives = [n for n in model.graph.node if n.op_type == "DistCollective"]
+        casts = {n.output[0] for n in model.graph.node if n.op_type == "Cast"}
+        assert all(n.input[0] in casts for n in collectives)  # each behind its own Cast
+        return model, feeds
+
+    monkeypatch.setattr(onnx_engine, "tensorrt_rank_graph", boundary)
+    check(engine, Workload(37, 12, 16, kv_heads=4, causal=True, dtype="bf16"), config)
+
+
 @pytest.mark.slow
 def test_a_wrong_graph_is_caught_by_the_reference(engine, monkeypatch):
     """The check has teeth: graphs whose causal mask is dropped on the ranks' side compute

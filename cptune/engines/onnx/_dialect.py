@@ -15,23 +15,26 @@ Attributes, all written on every node (the importer has no defaults for them):
 - ``reduce_op``: one of ``REDUCE_OPS``; "none" exactly for the non-reducing operations, as
   TensorRT 11's operator page requires ("For ALL_GATHER, BROADCAST, ALL_TO_ALL, GATHER, and
   SCATTER, reduce_op must be NONE"; Polygraphy's shard.py writes "sum" on its all_gathers).
-- ``root``: -1 for rootless operations; for broadcast/reduce/gather/scatter the root's
-  **global** rank (a rank of the whole world, one of ``groups`` when groups are given).
-  Sources: the operator page (docs.nvidia.com/deeplearning/tensorrt/11.0.0/_static/
-  operators/DistCollective.html) calls ``root`` "the root rank" and ``groups`` an "array of
-  rank IDs defining a communication group", one rank space for both; the 11.4 Python
-  bindings describe ``groups`` as ordered, "its order defines the group-local rank, used to
-  remap root", i.e. TensorRT turns the given root into its index in ``groups``, as NCCL's
-  split communicators need. Neither says it in so many words, and onnx-tensorrt's 11.x
-  importer source (onnxOpImporters.cpp) was not among the sources reachable here; no
-  public example builds a grouped rooted collective. So this reading is unverified on a
-  GPU; it is decided here and only here (``dist_collective``), so correcting it is one
-  line, and the onnx engine executes it the same way (``_onnx_rank``).
-- ``groups`` (INTS): the ordered global ranks taking part; empty means all ranks. Always
-  written, as INTS even when empty (``make_node`` cannot type an empty list).
+- ``root``: -1 for rootless operations; for broadcast/reduce/gather/scatter a rank of the
+  communicator the graph runs on. With ``groups`` empty (every rank of that communicator takes
+  part: how cptune writes a graph whose collectives run in one group, on a communicator of
+  that group alone) it is plainly the root's rank there. With ``groups`` given (a hybrid's
+  graphs, on one communicator of all ranks) cptune writes the root's **global** rank, one of
+  ``groups``. Sources: the operator page (docs.nvidia.com/deeplearning/tensorrt/11.0.0/
+  _static/operators/DistCollective.html) calls ``root`` "the root rank" and ``groups`` an
+  "array of rank IDs defining a communication group", one rank space for both; the 11.4
+  Python bindings describe ``groups`` as ordered, "its order defines the group-local rank,
+  used to remap root", i.e. TensorRT turns the given root into its index in ``groups``.
+  Neither says it in so many words and no public example builds a grouped rooted
+  collective, so that reading is unverified on a GPU: ``cptune doctor``'s broadcast_root
+  probe asks the node, and where it reads otherwise the hybrids are refused. The onnx engine
+  executes the reading written here (``_rank``).
+- ``groups`` (INTS): the ordered ranks taking part; empty means every rank of the
+  communicator. Always written, as INTS even when empty (``make_node`` cannot type an empty
+  list).
 - ``group_size``: ``len(groups)`` (0 when empty).
 - ``nb_rank``: how many ranks take part (``len(groups)`` when groups are given, else the
-  world size); sets the output shape.
+  communicator's size); sets the output shape.
 """
 
 from __future__ import annotations
