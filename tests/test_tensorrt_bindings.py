@@ -293,12 +293,16 @@ def make_tensorrt_importable(site: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def bindings(pytestconfig: pytest.Config) -> Path:
+def bindings(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the published bindings unpacked and importable (see the module
-    docstring), made once per Python and machine in pytest's cache."""
+    docstring), made once per Python and machine in pytest's cache (in this session's
+    temporary directory where the cache is off: ``-p no:cacheprovider``)."""
     if sys.platform != "linux":
         pytest.skip("the published GPU bindings are Linux wheels")
-    cache = pytestconfig.cache.mkdir("published-gpu-bindings")  # type: ignore[union-attr]
+    if (store := getattr(pytestconfig, "cache", None)) is not None:
+        cache = store.mkdir("published-gpu-bindings")
+    else:
+        cache = tmp_path_factory.mktemp("published-gpu-bindings")
     key = repr((WHEELS, sys.implementation.cache_tag, platform.machine()))
     site = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
     if site.is_dir():
