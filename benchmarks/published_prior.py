@@ -14,6 +14,14 @@ and always-USP-2 (u = 2).
 and at the high end of its range (the others at their values): how much the picks depend on
 any single figure.
 
+``--confidence`` scores how sure cptune says it is, as ``recommend`` says it
+(``cptune.model.prior_ties``, among the published configurations): a pick called without a
+tie must be right (within 2% of the published best); a reported tie must hold the published
+best. Per machine (a development-set source) and overall: picks called clearly and how many of
+them were right, ties reported and how many held the best, and the mean size of a tie (the
+pick included). No constant of the prior is fitted on these tables, so scoring each machine's
+cases is already leaving that machine out.
+
 Only the prior is scored (no database, no measurement): these are machines nobody here ran on.
 """
 
@@ -30,7 +38,7 @@ from scipy.stats import spearmanr
 
 from cptune.config import CPConfig
 from cptune.hardware import load_description
-from cptune.model import DescribedProfile, prior_time
+from cptune.model import DescribedProfile, prior_ties, prior_time
 from cptune.workload import Workload
 
 DEFAULT_FILES = sorted((Path(__file__).parent / "published").glob("*.toml"))
@@ -55,6 +63,11 @@ def config_for(ranks: int, ulysses: int) -> CPConfig:
     if ulysses == ranks:
         return CPConfig("ulysses", ranks)
     return CPConfig("ring", ranks, ulysses)
+
+
+def ulysses_degree(config: CPConfig) -> int:
+    """The inverse of ``config_for``."""
+    return config.ranks if config.strategy == "ulysses" else config.head_group
 
 
 def load_cases(path: Path) -> list[Case]:
@@ -127,6 +140,46 @@ def score(cases: list[Case], changed: Change | None = None) -> dict[str, object]
     return {"cases": rows, "summary": summary}
 
 
+#: A pick within this factor of the published best counts as right.
+RIGHT_WITHIN = 1.02
+
+
+def confidence(cases: list[Case]) -> dict[str, dict[str, float]]:
+    """Per machine and overall: how often a clear pick was right and a tie held the best."""
+    counts: dict[str, dict[str, float]] = {}
+    for case in cases:
+        chosen, predicted = picks(case)
+        pick = chosen["cptune"]
+        others = [config_for(case.ranks, u) for u in case.latency_ms if u != pick]
+        profile = DescribedProfile(load_description(case.hardware))
+        ties = prior_ties(case.workload, config_for(case.ranks, pick), others, profile)
+        tied = {pick} | {ulysses_degree(t.other) for t in ties}
+        best = min(case.latency_ms, key=case.latency_ms.__getitem__)
+        for key in (case.hardware, "all"):
+            c = counts.setdefault(key, dict.fromkeys(
+                ("cases", "clear", "clear_right", "tied", "tie_holds_best", "tie_size"), 0))
+            c["cases"] += 1
+            if len(tied) == 1:
+                c["clear"] += 1
+                c["clear_right"] += case.latency_ms[pick] <= RIGHT_WITHIN * case.latency_ms[best]
+            else:
+                c["tied"] += 1
+                c["tie_holds_best"] += best in tied
+                c["tie_size"] += len(tied)
+    for c in counts.values():
+        c["tie_size"] = c["tie_size"] / c["tied"] if c["tied"] else 0.0
+    return counts
+
+
+def render_confidence(counts: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'machine':12} {'cases':>5} {'clear':>5} {'right':>5} {'tied':>5} {'holds best':>10} "
+             f"{'mean tie size':>13}"]
+    for name, c in sorted(counts.items(), key=lambda item: item[0] == "all"):
+        lines.append(f"{name:12} {c['cases']:5d} {c['clear']:5d} {c['clear_right']:5d} {c['tied']:5d} "
+                     f"{c['tie_holds_best']:10d} {c['tie_size']:13.2f}")
+    return "\n".join(lines)
+
+
 def sensitivity(cases: list[Case]) -> list[dict[str, object]]:
     """cptune's median and worst regret with each uncertain figure at either end of its range."""
     rows = []
@@ -168,6 +221,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the full result as JSON here")
     parser.add_argument("--sensitivity", action="store_true",
                         help="rescore with each figure at either end of its range")
+    parser.add_argument("--confidence", action="store_true",
+                        help="score how sure cptune says it is: clear picks right, ties holding the best")
     args = parser.parse_args()
     cases = [case for path in args.files for case in load_cases(path)]
     result = score(cases)
@@ -178,6 +233,10 @@ def main() -> None:
         for row in result["sensitivity"]:
             print(f"{row['hardware']:12} {row['figure'] + ' ' + row['end']:48} "
                   f"{row['median_regret']:7.3f} {row['worst_regret']:7.3f}")
+    if args.confidence:
+        result["confidence"] = confidence(cases)
+        print("\nhow sure cptune says it is (a clear pick is right within 2% of the published best):")
+        print(render_confidence(result["confidence"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -50,3 +50,25 @@ def test_rules_pick_their_degree_and_regret_is_relative_to_the_published_best():
     for rule, regret in row["regret"].items():
         assert regret == pytest.approx(CASES[0].latency_ms[row["picks"][rule]] / best)
         assert regret >= 1.0
+
+
+def test_confidence_counts_each_case_once_as_clear_or_tied_with_recommends_ties():
+    """The confidence score sees what recommend would say: a case's pick is tied exactly with
+    the published configurations ``prior_ties`` names, and every case is clear or tied."""
+    from cptune.hardware import load_description
+    from cptune.model import DescribedProfile, prior_ties
+
+    counts = published_prior.confidence(CASES)
+    total = counts["all"]
+    assert total["cases"] == len(CASES) == total["clear"] + total["tied"]
+    assert total["clear_right"] <= total["clear"] and total["tie_holds_best"] <= total["tied"]
+    assert sum(c["cases"] for name, c in counts.items() if name != "all") == len(CASES)
+    tied_cases = 0
+    for case in CASES:
+        chosen, _ = published_prior.picks(case)
+        pick = published_prior.config_for(case.ranks, chosen["cptune"])
+        others = [published_prior.config_for(case.ranks, u) for u in case.latency_ms if u != chosen["cptune"]]
+        ties = prior_ties(case.workload, pick, others, DescribedProfile(load_description(case.hardware)))
+        tied_cases += bool(ties)
+        assert {published_prior.ulysses_degree(t.other) for t in ties} <= set(case.latency_ms)
+    assert tied_cases == total["tied"]

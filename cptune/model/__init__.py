@@ -18,7 +18,14 @@ from cptune.model._evaluation import (
     held_out_predictions,
     load_training,
 )
-from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, computed_flops, prior_time
+from cptune.model._prior import (
+    CalibratedProfile,
+    DescribedProfile,
+    Profile,
+    computed_flops,
+    prior_ties,
+    prior_time,
+)
 from cptune.model._recommend import (
     Candidate,
     Recommendation,
@@ -50,6 +57,7 @@ __all__ = [
     "load_training",
     "predict_for",
     "predicted",
+    "prior_ties",
     "prior_time",
     "recommend",
     "training_set",

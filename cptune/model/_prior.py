@@ -35,6 +35,7 @@ ranks, hardware that is only calibrated or only described.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -394,3 +395,25 @@ def decide(pick_s: float, pick: tuple[FigureSwing, ...], other_s: float,
         return None
     (figure, end), _ = min(moves.items(), key=lambda item: item[1])
     return Tie(other_config, figure, end)
+
+
+def prior_ties(
+    workload: Workload, pick: CPConfig, others: Sequence[CPConfig], profile: Profile
+) -> tuple[Tie, ...]:
+    """The configurations of ``others`` whose order against ``pick`` the description's figure
+    ranges do not settle, by the prior alone (none on a calibrated host: its rates carry no
+    ranges). Only those whose range reaches the pick's are examined. What ``recommend`` reports
+    as tied with a prior-only pick, and what the published-benchmark check scores."""
+    pick_swings = figure_swings(workload, pick, profile)
+    if not pick_swings:
+        return ()
+    pick_s = prior_time(workload, pick, profile).total_s
+    pick_high = prior_range(pick_s, pick_swings)[1]
+    ties = []
+    for config in others:
+        other_s = prior_time(workload, config, profile).total_s
+        swings = figure_swings(workload, config, profile)
+        reaches = prior_range(other_s, swings)[0] <= pick_high
+        if reaches and (tie := decide(pick_s, pick_swings, other_s, swings, config)) is not None:
+            ties.append(tie)
+    return tuple(ties)

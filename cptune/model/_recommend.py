@@ -40,7 +40,7 @@ from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
 from cptune.model._evaluation import CorrectionDecision, fit_advised
-from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, Tie, decide, figure_swings
+from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, Tie, prior_ties
 from cptune.store import Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
@@ -347,21 +347,12 @@ def recommend(
 
 def _ties(workload: Workload, profile: Profile, candidates: list[Candidate]) -> tuple[Tie, ...]:
     """The prior-only alternatives whose order against a prior-only pick the figures' ranges
-    do not settle (only those whose interval reaches the pick's are examined)."""
+    do not settle (``prior_ties``)."""
     best = candidates[0]
     if best.source != "prior":
         return ()
-    pick = figure_swings(workload, best.config, profile)
-    if not pick:
-        return ()
-    ties = []
-    for other in candidates[1:]:
-        if other.source == "prior" and other.low_ms <= best.high_ms:
-            swings = figure_swings(workload, other.config, profile)
-            tie = decide(best.latency_ms / 1e3, pick, other.latency_ms / 1e3, swings, other.config)
-            if tie is not None:
-                ties.append(tie)
-    return tuple(ties)
+    others = [c.config for c in candidates[1:] if c.source == "prior"]
+    return prior_ties(workload, best.config, others, profile)
 
 
 def predict_for(
