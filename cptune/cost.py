@@ -97,7 +97,7 @@ def _visible_pairs(layout: SequenceLayout, group: int) -> int:
     return pairs
 
 
-@functools.lru_cache(maxsize=4096)  # pure; recommendations ask for the same pairs often (read-only result)
+@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
 def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
     made of ``stream`` (``STREAM_KINDS``; see ``AnalyticCost``: engines differ only there).

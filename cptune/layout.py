@@ -49,6 +49,7 @@ def context_group_members(rank: int, head_group: int, ranks: int) -> list[int]:
     return [rank_at(g, member, head_group) for g in range(ranks // head_group)]
 
 
+@functools.lru_cache(maxsize=4096)  # pure; the prior asks for every configuration's groups many times
 def rank_groups(config: CPConfig) -> tuple[Groups, Groups]:
     """(head groups, context groups) of ``config`` as global ranks, every group once."""
     u, n = config.head_group, config.ranks

@@ -355,3 +355,52 @@ def test_direct_construction_checks_the_structure():
     for bad in bad_fields:
         with pytest.raises(ValueError):
             HardwareDescription(**{**fields, **bad})
+
+
+def _exchange_flow_by_flow(machine, kind: str, groups) -> tuple[float, float]:
+    """The exchange as the description defines it, one flow at a time (what ``exchange``
+    computes with numpy): each rank's flows add up on its link, each domain's leaving flows
+    on its uplink; the slowest limits."""
+    order = machine.tiers
+    flows = []
+    for group in groups:
+        for i, src in enumerate(group):
+            if len(group) < 2:
+                continue
+            if kind == "all_to_all":
+                flows += [(src, dst, 1 / (len(group) - 1)) for dst in group if dst != src]
+            else:
+                flows.append((src, group[(i + 1) % len(group)], 1.0))
+    if not flows:
+        return 0.0, 0.0
+    per_rank, per_domain = {}, {}
+    for src, dst, share in flows:
+        tier = machine.between(src, dst)
+        per_rank[src] = per_rank.get(src, 0.0) + share / machine.bandwidth(tier, kind)
+        for index, level in enumerate(order):
+            network = level is machine.network_link
+            crossed = order.index(tier)
+            if level.has_uplink and (crossed >= index if network else crossed > index):
+                size = machine.ranks_per_node if network else level.ranks
+                key = (index, src // size)
+                per_domain[key] = per_domain.get(key, 0.0) + share / machine.uplink(level, kind)
+    outermost = max((machine.between(s, d) for s, d, _ in flows), key=order.index)
+    return machine.figure(f"{outermost.key}.latency_us"), max([*per_rank.values(), *per_domain.values()])
+
+
+@pytest.mark.parametrize("name", ["l20-pcie-8", "h100-sxm-2x8-ib", "a100-sxm-8"])
+def test_exchange_equals_the_flow_by_flow_definition(name):
+    """Every configuration's groups on 1..all ranks, each collective kind: the vectorized
+    exchange is the per-flow definition (to rounding)."""
+    from cptune import CPConfig
+    from cptune.layout import rank_groups
+
+    machine = load_description(name)
+    for ranks in range(2, machine.max_ranks + 1):
+        for u in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+            heads, context = rank_groups(CPConfig("ring", ranks, u) if u < ranks else CPConfig("ulysses", ranks))
+            for kind, groups in (("all_to_all", heads), ("all_gather", context), ("p2p", context)):
+                expected = _exchange_flow_by_flow(machine, kind, groups)
+                assert machine.exchange(kind, groups) == pytest.approx(expected, rel=1e-12), (ranks, u, kind)
+    with pytest.raises(ValueError, match="rank must be an integer"):
+        machine.exchange("p2p", ((0, machine.max_ranks),))

@@ -69,6 +69,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cptune._toml import TableReader, TomlFileError, read_toml, show, suggest
 from cptune.cost import COLLECTIVES
 from cptune.workload import WIRE_DTYPES
@@ -294,32 +296,33 @@ class HardwareDescription:
         order = self.tiers
         return max((self.between(ranks[0], r) for r in ranks), key=order.index)
 
-    @functools.lru_cache(maxsize=1024)  # noqa: B019 - descriptions are few, immutable and hashable
+    @functools.cached_property
+    def topology(self) -> Topology:
+        """The description's shape without its figures: what decides which links a flow crosses."""
+        tiers = self.tiers
+        network = len(tiers) - 1 if self.network_link is not None else None
+        uplinks = tuple(
+            (index, self.ranks_per_node if index == network else level.ranks, index == network)
+            for index, level in enumerate(tiers) if level.has_uplink
+        )
+        return Topology(self.ranks_per_node, self.max_ranks, tuple(d.ranks for d in self.domains),
+                        len(self.domains), network, uplinks)
+
     def exchange(self, kind: str, groups: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
         """(latency s, seconds per byte each rank sends) of collective ``kind`` run by all
         ``groups`` at once. Each flow moves at the bandwidth of the outermost tier it crosses;
         a rank's flows share its link (their times add up), and everything one domain sends
-        out of itself shares that domain's uplink: the slowest of these limits the exchange."""
-        flows = list(_flows(kind, groups))
-        if not flows:
+        out of itself shares that domain's uplink: the slowest of these limits the exchange.
+        Who sends how much over which tier (``traffic``) depends on the topology alone, so it is
+        worked out once per collective and layout, whatever the figures."""
+        load = traffic(self.topology, kind, groups)
+        if load is None:
             return 0.0, 0.0
-        order = self.tiers
-        outermost = max((self.between(src, dst) for src, dst, _ in flows), key=order.index)
-        per_rank: dict[int, float] = {}
-        per_domain: dict[tuple[str, int], float] = {}
-        for src, dst, share in flows:
-            tier = self.between(src, dst)
-            per_rank[src] = per_rank.get(src, 0.0) + share / self.bandwidth(tier, kind)
-            crossed = order.index(tier)
-            for index, level in enumerate(order):
-                # a domain's uplink carries what leaves it; the network's is the node's
-                network = level is self.network_link
-                if level.has_uplink and (crossed >= index if network else crossed > index):
-                    size = self.ranks_per_node if network else level.ranks
-                    domain = (level.key, src // size)
-                    per_domain[domain] = per_domain.get(domain, 0.0) + share / self.uplink(level, kind)
-        slowest = max([*per_rank.values(), *per_domain.values()])
-        return self.figure(f"{outermost.key}.latency_us"), slowest
+        tiers = self.tiers
+        per_byte = np.array([1.0 / self.bandwidth(tier, kind) for tier in tiers])
+        slowest = max([float((load.per_rank @ per_byte).max()),
+                       *(peak / self.uplink(tiers[index], kind) for index, peak in load.uplink_peaks)])
+        return self.figure(f"{tiers[load.outermost].key}.latency_us"), slowest
 
     def describe(self) -> str:
         """One line, e.g. "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"."""
@@ -333,17 +336,82 @@ class HardwareDescription:
         )
 
 
-def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> Iterable[tuple[int, int, float]]:
-    """(source, destination, share of the source's bytes) of every flow of ``kind``."""
+@dataclass(frozen=True)
+class Topology:
+    """Which tier a flow between two ranks crosses, and which tiers have uplinks: a
+    description less its figures. Tiers are numbered innermost first (domains, the node,
+    the network); ``uplinks`` holds (tier, ranks per domain of it, whether flows crossing the
+    tier itself use it - the network's - rather than only those crossing a tier above)."""
+
+    ranks_per_node: int
+    max_ranks: int
+    domain_ranks: tuple[int, ...]
+    node_tier: int
+    network_tier: int | None
+    uplinks: tuple[tuple[int, int, bool], ...]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one collective moves over a topology, per byte each rank sends: the outermost
+    tier any flow crosses; each distinct rank's share over each tier (rows: ranks with the
+    same shares once); and per tier with an uplink, the most any one domain sends through it."""
+
+    outermost: int
+    per_rank: np.ndarray
+    uplink_peaks: tuple[tuple[int, float], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def traffic(topology: Topology, kind: str, groups: tuple[tuple[int, ...], ...]) -> Traffic | None:
+    """The ``Traffic`` of collective ``kind`` run by all ``groups`` at once on ``topology``
+    (None when no group has two ranks): every flow at once with numpy, so a cluster's
+    thousands of ranks cost milliseconds, not a Python loop per flow."""
+    src, dst, share = _flows(kind, groups)
+    if src.size == 0:
+        return None
+    ranks = np.concatenate([src, dst])
+    if ranks.min() < 0 or ranks.max() >= topology.max_ranks:
+        bad = int(ranks.max() if ranks.max() >= topology.max_ranks else ranks.min())
+        raise ValueError(f"rank must be an integer in 0..{topology.max_ranks - 1}, got {bad}")
+    tier = np.full(src.size, topology.node_tier)
+    for index in reversed(range(len(topology.domain_ranks))):  # the innermost domain both share wins
+        size = topology.domain_ranks[index]
+        tier[src // size == dst // size] = index
+    if topology.network_tier is not None:
+        tier[src // topology.ranks_per_node != dst // topology.ranks_per_node] = topology.network_tier
+    tiers = topology.node_tier + 1 + (topology.network_tier is not None)
+    per_rank = np.bincount(src * tiers + tier, weights=share, minlength=topology.max_ranks * tiers)
+    peaks = []
+    for index, size, inclusive in topology.uplinks:
+        leaving = tier >= index if inclusive else tier > index
+        if leaving.any():
+            peaks.append((index, float(np.bincount(src[leaving] // size, weights=share[leaving]).max())))
+    rows = np.unique(per_rank.reshape(topology.max_ranks, tiers), axis=0)
+    return Traffic(int(tier.max()), rows, tuple(peaks))
+
+
+def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, destinations, share of the source's bytes) of every flow of ``kind``: an
+    all-to-all sends an equal share to every other member, the others one whole share to
+    the next member round the group."""
+    by_size: dict[int, list[tuple[int, ...]]] = {}
     for group in groups:
-        size = len(group)
-        if size < 2:
-            continue
-        for i, src in enumerate(group):
-            if kind in ALL_TO_ALL_KINDS:
-                yield from ((src, dst, 1.0 / (size - 1)) for dst in group if dst != src)
-            else:
-                yield src, group[(i + 1) % size], 1.0
+        if len(group) >= 2:
+            by_size.setdefault(len(group), []).append(group)
+    parts = []
+    for size, members in by_size.items():
+        block = np.asarray(members, dtype=np.int64)  # [groups, size]
+        if kind in ALL_TO_ALL_KINDS:
+            src = np.repeat(block, size, axis=1)  # each member once per member
+            dst = np.tile(block, (1, size))
+            keep = src != dst
+            parts.append((src[keep], dst[keep], np.full(int(keep.sum()), 1.0 / (size - 1))))
+        else:
+            parts.append((block.ravel(), np.roll(block, -1, axis=1).ravel(), np.ones(block.size)))
+    if not parts:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0)
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- loading
