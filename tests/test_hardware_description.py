@@ -398,7 +398,8 @@ def test_exchange_equals_the_flow_by_flow_definition(name):
     machine = load_description(name)
     for ranks in range(2, machine.max_ranks + 1):
         for u in [d for d in range(1, ranks + 1) if ranks % d == 0]:
-            heads, context = rank_groups(CPConfig("ring", ranks, u) if u < ranks else CPConfig("ulysses", ranks))
+            config = CPConfig("ring", ranks, u) if u < ranks else CPConfig("ulysses", ranks)
+            heads, context = rank_groups(config)
             for kind, groups in (("all_to_all", heads), ("all_gather", context), ("p2p", context)):
                 expected = _exchange_flow_by_flow(machine, kind, groups)
                 assert machine.exchange(kind, groups) == pytest.approx(expected, rel=1e-12), (ranks, u, kind)
