@@ -27,7 +27,7 @@ from conftest import CLI, cptune, make_calibration, measurement
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware
 from cptune.search import WorkloadSearch
-from cptune.store import VERSION_TABLE, Base, Store, database_url
+from cptune.store import VERSION_TABLE, Base, Store, StoreError, database_url
 
 SERVER = os.environ.get("CPTUNE_TEST_POSTGRES_URL")
 HARDWARE = Hardware(host="pg1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
@@ -225,3 +225,26 @@ def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp
     assert shown in html
     for text in [*outputs, plan.read_text(), html]:
         assert password not in text
+
+
+def test_another_programs_database_is_refused_and_a_schema_of_cptunes_own_shares_it(postgres_url, password):
+    """Another program's tables in the database's public schema: refused untouched, naming
+    the way to share it; with a schema of cptune's own first in the search_path, cptune's
+    tables and Optuna's live there, and theirs stay as they were."""
+    import psycopg
+
+    with psycopg.connect(postgres_url, autocommit=True) as connection:
+        connection.execute("CREATE TABLE customers (id integer)")
+        connection.execute("CREATE SCHEMA cptune")
+    with pytest.raises(StoreError, match=r"holds another program's tables \(customers\) and no cptune data.*"
+                                         r"CREATE SCHEMA cptune") as refused:
+        Store(postgres_url)
+    assert password not in str(refused.value)
+    with Store(f"{postgres_url}?options=-csearch_path%3Dcptune") as store:
+        store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
+        store.optuna_storage()
+    with psycopg.connect(postgres_url) as connection:
+        tables = connection.execute("SELECT table_schema, table_name FROM information_schema.tables "
+                                    "WHERE table_schema IN ('public', 'cptune')").fetchall()
+    assert ("public", "customers") in tables and ("cptune", "measurements") in tables
+    assert {schema for schema, name in tables if name != "customers"} == {"cptune"}

@@ -9,19 +9,33 @@ On PostgreSQL (``postgresql://``, psycopg 3) migrations run under an advisory lo
 that writers share (hardware, workloads) are added under a savepoint, so searches can share
 a database there too. Each measurement is committed on its own: an interrupted search loses
 at most the one in flight. A URL is shown only with its password hidden (``display_url``).
+
+A store never touches a database that is not cptune's: one that holds other tables and no
+cptune schema (no ``cptune_alembic_version``) is refused before anything is written, even
+the switch to WAL. Optuna's tables do not count (cptune keeps its studies beside its own
+tables); ``Store(db, share=True)`` opens such a database anyway and adds cptune's tables
+beside the others (on PostgreSQL, a schema of cptune's own in the URL's search_path keeps
+them apart without it). SQLite in memory is refused (it would keep nothing for the next
+command); a file opened read-only (``mode=ro``) or ``immutable=1`` stays out of WAL mode and
+can be read, not written. A path that cannot hold a database (a loop of symbolic links, a
+directory, a missing or read-only parent directory) is refused with what to do.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy import Engine, Select, create_engine, event, func, select
+from sqlalchemy import Connection, Engine, Select, create_engine, event, func, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
@@ -45,10 +59,12 @@ from cptune.store._schema import (
 from cptune.store._urls import (
     database_url,
     display_url,
-    missing_database,
+    in_memory,
     missing_driver_hint,
     passwords_in,
+    read_only,
     redact,
+    sqlite_file,
 )
 from cptune.version import __version__
 from cptune.workload import Workload
@@ -61,6 +77,15 @@ _BUSY_TIMEOUT_MS = 60_000
 _OPTUNA_ATTEMPTS = 3
 #: PostgreSQL advisory lock key held while migrating ("cptune" in ASCII).
 _MIGRATION_LOCK = 0x637074756E65
+#: The tables Optuna keeps (its models' and its Alembic version table): a database that
+#: holds only these is one cptune may open, as it keeps its own studies there too.
+OPTUNA_TABLES = frozenset({
+    "alembic_version", "studies", "study_directions", "study_system_attributes", "study_user_attributes",
+    "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
+    "trial_user_attributes", "trial_values", "trials", "version_info",
+})
+#: How many of another program's tables a refusal names.
+_NAMED_TABLES = 3
 
 
 class StoreError(CPTuneError):
@@ -93,16 +118,69 @@ def _sqlite_setup(engine: Engine) -> None:
 def _use_wal(cursor: sqlite3.Cursor) -> None:
     """Put the database in WAL mode (it stays so). The switch needs the file to itself and
     SQLite does not wait for that (no busy handler): a new file opened by two processes at
-    once has one of them creating tables while the other switches, so the switch is tried
-    again until the busy timeout rather than failing with "database is locked"."""
+    once has one of them creating tables while the other switches, so a switch refused as
+    "locked" is tried again until the busy timeout. A database that cannot be in WAL mode
+    answers the switch with the mode it keeps (in memory: "memory"; immutable: its own) or
+    as read-only: it is left as it is, to be read (a write is refused when it comes)."""
     deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
-    while cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+    if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+        return
+    while True:
         try:
             cursor.execute("PRAGMA journal_mode = WAL")
+            return
         except sqlite3.OperationalError as exc:
+            if "readonly" in str(exc):
+                return
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _foreign_tables(connection: Connection) -> list[str]:
+    """The tables and views of another program in the database ``connection`` opens, when it
+    holds no cptune schema; none when it is cptune's, empty, or holds only Optuna's."""
+    found = inspect(connection)
+    names = set(found.get_table_names()) | set(found.get_view_names())
+    return [] if VERSION_TABLE in names else sorted(names - OPTUNA_TABLES)
+
+
+def _some(names: list[str]) -> str:
+    """A few of ``names`` on one line, and how many more."""
+    shown = ", ".join(" ".join(name.split()) or repr(name) for name in names[:_NAMED_TABLES])
+    more = len(names) - _NAMED_TABLES
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _path_problem(path: Path, create: bool, opened_read_only: str | None) -> str | None:
+    """Why the SQLite file ``path`` cannot be opened (``create``: or made), as one line
+    with what to do; None when it can."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return (f"cannot open database {path}: it is a loop of symbolic links (one leads to another and "
+                    f"back), so there is no file there; fix or remove the links, or pass another --db")
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return f"cannot open database {path}: {exc.strerror}; pass another --db"
+        if not create or opened_read_only:
+            return (f"no database at {path}: check the path (--db or $CPTUNE_DB), or create one with "
+                    f"cptune search or cptune calibrate")
+        parent = path.absolute().parent
+        if not parent.is_dir():
+            blocker = next((p for p in (parent, *parent.parents) if p.exists() or p.is_symlink()), None)
+            if blocker is not None and not blocker.is_dir():
+                return (f"cannot create database {path}: {blocker} is a file, not a directory; "
+                        f"pass another --db")
+            return (f"cannot create database {path}: its directory {parent} does not exist; create it "
+                    f"(mkdir -p {parent}) or pass another --db")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return (f"cannot create database {path}: its directory {parent} is not writable; pass a --db "
+                    f"in a directory you can write to")
+        return None
+    if stat.S_ISDIR(mode):
+        return f"cannot use database {path}: it is a directory; pass a file path such as {path / 'cptune.db'}"
+    return None
 
 
 def _migrate(engine: Engine, url: str) -> None:
@@ -156,9 +234,11 @@ def _get_or_add(session: Session, model: type[Row], key: dict[str, object], **re
 class Store:
     """Opens (and migrates) the database at ``db``; see ``database_url``. With
     ``create=False`` (what reading commands use) a SQLite file that does not exist is
-    refused rather than created."""
+    refused rather than created. A database that holds other programs' tables and no cptune
+    schema is refused untouched unless ``share`` (cptune's tables are then added beside
+    theirs); one in memory is refused."""
 
-    def __init__(self, db: str | None = None, create: bool = True) -> None:
+    def __init__(self, db: str | None = None, create: bool = True, share: bool = False) -> None:
         url = database_url(db)
         #: The URL as it may be shown or written: its password lives only inside the engine.
         self.url = display_url(url)
@@ -166,7 +246,14 @@ class Store:
         usage = "pass a file path or a SQLAlchemy URL such as postgresql://user:password@host/database"
         try:
             backend = make_url(url).get_backend_name()
-            missing = missing_database(url)
+            if in_memory(url):
+                raise StoreError(f"cannot keep results in {self.url}: a database in memory is gone when the "
+                                 f"command ends, holding nothing for the next one; pass a file path such as "
+                                 f"--db cptune.db")
+            path = sqlite_file(url)
+            opened_read_only = read_only(url)
+            if path is not None and (problem := _path_problem(path, create, opened_read_only)):
+                raise StoreError(problem)
             self.engine = create_engine(url)
         except ImportError as exc:
             raise StoreError(f"cannot use database {self.url}: its driver {exc.name or exc} is not "
@@ -176,20 +263,36 @@ class Store:
         except ValueError:  # the text may hold pieces of a password the URL split wrongly
             raise StoreError(f"cannot use database {self.url}: the URL does not parse (a port that is not "
                              f"a number, or a password with @ : / not %-encoded?); {usage}") from None
-        if missing is not None and not create:
-            self.engine.dispose()
-            raise StoreError(f"no database at {missing}: check the path (--db or $CPTUNE_DB), or create "
-                             f"one with cptune search or cptune calibrate")
-        if backend == "sqlite":
-            _sqlite_setup(self.engine)
+        self._opened_read_only = opened_read_only
+        where = str(path) if path is not None else self.url
         try:
+            if not share:
+                with self.engine.connect() as connection:  # before the switch to WAL: it writes too
+                    if backend == "sqlite":  # another process may be creating the file's tables
+                        connection.exec_driver_sql(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+                    foreign = _foreign_tables(connection)
+                self.engine.dispose()  # later connections get the setup below
+                if foreign:
+                    elsewhere = ("another --db path (a new file is created there)" if backend == "sqlite" else
+                                 "another --db: a database of cptune's own, or a schema of its own (CREATE "
+                                 "SCHEMA cptune, then add ?options=-csearch_path%3Dcptune to the URL)")
+                    raise StoreError(
+                        f"database {where} holds another program's tables ({_some(foreign)}) and no cptune "
+                        f"data; cptune leaves it untouched: pass {elsewhere}"
+                    )
+            if backend == "sqlite":
+                _sqlite_setup(self.engine)
             _migrate(self.engine, self.url)
         except StoreError:
             self.engine.dispose()
             raise
         except DBAPIError as exc:
             self.engine.dispose()
-            fix = ("if the file is not a cptune database (or is damaged), move it away or pass another --db"
+            why_read_only = opened_read_only or "the file or its directory is read-only"
+            fix = (f"it can only be read here ({why_read_only}) and cptune must write to it first: open it "
+                   f"writable once, or pass another --db"
+                   if backend == "sqlite" and "readonly" in str(exc.orig) else
+                   "if the file is not a cptune database (or is damaged), move it away or pass another --db"
                    if backend == "sqlite" else
                    "check that the server is up, the URL's host, port, user, password and database name, "
                    "and that the user may create tables there")
@@ -213,9 +316,11 @@ class Store:
                 connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = version_num")
                 transaction.rollback()
         except DBAPIError as exc:
+            fix = (f"open it without {self._opened_read_only} in the URL" if self._opened_read_only else
+                   "make it writable")
             raise StoreError(
                 f"cannot write to database {self.url}: {self._explain(exc.orig)}. Nothing was changed; "
-                f"make it writable or pass another --db"
+                f"{fix} or pass another --db"
             ) from None
 
     def optuna_storage(self) -> RDBStorage:

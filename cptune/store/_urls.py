@@ -60,17 +60,60 @@ def database_url(db: str | None = None) -> str:
     if "://" in db:
         scheme, rest = db.split("://", 1)
         return f"{POSTGRES_DRIVER}://{rest}" if scheme in ("postgresql", "postgres") else db
-    return f"sqlite:///{Path(db).expanduser().resolve()}"
+    path = Path(db).expanduser()
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links: ``Store`` names it
+        path = Path(os.path.abspath(path))
+    return f"sqlite:///{path}"
+
+
+def _truthy(value: object) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def in_memory(url: str) -> bool:
+    """Whether a SQLite ``url`` keeps its database in memory (``sqlite://``,
+    ``sqlite:///:memory:``, ``mode=memory``): gone when the process ends."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return False
+    database = parsed.database or ""
+    uri = _truthy(parsed.query.get("uri"))
+    return database in ("", ":memory:") or (uri and (
+        parsed.query.get("mode") == "memory" or database.removeprefix("file:").startswith(":memory:")))
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite ``url`` opens (relative as given); None for another backend or a
+    database in memory. ``file:`` is read as a URI only with ``uri=true``, as SQLite does."""
+    if in_memory(url):
+        return None
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database or ""
+    if _truthy(parsed.query.get("uri")) and database.startswith("file:"):
+        database = unquote(database.removeprefix("file:"))
+        if database.startswith("//"):  # file:///path or file://localhost/path
+            database = "/" + database[2:].partition("/")[2]
+    return Path(database)
+
+
+def read_only(url: str) -> str | None:
+    """What in a SQLite ``url`` opens its file read-only (``immutable=1`` or ``mode=ro``), or None."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not _truthy(parsed.query.get("uri")) \
+            or not (parsed.database or "").startswith("file:"):
+        return None
+    if _truthy(parsed.query.get("immutable")):
+        return f"immutable={parsed.query['immutable']}"
+    return "mode=ro" if parsed.query.get("mode") == "ro" else None
 
 
 def missing_database(url: str) -> Path | None:
     """The file of a SQLite ``url`` when it does not exist (opening it would create it)."""
-    parsed = make_url(url)
-    database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:" \
-            or parsed.query.get("mode") == "memory":
-        return None
-    path = Path(database.removeprefix("file:"))
-    return None if path.exists() else path
+    path = sqlite_file(url)
+    return None if path is None or path.exists() else path
 
 
