@@ -25,7 +25,8 @@ Number = TypeVar("Number", int, float)
 DB_HELP = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
 MAX_RANKS_HELP = "largest rank count (default: this host's cores; its GPUs with a GPU backend)"
 HARDWARE_HELP = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
-                 "h200-sxm-8, a100-sxm-8, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) or a TOML file")
+                 "h200-sxm-8, a100-sxm-8, a100-pcie-4, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) "
+                 "or a TOML file")
 
 
 class UsageError(CPTuneError):
