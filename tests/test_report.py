@@ -21,6 +21,7 @@ from cptune.measurement import format_ms
 from cptune.report import ReportData, gather, text_tables, write_report
 from cptune.report._data import (
     Accuracy,
+    Breakdown,
     HardwareReport,
     LatencyPanel,
     LatencyPoint,
@@ -31,7 +32,19 @@ from cptune.report._data import (
     family,
     margin_text,
 )
-from cptune.report._figures import DPI, MAP_MAX_SIZE, accuracy_plot, latency_figure, strategy_map_figure
+from cptune.report._figures import (
+    DPI,
+    MAP_LABEL_PT,
+    MAP_MAX_SIZE,
+    STRATEGY_COLORS,
+    accuracy_plot,
+    breakdown_figure,
+    breakdown_plot,
+    latency_figure,
+    speedup_plot,
+    strategy_color,
+    strategy_map_figure,
+)
 from cptune.store import Store
 from cptune.workload import Workload
 
@@ -171,11 +184,16 @@ def test_speedup_and_efficiency_against_the_fastest_one_rank_run(data, stored):
     one = fastest(stored, 2048, 1).median_ms
     assert curve.one_rank_ms == one
     assert [p.ranks for p in curve.points] == [1, 2, 3, 4]
+    # this host's CPU ranks split its cores: one rank already computes on all of them as threads
+    cores = this_host().cpu_count
     for p in curve.points:
         best = fastest(stored, 2048, p.ranks)
         assert (p.label, p.latency_ms, p.measurement_ids) == (best.config.label, best.median_ms, best.ids)
         assert p.speedup == pytest.approx(one / best.median_ms)
-        assert p.efficiency == pytest.approx(one / best.median_ms / p.ranks)
+        used = min(cores, p.ranks * max(1, cores // p.ranks))  # each rank's cores // ranks threads
+        assert p.efficiency == pytest.approx(one / best.median_ms / (used / cores))
+        assert p.processors == used
+    assert curve.cores == cores and curve.baseline == f"1 rank using all {cores} cores"
     assert curve.points[0].speedup == 1.0 and curve.points[-1].speedup > 1.5
 
 
@@ -352,7 +370,7 @@ def test_an_empty_database_says_to_search_first(tmp_path):
 def test_cli_report_text_prints_tables_and_writes_nothing(cptune_here, db, tmp_path):
     done = cptune_here("report", "--db", db, "--text", "-o", tmp_path / "unused")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "fastest configuration" in done.stdout and "speedup over 1 rank" in done.stdout
+    assert "fastest configuration" in done.stdout and "speedup vs 1 rank using all" in done.stdout
     assert not (tmp_path / "unused").exists()
 
 
@@ -511,3 +529,236 @@ def test_each_hardware_names_the_engine_its_measurements_ran_on(data, written):
     assert all(h.description.endswith("(engine: mpi)") for h in data.hardware)
     page = next(path for path in written if path.name == "report.html")
     assert "(engine: mpi)" in page.read_text()
+
+
+# --------------------------------------------------------------------------- figures that must not mislead
+
+
+def spy_on(monkeypatch, method: str) -> list[tuple[tuple, dict, object]]:
+    """Every call of ``Axes.<method>`` the figures make: (args, kwargs, what it returned)."""
+    import cptune.report._figures as figures
+
+    calls: list[tuple[tuple, dict, object]] = []
+    original = getattr(figures.Axes, method)
+
+    def spy(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append((args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(figures.Axes, method, spy)
+    return calls
+
+
+def drawn_bars(calls) -> list[dict[str, float]]:
+    """The breakdown's bars, panel by panel (three parts each): each name's total length, ms."""
+    panels: list[dict[str, float]] = []
+    for i, (args, _, _) in enumerate(calls):
+        if i % 3 == 0:
+            panels.append({})
+        for name, width in zip(args[0], args[1], strict=True):
+            panels[-1][name] = panels[-1].get(name, 0.0) + width
+    return panels
+
+
+def breakdown_shape(*splits: tuple[str, int, float, float, float]) -> ShapeReport:
+    """A shape whose only data is the split of each (strategy, ranks, median, compute, comm) at 4096."""
+    rows = tuple(Breakdown(4096, CPConfig(strategy, n).label, n, median, compute, comm, 2**20, (i,))
+                 for i, (strategy, n, median, compute, comm) in enumerate(splits))
+    return dataclasses.replace(synthetic_shape((1, 2)), breakdown=rows)
+
+
+def test_a_breakdown_bar_is_never_longer_than_the_estimate_it_breaks_down(monkeypatch, data):
+    # compute and communication are medians of the slowest rank's figures, not always the same rank
+    # or iteration: they can add up to more than the call. The fastest configuration (ring, 1.0 ms)
+    # once drew the longest bar (1.3 ms).
+    shape = breakdown_shape(("ring", 2, 1.0, 0.9, 0.4), ("ulysses", 2, 1.2, 0.8, 0.2),
+                            ("ring", 1, 2.0, 1.9, 0.0))
+    calls = spy_on(monkeypatch, "barh")
+    breakdown_figure(HARDWARE, shape)
+    (drawn,) = drawn_bars(calls)
+    totals = {name.removesuffix(" *"): total for name, total in drawn.items()}
+    assert totals == pytest.approx({"ring x2": 1.0, "ulysses x2": 1.2, "local": 2.0})
+    assert totals["ring x2"] < totals["ulysses x2"]  # the fastest draws the shortest bar
+    assert set(drawn) == {"ring x2 *", "ulysses x2", "local"}  # the scaled one marked
+    fast = shape.breakdown[0]
+    assert fast.scaled and fast.bars() == pytest.approx((1.0 * 0.9 / 1.3, 1.0 * 0.4 / 1.3, 0.0))
+    # where they fit, as measured, the rest of the call after them
+    assert shape.breakdown[1].bars() == pytest.approx((0.8, 0.2, 0.2)) and not shape.breakdown[1].scaled
+    # the figure says so
+    figure = breakdown_plot(HARDWARE, shape)
+    (legend,) = figure.legends
+    assert "shares of it" in legend.get_title().get_text()
+
+    calls.clear()
+    hardware = data.hardware[0]
+    breakdown_figure(hardware, hardware.shapes[0])
+    panels = drawn_bars(calls)
+    assert len(panels) == len(LENGTHS)
+    for seq_len, totals in zip(LENGTHS, panels, strict=True):
+        medians = {(f"{b.label} x{b.ranks}" if b.ranks > 1 else b.label): b.median_ms
+                   for b in hardware.shapes[0].breakdown if b.seq_len == seq_len}
+        assert totals and set(totals) <= {*medians, *(f"{name} *" for name in medians)}
+        for name, total in totals.items():
+            assert total == pytest.approx(medians[name.removesuffix(" *")])
+
+
+def drawn_colors(monkeypatch, hardware, shape) -> dict[str, dict[str, set[str]]]:
+    """Each figure's colours of each strategy family: {figure: {family: colours}}."""
+    from matplotlib.colors import to_hex
+
+    errorbars, squares, bars = (spy_on(monkeypatch, m) for m in ("errorbar", "scatter", "barh"))
+    latency_figure(hardware, shape)
+    strategy_map_figure(hardware, shape)
+    breakdown_figure(hardware, shape)
+    seen: dict[str, dict[str, set[str]]] = {"latency": {}, "map": {}, "breakdown": {}}
+    for _, kwargs, _ in errorbars:
+        name = kwargs["label"].removesuffix(" (1 rank)")
+        seen["latency"].setdefault(name, set()).add(to_hex(kwargs["color"]))
+    grid = shape.map_grid()
+    for args, kwargs, _ in squares:
+        cell = grid[(args[0][0], shape.rank_counts[args[1][0]])]
+        face = kwargs["facecolors"]
+        color = to_hex(kwargs["edgecolors"] if isinstance(face, str) and face == "none" else face)
+        seen["map"].setdefault(family(CPConfig(*parse_label(cell.label))), set()).add(color)
+    for args, kwargs, _ in bars:
+        colors = kwargs["color"]
+        if isinstance(colors, list):  # a part drawn in each strategy's colour
+            for name, color in zip(args[0], colors, strict=True):
+                label = name.removesuffix(" *").split(" x")[0]
+                seen["breakdown"].setdefault(family(CPConfig(*parse_label(label))), set()).add(to_hex(color))
+    return seen
+
+
+def parse_label(label: str) -> tuple[str, int, int]:
+    """A configuration label back to (strategy, ranks, head group); "local" as ring on 1 rank,
+    a hybrid "ulysses2xring4" as ring on 8 ranks in groups of 2."""
+    if label == "local":
+        return "ring", 1, 1
+    if label in ("ring", "allgather_kv"):
+        return label, 2, 1
+    if label == "ulysses":
+        return "ulysses", 2, 2
+    match = re.fullmatch(r"ulysses(\d+)x([a-z_]+?)(\d+)", label)
+    assert match, label
+    group, degree = int(match.group(1)), int(match.group(3))
+    return match.group(2), group * degree, group
+
+
+def test_each_strategy_has_one_colour_in_every_figure_and_every_report(monkeypatch, data, two_hosts):
+    # two reports: this database (every strategy and hybrid) and another one with ring and ulysses
+    # only; colours were assigned in sorted order of what each figure held, so ring was orange in
+    # one and blue in the other, and the map coloured the 1-rank cell where the latency drew black
+    reports = [(data.hardware[0], data.hardware[0].shapes[0])]
+    other = gather(two_hosts, hardware=OTHER_HOST.fingerprint)
+    reports.append((other.hardware[0], other.hardware[0].shapes[0]))
+    colour: dict[str, str] = {}
+    drawn = [drawn_colors(monkeypatch, hardware, shape) for hardware, shape in reports]
+    for figure in ("latency", "map", "breakdown"):
+        for seen in drawn:
+            for name, colors in seen[figure].items():
+                (color,) = colors
+                assert colour.setdefault(name, color) == color, (figure, name)
+    assert all(seen[figure] for seen in drawn for figure in seen)  # each figure draws the strategies
+    assert {"local", "ring", "ulysses", "allgather_kv", "ulysses2xring", "ulysses2xallgather_kv"} <= set(
+        colour)
+    assert len(set(colour.values())) == len(colour)  # and no two strategies share one
+    assert {name: strategy_color(name) for name in colour} == colour  # defined once
+
+
+def test_a_hybrid_family_keeps_its_colour_whatever_its_head_group_and_degree():
+    assert strategy_color("ulysses2xring2") == strategy_color("ulysses2xring4") == strategy_color(
+        "ulysses2xring")
+    assert strategy_color("ulysses4xring2") != strategy_color("ulysses2xring4")
+    assert strategy_color("ulysses2xring2") != strategy_color("ulysses2xallgather_kv2")
+    assert strategy_color("local") == STRATEGY_COLORS["local"]
+
+
+def speedup_db(path: str, hardware: Hardware) -> str:
+    """``hardware`` (not calibrated) with local and ring on 2 ranks equally fast at 2048."""
+    workload = Workload(2048, **SHAPE)
+    with Store(path) as store:
+        for config in (CPConfig("ring", 1), CPConfig("ring", 2)):
+            store.add_measurement(hardware, measurement(workload, config, 10.0))
+    return path
+
+
+def test_speedup_on_a_cpu_host_names_its_baseline_one_rank_on_every_core(tmp_path):
+    # one rank already runs on both cores as threads; two ranks run on the same two cores, one
+    # thread each. As fast is 1x on the same cores, efficiency 100%, not "50% efficiency"
+    cpu = dataclasses.replace(OTHER_HOST, cpu_count=2)
+    data = gather(speedup_db(str(tmp_path / "cpu.db"), cpu))
+    (curve,) = data.hardware[0].shapes[0].speedup
+    two = curve.points[1]
+    assert (two.ranks, two.speedup, two.efficiency) == (2, 1.0, 1.0)
+    assert two.processors == 2 and curve.cores == 2 and curve.baseline == "1 rank using all 2 cores"
+    assert curve.ideal(2) == 1.0
+    page = html.unescape(write_report(data, tmp_path / "cpu")[-1].read_text())
+    assert "speedup vs 1 rank using all 2 cores" in page and "the ideal is 1x, not n" in page
+    assert "<td>100%</td>" in page and "50%" not in page
+    console = Console(record=True, width=200)
+    for table in text_tables(data):
+        console.print(table)
+    text = console.export_text()
+    assert "speedup vs 1 rank using all 2 cores" in text and "100%" in text and "50%" not in text
+    figure = speedup_plot(data.hardware[0], data.hardware[0].shapes[0])
+    speed, efficiency = figure.axes[:2]
+    assert "1 rank using all 2 cores" in speed.get_ylabel()
+    ideal = next(line for line in speed.get_lines() if line.get_linestyle() == "--")
+    assert list(ideal.get_ydata()) == [1.0, 1.0]  # the ideal on the same cores, not the rank count
+    assert "per core" in efficiency.get_ylabel()
+
+    # each rank on a GPU of its own: the ideal is the rank count, and as fast is 50% efficient
+    gpu = dataclasses.replace(OTHER_HOST, gpu_model="NVIDIA H100", gpu_count=2)
+    data = gather(speedup_db(str(tmp_path / "gpu.db"), gpu))
+    (curve,) = data.hardware[0].shapes[0].speedup
+    assert curve.cores is None and curve.baseline == "1 rank (1 GPU)" and curve.ideal(2) == 2.0
+    assert (curve.points[1].speedup, curve.points[1].efficiency) == (1.0, 0.5)
+    figure = speedup_plot(data.hardware[0], data.hardware[0].shapes[0])
+    ideal = next(line for line in figure.axes[0].get_lines() if line.get_linestyle() == "--")
+    assert list(ideal.get_ydata()) == [1.0, 2.0]
+
+
+def map_labels(monkeypatch, hardware, shape):
+    """The strategy map's labels as drawn, with the renderer that drew them."""
+    calls = spy_on(monkeypatch, "annotate")
+    strategy_map_figure(hardware, shape)
+    labels = [result for _, _, result in calls]
+    renderer = labels[0].figure.canvas.get_renderer() if labels else None
+    return labels, renderer
+
+
+def test_the_strategy_map_labels_ties_readably(monkeypatch, data):
+    # the tie labels were 5.5 pt
+    hardware = data.hardware[0]
+    (shape,) = hardware.shapes
+    labels, renderer = map_labels(monkeypatch, hardware, shape)
+    measured = [c for c in shape.strategy_map if c.measured]
+    assert len(labels) == len(measured) and any(c.tied for c in measured)
+    assert all(label.get_fontsize() >= MAP_LABEL_PT >= 8 for label in labels)
+    assert all(label.get_visible() for label in labels)  # room for every one here
+    boxes = [label.get_window_extent(renderer) for label in labels]
+    for a, b in itertools.combinations(boxes, 2):
+        assert not a.overlaps(b)
+    frame = labels[0].axes.get_window_extent(renderer)
+    for box in boxes:  # inside the axes: clear of the title, the ticks and the legend
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+    ties = [label.get_text() for label in labels if "(tied)" in label.get_text()]
+    assert sorted(ties) == sorted("\n= ".join(c.labels) + "\n(tied)" for c in measured if c.tied)
+
+
+def test_a_crowded_strategy_map_leaves_labels_out_rather_than_shrink_or_overlap_them(monkeypatch):
+    # six configurations tied on 8 ranks at twelve lengths a quarter octave apart: no room for all
+    lengths = tuple(int(1024 * 2 ** (i / 4)) for i in range(12))
+    shape = synthetic_shape((1, 2, 4, 8), lengths)
+    tied = ("ulysses2xallgather_kv2", "ring", "allgather_kv", "ulysses", "ulysses2xring2")
+    cells = tuple(dataclasses.replace(c, label="ulysses4xring2", tied=tied) if c.ranks == 8 else c
+                  for c in shape.strategy_map)
+    shape = dataclasses.replace(shape, strategy_map=cells)
+    labels, renderer = map_labels(monkeypatch, HARDWARE, shape)
+    shown = [label for label in labels if label.get_visible()]
+    assert shown and len(shown) < len(labels)
+    assert all(label.get_fontsize() >= 8 for label in labels)
+    boxes = [label.get_window_extent(renderer) for label in shown]
+    for a, b in itertools.combinations(boxes, 2):
+        assert not a.overlaps(b)

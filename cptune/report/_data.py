@@ -85,10 +85,42 @@ class LatencyPanel:
     series: tuple[Series, ...]
 
 
+def processors_used(ranks: int, cores: int | None) -> int:
+    """The processors ``ranks`` ranks compute on: one GPU each (``cores`` None), or on a CPU
+    host of ``cores`` cores, each rank's ``cores // ranks`` threads (at least one), never
+    more than the host has (``cptune.measurement.threads_per_rank``)."""
+    if cores is None:
+        return ranks
+    return min(cores, ranks * max(1, cores // ranks))
+
+
+def baseline_text(cores: int | None) -> str:
+    """What a speedup is measured against: "1 rank using all 16 cores" on a CPU host,
+    where one rank already computes on every core as threads; "1 rank (1 GPU)" where each
+    rank brings its own GPU."""
+    if cores is None:
+        return "1 rank (1 GPU)"
+    return f"1 rank using all {cores} cores" if cores > 1 else "1 rank using the 1 core"
+
+
+def speedup_caption(cores: int | None) -> str:
+    """What a speedup table's numbers are, for a CPU host of ``cores`` cores or (None) GPUs."""
+    if cores is None:
+        return ("speedup = fastest 1-rank ms / fastest ms on n ranks (combined estimates), each rank on a "
+                "GPU of its own: the ideal is n; efficiency = speedup / n")
+    return (f"speedup = fastest ms of {baseline_text(cores)} as threads / fastest ms on n ranks (combined "
+            f"estimates): every rank count computes on the same {cores} cores, split between its ranks, so "
+            "the ideal is 1x, not n; efficiency = speedup / (cores used / cores of 1 rank)")
+
+
 @dataclass(frozen=True)
 class SpeedupPoint:
     """The fastest measured configuration on ``ranks`` ranks against the fastest on one
-    (combined estimates)."""
+    (combined estimates). ``processors``: the cores (CPU host) or GPUs its ranks computed
+    on; ``efficiency``: the speedup per processor against the baseline's, speedup /
+    (processors / the baseline's processors). On a CPU host every rank count computes on
+    the same cores (one rank runs them all as threads), so there the ideal speedup is 1x,
+    not the rank count, and efficiency is the speedup itself."""
 
     ranks: int
     label: str
@@ -96,15 +128,30 @@ class SpeedupPoint:
     speedup: float
     efficiency: float
     measurement_ids: tuple[int, ...]
+    processors: int = 0
 
 
 @dataclass(frozen=True)
 class SpeedupCurve:
-    """Speedup and parallel efficiency at one sequence length that has a rank-1 measurement."""
+    """Speedup and efficiency at one sequence length that has a rank-1 measurement.
+    ``cores``: the CPU host's cores that every rank count shares (its ranks split them as
+    threads); None where each rank has a GPU of its own."""
 
     seq_len: int
     one_rank_ms: float
     points: tuple[SpeedupPoint, ...]
+    cores: int | None = None
+
+    @property
+    def baseline(self) -> str:
+        """What the speedups are against, in words (``baseline_text``)."""
+        return baseline_text(self.cores)
+
+    def ideal(self, ranks: int) -> float:
+        """The speedup on ``ranks`` ranks if they ran as efficiently as the baseline: the
+        ratio of processors (the rank count on GPUs; 1 on a CPU host, whose cores are the
+        same for every rank count)."""
+        return processors_used(ranks, self.cores) / processors_used(1, self.cores)
 
 
 @dataclass(frozen=True)
@@ -158,6 +205,28 @@ class Breakdown:
     comm_ms: float | None
     peak_bytes: int | None
     measurement_ids: tuple[int, ...]
+
+    @property
+    def scaled(self) -> bool:
+        """Whether compute + communication, each a median over the rounds of the slowest
+        rank's figure (not always the same rank or iteration), add up to more than the
+        call's estimate, so the bars show them as shares of it."""
+        return (self.compute_ms is not None and self.comm_ms is not None
+                and self.compute_ms + self.comm_ms > self.median_ms)
+
+    def bars(self) -> tuple[float, float, float] | None:
+        """(compute, exposed communication, rest of the call) in ms, adding up to exactly the
+        call's estimate ``median_ms``: compute and communication as measured where they fit
+        in it, else scaled down to their shares of it (``scaled``; no rest); None when the
+        split is not stored. A bar is never longer than the estimate it breaks down."""
+        if self.compute_ms is None or self.comm_ms is None:
+            return None
+        compute, comm = max(0.0, self.compute_ms), max(0.0, self.comm_ms)
+        if compute + comm > self.median_ms:
+            compute, comm = (self.median_ms * compute / (compute + comm),
+                             self.median_ms * comm / (compute + comm))
+            return compute, comm, 0.0
+        return compute, comm, self.median_ms - compute - comm
 
     @property
     def comm_share(self) -> float | None:
@@ -378,7 +447,9 @@ def _latency_panels(estimates: list[Estimate]) -> tuple[LatencyPanel, ...]:
     )
 
 
-def _speedup_curves(fastest: dict[tuple[int, int], Estimate]) -> tuple[SpeedupCurve, ...]:
+def _speedup_curves(fastest: dict[tuple[int, int], Estimate], cores: int | None) -> tuple[SpeedupCurve, ...]:
+    """Against the fastest 1-rank run; ``cores``: the CPU host's cores every rank count
+    shares, None on GPUs (``SpeedupCurve.cores``)."""
     curves = []
     for seq_len in sorted({s for s, _ in fastest}):
         if (seq_len, 1) not in fastest:
@@ -387,10 +458,11 @@ def _speedup_curves(fastest: dict[tuple[int, int], Estimate]) -> tuple[SpeedupCu
         points = []
         for (length, ranks), estimate in sorted(fastest.items()):
             if length == seq_len:
-                ms = estimate.median_ms
-                points.append(SpeedupPoint(ranks, estimate.config.label, ms, one / ms, one / ms / ranks,
-                                           estimate.ids))
-        curves.append(SpeedupCurve(seq_len, one, tuple(points)))
+                ms, used = estimate.median_ms, processors_used(ranks, cores)
+                efficiency = one / ms / (used / processors_used(1, cores))
+                points.append(SpeedupPoint(ranks, estimate.config.label, ms, one / ms, efficiency,
+                                           estimate.ids, used))
+        curves.append(SpeedupCurve(seq_len, one, tuple(points), cores))
     return tuple(curves)
 
 
@@ -550,6 +622,8 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
         for e in estimates:
             if e.hardware == fp:
                 by_shape[e.workload.shape].append(e)
+        # a CPU host's ranks split its cores between them (one rank computes on all of them)
+        cores = described[fp].cpu_count if described[fp].gpu_model is None else None
         shapes = []
         for shape, shape_estimates in sorted(by_shape.items(), key=lambda item: item[0]):
             measured = _by_cell(shape_estimates)
@@ -557,8 +631,9 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
             ranks = tuple(sorted({n for _, n in measured}))
             cells = (_strategy_map(shape, measured, ranks, fp, db, notes) if calibrated
                      else tuple(_measured_cell(es) for _, es in sorted(measured.items())))
-            shapes.append(ShapeReport(shape, _latency_panels(shape_estimates), _speedup_curves(fastest),
-                                      cells, tuple(sorted({s for s, _ in measured})),
+            shapes.append(ShapeReport(shape, _latency_panels(shape_estimates),
+                                      _speedup_curves(fastest, cores), cells,
+                                      tuple(sorted({s for s, _ in measured})),
                                       _breakdown(shape_estimates)))
         profile = training.profiles.get(fp)
         engines = ", ".join(sorted({v.engine for e in estimates if e.hardware == fp for v in e.visits}))

@@ -9,7 +9,9 @@ are filled; predicted ones are hollow or hatched, and the legend says which.
 from __future__ import annotations
 
 import io
+import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 from matplotlib import colormaps
@@ -17,14 +19,16 @@ from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import to_hex
+from matplotlib.colors import to_hex, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.text import Annotation
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.transforms import Bbox
 
 from cptune.config import LOCAL
-from cptune.report._data import Accuracy, HardwareReport, ReportData, ShapeReport, margin_text, slug
+from cptune.report._data import Accuracy, HardwareReport, MapCell, ReportData, ShapeReport, margin_text, slug
 
 DPI = 110
 #: Figure kinds, each one PNG per (hardware, shape); ``ACCURACY`` is one PNG per hardware.
@@ -32,6 +36,9 @@ LATENCY, SPEEDUP, STRATEGY_MAP = "latency-vs-ranks", "speedup", "strategy-map"
 BREAKDOWN, ACCURACY = "compute-vs-communication", "predicted-vs-measured"
 #: The breakdown figure shows at most this many configurations per length, the fastest.
 BREAKDOWN_BARS = 12
+#: How the breakdown draws compute, exposed communication and the rest of the call: (face,
+#: None for the strategy's colour; hatch; alpha).
+_BREAKDOWN_PARTS = ((None, None, 1.0), (None, "////", 0.55), ("0.85", None, 1.0))
 #: A panel's y axis turns logarithmic when its values span more than this factor.
 LOG_SPAN = 10.0
 #: Rank-count axes label every count up to this many counts, else only powers of two.
@@ -40,6 +47,9 @@ LABELLED_COUNTS = 12
 SIDESTEP = 0.04
 #: The strategy map's largest size in inches (width, height), however many cells it has.
 MAP_MAX_SIZE = (16.0, 9.0)
+#: The strategy map's labels (winner, margin, runner-up; or the tied configurations), in points:
+#: as large as the legend's text, never shrunk to fit (a label with no room is left out).
+MAP_LABEL_PT = 8.0
 #: How each kind of map cell is drawn: (face filled?, hatch, legend text), by (status, source);
 #: a measured cell whose leader is tied with others is drawn as ("tied", "measured").
 _CELL_STYLES = {
@@ -65,11 +75,58 @@ def _png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def _mix(color: str, toward: str, share: float) -> str:
+    """``color`` moved ``share`` of the way to ``toward`` (white: lighter, black: darker)."""
+    a, b = to_rgb(color), to_rgb(toward)
+    return to_hex(tuple(x + (y - x) * share for x, y in zip(a, b, strict=True)))
+
+
+#: One colour per strategy, the same in every figure of every report: never assigned by
+#: what a figure happens to hold, so ring is ring's orange whichever strategies sit beside it.
+STRATEGY_COLORS = {LOCAL: "#3b3b3b", "allgather_kv": "#1f77b4", "ring": "#ff7f0e", "ulysses": "#2ca02c"}
+#: Each hybrid family (Ulysses in groups of u ranks x another strategy across them) has one
+#: hue, by the strategy across the groups; each head group u a fixed shade of it.
+HYBRID_HUES = {"allgather_kv": "#9467bd", "ring": "#d62728"}
+#: The shades of a hybrid hue, by head group: 2, 3, 4, 6, 8, 12 (then round again).
+_SHADES = ((None, 0.0), ("black", 0.35), ("white", 0.4), ("black", 0.6), ("white", 0.65), ("black", 0.15))
+#: A name no strategy has (drawn grey rather than failing).
+UNKNOWN_COLOR = "#9e9e9e"
+_HYBRID = re.compile(r"ulysses(\d+)x([a-z_]+?)\d*")
+
+
+def _order(name: str) -> tuple[int, str, int]:
+    """Where a strategy family stands in every legend: local, the plain strategies, then the
+    hybrids by the strategy across their groups and their head group."""
+    if name in STRATEGY_COLORS:
+        return 0, f"{list(STRATEGY_COLORS).index(name):02d}", 0
+    hybrid = _HYBRID.fullmatch(name)
+    return (1, hybrid.group(2), int(hybrid.group(1))) if hybrid else (2, name, 0)
+
+
+def strategy_family(name: str) -> str:
+    """The colour family of a configuration label or strategy family: "ulysses2xring4" and
+    "ulysses2xring" are both "ulysses2xring"; plain strategies and ``LOCAL`` are themselves."""
+    hybrid = _HYBRID.fullmatch(name)
+    return f"ulysses{hybrid.group(1)}x{hybrid.group(2)}" if hybrid else name
+
+
+def strategy_color(name: str) -> str:
+    """The one colour of a configuration label or strategy family in every figure:
+    ``STRATEGY_COLORS``, or a hybrid's hue (``HYBRID_HUES``) in its head group's shade."""
+    if name in STRATEGY_COLORS:
+        return STRATEGY_COLORS[name]
+    hybrid = _HYBRID.fullmatch(name)
+    if hybrid is None or hybrid.group(2) not in HYBRID_HUES:
+        return UNKNOWN_COLOR
+    group = int(hybrid.group(1))
+    toward, share = _SHADES[(round(2 * math.log2(max(group, 2))) - 2) % len(_SHADES)]
+    hue = HYBRID_HUES[hybrid.group(2)]
+    return to_hex(hue) if toward is None else _mix(hue, toward, share)
+
+
 def _colors(names: Iterable[str]) -> dict[str, str]:
-    """One color per name, assigned in sorted order: the same data always gets the same colors."""
-    ordered = sorted(set(names))
-    palette = colormaps["tab10" if len(ordered) <= 10 else "tab20"]
-    return {name: to_hex(palette(i % palette.N)) for i, name in enumerate(ordered)}
+    """The colour of each strategy family among ``names`` (labels or families), in legend order."""
+    return {name: strategy_color(name) for name in sorted({strategy_family(n) for n in names}, key=_order)}
 
 
 def _hardware_title(hardware: HardwareReport) -> str:
@@ -122,7 +179,6 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     figure = Figure(figsize=(3.9 * cols + 1.8, 3.3 * rows + 0.8), dpi=DPI, layout="constrained")
     grid = figure.subplots(rows, cols, squeeze=False)
     families = sorted({s.family for panel in shape.latency for s in panel.series if s.family != LOCAL})
-    colors = _colors(families)
     ranks = shape.rank_counts
     for axes, panel in zip(grid.flat, shape.latency, strict=False):
         low = min(p.low_ms for s in panel.series for p in s.points)
@@ -133,12 +189,13 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
                     [p.high_ms - p.median_ms for p in series.points]]
             if series.family == LOCAL:
                 axes.axhline(ys[0], color="0.4", linestyle=":", linewidth=1)
-                axes.errorbar([p.ranks for p in series.points], ys, yerr=bars, fmt="D", color="black",
-                              capsize=3, label=f"{LOCAL} (1 rank)")
+                axes.errorbar([p.ranks for p in series.points], ys, yerr=bars, fmt="D",
+                              color=strategy_color(LOCAL), capsize=3, label=f"{LOCAL} (1 rank)")
             else:
                 step = _sidestep(families.index(series.family), len(families))
                 axes.errorbar([p.ranks * step for p in series.points], ys, yerr=bars, fmt="-o",
-                              color=colors[series.family], capsize=3, markersize=4, label=series.family)
+                              color=strategy_color(series.family), capsize=3, markersize=4,
+                              label=series.family)
         if high / low > LOG_SPAN:
             axes.set_yscale("log")
             _log_ticks((axes.yaxis,), low, high)
@@ -153,6 +210,7 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     for axes in grid.flat[: len(shape.latency)]:
         for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
+    handles = dict(sorted(handles.items(), key=lambda item: _order(item[0].split(" (")[0])))
     figure.legend(list(handles.values()), list(handles), loc="outside right center", fontsize=8,
                   title="clean rounds combined,\nbars: 95% interval", title_fontsize=8)
     figure.suptitle(f"Latency against rank count: {shape.shape.describe()}\n{_hardware_title(hardware)}",
@@ -162,14 +220,25 @@ def latency_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
 
 def speedup_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None:
     """Speedup of the fastest measured configuration over the fastest 1-rank run, and the
-    parallel efficiency (speedup / ranks), one line per sequence length; None when no length
-    has a 1-rank measurement."""
+    efficiency (speedup per processor against the baseline's), one line per sequence length;
+    None when no length has a 1-rank measurement. The axes name the baseline: on a CPU host
+    one rank already computes on every core as threads, so the ideal is 1x, drawn as such,
+    not the rank count."""
     if not shape.speedup:
         return None
+    return _png(speedup_plot(hardware, shape))
+
+
+def speedup_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
+    """The figure ``speedup_figure`` draws."""
     figure = Figure(figsize=(10.5, 4.2), dpi=DPI, layout="constrained")
     speed, efficiency = figure.subplots(1, 2)
     ranks = shape.rank_counts
-    speed.plot(ranks, ranks, linestyle="--", color="0.5", linewidth=1, label="ideal")
+    first = shape.speedup[0]
+    shared = first.cores is not None
+    ideal = "ideal: the same cores, 1x" if shared else "ideal: n GPUs, n x"
+    (ideal_line,) = speed.plot(ranks, [first.ideal(n) for n in ranks], linestyle="--", color="0.5",
+                               linewidth=1, label=ideal)
     efficiency.axhline(1.0, linestyle="--", color="0.5", linewidth=1, label="ideal")
     colors = {curve.seq_len: to_hex(colormaps["viridis"](i / max(1, len(shape.speedup) - 1) * 0.85))
               for i, curve in enumerate(shape.speedup)}
@@ -183,15 +252,94 @@ def speedup_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None
         _rank_axis(axes, ranks)
         axes.set_xlabel("ranks")
         axes.grid(alpha=0.3)
-    speed.set_ylabel("speedup over 1 rank (x)")
-    speed.set_title("speedup: T(1 rank) / T(n ranks), fastest measured of each", fontsize=9)
-    efficiency.set_ylabel("parallel efficiency (speedup / ranks)")
+    speed.set_ylabel(f"speedup vs {first.baseline} (x)")
+    speed.set_title(f"T({first.baseline}) / T(n ranks), fastest measured of each", fontsize=9)
+    if shared:
+        efficiency.set_ylabel("efficiency (speedup per core used)")
+        efficiency.set_title(f"every rank count computes on the same {first.cores} cores:\n"
+                             f"1.0 = as fast as {first.baseline}", fontsize=9)
+    else:
+        efficiency.set_ylabel("parallel efficiency (speedup / ranks)")
+        efficiency.set_title("efficiency: one GPU per rank", fontsize=9)
     efficiency.set_ylim(bottom=0)
-    efficiency.set_title("efficiency", fontsize=9)
+    speed.legend(handles=[ideal_line], fontsize=8, loc="best")
     efficiency.legend(fontsize=8, loc="best")
     figure.suptitle(f"Speedup and efficiency: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)
-    return _png(figure)
+    return figure
+
+
+def _map_words(cell: MapCell) -> str:
+    """A measured cell's label: the winner, the runner-up's margin and name; or every tied
+    configuration, one a line."""
+    if cell.tied:
+        return "\n= ".join(cell.labels) + "\n(tied)"
+    if cell.margin is None:
+        return cell.label
+    return f"{cell.label}\n{margin_text(cell, named=False)}\nvs {cell.runner_up}"
+
+
+def _text_inches(words: str) -> tuple[float, float]:
+    """About how wide and tall ``words`` are at ``MAP_LABEL_PT``, in inches (to size the figure;
+    the drawn labels are checked for real in ``_fit_labels``)."""
+    lines = words.split("\n")
+    return (max(map(len, lines)) * 0.6 * MAP_LABEL_PT / 72, len(lines) * 1.25 * MAP_LABEL_PT / 72)
+
+
+def _map_size(shape: ShapeReport, labels: dict[tuple[int, int], str]) -> tuple[float, float, float]:
+    """The strategy map's (width, height) in inches and a square's side in points: room for
+    every label at ``MAP_LABEL_PT`` between the labelled columns and above each row, up to
+    ``MAP_MAX_SIZE`` (the labels that still collide are left out, not shrunk)."""
+    lengths, ranks = shape.map_lengths, shape.rank_counts
+    width, row = max(6.0, 1.1 * len(lengths) + 3.5), 1.0
+    if labels:
+        label_width = max(_text_inches(words)[0] for words in labels.values())
+        label_height = max(_text_inches(words)[1] for words in labels.values())
+        # a label sits above its square and must clear the square of the row above
+        row = max(row, label_height + (18.0 + 8) / 72)
+        columns = sorted({seq_len for seq_len, _ in labels})
+        span = math.log2(lengths[-1] * 1.4) - math.log2(lengths[0] / 1.4)
+        gap = min((math.log2(b / a) for a, b in itertools.pairwise(columns)), default=span)
+        width = max(width, 1.1 * label_width * span / gap + 3.5)
+    width, height = min(MAP_MAX_SIZE[0], width), min(MAP_MAX_SIZE[1], row * len(ranks) + 2.2)
+    # a square fills at most 60% of a 1-inch row and of its column (in points)
+    side = min(18.0, 0.6 * 72 * (height - 2.2) / len(ranks), 0.6 * 72 * (width - 3.5) / len(lengths))
+    return width, height, side
+
+
+def _fit_labels(figure: Figure, axes: Axes, labels: list[Annotation], squares: list[tuple[float, float]],
+                side: float) -> None:
+    """Make room for ``labels`` inside ``axes`` (widening its limits), then leave out each
+    label that would overlap an earlier one or another cell's square: none is ever drawn over
+    another or smaller than ``MAP_LABEL_PT``; the tables below give every verdict."""
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    for _ in range(4):
+        figure.draw_without_rendering()
+        frame = axes.get_window_extent(renderer)
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        top = max(b.y1 for b in boxes) - frame.y1
+        left, right = frame.x0 - min(b.x0 for b in boxes), max(b.x1 for b in boxes) - frame.x1
+        if max(top, left, right) <= 0.5:
+            break
+        (x0, x1), (y0, y1) = axes.get_xlim(), axes.get_ylim()
+        octaves = math.log2(x1 / x0) / frame.width
+        grow = 1.15
+        axes.set_xlim(x0 / 2 ** (max(0.0, left) * octaves * grow),
+                      x1 * 2 ** (max(0.0, right) * octaves * grow))
+        axes.set_ylim(y0, y1 + max(0.0, top) * (y1 - y0) / frame.height * grow)
+    figure.draw_without_rendering()
+    half = side / 2 * figure.dpi / 72
+    cells = [axes.transData.transform(point) for point in squares]
+    kept: list[Bbox] = []
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        x, y = axes.transData.transform(label.xy)
+        others = [Bbox.from_extents(cx - half, cy - half, cx + half, cy + half) for cx, cy in cells
+                  if abs(cx - x) > 0.5 or abs(cy - y) > 0.5]
+        if any(box.overlaps(other) for other in (*kept, *others)):
+            label.set_visible(False)
+        else:
+            kept.append(box)
 
 
 def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
@@ -200,32 +348,37 @@ def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
     runner-up's margin, or cross-hatched with every configuration tied), hollow or hatched
     where any rival was predicted. Rows are the rank counts that exist, evenly spaced; the figure grows with
     them up to ``MAP_MAX_SIZE`` and the squares shrink to fit."""
+    return _png(strategy_map_plot(hardware, shape))
+
+
+def strategy_map_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
+    """The figure ``strategy_map_figure`` draws. Each strategy has its colour of every
+    figure (``strategy_color``); the labels are ``MAP_LABEL_PT`` points, each where it fits."""
     lengths, ranks = shape.map_lengths, shape.rank_counts
-    width = min(MAP_MAX_SIZE[0], max(6.0, 1.1 * len(lengths) + 3.5))
-    height = min(MAP_MAX_SIZE[1], 1.0 * len(ranks) + 2.2)
-    # a square fills at most 60% of its row and of its column (in points)
-    side = min(18.0, 0.6 * 72 * (height - 2.2) / len(ranks), 0.6 * 72 * (width - 3.5) / len(lengths))
+    row = {n: i for i, n in enumerate(ranks)}
+    words = {(c.seq_len, c.ranks): _map_words(c) for c in shape.strategy_map
+             if _CELL_STYLES["tied" if c.tied else c.status, c.source][0]}
+    width, height, side = _map_size(shape, words)
+    if side < 12:
+        words = {}  # squares too small to label: the tables hold every verdict
     figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     axes = figure.subplots()
     colors = _colors(c.label for c in shape.strategy_map)
-    row = {n: i for i, n in enumerate(ranks)}
     seen_styles: list[tuple[str, str]] = []
+    labels: list[Annotation] = []
     for cell in shape.strategy_map:
         style = ("tied" if cell.tied else cell.status, cell.source)
         filled, hatch, _ = _CELL_STYLES[style]
-        color = colors[cell.label]
+        color = strategy_color(cell.label)
         axes.scatter([cell.seq_len], [row[cell.ranks]], marker="s", s=side**2, linewidths=1.6,
                      edgecolors="white" if filled and hatch else color,
                      facecolors=color if filled else "none", hatch=hatch or None)
-        if filled and side >= 12:
-            if cell.tied:
-                words = "\n= ".join(cell.labels) + "\n(tied)"
-            elif cell.margin is None:
-                words = cell.label
-            else:
-                words = f"{cell.label}\n{margin_text(cell, named=False)}\nvs {cell.runner_up}"
-            axes.annotate(words, (cell.seq_len, row[cell.ranks]), xytext=(0, side / 2 + 2),
-                          textcoords="offset points", ha="center", va="bottom", fontsize=5.5)
+        if (cell.seq_len, cell.ranks) in words:
+            label = axes.annotate(words[cell.seq_len, cell.ranks], (cell.seq_len, row[cell.ranks]),
+                                  xytext=(0, side / 2 + 2), textcoords="offset points", ha="center",
+                                  va="bottom", fontsize=MAP_LABEL_PT, linespacing=1.1)
+            label.set_in_layout(False)  # the axes make room for them (_fit_labels)
+            labels.append(label)
         if style not in seen_styles:
             seen_styles.append(style)
     axes.set_xscale("log", base=2)
@@ -246,49 +399,73 @@ def strategy_map_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes:
         # a hatch takes the edge's color: white on a filled square, as the cells draw it
         handles.append(Patch(facecolor="0.45" if filled else "none", edgecolor="white" if filled and hatch
                              else "0.45", hatch=hatch or None, label=text))
-    figure.legend(handles=handles, loc="outside right center", fontsize=8)
+    figure.legend(handles=handles, loc="outside right center", fontsize=8,
+                  title="labels where they fit;\nthe tables give\nevery verdict", title_fontsize=8)
     figure.suptitle(f"Fastest configuration: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)
-    return _png(figure)
+    if labels:
+        _fit_labels(figure, axes, labels, [(c.seq_len, row[c.ranks]) for c in shape.strategy_map], side)
+    return figure
 
 
 def breakdown_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None:
     """Where each measured configuration's time goes, one panel per sequence length, the
-    fastest ``BREAKDOWN_BARS`` configurations as horizontal bars: the slowest rank's compute,
-    its exposed communication, and the rest of the call (waiting on slower ranks, overhead);
-    None when no measurement stored the split."""
-    split = [b for b in shape.breakdown if b.compute_ms is not None and b.comm_ms is not None]
-    lengths = sorted({b.seq_len for b in split})
-    if not lengths:
+    fastest ``BREAKDOWN_BARS`` configurations as horizontal bars in their strategy's colour,
+    each exactly as long as the call's estimate: the slowest rank's compute (solid), its
+    exposed communication (hatched) and the rest of the call (waiting on slower ranks,
+    overhead; grey). Where compute and communication, medians of the slowest rank's figures,
+    add up to more than the estimate they are drawn as their shares of it, marked "*"
+    (``Breakdown.bars``); None when no measurement stored the split."""
+    split = [b for b in shape.breakdown if b.bars() is not None]
+    if not split:
         return None
+    return _png(breakdown_plot(hardware, shape))
+
+
+def breakdown_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
+    """The figure ``breakdown_figure`` draws."""
+    split = [b for b in shape.breakdown if b.bars() is not None]
+    lengths = sorted({b.seq_len for b in split})
     rows, cols = _grid(len(lengths), columns=2)
     bars = min(BREAKDOWN_BARS, max(sum(1 for b in split if b.seq_len == n) for n in lengths))
     figure = Figure(figsize=(6.2 * cols + 1.6, (0.22 * bars + 1.2) * rows + 0.8), dpi=DPI,
                     layout="constrained")
     grid = figure.subplots(rows, cols, squeeze=False)
-    parts = (("compute", "tab:blue"), ("exposed communication", "tab:orange"), ("rest of the call", "0.8"))
+    scaled = False
     for axes, seq_len in zip(grid.flat, lengths, strict=False):
         shown = sorted((b for b in split if b.seq_len == seq_len), key=lambda b: b.median_ms)[:BREAKDOWN_BARS]
-        names = [f"{b.label} x{b.ranks}" if b.ranks > 1 else b.label for b in shown]
-        compute = [b.compute_ms or 0.0 for b in shown]
-        comm = [b.comm_ms or 0.0 for b in shown]
-        rest = [max(0.0, b.median_ms - c - m) for b, c, m in zip(shown, compute, comm, strict=True)]
+        names = [(f"{b.label} x{b.ranks}" if b.ranks > 1 else b.label) + (" *" if b.scaled else "")
+                 for b in shown]
+        scaled |= any(b.scaled for b in shown)
+        widths = [b.bars() or (0.0, 0.0, 0.0) for b in shown]
+        colors = [strategy_color(b.label) for b in shown]
         left = [0.0] * len(shown)
-        for (name, color), widths in zip(parts, (compute, comm, rest), strict=True):
-            axes.barh(names, widths, left=left, color=color, label=name, height=0.7)
-            left = [a + b for a, b in zip(left, widths, strict=True)]
+        for part, (faces, hatch, alpha) in enumerate(_BREAKDOWN_PARTS):
+            width = [w[part] for w in widths]
+            axes.barh(names, width, left=left, height=0.7, color=faces or colors, alpha=alpha,
+                      hatch=hatch, edgecolor="white" if hatch else None, linewidth=0)
+            left = [a + b for a, b in zip(left, width, strict=True)]
         axes.invert_yaxis()  # the fastest on top
         axes.tick_params(axis="y", labelsize=7)
-        axes.set_xlabel("ms per attention call (clean rounds combined; slowest rank's split)")
+        for tick, color in zip(axes.get_yticklabels(), colors, strict=True):
+            tick.set_color(color)
+        axes.set_xlabel("ms per attention call: the bar is the call's estimate (clean rounds combined)")
         axes.set_title(f"seq_len {seq_len}", fontsize=10)
         axes.grid(alpha=0.3, axis="x")
     for axes in grid.flat[len(lengths):]:
         axes.set_visible(False)
-    handles, labels = grid.flat[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside right center", fontsize=8)
+    handles = [Patch(facecolor="0.35", label="compute (slowest rank)"),
+               Patch(facecolor="0.35", alpha=_BREAKDOWN_PARTS[1][2], hatch=_BREAKDOWN_PARTS[1][1],
+                     edgecolor="white", linewidth=0, label="exposed communication"),
+               Patch(facecolor=_BREAKDOWN_PARTS[2][0], label="rest of the call")]
+    title = "bar colour: the strategy's"
+    if scaled:
+        title += ("\n* compute + communication\n(medians) exceed the call's\nestimate: drawn as their\n"
+                  "shares of it")
+    figure.legend(handles=handles, loc="outside right center", fontsize=8, title=title, title_fontsize=8)
     figure.suptitle(f"Compute against communication: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)
-    return _png(figure)
+    return figure
 
 
 def accuracy_figure(hardware: HardwareReport) -> bytes | None:

@@ -27,6 +27,7 @@ from cptune.report._data import (
     calibration_rows,
     margin_text,
     rank_count,
+    speedup_caption,
 )
 from cptune.report._figures import (
     ACCURACY,
@@ -51,20 +52,28 @@ _CAPTIONS = {
              "between rounds, which the verdicts below cancel by comparing configurations round by "
              "round: overlapping bars can still be a separated winner.",
     SPEEDUP: "Speedup of the fastest measured configuration at each rank count over the fastest 1-rank "
-             "configuration (combined estimates of their clean rounds; left) and parallel efficiency, "
-             "speedup divided by ranks (right), against the dashed ideal; every point is measured, none is "
-             "predicted.",
+             "configuration (combined estimates of their clean rounds; left) and efficiency, the speedup "
+             "per processor used against the 1-rank run's (right), against the dashed ideal; every point "
+             "is measured, none is predicted. On a CPU host one rank already computes on every core as "
+             "threads and n ranks split the same cores between them, so the baseline is 1 rank using all "
+             "the cores, the ideal speedup is 1x (not n) and efficiency is the speedup per core used; "
+             "with one GPU per rank the ideal is n and efficiency is speedup / ranks.",
     STRATEGY_MAP: "The fastest configuration on exactly that many ranks (the rank counts measured) at each "
                   "sequence length: filled squares are measured (every rival measured), labelled with the "
                   "verdict on their combined clean rounds: the winner and how much slower the runner-up is, "
                   "with its 95% interval, or, cross-hatched, the configurations tied within the noise of "
                   "this hardware; hollow squares are predicted by the cost model, hatched ones by the prior "
-                  "alone, dotted ones have a measured winner but some rival predicted.",
+                  "alone, dotted ones have a measured winner but some rival predicted. Labels are 8 pt; "
+                  "one with no room is left out rather than shrunk (the tables below give every verdict).",
     BREAKDOWN: "Where the time of each measured configuration goes, fastest first (at most "
-               "twelve per sequence length): the slowest rank's time in attention math, its "
-               "communication that compute did not hide (each the median over its clean rounds), and the "
-               "rest of the call's combined estimate (waiting on slower ranks, launch and copy "
-               "overheads); every bar is measured.",
+               "twelve per sequence length), each bar exactly as long as the call's combined estimate "
+               "and in its strategy's colour: the slowest rank's time in attention math (solid), its "
+               "communication that compute did not hide (hatched; each the median over its clean "
+               "rounds), and the rest of the call (grey: waiting on slower ranks, launch and copy "
+               "overheads). Compute and communication are medians of the slowest rank's figures, not "
+               "always the same rank or iteration: where they add up to more than the estimate, the bar "
+               "(marked *) shows them as their shares of it, never longer than the call; every bar is "
+               "measured.",
     ACCURACY: "Predicted against measured latency of every measurement of this hardware: filled circles "
               "are the cost model's predictions with that sequence length held out of its training, x "
               "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE and how "
@@ -128,9 +137,10 @@ def _speedup_table(shape: ShapeReport) -> str:
          escape(f"{p.speedup:.2f}x"), escape(f"{p.efficiency:.0%}")]
         for curve in shape.speedup for p in curve.points
     ]
-    return _table(["seq_len", "ranks", "fastest measured", "ms", "speedup", "efficiency"], rows,
-                  "speedup = fastest 1-rank ms / fastest ms on that many ranks; efficiency = speedup / ranks",
-                  names=1)
+    baseline, cores = shape.speedup[0].baseline, shape.speedup[0].cores
+    return _table(["seq_len", "ranks", "fastest measured", "ms", f"speedup vs {baseline}",
+                   "efficiency per core" if cores else "efficiency"], rows,
+                  speedup_caption(cores), names=1)
 
 
 def _map_table(shape: ShapeReport) -> str:
@@ -282,7 +292,8 @@ def write_report(data: ReportData, out_dir: Path) -> list[Path]:
 {escape(data.version)}. Latencies are per attention call of the slowest rank, in ms: each
 configuration's clean rounds combined (the median of the rounds' medians, with a 95% interval);
 disturbed, excluded and oversubscribed runs count for nothing. Measured points are filled;
-predicted ones are hollow or hatched (figures) or marked * (tables).</p>
+predicted ones are hollow or hatched (figures) or marked * (tables). Each strategy has one colour in
+every figure of every report.</p>
 {"".join(sections)}
 </body>
 </html>

@@ -20,6 +20,7 @@ from cptune.report._data import (
     calibration_rows,
     margin_text,
     rank_count,
+    speedup_caption,
 )
 
 
@@ -48,10 +49,10 @@ def _latency(hardware: HardwareReport, shape: ShapeReport) -> Table:
 
 
 def _speedup(hardware: HardwareReport, shape: ShapeReport) -> Table:
-    table = _table(f"speedup over 1 rank: {_where(hardware, shape)}",
-                   "fastest measured on n ranks against the fastest on 1 (combined estimates); "
-                   "efficiency = speedup / n")
-    for name in ("seq_len", "ranks", "fastest", "ms", "speedup", "efficiency"):
+    baseline, cores = shape.speedup[0].baseline, shape.speedup[0].cores
+    table = _table(f"speedup vs {baseline}: {_where(hardware, shape)}", speedup_caption(cores))
+    efficiency = "efficiency per core" if cores else "efficiency"
+    for name in ("seq_len", "ranks", "fastest", "ms", "speedup", efficiency):
         table.add_column(name, justify="left" if name == "fastest" else "right")
     for curve in shape.speedup:
         for p in curve.points:
