@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cptune.errors import CPTuneError
+from cptune.workload import MAX_INT, MAX_INT_TEXT
 
 #: Builds the error a loader raises from (file, dotted key, reason).
 ErrorFactory = Callable[[str, str, str], Exception]
@@ -121,6 +122,9 @@ class TableReader:
             raise self.fail(key, f"expected {wanted}, {got(value)}{self.example(key)}")
         if value < minimum:
             raise self.fail(key, f"out of range: expected {wanted}, got {value}{self.example(key)}")
+        if value > MAX_INT:
+            raise self.fail(key, f"out of range: expected {wanted} of at most {MAX_INT_TEXT}, got {value}"
+                                 f"{self.example(key)}")
         return value
 
     def positive_number(self, value: object, key: str, unit: str = "seconds") -> float:

@@ -19,8 +19,8 @@ import numpy as np
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
 from cptune.engines import Engine, get_engine, untimed
-from cptune.errors import EngineError
-from cptune.feasibility import check_feasible, enumerate_configs
+from cptune.errors import EngineError, InfeasibleConfigError
+from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
 from cptune.layout import SequenceLayout
@@ -29,6 +29,7 @@ from cptune.measurement import (
     TimingSummary,
     available_cores,
     describe_host,
+    host_memory_limit,
     oversubscribed,
     summarize,
 )
@@ -48,6 +49,13 @@ def default_timeout(workload: Workload, config: CPConfig, iterations: int = 1) -
     per_iteration = 1.0 + cost.flops / 1e9 + sum(cost.bytes_sent.values()) / 1e8
     crowding = max(1.0, config.ranks / available_cores())
     return 60.0 + iterations * per_iteration * crowding
+
+
+def rank_memory_limit(engine: Engine) -> Callable[[int], int | None]:
+    """The bytes each of n ranks of ``engine`` may hold here, by n: CPU ranks share this
+    machine's memory (``host_memory_limit``, the limit ``recommend`` checks this host
+    against); a GPU rank has a device of its own, not checked before it runs (None)."""
+    return host_memory_limit if engine.device == "cpu" else lambda ranks: None
 
 
 def _check_arrays(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
@@ -173,7 +181,8 @@ def measure_all(
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
     engine = _timed_engine(backend)
     engine.preflight(max_ranks or 1)
-    configs = enumerate_configs(workload, max_ranks or engine.capacity(), tuple(strategies))
+    configs = _fitting(workload, enumerate_configs(workload, max_ranks or engine.capacity(), tuple(strategies)),
+                       rank_memory_limit(engine))
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []
     for index, config in enumerate(configs):
@@ -185,6 +194,21 @@ def measure_all(
         except EngineError as error:
             failures.append((config, error))
     return results, failures
+
+
+def _fitting(workload: Workload, configs: list[CPConfig], limit: Callable[[int], int | None]
+             ) -> list[CPConfig]:
+    """Those of ``configs`` whose ranks hold their activations within ``limit``;
+    ``InfeasibleConfigError`` naming the one closest to fitting when none does."""
+    reasons = {c: feasibility(workload, c, limit(c.ranks)) for c in configs}
+    fitting = [c for c in configs if not reasons[c]]
+    if configs and not fitting:
+        raise InfeasibleConfigError(
+            f"no configuration can run {workload.describe()} in this host's memory: "
+            f"{closest_to_fitting(workload, configs, limit)}",
+            [reason for r in reasons.values() for reason in r],
+        )
+    return fitting
 
 
 def measure_round(

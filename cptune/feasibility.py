@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
 from cptune.errors import InfeasibleConfigError
 from cptune.layout import kv_replication
 from cptune.workload import Workload
 
-__all__ = ["candidate_configs", "check_feasible", "enumerate_configs", "feasibility", "format_bytes",
-           "kv_replication"]
+__all__ = ["candidate_configs", "check_feasible", "closest_to_fitting", "enumerate_configs", "feasibility",
+           "format_bytes", "kv_replication"]
 
 
 def format_bytes(n: float) -> str:
@@ -45,7 +47,7 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
         )
     if workload.heads % u:
-        fits = ", ".join(str(d) for d in _divisors(workload.heads) if d <= n)
+        fits = ", ".join(str(d) for d in _divisors(min(n, workload.heads)) if workload.heads % d == 0)
         reasons.append(
             f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
             f"(heads % head_group must be 0; head groups that fit: {fits})"
@@ -59,7 +61,7 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
     if workload.seq_len < n:
         reasons.append(
             f"seq_len {workload.seq_len} is shorter than {n} ranks: every rank needs at least "
-            f"one token; use at most {workload.seq_len} ranks"
+            f"one token; use at most {workload.seq_len} rank{'s' if workload.seq_len != 1 else ''}"
         )
     if memory_limit is not None and not reasons:
         need = analytic_cost(workload, config).peak_bytes
@@ -69,6 +71,15 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
                 f"{format_bytes(memory_limit)}; use more ranks or a shorter sequence"
             )
     return reasons
+
+
+def closest_to_fitting(workload: Workload, configs: Sequence[CPConfig],
+                       memory_limit: Callable[[int], int | None]) -> str:
+    """Why none of ``configs`` (each runnable but for memory) fits in ``memory_limit(ranks)``
+    bytes per rank, in words: the one that needs the least memory in all, and its reason."""
+    closest = min(configs, key=lambda c: analytic_cost(workload, c).peak_bytes * c.ranks)
+    reason = feasibility(workload, closest, memory_limit(closest.ranks))
+    return f"the closest, {closest.describe()}, {reason[0] if reason else 'fits'}"
 
 
 def check_feasible(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> None:

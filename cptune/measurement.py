@@ -126,6 +126,13 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def host_memory_limit(ranks: int) -> int:
+    """Bytes of activations each of ``ranks`` ranks computing on this machine's CPU may
+    hold: they share its memory. What ``recommend`` checks this host's CPU ranks against
+    (``feasibility``'s ``memory_limit``), and ``measure`` and ``search`` before they run."""
+    return host_memory_bytes() // ranks
+
+
 def describe_host() -> dict[str, str]:
     """Facts of this machine that decide how fast a configuration runs."""
     memory = host_memory_bytes()

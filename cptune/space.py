@@ -8,7 +8,9 @@ TOML key and what to change. Built-in spaces ship in ``cptune.search_spaces``.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -17,8 +19,8 @@ from typing import Any
 from cptune._shipped import shipped
 from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
 from cptune.config import STRATEGIES, CPConfig
-from cptune.feasibility import enumerate_configs, feasibility
-from cptune.workload import WIRE_DTYPES, AttentionShape, Workload
+from cptune.feasibility import closest_to_fitting, enumerate_configs, feasibility
+from cptune.workload import MAX_INT, WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
 DEMO_SPACE = "demo"
@@ -59,6 +61,23 @@ _EXAMPLES = {
 }
 
 
+#: The longest timeout or time budget cptune waits, in seconds: a year. Longer is a slip of
+#: the keyboard (and past about 292 years the system's timers cannot hold it).
+MAX_SECONDS = 365 * 24 * 3600
+
+
+def check_seconds(value: object) -> float:
+    """``value`` as a number of seconds cptune waits: finite, above 0, at most ``MAX_SECONDS``
+    (the flags, the TOML key and ``MeasureSettings`` all check with this); ``ValueError``
+    saying what is expected otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+        math.isfinite(value) and 0 < value <= MAX_SECONDS
+    ):
+        raise ValueError(f"expected a positive number of seconds, at most {MAX_SECONDS} (a year), "
+                         f"got {value!r}")
+    return float(value)
+
+
 class SpaceError(TomlFileError):
     """A search space that cannot be used, raised before anything runs. The message reads
     ``"{file}: {key}: {reason}"``: the file as given, the dotted TOML key (or where in the
@@ -86,12 +105,13 @@ class MeasureSettings:
         for name, least in (("warmup", 0), ("repeats", 1), ("rounds", 1), ("race_rounds", 0),
                             ("confirm_rounds", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if self.timeout is not None and (
-            isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or self.timeout <= 0
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_INT:
+                raise ValueError(f"{name} must be an integer >= {least} and <= {MAX_INT}, got {value!r}")
+        if self.timeout is not None:
+            try:
+                check_seconds(self.timeout)
+            except ValueError as exc:
+                raise ValueError(f"timeout: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -197,7 +217,7 @@ def load_space(path: str | Path) -> SearchSpace:
     raw = r.value(measure_table, "repeats", "measure", required=False)
     repeats = 10 if raw is None else r.integer(raw, "measure.repeats", 1)
     raw = r.value(measure_table, "timeout", "measure", required=False)
-    timeout = None if raw is None else r.positive_number(raw, "measure.timeout")
+    timeout = None if raw is None else _timeout(r, raw)
     raw = r.value(measure_table, "rounds", "measure", required=False)
     rounds = MeasureSettings.rounds if raw is None else r.integer(raw, "measure.rounds", 1)
     raw = r.value(measure_table, "race_rounds", "measure", required=False)
@@ -223,6 +243,15 @@ def _read_ranks(r: TableReader, raw: object) -> tuple[int, ...] | None:
         raise r.fail("sweep.ranks", f'expected "auto" or an array of positive integers, {got(raw)}'
                      f"{r.example('sweep.ranks')}")
     return r.array(raw, "sweep.ranks", lambda v, k: r.integer(v, k, 1))
+
+
+def _timeout(r: TableReader, raw: object) -> float:
+    """``measure.timeout``: a number of seconds ``check_seconds`` takes."""
+    seconds = r.positive_number(raw, "measure.timeout")
+    try:
+        return check_seconds(seconds)
+    except ValueError as exc:
+        raise r.fail("measure.timeout", f"out of range: {exc}{r.example('measure.timeout')}") from None
 
 
 def _strategy(r: TableReader, value: object, key: str) -> str:
@@ -262,18 +291,26 @@ def _candidates(strategy: str, ranks: int) -> list[CPConfig]:
     return [CPConfig(strategy, ranks, u) for u in range(1, ranks) if ranks % u == 0]
 
 
-def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = None) -> None:
+def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = None,
+                   memory_limit: Callable[[int], int | None] | None = None) -> None:
     """Raise SpaceError if some sequence length has no feasible configuration among the
     space's rank counts and strategies, naming it and giving the reasons for the largest
-    rank count tried. ``file`` names the space in the message (default: its source)."""
+    rank count tried, in one line. ``file`` names the space in the message (default: its
+    source). ``memory_limit(ranks)``: the bytes each of that many ranks may hold (None: not
+    checked), as ``cptune.execute.rank_memory_limit`` gives it for an engine."""
     file = file if file is not None else str(space.source or space.name)
     counts = space.rank_counts(available_ranks)
+    limit = memory_limit or (lambda ranks: None)
     for i, workload in enumerate(space.workloads()):
-        feasible = [
-            c for c in enumerate_configs(workload, max(counts), space.strategies) if c.ranks in counts
-        ]
-        if feasible:
+        runnable = [c for c in enumerate_configs(workload, max(counts), space.strategies) if c.ranks in counts]
+        if any(not feasibility(workload, c, limit(c.ranks)) for c in runnable):
             continue
+        if runnable:  # runnable but for memory
+            raise SpaceError(
+                file, f"sweep.seq_lens[{i}]",
+                f"seq_len {workload.seq_len} does not fit in memory on ranks {', '.join(map(str, counts))}: "
+                f"{closest_to_fitting(workload, runnable, limit)}",
+            )
         largest = max(counts)
         reasons: list[str] = []
         for strategy in space.strategies:
@@ -282,13 +319,12 @@ def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = 
                     line = f"{config.describe()}: {reason}"
                     if line not in reasons:
                         reasons.append(line)
-        listed = "".join(f"\n  - {line}" for line in reasons)
         raise SpaceError(
             file, f"sweep.seq_lens[{i}]",
             f"seq_len {workload.seq_len} has no feasible configuration on ranks "
             f"{', '.join(map(str, counts))} with strategies {', '.join(space.strategies)}; "
             f"add rank counts or strategies in [sweep], or change [model]. "
-            f"On {largest} ranks:{listed}",
+            f"On {largest} rank{'s' if largest != 1 else ''}: {' | '.join(reasons)}",
         )
 
 

@@ -15,11 +15,21 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 }
 
 
+#: The largest integer cptune takes anywhere (a size, a count, an id): what a database's
+#: integer column (64-bit, signed) and numpy's int64 hold. Every reader of user input (the
+#: command line's flags, TOML files, ``Workload`` and ``CPConfig``) refuses a larger one.
+MAX_INT = 2**63 - 1
+#: How ``MAX_INT`` is named in messages.
+MAX_INT_TEXT = f"{MAX_INT} (2^63 - 1)"
+
+
 def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value > MAX_INT:
+        raise ValueError(f"{name} must be at most {MAX_INT_TEXT}, got {value!r}")
 
 
 @dataclass(frozen=True, init=False)

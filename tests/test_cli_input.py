@@ -123,7 +123,7 @@ def test_more_ranks_than_cores_are_refused_without_the_flag(cptune_here, tmp_pat
             "max-ranks": ["search", "--max-ranks", too_many],
             "calibrate": ["calibrate", "--max-ranks", too_many]}[how]
     result = cptune_here(*args, "--db", tmp_path / "o.db")
-    assert_refused(result, f"more ranks than this host's {available_cores()} cores", "--oversubscribe")
+    assert_refused(result, f"more ranks than this host's {available_cores()} core", "--oversubscribe")
     assert not (tmp_path / "o.db").exists()
 
 

@@ -17,7 +17,8 @@ from rich.text import Text
 from cptune.config import STRATEGIES
 from cptune.engines import ENGINES
 from cptune.errors import CPTuneError
-from cptune.workload import WIRE_DTYPES, Workload
+from cptune.space import check_seconds
+from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
 
 USAGE_ERROR = 2
 Number = TypeVar("Number", int, float)
@@ -65,31 +66,47 @@ def table(title: str, caption: str) -> Table:
 # --------------------------------------------------------------------------- flag types
 
 
+def _items(text: str, example: str) -> list[str]:
+    """The comma-separated entries of a flag's ``text``, each stripped; an empty one (as in
+    1024,,2048 or a trailing comma) or none at all is refused, like a value listed twice."""
+    items = [part.strip() for part in text.split(",")]
+    if not text.strip() or "" in items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated values like {example}, without empty "
+                                         f"entries, got {text!r}")
+    twice = next((item for i, item in enumerate(items) if item in items[:i]), None)
+    if twice is not None:
+        raise argparse.ArgumentTypeError(f"{twice} is listed twice in {text!r}; list each value once")
+    return items
+
+
 def ids(text: str) -> tuple[int, ...]:
     """Measurement ids, e.g. 12,15 (as cptune results lists them)."""
+    example = "12,15 (cptune results lists them)"
     try:
-        found = tuple(int(part) for part in text.split(",") if part.strip())
+        found = tuple(int(part) for part in _items(text, example))
     except ValueError:
         found = ()
     if not found or min(found) < 1:
-        raise argparse.ArgumentTypeError(f"expected measurement ids like 12,15 (cptune results lists them), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected measurement ids like {example}, got {text!r}")
+    if max(found) > MAX_INT:
+        raise argparse.ArgumentTypeError(f"no measurement has an id above {MAX_INT_TEXT}, got {max(found)}")
     return found
 
 
 def strategies(text: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    names = tuple(_items(text, "ring,ulysses"))
     unknown = [s for s in names if s not in STRATEGIES]
-    if unknown or not names:
+    if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown strategy {', '.join(unknown) or '(none)'}; choose from {', '.join(STRATEGIES)}"
+            f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}"
         )
     return names
 
 
 def _number_type(convert: Callable[[str], Number], what: str, zero: bool = False) -> Callable[[str], Number]:
     """An argparse type: ``convert`` the text, refusing what is not a number above zero (or,
-    with ``zero``, at least zero)."""
+    with ``zero``, at least zero), and a whole number above ``MAX_INT`` (what a database
+    holds)."""
 
     def parse(text: str) -> Number:
         try:
@@ -98,6 +115,8 @@ def _number_type(convert: Callable[[str], Number], what: str, zero: bool = False
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value < 0 or (value == 0 and not zero):
             raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero else 'positive'}, got {text}")
+        if value > MAX_INT:
+            raise argparse.ArgumentTypeError(f"must be at most {MAX_INT_TEXT}, got {text}")
         return value
 
     return parse
@@ -105,14 +124,23 @@ def _number_type(convert: Callable[[str], Number], what: str, zero: bool = False
 
 positive = _number_type(int, "a whole number")
 non_negative = _number_type(int, "a whole number", zero=True)
-seconds = _number_type(float, "a number of seconds")
+
+
+def seconds(text: str) -> float:
+    """A number of seconds cptune waits (``cptune.space.check_seconds``: finite, above 0, at
+    most a year)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    try:
+        return check_seconds(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_list(text: str) -> tuple[int, ...]:
-    values = tuple(positive(part) for part in text.split(",") if part.strip())
-    if not values:
-        raise argparse.ArgumentTypeError("expected comma-separated whole numbers, e.g. 1024,2048")
-    return values
+    return tuple(positive(part) for part in _items(text, "1024,2048"))
 
 
 # --------------------------------------------------------------------------- shared flags

@@ -42,7 +42,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("space", nargs="?",
                         help=f"search space file or built-in name (default {DEMO_SPACE})")
-    export.add_argument("-o", "--output", default="plan.json", help="plan file to write (default plan.json)")
+    export.add_argument("-o", "--output", default="plan.json",
+                        help="plan file to write (default plan.json); a plan already there is replaced, "
+                             "any other file is refused unless --force")
+    export.add_argument("--force", action="store_true",
+                        help="replace the -o file even if it is not a plan cptune export wrote")
     export.add_argument("--hardware", help=HARDWARE_HELP)
     add_host_backend(export)
     export.add_argument("--ranks", dest="plan_ranks", type=positive,
@@ -91,12 +95,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace, console: Console) -> int:
+    from cptune.plans import check_replaceable
     from cptune.plans.export import export_plan
 
     space = find_space(space_of(args))
+    check_replaceable(args.output, args.force)  # before the work, not only at the write
     plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
                        strategies=space.strategies, backend=args.backend)
-    path = plan.write(args.output)
+    path = plan.write(args.output, force=args.force)
     shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
                    "ms per attention call, slowest rank: the pick's stored measurements combined, "
                    "or predicted (model/prior); the plan lists every measurement compared")

@@ -14,6 +14,7 @@ from cptune.plans._plan import (
     PlanError,
     PlanHardware,
     PlanMismatchError,
+    check_replaceable,
     load_plan,
     plan_schema,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "PlanError",
     "PlanHardware",
     "PlanMismatchError",
+    "check_replaceable",
     "load_plan",
     "plan_schema",
 ]

@@ -232,17 +232,58 @@ class Plan:
         data["digest"] = digest(data)
         return _readable(data) + "\n"
 
-    def write(self, path: str | Path) -> Path:
-        """Write the plan to ``path`` whole or not at all (a temporary file, then a rename)."""
+    def write(self, path: str | Path, force: bool = False) -> Path:
+        """Write the plan to ``path`` whole or not at all (a temporary file beside it, then a
+        rename). An existing file there is replaced only if it is a plan (``check_replaceable``)
+        or with ``force``; ``PlanError`` for that and for what the filesystem refuses."""
         target = Path(path)
+        check_replaceable(target, force)
         partial = target.with_name(target.name + ".partial")
+        text = self.to_json()
+        created = False
         try:
-            partial.write_text(self.to_json(), encoding="utf-8")
+            with partial.open("w", encoding="utf-8") as file:
+                created = True
+                file.write(text)
             partial.replace(target)
         except OSError as exc:
-            partial.unlink(missing_ok=True)
-            raise PlanError(f"cannot write the plan to {target}: {exc.strerror}") from None
+            left = ""
+            if created:  # only what this call created is removed, and a failure to remove it is said
+                try:
+                    partial.unlink(missing_ok=True)
+                except OSError as cleanup:
+                    left = f"; {partial} is left over ({cleanup.strerror or cleanup}): delete it"
+            raise PlanError(f"cannot write the plan to {target}: {exc.strerror or exc}{left}; write it "
+                            f"elsewhere (cptune export -o PATH)") from None
         return target
+
+
+def check_replaceable(path: str | Path, force: bool = False) -> None:
+    """``PlanError`` when ``path`` holds something a plan must not replace: a directory, or
+    (unless ``force``) a file that is not a plan cptune export wrote - not JSON, or JSON
+    without a plan's ``schema_version`` and ``digest``. A plan of any version, hardware or
+    content is replaced (exporting again is how a plan is updated); no file is fine."""
+    target = Path(path)
+    if target.is_dir():
+        raise PlanError(f"cannot write the plan to {target}: it is a directory; name a file "
+                        f"(cptune export -o {target / 'plan.json'})")
+    if force or not target.exists() or _is_plan(target):
+        return
+    raise PlanError(f"{target} exists and is not a plan written by cptune export, so it is left as it "
+                    f"is: write the plan elsewhere (cptune export -o PATH), or replace the file with "
+                    f"cptune export --force (force=True)")
+
+
+def _is_plan(path: Path) -> bool:
+    """Whether ``path`` is a plan file cptune export wrote, whatever its version or content:
+    a small JSON object with a plan's ``schema_version`` and ``digest``."""
+    try:
+        if path.stat().st_size > MAX_PLAN_BYTES:
+            return False
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "schema_version" in data and "digest" in data
 
 
 def _readable(value: Any, indent: str = "") -> str:

@@ -22,7 +22,8 @@ from cptune.config import CPConfig
 from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, untimed
 from cptune.errors import CPTuneError
 from cptune.estimate import Verdict
-from cptune.feasibility import enumerate_configs
+from cptune.execute import rank_memory_limit
+from cptune.feasibility import enumerate_configs, feasibility
 from cptune.guard import enabled as guard_enabled
 from cptune.hardware import Hardware
 from cptune.search._workload import Visit, WorkloadSearch
@@ -152,9 +153,10 @@ def refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
     ``cores``, unless ``allowed``."""
     if not allowed:
         raise SearchSetupError(
-            f"{asked}: more ranks than this host's {cores} cores, and ranks sharing a core time the "
-            f"sharing, not the strategy. Use at most {cores} ranks, or add --oversubscribe to run them "
-            f"anyway (stored marked oversubscribed, left out of the model and the picks)"
+            f"{asked}: more ranks than this host's {cores} core{'s' if cores != 1 else ''}, and ranks "
+            f"sharing a core time the sharing, not the strategy. Use at most {cores} "
+            f"rank{'s' if cores != 1 else ''}, or add --oversubscribe to run them anyway (stored marked "
+            f"oversubscribed, left out of the model and the picks)"
         )
 
 
@@ -198,7 +200,8 @@ def search_space(
     engine.preflight(max_ranks or 1)
     space, available, cores = _counted_ranks(space, engine, max_ranks, oversubscribe)
     counts = space.rank_counts(available)
-    check_runnable(space, available, space.origin)
+    memory_limit = rank_memory_limit(engine)
+    check_runnable(space, available, space.origin, memory_limit)
     engine.preflight(max(counts))
     hardware = engine.hardware()
     told = progress or SearchProgress()
@@ -222,7 +225,7 @@ def search_space(
         pending = []  # searches whose winner a second sitting confirms
         for workload in space.workloads():
             configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
-                       if c.ranks in counts]
+                       if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))]
             if run.node is not None:
                 configs = _allowed(run, workload, configs, told)
                 if not configs:

@@ -78,7 +78,7 @@ class TorchEngine(PooledEngine):
         if gpus and ranks > gpus:
             raise BackendUnavailableError(
                 f"{ranks} ranks need {ranks} GPUs (one per rank) and PyTorch sees {gpus} here: "
-                f"ask for at most {gpus} ranks")
+                f"ask for at most {gpus} rank{'s' if gpus != 1 else ''}")
 
     def capacity(self) -> int:
         """The ranks the user launched; else this machine's GPUs, or its cores where it has none."""
