@@ -181,8 +181,8 @@ def measure_all(
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
     engine = _timed_engine(backend)
     engine.preflight(max_ranks or 1)
-    configs = _fitting(workload, enumerate_configs(workload, max_ranks or engine.capacity(), tuple(strategies)),
-                       rank_memory_limit(engine))
+    configs = enumerate_configs(workload, max_ranks or engine.capacity(), tuple(strategies))
+    configs = _fitting(workload, configs, rank_memory_limit(engine))
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []
     for index, config in enumerate(configs):

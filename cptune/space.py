@@ -302,7 +302,8 @@ def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = 
     counts = space.rank_counts(available_ranks)
     limit = memory_limit or (lambda ranks: None)
     for i, workload in enumerate(space.workloads()):
-        runnable = [c for c in enumerate_configs(workload, max(counts), space.strategies) if c.ranks in counts]
+        runnable = [c for c in enumerate_configs(workload, max(counts), space.strategies)
+                    if c.ranks in counts]
         if any(not feasibility(workload, c, limit(c.ranks)) for c in runnable):
             continue
         if runnable:  # runnable but for memory

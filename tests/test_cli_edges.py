@@ -54,13 +54,15 @@ def files(folder):
 
 
 @pytest.mark.parametrize("args, prefix, fragment", [
-    (["results", "--seq-len", TOO_BIG], "cptune results: error: ", "--seq-len: must be at most 9223372036854775807"),
+    (["results", "--seq-len", TOO_BIG], "cptune results: error: ",
+     "--seq-len: must be at most 9223372036854775807"),
     (["results", "--exclude", TOO_BIG], "cptune results: error: ", "no measurement has an id above"),
-    (["search", *SHAPE, "--seq-lens", TOO_BIG, "--ranks", "1"], "cptune search: error: ", "--seq-lens: must be at most"),
+    (["search", *SHAPE, "--seq-lens", TOO_BIG, "--ranks", "1"], "cptune search: error: ",
+     "--seq-lens: must be at most"),
     (["search", *SHAPE, "--seq-lens", "64", "--ranks", "1", "--trials", TOO_BIG], "cptune search: error: ",
      "--trials: must be at most"),
-    (["measure", *SHAPE, "--seq-len", "64", "--max-ranks", "1", "--repeats", TOO_BIG], "cptune measure: error: ",
-     "--repeats: must be at most"),
+    (["measure", *SHAPE, "--seq-len", "64", "--max-ranks", "1", "--repeats", TOO_BIG],
+     "cptune measure: error: ", "--repeats: must be at most"),
     (["recommend", "--hardware", "h100-sxm-8", "--heads", TOO_BIG, "--head-dim", "64", "--seq-len", "64"],
      "cptune recommend: error: ", "--heads: must be at most"),
 ])
@@ -128,8 +130,8 @@ def test_search_refuses_a_sequence_longer_than_this_hosts_memory_before_touching
     before = files(tmp_path)
     result = cptune_here("search", *SHAPE, "--seq-lens", f"64,{workload.seq_len}", "--ranks", "1,2",
                          "--db", db)
-    assert_refused(result, f"sweep.seq_lens[1]: seq_len {workload.seq_len} does not fit in memory on ranks 1, 2",
-                   "over the limit of")
+    assert_refused(result, f"sweep.seq_lens[1]: seq_len {workload.seq_len} does not fit in memory on "
+                           f"ranks 1, 2", "over the limit of")
     assert files(tmp_path) == before
 
 
@@ -222,8 +224,8 @@ def test_export_to_a_directory_names_a_file_to_use(cptune_here, db, tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["results", "--status", "bogus"], "--status: invalid choice: 'bogus'"),
-    (["search", *SHAPE, "--seq-lens", "1024,,2048"], "--seq-lens: expected comma-separated values like 1024,2048, "
-                                                     "without empty entries, got '1024,,2048'"),
+    (["search", *SHAPE, "--seq-lens", "1024,,2048"],
+     "--seq-lens: expected comma-separated values like 1024,2048, without empty entries, got '1024,,2048'"),
     (["search", *SHAPE, "--seq-lens", "1024,"], "without empty entries"),
     (["search", *SHAPE, "--seq-lens", "64", "--ranks", "1,1"], "--ranks: 1 is listed twice in '1,1'"),
     (["search", *SHAPE, "--seq-lens", "64,64"], "--seq-lens: 64 is listed twice"),
