@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tomllib
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from scipy.stats import spearmanr
 
 from cptune.config import CPConfig
 from cptune.hardware import load_description
-from cptune.model import DescribedProfile, prior_ties, prior_time
+from cptune.model import STRUCTURAL_ERROR, DescribedProfile, prior_ties, prior_time
 from cptune.workload import Workload
 
 DEFAULT_FILES = sorted((Path(__file__).parent / "published").glob("*.toml"))
@@ -144,15 +145,45 @@ def score(cases: list[Case], changed: Change | None = None) -> dict[str, object]
 RIGHT_WITHIN = 1.02
 
 
-def confidence(cases: list[Case]) -> dict[str, dict[str, float]]:
-    """Per machine and overall: how often a clear pick was right and a tie held the best."""
+def structural_estimate(cases: list[Case]) -> float:
+    """The prior's structural error (``cptune.model.STRUCTURAL_ERROR``) as ``cases`` show it:
+    over every pair of the prior's pick and another published configuration, the largest
+    amount by which the log of the prior's latency ratio overstated the pick's lead beyond
+    the 2% a pick may miss by, per unit of the two shares of predicted time spent outside
+    attention compute (0 when no pair overstated it)."""
+    worst = 0.0
+    for case in cases:
+        profile = DescribedProfile(load_description(case.hardware))
+        times = {u: prior_time(case.workload, config_for(case.ranks, u), profile) for u in case.latency_ms}
+        pick = min(times, key=lambda u: times[u].total_s)
+        for u in times:
+            overstated = (math.log(times[u].total_s / times[pick].total_s)
+                          - math.log(case.latency_ms[u] / case.latency_ms[pick]) - math.log(RIGHT_WITHIN))
+            share = sum((t.total_s - t.compute_s) / t.total_s for t in (times[u], times[pick]))
+            if u != pick and overstated > 0:
+                worst = max(worst, overstated / share)
+    return worst
+
+
+def structural_estimates(cases: list[Case]) -> dict[str, float]:
+    """``structural_estimate`` leaving each machine out in turn (by the machine left out), and
+    from all of them ("all", the shipped constant's estimate)."""
+    machines = sorted({case.hardware for case in cases})
+    estimates = {m: structural_estimate([c for c in cases if c.hardware != m]) for m in machines}
+    return {**estimates, "all": structural_estimate(cases)}
+
+
+def confidence(cases: list[Case], structural: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per machine and overall: how often a clear pick was right and a tie held the best, each
+    machine's cases judged with the structural error estimated without it (``structural``)."""
     counts: dict[str, dict[str, float]] = {}
     for case in cases:
         chosen, predicted = picks(case)
         pick = chosen["cptune"]
         others = [config_for(case.ranks, u) for u in case.latency_ms if u != pick]
         profile = DescribedProfile(load_description(case.hardware))
-        ties = prior_ties(case.workload, config_for(case.ranks, pick), others, profile)
+        ties = prior_ties(case.workload, config_for(case.ranks, pick), others, profile,
+                          structural=structural[case.hardware])
         tied = {pick} | {ulysses_degree(t.other) for t in ties}
         best = min(case.latency_ms, key=case.latency_ms.__getitem__)
         for key in (case.hardware, "all"):
@@ -221,6 +252,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the full result as JSON here")
     parser.add_argument("--sensitivity", action="store_true",
                         help="rescore with each figure at either end of its range")
+    parser.add_argument("--structural", action="store_true",
+                        help="estimate the prior's structural error, leaving each machine out in turn")
     parser.add_argument("--confidence", action="store_true",
                         help="score how sure cptune says it is: clear picks right, ties holding the best")
     args = parser.parse_args()
@@ -233,9 +266,15 @@ def main() -> None:
         for row in result["sensitivity"]:
             print(f"{row['hardware']:12} {row['figure'] + ' ' + row['end']:48} "
                   f"{row['median_regret']:7.3f} {row['worst_regret']:7.3f}")
+    if args.structural or args.confidence:
+        result["structural"] = structural_estimates(cases)
+        print(f"\nthe prior's structural error, estimated leaving each machine out (shipped: "
+              f"{STRUCTURAL_ERROR}):")
+        print("  ".join(f"{m}: {e:.3f}" for m, e in result["structural"].items()))
     if args.confidence:
-        result["confidence"] = confidence(cases)
-        print("\nhow sure cptune says it is (a clear pick is right within 2% of the published best):")
+        result["confidence"] = confidence(cases, result["structural"])
+        print("\nhow sure cptune says it is (a clear pick is right within 2% of the published best;\n"
+              "each machine judged with the structural error estimated without it):")
         print(render_confidence(result["confidence"]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

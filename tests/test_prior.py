@@ -22,7 +22,14 @@ from cptune.engines import ENGINES
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
 from cptune.layout import rank_groups
-from cptune.model import CalibratedProfile, DescribedProfile, computed_flops, prior_time
+from cptune.model import (
+    STRUCTURE,
+    CalibratedProfile,
+    DescribedProfile,
+    computed_flops,
+    prior_ties,
+    prior_time,
+)
 from cptune.model._prior import FigureSwing, Tie, decide, figure_swings, prior_range
 from cptune.workload import Workload
 
@@ -245,6 +252,7 @@ class Recording:
 
     charges_ring_steps = property(lambda self: self.inner.charges_ring_steps)
     launch_s = property(lambda self: self.inner.launch_s)
+    attention_call_s = property(lambda self: self.inner.attention_call_s)
     overlap_slowdown = property(lambda self: self.inner.overlap_slowdown)
     attention_kernel = property(lambda self: self.inner.attention_kernel)
     stream = property(lambda self: self.inner.stream)
@@ -321,7 +329,35 @@ def test_described_compute_runs_gemms_then_one_exponential_per_pair():
     t = prior_time(workload, config, DescribedProfile(h100))
     flops = analytic_cost(workload, config).flops
     pairs = flops / (4 * 128)
-    assert t.compute_s == pytest.approx(flops / matmul + pairs / exponentials, rel=1e-12)
+    call = h100.figure("device.attention_call_us")  # one call: Ulysses attends once
+    assert t.compute_s == pytest.approx(flops / matmul + pairs / exponentials + call, rel=1e-12)
+
+
+def test_every_attention_call_costs_at_least_its_fixed_cost():
+    """One token still pays for the call (issue 33 item 9: 55 ns predicted for seq_len 1),
+    and the Ring pays it once per block it attends to (issue 32's per-call mechanism)."""
+    h100 = load_description("h100-sxm-8")
+    call = h100.figure("device.attention_call_us")
+    profile = DescribedProfile(h100)
+    one_token = Workload(seq_len=1, heads=8, head_dim=64)
+    assert prior_time(one_token, CPConfig("ring", 1), profile).total_s >= call
+    tiny = Workload(seq_len=64, heads=8, head_dim=64)
+    assert prior_time(tiny, CPConfig("ring", 8), profile).compute_s >= 8 * call
+    no_floor = DescribedProfile(h100.with_figure("device.attention_call_us", 1e-12))
+    assert (prior_time(tiny, CPConfig("ring", 8), profile).compute_s
+            - prior_time(tiny, CPConfig("ring", 8), no_floor).compute_s) == pytest.approx(8 * call, rel=1e-6)
+
+
+def test_the_structural_error_ties_what_the_figures_alone_would_settle():
+    h100 = DescribedProfile(load_description("h100-sxm-8"))
+    workload = Workload(seq_len=16896, heads=24, head_dim=128)
+    pick, other = CPConfig("ulysses", 8), CPConfig("allgather_kv", 8)
+    assert prior_time(workload, pick, h100).total_s < prior_time(workload, other, h100).total_s
+    assert prior_ties(workload, pick, [other], h100, structural=0.0) == ()
+    ties = prior_ties(workload, pick, [other], h100)
+    assert [(t.other, t.figure, t.end) for t in ties] == [(other, STRUCTURE, "")]
+    # the Ring on 8 ranks spends far longer than the pick: no error of this size reaches it
+    assert prior_ties(workload, pick, [CPConfig("ring", 1)], h100) == ()
 
 
 def test_small_head_dims_compute_slower_per_flop():

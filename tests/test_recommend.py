@@ -13,7 +13,7 @@ from cptune.cost import analytic_cost
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import builtin_descriptions, load_description, this_host
-from cptune.model import DescribedProfile, prior_time, recommend, training_set
+from cptune.model import STRUCTURE, DescribedProfile, prior_time, recommend, training_set
 from cptune.model._prior import figure_swings, prior_range
 from cptune.model._recommend import SOURCES
 from cptune.store import Store
@@ -273,7 +273,8 @@ def test_configurations_the_figures_cannot_order_are_reported_with_the_deciding_
     per-step launches decide between it and Ulysses."""
     text = (
         'ranks_per_node = 4\n[device]\nname = "g"\nmatmul_tflops = { bf16 = 100 }\nsoftmax_tops = 2\n'
-        "memory_gbps = 1000\nlaunch_us = { value = 2, low = 1, high = 200 }\noverlap_slowdown = 0.1\n"
+        "memory_gbps = 1000\nlaunch_us = { value = 2, low = 1, high = 200 }\nattention_call_us = 2\n"
+        "overlap_slowdown = 0.1\n"
         '[links.node]\nname = "n"\nbandwidth_gbps = 10\nlatency_us = 5\n'
     )
     path = tmp_path / "vague.toml"
@@ -281,12 +282,13 @@ def test_configurations_the_figures_cannot_order_are_reported_with_the_deciding_
     workload = Workload(seq_len=4096, heads=8, head_dim=128)
     rec = recommend(workload, hardware=str(path), ranks=4, db=db)
     assert rec.ties, [(c.config.label, c.latency_ms, c.low_ms, c.high_ms) for c in rec.candidates]
-    assert all(t.figure == "device.launch_us" for t in rec.ties)
+    assert {t.figure for t in rec.ties} <= {"device.launch_us", STRUCTURE}
     data = json.loads(json.dumps(rec.to_dict()))
-    assert data["ties"][0]["figure"] == "device.launch_us" and data["ties"][0]["end"] in ("low", "high")
-    assert data["ties"][0]["label"] in {c.config.label for c in rec.candidates[1:]}
-    # the figures of a shipped description settle this one
-    assert recommend(workload, hardware="h100-sxm-8", ranks=8, db=db).ties == ()
+    by_launch = [t for t in data["ties"] if t["figure"] == "device.launch_us"]
+    assert by_launch and all(t["end"] in ("low", "high") for t in by_launch)
+    assert {t["label"] for t in data["ties"]} <= {c.config.label for c in rec.candidates[1:]}
+    # the figures of a shipped description settle this one; the prior's own error does not
+    assert {t.figure for t in recommend(workload, hardware="h100-sxm-8", ranks=8, db=db).ties} == {STRUCTURE}
 
 
 # --------------------------------------------------------------------------- marked rows, memory

@@ -124,7 +124,7 @@ def run_fit(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_recommend(args: argparse.Namespace, console: Console) -> int:
-    from cptune.model import recommend
+    from cptune.model import STRUCTURE, recommend
 
     workload = workload_of(args, args.seq_len)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend)
@@ -148,9 +148,10 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     if pick.verdict is not None:
         say(console, ("measured verdict:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
     for tie in pick.ties:
-        say(console, ("tied within what the description's figures allow:", "yellow"),
-             f" {tie.other.label} on {tie.other.ranks} may be faster; "
-             f"{tie.figure} at its {tie.end} end decides")
+        decides = ("the prior's own error covers the gap" if tie.figure == STRUCTURE
+                   else f"{tie.figure} at its {tie.end} end decides")
+        say(console, ("tied within what the prior can tell apart:", "yellow"),
+             f" {tie.other.label} on {tie.other.ranks} may be faster; {decides}")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:

@@ -26,6 +26,8 @@ should cite where it comes from in a comment)::
     softmax_tops = 3.9          # exponentials per second, 1e12/s (special function units)
     memory_gbps = 2900          # GB/s memory-bound kernels reach (permutes, merges)
     launch_us = 10              # fixed cost of one kernel launch, microseconds
+    attention_call_us = 27      # optional: fixed cost of one attention call however little its
+                                # work (default launch_us): t = this + FLOPs / rate
     overlap_slowdown = 0.1      # share of its speed compute loses while communication runs beside it
 
     [links.node]                # required: links between the ranks of one node
@@ -78,7 +80,7 @@ from cptune.workload import WIRE_DTYPES
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("description", "ranks_per_node", "nodes", "device", "links")
 DEVICE_KEYS = ("name", "memory_gib", "matmul_tflops", "softmax_tops", "memory_gbps", "launch_us",
-               "overlap_slowdown")
+               "attention_call_us", "overlap_slowdown")
 LINKS_KEYS = ("node", "domains", "network")
 LINK_KEYS = ("name", "bandwidth_gbps", "latency_us")
 DOMAIN_KEYS = ("name", "ranks", "bandwidth_gbps", "latency_us", "uplink_gbps")
@@ -97,6 +99,7 @@ ALL_TO_ALL_KINDS = frozenset({"all_to_all"})
 _UNITS = {
     "matmul_tflops": ("TFLOP/s", 1e12), "softmax_tops": ("1e12 exponentials/s", 1e12),
     "memory_gbps": ("GB/s", 1e9), "launch_us": ("microseconds", 1e-6),
+    "attention_call_us": ("microseconds", 1e-6),
     "overlap_slowdown": ("fraction (0 to 1)", 1.0), "bandwidth_gbps": ("GB/s", 1e9),
     "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9),
 }
@@ -121,6 +124,7 @@ _EXAMPLES = {
     "device.softmax_tops": "softmax_tops = { value = 3.9, low = 2.0, high = 3.9 }",
     "device.memory_gbps": "memory_gbps = { value = 2900, low = 2600, high = 3100 }",
     "device.launch_us": "launch_us = { value = 10, low = 5, high = 20 }",
+    "device.attention_call_us": "attention_call_us = { value = 27, low = 20, high = 35 }",
     "device.overlap_slowdown": "overlap_slowdown = { value = 0.1, low = 0.05, high = 0.3 }",
     "links": _NODE_EXAMPLE,
     "links.node": _NODE_EXAMPLE,
@@ -470,6 +474,10 @@ def _load(file: str, name: str) -> HardwareDescription:
     _read_matmul(r, device, figures)
     for key in ("softmax_tops", "memory_gbps", "launch_us", "overlap_slowdown"):
         figures[f"device.{key}"] = _figure(r, r.value(device, key, "device", required=True), f"device.{key}")
+    raw = r.value(device, "attention_call_us", "device", required=False)
+    # an attention call is at least one launched kernel
+    figures["device.attention_call_us"] = (figures["device.launch_us"] if raw is None
+                                           else _figure(r, raw, "device.attention_call_us"))
     if figures["device.overlap_slowdown"].high >= 1:
         raise r.fail("device.overlap_slowdown", "out of range: a share of compute speed must be below 1"
                      f"{r.example('device.overlap_slowdown')}")

@@ -19,6 +19,8 @@ from cptune.model._evaluation import (
     load_training,
 )
 from cptune.model._prior import (
+    STRUCTURAL_ERROR,
+    STRUCTURE,
     CalibratedProfile,
     DescribedProfile,
     Profile,
@@ -58,6 +60,8 @@ __all__ = [
     "predict_for",
     "predicted",
     "prior_ties",
+    "STRUCTURAL_ERROR",
+    "STRUCTURE",
     "prior_time",
     "recommend",
     "training_set",

@@ -130,7 +130,7 @@ class Recommendation:
         if self.ties:
             names = [self.config.describe(), *(t.other.describe() for t in self.ties)]
             return (f"{', '.join(names[:-1])} and {names[-1]} tied within what the description's figures "
-                    f"allow ({evidence})")
+                    f"and the prior's own error allow ({evidence})")
         return f"{self.config.describe()} ({evidence})"
 
     def to_dict(self) -> dict[str, object]:
