@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py: its plan at full size, and a smoke run on the CPU at tiny shapes
+"""benchmarks/gpu_check.py and gpu_attention_calls.py: gpu_check's plan at full size, the per-call fit, and
+smoke runs on the CPU at tiny shapes
 (the ratios there say nothing about a GPU; they only have to be numbers)."""
 
 from __future__ import annotations
@@ -53,3 +54,19 @@ def test_a_quick_cpu_run_prints_a_table_of_finite_ratios(tmp_path, capsys):
               if not row.startswith("elapsed")}
     assert pieces == set(gpu_check.PIECES)
     assert lines[-1].startswith("elapsed") and "for 42 cases" in lines[-1]
+
+
+attention_calls = load_benchmark("gpu_attention_calls")
+
+
+def test_the_per_call_fit_recovers_a_known_floor_and_rate():
+    points = [(flops, 30e-6 + flops / 600e12) for flops in (1e8, 1e9, 1e10, 1e11, 1e12)]
+    floor, rate = attention_calls.fit(points)
+    assert floor == pytest.approx(30e-6, rel=1e-6) and rate == pytest.approx(600e12, rel=1e-6)
+
+
+def test_a_quick_cpu_run_of_the_attention_calls_writes_its_table(tmp_path):
+    out = tmp_path / "calls.txt"
+    assert attention_calls.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "sdpa" in text and "fixed costs:" in text and "floor us" in text

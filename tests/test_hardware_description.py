@@ -186,7 +186,8 @@ def test_full_file_is_read_with_every_unit(tmp_path):
     assert {k: v.value for k, v in description.figures.items()} == pytest.approx({
         "device.matmul_tflops.bf16": 100e12, "device.matmul_tflops.fp32": 10e12, "device.softmax_tops": 2e12,
         "device.memory_gbps": 1000e9, "device.launch_us": 5e-6, "device.attention_call_us": 5e-6,
-        "device.overlap_slowdown": 0.1, "links.node.bandwidth_gbps.default": 200e9, "links.node.latency_us": 10e-6,
+        "device.overlap_slowdown": 0.1, "links.node.bandwidth_gbps.default": 200e9,
+        "links.node.latency_us": 10e-6,
         "links.network.bandwidth_gbps.default": 25e9, "links.network.latency_us": 30e-6,
         "links.network.uplink_gbps.default": 4 * 25e9,
     })
