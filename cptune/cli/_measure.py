@@ -15,10 +15,12 @@ from cptune.cli._common import (
     DB_HELP,
     MAX_RANKS_HELP,
     USAGE_ERROR,
+    UsageError,
     add_backend,
     add_workload_flags,
     non_negative,
     positive,
+    positive_list,
     seconds,
     table,
     warn,
@@ -47,6 +49,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     add_workload_flags(measure, defaults=_MEASURE_DEFAULTS, with_strategies=True)
     measure.add_argument("--max-ranks", type=positive, default=None, help=MAX_RANKS_HELP)
+    measure.add_argument("--ranks", type=positive_list, default=None,
+                         help="only these rank counts, e.g. 2 or 2,4 (instead of 1..--max-ranks)")
+    measure.add_argument("--head-group", type=positive, default=None,
+                         help="only this Ulysses degree u: u-way Ulysses x ranks/u-way strategy (1: the pure "
+                              "strategy; default: every one); with --strategies and --ranks it names one "
+                              "configuration, as a search's output does")
     measure.add_argument("--warmup", type=non_negative, default=2, help="untimed iterations (default 2)")
     measure.add_argument("--repeats", type=positive, default=10, help="timed iterations (default 10)")
     measure.add_argument("--timeout", type=seconds, default=None,
@@ -98,6 +106,8 @@ def _measurements_table(
 
 def run_measure(args: argparse.Namespace, console: Console) -> int:
     workload = workload_of(args, args.seq_len)
+    if args.ranks and args.max_ranks:
+        raise UsageError("give --ranks (these rank counts) or --max-ranks (1 up to it), not both")
     # drawn from the first configuration on: what is refused before anything runs draws nothing
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True, disable=args.json)
@@ -112,7 +122,8 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     try:
         results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
                                         backend=args.backend, warmup=args.warmup, repeats=args.repeats,
-                                        timeout=args.timeout, on_config=on_config)
+                                        timeout=args.timeout, on_config=on_config, ranks=args.ranks,
+                                        head_group=args.head_group)
     finally:
         if progress.live.is_started:
             progress.stop()

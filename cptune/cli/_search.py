@@ -294,12 +294,8 @@ class LiveSearch:
                               f"not counted, visited again")
         if second or not unconfirmed:
             self.finished.add(seq_len)
-        if search.never_clean:
-            names = ", ".join(c.describe() for c in search.never_clean)
-            them = "it" if len(search.never_clean) == 1 else "them"
-            say(self.console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
-                              f"(other load each time), so the verdict leaves {them} out; rerun when the "
-                              f"host is quiet")
+            for left in search.left_out:  # once the length's search is over, never silently
+                say(self.console, (f"seq {seq_len}: ", "yellow"), left.describe())
         self._redraw()
 
     def close(self) -> None:

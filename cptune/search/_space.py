@@ -121,13 +121,15 @@ class SpaceSearch:
         return {seq_len: search.verdict for seq_len, search in self.searches.items()}
 
     def describe(self) -> str:
-        """Each sequence length's verdict in words, a line each, as ``cptune search`` ends."""
+        """Each sequence length's verdict in words, a line each, and a line for each
+        configuration it leaves out (``WorkloadSearch.left_out``), as ``cptune search`` ends."""
         verdicts = self.verdicts
         lines = []
         for seq_len in self.space.seq_lens:
             if seq_len in verdicts:
                 verdict = verdicts[seq_len]
                 lines.append(f"seq {seq_len}: {verdict.describe() if verdict else 'nothing ran clean'}")
+                lines += [f"seq {seq_len}: {left.describe()}" for left in self.searches[seq_len].left_out]
             elif seq_len in self.skipped:
                 lines.append(f"seq {seq_len}: not searched, this node refuses every configuration")
         return "\n".join(lines)
