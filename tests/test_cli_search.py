@@ -247,7 +247,8 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
     assert any(line.startswith("seq 64: Ring on 2 ranks left out of the verdict: it never ran clean in 4 "
                                "visit(s) (other load each time); searches do not run it again") and
                line.endswith("measure it alone with: cptune measure --seq-len 64 --heads 4 --head-dim 16 "
-                             "--dtype bf16 --strategies ring --ranks 2 --head-group 1") for line in lines), out
+                             "--dtype bf16 --strategies ring --ranks 2 --head-group 1")
+               for line in lines), out
     assert any(line.startswith("seq 64: local attention on 1 rank, faster than") for line in lines), out
     assert any(line.startswith("4 configuration(s) measured now in 7 visit(s) (0 failed, stored with their "
                                "reason; 4 disturbed") for line in lines), out
@@ -320,8 +321,8 @@ def test_a_crashed_configuration_is_named_with_the_command_that_measures_it_and_
     assert first.returncode == 0, first.stdout + first.stderr
     (line,) = [line for line in first.stdout.splitlines() if "left out of the verdict" in line]
     assert line.startswith("seq 64: Ring on 2 ranks left out of the verdict: its latest run failed (crash: a "
-                           "rank crashed while running Ring on 2 ranks: rank 1 died); the next search of this "
-                           "space runs it once more; measure it alone with: cptune measure "), line
+                           "rank crashed while running Ring on 2 ranks: rank 1 died); the next search of "
+                           "this space runs it once more; measure it alone with: cptune measure "), line
     command = line.partition("measure it alone with: cptune ")[2].split()
     measured = []
     monkeypatch.setattr("cptune.execute.measure", lambda workload, config, **_: measured.append(

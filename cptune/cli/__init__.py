@@ -4,14 +4,15 @@
 (``_measure``), ``doctor`` (``_doctor``), ``fit`` and ``recommend`` (``_model``), ``export``,
 ``export-graph`` and ``report`` (``_outputs``). Bad input (flags, space files, databases)
 ends with one line on stderr naming the problem and the fix, and exit code 2; never a
-traceback. Normal output goes
-to stdout (to stderr when stdout carries --json or --csv); errors and warnings always to
-stderr. Text from users and messages is printed as text, never as Rich markup.
+traceback. So does a full disk (``ENOSPC``; the store's ``DiskFullError`` for the database).
+Normal output goes to stdout (to stderr when stdout carries --json or --csv); errors and
+warnings always to stderr. Text from users and messages is printed as text, never as Rich markup.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
 import sys
@@ -82,6 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         warn(("interrupted", "yellow"), ": every finished measurement is stored; rerun to resume")
         return 130
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        warn(("cptune: error:", "red"), f" no space left on the device{where}: every finished measurement "
+                                        f"is stored; free space there, then run the same command again: it "
+                                        f"resumes where it stopped")
+        return USAGE_ERROR
     except BrokenPipeError:
         # the reader left (cptune results --csv | head -1): nothing more to say, and the
         # interpreter's last flush must not fail on the closed pipe either

@@ -66,13 +66,15 @@ from cptune.search._trials import (
     view_trial,
 )
 from cptune.space import ORDERS
-from cptune.store import Result, Store, StoreError
+from cptune.store import Result, Store
 from cptune.workload import Workload
 
 # the search reports each failure itself; Optuna would also log every trial an exception
 # ends (Ctrl-C included) with its traceback
 optuna.logging.set_verbosity(logging.ERROR)
 
+#: What a study view that cannot be written leaves (``WorkloadSearch._sync_view``).
+_STUDY_LACKS = "; every measurement is stored, and the next search adds what the study lacks"
 #: The objective of a configuration whose run failed; the constraint marks it infeasible.
 FAILED_LATENCY_MS = float("inf")
 _WARM_START = 3
@@ -334,10 +336,9 @@ class WorkloadSearch:
             for row in stored:
                 if row.id not in kept:
                     view.add_trial(view_trial(row))
-        except optuna.exceptions.StorageInternalError:
-            raise StoreError(f"cannot add to the Optuna study {view.study_name!r} in {self.store.url} (is "
-                             f"another process holding the database?); every measurement is stored, and "
-                             f"the next search adds what the study lacks") from None
+        except optuna.exceptions.StorageInternalError as exc:
+            doing = f"add to the Optuna study {view.study_name!r}"
+            raise self.store.failed(exc, doing, _STUDY_LACKS) from None
 
     def run(self) -> list[Visit]:
         """Explore, run the rounds, race; every visit (and each configuration the exploration
@@ -346,9 +347,12 @@ class WorkloadSearch:
         deadline = None if self.time_budget is None else started + self.time_budget
         self.verdict = self.current_verdict()
         if self.study_storage is not None:
-            self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
-                                             load_if_exists=True,
-                                             study_name=study_name(self.workload, self.hardware))
+            name = study_name(self.workload, self.hardware)
+            try:
+                self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
+                                                 load_if_exists=True, study_name=name)
+            except optuna.exceptions.StorageInternalError as exc:
+                raise self.store.failed(exc, f"keep the Optuna study {name!r}", _STUDY_LACKS) from None
             self._sync_view(self._view, self._ledger().stored)
         visits: list[Visit] = []
         self._explore(visits)
