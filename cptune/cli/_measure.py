@@ -14,6 +14,7 @@ from cptune.calibration import REPEATS, ROUNDS, Calibration
 from cptune.cli._common import (
     DB_HELP,
     MAX_RANKS_HELP,
+    SHARE_DB_HELP,
     USAGE_ERROR,
     UsageError,
     add_backend,
@@ -72,6 +73,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         ),
     )
     calibrate.add_argument("--db", help=DB_HELP)
+    calibrate.add_argument("--share-db", action="store_true", help=SHARE_DB_HELP)
     calibrate.add_argument("--max-ranks", type=positive, help=MAX_RANKS_HELP)
     calibrate.add_argument("--repeats", type=positive, default=REPEATS,
                            help=f"timed iterations per point in each round (default {REPEATS})")
@@ -179,7 +181,8 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
     try:
         _, calibration = calibrate_host(
             args.db, backend=args.backend, max_ranks=args.max_ranks, oversubscribe=args.oversubscribe,
-            repeats=args.repeats, rounds=args.rounds, progress=shown,  # type: ignore[arg-type] - by shape
+            repeats=args.repeats, rounds=args.rounds, share=args.share_db,
+            progress=shown,  # type: ignore[arg-type] - a SearchProgress by shape
         )
     finally:
         shown.close()

@@ -89,6 +89,8 @@ OPTUNA_TABLES = frozenset({
     "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
     "trial_user_attributes", "trial_values", "trials", "version_info",
 })
+#: The commands whose ``--share-db`` passes ``Store(share=True)``: those that create cptune's tables.
+SHARING_COMMANDS = "cptune search, calibrate or doctor"
 #: How many of another program's tables a refusal names.
 _NAMED_TABLES = 3
 
@@ -314,7 +316,8 @@ class Store:
                                  "SCHEMA cptune, then add ?options=-csearch_path%3Dcptune to the URL)")
                     raise StoreError(
                         f"database {where} holds another program's tables ({_some(foreign)}) and no cptune "
-                        f"data; cptune leaves it untouched: pass {elsewhere}"
+                        f"data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
+                        f"{SHARING_COMMANDS} to keep cptune's tables beside theirs"
                     )
             if backend == "sqlite":
                 _sqlite_setup(self.engine)
