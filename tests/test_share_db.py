@@ -9,8 +9,8 @@ import pytest
 
 from conftest import assert_refused, measurement, stand_in_measuring
 
-SEARCH = ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", "1,2", "--no-calibrate",
-          "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0"]
+SEARCH = ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", "1,2",
+          "--no-calibrate", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0"]
 
 
 @pytest.fixture
@@ -29,12 +29,13 @@ def other_app(tmp_path):
 def test_the_refusal_names_the_flag_that_shares(cptune_here, other_app, command):
     before = hashlib.sha256(other_app.read_bytes()).hexdigest()
     assert_refused(cptune_here(*command, "--db", other_app), "holds another program's tables (orders, users)",
-                   "or add --share-db to cptune search, calibrate or doctor to keep cptune's tables beside theirs")
+                   "or add --share-db to cptune search, calibrate or doctor to keep cptune's tables beside "
+                   "theirs")
     assert hashlib.sha256(other_app.read_bytes()).hexdigest() == before
 
 
-def test_with_the_flag_a_search_keeps_its_results_beside_the_other_programs_tables(cptune_here, other_app,
-                                                                                   monkeypatch):
+def test_with_the_flag_a_search_keeps_its_results_beside_the_other_programs_tables(
+        cptune_here, other_app, monkeypatch):
     stand_in_measuring(monkeypatch, lambda workload, config, **_: measurement(workload, config, 10.0))
     searched = cptune_here(*SEARCH, "--db", other_app, "--share-db")
     assert searched.returncode == 0, searched.stdout + searched.stderr

@@ -15,6 +15,7 @@ import argparse
 import errno
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -67,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
     restore_sigint = CTRL_C.install()
+    restore_termination = _exit_on_termination()
     try:
         command = functools.partial(COMMANDS[args.command], args, console)
         if getattr(args, "backend", None) == "torch" and args.command in RANK_COMMANDS:
@@ -97,7 +99,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
+        restore_termination()
         restore_sigint()
+
+
+def _exit_on_termination() -> Callable[[], None]:
+    """SIGTERM and SIGHUP (where their action is the default: to end the process on the spot)
+    become ``SystemExit(128 + signal)``, so the way out runs: the engines' pools stop and
+    their folders are removed (``atexit``), and a search's finished measurements are stored
+    as always. Returns what puts the previous handlers back."""
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, lambda number, frame: sys.exit(128 + number))
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    return restore
 
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
