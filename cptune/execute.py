@@ -173,15 +173,28 @@ def measure_all(
     repeats: int = 10,
     timeout: float | None = None,
     on_config: Callable[[CPConfig, int, int], None] | None = None,
+    ranks: Sequence[int] | None = None,
+    head_group: int | None = None,
 ) -> tuple[list[Measurement], list[tuple[CPConfig, EngineError]]]:
     """``measure`` every feasible configuration of ``workload`` on 1..``max_ranks`` ranks
     (default: the engine's capacity here, this host's cores or its GPUs), one after another:
     the measurements, and each configuration whose run failed with its ``EngineError``.
+    ``ranks`` keeps only those rank counts (``max_ranks`` is then not used) and
+    ``head_group`` only that Ulysses degree, so one configuration can be measured alone.
     ``on_config(config, index, total)`` is told before each one runs."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
     engine = _timed_engine(backend)
-    engine.preflight(max_ranks or 1)
-    configs = enumerate_configs(workload, max_ranks or engine.capacity(), tuple(strategies))
+    largest = max(ranks) if ranks else max_ranks
+    engine.preflight(largest or 1)
+    largest = largest or engine.capacity()
+    configs = [c for c in enumerate_configs(workload, largest, tuple(strategies))
+               if (not ranks or c.ranks in ranks) and (head_group is None or c.head_group == head_group)]
+    if not configs:
+        counts = f"{', '.join(map(str, ranks))} rank(s)" if ranks else f"1..{largest} ranks"
+        group = "" if head_group is None else f" with head group {head_group}"
+        raise InfeasibleConfigError(
+            f"no configuration of {', '.join(strategies)} on {counts}{group} can run {workload.describe()}: "
+            f"a head group must divide the ranks (ulysses: equal them) and the heads", [])
     configs = _fitting(workload, configs, rank_memory_limit(engine))
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []

@@ -244,7 +244,11 @@ def test_search_says_how_many_visits_were_disturbed_and_which_never_ran_clean(tm
     assert code == 0, out
     lines = out.splitlines()
     assert "seq 64: 4 visit(s) disturbed by other load: stored marked, not counted, visited again" in lines
-    assert any(line.startswith("seq 64: Ring on 2 ranks never ran clean in 4 visits") for line in lines), out
+    assert any(line.startswith("seq 64: Ring on 2 ranks left out of the verdict: it never ran clean in 4 "
+                               "visit(s) (other load each time); searches do not run it again") and
+               line.endswith("measure it alone with: cptune measure --seq-len 64 --heads 4 --head-dim 16 "
+                             "--dtype bf16 --strategies ring --ranks 2 --head-group 1")
+               for line in lines), out
     assert any(line.startswith("seq 64: local attention on 1 rank, faster than") for line in lines), out
     assert any(line.startswith("4 configuration(s) measured now in 7 visit(s) (0 failed, stored with their "
                                "reason; 4 disturbed") for line in lines), out
@@ -289,3 +293,44 @@ def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monk
                          "leave it out")
     monkeypatch.setattr("cptune.cli._search.oversubscribed", lambda ranks: False)
     assert "oversubscribe" not in verdict_line(64, verdict, second=False, unconfirmed=False)
+
+
+def test_a_crashed_configuration_is_named_with_the_command_that_measures_it_and_retried_once(
+        tmp_path, monkeypatch, capsys, cptune_here):
+    """In process, with ``measure`` standing in: Ring on 2 ranks crashes in the first search
+    only. The first search's output names it, says the next search retries it and gives the
+    ``cptune measure`` command, which measures exactly that configuration; the second search
+    runs it and leaves nothing out."""
+    from cptune import CPConfig
+    from cptune.errors import EngineError
+
+    ring = CPConfig("ring", 2)
+    ran, crashed = [], []
+
+    def measure(workload, config, **_):
+        ran.append(config)
+        if config == ring and not crashed:
+            crashed.append(config)
+            raise EngineError("crash", "a rank crashed while running Ring on 2 ranks: rank 1 died.\ntail")
+        return measurement(workload, config, 10.0 * config.ranks)
+
+    stand_in_measuring(monkeypatch, measure)
+    search = ["search", "--db", tmp_path / "r.db", *QUICK[:4], "--seq-lens", "64", "--ranks", "1,2",
+              "--no-calibrate", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0"]
+    first = cptune_here(*search)
+    assert first.returncode == 0, first.stdout + first.stderr
+    (line,) = [line for line in first.stdout.splitlines() if "left out of the verdict" in line]
+    assert line.startswith("seq 64: Ring on 2 ranks left out of the verdict: its latest run failed (crash: a "
+                           "rank crashed while running Ring on 2 ranks: rank 1 died); the next search of "
+                           "this space runs it once more; measure it alone with: cptune measure "), line
+    command = line.partition("measure it alone with: cptune ")[2].split()
+    measured = []
+    monkeypatch.setattr("cptune.execute.measure", lambda workload, config, **_: measured.append(
+        (workload.seq_len, config)) or measurement(workload, config, 20.0))
+    alone = cptune_here(*command)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert measured == [(64, ring)]  # that configuration alone
+    ran.clear()
+    second = cptune_here(*search)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert ring in ran and "left out" not in second.stdout

@@ -134,6 +134,10 @@ def test_cli_table(capsys):
     (["measure", "--heads", "0"], "--heads"),
     (["measure", "--strategies", "ring,zigzag"], "zigzag"),
     (["measure", "--dtype", "fp8"], "--dtype"),
+    (["measure", "--ranks", "2", "--max-ranks", "4"], "give --ranks (these rank counts) or --max-ranks"),
+    (["measure", "--strategies", "ulysses", "--ranks", "2", "--head-group", "1"],
+     "no configuration of ulysses on 2 rank(s) with head group 1 can run"),
+    (["measure", "--ranks", "2,2"], "listed twice"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
     try:

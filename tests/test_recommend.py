@@ -155,11 +155,14 @@ def test_unknown_hardware_names_the_shipped_descriptions(db):
     assert "h100-sxm-8" in message
 
 
-def test_this_host_without_a_calibration_says_to_calibrate(tmp_path):
+def test_this_host_without_a_calibration_answers_from_its_measurements_and_else_says_to_calibrate(tmp_path):
     path = str(tmp_path / "r.db")
     add_measurements(path, measurement(W, CPConfig("ring", 2), 7.5))  # measured, never calibrated
+    rec = recommend(W, db=path)
+    assert rec.config == CPConfig("ring", 2) and [c.source for c in rec.candidates] == ["measured"]
+    assert rec.unpredicted and CPConfig("ring", 2) not in rec.unpredicted  # the rest: nothing to predict with
     with pytest.raises(CPTuneError, match="cptune calibrate"):
-        recommend(W, db=path)
+        recommend(W.shape.at(2 * W.seq_len), db=path)
     with pytest.raises(CPTuneError, match="cptune calibrate"):
         recommend(W, db=str(tmp_path / "empty.db"))
 

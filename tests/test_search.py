@@ -530,9 +530,10 @@ def test_what_is_known_combines_every_clean_visit_rather_than_taking_the_newest(
     host = this_host()
     for ms in (10.0, 40.0):  # the newest alone would say 40 ms
         store.add_measurement(host, measurement(WORKLOAD, RING, ms), round_id=f"r{ms}")
-    store.add_failure(host, WORKLOAD, AG, "timeout", "took too long", "mpi")
+    store.add_failure(host, WORKLOAD, AG, "wrong_output", "off by 1%", "mpi")
+    store.add_failure(host, WORKLOAD, ULY, "timeout", "took too long", "mpi")  # its one retry is due
     assert search(store).known() == {RING: ("ok", pytest.approx(20.0), None),
-                                     AG: ("timeout", None, "took too long")}
+                                     AG: ("wrong_output", None, "off by 1%")}
 
 
 def test_a_search_ends_even_when_its_new_runs_are_not_counted(store, monkeypatch):
@@ -550,3 +551,58 @@ def test_a_search_ends_even_when_its_new_runs_are_not_counted(store, monkeypatch
     s = search(store, configs=[RING], rounds=2, race_rounds=1)
     s.run()
     assert runs.calls == [RING] * s.max_attempts
+
+
+# --------------------------------------------------------------------------- failures retried, left out
+
+
+def failing(runs, monkeypatch, fails):
+    """``runs`` at 10 ms (AG 20 ms), except the runs ``fails(config, n)`` names (by the
+    configuration's n-th run, from 0), which raise an ``EngineError`` of that kind."""
+    from cptune.errors import EngineError
+
+    fake = runs(lambda config, n: (20.0 if config == AG else 10.0) * JITTER[n])
+
+    def measure(workload, config, **options):
+        kind = fails(config, fake.calls.count(config))
+        if kind is None:
+            return fake(workload, config, **options)
+        fake.calls.append(config)
+        raise EngineError(kind, f"a rank crashed while running {config.describe()}: rank 1 died.\nmore")
+
+    stand_in_measuring(monkeypatch, measure)
+    return fake
+
+
+def test_a_crashed_configuration_is_retried_once_by_the_next_search_and_named_until_then(store, runs,
+                                                                                      monkeypatch):
+    fake = failing(runs, monkeypatch, lambda config, n: "crash" if config == AG and n == 0 else None)
+    first = search(store, configs=[RING, AG], rounds=2, race_rounds=0)
+    first.run()
+    assert fake.calls.count(AG) == 1  # not again in the search it crashed in
+    assert first.verdict.leader.config == RING and not first.verdict.comparisons
+    (left,) = first.left_out
+    assert left.config == AG and left.status == "crash" and left.retried
+    assert f"its latest run failed (crash: a rank crashed while running {AG.describe()}" in left.reason
+    assert "the next search of this space runs it once more" in left.reason
+    assert left.command == ("cptune measure --seq-len 96 --heads 4 --head-dim 16 --dtype fp32 "
+                            f"--strategies {AG.strategy} --ranks 2 --head-group 1")
+    assert f"{AG.describe()} left out of the verdict" in left.describe() and left.command in left.describe()
+    second = search(store, configs=[RING, AG], rounds=2, race_rounds=0)
+    visits = second.run()
+    assert [v.status for v in visits if v.config == AG] == ["ok", "ok"]  # retried, then its round
+    assert second.left_out == () and {c.other for c in second.verdict.comparisons} == {AG}
+
+
+def test_a_configuration_that_crashes_again_or_computes_wrong_is_not_run_again(store, runs, monkeypatch):
+    fake = failing(runs, monkeypatch, lambda config, n: "crash" if config == AG else
+                   "wrong_output" if config == RING else None)
+    configs = [LOCAL, RING, AG]
+    for _ in range(3):
+        s = search(store, configs=configs, rounds=1, race_rounds=0)
+        s.run()
+    assert fake.calls.count(AG) == 2 and fake.calls.count(RING) == 1  # one retry of a crash; none of wrong
+    left = {entry.config: entry for entry in s.left_out}
+    assert set(left) == {RING, AG} and not any(entry.retried for entry in left.values())
+    assert "it failed again when retried" in left[AG].reason
+    assert "a failure of kind wrong_output is the configuration's, not the host's" in left[RING].reason

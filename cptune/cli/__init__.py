@@ -4,16 +4,18 @@
 (``_measure``), ``doctor`` (``_doctor``), ``fit`` and ``recommend`` (``_model``), ``export``,
 ``export-graph`` and ``report`` (``_outputs``). Bad input (flags, space files, databases)
 ends with one line on stderr naming the problem and the fix, and exit code 2; never a
-traceback. Normal output goes
-to stdout (to stderr when stdout carries --json or --csv); errors and warnings always to
-stderr. Text from users and messages is printed as text, never as Rich markup.
+traceback. So does a full disk (``ENOSPC``; the store's ``DiskFullError`` for the database).
+Normal output goes to stdout (to stderr when stdout carries --json or --csv); errors and
+warnings always to stderr. Text from users and messages is printed as text, never as Rich markup.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -66,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
     console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
     restore_sigint = CTRL_C.install()
+    restore_termination = _exit_on_termination()
     try:
         command = functools.partial(COMMANDS[args.command], args, console)
         if getattr(args, "backend", None) == "torch" and args.command in RANK_COMMANDS:
@@ -82,13 +85,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         warn(("interrupted", "yellow"), ": every finished measurement is stored; rerun to resume")
         return 130
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        warn(("cptune: error:", "red"), f" no space left on the device{where}: every finished measurement "
+                                        f"is stored; free space there, then run the same command again: it "
+                                        f"resumes where it stopped")
+        return USAGE_ERROR
     except BrokenPipeError:
         # the reader left (cptune results --csv | head -1): nothing more to say, and the
         # interpreter's last flush must not fail on the closed pipe either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
+        restore_termination()
         restore_sigint()
+
+
+def _exit_on_termination() -> Callable[[], None]:
+    """SIGTERM and SIGHUP (where their action is the default: to end the process on the spot)
+    become ``SystemExit(128 + signal)``, so the way out runs: the engines' pools stop and
+    their folders are removed (``atexit``), and a search's finished measurements are stored
+    as always. Returns what puts the previous handlers back."""
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, lambda number, frame: sys.exit(128 + number))
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    return restore
 
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]

@@ -24,6 +24,9 @@ USAGE_ERROR = 2
 Number = TypeVar("Number", int, float)
 
 DB_HELP = "database: a file path or SQLAlchemy URL (default: $CPTUNE_DB or ./cptune.db)"
+SHARE_DB_HELP = ("let cptune add its tables to a database that already holds other programs' tables "
+                 "(for example a PostgreSQL schema shared with other apps); theirs are left as they are. "
+                 "Without it such a database is refused untouched")
 MAX_RANKS_HELP = "largest rank count (default: this host's cores; its GPUs with a GPU backend)"
 HARDWARE_HELP = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
                  "h200-sxm-8, a100-sxm-8, a100-pcie-4, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) "

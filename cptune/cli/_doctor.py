@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cptune.cli._common import positive, say, table
+from cptune.cli._common import SHARE_DB_HELP, positive, say, table
 from cptune.engines import ENGINES, PROBES, UNTRIED, NodeVerdict
 
 #: Exit code of a doctor that ran and found a probe failing.
@@ -47,6 +47,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     doctor.add_argument("--db", help="keep the verdict in this database (a file path or SQLAlchemy URL), "
                                      "where searches on this host go by it instead of probing (default: "
                                      "not kept)")
+    doctor.add_argument("--share-db", action="store_true", help=SHARE_DB_HELP)
 
 
 def verdict_table(verdict: NodeVerdict, where: str) -> Table:
@@ -88,7 +89,8 @@ def run_doctor(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import check_host
     from cptune.store import display_url
 
-    hardware, verdict = check_host(args.db, backend=args.backend, max_ranks=args.max_ranks)
+    hardware, verdict = check_host(args.db, backend=args.backend, max_ranks=args.max_ranks,
+                                   share=args.share_db)
     console.print(verdict_table(verdict, hardware.describe()))
     say(console, summary(verdict, args.backend, display_url(args.db) if args.db else None))
     return 0 if verdict.healthy else UNHEALTHY

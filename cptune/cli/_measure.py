@@ -14,11 +14,14 @@ from cptune.calibration import REPEATS, ROUNDS, Calibration
 from cptune.cli._common import (
     DB_HELP,
     MAX_RANKS_HELP,
+    SHARE_DB_HELP,
     USAGE_ERROR,
+    UsageError,
     add_backend,
     add_workload_flags,
     non_negative,
     positive,
+    positive_list,
     seconds,
     table,
     warn,
@@ -47,6 +50,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     add_workload_flags(measure, defaults=_MEASURE_DEFAULTS, with_strategies=True)
     measure.add_argument("--max-ranks", type=positive, default=None, help=MAX_RANKS_HELP)
+    measure.add_argument("--ranks", type=positive_list, default=None,
+                         help="only these rank counts, e.g. 2 or 2,4 (instead of 1..--max-ranks)")
+    measure.add_argument("--head-group", type=positive, default=None,
+                         help="only this Ulysses degree u: u-way Ulysses x ranks/u-way strategy (1: the pure "
+                              "strategy; default: every one); with --strategies and --ranks it names one "
+                              "configuration, as a search's output does")
     measure.add_argument("--warmup", type=non_negative, default=2, help="untimed iterations (default 2)")
     measure.add_argument("--repeats", type=positive, default=10, help="timed iterations (default 10)")
     measure.add_argument("--timeout", type=seconds, default=None,
@@ -64,6 +73,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         ),
     )
     calibrate.add_argument("--db", help=DB_HELP)
+    calibrate.add_argument("--share-db", action="store_true", help=SHARE_DB_HELP)
     calibrate.add_argument("--max-ranks", type=positive, help=MAX_RANKS_HELP)
     calibrate.add_argument("--repeats", type=positive, default=REPEATS,
                            help=f"timed iterations per point in each round (default {REPEATS})")
@@ -98,6 +108,8 @@ def _measurements_table(
 
 def run_measure(args: argparse.Namespace, console: Console) -> int:
     workload = workload_of(args, args.seq_len)
+    if args.ranks and args.max_ranks:
+        raise UsageError("give --ranks (these rank counts) or --max-ranks (1 up to it), not both")
     # drawn from the first configuration on: what is refused before anything runs draws nothing
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True, disable=args.json)
@@ -112,7 +124,8 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     try:
         results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
                                         backend=args.backend, warmup=args.warmup, repeats=args.repeats,
-                                        timeout=args.timeout, on_config=on_config)
+                                        timeout=args.timeout, on_config=on_config, ranks=args.ranks,
+                                        head_group=args.head_group)
     finally:
         if progress.live.is_started:
             progress.stop()
@@ -168,7 +181,8 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
     try:
         _, calibration = calibrate_host(
             args.db, backend=args.backend, max_ranks=args.max_ranks, oversubscribe=args.oversubscribe,
-            repeats=args.repeats, rounds=args.rounds, progress=shown,  # type: ignore[arg-type] - by shape
+            repeats=args.repeats, rounds=args.rounds, share=args.share_db,
+            progress=shown,  # type: ignore[arg-type] - a SearchProgress by shape
         )
     finally:
         shown.close()

@@ -162,6 +162,12 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
         correction = "predictions are the prior's: the learned correction is fitted on other hardware"
     if correction:
         say(console, (correction, "dim"))
+    if pick.unpredicted:
+        names = ", ".join(f"{c.label} on {c.ranks}" for c in pick.unpredicted)
+        flag = "" if args.backend == "mpi" else f" --backend {args.backend}"
+        say(console, ("not measured at this length and not predicted:", "yellow"),
+            f" {names}; this hardware has no calibration for the prior to stand on: run cptune calibrate"
+            f"{flag} (about a minute) to predict them")
     for config, reasons in pick.infeasible.items():
         say(console, (f"cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}", "dim"))
     return 0

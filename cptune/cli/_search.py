@@ -16,6 +16,7 @@ from cptune.cli._common import (
     CTRL_C,
     DB_HELP,
     MAX_RANKS_HELP,
+    SHARE_DB_HELP,
     UsageError,
     add_backend,
     add_workload_flags,
@@ -61,6 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     search.add_argument("space", nargs="?", help=f"search space file or built-in name (default {DEMO_SPACE})")
     search.add_argument("--db", help=DB_HELP)
+    search.add_argument("--share-db", action="store_true", help=SHARE_DB_HELP)
     search.add_argument("--trials", type=positive,
                         help="trial budget per sequence length (default: the space's)")
     search.add_argument("--timeout", type=seconds,
@@ -294,12 +296,8 @@ class LiveSearch:
                               f"not counted, visited again")
         if second or not unconfirmed:
             self.finished.add(seq_len)
-        if search.never_clean:
-            names = ", ".join(c.describe() for c in search.never_clean)
-            them = "it" if len(search.never_clean) == 1 else "them"
-            say(self.console, f"seq {seq_len}: {names} never ran clean in {search.max_attempts} visits "
-                              f"(other load each time), so the verdict leaves {them} out; rerun when the "
-                              f"host is quiet")
+            for left in search.left_out:  # once the length's search is over, never silently
+                say(self.console, (f"seq {seq_len}: ", "yellow"), left.describe())
         self._redraw()
 
     def close(self) -> None:
@@ -324,6 +322,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             timeout=args.timeout, rounds=args.rounds, race_rounds=args.race_rounds,
             confirm_rounds=args.confirm_rounds, order=args.order, remeasure=args.remeasure,
             oversubscribe=args.oversubscribe, calibrate_first=not args.no_calibrate, seed=args.seed,
+            share=args.share_db,
             progress=shown,  # type: ignore[arg-type] - a SearchProgress by shape
         )
     finally:

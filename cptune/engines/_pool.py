@@ -7,6 +7,11 @@ Every wait has a deadline; a rank that raises, dies or overruns ends the pool wi
 ``EngineError`` and no process left behind, and a fresh pool starts on the next call. The
 ranks watch the driver too: if it is killed, they exit. Which engine's task a rank runs is
 named in each "run" request, so every engine shares this one supervisor.
+
+A pool's folder in the temporary directory names its owner (pid and start time): a driver
+killed outright (SIGKILL) cannot remove it, so each new pool removes this user's folders
+whose owner is gone (``remove_stale_folders``). The command line turns SIGTERM and SIGHUP
+into a normal exit, which stops the pools and removes their folders.
 """
 
 from __future__ import annotations
@@ -44,6 +49,48 @@ def worker_command(module: str) -> list[str]:
     return [sys.executable, "-P", "-m", module]
 
 _OUTPUT_TAIL_LINES = 15
+#: The file in a pool's folder naming the process that owns it: "<pid> <start time>".
+OWNER_FILE = "owner"
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (clock ticks after boot, /proc's field 22), to tell it
+    from a later process given the same pid; "" where unknown (no /proc, no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _owner_alive(owner: str) -> bool:
+    """Whether the process an owner file names ("<pid> <start time>") still runs."""
+    pid_text, _, started = owner.partition(" ")
+    pid = int(pid_text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process has the pid now: compare start times
+    return not started.strip() or _started(pid) in ("", started.strip())
+
+
+def remove_stale_folders(prefix: str) -> list[Path]:
+    """Remove the pool folders (``prefix``*) of this user in the temporary directory whose
+    owning process is gone (killed before it could remove them); the folders removed. A folder
+    without an owner file, of another user, or whose owner runs, is left alone."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            if folder.is_symlink() or not folder.is_dir() or folder.stat().st_uid != os.getuid():
+                continue
+            if _owner_alive((folder / OWNER_FILE).read_text()):
+                continue
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def find_mpiexec() -> str:
@@ -98,7 +145,9 @@ class WorkerPool:
     def _prepare(self, size: int, prefix: str) -> None:
         """The pool's state before any rank connects: its directory and the ranks' log."""
         self.size = size
+        remove_stale_folders(prefix)
         self.dir = Path(tempfile.mkdtemp(prefix=prefix))
+        (self.dir / OWNER_FILE).write_text(f"{os.getpid()} {_started(os.getpid())}")
         self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
         self.socks: dict[int, socket.socket] = {}
         self.pids: list[int] = []

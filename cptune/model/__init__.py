@@ -30,6 +30,7 @@ from cptune.model._prior import (
 )
 from cptune.model._recommend import (
     Candidate,
+    MeasuredHost,
     Recommendation,
     correction_decision_of,
     hardware_profile,
@@ -46,6 +47,7 @@ __all__ = [
     "CostModel",
     "DescribedProfile",
     "GroupScore",
+    "MeasuredHost",
     "Profile",
     "Recommendation",
     "TrainingSet",

@@ -276,6 +276,9 @@ class TrainingSet:
     profiles: dict[str, CalibratedProfile]
     #: Fingerprints with measurements but no calibration: left out, ``cptune calibrate`` fixes it.
     uncalibrated: frozenset[str]
+    #: The combined estimates on those: no case for the model, but measurements still
+    #: (``recommend`` compares them where it cannot predict).
+    unfitted: tuple[Estimate, ...] = ()
 
     @property
     def results(self) -> list[Result]:
@@ -314,4 +317,5 @@ def training_set(store: Store, include_oversubscribed: bool = False) -> Training
         estimates=kept,
         profiles=profiles,
         uncalibrated=frozenset(e.hardware for e in estimates.values()) - set(profiles),
+        unfitted=tuple(e for e in estimates.values() if e.hardware not in profiles),
     )

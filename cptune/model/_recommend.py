@@ -5,7 +5,10 @@ measurements (``measured``: every clean visit combined, ``cptune.estimate.combin
 the estimate's 95% interval), the cost model fitted on this hardware's measurements
 (``model``), or the physical prior alone (``prior``, for hardware that is only calibrated or
 only described). The fastest wins; with ``ranks=None`` that may use fewer ranks than the
-hardware has.
+hardware has. A host measured but never calibrated (``cptune search --no-calibrate``,
+``MeasuredHost``) has no prior to predict with: its measured configurations are compared
+alone, the others listed as ``unpredicted``, and a workload with none measured is refused
+with the command that adds a calibration.
 
 How sure the pick is comes with it (``Recommendation.tied``, ``describe``): a measured pick
 carries the measured verdict (``cptune.estimate.judge`` over the measured candidates): the
@@ -30,6 +33,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import get_engine
@@ -86,6 +90,9 @@ class Recommendation:
     ties: tuple[Tie, ...] = ()
     #: The measured verdict over the measured candidates when the pick is measured, else None.
     verdict: Verdict | None = None
+    #: Feasible configurations neither measured nor predicted: the hardware has measurements
+    #: but no calibration (``MeasuredHost``) for the prior to stand on.
+    unpredicted: tuple[CPConfig, ...] = ()
 
     @property
     def best(self) -> Candidate:
@@ -148,6 +155,7 @@ class Recommendation:
                 for t in self.ties
             ],
             "tied": [{**c.to_dict(), "label": c.label} for c in self.tied],
+            "unpredicted": [{**c.to_dict(), "label": c.label} for c in self.unpredicted],
             "verdict": self.describe(),
             "comparisons": [] if self.verdict is None else [
                 {**c.other.to_dict(), "label": c.other.label, "ratio": c.ratio, "low": c.low, "high": c.high,
@@ -155,6 +163,30 @@ class Recommendation:
                 for c in self.verdict.comparisons
             ],
         }
+
+
+@dataclass(frozen=True)
+class MeasuredHost:
+    """A host with measurements and no calibration (``cptune search --no-calibrate``): what
+    was measured there can be compared, nothing predicted. ``memory_bytes`` as in
+    ``CalibratedProfile``."""
+
+    hardware: Hardware
+    memory_bytes: int | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.hardware.fingerprint
+
+    @property
+    def max_ranks(self) -> int:
+        return self.hardware.gpu_count or self.hardware.cpu_count
+
+    def memory_limit(self, ranks: int) -> int | None:
+        return None if self.memory_bytes is None else self.memory_bytes // ranks
+
+    def describe(self) -> str:
+        return f"{self.hardware.describe()} (measured, not calibrated)"
 
 
 class _Advisor:
@@ -171,6 +203,8 @@ class _Advisor:
         self.profiles: dict[str, CalibratedProfile] = {}
         self.fingerprints: list[str] = []
         self.measured: dict[tuple[str, Workload, CPConfig], Estimate] = {}
+        #: Hosts with measurements and no calibration (``MeasuredHost``), by fingerprint.
+        self.uncalibrated: dict[str, MeasuredHost] = {}
 
     def refresh(self) -> None:
         if self.store is None:
@@ -182,11 +216,13 @@ class _Advisor:
         data = training_set(self.store)
         self.model, self.decision = fit_advised(data.cases, data.latencies_s, data.tied_with_leader())
         self.profiles = data.profiles
-        self.fingerprints = list(self.store.hardware())  # rows come only with measurements or calibrations
-        self.measured = {(e.hardware, e.workload, e.config): e for e in data.estimates}
+        hosts = self.store.hardware()  # rows come only with measurements or calibrations
+        self.fingerprints = list(hosts)
+        self.measured = {(e.hardware, e.workload, e.config): e for e in (*data.estimates, *data.unfitted)}
+        self.uncalibrated = {fp: MeasuredHost(hosts[fp]) for fp in data.uncalibrated if fp in hosts}
         self.revision = revision
 
-    def profile(self, hardware: str | None, backend: str = "mpi") -> Profile:
+    def profile(self, hardware: str | None, backend: str = "mpi") -> Profile | MeasuredHost:
         """This host as ``backend``'s ranks use it, a stored fingerprint (or a unique prefix
         of one), or a description."""
         if hardware in (None, "host"):
@@ -197,6 +233,8 @@ class _Advisor:
                     f"calibration: run cptune calibrate (about a minute) or cptune search first, or name a "
                     f"hardware description with --hardware"
                 )
+            if host.fingerprint in self.uncalibrated:
+                return _with_memory(self.uncalibrated[host.fingerprint])
             if host.fingerprint not in self.profiles:
                 flag = "" if backend == "mpi" else f" --backend {backend}"
                 raise CPTuneError(
@@ -208,6 +246,8 @@ class _Advisor:
         assert hardware is not None
         stored = [fp for fp in self.fingerprints if fp.startswith(hardware.lower())]
         if len(hardware) >= 4 and len(stored) == 1:
+            if stored[0] in self.uncalibrated:
+                return _with_memory(self.uncalibrated[stored[0]])
             if stored[0] not in self.profiles:
                 raise CPTuneError(
                     f"hardware {stored[0]} has measurements but no calibration in {display_url(self.url)}; "
@@ -237,6 +277,7 @@ def predicted(
 
 
 _machines: dict[str, Hardware] = {}
+Calibrated = TypeVar("Calibrated", CalibratedProfile, MeasuredHost)
 
 
 def this_machine(backend: str = "mpi") -> Hardware:
@@ -247,7 +288,7 @@ def this_machine(backend: str = "mpi") -> Hardware:
     return _machines[backend]
 
 
-def _with_memory(profile: CalibratedProfile) -> CalibratedProfile:
+def _with_memory(profile: Calibrated) -> Calibrated:
     """``profile`` with this machine's memory, when it is this machine's CPU ranks: the limit
     they share (a GPU rank's limit is its own device's)."""
     here = {this_machine().fingerprint, *(h.fingerprint for h in _machines.values())}
@@ -280,7 +321,8 @@ def _advisor(db: str | None) -> _Advisor:
     return advisor
 
 
-def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi") -> Profile:
+def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi"
+                     ) -> Profile | MeasuredHost:
     """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
     return _advisor(db).profile(hardware, backend)
 
@@ -334,14 +376,37 @@ def recommend(
                                         "measured", estimate.visits[-1].id, estimate.ids))
         else:
             to_predict.append(config)
-    if to_predict:
+    unpredicted: tuple[CPConfig, ...] = ()
+    if to_predict and isinstance(profile, MeasuredHost):
+        if not measured:
+            raise _unmeasured(workload, ranks, profile, advisor, backend)
+        unpredicted = tuple(to_predict)
+    elif to_predict:
         candidates += predicted(advisor.model, workload, to_predict, profile)
     candidates.sort(key=lambda c: c.latency_ms)
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
         candidates=tuple(candidates), infeasible=infeasible, correction=advisor.decision,
         ties=_ties(workload, profile, candidates),
-        verdict=judge(measured) if candidates[0].source == "measured" else None,
+        verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
+    )
+
+
+def _unmeasured(workload: Workload, ranks: int | None, host: MeasuredHost, advisor: _Advisor, backend: str
+                ) -> CPTuneError:
+    """The refusal for a workload a host without a calibration has no measurement of: what
+    it has measured of the shape, and the command that lets the prior predict the rest."""
+    lengths = sorted({w.seq_len for (fp, w, c) in advisor.measured if fp == host.fingerprint
+                      and w.shape == workload.shape and (ranks is None or c.ranks == ranks)})
+    measured = (f"measured there: seq_len {', '.join(map(str, lengths))}" if lengths else
+                "nothing of this shape is measured there")
+    flag = "" if backend == "mpi" else f" --backend {backend}"
+    on = "" if ranks is None else f" on {ranks} rank(s)"
+    return CPTuneError(
+        f"{host.hardware.describe()} ({host.fingerprint}) has measurements but no calibration in "
+        f"{display_url(advisor.url)}, and none of {workload.describe()}{on} ({measured}): predicting it "
+        f"needs a calibration: run cptune calibrate{flag} with this database (about a minute), or measure it "
+        f"with cptune search"
     )
 
 
@@ -361,4 +426,6 @@ def predict_for(
     """What ``recommend``'s model, fitted on what ``store`` holds now (refitted when it changes),
     predicts for ``configs`` running ``workload`` on the calibrated hardware ``fingerprint``."""
     advisor = _advisor(store.engine.url.render_as_string(hide_password=False))
-    return predicted(advisor.model, workload, configs, advisor.profile(fingerprint))
+    profile = advisor.profile(fingerprint)
+    assert not isinstance(profile, MeasuredHost), "a guided search needs a calibration (its _why_not_guided)"
+    return predicted(advisor.model, workload, configs, profile)

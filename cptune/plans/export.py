@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
-from cptune.model import CalibratedProfile, DescribedProfile, hardware_profile, recommend
+from cptune.model import CalibratedProfile, DescribedProfile, MeasuredHost, hardware_profile, recommend
 from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
 from cptune.version import __version__
 from cptune.workload import Workload
@@ -74,9 +74,9 @@ def export_plan(
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
         launch = launch_for(used, description.ranks_per_node, gpus=True)
     else:
-        assert isinstance(profile, CalibratedProfile)
-        plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "host", None,
-                                     profile.calibration.engine)
+        assert isinstance(profile, CalibratedProfile | MeasuredHost)
+        engine = profile.calibration.engine if isinstance(profile, CalibratedProfile) else backend
+        plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "host", None, engine)
         launch = launch_for(used, used, gpus=profile.hardware.gpu_count > 0)
     return Plan(
         hardware=plan_hardware, shape=shape, buckets=tuple(buckets), launch=launch,

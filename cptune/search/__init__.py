@@ -8,6 +8,7 @@ order), interleaved rounds, a final race and a second sitting (``_workload``).
 """
 
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler, any_wins, win_probability
+from cptune.search._ledger import RETRIED_FAILURES
 from cptune.search._space import (
     SearchProgress,
     SearchSetupError,
@@ -17,14 +18,24 @@ from cptune.search._space import (
     search_space,
 )
 from cptune.search._trials import study_name, suggest, tree_of
-from cptune.search._workload import NEAR_MISS_RATIO, PHASES, Visit, WorkloadSearch, is_near_miss
+from cptune.search._workload import (
+    NEAR_MISS_RATIO,
+    PHASES,
+    LeftOut,
+    Visit,
+    WorkloadSearch,
+    is_near_miss,
+    measure_command,
+)
 
 __all__ = [
     "NEAR_MISS_RATIO",
     "PHASES",
     "STOP_PROBABILITY",
+    "RETRIED_FAILURES",
     "EarlyStop",
     "GuidedSampler",
+    "LeftOut",
     "SearchProgress",
     "SearchSetupError",
     "SpaceSearch",
@@ -34,6 +45,7 @@ __all__ = [
     "calibrate_host",
     "check_host",
     "is_near_miss",
+    "measure_command",
     "search_space",
     "study_name",
     "suggest",

@@ -20,18 +20,44 @@ def sitting_of(round_id: str) -> str:
     return round_id.rpartition(":")[0] or round_id
 
 
+#: Failures that can come from the host's state at the time rather than from the
+#: configuration: a rank killed (by the kernel's out-of-memory killer, or by hand), a run held
+#: up past its timeout by other load, a pool that could not start, memory other processes
+#: held. A configuration whose latest run failed so gets one more run, in a later search of
+#: the same space (not the one it failed in: the host is likely still in that state). A wrong
+#: output or an exception in the code is a verdict about the configuration: not run again.
+RETRIED_FAILURES = ("crash", "timeout", "launch", "out_of_memory")
+
+
 @dataclass
 class Tally:
     """What the counted rows say of one configuration's visits."""
 
     clean: int = 0  # clean visits (``Result.clean``)
     attempts: int = 0  # every run: clean, disturbed or failed
+    failures: int = 0  # failed runs
     latest: Result | None = None  # the newest run
 
     @property
     def failed(self) -> bool:
-        """Its latest run failed: a search does not run it again (a failure is not noise)."""
+        """Its latest run failed: a search does not run it again (a failure is not noise),
+        unless ``retry_due`` in a later search."""
         return self.latest is not None and self.latest.status != "ok"
+
+    @property
+    def retry_due(self) -> bool:
+        """Its latest run failed in a way the host's state can explain (``RETRIED_FAILURES``)
+        and it is its only failure: one more run is due, in a search other than the one it
+        failed in (``failed_in``)."""
+        latest = self.latest
+        return latest is not None and latest.status in RETRIED_FAILURES and self.failures == 1
+
+    @property
+    def failed_in(self) -> str | None:
+        """The sitting its latest, failed run belonged to (None: not failed, or no round kept)."""
+        if not self.failed or self.latest is None or self.latest.round_id is None:
+            return None
+        return sitting_of(self.latest.round_id)
 
     @property
     def disturbed(self) -> bool:
@@ -83,5 +109,6 @@ def read_ledger(store: Store, workload: Workload, hardware: Hardware, configs: l
         entry = tally.setdefault(row.config, Tally())
         entry.clean += row.clean
         entry.attempts += 1
+        entry.failures += row.status != "ok"
         entry.latest = row
     return Ledger(stored, counted, own, tally)

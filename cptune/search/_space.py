@@ -121,13 +121,15 @@ class SpaceSearch:
         return {seq_len: search.verdict for seq_len, search in self.searches.items()}
 
     def describe(self) -> str:
-        """Each sequence length's verdict in words, a line each, as ``cptune search`` ends."""
+        """Each sequence length's verdict in words, a line each, and a line for each
+        configuration it leaves out (``WorkloadSearch.left_out``), as ``cptune search`` ends."""
         verdicts = self.verdicts
         lines = []
         for seq_len in self.space.seq_lens:
             if seq_len in verdicts:
                 verdict = verdicts[seq_len]
                 lines.append(f"seq {seq_len}: {verdict.describe() if verdict else 'nothing ran clean'}")
+                lines += [f"seq {seq_len}: {left.describe()}" for left in self.searches[seq_len].left_out]
             elif seq_len in self.skipped:
                 lines.append(f"seq {seq_len}: not searched, this node refuses every configuration")
         return "\n".join(lines)
@@ -177,6 +179,7 @@ def search_space(
     calibrate_first: bool = True,
     seed: int | None = None,
     progress: SearchProgress | None = None,
+    share: bool = False,
 ) -> SpaceSearch:
     """Search every sequence length of ``space`` (a ``SearchSpace``, a TOML file or a
     built-in name) on this machine and keep every result in ``db`` (a path or SQLAlchemy
@@ -187,9 +190,11 @@ def search_space(
     seconds; ``rounds``, ``race_rounds`` and ``confirm_rounds`` default to the space's
     ``[measure]`` settings. ``order`` is one of ``cptune.space.ORDERS``. ``calibrate_first``:
     hardware without a calibration is calibrated before the search. ``seed`` fixes the
-    rounds' random order. Raises ``CPTuneError`` subclasses before anything runs for what
-    cannot run here (an untimed or unavailable backend, a space with nothing feasible, more
-    ranks than cores without ``oversubscribe``, a database that cannot be written)."""
+    rounds' random order. ``share``: ``db`` may hold other programs' tables; cptune's are
+    added beside them (``Store(share=True)``). Raises ``CPTuneError`` subclasses before
+    anything runs for what cannot run here (an untimed or unavailable backend, a space with
+    nothing feasible, more ranks than cores without ``oversubscribe``, a database that cannot
+    be written)."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs, not at the first run
     if order not in ORDERS:
         raise SearchSetupError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -205,7 +210,7 @@ def search_space(
     engine.preflight(max(counts))
     hardware = engine.hardware()
     told = progress or SearchProgress()
-    with Store(db) as store:
+    with Store(db, share=share) as store:
         store.require_writable()
         run = SpaceSearch(
             space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
@@ -311,12 +316,14 @@ def check_host(
     *,
     backend: str | Engine = "tensorrt",
     max_ranks: int | None = None,
+    share: bool = False,
 ) -> tuple[Hardware, NodeVerdict]:
     """Probe this node on ``max_ranks`` ranks (default: all its GPUs) with an engine that has
     node probes (``EngineSpec.probes``), exactly as ``cptune doctor`` does: this machine's
     hardware and the verdict. With ``db`` (a path or SQLAlchemy URL) the verdict is kept
     there, replacing the one before, and searches on this host go by it instead of probing
-    again. Raises before anything runs for an engine without probes (``SearchSetupError``),
+    again (``share``: in a database that holds other programs' tables too, ``Store(share=True)``).
+    Raises before anything runs for an engine without probes (``SearchSetupError``),
     a node that cannot run it (``BackendUnavailableError``, the preflight's one line) or a
     database that cannot be written."""
     engine = get_engine(backend)
@@ -326,7 +333,7 @@ def check_host(
     hardware = engine.hardware()
     if db is None:
         return hardware, engine.check_node(max_ranks)
-    with Store(db) as store:
+    with Store(db, share=share) as store:
         store.require_writable()
         verdict = engine.check_node(max_ranks)
         store.add_node_verdict(hardware, engine.name, verdict)
@@ -342,10 +349,12 @@ def calibrate_host(
     repeats: int = REPEATS,
     rounds: int = ROUNDS,
     progress: SearchProgress | None = None,
+    share: bool = False,
 ) -> tuple[Hardware, Calibration]:
     """Calibrate this machine on 1..``max_ranks`` ranks (default: its cores, or its GPUs) and
-    keep the calibration in ``db``, exactly as ``cptune calibrate`` does: this machine's
-    hardware and its calibration."""
+    keep the calibration in ``db`` (``share``: beside other programs' tables there,
+    ``Store(share=True)``), exactly as ``cptune calibrate`` does: this machine's hardware and
+    its calibration."""
     engine = get_engine(backend)
     engine.preflight(max_ranks or 1)
     cores = engine.capacity()
@@ -353,7 +362,7 @@ def calibrate_host(
     if max_ranks > cores and engine.device == "cpu":  # a GPU engine's preflight refused this
         refuse_oversubscription(f"--max-ranks {max_ranks}", cores, oversubscribe)
     told = progress or SearchProgress()
-    with Store(db) as store:
+    with Store(db, share=share) as store:
         store.require_writable()
         hardware = engine.hardware()
         told.calibrating(hardware, max_ranks, store.url, first_run=False)

@@ -8,7 +8,10 @@ their latency combined over every clean visit, ``cptune.estimate``) rather than 
 again (unless ``remeasure``), every new result is committed as soon as it exists, so an
 interrupted search resumes where it stopped. A run that fails (crash, timeout, out of
 memory, wrong output, a pool that cannot start) is stored with its reason and told to
-Optuna as infeasible (``trial.set_constraint``); the search goes on.
+Optuna as infeasible (``trial.set_constraint``); the search goes on. A failure the host's
+state can explain (``RETRIED_FAILURES``) is tried once more by the next search of the same
+space; whatever the verdict leaves out is named afterwards (``WorkloadSearch.left_out``),
+with the ``cptune measure`` command that runs it alone (``measure_command``).
 
 Two orders (``cptune.space.ORDERS``). ``exhaustive``: spaces small enough for the trial
 budget are covered exhaustively (BruteForceSampler); larger ones by TPE, warm-started with
@@ -44,7 +47,7 @@ from optuna.study import Study
 from optuna.trial import TrialState
 
 from cptune.config import CPConfig
-from cptune.engines import Engine, get_engine
+from cptune.engines import ENGINES, Engine, get_engine
 from cptune.errors import EngineError
 from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine
 from cptune.execute import measure, measure_round
@@ -52,7 +55,7 @@ from cptune.hardware import Hardware
 from cptune.measurement import Measurement, oversubscribed
 from cptune.model import Candidate, predict_for
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler
-from cptune.search._ledger import Ledger, Tally, read_ledger
+from cptune.search._ledger import RETRIED_FAILURES, Ledger, Tally, read_ledger
 from cptune.search._trials import (
     Known,
     distributions,
@@ -63,13 +66,15 @@ from cptune.search._trials import (
     view_trial,
 )
 from cptune.space import ORDERS
-from cptune.store import Result, Store, StoreError
+from cptune.store import Result, Store
 from cptune.workload import Workload
 
 # the search reports each failure itself; Optuna would also log every trial an exception
 # ends (Ctrl-C included) with its traceback
 optuna.logging.set_verbosity(logging.ERROR)
 
+#: What a study view that cannot be written leaves (``WorkloadSearch._sync_view``).
+_STUDY_LACKS = "; every measurement is stored, and the next search adds what the study lacks"
 #: The objective of a configuration whose run failed; the constraint marks it infeasible.
 FAILED_LATENCY_MS = float("inf")
 _WARM_START = 3
@@ -91,6 +96,43 @@ def is_near_miss(comparison: Comparison) -> bool:
 
 #: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
 PHASES = ("explore", "round", "race", "confirm")
+
+
+def measure_command(workload: Workload, config: CPConfig, backend: str = "mpi",
+                    timeout: float | None = None) -> str:
+    """The ``cptune measure`` command line that runs ``config`` of ``workload`` alone (on
+    ``backend``, within ``timeout`` seconds when given) and prints its timing or its failure
+    in full; it stores nothing."""
+    w = workload
+    parts = ["cptune measure", f"--seq-len {w.seq_len}", f"--heads {w.heads}"]
+    parts += [f"--kv-heads {w.kv_heads}"] if w.kv_heads != w.heads else []
+    parts += [f"--head-dim {w.head_dim}"] + ([f"--batch {w.batch}"] if w.batch != 1 else [])
+    parts += [f"--dtype {w.dtype}"] + (["--causal"] if w.causal else [])
+    parts += [f"--strategies {config.strategy}", f"--ranks {config.ranks}"]
+    parts += [f"--head-group {config.head_group}"]
+    parts += [f"--backend {backend}"] if backend != next(iter(ENGINES)) else []
+    parts += [f"--timeout {timeout:g}"] if timeout is not None else []
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A configuration a search ran that its verdict leaves out, as it has no clean visit."""
+
+    config: CPConfig
+    #: Its latest run's status: an ``EngineError`` kind, or "disturbed" (ran, never clean).
+    status: str
+    #: Why, and what later searches do about it, in words.
+    reason: str
+    #: Whether the next search of the same space runs it again.
+    retried: bool
+    #: The ``cptune measure`` command that runs it alone (``measure_command``).
+    command: str
+
+    def describe(self) -> str:
+        """The configuration, why it is left out, and how to measure it now, in one line."""
+        return (f"{self.config.describe()} left out of the verdict: {self.reason}; measure it alone with: "
+                f"{self.command}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +182,9 @@ class WorkloadSearch:
     again in the next round, after a pause of ``settle_s`` seconds; after
     ``2 * (rounds + race_rounds)`` runs without enough clean ones it is left as it stands
     (``never_clean`` names those with none). A configuration whose latest run failed is not
-    run again.
+    run again by this search; the next search runs it once more when the failure is one the
+    host's state can explain (``RETRIED_FAILURES``) and its first. ``left_out`` names, after
+    ``run``, each configuration that ran but has no clean visit, with why.
 
     Counted are the stored runs of these configurations on this hardware and engine, not
     excluded, that ran with the oversubscription a run of them gets now: a search that runs
@@ -187,6 +231,8 @@ class WorkloadSearch:
     verdict: Verdict | None = field(default=None, init=False)
     #: After ``run``: configurations left without any clean visit, every run of them disturbed.
     never_clean: tuple[CPConfig, ...] = field(default=(), init=False)
+    #: After ``run``: every configuration that ran and that the verdict leaves out, with why.
+    left_out: tuple[LeftOut, ...] = field(default=(), init=False)
     #: This search's rounds are named ``<session>:<n>`` (round 0: the exploration).
     session: str = field(default_factory=lambda: uuid4().hex[:12], init=False)
 
@@ -224,10 +270,16 @@ class WorkloadSearch:
                            self._sittings if self.remeasure else None)
 
     def _runnable(self, config: CPConfig, entry: Tally) -> bool:
-        """Whether ``config`` may be visited again: its latest run did not fail and its runs are
-        not used up (counted in the store, and by this search itself, so it ends whatever the
-        store holds)."""
-        return not entry.failed and max(entry.attempts, self._ran[config]) < self.max_attempts
+        """Whether ``config`` may be visited again: its latest run did not fail (or its one
+        retry is due, ``_settled``) and its runs are not used up (counted in the store, and by
+        this search itself, so it ends whatever the store holds)."""
+        return not self._settled(entry) and max(entry.attempts, self._ran[config]) < self.max_attempts
+
+    def _settled(self, entry: Tally) -> bool:
+        """Its latest run failed and this search does not run it again: the failure says
+        something about the configuration, or it was retried already, or it failed in this
+        very search (its retry is the next search's, ``Tally.retry_due``)."""
+        return entry.failed and not (entry.retry_due and entry.failed_in not in self._sittings)
 
     def current_verdict(self) -> Verdict | None:
         """The verdict over every clean visit stored of these configurations (None before any)."""
@@ -244,7 +296,7 @@ class WorkloadSearch:
         for config, entry in ledger.tally.items():
             if config in estimates:
                 known[config] = ("ok", estimates[config].median_ms, None)
-            elif entry.failed:
+            elif self._settled(entry):
                 assert entry.latest is not None
                 known[config] = (entry.latest.status, None, entry.latest.error)
             elif entry.attempts >= self.max_attempts:
@@ -284,10 +336,9 @@ class WorkloadSearch:
             for row in stored:
                 if row.id not in kept:
                     view.add_trial(view_trial(row))
-        except optuna.exceptions.StorageInternalError:
-            raise StoreError(f"cannot add to the Optuna study {view.study_name!r} in {self.store.url} (is "
-                             f"another process holding the database?); every measurement is stored, and "
-                             f"the next search adds what the study lacks") from None
+        except optuna.exceptions.StorageInternalError as exc:
+            doing = f"add to the Optuna study {view.study_name!r}"
+            raise self.store.failed(exc, doing, _STUDY_LACKS) from None
 
     def run(self) -> list[Visit]:
         """Explore, run the rounds, race; every visit (and each configuration the exploration
@@ -296,9 +347,12 @@ class WorkloadSearch:
         deadline = None if self.time_budget is None else started + self.time_budget
         self.verdict = self.current_verdict()
         if self.study_storage is not None:
-            self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
-                                             load_if_exists=True,
-                                             study_name=study_name(self.workload, self.hardware))
+            name = study_name(self.workload, self.hardware)
+            try:
+                self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
+                                                 load_if_exists=True, study_name=name)
+            except optuna.exceptions.StorageInternalError as exc:
+                raise self.store.failed(exc, f"keep the Optuna study {name!r}", _STUDY_LACKS) from None
             self._sync_view(self._view, self._ledger().stored)
         visits: list[Visit] = []
         self._explore(visits)
@@ -377,6 +431,33 @@ class WorkloadSearch:
         self.verdict = ledger.verdict
         self.never_clean = tuple(c for c, entry in ledger.tally.items() if entry.clean == 0
                                  and not entry.failed and entry.attempts >= self.max_attempts)
+        self.left_out = self._left_out(ledger)
+
+    def _left_out(self, ledger: Ledger) -> tuple[LeftOut, ...]:
+        """The configurations that ran and have no clean visit the verdict counts, with why."""
+        counted = {config for (_, _, config) in combine(ledger.counted)}
+        engine = get_engine(self.backend).name
+        found = []
+        for config, entry in ledger.tally.items():
+            if config in counted or entry.latest is None:
+                continue
+            status = entry.latest.status if entry.failed else "disturbed"
+            retried = entry.retry_due if entry.failed else entry.attempts < self.max_attempts
+            if entry.failed:
+                error = (entry.latest.error or "").strip().splitlines()
+                reason = f"its latest run failed ({status}{': ' + error[0].rstrip(':.') if error else ''}); "
+                reason += ("the next search of this space runs it once more" if retried else
+                           "it failed again when retried, so searches do not run it again"
+                           if status in RETRIED_FAILURES else
+                           f"a failure of kind {status} is the configuration's, not the host's, so "
+                           f"searches do not run it again")
+            else:
+                reason = f"it never ran clean in {entry.attempts} visit(s) (other load each time); " + (
+                    "the next search visits it again" if retried else
+                    "searches do not run it again (--remeasure does): rerun when the host is quiet")
+            command = measure_command(self.workload, config, engine, self.run_timeout)
+            found.append(LeftOut(config, status, reason, retried, command))
+        return tuple(found)
 
     def _explore(self, visits: list[Visit]) -> None:
         """Phase 1: the Optuna trials, one visit each, all in round 0."""

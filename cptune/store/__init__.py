@@ -6,7 +6,7 @@ out. The tables (``_schema``) are this package's own; nothing outside it reads t
 
 from cptune.store._result import RESULT_COLUMNS, STATUSES, Result
 from cptune.store._schema import VERSION_TABLE, Base
-from cptune.store._store import Store, StoreError
+from cptune.store._store import DiskFullError, Store, StoreError, disk_full
 from cptune.store._urls import DEFAULT_DB, POSTGRES_DRIVER, database_url, display_url, missing_database
 
 __all__ = [
@@ -16,10 +16,12 @@ __all__ = [
     "STATUSES",
     "VERSION_TABLE",
     "Base",
+    "DiskFullError",
     "Result",
     "Store",
     "StoreError",
     "database_url",
+    "disk_full",
     "display_url",
     "missing_database",
 ]

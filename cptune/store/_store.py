@@ -19,6 +19,11 @@ them apart without it). SQLite in memory is refused (it would keep nothing for t
 command); a file opened read-only (``mode=ro``) or ``immutable=1`` stays out of WAL mode and
 can be read, not written. A path that cannot hold a database (a loop of symbolic links, a
 directory, a missing or read-only parent directory) is refused with what to do.
+
+A disk that fills (SQLite's "database or disk is full", ``ENOSPC``, PostgreSQL's disk_full,
+also wrapped in Optuna's ``StorageInternalError``) is a ``DiskFullError``: one line saying
+which disk, how much this store had written and that the same command resumes once there is
+room. Every write is one transaction, rolled back whole, so nothing is left half written.
 """
 
 from __future__ import annotations
@@ -84,12 +89,42 @@ OPTUNA_TABLES = frozenset({
     "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
     "trial_user_attributes", "trial_values", "trials", "version_info",
 })
+#: The commands whose ``--share-db`` passes ``Store(share=True)``: those that create cptune's tables.
+SHARING_COMMANDS = "cptune search, calibrate or doctor"
 #: How many of another program's tables a refusal names.
 _NAMED_TABLES = 3
 
 
 class StoreError(CPTuneError):
     """The database cannot be opened or used; the message says which and what to do."""
+
+
+class DiskFullError(StoreError):
+    """The disk holding the database is full; what was committed before is kept."""
+
+
+#: SQLite's result code for "database or disk is full" (also a ``max_page_count`` reached).
+_SQLITE_FULL = 13
+#: PostgreSQL's SQLSTATE for a full disk.
+_PG_DISK_FULL = "53100"
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether ``error``, or any error it wraps (``__cause__``, ``__context__``, a DBAPI
+    error's ``orig``), says the disk is full."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if isinstance(error, sqlite3.Error) and (
+                getattr(error, "sqlite_errorcode", None) == _SQLITE_FULL or "disk is full" in str(error)):
+            return True
+        if getattr(error, "sqlstate", None) == _PG_DISK_FULL:
+            return True
+        wrapped = error.orig if isinstance(error, DBAPIError) else None
+        error = wrapped or error.__cause__ or error.__context__
+    return False
 
 
 def _utc(moment: datetime) -> datetime:
@@ -264,6 +299,9 @@ class Store:
             raise StoreError(f"cannot use database {self.url}: the URL does not parse (a port that is not "
                              f"a number, or a password with @ : / not %-encoded?); {usage}") from None
         self._opened_read_only = opened_read_only
+        self._path = path
+        #: Rows this store committed (measurements, failures, calibrations, node verdicts).
+        self.written = 0
         where = str(path) if path is not None else self.url
         try:
             if not share:
@@ -278,7 +316,8 @@ class Store:
                                  "SCHEMA cptune, then add ?options=-csearch_path%3Dcptune to the URL)")
                     raise StoreError(
                         f"database {where} holds another program's tables ({_some(foreign)}) and no cptune "
-                        f"data; cptune leaves it untouched: pass {elsewhere}"
+                        f"data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
+                        f"{SHARING_COMMANDS} to keep cptune's tables beside theirs"
                     )
             if backend == "sqlite":
                 _sqlite_setup(self.engine)
@@ -288,6 +327,8 @@ class Store:
             raise
         except DBAPIError as exc:
             self.engine.dispose()
+            if disk_full(exc):
+                raise self.full_disk() from None
             why_read_only = opened_read_only or "the file or its directory is read-only"
             fix = (f"it can only be read here ({why_read_only}) and cptune must write to it first: open it "
                    f"writable once, or pass another --db"
@@ -303,7 +344,30 @@ class Store:
 
     def _explain(self, error: BaseException) -> str:
         """The text of a driver's or SQLAlchemy's ``error`` on one line, with no password."""
-        return redact(str(error), self._passwords)
+        return redact(" ".join(str(error).split()), self._passwords)
+
+    def full_disk(self) -> DiskFullError:
+        """The error for a write the full disk refused: which disk, what this store had
+        committed before (kept), and what to do."""
+        if self._path is not None:
+            where = f"the disk holding database {self._path} is full"
+            free = f"free space on {self._path.absolute().parent}"
+        else:
+            where, free = f"the database server of {self.url} has no space left", "free space on its disk"
+        return DiskFullError(
+            f"{where}: the {self.written} row(s) this command stored before are kept, nothing is half "
+            f"written; {free}, then run the same command again: it resumes where it stopped"
+        )
+
+    def failed(self, error: BaseException, doing: str, after: str = "") -> StoreError:
+        """A ``StoreError`` for ``error`` met while ``doing`` (in words): ``full_disk`` when
+        it says so, else its real cause in one line, then ``after``."""
+        if disk_full(error):
+            return self.full_disk()
+        cause = error.__cause__ if isinstance(error.__cause__, BaseException) else error
+        if isinstance(cause, DBAPIError):
+            cause = cause.orig
+        return StoreError(f"cannot {doing} in {self.url}: {self._explain(cause)}{after}")
 
     def close(self) -> None:
         self.engine.dispose()
@@ -316,6 +380,8 @@ class Store:
                 connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = version_num")
                 transaction.rollback()
         except DBAPIError as exc:
+            if disk_full(exc):
+                raise self.full_disk() from None
             fix = (f"open it without {self._opened_read_only} in the URL" if self._opened_read_only else
                    "make it writable")
             raise StoreError(
@@ -339,10 +405,9 @@ class Store:
                 storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
                 break
             except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-                if attempt + 1 == _OPTUNA_ATTEMPTS:
-                    cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
-                    raise StoreError(f"cannot keep Optuna studies in {self.url}: {self._explain(cause)}; "
-                                     f"the measurements are unaffected") from None
+                if attempt + 1 == _OPTUNA_ATTEMPTS or disk_full(exc):
+                    unaffected = "; the measurements are unaffected"
+                    raise self.failed(exc, "keep Optuna studies", unaffected) from None
                 time.sleep(0.5)
         if sqlite:
             _sqlite_setup(storage.engine)
@@ -361,8 +426,19 @@ class Store:
         try:
             with Session(self.engine) as session, session.begin():
                 yield session
-        except DBAPIError as exc:  # the server refused or failed: one line, no password
+        except (DBAPIError, OSError) as exc:  # the server refused or failed: one line, no password
+            if disk_full(exc):
+                raise self.full_disk() from None
+            if isinstance(exc, OSError):
+                raise
             raise StoreError(f"database {self.url} failed: {self._explain(exc.orig)}") from None
+
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """``session`` for a write that adds one row: counted in ``written`` once committed."""
+        with self.session() as session:
+            yield session
+        self.written += 1
 
     def _hardware_row(self, session: Session, hardware: Hardware) -> HardwareRow:
         return _get_or_add(session, HardwareRow, {"fingerprint": hardware.fingerprint},
@@ -377,7 +453,7 @@ class Store:
         """Keep a successful measurement (marked if ``measurement.disturbed``), run in the
         interleaved round ``round_id``; returns its id."""
         m = measurement
-        with self.session() as session:
+        with self._writing() as session:
             row = MeasurementRow(
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, m.workload),
@@ -399,7 +475,7 @@ class Store:
         """Keep a run that failed (``status`` from ``STATUSES``) with its reason; returns its id."""
         if status not in STATUSES or status == "ok":
             raise ValueError(f"failure status must be one of {STATUSES[1:]}, got {status!r}")
-        with self.session() as session:
+        with self._writing() as session:
             row = MeasurementRow(
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, workload),
@@ -413,7 +489,7 @@ class Store:
 
     def add_calibration(self, hardware: Hardware, calibration: Calibration) -> int:
         """Keep a calibration of ``hardware``; returns its id."""
-        with self.session() as session:
+        with self._writing() as session:
             row = CalibrationRow(
                 hardware_id=self._hardware_row(session, hardware).id, engine=calibration.engine,
                 data=calibration.to_dict(), cptune_version=__version__,
@@ -436,7 +512,7 @@ class Store:
         """Keep what ``engine``'s probes found on ``hardware`` (``Engine.check_node``),
         replacing the verdict kept before for the two. Two writers at once: the later insert
         fails on the unique pair inside a savepoint and replaces the other's instead."""
-        with self.session() as session:
+        with self._writing() as session:
             hardware_id = self._hardware_row(session, hardware).id
             query = select(NodeCheckRow).filter_by(hardware_id=hardware_id, engine=engine)
             fields = {"verdict": verdict.to_dict(), "cptune_version": __version__,
