@@ -405,3 +405,49 @@ def test_exchange_equals_the_flow_by_flow_definition(name):
                 assert machine.exchange(kind, groups) == pytest.approx(expected, rel=1e-12), (ranks, u, kind)
     with pytest.raises(ValueError, match="rank must be an integer"):
         machine.exchange("p2p", ((0, machine.max_ranks),))
+
+
+#: Clusters of the shipped nodes: PCIe switches and sockets, NVSwitch nodes, 4-GPU nodes; the
+#: network's uplink below its flows' sum where the file gives none, so the uplink binds.
+CLUSTERS = [("l20-pcie-8", 6), ("h100-sxm-2x8-ib", 7), ("a100-pcie-4", 13)]
+NETWORK = '\n[links.network]\nname = "InfiniBand"\nbandwidth_gbps = 40\nlatency_us = 40\nuplink_gbps = 120\n'
+
+
+def _cluster(tmp_path, base: str, nodes: int):
+    text = builtin_descriptions()[base].read_text()
+    if "\nnodes = 1\n" in text:
+        text = text.replace("\nnodes = 1\n", f"\nnodes = {nodes}\n") + NETWORK
+    else:
+        text = replaced_once(text, "\nnodes = 2\n", f"\nnodes = {nodes}\n")
+    return load_description(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(("base", "nodes"), CLUSTERS)
+def test_groups_by_rule_move_what_every_listed_flow_moves(tmp_path, base, nodes):
+    """The fast path (a configuration's groups as a rule: a window of their flows, and
+    configurations whose windows match sharing one answer) equals the reference path (every
+    group listed, every flow) for every configuration of a multi-node cluster, each kind."""
+    from cptune.layout import RankGroups
+
+    machine = _cluster(tmp_path, base, nodes)
+    for ranks in range(2, machine.max_ranks + 1):
+        for u in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+            for along in ("heads", "context"):
+                groups = RankGroups(along, ranks, u)
+                for kind in ("all_to_all", "all_gather", "p2p", "broadcast"):
+                    expected = machine.exchange(kind, tuple(groups))
+                    assert machine.exchange(kind, groups) == pytest.approx(expected, rel=1e-12), \
+                        (ranks, u, along, kind)
+
+
+def test_groups_by_rule_on_a_thousand_ranks_move_what_their_flows_move(tmp_path):
+    from cptune.layout import RankGroups
+
+    machine = _cluster(tmp_path, "l20-pcie-8", 128)
+    for ranks, u in [(1024, 1), (1024, 8), (1008, 24), (1000, 5), (776, 8), (990, 3), (1024, 64), (96, 32)]:
+        for along, kind in (("heads", "all_to_all"), ("context", "all_gather"), ("context", "p2p")):
+            groups = RankGroups(along, ranks, u)
+            assert machine.exchange(kind, groups) == pytest.approx(
+                _exchange_flow_by_flow(machine, kind, groups), rel=1e-12), (ranks, u, kind)
+    with pytest.raises(ValueError, match="rank must be an integer"):
+        machine.exchange("p2p", RankGroups("context", 2048, 2))

@@ -62,6 +62,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -73,6 +74,7 @@ import numpy as np
 
 from cptune._toml import TableReader, TomlFileError, read_toml, show, suggest
 from cptune.cost import COLLECTIVES
+from cptune.layout import Groups, RankGroups
 from cptune.workload import WIRE_DTYPES
 
 #: Allowed keys of each table, in the order the file format documents them.
@@ -252,6 +254,25 @@ class HardwareDescription:
             raise KeyError(key)
         return dataclasses.replace(self, figures={**self.figures, key: Figure(value, value, value)})
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
+    def spread(self, keys: tuple[str, ...]) -> HardwareDescription:
+        """This description with every figure an array over ``2 * len(keys)`` variants:
+        variant 2i has figure ``keys[i]`` at its low end and 2i + 1 at its high end, every other
+        figure at its value. The prior evaluated once on it gives every figure's swing at once
+        (``cptune.model``'s ranges) instead of once per end of each range. Its figures are
+        arrays, so it is never hashed or stored."""
+        unknown = set(keys) - set(self.figures)
+        if unknown:
+            raise KeyError(sorted(unknown)[0])
+        figures = {}
+        for key, figure in self.figures.items():
+            values = np.full(2 * len(keys), figure.value)
+            for i, swung in enumerate(keys):
+                if swung == key:
+                    values[2 * i], values[2 * i + 1] = figure.low, figure.high
+            figures[key] = Figure(values, values, values)  # type: ignore[arg-type]
+        return dataclasses.replace(self, figures=figures)
+
     def matmul_flops(self, dtype: str) -> float | None:
         """GEMM FLOP/s of the attention kernel in ``dtype``; fp16 defaults to bf16, None when
         the file gives no figure for it."""
@@ -308,7 +329,7 @@ class HardwareDescription:
         return Topology(self.ranks_per_node, self.max_ranks, tuple(d.ranks for d in self.domains),
                         len(self.domains), network, uplinks)
 
-    def exchange(self, kind: str, groups: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
+    def exchange(self, kind: str, groups: Groups) -> tuple[float, float]:
         """(latency s, seconds per byte each rank sends) of collective ``kind`` run by all
         ``groups`` at once. Each flow moves at the bandwidth of the outermost tier it crosses;
         a rank's flows share its link (their times add up), and everything one domain sends
@@ -318,11 +339,25 @@ class HardwareDescription:
         load = traffic(self.topology, kind, groups)
         if load is None:
             return 0.0, 0.0
-        tiers = self.tiers
-        per_byte = np.array([1.0 / self.bandwidth(tier, kind) for tier in tiers])
-        slowest = max([float((load.per_rank @ per_byte).max()),
-                       *(peak / self.uplink(tiers[index], kind) for index, peak in load.uplink_peaks)])
-        return self.figure(f"{tiers[load.outermost].key}.latency_us"), slowest
+        per_byte, uplinks, latencies = self._rates(kind)
+        slowest = np.max([(load.per_rank @ per_byte).max(axis=0),
+                          *(peak / uplinks[index] for index, peak in load.uplink_peaks)], axis=0)
+        return latencies[load.outermost], slowest
+
+    @functools.cached_property
+    def _rates_by_kind(self) -> dict[str, tuple[np.ndarray, dict[int, float], list[float]]]:
+        return {}
+
+    def _rates(self, kind: str) -> tuple[np.ndarray, dict[int, float], list[float]]:
+        """(seconds per byte of one flow across each tier, each tier's uplink bytes/s where it has
+        one, each tier's latency) for collective ``kind``: looked up once per description."""
+        rates = self._rates_by_kind
+        if kind not in rates:
+            tiers = self.tiers
+            rates[kind] = (np.array([1.0 / self.bandwidth(tier, kind) for tier in tiers]),
+                           {i: self.uplink(tier, kind) for i, tier in enumerate(tiers) if tier.has_uplink},
+                           [self.figure(f"{tier.key}.latency_us") for tier in tiers])
+        return rates[kind]
 
     def describe(self) -> str:
         """One line, e.g. "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"."""
@@ -354,20 +389,52 @@ class Topology:
 @dataclass(frozen=True)
 class Traffic:
     """What one collective moves over a topology, per byte each rank sends: the outermost
-    tier any flow crosses; each distinct rank's share over each tier (rows: ranks with the
-    same shares once); and per tier with an uplink, the most any one domain sends through it."""
+    tier any flow crosses; each sending rank's share over each tier (rows: one per sender,
+    or per sender of a window that holds every distinct one); and per tier with an uplink,
+    the most any one domain sends through it."""
 
     outermost: int
     per_rank: np.ndarray
     uplink_peaks: tuple[tuple[int, float], ...]
 
 
-@functools.lru_cache(maxsize=4096)
-def traffic(topology: Topology, kind: str, groups: tuple[tuple[int, ...], ...]) -> Traffic | None:
+def traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
     """The ``Traffic`` of collective ``kind`` run by all ``groups`` at once on ``topology``
-    (None when no group has two ranks): every flow at once with numpy, so a cluster's
-    thousands of ranks cost milliseconds, not a Python loop per flow."""
-    src, dst, share = _flows(kind, groups)
+    (None when no group has two ranks): every flow at once with numpy. A configuration's
+    groups given by rule (``RankGroups``) cost what a few nodes' flows cost, whatever the
+    cluster's size: only a representative window of them is worked out
+    (``_representative_flows``), and configurations whose windows match share one answer."""
+    if isinstance(groups, RankGroups):
+        if groups.ranks > topology.max_ranks:
+            raise ValueError(f"rank must be an integer in 0..{topology.max_ranks - 1}, got {groups.ranks - 1}")
+        groups = _canonical(topology, kind, groups)
+    return _traffic(topology, kind, groups)
+
+
+def _canonical(topology: Topology, kind: str, groups: RankGroups) -> RankGroups:
+    """The groups on the fewest ranks whose traffic is that of ``groups``: head groups
+    repeat every lcm(u, ranks per node) ranks; under a neighbour collective, context groups
+    on many nodes differ only in the nodes from the first wrapping rank on (see
+    ``_representative_flows``), so those move closer to the first node by whole periods of
+    the groups and the nodes, leaving enough nodes between that every wrapping flow still
+    crosses between nodes."""
+    n, u, node = groups.ranks, groups.head_group, topology.ranks_per_node
+    if groups.along == "heads":
+        return RankGroups("heads", min(n, math.lcm(u, node)), u)
+    if kind in ALL_TO_ALL_KINDS:
+        return groups
+    lead = (-(-u // node) + 1) * node  # whole nodes before the wrapping ones: past every wrap target
+    period = math.lcm(u, node)  # moving n by this keeps the groups and the nodes aligned alike
+    drop = max(0, ((n - u) // node * node - lead) // period) * period
+    return RankGroups("context", n - drop, u) if drop else groups
+
+
+@functools.lru_cache(maxsize=65536)
+def _traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
+    if isinstance(groups, RankGroups):
+        src, dst, share = _representative_flows(topology, kind, groups)
+    else:
+        src, dst, share = _flows(kind, groups)
     if src.size == 0:
         return None
     ranks = np.concatenate([src, dst])
@@ -381,14 +448,44 @@ def traffic(topology: Topology, kind: str, groups: tuple[tuple[int, ...], ...]) 
     if topology.network_tier is not None:
         tier[src // topology.ranks_per_node != dst // topology.ranks_per_node] = topology.network_tier
     tiers = topology.node_tier + 1 + (topology.network_tier is not None)
-    per_rank = np.bincount(src * tiers + tier, weights=share, minlength=topology.max_ranks * tiers)
+    senders, sender = np.unique(src, return_inverse=True)
+    per_rank = np.bincount(sender * tiers + tier, weights=share, minlength=senders.size * tiers)
     peaks = []
     for index, size, inclusive in topology.uplinks:
         leaving = tier >= index if inclusive else tier > index
         if leaving.any():
-            peaks.append((index, float(np.bincount(src[leaving] // size, weights=share[leaving]).max())))
-    rows = np.unique(per_rank.reshape(topology.max_ranks, tiers), axis=0)
-    return Traffic(int(tier.max()), rows, tuple(peaks))
+            _, domain = np.unique(src[leaving] // size, return_inverse=True)
+            peaks.append((index, float(np.bincount(domain, weights=share[leaving]).max())))
+    return Traffic(int(tier.max()), per_rank.reshape(senders.size, tiers), tuple(peaks))
+
+
+def _representative_flows(topology: Topology, kind: str,
+                          groups: RankGroups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The flows of ``groups`` from a window of source ranks that holds every distinct
+    sender (its shares over each tier), every distinct domain (what it sends out of
+    itself) and the outermost tier crossed: what ``traffic`` keeps of all the flows.
+
+    The topology repeats every node (each domain size divides the node's), so flows between
+    ranks at a fixed distance repeat every node. Head groups (consecutive blocks of u) repeat
+    every lcm(u, ranks per node) ranks: the groups of that first window stand for the rest
+    (a last, partial window's ranks and domains are copies of the first's, or part of them).
+    Context groups (ranks j, j + u, ...) under a neighbour collective send each rank's bytes
+    u ranks on, the last u wrapping round to the first: the first node stands for every
+    domain whose ranks send no wrapping flow, and the nodes from the first wrapping rank on
+    are worked out as they are. Any other collective on context groups lists every flow."""
+    n, u = groups.ranks, groups.head_group
+    node = topology.ranks_per_node
+    if groups.along == "heads":
+        window = min(groups.ranks, math.lcm(u, node))
+        return _flows(kind, RankGroups("heads", window, u))
+    if kind in ALL_TO_ALL_KINDS or groups.size < 2:
+        return _flows(kind, groups)
+    wrap_from = n - u
+    first = np.arange(min(n, node))
+    last = np.arange(max(min(n, node), wrap_from // node * node), n)
+    src = np.concatenate([first, last])
+    dst = np.where(src < wrap_from, src + u, src - wrap_from)
+    return src, dst, np.ones(src.size)
 
 
 def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
@@ -256,7 +258,7 @@ class PriorTime:
 EXACT_KERNEL_WORK_TOKENS = 2**20
 
 
-@functools.lru_cache(maxsize=4096)  # pure; the prior asks for the same pairs often
+@functools.lru_cache(maxsize=65536)  # pure; the prior asks for the same pairs often
 def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     """Attention FLOPs the busiest rank's ``kernel`` executes (4 * head_dim per computed
     (query, key) pair and head). A fused kernel: ``analytic_cost``'s useful FLOPs. The numpy
@@ -318,9 +320,10 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         step_launches = (ring_kernels - 1) / overlapped
         # the host launches a step's kernels while the device runs them: the larger of the two
         per_step = (memory["merge"] + memory["requery"]) / overlapped
-        busy = max(block + profile.overlap_slowdown * min(block, transfer) + per_step, step_launches * launch)
+        busy = np.maximum(block + profile.overlap_slowdown * np.minimum(block, transfer) + per_step,
+                          step_launches * launch)
         # a step beyond those (a broadcast of the rank's own block) has nothing to hide behind
-        ring = (steps - overlapped) * transfer + overlapped * max(busy, transfer) + max(block, launch)
+        ring = (steps - overlapped) * transfer + overlapped * np.maximum(busy, transfer) + np.maximum(block, launch)
         ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
@@ -348,16 +351,16 @@ def figure_swings(workload: Workload, config: CPConfig, profile: Profile) -> tup
     return _described_swings(workload, config, profile.description)
 
 
-@functools.lru_cache(maxsize=4096)  # pure; intervals and ties ask for the same configurations
+@functools.lru_cache(maxsize=65536)  # pure; intervals and ties ask for the same configurations
 def _described_swings(workload: Workload, config: CPConfig,
                       description: HardwareDescription) -> tuple[FigureSwing, ...]:
-    def at(key: str, value: float) -> float:
-        return prior_time(workload, config, DescribedProfile(description.with_figure(key, value))).total_s
-
-    return tuple(
-        FigureSwing(key, at(key, figure.low), at(key, figure.high))
-        for key, figure in description.figures.items() if figure.uncertain
-    )
+    keys = tuple(key for key, figure in description.figures.items() if figure.uncertain)
+    if not keys:
+        return ()
+    # one evaluation over every figure at each end of its range (numpy arrays of variants)
+    spread = DescribedProfile(description.spread(keys))
+    totals = np.broadcast_to(prior_time(workload, config, spread).total_s, (2 * len(keys),))
+    return tuple(FigureSwing(key, float(totals[2 * i]), float(totals[2 * i + 1])) for i, key in enumerate(keys))
 
 
 def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float, float]:
