@@ -115,7 +115,6 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     return max(_visible_pairs(layout, g) for g in near if 0 <= g < c)
 
 
-@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
 def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
     made of ``stream`` (``STREAM_KINDS``; see ``AnalyticCost``: engines differ only there).
@@ -145,6 +144,11 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> 
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
     """
+    return _analytic_cost(workload, config, stream)  # one cache entry however stream is passed
+
+
+@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
+def _analytic_cost(workload: Workload, config: CPConfig, stream: str) -> AnalyticCost:
     layout = SequenceLayout(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
     s = layout.padded_len

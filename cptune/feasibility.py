@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 
 from cptune.config import STRATEGIES, CPConfig
@@ -25,7 +27,15 @@ def format_bytes(n: float) -> str:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, found up to its square root."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+@functools.lru_cache(maxsize=1024)  # the same few for every configuration of a cluster
+def _head_groups_that_fit(heads: int, limit: int) -> str:
+    """The head groups up to ``limit`` that split ``heads`` evenly, listed."""
+    return ", ".join(str(d) for d in _divisors(limit) if heads % d == 0)
 
 
 def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> list[str]:
@@ -47,7 +57,7 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
         )
     if workload.heads % u:
-        fits = ", ".join(str(d) for d in _divisors(min(n, workload.heads)) if workload.heads % d == 0)
+        fits = _head_groups_that_fit(workload.heads, min(n, workload.heads))
         reasons.append(
             f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
             f"(heads % head_group must be 0; head groups that fit: {fits})"

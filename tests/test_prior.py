@@ -705,3 +705,30 @@ def test_decide_ties_what_the_ranges_can_reorder_and_names_the_figure():
     assert tie == Tie(CPConfig("ring", 4), "y", "high")
     far = (FigureSwing("x", 2.0, 2.0), FigureSwing("y", 1.9, 2.2))
     assert decide(1.0, pick, 2.0, far, CPConfig("ring", 4)) is None
+
+
+@pytest.mark.parametrize("name", ["l20-pcie-8", "h100-sxm-2x8-ib", "a100-pcie-4"])
+def test_one_evaluation_over_every_figure_range_is_each_range_alone(name):
+    """The fast path (the prior once over numpy arrays of figure variants) equals the
+    reference (the prior at each end of each figure's range, one at a time) for every feasible
+    configuration: its total bit for bit, its swings to rounding."""
+    from cptune.feasibility import candidate_configs, feasibility
+    from cptune.model._prior import described_prior
+
+    description = load_description(name)
+    profile = DescribedProfile(description)
+    workloads = [Workload(seq_len=16896, heads=24, head_dim=128),
+                 Workload(seq_len=131072, heads=32, kv_heads=8, head_dim=128, causal=True)]
+    for workload in workloads:
+        for config in candidate_configs(description.max_ranks):
+            if feasibility(workload, config):
+                continue
+            fast = described_prior(workload, config, profile)
+            assert fast is not None and fast.total_s == prior_time(workload, config, profile).total_s
+            for swing in fast.swings:
+                figure = description.figures[swing.figure]
+                for end in ("low", "high"):
+                    alone = DescribedProfile(description.with_figure(swing.figure, getattr(figure, end)))
+                    assert getattr(swing, f"at_{end}_s") == pytest.approx(
+                        prior_time(workload, config, alone).total_s, rel=1e-12), (config, swing.figure, end)
+            assert (fast.low_s, fast.high_s) == prior_range(fast.total_s, fast.swings)

@@ -256,17 +256,18 @@ class HardwareDescription:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
     def spread(self, keys: tuple[str, ...]) -> HardwareDescription:
-        """This description with every figure an array over ``2 * len(keys)`` variants:
+        """This description with every figure an array over ``2 * len(keys) + 1`` variants:
         variant 2i has figure ``keys[i]`` at its low end and 2i + 1 at its high end, every other
-        figure at its value. The prior evaluated once on it gives every figure's swing at once
-        (``cptune.model``'s ranges) instead of once per end of each range. Its figures are
-        arrays, so it is never hashed or stored."""
+        figure at its value; the last has every figure at its value. The prior evaluated once
+        on it gives its value and every figure's swing at once (``cptune.model``'s ranges)
+        instead of once per end of each range. Its figures are arrays, so it is never hashed
+        or stored."""
         unknown = set(keys) - set(self.figures)
         if unknown:
             raise KeyError(sorted(unknown)[0])
         figures = {}
         for key, figure in self.figures.items():
-            values = np.full(2 * len(keys), figure.value)
+            values = np.full(2 * len(keys) + 1, figure.value)
             for i, swung in enumerate(keys):
                 if swung == key:
                     values[2 * i], values[2 * i + 1] = figure.low, figure.high
@@ -336,13 +337,23 @@ class HardwareDescription:
         out of itself shares that domain's uplink: the slowest of these limits the exchange.
         Who sends how much over which tier (``traffic``) depends on the topology alone, so it is
         worked out once per collective and layout, whatever the figures."""
-        load = traffic(self.topology, kind, groups)
+        loads = self._loads
+        if (kind, groups) not in loads:
+            loads[kind, groups] = traffic(self.topology, kind, groups)
+        load = loads[kind, groups]
         if load is None:
             return 0.0, 0.0
-        per_byte, uplinks, latencies = self._rates(kind)
-        slowest = np.max([(load.per_rank @ per_byte).max(axis=0),
-                          *(peak / uplinks[index] for index, peak in load.uplink_peaks)], axis=0)
+        per_byte, uplinks, latencies = self._rates(kind)  # per tier, or per tier and variant (``spread``)
+        per_rank = load.per_rank.reshape(load.per_rank.shape + (1,) * (per_byte.ndim - 1))
+        slowest = (per_rank * per_byte).sum(axis=1).max(axis=0)  # one order of sums either way
+        for index, peak in load.uplink_peaks:
+            slowest = np.maximum(slowest, peak / uplinks[index])
         return latencies[load.outermost], slowest
+
+    @functools.cached_property
+    def _loads(self) -> dict[tuple[str, Groups], Traffic | None]:
+        """``traffic`` by collective and groups, looked up once per description."""
+        return {}
 
     @functools.cached_property
     def _rates_by_kind(self) -> dict[str, tuple[np.ndarray, dict[int, float], list[float]]]:
@@ -406,7 +417,8 @@ def traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
     (``_representative_flows``), and configurations whose windows match share one answer."""
     if isinstance(groups, RankGroups):
         if groups.ranks > topology.max_ranks:
-            raise ValueError(f"rank must be an integer in 0..{topology.max_ranks - 1}, got {groups.ranks - 1}")
+            raise ValueError(
+                f"rank must be an integer in 0..{topology.max_ranks - 1}, got {groups.ranks - 1}")
         groups = _canonical(topology, kind, groups)
     return _traffic(topology, kind, groups)
 

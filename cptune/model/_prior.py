@@ -289,7 +289,9 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
 
 def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
     """The physical prior of ``config`` on ``workload`` on ``profile``'s hardware and engine
-    (see the module docstring)."""
+    (see the module docstring). A description's figures may be numpy arrays of variants
+    (``HardwareDescription.spread``, how its ranges are evaluated at once), so every step is
+    elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``."""
     cost = analytic_cost(workload, config, profile.stream)
     n, u, c = config.ranks, config.head_group, config.context_degree
     calls = cost.kernels["attention"]
@@ -323,7 +325,8 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         busy = np.maximum(block + profile.overlap_slowdown * np.minimum(block, transfer) + per_step,
                           step_launches * launch)
         # a step beyond those (a broadcast of the rank's own block) has nothing to hide behind
-        ring = (steps - overlapped) * transfer + overlapped * np.maximum(busy, transfer) + np.maximum(block, launch)
+        ring = ((steps - overlapped) * transfer + overlapped * np.maximum(busy, transfer)
+                + np.maximum(block, launch))
         ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
@@ -346,21 +349,47 @@ class FigureSwing:
 def figure_swings(workload: Workload, config: CPConfig, profile: Profile) -> tuple[FigureSwing, ...]:
     """One ``FigureSwing`` per uncertain figure of a described profile; none for a calibrated
     host (its rates are measured, not quoted with a range)."""
+    described = described_prior(workload, config, profile)
+    return () if described is None else described.swings
+
+
+@dataclass(frozen=True)
+class DescribedPrior:
+    """The prior of one configuration on a description: its total (s), each uncertain
+    figure's swing, and the range they allow (``prior_range``; empty swings: the total)."""
+
+    total_s: float
+    swings: tuple[FigureSwing, ...]
+    low_s: float
+    high_s: float
+
+
+def described_prior(workload: Workload, config: CPConfig, profile: Profile) -> DescribedPrior | None:
+    """``DescribedPrior`` of ``config`` on a described profile (None on a calibrated host),
+    worked out once per configuration and description: what a recommendation's intervals
+    and ties read."""
     if not isinstance(profile, DescribedProfile):
-        return ()
-    return _described_swings(workload, config, profile.description)
+        return None
+    return _described_prior(workload, config, profile.description)
 
 
 @functools.lru_cache(maxsize=65536)  # pure; intervals and ties ask for the same configurations
-def _described_swings(workload: Workload, config: CPConfig,
-                      description: HardwareDescription) -> tuple[FigureSwing, ...]:
+def _described_prior(workload: Workload, config: CPConfig,
+                     description: HardwareDescription) -> DescribedPrior:
+    """One evaluation of the prior over every figure at each end of its range and at its
+    value (``HardwareDescription.spread``: numpy arrays of variants, each variant the same
+    arithmetic as alone)."""
+    keys, spread = _spread(description)
+    totals = prior_time(workload, config, spread).total_s.tolist()
+    swings = tuple(FigureSwing(key, totals[2 * i], totals[2 * i + 1]) for i, key in enumerate(keys))
+    return DescribedPrior(totals[-1], swings, *prior_range(totals[-1], swings))
+
+
+@functools.lru_cache(maxsize=64)
+def _spread(description: HardwareDescription) -> tuple[tuple[str, ...], DescribedProfile]:
+    """The uncertain figures of ``description`` and the profile of its ``spread`` over them."""
     keys = tuple(key for key, figure in description.figures.items() if figure.uncertain)
-    if not keys:
-        return ()
-    # one evaluation over every figure at each end of its range (numpy arrays of variants)
-    spread = DescribedProfile(description.spread(keys))
-    totals = np.broadcast_to(prior_time(workload, config, spread).total_s, (2 * len(keys),))
-    return tuple(FigureSwing(key, float(totals[2 * i]), float(totals[2 * i + 1])) for i, key in enumerate(keys))
+    return keys, DescribedProfile(description.spread(keys))
 
 
 def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float, float]:
@@ -407,16 +436,14 @@ def prior_ties(
     ranges do not settle, by the prior alone (none on a calibrated host: its rates carry no
     ranges). Only those whose range reaches the pick's are examined. What ``recommend`` reports
     as tied with a prior-only pick, and what the published-benchmark check scores."""
-    pick_swings = figure_swings(workload, pick, profile)
-    if not pick_swings:
+    chosen = described_prior(workload, pick, profile)
+    if chosen is None or not chosen.swings:
         return ()
-    pick_s = prior_time(workload, pick, profile).total_s
-    pick_high = prior_range(pick_s, pick_swings)[1]
     ties = []
     for config in others:
-        other_s = prior_time(workload, config, profile).total_s
-        swings = figure_swings(workload, config, profile)
-        reaches = prior_range(other_s, swings)[0] <= pick_high
-        if reaches and (tie := decide(pick_s, pick_swings, other_s, swings, config)) is not None:
+        other = described_prior(workload, config, profile)
+        assert other is not None
+        reaches = other.low_s <= chosen.high_s
+        if reaches and (tie := decide(chosen.total_s, chosen.swings, other.total_s, other.swings, config)):
             ties.append(tie)
     return tuple(ties)
