@@ -102,12 +102,13 @@ def check_feasible(workload: Workload, config: CPConfig, memory_limit: int | Non
         )
 
 
-def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES) -> list[CPConfig]:
-    """Every distinct configuration on 1..max_ranks ranks, feasible or not: one rank is plain
-    local attention (listed once, as "ring" when allowed), and a context strategy whose head
-    group spans all ranks is pure Ulysses (listed as "ulysses")."""
-    if max_ranks < 1:
-        raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
+def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES,
+                      min_ranks: int = 1) -> list[CPConfig]:
+    """Every distinct configuration on min_ranks..max_ranks ranks, feasible or not: one rank
+    is plain local attention (listed once, as "ring" when allowed), and a context strategy
+    whose head group spans all ranks is pure Ulysses (listed as "ulysses")."""
+    if not 1 <= min_ranks <= max_ranks:
+        raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks} and {max_ranks}")
     strategies = tuple(dict.fromkeys(strategies))  # each name once, in the order given
     unknown = set(strategies) - set(STRATEGIES)
     if unknown or not strategies:
@@ -116,7 +117,7 @@ def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES) 
         )
     one_rank = "ring" if "ring" in strategies else strategies[0]
     configs = []
-    for n in range(1, max_ranks + 1):
+    for n in range(min_ranks, max_ranks + 1):
         for strategy in strategies:
             if n == 1:
                 configs += [CPConfig(strategy, 1)] if strategy == one_rank else []

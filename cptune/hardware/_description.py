@@ -95,6 +95,11 @@ DEFAULT_KIND = "default"
 #: rank's bytes to its neighbour in the group.
 ALL_TO_ALL_KINDS = frozenset({"all_to_all"})
 
+#: The most ranks one node's links may join: the largest NVLink domains join 72 to 576 GPUs.
+MAX_RANKS_PER_NODE = 4096
+#: The most ranks a description may have in all: more than any machine built.
+MAX_RANKS = 1_000_000
+
 #: Unit of each figure as written in the file, and its factor to SI units.
 _UNITS = {
     "matmul_tflops": ("TFLOP/s", 1e12), "softmax_tops": ("1e12 exponentials/s", 1e12),
@@ -210,6 +215,8 @@ class HardwareDescription:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if reason := _size_problem(self.ranks_per_node, self.nodes):
+            raise ValueError(f"{reason[0]}: {reason[1]}")
         if (self.network_link is None) != (self.nodes == 1):
             raise ValueError(f"network_link must be given exactly when nodes > 1 (nodes = {self.nodes})")
         dtypes = {key.rsplit(".", 1)[1] for key in self.figures if key.startswith("device.matmul_tflops.")}
@@ -569,6 +576,8 @@ def _load(file: str, name: str) -> HardwareDescription:
     ranks_per_node = r.integer(r.value(doc, "ranks_per_node", "", required=True), "ranks_per_node", 1)
     raw = r.value(doc, "nodes", "", required=False)
     nodes = 1 if raw is None else r.integer(raw, "nodes", 1)
+    if reason := _size_problem(ranks_per_node, nodes):
+        raise r.fail(*reason)
 
     device = r.table(doc, "device", required=True)
     assert device is not None
@@ -604,6 +613,20 @@ def _load(file: str, name: str) -> HardwareDescription:
         nodes=nodes, memory_bytes=memory_bytes, domains=domains, node_link=node_link,
         network_link=network_link, figures=figures, source=file,
     )
+
+
+def _size_problem(ranks_per_node: int, nodes: int) -> tuple[str, str] | None:
+    """(key, reason) when a machine's size is beyond any built (``MAX_RANKS_PER_NODE``,
+    ``MAX_RANKS``), else None."""
+    if ranks_per_node > MAX_RANKS_PER_NODE:
+        return ("ranks_per_node", f"out of range: at most {MAX_RANKS_PER_NODE} ranks share one node's links "
+                f"(the largest NVLink domains join 72 to 576 GPUs), got {ranks_per_node}; describe a larger "
+                f"machine as nodes joined by [links.network]")
+    if ranks_per_node * nodes > MAX_RANKS:
+        return ("nodes", f"out of range: {nodes} nodes x {ranks_per_node} ranks is "
+                f"{ranks_per_node * nodes:,} ranks, more than any machine built; describe at most "
+                f"{MAX_RANKS:,} ranks in all")
+    return None
 
 
 def _figure(r: TableReader, raw: object, key: str) -> Figure:
