@@ -451,3 +451,28 @@ def test_groups_by_rule_on_a_thousand_ranks_move_what_their_flows_move(tmp_path)
                 _exchange_flow_by_flow(machine, kind, groups), rel=1e-12), (ranks, u, kind)
     with pytest.raises(ValueError, match="rank must be an integer"):
         machine.exchange("p2p", RankGroups("context", 2048, 2))
+
+
+def test_cptune_hardware_lists_every_shipped_description_with_its_gpu_ranks_and_links(cptune_here):
+    """Issue 33: the shipped descriptions were listed nowhere but prose and --help."""
+    import json
+
+    listed = cptune_here("hardware", "--json")
+    assert listed.returncode == 0, listed.stderr
+    data = {d["name"]: d for d in json.loads(listed.stdout)}
+    assert list(data) == list(SHIPPED)
+    for name, ranks in SHIPPED.items():
+        machine = load_description(name)
+        assert data[name]["ranks"] == ranks and data[name]["gpu"] == machine.device
+        assert data[name]["ranks_per_node"] == machine.ranks_per_node
+        assert [link["key"] for link in data[name]["links"]] == [tier.key for tier in machine.tiers]
+    two_nodes = data["h100-sxm-2x8-ib"]["links"]
+    assert [link["tier"] for link in two_nodes] == ["node", "network"]
+    assert two_nodes[0]["bandwidth_gbps"]["default"]["value"] == pytest.approx(360)
+    assert two_nodes[1]["bandwidth_gbps"]["default"] == pytest.approx({"value": 46, "low": 40, "high": 48})
+    socket = data["l20-pcie-8"]["links"][1]
+    assert socket["tier"] == "domain" and socket["ranks"] == 4 and "all_to_all" in socket["bandwidth_gbps"]
+    text = " ".join(cptune_here("hardware").stdout.split())
+    for name, summary in data.items():
+        assert name in text and summary["gpu"] in text
+    assert "InfiniBand NDR 400 Gb/s" in text and "46 GB/s (40-48)" in text and "360 GB/s (290-370)" in text

@@ -377,6 +377,33 @@ class HardwareDescription:
                            [self.figure(f"{tier.key}.latency_us") for tier in tiers])
         return rates[kind]
 
+    def summary(self) -> dict[str, Any]:
+        """What ``cptune hardware`` lists: the name, GPU, ranks, ranks per node and nodes, and
+        each tier's link, innermost first ("domain" inside a node, "node", "network" between
+        nodes), with its bandwidth and uplink in GB/s by collective kind ("default" for the kinds
+        the file does not list) and its latency in microseconds, each as value, low and high."""
+        def in_file_units(key: str) -> dict[str, float]:
+            unit = _UNITS[next(part for part in key.split(".") if part in _UNITS)][1]
+            figure = self.figures[key]
+            return {"value": figure.value / unit, "low": figure.low / unit, "high": figure.high / unit}
+
+        def by_kind(prefix: str) -> dict[str, dict[str, float]] | None:
+            kinds = {key.rsplit(".", 1)[1]: in_file_units(key) for key in self.figures
+                     if key.startswith(f"{prefix}.")}
+            return dict(sorted(kinds.items(), key=lambda item: item[0] != DEFAULT_KIND)) or None
+
+        links = []
+        for tier in self.tiers:
+            where = "network" if tier is self.network_link else "node" if tier is self.node_link else "domain"
+            links.append({"tier": where, "key": tier.key, "name": tier.name, "ranks": tier.ranks,
+                          "bandwidth_gbps": by_kind(f"{tier.key}.bandwidth_gbps"),
+                          "latency_us": in_file_units(f"{tier.key}.latency_us"),
+                          "uplink_gbps": by_kind(f"{tier.key}.uplink_gbps")})
+        return {"name": self.name, "description": self.description, "gpu": self.device,
+                "ranks": self.max_ranks, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+                "memory_gib": None if self.memory_bytes is None else self.memory_bytes / 2**30,
+                "links": links}
+
     def describe(self) -> str:
         """One line, e.g. "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"."""
         head = f"{self.max_ranks}x {self.device} ({self.name})"
@@ -542,6 +569,11 @@ def builtin_descriptions() -> dict[str, Traversable]:
         if entry.name.endswith(".toml") and entry.is_file()
     }
     return dict(sorted(found.items()))
+
+
+def shipped_descriptions() -> list[HardwareDescription]:
+    """Every description shipped with cptune, loaded, by name (what ``cptune hardware`` lists)."""
+    return [load_description(name) for name in builtin_descriptions()]
 
 
 def load_description(name_or_path: str | Path) -> HardwareDescription:
