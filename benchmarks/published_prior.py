@@ -159,7 +159,7 @@ def structural_estimate(cases: list[Case]) -> float:
         for u in times:
             overstated = (math.log(times[u].total_s / times[pick].total_s)
                           - math.log(case.latency_ms[u] / case.latency_ms[pick]) - math.log(RIGHT_WITHIN))
-            share = sum((t.total_s - t.compute_s) / t.total_s for t in (times[u], times[pick]))
+            share = times[u].outside_compute + times[pick].outside_compute
             if u != pick and overstated > 0:
                 worst = max(worst, overstated / share)
     return worst

@@ -97,7 +97,24 @@ def _visible_pairs(layout: SequenceLayout, group: int) -> int:
     return pairs
 
 
-@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
+def busiest_block_pairs(layout: SequenceLayout) -> int:
+    """The most (query, key) pairs any context block's real queries attend to
+    (``_visible_pairs``), from at most eight blocks whatever the context degree c.
+
+    Padding sits at the end, so without zigzag block 0 is the busiest. With zigzag block g
+    holds chunks g and 2c - 1 - g of L positions; a chunk's pairs grow with its index up to
+    the chunk i0 where the real tokens end, which holds some, and those after it hold none.
+    Over the blocks whose second chunk is padding the pairs grow with g; over those whose two
+    chunks are both real they are equal; over those whose first chunk is padding they shrink
+    with g: the busiest is one of the blocks where these regions meet."""
+    c = layout.context_degree
+    if not layout.zigzag:
+        return _visible_pairs(layout, 0)
+    ends = layout.workload.seq_len // (layout.padded_len // (2 * c))  # i0
+    near = {0, c - 1, ends - 1, ends, ends + 1, 2 * c - 2 - ends, 2 * c - 1 - ends, 2 * c - ends}
+    return max(_visible_pairs(layout, g) for g in near if 0 <= g < c)
+
+
 def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
     made of ``stream`` (``STREAM_KINDS``; see ``AnalyticCost``: engines differ only there).
@@ -127,6 +144,11 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> 
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
     """
+    return _analytic_cost(workload, config, stream)  # one cache entry however stream is passed
+
+
+@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
+def _analytic_cost(workload: Workload, config: CPConfig, stream: str) -> AnalyticCost:
     layout = SequenceLayout(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
     s = layout.padded_len
@@ -135,7 +157,7 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> 
     kv_sent = workload.kv_heads * rep
     local_heads, local_kv_heads = h // u, kv_sent // u if u > 1 else workload.kv_heads
 
-    flops = 4 * b * d * local_heads * max(_visible_pairs(layout, g) for g in range(c))
+    flops = 4 * b * d * local_heads * busiest_block_pairs(layout)
 
     rank_tokens, block_tokens = s // n, s // c
     bytes_sent = dict.fromkeys(COLLECTIVES, 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 
 from cptune.config import STRATEGIES, CPConfig
@@ -25,7 +27,15 @@ def format_bytes(n: float) -> str:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, found up to its square root."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+@functools.lru_cache(maxsize=1024)  # the same few for every configuration of a cluster
+def _head_groups_that_fit(heads: int, limit: int) -> str:
+    """The head groups up to ``limit`` that split ``heads`` evenly, listed."""
+    return ", ".join(str(d) for d in _divisors(limit) if heads % d == 0)
 
 
 def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> list[str]:
@@ -47,7 +57,7 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
         )
     if workload.heads % u:
-        fits = ", ".join(str(d) for d in _divisors(min(n, workload.heads)) if workload.heads % d == 0)
+        fits = _head_groups_that_fit(workload.heads, min(n, workload.heads))
         reasons.append(
             f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
             f"(heads % head_group must be 0; head groups that fit: {fits})"
@@ -92,12 +102,13 @@ def check_feasible(workload: Workload, config: CPConfig, memory_limit: int | Non
         )
 
 
-def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES) -> list[CPConfig]:
-    """Every distinct configuration on 1..max_ranks ranks, feasible or not: one rank is plain
-    local attention (listed once, as "ring" when allowed), and a context strategy whose head
-    group spans all ranks is pure Ulysses (listed as "ulysses")."""
-    if max_ranks < 1:
-        raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
+def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES,
+                      min_ranks: int = 1) -> list[CPConfig]:
+    """Every distinct configuration on min_ranks..max_ranks ranks, feasible or not: one rank
+    is plain local attention (listed once, as "ring" when allowed), and a context strategy
+    whose head group spans all ranks is pure Ulysses (listed as "ulysses")."""
+    if not 1 <= min_ranks <= max_ranks:
+        raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks} and {max_ranks}")
     strategies = tuple(dict.fromkeys(strategies))  # each name once, in the order given
     unknown = set(strategies) - set(STRATEGIES)
     if unknown or not strategies:
@@ -106,7 +117,7 @@ def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES) 
         )
     one_rank = "ring" if "ring" in strategies else strategies[0]
     configs = []
-    for n in range(1, max_ranks + 1):
+    for n in range(min_ranks, max_ranks + 1):
         for strategy in strategies:
             if n == 1:
                 configs += [CPConfig(strategy, 1)] if strategy == one_rank else []

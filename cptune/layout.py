@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from cptune.config import CPConfig
 from cptune.workload import Workload
 
 #: Groups of global ranks that run one collective at once.
-Groups = tuple[tuple[int, ...], ...]
+Groups = Sequence[tuple[int, ...]]
 
 
 def rank_at(group: int, member: int, head_group: int) -> int:
@@ -49,13 +51,49 @@ def context_group_members(rank: int, head_group: int, ranks: int) -> list[int]:
     return [rank_at(g, member, head_group) for g in range(ranks // head_group)]
 
 
-@functools.lru_cache(maxsize=4096)  # pure; the prior asks for every configuration's groups many times
-def rank_groups(config: CPConfig) -> tuple[Groups, Groups]:
+@dataclass(frozen=True)
+class RankGroups(Sequence[tuple[int, ...]]):
+    """One configuration's head groups (``along="heads"``: the ``ranks / head_group``
+    consecutive blocks of ``head_group`` ranks) or context groups (``along="context"``: the
+    ``head_group`` groups of ranks ``j, j + u, j + 2u, ...``), every group once, in order.
+    Held as the rule, not the members: a cluster's configuration costs the same to name
+    whatever its size, and what it moves over a topology can be worked out from the rule
+    (``cptune.hardware.traffic``). Members are computed when a group is read."""
+
+    along: str
+    ranks: int
+    head_group: int
+
+    def __post_init__(self) -> None:
+        if self.along not in ("heads", "context"):
+            raise ValueError(f"along must be 'heads' or 'context', got {self.along!r}")
+        if self.ranks < 1 or self.head_group < 1 or self.ranks % self.head_group:
+            raise ValueError(f"head group {self.head_group} must divide {self.ranks} ranks")
+
+    @property
+    def size(self) -> int:
+        """Members per group."""
+        return self.head_group if self.along == "heads" else self.ranks // self.head_group
+
+    def __len__(self) -> int:
+        return self.ranks // self.size
+
+    def __getitem__(self, index: int) -> tuple[int, ...]:  # type: ignore[override]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"group {index} of {len(self)}")
+        index %= len(self)
+        if self.along == "heads":
+            return tuple(head_group_members(rank_at(index, 0, self.head_group), self.head_group))
+        return tuple(context_group_members(index, self.head_group, self.ranks))
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return (self[i] for i in range(len(self)))
+
+
+def rank_groups(config: CPConfig) -> tuple[RankGroups, RankGroups]:
     """(head groups, context groups) of ``config`` as global ranks, every group once."""
-    u, n = config.head_group, config.ranks
-    heads = tuple(tuple(head_group_members(rank_at(g, 0, u), u)) for g in range(config.context_degree))
-    context = tuple(tuple(context_group_members(j, u, n)) for j in range(u))
-    return heads, context
+    return (RankGroups("heads", config.ranks, config.head_group),
+            RankGroups("context", config.ranks, config.head_group))
 
 
 def kv_replication(workload: Workload, head_group: int) -> int:

@@ -406,3 +406,74 @@ def test_exchange_equals_the_flow_by_flow_definition(name):
                 assert machine.exchange(kind, groups) == pytest.approx(expected, rel=1e-12), (ranks, u, kind)
     with pytest.raises(ValueError, match="rank must be an integer"):
         machine.exchange("p2p", ((0, machine.max_ranks),))
+
+
+#: Clusters of the shipped nodes: PCIe switches and sockets, NVSwitch nodes, 4-GPU nodes; the
+#: network's uplink below its flows' sum where the file gives none, so the uplink binds.
+CLUSTERS = [("l20-pcie-8", 6), ("h100-sxm-2x8-ib", 7), ("a100-pcie-4", 13)]
+NETWORK = '\n[links.network]\nname = "InfiniBand"\nbandwidth_gbps = 40\nlatency_us = 40\nuplink_gbps = 120\n'
+
+
+def _cluster(tmp_path, base: str, nodes: int):
+    text = builtin_descriptions()[base].read_text()
+    if "\nnodes = 1\n" in text:
+        text = text.replace("\nnodes = 1\n", f"\nnodes = {nodes}\n") + NETWORK
+    else:
+        text = replaced_once(text, "\nnodes = 2\n", f"\nnodes = {nodes}\n")
+    return load_description(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(("base", "nodes"), CLUSTERS)
+def test_groups_by_rule_move_what_every_listed_flow_moves(tmp_path, base, nodes):
+    """The fast path (a configuration's groups as a rule: a window of their flows, and
+    configurations whose windows match sharing one answer) equals the reference path (every
+    group listed, every flow) for every configuration of a multi-node cluster, each kind."""
+    from cptune.layout import RankGroups
+
+    machine = _cluster(tmp_path, base, nodes)
+    for ranks in range(2, machine.max_ranks + 1):
+        for u in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+            for along in ("heads", "context"):
+                groups = RankGroups(along, ranks, u)
+                for kind in ("all_to_all", "all_gather", "p2p", "broadcast"):
+                    expected = machine.exchange(kind, tuple(groups))
+                    assert machine.exchange(kind, groups) == pytest.approx(expected, rel=1e-12), \
+                        (ranks, u, along, kind)
+
+
+def test_groups_by_rule_on_a_thousand_ranks_move_what_their_flows_move(tmp_path):
+    from cptune.layout import RankGroups
+
+    machine = _cluster(tmp_path, "l20-pcie-8", 128)
+    for ranks, u in [(1024, 1), (1024, 8), (1008, 24), (1000, 5), (776, 8), (990, 3), (1024, 64), (96, 32)]:
+        for along, kind in (("heads", "all_to_all"), ("context", "all_gather"), ("context", "p2p")):
+            groups = RankGroups(along, ranks, u)
+            assert machine.exchange(kind, groups) == pytest.approx(
+                _exchange_flow_by_flow(machine, kind, groups), rel=1e-12), (ranks, u, kind)
+    with pytest.raises(ValueError, match="rank must be an integer"):
+        machine.exchange("p2p", RankGroups("context", 2048, 2))
+
+
+def test_cptune_hardware_lists_every_shipped_description_with_its_gpu_ranks_and_links(cptune_here):
+    """Issue 33: the shipped descriptions were listed nowhere but prose and --help."""
+    import json
+
+    listed = cptune_here("hardware", "--json")
+    assert listed.returncode == 0, listed.stderr
+    data = {d["name"]: d for d in json.loads(listed.stdout)}
+    assert list(data) == list(SHIPPED)
+    for name, ranks in SHIPPED.items():
+        machine = load_description(name)
+        assert data[name]["ranks"] == ranks and data[name]["gpu"] == machine.device
+        assert data[name]["ranks_per_node"] == machine.ranks_per_node
+        assert [link["key"] for link in data[name]["links"]] == [tier.key for tier in machine.tiers]
+    two_nodes = data["h100-sxm-2x8-ib"]["links"]
+    assert [link["tier"] for link in two_nodes] == ["node", "network"]
+    assert two_nodes[0]["bandwidth_gbps"]["default"]["value"] == pytest.approx(360)
+    assert two_nodes[1]["bandwidth_gbps"]["default"] == pytest.approx({"value": 46, "low": 40, "high": 48})
+    socket = data["l20-pcie-8"]["links"][1]
+    assert socket["tier"] == "domain" and socket["ranks"] == 4 and "all_to_all" in socket["bandwidth_gbps"]
+    text = " ".join(cptune_here("hardware").stdout.split())
+    for name, summary in data.items():
+        assert name in text and summary["gpu"] in text
+    assert "InfiniBand NDR 400 Gb/s" in text and "46 GB/s (40-48)" in text and "360 GB/s (290-370)" in text

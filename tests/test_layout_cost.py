@@ -447,3 +447,21 @@ def test_costing_a_huge_length_allocates_nothing(causal):
     assert cost.padded_seq_len == seq_len
     whole = 4 * 8 * 64 * pairs  # one rank's FLOPs; the busiest of 4 does a quarter, give or take 1%
     assert whole <= 4 * cost.flops <= whole * 101 // 100
+
+
+def test_the_busiest_block_is_found_among_a_few_blocks():
+    """``busiest_block_pairs`` reads at most eight blocks; it equals the most pairs of any
+    block, counted block by block, for every split of short and padded sequences."""
+    from cptune.cost import _visible_pairs, busiest_block_pairs
+
+    for seq_len in [*range(1, 130), 255, 257, 1023, 4097]:
+        for causal in (True, False):
+            workload = Workload(seq_len=seq_len, heads=4, head_dim=8, causal=causal)
+            for ranks in range(1, min(seq_len, 36) + 1):
+                for u in (1, 2, 4):
+                    if ranks % u:
+                        continue
+                    config = CPConfig("ring", ranks, u) if u < ranks else CPConfig("ulysses", ranks)
+                    layout = SequenceLayout(workload, config)
+                    every = max(_visible_pairs(layout, g) for g in range(config.context_degree))
+                    assert busiest_block_pairs(layout) == every, (seq_len, causal, ranks, u)

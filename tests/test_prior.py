@@ -287,7 +287,7 @@ def test_a_ring_across_two_nodes_streams_at_the_network_flow_rate(two_nodes):
     across = Recording(DescribedProfile(two_nodes))
     prior_time(workload, CPConfig("ring", 16), across)
     ((kind, groups, nbytes, calls, seconds),) = across.calls
-    assert kind == "p2p" and groups == (tuple(range(16)),) and calls == 1
+    assert kind == "p2p" and tuple(groups) == (tuple(range(16)),) and calls == 1
     # ranks 7 -> 8 and 15 -> 0 cross the network, one flow each: the step runs at one NIC's rate
     latency = two_nodes.figure("links.network.latency_us")
     assert seconds == pytest.approx(latency + nbytes / nic, rel=1e-9)
@@ -295,7 +295,7 @@ def test_a_ring_across_two_nodes_streams_at_the_network_flow_rate(two_nodes):
     inside = Recording(DescribedProfile(two_nodes))
     prior_time(workload, CPConfig("ring", 8), inside)
     ((_, groups, nbytes8, _, seconds8),) = inside.calls
-    assert groups == (tuple(range(8)),)
+    assert tuple(groups) == (tuple(range(8)),)
     assert seconds8 == pytest.approx(two_nodes.figure("links.node.latency_us") + nbytes8 / nvlink, rel=1e-9)
 
 
@@ -306,7 +306,7 @@ def test_a_ulysses_head_group_of_eight_stays_on_nvlink(two_nodes):
     config = CPConfig("ring", 16, 8)  # 8-way Ulysses inside each node x 2-way Ring across
     recording = Recording(DescribedProfile(two_nodes))
     t = prior_time(workload, config, recording)
-    calls = {kind: (groups, nbytes, answer) for kind, groups, nbytes, _, answer in recording.calls}
+    calls = {kind: (tuple(groups), nbytes, answer) for kind, groups, nbytes, _, answer in recording.calls}
     assert calls["all_to_all"][0] == (tuple(range(8)), tuple(range(8, 16)))
     assert calls["p2p"][0] == tuple((j, j + 8) for j in range(8))
     nbytes = analytic_cost(workload, config).bytes_sent["all_to_all"]
@@ -446,7 +446,7 @@ def test_pcie_all_to_all_is_limited_by_the_tier_it_crosses_and_its_share():
 def test_a_subset_of_a_node_takes_the_ranks_that_share_a_switch_first():
     l20 = load_description("l20-pcie-8")
     heads, context = rank_groups(CPConfig("ring", 4, 2))
-    assert heads == ((0, 1), (2, 3)) and context == ((0, 2), (1, 3))
+    assert tuple(heads) == ((0, 1), (2, 3)) and tuple(context) == ((0, 2), (1, 3))
     assert l20.link(heads[0]).name == "PCIe Gen4 switch"
     assert l20.link(range(4)).name == "CPU socket (root complex)"
     assert l20.link(range(8)) is l20.node_link
@@ -741,3 +741,30 @@ def test_decide_ties_what_the_ranges_can_reorder_and_names_the_figure():
     assert tie == Tie(CPConfig("ring", 4), "y", "high")
     far = (FigureSwing("x", 2.0, 2.0), FigureSwing("y", 1.9, 2.2))
     assert decide(1.0, pick, 2.0, far, CPConfig("ring", 4)) is None
+
+
+@pytest.mark.parametrize("name", ["l20-pcie-8", "h100-sxm-2x8-ib", "a100-pcie-4"])
+def test_one_evaluation_over_every_figure_range_is_each_range_alone(name):
+    """The fast path (the prior once over numpy arrays of figure variants) equals the
+    reference (the prior at each end of each figure's range, one at a time) for every feasible
+    configuration: its total bit for bit, its swings to rounding."""
+    from cptune.feasibility import candidate_configs, feasibility
+    from cptune.model._prior import described_prior
+
+    description = load_description(name)
+    profile = DescribedProfile(description)
+    workloads = [Workload(seq_len=16896, heads=24, head_dim=128),
+                 Workload(seq_len=131072, heads=32, kv_heads=8, head_dim=128, causal=True)]
+    for workload in workloads:
+        for config in candidate_configs(description.max_ranks):
+            if feasibility(workload, config):
+                continue
+            fast = described_prior(workload, config, profile)
+            assert fast is not None and fast.total_s == prior_time(workload, config, profile).total_s
+            for swing in fast.swings:
+                figure = description.figures[swing.figure]
+                for end in ("low", "high"):
+                    alone = DescribedProfile(description.with_figure(swing.figure, getattr(figure, end)))
+                    assert getattr(swing, f"at_{end}_s") == pytest.approx(
+                        prior_time(workload, config, alone).total_s, rel=1e-12), (config, swing.figure, end)
+            assert (fast.low_s, fast.high_s) == prior_range(fast.total_s, fast.swings)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from conftest import OTHER_HOST, add_measurements, make_calibration, measurement
+from conftest import OTHER_HOST, add_measurements, assert_refused, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.cost import analytic_cost
 from cptune.errors import CPTuneError, InfeasibleConfigError
@@ -256,6 +256,20 @@ def test_a_correction_that_helps_is_applied(db):
     assert rec.to_dict()["correction"]["applied"] is True
 
 
+def test_a_correction_fitted_on_other_hardware_is_not_applied_to_a_description(db, cptune_here):
+    """Issue 33: on described hardware every candidate is the prior's, so the correction
+    fitted on this host's measurements is reported as not applied, with why."""
+    sweep(db, lambda config: {"ring": 1.6, "ulysses": 0.6, "allgather_kv": 1.0}[config.strategy])
+    assert recommend(W, db=db).correction.applied  # applied where it was fitted
+    rec = recommend(W, hardware="h100-sxm-8", db=db)
+    assert {c.source for c in rec.candidates} == {"prior"}
+    assert not rec.correction.applied and "other hardware" in rec.correction.reason
+    said = cptune_here("recommend", "--heads", "8", "--head-dim", "64", "--seq-len", str(W.seq_len),
+                       "--hardware", "h100-sxm-8", "--db", db, "--json")
+    assert said.returncode == 0, said.stderr
+    assert json.loads(said.stdout)["correction"]["applied"] is False
+
+
 # --------------------------------------------------------------------------- described priors
 
 
@@ -404,3 +418,55 @@ def test_this_host_is_the_host_as_the_backend_ran_it(tmp_path, monkeypatch):
     assert plan.launch.torchrun[0] == "torchrun"
     written = plan.write(tmp_path / "plan.json")
     assert load_plan(written).hardware.engine == "torch"  # checked against the torch engine's view
+
+
+# --------------------------------------------------------------------------- cluster sizes
+
+
+def _sized(tmp_path, ranks_per_node: int, nodes: int) -> str:
+    """The shipped two-node H100 description with another size."""
+    text = builtin_descriptions()["h100-sxm-2x8-ib"].read_text()
+    text = text.replace("\nranks_per_node = 8\n", f"\nranks_per_node = {ranks_per_node}\n")
+    path = tmp_path / f"h100-{ranks_per_node}x{nodes}.toml"
+    path.write_text(text.replace("\nnodes = 2\n", f"\nnodes = {nodes}\n"))
+    return str(path)
+
+
+@pytest.mark.parametrize(("ranks_per_node", "nodes", "fragments"), [
+    (100_000, 1, ("ranks_per_node: out of range: at most 4096 ranks share one node's links", "100000")),
+    (8, 200_000, ("nodes: out of range: 200000 nodes x 8 ranks is 1,600,000 ranks", "at most 1,000,000")),
+])
+def test_a_machine_larger_than_any_built_is_refused_in_one_line(cptune_here, tmp_path, ranks_per_node, nodes,
+                                                                 fragments):
+    """Issue 33: ``ranks_per_node = 100000`` never returned; now the file is refused."""
+    path = _sized(tmp_path, ranks_per_node, nodes)
+    said = cptune_here("recommend", "--heads", "24", "--head-dim", "128", "--seq-len", "16896",
+                       "--hardware", path)
+    assert_refused(said, path, *fragments)
+
+
+def test_a_cluster_beyond_the_any_count_limit_needs_a_rank_count(cptune_here, tmp_path):
+    path = _sized(tmp_path, 8, 4096)  # 32,768 GPUs: a real size, too many counts to weigh at once
+    flags = ["--heads", "24", "--head-dim", "128", "--seq-len", "16896", "--hardware", path]
+    assert_refused(cptune_here("recommend", *flags), "32,768 ranks", "--ranks")
+    said = cptune_here("recommend", *flags, "--ranks", "8192", "--json")
+    assert said.returncode == 0, said.stderr
+    data = json.loads(said.stdout)
+    assert data["config"]["ranks"] == 8192 and {c["ranks"] for c in data["candidates"]} == {8192}
+
+
+def test_a_wide_tie_shows_the_best_few_and_says_what_to_measure_for_the_rest(cptune_here):
+    """Issue 33: on the PCIe descriptions recommend printed 11-21 "tied" lines, which read as
+    no answer; the text shows three and one line for the rest, --json keeps them all."""
+    flags = ["--hardware", "l20-pcie-8", "--heads", "24", "--head-dim", "128", "--seq-len", "16896"]
+    ties = json.loads(cptune_here("recommend", *flags, "--json").stdout)["ties"]
+    assert len(ties) > 4
+    out = " ".join(cptune_here("recommend", *flags).stdout.split())
+    assert out.count("tied within what the prior can tell apart:") == 3
+    assert f"+ {len(ties) - 3} more within the tie: " in out
+    rest = out.split("more within the tie: ")[1]
+    assert "measure the tied configurations on the hardware (cptune search there)" in rest
+    assert "--json lists them all" in rest
+    # every figure that decides one of them is named, and the prior's own error where it decides
+    named = {"the prior's own error" if t["figure"] == STRUCTURE else t["figure"] for t in ties[3:]}
+    assert all(name in rest for name in named)

@@ -1,7 +1,8 @@
 """The ``cptune`` command line: it parses and prints; what each command does is a library call.
 
 ``search`` (``_search``), ``results`` (``_results``), ``measure`` and ``calibrate``
-(``_measure``), ``doctor`` (``_doctor``), ``fit`` and ``recommend`` (``_model``), ``export``,
+(``_measure``), ``doctor`` (``_doctor``), ``fit`` and ``recommend`` (``_model``), ``hardware``
+(``_hardware``), ``export``,
 ``export-graph`` and ``report`` (``_outputs``). Bad input (flags, space files, databases)
 ends with one line on stderr naming the problem and the fix, and exit code 2; never a
 traceback. So does a full disk (``ENOSPC``; the store's ``DiskFullError`` for the database).
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
-from cptune.cli import _doctor, _measure, _model, _outputs, _results, _search
+from cptune.cli import _doctor, _hardware, _measure, _model, _outputs, _results, _search
 from cptune.cli._common import CTRL_C, USAGE_ERROR, Parser, UsageError, warn
 from cptune.errors import CPTuneError
 from cptune.version import __version__
@@ -35,6 +36,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "doctor": _doctor.run_doctor,
     "fit": _model.run_fit,
     "recommend": _model.run_recommend,
+    "hardware": _hardware.run,
     "export": _outputs.run_export,
     "report": _outputs.run_report,
     "export-graph": _outputs.run_export_graph,
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _measure.add_parsers(commands)
     _doctor.add_parser(commands)
     _model.add_parsers(commands)
+    _hardware.add_parser(commands)
     _outputs.add_parsers(commands)
     for command_parser in commands.choices.values():  # flags it does not know are its error
         command_parser.set_defaults(command_parser=command_parser)

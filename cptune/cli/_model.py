@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -24,7 +26,12 @@ from cptune.cli._common import (
 from cptune.measurement import format_ms
 
 if TYPE_CHECKING:
-    from cptune.model import GroupScore
+    from cptune.model import GroupScore, Tie
+
+#: What the recommend table and its notes show; --json holds everything.
+SHOWN_CANDIDATES = 20
+SHOWN_TIES = 3
+SHOWN_INFEASIBLE = 10
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -124,7 +131,7 @@ def run_fit(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_recommend(args: argparse.Namespace, console: Console) -> int:
-    from cptune.model import STRUCTURE, recommend
+    from cptune.model import recommend
 
     workload = workload_of(args, args.seq_len)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend)
@@ -138,28 +145,30 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     for column in ("#", "config", "ranks", "latency ms", "interval", "source"):
         ranked.add_column(column, justify="left" if column in ("config", "source") else "right",
                           no_wrap=True)
-    for i, c in enumerate(pick.candidates, start=1):
+    for i, c in enumerate(pick.candidates[:SHOWN_CANDIDATES], start=1):
         style = "bold green" if i == 1 else ""
         ranked.add_row(str(i), c.config.label, str(c.config.ranks), format_ms(c.latency_ms),
                       f"{format_ms(c.low_ms)}-{format_ms(c.high_ms)}", c.source, style=style)
+    if (hidden := len(pick.candidates) - SHOWN_CANDIDATES) > 0:
+        ranked.add_row("", f"+ {hidden:,} slower", "", "", "", "--json lists them", style="dim")
     console.print(ranked)
     say(console, ("pick:", "bold"),
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
     if pick.verdict is not None:
         say(console, ("measured verdict:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
-    for tie in pick.ties:
-        decides = ("the prior's own error covers the gap" if tie.figure == STRUCTURE
-                   else f"{tie.figure} at its {tie.end} end decides")
+    for tie in pick.ties[:SHOWN_TIES]:
         say(console, ("tied within what the prior can tell apart:", "yellow"),
-             f" {tie.other.label} on {tie.other.ranks} may be faster; {decides}")
+             f" {tie.other.label} on {tie.other.ranks} may be faster; {_decides(tie)}")
+    if rest := pick.ties[SHOWN_TIES:]:
+        say(console, (f"+ {len(rest)} more within the tie:", "yellow"), f" {_what_decides(rest)}; measure "
+             f"the tied configurations on the hardware (cptune search there), or the figures named, to "
+             f"decide; the same command with --json lists them all")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:
         correction = f"learned correction applied: {pick.correction.reason}"
-    elif "prior" in sources and not pick.correction.applied:
-        correction = f"learned correction not applied, predictions are the prior's: {pick.correction.reason}"
     elif "prior" in sources:
-        correction = "predictions are the prior's: the learned correction is fitted on other hardware"
+        correction = f"learned correction not applied, predictions are the prior's: {pick.correction.reason}"
     if correction:
         say(console, (correction, "dim"))
     if pick.unpredicted:
@@ -168,8 +177,27 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
         say(console, ("not measured at this length and not predicted:", "yellow"),
             f" {names}; this hardware has no calibration for the prior to stand on: run cptune calibrate"
             f"{flag} (about a minute) to predict them")
-    for config, reasons in pick.infeasible.items():
+    for config, reasons in list(pick.infeasible.items())[:SHOWN_INFEASIBLE]:
         say(console, (f"cannot run {config.label} on {config.ranks}: {'; '.join(reasons)}", "dim"))
+    if (hidden := len(pick.infeasible) - SHOWN_INFEASIBLE) > 0:
+        say(console, (f"+ {hidden:,} more configurations cannot run: --json lists each with its reasons",
+                      "dim"))
     return 0
+
+
+def _decides(tie: Tie) -> str:
+    """What would order ``tie``'s configuration against the pick, in words."""
+    if tie.structural:
+        return "the prior's own error covers the gap"
+    return f"{tie.figure} at its {tie.end} end decides"
+
+
+def _what_decides(ties: Sequence[Tie]) -> str:
+    """Which figures decide ``ties``, most first: "links.node.bandwidth_gbps.default decides
+    9 of them, device.matmul_tflops.bf16 5" (the prior's own error as "its own error")."""
+    counts = Counter("the prior's own error" if t.structural else t.figure for t in ties).most_common()
+    first, *others = counts
+    return ", ".join([f"{first[0]} decides {first[1]} of them", *(f"{figure} {n}" for figure, n in others)])
+
 
 

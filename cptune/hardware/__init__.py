@@ -2,7 +2,8 @@
 
 ``this_host()`` is the machine cptune runs on, reduced to a fingerprint (``Hardware``);
 ``load_description`` reads a topology description of hardware the user does not have (a
-shipped name such as "h100-sxm-8", or a TOML file).
+shipped name such as "h100-sxm-8", or a TOML file); ``shipped_descriptions`` loads every
+shipped one (``cptune hardware``).
 """
 
 from cptune.hardware._description import (
@@ -12,6 +13,7 @@ from cptune.hardware._description import (
     LinkTier,
     builtin_descriptions,
     load_description,
+    shipped_descriptions,
 )
 from cptune.hardware._host import (
     GpuInfo,
@@ -34,6 +36,7 @@ __all__ = [
     "list_gpus",
     "load_description",
     "mpi_library",
+    "shipped_descriptions",
     "tensorrt_version",
     "this_gpu_node",
     "this_host",

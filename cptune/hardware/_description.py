@@ -64,6 +64,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -75,6 +76,7 @@ import numpy as np
 
 from cptune._toml import TableReader, TomlFileError, read_toml, show, suggest
 from cptune.cost import COLLECTIVES
+from cptune.layout import Groups, RankGroups
 from cptune.workload import WIRE_DTYPES
 
 #: Allowed keys of each table, in the order the file format documents them.
@@ -94,6 +96,11 @@ DEFAULT_KIND = "default"
 #: other kind (the Ring's stream step, NCCL's ring all-gather, a broadcast chain) sends each
 #: rank's bytes to its neighbour in the group.
 ALL_TO_ALL_KINDS = frozenset({"all_to_all"})
+
+#: The most ranks one node's links may join: the largest NVLink domains join 72 to 576 GPUs.
+MAX_RANKS_PER_NODE = 4096
+#: The most ranks a description may have in all: more than any machine built.
+MAX_RANKS = 1_000_000
 
 #: Unit of each figure as written in the file, and its factor to SI units.
 _UNITS = {
@@ -212,6 +219,8 @@ class HardwareDescription:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if reason := _size_problem(self.ranks_per_node, self.nodes):
+            raise ValueError(f"{reason[0]}: {reason[1]}")
         if (self.network_link is None) != (self.nodes == 1):
             raise ValueError(f"network_link must be given exactly when nodes > 1 (nodes = {self.nodes})")
         dtypes = {key.rsplit(".", 1)[1] for key in self.figures if key.startswith("device.matmul_tflops.")}
@@ -255,6 +264,26 @@ class HardwareDescription:
         if key not in self.figures:
             raise KeyError(key)
         return dataclasses.replace(self, figures={**self.figures, key: Figure(value, value, value)})
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
+    def spread(self, keys: tuple[str, ...]) -> HardwareDescription:
+        """This description with every figure an array over ``2 * len(keys) + 1`` variants:
+        variant 2i has figure ``keys[i]`` at its low end and 2i + 1 at its high end, every other
+        figure at its value; the last has every figure at its value. The prior evaluated once
+        on it gives its value and every figure's swing at once (``cptune.model``'s ranges)
+        instead of once per end of each range. Its figures are arrays, so it is never hashed
+        or stored."""
+        unknown = set(keys) - set(self.figures)
+        if unknown:
+            raise KeyError(sorted(unknown)[0])
+        figures = {}
+        for key, figure in self.figures.items():
+            values = np.full(2 * len(keys) + 1, figure.value)
+            for i, swung in enumerate(keys):
+                if swung == key:
+                    values[2 * i], values[2 * i + 1] = figure.low, figure.high
+            figures[key] = Figure(values, values, values)  # type: ignore[arg-type]
+        return dataclasses.replace(self, figures=figures)
 
     def matmul_flops(self, dtype: str) -> float | None:
         """GEMM FLOP/s of the attention kernel in ``dtype``; fp16 defaults to bf16, None when
@@ -312,21 +341,72 @@ class HardwareDescription:
         return Topology(self.ranks_per_node, self.max_ranks, tuple(d.ranks for d in self.domains),
                         len(self.domains), network, uplinks)
 
-    def exchange(self, kind: str, groups: tuple[tuple[int, ...], ...]) -> tuple[float, float]:
+    def exchange(self, kind: str, groups: Groups) -> tuple[float, float]:
         """(latency s, seconds per byte each rank sends) of collective ``kind`` run by all
         ``groups`` at once. Each flow moves at the bandwidth of the outermost tier it crosses;
         a rank's flows share its link (their times add up), and everything one domain sends
         out of itself shares that domain's uplink: the slowest of these limits the exchange.
         Who sends how much over which tier (``traffic``) depends on the topology alone, so it is
         worked out once per collective and layout, whatever the figures."""
-        load = traffic(self.topology, kind, groups)
+        loads = self._loads
+        if (kind, groups) not in loads:
+            loads[kind, groups] = traffic(self.topology, kind, groups)
+        load = loads[kind, groups]
         if load is None:
             return 0.0, 0.0
-        tiers = self.tiers
-        per_byte = np.array([1.0 / self.bandwidth(tier, kind) for tier in tiers])
-        slowest = max([float((load.per_rank @ per_byte).max()),
-                       *(peak / self.uplink(tiers[index], kind) for index, peak in load.uplink_peaks)])
-        return self.figure(f"{tiers[load.outermost].key}.latency_us"), slowest
+        per_byte, uplinks, latencies = self._rates(kind)  # per tier, or per tier and variant (``spread``)
+        per_rank = load.per_rank.reshape(load.per_rank.shape + (1,) * (per_byte.ndim - 1))
+        slowest = (per_rank * per_byte).sum(axis=1).max(axis=0)  # one order of sums either way
+        for index, peak in load.uplink_peaks:
+            slowest = np.maximum(slowest, peak / uplinks[index])
+        return latencies[load.outermost], slowest
+
+    @functools.cached_property
+    def _loads(self) -> dict[tuple[str, Groups], Traffic | None]:
+        """``traffic`` by collective and groups, looked up once per description."""
+        return {}
+
+    @functools.cached_property
+    def _rates_by_kind(self) -> dict[str, tuple[np.ndarray, dict[int, float], list[float]]]:
+        return {}
+
+    def _rates(self, kind: str) -> tuple[np.ndarray, dict[int, float], list[float]]:
+        """(seconds per byte of one flow across each tier, each tier's uplink bytes/s where it has
+        one, each tier's latency) for collective ``kind``: looked up once per description."""
+        rates = self._rates_by_kind
+        if kind not in rates:
+            tiers = self.tiers
+            rates[kind] = (np.array([1.0 / self.bandwidth(tier, kind) for tier in tiers]),
+                           {i: self.uplink(tier, kind) for i, tier in enumerate(tiers) if tier.has_uplink},
+                           [self.figure(f"{tier.key}.latency_us") for tier in tiers])
+        return rates[kind]
+
+    def summary(self) -> dict[str, Any]:
+        """What ``cptune hardware`` lists: the name, GPU, ranks, ranks per node and nodes, and
+        each tier's link, innermost first ("domain" inside a node, "node", "network" between
+        nodes), with its bandwidth and uplink in GB/s by collective kind ("default" for the kinds
+        the file does not list) and its latency in microseconds, each as value, low and high."""
+        def in_file_units(key: str) -> dict[str, float]:
+            unit = _UNITS[next(part for part in key.split(".") if part in _UNITS)][1]
+            figure = self.figures[key]
+            return {"value": figure.value / unit, "low": figure.low / unit, "high": figure.high / unit}
+
+        def by_kind(prefix: str) -> dict[str, dict[str, float]] | None:
+            kinds = {key.rsplit(".", 1)[1]: in_file_units(key) for key in self.figures
+                     if key.startswith(f"{prefix}.")}
+            return dict(sorted(kinds.items(), key=lambda item: item[0] != DEFAULT_KIND)) or None
+
+        links = []
+        for tier in self.tiers:
+            where = "network" if tier is self.network_link else "node" if tier is self.node_link else "domain"
+            links.append({"tier": where, "key": tier.key, "name": tier.name, "ranks": tier.ranks,
+                          "bandwidth_gbps": by_kind(f"{tier.key}.bandwidth_gbps"),
+                          "latency_us": in_file_units(f"{tier.key}.latency_us"),
+                          "uplink_gbps": by_kind(f"{tier.key}.uplink_gbps")})
+        return {"name": self.name, "description": self.description, "gpu": self.device,
+                "ranks": self.max_ranks, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+                "memory_gib": None if self.memory_bytes is None else self.memory_bytes / 2**30,
+                "links": links}
 
     def describe(self) -> str:
         """One line, e.g. "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"."""
@@ -358,20 +438,53 @@ class Topology:
 @dataclass(frozen=True)
 class Traffic:
     """What one collective moves over a topology, per byte each rank sends: the outermost
-    tier any flow crosses; each distinct rank's share over each tier (rows: ranks with the
-    same shares once); and per tier with an uplink, the most any one domain sends through it."""
+    tier any flow crosses; each sending rank's share over each tier (rows: one per sender,
+    or per sender of a window that holds every distinct one); and per tier with an uplink,
+    the most any one domain sends through it."""
 
     outermost: int
     per_rank: np.ndarray
     uplink_peaks: tuple[tuple[int, float], ...]
 
 
-@functools.lru_cache(maxsize=4096)
-def traffic(topology: Topology, kind: str, groups: tuple[tuple[int, ...], ...]) -> Traffic | None:
+def traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
     """The ``Traffic`` of collective ``kind`` run by all ``groups`` at once on ``topology``
-    (None when no group has two ranks): every flow at once with numpy, so a cluster's
-    thousands of ranks cost milliseconds, not a Python loop per flow."""
-    src, dst, share = _flows(kind, groups)
+    (None when no group has two ranks): every flow at once with numpy. A configuration's
+    groups given by rule (``RankGroups``) cost what a few nodes' flows cost, whatever the
+    cluster's size: only a representative window of them is worked out
+    (``_representative_flows``), and configurations whose windows match share one answer."""
+    if isinstance(groups, RankGroups):
+        if groups.ranks > topology.max_ranks:
+            raise ValueError(
+                f"rank must be an integer in 0..{topology.max_ranks - 1}, got {groups.ranks - 1}")
+        groups = _canonical(topology, kind, groups)
+    return _traffic(topology, kind, groups)
+
+
+def _canonical(topology: Topology, kind: str, groups: RankGroups) -> RankGroups:
+    """The groups on the fewest ranks whose traffic is that of ``groups``: head groups
+    repeat every lcm(u, ranks per node) ranks; under a neighbour collective, context groups
+    on many nodes differ only in the nodes from the first wrapping rank on (see
+    ``_representative_flows``), so those move closer to the first node by whole periods of
+    the groups and the nodes, leaving enough nodes between that every wrapping flow still
+    crosses between nodes."""
+    n, u, node = groups.ranks, groups.head_group, topology.ranks_per_node
+    if groups.along == "heads":
+        return RankGroups("heads", min(n, math.lcm(u, node)), u)
+    if kind in ALL_TO_ALL_KINDS:
+        return groups
+    lead = (-(-u // node) + 1) * node  # whole nodes before the wrapping ones: past every wrap target
+    period = math.lcm(u, node)  # moving n by this keeps the groups and the nodes aligned alike
+    drop = max(0, ((n - u) // node * node - lead) // period) * period
+    return RankGroups("context", n - drop, u) if drop else groups
+
+
+@functools.lru_cache(maxsize=65536)
+def _traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
+    if isinstance(groups, RankGroups):
+        src, dst, share = _representative_flows(topology, kind, groups)
+    else:
+        src, dst, share = _flows(kind, groups)
     if src.size == 0:
         return None
     ranks = np.concatenate([src, dst])
@@ -385,14 +498,44 @@ def traffic(topology: Topology, kind: str, groups: tuple[tuple[int, ...], ...]) 
     if topology.network_tier is not None:
         tier[src // topology.ranks_per_node != dst // topology.ranks_per_node] = topology.network_tier
     tiers = topology.node_tier + 1 + (topology.network_tier is not None)
-    per_rank = np.bincount(src * tiers + tier, weights=share, minlength=topology.max_ranks * tiers)
+    senders, sender = np.unique(src, return_inverse=True)
+    per_rank = np.bincount(sender * tiers + tier, weights=share, minlength=senders.size * tiers)
     peaks = []
     for index, size, inclusive in topology.uplinks:
         leaving = tier >= index if inclusive else tier > index
         if leaving.any():
-            peaks.append((index, float(np.bincount(src[leaving] // size, weights=share[leaving]).max())))
-    rows = np.unique(per_rank.reshape(topology.max_ranks, tiers), axis=0)
-    return Traffic(int(tier.max()), rows, tuple(peaks))
+            _, domain = np.unique(src[leaving] // size, return_inverse=True)
+            peaks.append((index, float(np.bincount(domain, weights=share[leaving]).max())))
+    return Traffic(int(tier.max()), per_rank.reshape(senders.size, tiers), tuple(peaks))
+
+
+def _representative_flows(topology: Topology, kind: str,
+                          groups: RankGroups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The flows of ``groups`` from a window of source ranks that holds every distinct
+    sender (its shares over each tier), every distinct domain (what it sends out of
+    itself) and the outermost tier crossed: what ``traffic`` keeps of all the flows.
+
+    The topology repeats every node (each domain size divides the node's), so flows between
+    ranks at a fixed distance repeat every node. Head groups (consecutive blocks of u) repeat
+    every lcm(u, ranks per node) ranks: the groups of that first window stand for the rest
+    (a last, partial window's ranks and domains are copies of the first's, or part of them).
+    Context groups (ranks j, j + u, ...) under a neighbour collective send each rank's bytes
+    u ranks on, the last u wrapping round to the first: the first node stands for every
+    domain whose ranks send no wrapping flow, and the nodes from the first wrapping rank on
+    are worked out as they are. Any other collective on context groups lists every flow."""
+    n, u = groups.ranks, groups.head_group
+    node = topology.ranks_per_node
+    if groups.along == "heads":
+        window = min(groups.ranks, math.lcm(u, node))
+        return _flows(kind, RankGroups("heads", window, u))
+    if kind in ALL_TO_ALL_KINDS or groups.size < 2:
+        return _flows(kind, groups)
+    wrap_from = n - u
+    first = np.arange(min(n, node))
+    last = np.arange(max(min(n, node), wrap_from // node * node), n)
+    src = np.concatenate([first, last])
+    dst = np.where(src < wrap_from, src + u, src - wrap_from)
+    return src, dst, np.ones(src.size)
 
 
 def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -432,6 +575,11 @@ def builtin_descriptions() -> dict[str, Traversable]:
     return dict(sorted(found.items()))
 
 
+def shipped_descriptions() -> list[HardwareDescription]:
+    """Every description shipped with cptune, loaded, by name (what ``cptune hardware`` lists)."""
+    return [load_description(name) for name in builtin_descriptions()]
+
+
 def load_description(name_or_path: str | Path) -> HardwareDescription:
     """A shipped description by name (e.g. "h100-sxm-8") or any description file by path.
     An existing file wins over a shipped name. Raises HardwareDescriptionError naming the
@@ -464,6 +612,8 @@ def _load(file: str, name: str) -> HardwareDescription:
     ranks_per_node = r.integer(r.value(doc, "ranks_per_node", "", required=True), "ranks_per_node", 1)
     raw = r.value(doc, "nodes", "", required=False)
     nodes = 1 if raw is None else r.integer(raw, "nodes", 1)
+    if reason := _size_problem(ranks_per_node, nodes):
+        raise r.fail(*reason)
 
     device = r.table(doc, "device", required=True)
     assert device is not None
@@ -503,6 +653,20 @@ def _load(file: str, name: str) -> HardwareDescription:
         nodes=nodes, memory_bytes=memory_bytes, domains=domains, node_link=node_link,
         network_link=network_link, figures=figures, source=file,
     )
+
+
+def _size_problem(ranks_per_node: int, nodes: int) -> tuple[str, str] | None:
+    """(key, reason) when a machine's size is beyond any built (``MAX_RANKS_PER_NODE``,
+    ``MAX_RANKS``), else None."""
+    if ranks_per_node > MAX_RANKS_PER_NODE:
+        return ("ranks_per_node", f"out of range: at most {MAX_RANKS_PER_NODE} ranks share one node's links "
+                f"(the largest NVLink domains join 72 to 576 GPUs), got {ranks_per_node}; describe a larger "
+                f"machine as nodes joined by [links.network]")
+    if ranks_per_node * nodes > MAX_RANKS:
+        return ("nodes", f"out of range: {nodes} nodes x {ranks_per_node} ranks is "
+                f"{ranks_per_node * nodes:,} ranks, more than any machine built; describe at most "
+                f"{MAX_RANKS:,} ranks in all")
+    return None
 
 
 def _figure(r: TableReader, raw: object, key: str) -> Figure:

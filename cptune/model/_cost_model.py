@@ -52,7 +52,14 @@ from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.estimate import Estimate, combine, judge_each
-from cptune.model._prior import CalibratedProfile, PriorTime, Profile, figure_swings, prior_range, prior_time
+from cptune.model._prior import (
+    CalibratedProfile,
+    PriorTime,
+    Profile,
+    described_prior,
+    prior_range,
+    prior_time,
+)
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
 
@@ -228,8 +235,11 @@ class CostModel(RegressorMixin, BaseEstimator):
         data, at least ``prior_band`` each way."""
         low, high = prior * self.prior_interval_[0], prior * self.prior_interval_[1]
         for i, case in enumerate(cases):
-            if swings := figure_swings(case.workload, case.config, case.profile):
-                low[i], high[i] = prior_range(prior[i], swings)
+            described = described_prior(case.workload, case.config, case.profile)
+            if described is not None and described.swings:
+                same = prior[i] == described.total_s  # the usual case: its range is worked out
+                low[i], high[i] = (described.low_s, described.high_s) if same else prior_range(
+                    prior[i], described.swings)
         return low, high
 
     def corrects(self, case: Case) -> bool:
@@ -241,11 +251,16 @@ class CostModel(RegressorMixin, BaseEstimator):
         low <= latency <= high."""
         check_is_fitted(self, "prior_interval_")
         cases = list(X)
-        priors = [case.prior() for case in cases]
-        prior = np.array([p.total_s for p in priors])
+        corrected = np.array([self.corrects(case) for case in cases], dtype=bool)
+        # a described configuration's total comes with its ranges (one evaluation for both);
+        # the breakdown is needed only where the correction reads it
+        described = [None if k else described_prior(c.workload, c.config, c.profile)
+                     for c, k in zip(cases, corrected, strict=True)]
+        priors = [case.prior() if d is None else None for case, d in zip(cases, described, strict=True)]
+        prior = np.array([p.total_s if d is None else d.total_s
+                          for p, d in zip(priors, described, strict=True)])
         estimate = prior.copy()
         low, high = self.prior_only_band(cases, prior)
-        corrected = np.array([self.corrects(case) for case in cases], dtype=bool)
         if corrected.any():
             assert self.correction_ is not None
             table = features([c for c, k in zip(cases, corrected, strict=True) if k],

@@ -43,6 +43,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
@@ -263,6 +265,12 @@ class PriorTime:
                 + self.memory_s + self.overhead_s)
 
     @property
+    def outside_compute(self) -> float:
+        """The share of the total spent outside attention compute (communication, memory-bound
+        steps, launches): where the prior's mechanisms are least sure (``STRUCTURAL_ERROR``)."""
+        return (self.total_s - self.compute_s) / self.total_s
+
+    @property
     def comm_s(self) -> float:
         """Communication not hidden behind compute."""
         return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
@@ -273,7 +281,7 @@ class PriorTime:
 EXACT_KERNEL_WORK_TOKENS = 2**20
 
 
-@functools.lru_cache(maxsize=4096)  # pure; the prior asks for the same pairs often
+@functools.lru_cache(maxsize=65536)  # pure; the prior asks for the same pairs often
 def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     """Attention FLOPs the busiest rank's ``kernel`` executes (4 * head_dim per computed
     (query, key) pair and head). A fused kernel: ``analytic_cost``'s useful FLOPs. The numpy
@@ -304,7 +312,9 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
 
 def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
     """The physical prior of ``config`` on ``workload`` on ``profile``'s hardware and engine
-    (see the module docstring)."""
+    (see the module docstring). A description's figures may be numpy arrays of variants
+    (``HardwareDescription.spread``, how its ranges are evaluated at once), so every step is
+    elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``."""
     cost = analytic_cost(workload, config, profile.stream)
     n, u, c = config.ranks, config.head_group, config.context_degree
     calls = cost.kernels["attention"]
@@ -335,9 +345,11 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         step_launches = (ring_kernels - 1) / overlapped
         # the host launches a step's kernels while the device runs them: the larger of the two
         per_step = (memory["merge"] + memory["requery"]) / overlapped
-        busy = max(block + profile.overlap_slowdown * min(block, transfer) + per_step, step_launches * launch)
+        busy = np.maximum(block + profile.overlap_slowdown * np.minimum(block, transfer) + per_step,
+                          step_launches * launch)
         # a step beyond those (a broadcast of the rank's own block) has nothing to hide behind
-        ring = (steps - overlapped) * transfer + overlapped * max(busy, transfer) + max(block, launch)
+        ring = ((steps - overlapped) * transfer + overlapped * np.maximum(busy, transfer)
+                + np.maximum(block, launch))
         ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
@@ -360,21 +372,51 @@ class FigureSwing:
 def figure_swings(workload: Workload, config: CPConfig, profile: Profile) -> tuple[FigureSwing, ...]:
     """One ``FigureSwing`` per uncertain figure of a described profile; none for a calibrated
     host (its rates are measured, not quoted with a range)."""
+    described = described_prior(workload, config, profile)
+    return () if described is None else described.swings
+
+
+@dataclass(frozen=True)
+class DescribedPrior:
+    """The prior of one configuration on a description: its total (s), each uncertain
+    figure's swing, and the range they allow (``prior_range``; empty swings: the total)."""
+
+    total_s: float
+    swings: tuple[FigureSwing, ...]
+    low_s: float
+    high_s: float
+    #: ``PriorTime.outside_compute`` at the figures' values.
+    outside_compute: float
+
+
+def described_prior(workload: Workload, config: CPConfig, profile: Profile) -> DescribedPrior | None:
+    """``DescribedPrior`` of ``config`` on a described profile (None on a calibrated host),
+    worked out once per configuration and description: what a recommendation's intervals
+    and ties read."""
     if not isinstance(profile, DescribedProfile):
-        return ()
-    return _described_swings(workload, config, profile.description)
+        return None
+    return _described_prior(workload, config, profile.description)
 
 
-@functools.lru_cache(maxsize=4096)  # pure; intervals and ties ask for the same configurations
-def _described_swings(workload: Workload, config: CPConfig,
-                      description: HardwareDescription) -> tuple[FigureSwing, ...]:
-    def at(key: str, value: float) -> float:
-        return prior_time(workload, config, DescribedProfile(description.with_figure(key, value))).total_s
+@functools.lru_cache(maxsize=65536)  # pure; intervals and ties ask for the same configurations
+def _described_prior(workload: Workload, config: CPConfig,
+                     description: HardwareDescription) -> DescribedPrior:
+    """One evaluation of the prior over every figure at each end of its range and at its
+    value (``HardwareDescription.spread``: numpy arrays of variants, each variant the same
+    arithmetic as alone)."""
+    keys, spread = _spread(description)
+    prior = prior_time(workload, config, spread)
+    totals = prior.total_s.tolist()
+    swings = tuple(FigureSwing(key, totals[2 * i], totals[2 * i + 1]) for i, key in enumerate(keys))
+    return DescribedPrior(totals[-1], swings, *prior_range(totals[-1], swings),
+                          outside_compute=float(prior.outside_compute[-1]))
 
-    return tuple(
-        FigureSwing(key, at(key, figure.low), at(key, figure.high))
-        for key, figure in description.figures.items() if figure.uncertain
-    )
+
+@functools.lru_cache(maxsize=64)
+def _spread(description: HardwareDescription) -> tuple[tuple[str, ...], DescribedProfile]:
+    """The uncertain figures of ``description`` and the profile of its ``spread`` over them."""
+    keys = tuple(key for key, figure in description.figures.items() if figure.uncertain)
+    return keys, DescribedProfile(description.spread(keys))
 
 
 def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float, float]:
@@ -411,12 +453,17 @@ class Tie:
     figure: str
     end: str
 
+    @property
+    def structural(self) -> bool:
+        """Whether only the prior's own error leaves the order open (the figures settle it)."""
+        return self.figure == STRUCTURE
 
-def structural_error_s(pick: PriorTime, other: PriorTime, error: float = STRUCTURAL_ERROR) -> float:
-    """Seconds of the pick's lead over ``other`` the prior's structural error can take away:
-    ``error`` x the two shares of time outside attention compute, as a log ratio."""
-    share = sum((t.total_s - t.compute_s) / t.total_s for t in (pick, other) if t.total_s > 0)
-    return pick.total_s * math.expm1(error * share)
+
+def structural_error_s(pick_s: float, outside_compute: float, error: float = STRUCTURAL_ERROR) -> float:
+    """Seconds of a pick's lead (its prior ``pick_s``) the prior's structural error can take
+    away from another configuration: ``error`` x ``outside_compute`` (the two configurations'
+    ``PriorTime.outside_compute``, summed), as a log ratio."""
+    return pick_s * math.expm1(error * outside_compute)
 
 
 def decide(pick_s: float, pick: tuple[FigureSwing, ...], other_s: float,
@@ -449,20 +496,17 @@ def prior_ties(
     (``STRUCTURAL_ERROR``; none on a calibrated host, whose rates are measured). Only those
     whose range comes within that error of the pick's are examined. What ``recommend``
     reports as tied with a prior-only pick, and what the published-benchmark check scores."""
-    pick_swings = figure_swings(workload, pick, profile)
-    if not pick_swings:
+    chosen = described_prior(workload, pick, profile)
+    if chosen is None or not chosen.swings:
         return ()
-    pick_time = prior_time(workload, pick, profile)
-    pick_s = pick_time.total_s
-    pick_high = prior_range(pick_s, pick_swings)[1]
     ties = []
     for config in others:
-        other_time = prior_time(workload, config, profile)
-        other_s = other_time.total_s
-        swings = figure_swings(workload, config, profile)
-        structural_s = structural_error_s(pick_time, other_time, structural)
-        reaches = prior_range(other_s, swings)[0] <= pick_high + structural_s
-        tie = decide(pick_s, pick_swings, other_s, swings, config, structural_s) if reaches else None
-        if tie is not None:
+        other = described_prior(workload, config, profile)
+        assert other is not None
+        structural_s = structural_error_s(chosen.total_s, chosen.outside_compute + other.outside_compute,
+                                          structural)
+        reaches = other.low_s <= chosen.high_s + structural_s
+        tie = decide(chosen.total_s, chosen.swings, other.total_s, other.swings, config, structural_s)
+        if reaches and tie is not None:
             ties.append(tie)
     return tuple(ties)

@@ -49,6 +49,9 @@ from cptune.store import Store, StoreError, database_url, display_url, missing_d
 from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
+#: The most ranks ``recommend`` weighs every count up to when not given one: beyond, it takes
+#: over about 10 seconds (``benchmarks/recommend_scaling.py``).
+MAX_ANY_RANKS = 16_384
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Candidate:
 class Recommendation:
     """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
     hardware ``fingerprint`` names; ``infeasible`` gives each excluded config's reasons;
-    ``correction`` whether the learned correction was applied to the predictions, and why."""
+    ``correction`` whether the learned correction changed any prediction here, and why."""
 
     workload: Workload
     hardware: str
@@ -354,8 +357,13 @@ def recommend(
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
         )
-    configs = [c for c in candidate_configs(ranks or profile.max_ranks, tuple(strategies))
-               if ranks is None or c.ranks == ranks]
+    if ranks is None and profile.max_ranks > MAX_ANY_RANKS:
+        raise CPTuneError(
+            f"{profile.describe()} has {profile.max_ranks:,} ranks, and without a rank count recommend "
+            f"weighs every count up to {MAX_ANY_RANKS:,}; name the count to weigh with --ranks "
+            f"(e.g. --ranks {MAX_ANY_RANKS})"
+        )
+    configs = candidate_configs(ranks or profile.max_ranks, tuple(strategies), min_ranks=ranks or 1)
     reasons = {c: feasibility(workload, c, profile.memory_limit(c.ranks)) for c in configs}
     feasible = [c for c in configs if not reasons[c]]
     infeasible = {c: r for c, r in reasons.items() if r}
@@ -384,9 +392,15 @@ def recommend(
     elif to_predict:
         candidates += predicted(advisor.model, workload, to_predict, profile)
     candidates.sort(key=lambda c: c.latency_ms)
+    correction = advisor.decision
+    if correction.applied and not any(c.source == "model" for c in candidates):
+        # fitted and worth applying, but on other hardware: it changed none of these candidates
+        correction = dataclasses.replace(correction, applied=False, reason=(
+            f"it is fitted on other hardware's measurements, none of {profile.fingerprint}'s, so it changed "
+            f"no candidate here (there: {correction.reason})"))
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
-        candidates=tuple(candidates), infeasible=infeasible, correction=advisor.decision,
+        candidates=tuple(candidates), infeasible=infeasible, correction=correction,
         ties=_ties(workload, profile, candidates),
         verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
     )

@@ -183,7 +183,8 @@ def _process_groups(configs: tuple[CPConfig, ...], members: list[int],
     for their_members, their_configs in _gathered_json(mine):
         for fields in their_configs:
             heads, context = rank_groups(CPConfig(*fields))
-            needed |= {tuple(their_members[r] for r in group) for group in heads + context if len(group) > 1}
+            needed |= {tuple(their_members[r] for r in group)
+                       for group in (*heads, *context) if len(group) > 1}
     made = {ranks: dist.new_group(list(ranks)) for ranks in sorted(needed)}
 
     def process_group(layout_ranks: list[int]) -> dist.ProcessGroup | None:
