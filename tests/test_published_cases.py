@@ -58,7 +58,8 @@ def test_confidence_counts_each_case_once_as_clear_or_tied_with_recommends_ties(
     from cptune.hardware import load_description
     from cptune.model import DescribedProfile, prior_ties
 
-    counts = published_prior.confidence(CASES)
+    structural = published_prior.structural_estimates(CASES)
+    counts = published_prior.confidence(CASES, structural)
     total = counts["all"]
     assert total["cases"] == len(CASES) == total["clear"] + total["tied"]
     assert total["clear_right"] <= total["clear"] and total["tie_holds_best"] <= total["tied"]
@@ -68,7 +69,23 @@ def test_confidence_counts_each_case_once_as_clear_or_tied_with_recommends_ties(
         chosen, _ = published_prior.picks(case)
         pick = published_prior.config_for(case.ranks, chosen["cptune"])
         others = [published_prior.config_for(case.ranks, u) for u in case.latency_ms if u != chosen["cptune"]]
-        ties = prior_ties(case.workload, pick, others, DescribedProfile(load_description(case.hardware)))
+        ties = prior_ties(case.workload, pick, others, DescribedProfile(load_description(case.hardware)),
+                          structural=structural[case.hardware])
         tied_cases += bool(ties)
         assert {published_prior.ulysses_degree(t.other) for t in ties} <= set(case.latency_ms)
     assert tied_cases == total["tied"]
+
+
+def test_the_structural_error_is_estimated_leaving_each_machine_out():
+    """Each machine's estimate ignores its own cases; the shipped constant covers the estimate
+    from every machine (issue 32: "estimated honestly - from leave-one-source-out residuals")."""
+    from cptune.model import STRUCTURAL_ERROR
+
+    estimates = published_prior.structural_estimates(CASES)
+    machines = {case.hardware for case in CASES}
+    assert set(estimates) == machines | {"all"}
+    for machine in machines:
+        assert estimates[machine] == published_prior.structural_estimate(
+            [case for case in CASES if case.hardware != machine])
+        assert estimates[machine] <= estimates["all"]
+    assert estimates["all"] <= STRUCTURAL_ERROR < estimates["all"] + 0.01

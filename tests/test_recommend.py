@@ -470,3 +470,25 @@ def test_a_wide_tie_shows_the_best_few_and_says_what_to_measure_for_the_rest(cpt
     # every figure that decides one of them is named, and the prior's own error where it decides
     named = {"the prior's own error" if t["figure"] == STRUCTURE else t["figure"] for t in ties[3:]}
     assert all(name in rest for name in named)
+
+
+def test_a_tie_names_the_one_search_that_settles_it(cptune_here):
+    """Issue 32: when tied, recommend names what to measure - the configurations, and the one
+    cptune search command that runs them on the user's machine."""
+    from cptune.cli import build_parser
+
+    flags = ["--hardware", "h100-sxm-8", "--heads", "24", "--kv-heads", "8", "--head-dim", "128",
+             "--seq-len", "16896", "--causal"]
+    data = json.loads(cptune_here("recommend", *flags, "--json").stdout)
+    assert data["ties"] and data["settle"].startswith("cptune search --backend torch ")
+    args = build_parser().parse_args(data["settle"].split()[1:])
+    tied = [data["config"], *data["ties"]]
+    shape = (args.seq_lens, args.heads, args.kv_heads, args.head_dim, args.causal)
+    assert shape == ((16896,), 24, 8, 128, True)
+    assert set(args.ranks) == {c["ranks"] for c in tied}
+    assert set(args.strategies) == {c["strategy"] for c in tied}
+    out = " ".join(cptune_here("recommend", *flags).stdout.split())
+    assert f"to settle it on that machine: {data['settle']}" in out
+    no_tie = json.loads(cptune_here("recommend", *flags[:-1], "--seq-len", "1048576", "--ranks", "1",
+                                    "--json").stdout)
+    assert not no_tie["ties"] and no_tie["settle"] is None

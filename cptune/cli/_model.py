@@ -163,6 +163,8 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
         say(console, (f"+ {len(rest)} more within the tie:", "yellow"), f" {_what_decides(rest)}; measure "
              f"the tied configurations on the hardware (cptune search there), or the figures named, to "
              f"decide; the same command with --json lists them all")
+    if settle := pick.settling_search():
+        say(console, ("to settle it on that machine:", "yellow"), f" {' '.join(settle)}")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:

@@ -131,6 +131,25 @@ class Recommendation:
             return self.verdict.tied
         return tuple(t.other for t in self.ties)
 
+    def settling_search(self) -> tuple[str, ...]:
+        """The one ``cptune search`` command (as its words) that measures the pick and every
+        configuration tied with it by the prior, on the machine itself (GPU ranks through the
+        torch engine), which settles the tie; empty when the prior reports no tie."""
+        if not self.ties:
+            return ()
+        configs = (self.config, *(t.other for t in self.ties))
+        w = self.workload
+        words = ["cptune", "search", "--backend", "torch", "--seq-lens", str(w.seq_len),
+                 "--heads", str(w.heads)]
+        if w.kv_heads != w.heads:
+            words += ["--kv-heads", str(w.kv_heads)]
+        words += ["--head-dim", str(w.head_dim), "--batch", str(w.batch), "--dtype", w.dtype]
+        if w.causal:
+            words.append("--causal")
+        strategies = [s for s in STRATEGIES if s in {c.strategy for c in configs}]
+        return (*words, "--ranks", ",".join(str(n) for n in sorted({c.ranks for c in configs})),
+                "--strategies", ",".join(strategies))
+
     def describe(self) -> str:
         """The pick in words: "X, faster than Y by p% (interval)" or "X and Y tied within the
         noise of this hardware" when measured; else the pick and where its figure comes from."""
@@ -158,6 +177,7 @@ class Recommendation:
                 for t in self.ties
             ],
             "tied": [{**c.to_dict(), "label": c.label} for c in self.tied],
+            "settle": " ".join(self.settling_search()) or None,
             "unpredicted": [{**c.to_dict(), "label": c.label} for c in self.unpredicted],
             "verdict": self.describe(),
             "comparisons": [] if self.verdict is None else [
