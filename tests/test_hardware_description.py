@@ -19,7 +19,7 @@ from cptune.hardware._description import (
 )
 
 SHIPPED = {"a100-pcie-4": 4, "a100-sxm-8": 8, "a800-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8,
-           "h200-sxm-8": 8, "h800-sxm-8": 8, "l20-pcie-8": 8, "l40s-pcie-8": 8}
+           "h20-8": 8, "h200-sxm-8": 8, "h800-sxm-8": 8, "l20-pcie-8": 8, "l40s-pcie-8": 8}
 
 BASE = """\
 description = "test machine"
