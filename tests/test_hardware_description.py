@@ -18,8 +18,9 @@ from cptune.hardware._description import (
     load_description,
 )
 
-SHIPPED = {"a100-pcie-4": 4, "a100-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8, "h200-sxm-8": 8,
-           "l20-pcie-8": 8, "l40s-pcie-8": 8}
+SHIPPED = {"a100-pcie-4": 4, "a100-sxm-8": 8, "a800-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8,
+           "h20-8": 8, "h200-sxm-2x8-ib": 16, "h200-sxm-8": 8, "h800-sxm-8": 8, "l20-pcie-8": 8,
+           "l40s-pcie-8": 8}
 
 BASE = """\
 description = "test machine"
@@ -105,6 +106,12 @@ def test_shipped_figures_are_read_in_their_units():
     node_figures = {k: v for k, v in h100.figures.items()}
     assert all(cluster.figures[k] == v for k, v in node_figures.items())
 
+
+@pytest.mark.parametrize(("cluster", "node"),
+                         [("h100-sxm-2x8-ib", "h100-sxm-8"), ("h200-sxm-2x8-ib", "h200-sxm-8")])
+def test_a_cluster_s_nodes_are_its_single_node_description(cluster, node):
+    single = load_description(node).figures
+    assert all(load_description(cluster).figures[key] == figure for key, figure in single.items())
 
 def test_pcie_servers_have_switch_and_socket_tiers():
     l20 = load_description("l20-pcie-8")

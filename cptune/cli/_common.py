@@ -17,6 +17,7 @@ from rich.text import Text
 from cptune.config import STRATEGIES
 from cptune.engines import ENGINES
 from cptune.errors import CPTuneError
+from cptune.hardware import builtin_descriptions
 from cptune.space import check_seconds
 from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
 
@@ -28,9 +29,8 @@ SHARE_DB_HELP = ("let cptune add its tables to a database that already holds oth
                  "(for example a PostgreSQL schema shared with other apps); theirs are left as they are. "
                  "Without it such a database is refused untouched")
 MAX_RANKS_HELP = "largest rank count (default: this host's cores; its GPUs with a GPU backend)"
-HARDWARE_HELP = ("this host (default), a stored fingerprint, a shipped description (h100-sxm-8, "
-                 "h200-sxm-8, a100-sxm-8, a100-pcie-4, l40s-pcie-8, l20-pcie-8, h100-sxm-2x8-ib) "
-                 "or a TOML file")
+HARDWARE_HELP = (f"this host (default), a stored fingerprint, a shipped description "
+                 f"({', '.join(builtin_descriptions())}; cptune hardware lists them) or a TOML file")
 
 
 class UsageError(CPTuneError):
