@@ -9,7 +9,7 @@ import pytest
 
 from conftest import refusal_of, replaced_once, write_toml
 from cptune.errors import CPTuneError
-from cptune.hardware._description import (
+from cptune.hardware import (
     Figure,
     HardwareDescription,
     HardwareDescriptionError,

@@ -6,15 +6,7 @@ shipped name such as "h100-sxm-8", or a TOML file); ``shipped_descriptions`` loa
 shipped one (``cptune hardware``).
 """
 
-from cptune.hardware._description import (
-    Figure,
-    HardwareDescription,
-    HardwareDescriptionError,
-    LinkTier,
-    builtin_descriptions,
-    load_description,
-    shipped_descriptions,
-)
+from cptune.hardware._description import Figure, HardwareDescription, LinkTier
 from cptune.hardware._host import (
     GpuInfo,
     Hardware,
@@ -23,6 +15,12 @@ from cptune.hardware._host import (
     tensorrt_version,
     this_gpu_node,
     this_host,
+)
+from cptune.hardware._loading import (
+    HardwareDescriptionError,
+    builtin_descriptions,
+    load_description,
+    shipped_descriptions,
 )
 
 __all__ = [
