@@ -79,9 +79,13 @@ def read_holder(path: Path) -> Holder | None:
 
 def _command_line() -> str:
     """This process's command line, as a user would type it (the command line's own program
-    as ``cptune``)."""
-    program, *args = list(sys.argv) or [""]
-    if Path(program).name in ("cptune", "-c", "__main__.py") and "cptune.cli" in sys.modules:
+    as ``cptune``), any password in a database URL among it shown as ``***``."""
+    # imported here: the ranks import this module, and never SQLAlchemy (cptune/__init__.py)
+    from cptune.store import display_url
+
+    program, *args = [display_url(arg) for arg in sys.argv] or [""]
+    started_cli = Path(program).name in ("-c", "__main__.py") and "cptune.cli" in sys.modules
+    if Path(program).name == "cptune" or started_cli:
         program = "cptune"
     elif program in ("-c", ""):
         program = "python -c ..."
@@ -101,7 +105,7 @@ class _HostLock:
     def acquire(self, sleep: Callable[[float], None], line: WaitLine) -> None:
         path = lock_path()
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise HostLockError(f"cannot open the host lock {path} ({exc.strerror}): set {LOCK_ENV} to a "
                                 f"file this user may write") from None

@@ -189,9 +189,14 @@ def test_waiting_lines_elsewhere_than_a_terminal_come_whole_and_every_30_s(capsy
     assert all(len(text) > 150 for text in err)  # never wrapped or cut
 
 
-def test_cli_module_names_itself_cptune_in_the_lock(monkeypatch, lock_file):
-    import cptune.cli  # noqa: F401 - the command line is loaded
-
-    monkeypatch.setattr(sys, "argv", ["/venv/bin/cptune", "search", "--db", "a b.db"])
+def test_the_command_line_names_itself_cptune_in_the_lock(monkeypatch, lock_file):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cptune", "search", "--db", "a b.db", "--seq-lens", "64"])
     with measuring():
-        assert read_holder(lock_file).command == "cptune search --db 'a b.db'"
+        assert read_holder(lock_file).command == "cptune search --db 'a b.db' --seq-lens 64"
+
+
+def test_a_password_in_the_command_line_is_never_written_to_the_lock(monkeypatch, lock_file):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cptune", "search", "--db", "postgresql://me:s3cret@db/x"])
+    with measuring():
+        assert "s3cret" not in lock_file.read_text()
+        assert read_holder(lock_file).command == "cptune search --db 'postgresql://me:***@db/x'"
