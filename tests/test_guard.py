@@ -459,10 +459,15 @@ def test_a_calibration_beside_a_competing_process_is_refused_not_stored(monkeypa
                    r"the host stayed busy for 2 s \(other processes use .* of a core\)")
         with pytest.raises(CalibrationDisturbedError, match=refused):
             calibrate(1, repeats=3)
+        assert "waiting for the host to quiet down" in capsys.readouterr().err  # the library's countdown
         code = main(["calibrate", "--db", db, "--max-ranks", "1"])
     assert code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "CPTUNE_GUARD=off" in err[0]
+    *guard_said, refusal = capsys.readouterr().err.strip().splitlines()
+    assert refusal.startswith("cptune: error: attention on 1 rank(s) was disturbed")
+    assert "CPTUNE_GUARD=off" in refusal
+    # before it, on stderr too: the step timed again, then the wait for quiet
+    assert "disturbed by other load" in guard_said[0] and guard_said[0].endswith("once the host is quiet")
+    assert all("waiting for the host to quiet down" in line for line in guard_said[1:])
     with Store(db) as store:
         assert store.calibration(this_host().fingerprint) is None
 
