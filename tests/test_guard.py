@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_ignoring_load import IGNORE_LOAD, watch_load
 
 import cptune
 from conftest import assert_refused, make_calibration
@@ -44,8 +45,11 @@ from cptune.store import Store
 
 @pytest.fixture(autouse=True)
 def guard_on(monkeypatch):
-    """These tests are about the guard: on, whatever the environment says."""
+    """These tests are about the guard: on and watching the load, whatever the environment
+    and conftest say."""
     monkeypatch.setenv("CPTUNE_GUARD", "on")
+    monkeypatch.delenv(IGNORE_LOAD)
+    watch_load(monkeypatch.setattr)
 
 
 WORKLOAD = Workload(seq_len=256, heads=4, head_dim=32, kv_heads=2, dtype="fp32")

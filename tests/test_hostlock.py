@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from cli_ignoring_load import IGNORE_LOAD
 
 from conftest import CLI, assert_refused, cptune
 from cptune import hostlock
@@ -157,6 +158,7 @@ def test_two_searches_on_one_host_take_turns_and_keep_every_row(lock_file, tmp_p
     """The acceptance test: a second search started while one runs waits for it, then
     completes; every row of both is kept, and none was measured beside the other."""
     monkeypatch.setenv("CPTUNE_GUARD", "on")
+    monkeypatch.delenv(IGNORE_LOAD)  # the load judged as a user's search judges it
     monkeypatch.setenv("CPTUNE_GUARD_PATIENCE", "10")  # other tests' load: wait a little, not minutes
     db = str(tmp_path / "both.db")
     first = subprocess.Popen([*CLI, "search", "--db", db, "--seq-lens", "64", *TINY_SEARCH],
