@@ -23,6 +23,7 @@ from cptune.errors import EngineError, InfeasibleConfigError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
+from cptune.hostlock import measuring
 from cptune.layout import SequenceLayout
 from cptune.measurement import (
     Measurement,
@@ -137,7 +138,6 @@ def measure(
     repeats: int = 10,
     timeout: float | None = None,
     seed: int = 0,
-    guard: bool | None = None,
 ) -> Measurement:
     """Check ``config``'s output against the float64 reference on seeded random inputs, then
     time ``repeats`` iterations after ``warmup`` on real ranks.
@@ -146,22 +146,22 @@ def measure(
     an engine that does not time (onnx), and ``EngineError`` when the run fails (kind: crash,
     timeout, error, out_of_memory) or its output is wrong (kind "wrong_output"): a wrong
     configuration never yields a timing. More ranks than this host's cores run, but the
-    result says it was ``oversubscribed``. With ``guard`` (None: on unless ``$CPTUNE_GUARD``
-    is "off") the contention guard (``cptune.guard``) watches the timed part and says in
-    ``disturbed`` why other load on the host spoiled it; such a timing is kept but counts
-    for nothing."""
+    result says it was ``oversubscribed``. The contention guard (``cptune.guard``) watches
+    the timed part and says in ``disturbed`` why other load on the host spoiled it, whatever
+    ``$CPTUNE_GUARD`` says; such a timing is kept but counts for nothing. Holds the host lock
+    (``cptune.hostlock``) while it runs."""
     check_feasible(workload, config)
-    guarded = guard_enabled() if guard is None else guard
     _check_counts(warmup, repeats)
     engine = _timed_engine(backend)
-    error, peaks = _checked_run(engine, workload, config, seed, timeout)
-    watch = Watch(engine.process_ids) if guarded else None
-    timings = engine.time(
-        warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
-    )
-    summary = summarize(timings)
-    return _measurement(engine, workload, config, summary, peaks, error, warmup,
-                        watch.disturbance(config.ranks, summary["samples_ms"]) if watch else None)
+    with measuring():
+        error, peaks = _checked_run(engine, workload, config, seed, timeout)
+        watch = Watch(engine.process_ids)
+        timings = engine.time(
+            warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
+        )
+        summary = summarize(timings)
+        disturbed = watch.disturbance(config.ranks, summary["samples_ms"])
+    return _measurement(engine, workload, config, summary, peaks, error, warmup, disturbed)
 
 
 def measure_all(
@@ -181,7 +181,8 @@ def measure_all(
     the measurements, and each configuration whose run failed with its ``EngineError``.
     ``ranks`` keeps only those rank counts (``max_ranks`` is then not used) and
     ``head_group`` only that Ulysses degree, so one configuration can be measured alone.
-    ``on_config(config, index, total)`` is told before each one runs."""
+    ``on_config(config, index, total)`` is told before each one runs. Holds the host lock
+    (``cptune.hostlock``) from the first configuration to the last."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
     engine = _timed_engine(backend)
     largest = max(ranks) if ranks else max_ranks
@@ -198,14 +199,15 @@ def measure_all(
     configs = _fitting(workload, configs, rank_memory_limit(engine))
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []
-    for index, config in enumerate(configs):
-        if on_config is not None:
-            on_config(config, index, len(configs))
-        try:
-            results.append(measure(workload, config, backend=engine, warmup=warmup, repeats=repeats,
-                                   timeout=timeout))
-        except EngineError as error:
-            failures.append((config, error))
+    with measuring():
+        for index, config in enumerate(configs):
+            if on_config is not None:
+                on_config(config, index, len(configs))
+            try:
+                results.append(measure(workload, config, backend=engine, warmup=warmup, repeats=repeats,
+                                       timeout=timeout))
+            except EngineError as error:
+                failures.append((config, error))
     return results, failures
 
 
@@ -232,7 +234,6 @@ def measure_round(
     repeats: int = 10,
     timeout: float | None = None,
     seed: int = 0,
-    guard: bool | None = None,
     rng: random.Random | None = None,
     deadline: float | None = None,
 ) -> dict[CPConfig, Measurement | EngineError]:
@@ -247,36 +248,37 @@ def measure_round(
     The guard watches the whole round: other load on the host marks every configuration
     of it, the spread of its own iterations each one. A configuration whose run fails gets
     its ``EngineError`` and leaves the later passes. Past ``deadline`` (``time.monotonic``)
-    no further pass starts, and the configurations keep the iterations timed so far."""
+    no further pass starts, and the configurations keep the iterations timed so far. Holds
+    the host lock (``cptune.hostlock``) while it runs."""
     for config in configs:
         check_feasible(workload, config)
-    guarded = guard_enabled() if guard is None else guard
     _check_counts(warmup, repeats)
     engine = _timed_engine(backend)
     rng = rng or random.Random()
     timings: dict[CPConfig, list[np.ndarray]] = {config: [] for config in configs}
     checks: dict[CPConfig, tuple[float, list[int]]] = {}
     failures: dict[CPConfig, EngineError] = {}
-    watch = Watch(engine.process_ids) if guarded else None
-    for done in range(0, repeats, ITERATIONS_PER_PASS):
-        if done and deadline is not None and time.monotonic() >= deadline:
-            break
-        iterations = min(ITERATIONS_PER_PASS, repeats - done)
-        order = [config for config in configs if config not in failures]
-        rng.shuffle(order)
-        for config in order:
-            try:
-                error, peaks = _checked_run(engine, workload, config, seed, timeout)
-                first = 0 if done else warmup
-                timings[config].append(engine.time(
-                    first, iterations, timeout or default_timeout(workload, config, first + iterations),
-                    config.describe()))
-            except EngineError as failure:
-                failures[config] = failure
-                continue
-            seen_error, seen_peaks = checks.get(config, (0.0, []))
-            checks[config] = (max(seen_error, error), [*seen_peaks, *peaks])
-    host = watch.host_disturbance(max(config.ranks for config in configs)) if watch else None
+    with measuring():
+        watch = Watch(engine.process_ids)
+        for done in range(0, repeats, ITERATIONS_PER_PASS):
+            if done and deadline is not None and time.monotonic() >= deadline:
+                break
+            iterations = min(ITERATIONS_PER_PASS, repeats - done)
+            order = [config for config in configs if config not in failures]
+            rng.shuffle(order)
+            for config in order:
+                try:
+                    error, peaks = _checked_run(engine, workload, config, seed, timeout)
+                    first = 0 if done else warmup
+                    timings[config].append(engine.time(
+                        first, iterations, timeout or default_timeout(workload, config, first + iterations),
+                        config.describe()))
+                except EngineError as failure:
+                    failures[config] = failure
+                    continue
+                seen_error, seen_peaks = checks.get(config, (0.0, []))
+                checks[config] = (max(seen_error, error), [*seen_peaks, *peaks])
+        host = watch.host_disturbance(max(config.ranks for config in configs))
     results: dict[CPConfig, Measurement | EngineError] = {}
     for config in configs:
         if config in failures:
@@ -284,7 +286,7 @@ def measure_round(
             continue
         summary = summarize(np.concatenate(timings[config], axis=1))
         error, peaks = checks[config]
-        disturbed = join_reasons(host, own_spread(config.ranks, summary["samples_ms"])) if watch else None
+        disturbed = join_reasons(host, own_spread(config.ranks, summary["samples_ms"]))
         results[config] = _measurement(engine, workload, config, summary, peaks, error, warmup, disturbed)
     return results
 

@@ -25,8 +25,14 @@ judged on its own (any one suffices):
   iterations on: with fewer, one slow first iteration sets p90).
 
 Only host-side evidence: on GPUs, another tenant of the same GPU is not noticed yet.
-``CPTUNE_GUARD=off`` turns the guard off (a host known to be shared, where every run would
-be marked); ``measure(..., guard=...)`` decides per call.
+
+The evidence is always gathered and a disturbed run always stored marked: a timing taken
+under load is never stored as clean. What the guard does about it (``enabled``): where a
+calibration step was disturbed, or a search is to visit again a configuration whose last
+visit was, it waits for the host to quiet down (``wait_for_quiet``: a countdown on stderr
+naming the processes taking the cores, up to ``patience_s``) and times it again.
+``CPTUNE_GUARD=off`` (a host known to be shared) skips the waiting and the timing again:
+the calibration keeps its timings, the search its marked visits.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cptune._waiting import WaitLine
 from cptune.errors import CPTuneError
 from cptune.measurement import available_cores, oversubscribed, threads_per_rank
 
@@ -75,6 +82,16 @@ SPREAD_FLOOR_MS = 1.0
 #: first iteration after no warm-up), which says nothing about other load.
 SPREAD_MIN_SAMPLES = 10
 
+#: Seconds the guard waits for a busy host to quiet down before it gives up
+#: (``$CPTUNE_GUARD_PATIENCE`` overrides): other work of a few minutes passes, a host that
+#: stays busy longer is better measured later.
+PATIENCE_S = 180.0
+#: Seconds of each look at the host while waiting for it to quiet down.
+QUIET_LOOK_S = 1.0
+#: The processes named as taking the cores: the busiest few, from this share of a core on.
+TOP_PROCESSES = 3
+TOP_MIN_CORES = 0.1
+
 _REFERENCE_LOOP = 30_000
 _REFERENCE_RUNS = 5
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -84,16 +101,34 @@ Task = tuple[int, int]
 
 
 class GuardSettingError(CPTuneError, ValueError):
-    """``$CPTUNE_GUARD`` holds neither "on" nor "off"."""
+    """``$CPTUNE_GUARD`` holds neither "on" nor "off", or ``$CPTUNE_GUARD_PATIENCE`` no
+    number of seconds."""
 
 
 def enabled() -> bool:
-    """Whether measurements are guarded: yes, unless ``$CPTUNE_GUARD`` is "off"."""
+    """Whether the guard waits for quiet and times disturbed work again: yes, unless
+    ``$CPTUNE_GUARD`` is "off" (the evidence is gathered and stored either way)."""
     setting = os.environ.get("CPTUNE_GUARD", "on")
     if setting not in ("on", "off"):
         raise GuardSettingError(f"CPTUNE_GUARD must be 'on' or 'off', got {setting!r}: "
                                 f"fix it or unset it (the guard is on by default)")
     return setting == "on"
+
+
+def patience_s() -> float:
+    """How long the guard waits for a busy host to quiet down: ``$CPTUNE_GUARD_PATIENCE``
+    seconds, else ``PATIENCE_S``."""
+    setting = os.environ.get("CPTUNE_GUARD_PATIENCE")
+    if setting is None:
+        return PATIENCE_S
+    try:
+        value = float(setting)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 86_400:
+        raise GuardSettingError(f"CPTUNE_GUARD_PATIENCE must be seconds from 0 to 86400, got {setting!r}: "
+                                f"fix it or unset it (default {PATIENCE_S:.0f})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -148,9 +183,10 @@ def read_cpu(pids: Iterable[int]) -> CpuReading:
     return CpuReading(wall_s=time.monotonic(), cpus=cpus, idle_s=idle, ours_s=ours)
 
 
-def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float) -> str | None:
-    """Why the window between two readings was disturbed by other processes' CPU use, or
-    None. ``idle_cores``: the cores the run left idle, which others may use freely."""
+def foreign_cores(before: CpuReading, after: CpuReading, idle_cores: float) -> float | None:
+    """The cores other processes used between two readings when that is more than
+    ``idle_cores`` (the cores a run leaves idle, which others may use freely) allow, else
+    None (or when the readings cannot tell)."""
     if before.idle_s is None or after.idle_s is None or before.cpus != after.cpus:
         return None
     wall, cpus = after.wall_s - before.wall_s, after.cpus
@@ -160,11 +196,18 @@ def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float) -> st
     # a thread that started in the window counts from zero; one that ended is lost (counted
     # as foreign: the guard errs towards calling a run disturbed)
     ours = sum(seconds - before.ours_s.get(task, 0.0) for task, seconds in after.ours_s.items())
-    foreign_cores = (busy - ours) / wall
+    foreign = (busy - ours) / wall
     allowance = TICK_ALLOWANCE * _TICK_S * math.sqrt(cpus) / wall
-    if foreign_cores <= max(0.0, idle_cores) + FOREIGN_MARGIN_CORES + allowance:
+    return None if foreign <= max(0.0, idle_cores) + FOREIGN_MARGIN_CORES + allowance else foreign
+
+
+def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float) -> str | None:
+    """Why the window between two readings was disturbed by other processes' CPU use, or
+    None. ``idle_cores``: the cores the run left idle, which others may use freely."""
+    foreign = foreign_cores(before, after, idle_cores)
+    if foreign is None:
         return None
-    return f"other processes used {foreign_cores:.1f} of {cpus} cores during the run"
+    return f"other processes used {foreign:.1f} of {after.cpus} cores during the run"
 
 
 def reference_slowdown(before_s: float, after_s: float, typical_s: float | None) -> str | None:
@@ -235,11 +278,15 @@ class Watch:
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
-        busy_cores = min(available_cores(), ranks * threads_per_rank(ranks))
         return join_reasons(
-            foreign_load(self._before, after, available_cores() - busy_cores),
+            foreign_load(self._before, after, idle_cores(ranks)),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
         )
+
+
+def idle_cores(ranks: int) -> float:
+    """The cores of this host a run of ``ranks`` ranks leaves idle (others may use them)."""
+    return available_cores() - min(available_cores(), ranks * threads_per_rank(ranks))
 
 
 def own_spread(ranks: int, samples_ms: Sequence[float]) -> str | None:
@@ -251,3 +298,90 @@ def own_spread(ranks: int, samples_ms: Sequence[float]) -> str | None:
 def join_reasons(*reasons: str | None) -> str | None:
     """The given reasons "; "-joined, or None when there are none."""
     return "; ".join(reason for reason in reasons if reason) or None
+
+
+# --------------------------------------------------------------------------- waiting for quiet
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A process other than ours taking CPU: its pid, command name and cores used."""
+
+    pid: int
+    name: str
+    cores: float
+
+    def describe(self) -> str:
+        return f"pid {self.pid} {self.name} ({self.cores:.0%} of a core)"
+
+
+def read_processes() -> dict[int, tuple[str, float]]:
+    """Every process of this host now: pid -> (command name, CPU seconds so far), from
+    ``/proc/<pid>/stat`` (empty without ``/proc``)."""
+    processes: dict[int, tuple[str, float]] = {}
+    try:
+        entries = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
+    except OSError:
+        return processes
+    for pid in entries:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            name, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 1:].split()
+            processes[int(pid)] = (name, (int(rest[11]) + int(rest[12])) * _TICK_S)  # utime + stime
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return processes
+
+
+def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float,
+            ours: Iterable[int]) -> list[Busy]:
+    """The ``TOP_PROCESSES`` processes not in ``ours`` that used the most CPU between two
+    ``read_processes`` readings ``wall_s`` apart, busiest first, from ``TOP_MIN_CORES`` on."""
+    if wall_s <= 0:
+        return []
+    skip = set(ours)
+    busy = [Busy(pid, name, (seconds - before[pid][1]) / wall_s) for pid, (name, seconds) in after.items()
+            if pid in before and pid not in skip]
+    busy = [b for b in busy if b.cores >= TOP_MIN_CORES]
+    return sorted(busy, key=lambda b: -b.cores)[:TOP_PROCESSES]
+
+
+@dataclass
+class HostReader:
+    """Where ``wait_for_quiet`` reads the host from and how it passes time (tests give their own)."""
+
+    cpu: Callable[[Iterable[int]], CpuReading] = read_cpu
+    processes: Callable[[], dict[int, tuple[str, float]]] = read_processes
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+
+def wait_for_quiet(ranks: int, process_ids: Callable[[], Sequence[int]], patience: float,
+                   what: str, reader: HostReader | None = None, line: WaitLine | None = None) -> str | None:
+    """Wait until other processes leave this host's cores free for a run of ``ranks`` ranks
+    (the foreign load over a look of ``QUIET_LOOK_S``, judged as ``foreign_load`` judges a
+    run), at most ``patience`` seconds, with a countdown naming the busiest other processes
+    on ``line`` (default: stderr). ``what`` names what waits. None once the host is quiet;
+    why not (the load and who) once patience ran out."""
+    reader = reader or HostReader()
+    line = line or WaitLine(clock=reader.clock)
+    deadline = reader.clock() + patience
+    try:
+        while True:
+            ours = {os.getpid(), *process_ids()}
+            cpu_before, processes_before = reader.cpu(ours), reader.processes()
+            reader.sleep(QUIET_LOOK_S)
+            cpu_after, processes_after = reader.cpu(ours), reader.processes()
+            foreign = foreign_cores(cpu_before, cpu_after, idle_cores(ranks))
+            if foreign is None:
+                return None
+            who = busiest(processes_before, processes_after, cpu_after.wall_s - cpu_before.wall_s, ours)
+            load = f"other processes use {foreign:.1f} of {cpu_after.cpus} cores" + (
+                f": {', '.join(b.describe() for b in who)}" if who else "")
+            left = deadline - reader.clock()
+            if left <= 0:
+                return f"the host stayed busy for {patience:.0f} s ({load})"
+            line.show(f"{what}: waiting for the host to quiet down, {left:.0f} s left ({load}); "
+                      f"CPTUNE_GUARD=off measures anyway, marked disturbed")
+    finally:
+        line.end()

@@ -83,11 +83,14 @@ def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
 
 @pytest.mark.slow
 def test_two_searches_share_one_sqlite_file(tmp_path):
+    """Two searches writing one file at once, as two hosts sharing a database do: each its own
+    host lock (one host's searches take turns: tests/test_hostlock.py)."""
     db = str(tmp_path / "shared.db")
     runs = [subprocess.Popen([*CLI, "search", "--db", db, "--heads", "4", "--head-dim", "16",
                               "--seq-lens", seq_lens, "--ranks", "1,2", "--no-calibrate",
                               "--race-rounds", "2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "CPTUNE_LOCK": str(tmp_path / f"host-{seq_lens}.lock")})
             for seq_lens in ("64,96,128", "80,112,144")]
     outputs = [run.communicate(timeout=300)[0] for run in runs]
     assert [run.returncode for run in runs] == [0, 0], outputs

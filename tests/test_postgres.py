@@ -164,10 +164,11 @@ def test_two_writers_on_one_new_database(postgres_url):
 
 
 @pytest.mark.slow
-def test_two_searches_share_one_database(postgres_url, password):
+def test_two_searches_share_one_database(postgres_url, password, tmp_path):
     runs = [subprocess.Popen([*CLI, "search", "--db", postgres_url, "--seq-lens", seq_lens, *TINY],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for seq_lens in ("64,96", "80,112")]
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "CPTUNE_LOCK": str(tmp_path / f"host-{seq_lens}.lock")})
+            for seq_lens in ("64,96", "80,112")]  # at once, as two hosts: a lock each
     outputs = [run.communicate(timeout=300)[0] for run in runs]
     assert [run.returncode for run in runs] == [0, 0], outputs
     assert all("8 configuration(s) measured now" in out and password not in out for out in outputs)

@@ -43,8 +43,9 @@ from cptune.calibration._record import Calibration, CollectiveFit, ComputeRate, 
 from cptune.cost import STREAM_KINDS
 from cptune.engines import Engine, get_engine, untimed
 from cptune.errors import CPTuneError
-from cptune.guard import Watch
+from cptune.guard import Watch, patience_s, wait_for_quiet
 from cptune.guard import enabled as guard_enabled
+from cptune.hostlock import measuring
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -68,8 +69,8 @@ STEP_SHAPES: tuple[dict[str, object], ...] = (
     {"kind": "merge", "wire": "float32", "heads": 4, "rows": 1024, "head_dim": 128},
 )
 _TIMEOUT_S = 120.0
-#: Times a calibration step the contention guard saw disturbed is timed again before
-#: calibrate gives up.
+#: Times a calibration step the contention guard saw disturbed is timed again (each time once
+#: the host is quiet) before calibrate gives up.
 GUARD_RETRIES = 3
 #: How a progress message about a step timed again begins after the step's name: the CLI
 #: shows those beyond its spinner.
@@ -109,21 +110,33 @@ class CalibrationDisturbedError(CPTuneError):
 def _guarded(
     engine: Engine, ranks: int, what: str, time_it: Callable[[], np.ndarray], guarded: bool, report: Progress
 ) -> np.ndarray:
-    """``time_it()``'s timings of ``what`` on ``ranks`` ranks, timed again (up to
-    ``GUARD_RETRIES`` times) while the contention guard (``cptune.guard``, the host's
-    evidence: foreign load, the reference kernel) says other load disturbed them: a rate
-    measured under someone else's job misleads every prior read from it (one that ran beside
-    other jobs here read 9 of its 24 attention rates at 0.52-0.84x this host's usual)."""
-    for _ in range(GUARD_RETRIES + 1):
-        watch = Watch(engine.process_ids) if guarded else None
+    """``time_it()``'s timings of ``what`` on ``ranks`` ranks. The contention guard
+    (``cptune.guard``, the host's evidence: foreign load, the reference kernel) watches each
+    timing: a rate measured under someone else's job misleads every prior read from it (one
+    that ran beside other jobs here read 9 of its 24 attention rates at 0.52-0.84x this
+    host's usual). ``guarded``: a disturbed step waits for the host to quiet down
+    (``wait_for_quiet``, up to ``patience_s``) and is timed again, up to ``GUARD_RETRIES``
+    times; ``CalibrationDisturbedError`` when the host stays busy or the step disturbed.
+    Unguarded, a disturbed timing is kept, and said so."""
+    for attempt in range(1, GUARD_RETRIES + 2):
+        watch = Watch(engine.process_ids)
         timings = time_it()
-        reason = watch.host_disturbance(ranks) if watch else None
+        reason = watch.host_disturbance(ranks)
         if reason is None:
             return timings
-        report(f"{what} {RETIMED} ({reason}): timing it again")
+        if not guarded:
+            report(f"{what} {RETIMED} ({reason}): kept, as CPTUNE_GUARD=off asks")
+            return timings
+        if attempt > GUARD_RETRIES:
+            break
+        report(f"{what} {RETIMED} ({reason}): timing it again once the host is quiet")
+        busy = wait_for_quiet(ranks, engine.process_ids, patience_s(), f"calibrating {what}")
+        if busy is not None:
+            reason = f"{reason}; {busy}"
+            break
     raise CalibrationDisturbedError(
-        f"{what} was disturbed by other load {GUARD_RETRIES + 1} times ({reason}): calibrate when the "
-        f"host is quieter, or set CPTUNE_GUARD=off to keep such timings"
+        f"{what} was disturbed by other load {attempt} time{'s' if attempt > 1 else ''} ({reason}): "
+        f"calibrate when the host is quieter, or set CPTUNE_GUARD=off to keep such timings"
     )
 
 
@@ -180,7 +193,8 @@ def calibrate(
     calibration timed in a single pass read four of its 2-rank d64 attention rates at
     0.53-0.59x those of three others that hour, and the guard saw nothing. With ``guard``
     (None: on unless ``$CPTUNE_GUARD`` is "off") a step the contention guard saw disturbed is
-    timed again; ``CalibrationDisturbedError`` when it stays disturbed."""
+    timed again once the host is quiet (``_guarded``); ``CalibrationDisturbedError`` when it
+    stays disturbed. Holds the host lock (``cptune.hostlock``) while it times."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     if rounds < 1:
@@ -190,6 +204,7 @@ def calibrate(
         raise untimed(engine.name)
     report = progress or (lambda _: None)
     guarded = guard_enabled() if guard is None else guard
+    patience_s()  # a bad CPTUNE_GUARD_PATIENCE is refused before anything runs
     spec = engine.spec
     attention: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     step_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
@@ -198,26 +213,27 @@ def calibrate(
         for ranks in range(1, max_ranks + 1) for group in group_sizes(ranks)
         for kind in spec.collectives
     }
-    for round_index in range(rounds):
-        prefix = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
-        for ranks in _round_order(max_ranks, round_index):
-            report(f"{prefix}attention on {ranks} rank(s)")
-            time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
-                                        _TIMEOUT_S)
-            timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
-            attention[ranks].append(np.median(timings, axis=1))
-            if spec.times_steps:
-                report(f"{prefix}the kernel's memory-bound steps on {ranks} rank(s)")
-                time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats,
+    with measuring():  # one measuring process per host (cptune.hostlock)
+        for round_index in range(rounds):
+            prefix = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
+            for ranks in _round_order(max_ranks, round_index):
+                report(f"{prefix}attention on {ranks} rank(s)")
+                time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
                                             _TIMEOUT_S)
-                timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
-                                   time_it, guarded, report)
-                step_times[ranks].append(np.median(timings, axis=1))
-            for group in group_sizes(ranks):
-                for kind in spec.collectives:
-                    report(f"{prefix}{kind} on {ranks} ranks in groups of {group}")
-                    collective_times[(kind, ranks, group)].append(
-                        _collective_times(engine, kind, ranks, group, warmup, repeats, guarded, report))
+                timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
+                attention[ranks].append(np.median(timings, axis=1))
+                if spec.times_steps:
+                    report(f"{prefix}the kernel's memory-bound steps on {ranks} rank(s)")
+                    time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats,
+                                                _TIMEOUT_S)
+                    timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
+                                       time_it, guarded, report)
+                    step_times[ranks].append(np.median(timings, axis=1))
+                for group in group_sizes(ranks):
+                    for kind in spec.collectives:
+                        report(f"{prefix}{kind} on {ranks} ranks in groups of {group}")
+                        collective_times[(kind, ranks, group)].append(
+                            _collective_times(engine, kind, ranks, group, warmup, repeats, guarded, report))
     compute = [
         ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
                     head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))

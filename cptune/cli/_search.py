@@ -26,6 +26,7 @@ from cptune.cli._common import (
     say,
     seconds,
     table,
+    warn,
     workload_of,
 )
 from cptune.config import STRATEGIES
@@ -209,8 +210,8 @@ class LiveSearch:
     def calibration_step(self, step: str) -> None:
         if self._status is not None:
             self._status.update(f"calibrating: {step}")
-        if RETIMED in step:  # a step timed again: say so beyond the spinner
-            self.console.print(step, style="yellow", markup=False, highlight=False)
+        if RETIMED in step:  # a step timed again (or kept): said beyond the spinner, on stderr, unwrapped
+            warn((step, "yellow"))
 
     def calibrated(self) -> None:
         if self._status is not None:
@@ -294,6 +295,10 @@ class LiveSearch:
         if here := sum(v.disturbed is not None for v in visits):
             say(self.console, f"seq {seq_len}: {here} visit(s) disturbed by other load: stored marked, "
                               f"not counted, visited again")
+        if search.stayed_busy is not None and not second:
+            say(self.console, f"seq {seq_len}: stopped waiting for quiet: {search.stayed_busy}; its "
+                              f"disturbed visits are stored marked, and a rerun when the host is quiet adds "
+                              f"clean ones")
         if second or not unconfirmed:
             self.finished.add(seq_len)
             for left in search.left_out:  # once the length's search is over, never silently

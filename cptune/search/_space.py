@@ -25,7 +25,9 @@ from cptune.estimate import Verdict
 from cptune.execute import rank_memory_limit
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.guard import enabled as guard_enabled
+from cptune.guard import patience_s
 from cptune.hardware import Hardware
+from cptune.hostlock import measuring
 from cptune.search._workload import Visit, WorkloadSearch
 from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
 from cptune.store import Store
@@ -194,8 +196,10 @@ def search_space(
     added beside them (``Store(share=True)``). Raises ``CPTuneError`` subclasses before
     anything runs for what cannot run here (an untimed or unavailable backend, a space with
     nothing feasible, more ranks than cores without ``oversubscribe``, a database that cannot
-    be written)."""
+    be written). While another process measures on this host (``cptune.hostlock``), waits
+    for it first."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs, not at the first run
+    patience_s()  # ... and a bad CPTUNE_GUARD_PATIENCE
     if order not in ORDERS:
         raise SearchSetupError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     engine = get_engine(backend)
@@ -212,42 +216,43 @@ def search_space(
     told = progress or SearchProgress()
     with Store(db, share=share) as store:
         store.require_writable()
-        run = SpaceSearch(
-            space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
-            rounds=rounds or space.measure.rounds,
-            race_rounds=space.measure.race_rounds if race_rounds is None else race_rounds,
-            confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
-        )
-        told.started(run)
-        studies = store.optuna_storage()
-        if calibrate_first and store.calibration(hardware.fingerprint) is None:
-            ranks = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
-            told.calibrating(hardware, ranks, store.url, first_run=True)
-            run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
-            store.add_calibration(hardware, run.calibration)
-        if engine.spec.probes:
-            run.node = _node_verdict(store, engine, hardware, max(counts), told)
-        pending = []  # searches whose winner a second sitting confirms
-        for workload in space.workloads():
-            configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
-                       if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))]
-            if run.node is not None:
-                configs = _allowed(run, workload, configs, told)
-                if not configs:
-                    told.skipped(workload)
-                    continue
-            search = WorkloadSearch(
-                workload, configs, store, hardware, warmup=space.measure.warmup,
-                repeats=space.measure.repeats, run_timeout=space.measure.timeout,
-                trials=trials or space.trials, time_budget=timeout, remeasure=remeasure,
-                backend=engine, order=order, study_storage=studies, rounds=run.rounds,
-                race_rounds=run.race_rounds, confirm_rounds=run.confirm_rounds, seed=seed,
+        with measuring():  # one measuring process per host: a second one waits here
+            run = SpaceSearch(
+                space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
+                rounds=rounds or space.measure.rounds,
+                race_rounds=space.measure.race_rounds if race_rounds is None else race_rounds,
+                confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
             )
-            run.searches[workload.seq_len] = search
-            if _sitting(run, search, second=False, told=told):
-                pending.append(search)
-        for search in pending:
-            _sitting(run, search, second=True, told=told)
+            told.started(run)
+            studies = store.optuna_storage()
+            if calibrate_first and store.calibration(hardware.fingerprint) is None:
+                ranks = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
+                told.calibrating(hardware, ranks, store.url, first_run=True)
+                run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
+                store.add_calibration(hardware, run.calibration)
+            if engine.spec.probes:
+                run.node = _node_verdict(store, engine, hardware, max(counts), told)
+            pending = []  # searches whose winner a second sitting confirms
+            for workload in space.workloads():
+                configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
+                           if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))]
+                if run.node is not None:
+                    configs = _allowed(run, workload, configs, told)
+                    if not configs:
+                        told.skipped(workload)
+                        continue
+                search = WorkloadSearch(
+                    workload, configs, store, hardware, warmup=space.measure.warmup,
+                    repeats=space.measure.repeats, run_timeout=space.measure.timeout,
+                    trials=trials or space.trials, time_budget=timeout, remeasure=remeasure,
+                    backend=engine, order=order, study_storage=studies, rounds=run.rounds,
+                    race_rounds=run.race_rounds, confirm_rounds=run.confirm_rounds, seed=seed,
+                )
+                run.searches[workload.seq_len] = search
+                if _sitting(run, search, second=False, told=told):
+                    pending.append(search)
+            for search in pending:
+                _sitting(run, search, second=True, told=told)
     return run
 
 
@@ -354,7 +359,8 @@ def calibrate_host(
     """Calibrate this machine on 1..``max_ranks`` ranks (default: its cores, or its GPUs) and
     keep the calibration in ``db`` (``share``: beside other programs' tables there,
     ``Store(share=True)``), exactly as ``cptune calibrate`` does: this machine's hardware and
-    its calibration."""
+    its calibration. While another process measures on this host (``cptune.hostlock``),
+    waits for it first."""
     engine = get_engine(backend)
     engine.preflight(max_ranks or 1)
     cores = engine.capacity()
@@ -364,9 +370,10 @@ def calibrate_host(
     told = progress or SearchProgress()
     with Store(db, share=share) as store:
         store.require_writable()
-        hardware = engine.hardware()
-        told.calibrating(hardware, max_ranks, store.url, first_run=False)
-        calibration = calibrate(max_ranks, backend=engine, repeats=repeats, progress=told.calibration_step,
-                                rounds=rounds)
-        store.add_calibration(hardware, calibration)
+        with measuring():
+            hardware = engine.hardware()
+            told.calibrating(hardware, max_ranks, store.url, first_run=False)
+            calibration = calibrate(max_ranks, backend=engine, repeats=repeats,
+                                    progress=told.calibration_step, rounds=rounds)
+            store.add_calibration(hardware, calibration)
     return hardware, calibration

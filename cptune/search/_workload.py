@@ -51,7 +51,10 @@ from cptune.engines import ENGINES, Engine, get_engine
 from cptune.errors import EngineError
 from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine
 from cptune.execute import measure, measure_round
+from cptune.guard import enabled as guard_enabled
+from cptune.guard import patience_s, wait_for_quiet
 from cptune.hardware import Hardware
+from cptune.hostlock import measuring
 from cptune.measurement import Measurement, oversubscribed
 from cptune.model import Candidate, predict_for
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler
@@ -179,12 +182,15 @@ class WorkloadSearch:
     Visits are counted over what the store holds, so a rerun of a finished search runs
     nothing and an interrupted one continues where it stopped. A visit the contention guard
     judged disturbed is stored marked, counts for nothing, and its configuration is visited
-    again in the next round, after a pause of ``settle_s`` seconds; after
+    again in the next round, once the host is quiet (``cptune.guard.wait_for_quiet``, at
+    most ``patience_s`` seconds; with ``$CPTUNE_GUARD`` "off", or once the host stayed busy
+    that long, after a pause of ``settle_s`` seconds instead); after
     ``2 * (rounds + race_rounds)`` runs without enough clean ones it is left as it stands
     (``never_clean`` names those with none). A configuration whose latest run failed is not
     run again by this search; the next search runs it once more when the failure is one the
     host's state can explain (``RETRIED_FAILURES``) and its first. ``left_out`` names, after
     ``run``, each configuration that ran but has no clean visit, with why.
+    ``run`` and ``confirm`` hold the host lock (``cptune.hostlock``).
 
     Counted are the stored runs of these configurations on this hardware and engine, not
     excluded, that ran with the oversubscription a run of them gets now: a search that runs
@@ -218,8 +224,11 @@ class WorkloadSearch:
     #: Rounds of the second sitting that confirm a winner (``confirm``; 0: none).
     confirm_rounds: int = 3
     #: Seconds to wait before a round that visits again a configuration whose last visit was
-    #: disturbed, so a burst of other load can pass.
+    #: disturbed, so a burst of other load can pass, where the search does not wait for quiet.
     settle_s: float = 2.0
+    #: The longest wait for the host to quiet down before such a round (None:
+    #: ``cptune.guard.patience_s()``); once it ran out, the search pauses ``settle_s`` instead.
+    patience_s: float | None = None
     #: Seed of the rounds' random order (None: a fresh one).
     seed: int | None = None
     #: Where the dashboard's study is kept (``Store.optuna_storage``); None: nowhere.
@@ -252,6 +261,8 @@ class WorkloadSearch:
         self._ran: Counter[CPConfig] = Counter()  # this search's runs of each configuration
         self._sittings = {self.session}
         self._budget_left: float | None = None  # of ``time_budget`` after ``run``, for ``confirm``
+        #: Why the host stayed busy through a whole wait for quiet (the search waits no more).
+        self.stayed_busy: str | None = None
 
     @property
     def cap(self) -> int:
@@ -343,6 +354,10 @@ class WorkloadSearch:
     def run(self) -> list[Visit]:
         """Explore, run the rounds, race; every visit (and each configuration the exploration
         took from the store, ``reused``) in the order it happened."""
+        with measuring():
+            return self._run()
+
+    def _run(self) -> list[Visit]:
         started = time.monotonic()
         deadline = None if self.time_budget is None else started + self.time_budget
         self.verdict = self.current_verdict()
@@ -377,6 +392,10 @@ class WorkloadSearch:
         switches between states that slow configurations unlike each other, for minutes at a
         time: two runs of one sweep put one configuration's latency apart by p10-p90
         0.78-1.17, more than one sitting's rounds can show. Its visits, in order."""
+        with measuring():
+            return self._confirm()
+
+    def _confirm(self) -> list[Visit]:
         visits: list[Visit] = []
         deadline = None if self._budget_left is None else time.monotonic() + self._budget_left
         if not (group := self.unconfirmed()):
@@ -545,8 +564,7 @@ class WorkloadSearch:
         budget ran out before the round started."""
         tally = self._ledger().tally
         if any(tally[c].disturbed for c in configs if c in tally):
-            left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
-            time.sleep(min(self.settle_s, left))
+            self._settle(max(c.ranks for c in configs), deadline)
         if deadline is not None and time.monotonic() >= deadline:
             return False
         order = list(configs)
@@ -562,6 +580,20 @@ class WorkloadSearch:
             self._race_left -= 1
             self._record(config, outcome, phase, round_id, visits)
         return True
+
+    def _settle(self, ranks: int, deadline: float | None) -> None:
+        """Before a round that visits a disturbed configuration again: wait for the host to
+        quiet down for a run of ``ranks`` ranks (at most the patience and the time budget
+        left), or, with the guard off or once the host stayed busy through a whole wait,
+        pause ``settle_s``."""
+        left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+        if not guard_enabled() or self.stayed_busy is not None:
+            time.sleep(min(self.settle_s, left))
+            return
+        patience = patience_s() if self.patience_s is None else self.patience_s
+        engine = get_engine(self.backend)
+        self.stayed_busy = wait_for_quiet(ranks, engine.process_ids, min(patience, left),
+                                          f"seq {self.workload.seq_len}")
 
     def _next_round_id(self) -> str:
         round_id = f"{self.session}:{self._round}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from contextlib import suppress
 from pathlib import Path
 from urllib.parse import unquote
@@ -11,26 +10,18 @@ from urllib.parse import unquote
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from cptune._passwords import KEY_PASSWORD, URL_PASSWORD, display_url
+
 DEFAULT_DB = "cptune.db"
 
 
-#: ``user:password@`` in a URL, up to the last ``@``: a password may hold an unencoded ``@``.
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)(.*)@")
-#: ``password=...`` in a URL's query or a libpq DSN.
-_KEY_PASSWORD = re.compile(r"(?i)(\bpassword\s*=\s*)([^&\s]*)")
 #: The driver cptune installs for PostgreSQL (the ``postgres`` extra) and the URL form it takes.
 POSTGRES_DRIVER = "postgresql+psycopg"
 
 
-def display_url(url: str) -> str:
-    """``url`` as it may be shown or written anywhere (messages, reports): any password
-    replaced by ``***``, whether SQLAlchemy can parse the URL or not."""
-    return _KEY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
-
-
 def passwords_in(url: str) -> list[str]:
     """Every form of ``url``'s password that an error message might echo, longest first."""
-    found = {m[2] for m in _URL_PASSWORD.finditer(url)} | {m[2] for m in _KEY_PASSWORD.finditer(url)}
+    found = {m[2] for m in URL_PASSWORD.finditer(url)} | {m[2] for m in KEY_PASSWORD.finditer(url)}
     with suppress(ArgumentError, ValueError):
         found.add(make_url(url).password or "")
     found |= {unquote(p) for p in found}

@@ -1,0 +1,204 @@
+"""The host lock: one measuring process per host, a second one waiting and saying who holds it."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from cli_ignoring_load import IGNORE_LOAD
+
+from conftest import CLI, assert_refused, cptune
+from cptune import hostlock
+from cptune._waiting import WaitLine
+from cptune.hostlock import LOCK_ENV, lock_path, measuring, read_holder
+
+#: A process holding the lock through the library until a line arrives on its stdin.
+HOLDER = ("import sys\nfrom cptune.hostlock import measuring\nwith measuring():\n"
+          "    print('held', flush=True)\n    sys.stdin.readline()\n")
+TINY_MEASURE = ["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--max-ranks", "1",
+                "--warmup", "0", "--repeats", "1"]
+#: Two ranks at most, one visit each: the smallest search that stores rows of several configurations.
+TINY_SEARCH = ["--heads", "4", "--head-dim", "16", "--ranks", "1,2", "--no-calibrate", "--rounds", "1",
+               "--race-rounds", "0", "--confirm-rounds", "0"]
+
+
+@pytest.fixture
+def lock_file(tmp_path, monkeypatch):
+    """A lock file of this test's own (inherited by the processes it starts)."""
+    path = tmp_path / "host.lock"
+    monkeypatch.setenv(LOCK_ENV, str(path))
+    return path
+
+
+class Said(WaitLine):
+    """A wait line that keeps what it was told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.ended = 0
+
+    def show(self, text: str) -> None:
+        self.lines.append(text)
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def start_holder() -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-P", "-c", HOLDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def release(holder: subprocess.Popen) -> None:
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    holder.wait(timeout=30)
+
+
+def test_the_lock_file_is_the_environment_s_or_one_per_user_in_the_temporary_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv(LOCK_ENV, raising=False)
+    assert lock_path().name == f"cptune-{os.getuid()}.lock"
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "x.lock"))
+    assert lock_path() == tmp_path / "x.lock"
+
+
+def test_the_holder_writes_who_it_is_and_nested_holds_take_the_lock_once(lock_file):
+    with measuring():
+        holder = read_holder(lock_file)
+        assert holder is not None and holder.pid == os.getpid()
+        with measuring():  # re-entered (a search that calibrates first): no deadlock
+            assert hostlock._LOCK.depth == 2
+        assert read_holder(lock_file) == holder  # still held by the outer one
+    assert hostlock._LOCK.depth == 0 and read_holder(lock_file) is None  # released, nobody named
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line_exit_2(cptune_here, monkeypatch, tmp_path):
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "no such folder" / "host.lock"))
+    assert_refused(cptune_here(*TINY_MEASURE), "cannot open the host lock", LOCK_ENV)
+
+
+@pytest.mark.slow
+def test_a_second_process_waits_saying_who_holds_the_lock_then_proceeds(lock_file):
+    holder = start_holder()
+    said, slept = Said(), []
+
+    def sleep(seconds: float) -> None:  # the first wait lets the holder go
+        slept.append(seconds)
+        if len(slept) == 1:
+            release(holder)
+
+    try:
+        with measuring(sleep=sleep, line=said):
+            assert read_holder(lock_file).pid == os.getpid()
+    finally:
+        holder.kill()
+    assert slept == [hostlock.POLL_S]
+    assert len(said.lines) == 1 and said.ended == 1
+    assert f"pid {holder.pid}, python -c ..., since " in said.lines[0]
+    assert said.lines[0].startswith("waiting for the other cptune measuring on this host to finish")
+
+
+@pytest.mark.slow
+def test_a_killed_holder_blocks_nobody(lock_file):
+    holder = start_holder()
+    holder.kill()
+    holder.wait(timeout=30)
+    said = Said()
+    with measuring(line=said):
+        pass
+    assert said.lines == []
+
+
+@pytest.mark.slow
+def test_cli_measure_waits_for_the_holder_on_stderr_then_measures(lock_file):
+    holder = start_holder()
+    try:
+        waiting = subprocess.Popen([*CLI, *TINY_MEASURE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        first = waiting.stderr.readline()  # not a terminal: the wait's line at once, whole
+        release(holder)
+        out, err = waiting.communicate(timeout=300)
+    finally:
+        holder.kill()
+    assert first.startswith("waiting for the other cptune measuring on this host to finish (pid "
+                            f"{holder.pid}, python -c ..., since ")
+    assert waiting.returncode == 0, err
+    assert "local attention" in out or "ring" in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_is_one_line_exit_130_and_loses_nothing(lock_file, tmp_path):
+    db = tmp_path / "kept.db"
+    first = cptune("search", "--db", db, "--seq-lens", "64", *TINY_SEARCH)
+    assert first.returncode == 0, first.stderr
+    kept = sqlite3.connect(db).execute("SELECT count(*) FROM measurements").fetchone()[0]
+    holder = start_holder()
+    try:
+        waiting = subprocess.Popen([*CLI, "search", "--db", str(db), "--seq-lens", "96", *TINY_SEARCH],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        assert waiting.stderr.readline().startswith("waiting for the other cptune measuring")
+        waiting.send_signal(signal.SIGINT)
+        _, err = waiting.communicate(timeout=60)
+    finally:
+        holder.kill()
+    assert waiting.returncode == 130
+    assert err.splitlines() == ["interrupted: every finished measurement is stored; rerun to resume"]
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM measurements").fetchone()[0] == kept
+
+
+@pytest.mark.slow
+def test_two_searches_on_one_host_take_turns_and_keep_every_row(lock_file, tmp_path, monkeypatch):
+    """The acceptance test: a second search started while one runs waits for it, then
+    completes; every row of both is kept, and none was measured beside the other."""
+    monkeypatch.setenv("CPTUNE_GUARD", "on")
+    monkeypatch.delenv(IGNORE_LOAD)  # the load judged as a user's search judges it
+    monkeypatch.setenv("CPTUNE_GUARD_PATIENCE", "10")  # other tests' load: wait a little, not minutes
+    db = str(tmp_path / "both.db")
+    first = subprocess.Popen([*CLI, "search", "--db", db, "--seq-lens", "64", *TINY_SEARCH],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while read_holder(lock_file) is None or read_holder(lock_file).pid != first.pid:
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    second = subprocess.Popen([*CLI, "search", "--db", db, "--seq-lens", "96", *TINY_SEARCH],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outputs = [first.communicate(timeout=600), second.communicate(timeout=600)]
+    assert [first.returncode, second.returncode] == [0, 0], outputs
+    assert f"(pid {first.pid}, cptune search --db {db} --seq-lens 64" in outputs[1][1]
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute("SELECT seq_len, status, measured_at FROM measurements JOIN workloads "
+                                  "ON workloads.id = measurements.workload_id").fetchall()
+    assert {seq_len for seq_len, _, _ in rows} == {64, 96} and all(status == "ok" for _, status, _ in rows)
+    # the second measured nothing before the first was done
+    assert max(t for s, _, t in rows if s == 64) <= min(t for s, _, t in rows if s == 96)
+
+
+def test_waiting_lines_elsewhere_than_a_terminal_come_whole_and_every_30_s(capsys):
+    now = [0.0]
+    line = WaitLine(clock=lambda: now[0])
+    for second in range(0, 65, 5):
+        now[0] = second
+        line.show(f"waiting {second} " + "x" * 150)
+    line.end()
+    err = capsys.readouterr().err.splitlines()
+    assert [text.split()[1] for text in err] == ["0", "30", "60"]
+    assert all(len(text) > 150 for text in err)  # never wrapped or cut
+
+
+def test_the_command_line_names_itself_cptune_in_the_lock(monkeypatch, lock_file):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cptune", "search", "--db", "a b.db", "--seq-lens", "64"])
+    with measuring():
+        assert read_holder(lock_file).command == "cptune search --db 'a b.db' --seq-lens 64"
+
+
+def test_a_password_in_the_command_line_is_never_written_to_the_lock(monkeypatch, lock_file):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cptune", "search", "--db", "postgresql://me:s3cret@db/x"])
+    with measuring():
+        assert "s3cret" not in lock_file.read_text()
+        assert read_holder(lock_file).command == "cptune search --db 'postgresql://me:***@db/x'"
