@@ -88,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         warn(("interrupted", "yellow"), ": every finished measurement is stored; rerun to resume")
         return 130
+    except BrokenPipeError:  # before OSError, of which it is one
+        # the reader left (cptune results --csv | head -1): nothing more to say, and the
+        # interpreter's last flush must not fail on the closed pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
@@ -96,11 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         f"is stored; free space there, then run the same command again: it "
                                         f"resumes where it stopped")
         return USAGE_ERROR
-    except BrokenPipeError:
-        # the reader left (cptune results --csv | head -1): nothing more to say, and the
-        # interpreter's last flush must not fail on the closed pipe either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     finally:
         restore_termination()
         restore_sigint()
