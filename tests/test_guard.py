@@ -313,8 +313,9 @@ def test_no_measurement_taken_under_load_during_a_search_is_stored_as_clean(tmp_
     configs = [CPConfig("ring", 1), CPConfig("ring", 2)]  # few: a search re-runs disturbed visits
     with Store(str(tmp_path / "loaded.db")) as store:
         with competing_load():
+            # a short patience: the load never ends, and waiting out the default 180 s says nothing more
             WorkloadSearch(workload, configs, store, this_host(), warmup=0, repeats=3,
-                           rounds=1, race_rounds=0).run()
+                           rounds=1, race_rounds=0, patience_s=2).run()
         stored = store.results(status="ok")
         assert {r.config for r in stored} == set(configs)  # the search ran every configuration
         assert store.results(status="ok", disturbed=False) == []
