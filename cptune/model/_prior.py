@@ -508,7 +508,7 @@ def prior_ties(
         structural_s = structural_error_s(chosen.total_s, chosen.outside_compute + other.outside_compute,
                                           structural)
         reaches = other.low_s <= chosen.high_s + structural_s
-        tie = decide(chosen.total_s, chosen.swings, other.total_s, other.swings, config, structural_s)
-        if reaches and tie is not None:
+        if reaches and (tie := decide(chosen.total_s, chosen.swings, other.total_s, other.swings, config,
+                                      structural_s)) is not None:
             ties.append(tie)
     return tuple(ties)
