@@ -93,6 +93,16 @@ class Workload:
     def describe(self) -> str:
         return f"seq {self.seq_len} x {self.shape.describe()}"
 
+    def flags(self, length_flag: str = "--seq-len") -> list[str]:
+        """This workload as the command line's workload flags (``length_flag`` names the
+        length: ``cptune measure`` takes ``--seq-len``, ``cptune search`` ``--seq-lens``), the
+        defaults left out but the dtype: what a printed command a user runs is made of."""
+        words = [length_flag, str(self.seq_len), "--heads", str(self.heads)]
+        words += ["--kv-heads", str(self.kv_heads)] if self.kv_heads != self.heads else []
+        words += ["--head-dim", str(self.head_dim)]
+        words += ["--batch", str(self.batch)] if self.batch != 1 else []
+        return [*words, "--dtype", self.dtype, *(["--causal"] if self.causal else [])]
+
     def to_dict(self) -> dict[str, object]:
         return {
             "seq_len": self.seq_len,

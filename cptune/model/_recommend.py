@@ -138,16 +138,9 @@ class Recommendation:
         if not self.ties:
             return ()
         configs = (self.config, *(t.other for t in self.ties))
-        w = self.workload
-        words = ["cptune", "search", "--backend", "torch", "--seq-lens", str(w.seq_len),
-                 "--heads", str(w.heads)]
-        if w.kv_heads != w.heads:
-            words += ["--kv-heads", str(w.kv_heads)]
-        words += ["--head-dim", str(w.head_dim), "--batch", str(w.batch), "--dtype", w.dtype]
-        if w.causal:
-            words.append("--causal")
         strategies = [s for s in STRATEGIES if s in {c.strategy for c in configs}]
-        return (*words, "--ranks", ",".join(str(n) for n in sorted({c.ranks for c in configs})),
+        return ("cptune", "search", "--backend", "torch", *self.workload.flags("--seq-lens"),
+                "--ranks", ",".join(str(n) for n in sorted({c.ranks for c in configs})),
                 "--strategies", ",".join(strategies))
 
     def describe(self) -> str:

@@ -106,15 +106,10 @@ def measure_command(workload: Workload, config: CPConfig, backend: str = "mpi",
     """The ``cptune measure`` command line that runs ``config`` of ``workload`` alone (on
     ``backend``, within ``timeout`` seconds when given) and prints its timing or its failure
     in full; it stores nothing."""
-    w = workload
-    parts = ["cptune measure", f"--seq-len {w.seq_len}", f"--heads {w.heads}"]
-    parts += [f"--kv-heads {w.kv_heads}"] if w.kv_heads != w.heads else []
-    parts += [f"--head-dim {w.head_dim}"] + ([f"--batch {w.batch}"] if w.batch != 1 else [])
-    parts += [f"--dtype {w.dtype}"] + (["--causal"] if w.causal else [])
-    parts += [f"--strategies {config.strategy}", f"--ranks {config.ranks}"]
-    parts += [f"--head-group {config.head_group}"]
-    parts += [f"--backend {backend}"] if backend != next(iter(ENGINES)) else []
-    parts += [f"--timeout {timeout:g}"] if timeout is not None else []
+    parts = ["cptune", "measure", *workload.flags("--seq-len"), "--strategies", config.strategy,
+             "--ranks", str(config.ranks), "--head-group", str(config.head_group)]
+    parts += ["--backend", backend] if backend != next(iter(ENGINES)) else []
+    parts += ["--timeout", f"{timeout:g}"] if timeout is not None else []
     return " ".join(parts)
 
 
