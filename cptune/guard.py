@@ -49,7 +49,7 @@ import numpy as np
 
 from cptune._waiting import WaitLine
 from cptune.errors import CPTuneError
-from cptune.measurement import available_cores, oversubscribed, threads_per_rank
+from cptune.measurement import available_cores, oversubscribed, process_stat, threads_per_rank
 
 #: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
 #: threads and interrupts of a quiet Linux host stay well under a quarter of a core.
@@ -325,10 +325,9 @@ def read_processes() -> dict[int, tuple[str, float]]:
         return processes
     for pid in entries:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            name, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 1:].split()
-            processes[int(pid)] = (name, (int(rest[11]) + int(rest[12])) * _TICK_S)  # utime + stime
-        except (OSError, ValueError, IndexError):
+            name, fields = process_stat(int(pid)) or ("", [])
+            processes[int(pid)] = (name, (int(fields[11]) + int(fields[12])) * _TICK_S)  # utime + stime
+        except (ValueError, IndexError):
             continue  # ended meanwhile
     return processes
 

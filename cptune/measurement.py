@@ -7,6 +7,7 @@ import platform
 import socket
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
@@ -124,6 +125,17 @@ def oversubscribed(ranks: int) -> bool:
 def host_memory_bytes() -> int:
     """This machine's physical memory, shared by every rank it runs."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def process_stat(pid: int) -> tuple[str, list[str]] | None:
+    """Process ``pid``'s command name and the fields of ``/proc/<pid>/stat`` after it (its
+    state first: field 3 of proc(5) is index 0), or None where they cannot be read (no
+    ``/proc``, the process ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 1:].split()
+    except (OSError, ValueError):
+        return None
 
 
 def host_memory_limit(ranks: int) -> int:

@@ -37,7 +37,7 @@ from cptune.engines import EngineSpec, NodeVerdict
 from cptune.engines import _protocol as protocol
 from cptune.errors import EngineError
 from cptune.hardware import Hardware, this_host
-from cptune.measurement import available_cores, threads_per_rank
+from cptune.measurement import available_cores, process_stat, threads_per_rank
 from cptune.reference import TOLERANCE
 from cptune.workload import Workload
 
@@ -56,10 +56,8 @@ OWNER_FILE = "owner"
 def _started(pid: int) -> str:
     """When process ``pid`` started (clock ticks after boot, /proc's field 22), to tell it
     from a later process given the same pid; "" where unknown (no /proc, no such process)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return ""
+    _, fields = process_stat(pid) or ("", [])
+    return fields[19] if len(fields) > 19 else ""
 
 
 def _owner_alive(owner: str) -> bool:
