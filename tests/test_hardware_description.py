@@ -132,6 +132,25 @@ def test_a_per_kind_bandwidth_table_serves_every_other_kind_its_default():
     assert a100.bandwidth(link, "broadcast") == a100.bandwidth(link, "p2p")  # any new kind
 
 
+@pytest.mark.parametrize("name", ["l20-pcie-8", "l40s-pcie-8", "a100-pcie-4"])
+def test_all_to_all_through_a_cpu_spans_both_of_nccls_paths(name):
+    """Through a CPU, NCCL stages through host memory (all-to-all as fast as all-reduce, 18 GB/s
+    busbw) or, 2.15-2.22 on AMD CPUs, goes peer to peer (all-to-all among more than two GPUs
+    collapses to 2 GB/s): every PCIe description's all-to-all figure there spans both, and a
+    GPU pair (one flow each way, under a switch or one CPU) keeps one figure for every kind."""
+    description = load_description(name)
+    through_cpu = [tier for tier in description.tiers
+                   if tier.name.startswith(("CPU", "socket link")) and tier.ranks != 2]
+    assert through_cpu
+    for tier in through_cpu:
+        figure = description.figures[f"{tier.key}.bandwidth_gbps.all_to_all"]
+        assert figure.low <= 2e9 and figure.high >= 14e9
+        assert figure.value < description.bandwidth(tier, "p2p")
+    for tier in description.domains:
+        if tier.ranks == 2:
+            assert description.bandwidth(tier, "all_to_all") == description.bandwidth(tier, "p2p")
+
+
 def test_fingerprints_differ_between_files_and_survive_a_copy(tmp_path):
     prints = {name: load_description(name).fingerprint for name in SHIPPED}
     assert len(set(prints.values())) == len(SHIPPED)
