@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 import shutil
 from importlib import resources
 
@@ -508,3 +509,16 @@ def test_cptune_hardware_lists_every_shipped_description_with_its_gpu_ranks_and_
     for name, summary in data.items():
         assert name in text and summary["gpu"] in text
     assert "InfiniBand NDR 400 Gb/s" in text and "46 GB/s (40-48)" in text and "360 GB/s (290-370)" in text
+
+
+@pytest.mark.parametrize("name", sorted(builtin_descriptions()))
+def test_every_shipped_figure_has_its_source_written_above_it(name):
+    """Issue 32: every figure cites where it comes from. In the files, each figure line is directly
+    below a comment (its source, its arithmetic, or "Assumption")."""
+    text = (resources.files("cptune.hardware") / "descriptions" / f"{name}.toml").read_text()
+    lines = text.splitlines()
+    figure = re.compile(r"^(memory_gib|matmul_tflops|softmax_tops|memory_gbps|launch_us|attention_call_us"
+                        r"|overlap_slowdown|bandwidth_gbps|latency_us|uplink_gbps)\s*=")
+    uncited = [line for above, line in zip(lines, lines[1:], strict=False)
+               if figure.match(line) and not above.startswith("#")]
+    assert uncited == []
