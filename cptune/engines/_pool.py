@@ -128,17 +128,7 @@ class WorkerPool:
         env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
         command = [mpiexec, "-n", str(size), *worker,
                    "--socket", str(self.dir / "driver.sock"), "--driver-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
-        )
-        try:
-            self._accept(listener, start_timeout)
-        except BaseException:
-            self.kill()
-            raise
-        finally:
-            listener.close()
+        self._start(command, env, listener, start_timeout)
 
     def _prepare(self, size: int, prefix: str) -> None:
         """The pool's state before any rank connects: its directory and the ranks' log."""
@@ -151,6 +141,22 @@ class WorkerPool:
         self.pids: list[int] = []
         self.mpi_library = ""
         self.allocator = ""
+
+    def _start(self, command: Sequence[str], env: Mapping[str, str], listener: socket.socket,
+               start_timeout: float) -> None:
+        """Run ``command`` in a session of its own, its output into the pool's log, and wait
+        until every rank has connected to ``listener`` (closed after); a failure ends the ranks."""
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )
+        try:
+            self._accept(listener, start_timeout)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            listener.close()
 
     def _accept(self, listener: socket.socket, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -115,24 +115,31 @@ class Profile(Protocol):
 
 
 @dataclass(frozen=True)
-class CalibratedProfile:
-    """A host with a stored calibration (measured rates). ``memory_bytes``: the host's
-    memory, which all its ranks share (known for this machine only)."""
+class StoredHost:
+    """A host the database holds (``Hardware``), calibrated or not. ``memory_bytes``: the
+    host's memory, which all its ranks share (known for this machine only)."""
 
     hardware: Hardware
-    calibration: Calibration
-    memory_bytes: int | None = None
+    memory_bytes: int | None = field(default=None, kw_only=True)
 
     @property
     def fingerprint(self) -> str:
         return self.hardware.fingerprint
 
+    def memory_limit(self, ranks: int) -> int | None:
+        """Each of ``ranks`` ranks' share of the host's memory, or None when not known."""
+        return None if self.memory_bytes is None else self.memory_bytes // ranks
+
+
+@dataclass(frozen=True)
+class CalibratedProfile(StoredHost):
+    """A host with a stored calibration (measured rates)."""
+
+    calibration: Calibration
+
     @property
     def max_ranks(self) -> int:
         return self.calibration.max_ranks
-
-    def memory_limit(self, ranks: int) -> int | None:
-        return None if self.memory_bytes is None else self.memory_bytes // ranks
 
     def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
         wire = workload.wire_dtype

@@ -44,7 +44,7 @@ from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
 from cptune.model._evaluation import CorrectionDecision, fit_advised
-from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, Tie, prior_ties
+from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, StoredHost, Tie, prior_ties
 from cptune.store import Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
@@ -182,24 +182,13 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
-class MeasuredHost:
+class MeasuredHost(StoredHost):
     """A host with measurements and no calibration (``cptune search --no-calibrate``): what
-    was measured there can be compared, nothing predicted. ``memory_bytes`` as in
-    ``CalibratedProfile``."""
-
-    hardware: Hardware
-    memory_bytes: int | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        return self.hardware.fingerprint
+    was measured there can be compared, nothing predicted."""
 
     @property
     def max_ranks(self) -> int:
         return self.hardware.gpu_count or self.hardware.cpu_count
-
-    def memory_limit(self, ranks: int) -> int | None:
-        return None if self.memory_bytes is None else self.memory_bytes // ranks
 
     def describe(self) -> str:
         return f"{self.hardware.describe()} (measured, not calibrated)"
@@ -293,7 +282,7 @@ def predicted(
 
 
 _machines: dict[str, Hardware] = {}
-Calibrated = TypeVar("Calibrated", CalibratedProfile, MeasuredHost)
+Stored = TypeVar("Stored", bound=StoredHost)
 
 
 def this_machine(backend: str = "mpi") -> Hardware:
@@ -304,7 +293,7 @@ def this_machine(backend: str = "mpi") -> Hardware:
     return _machines[backend]
 
 
-def _with_memory(profile: Calibrated) -> Calibrated:
+def _with_memory(profile: Stored) -> Stored:
     """``profile`` with this machine's memory, when it is this machine's CPU ranks: the limit
     they share (a GPU rank's limit is its own device's)."""
     here = {this_machine().fingerprint, *(h.fingerprint for h in _machines.values())}

@@ -19,7 +19,6 @@ import os
 import select
 import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -154,17 +153,8 @@ class LaunchedPool(WorkerPool):
         listener = socket.create_server(("127.0.0.1", 0), backlog=self.size)
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         _driver_store.set(_DRIVER_KEY, address)
-        self.proc = subprocess.Popen(
-            [*worker, "--driver", address, "--driver-pid", str(os.getpid())], stdin=subprocess.DEVNULL,
-            stdout=self.log, stderr=subprocess.STDOUT, env=rank_environment(), start_new_session=True,
-        )
-        try:
-            self._accept(listener, start_timeout)
-        except BaseException:
-            self.kill()
-            raise
-        finally:
-            listener.close()
+        self._start([*worker, "--driver", address, "--driver-pid", str(os.getpid())], rank_environment(),
+                    listener, start_timeout)
         self.pids = [self.proc.pid]  # the user's ranks exit when their connection closes
 
     def kill(self) -> None:
