@@ -309,6 +309,22 @@ def test_a_described_plan_launches_gpus_and_is_refused_on_this_host(db, tmp_path
     assert load_plan(path, hardware="h100-sxm-2x8-ib").select(10_000).ranks == 16
 
 
+def test_a_plan_with_figures_given_is_named_by_its_fingerprint_not_the_description(db, tmp_path):
+    """Figures given at export (``--figure``) make hardware the shipped name no longer describes:
+    the refusal names the fingerprint that matches, and the shipped name is refused."""
+    given = {"links.node.bandwidth_gbps.all_to_all": 14}
+    plan = export_plan([at(8192, heads=32, head_dim=128)], ranks=8, hardware="l20-pcie-8", db=db,
+                       figures=given)
+    assert plan.hardware.fingerprint == load_description("l20-pcie-8").with_given(given).fingerprint
+    path = plan.write(tmp_path / "l20.json")
+    named = re.escape(f"name it: hardware='{plan.hardware.fingerprint}'")
+    with pytest.raises(PlanMismatchError, match=named):
+        load_plan(path)
+    with pytest.raises(PlanMismatchError):
+        load_plan(path, hardware="l20-pcie-8")
+    assert load_plan(path, hardware=plan.hardware.fingerprint).select(8192).ranks <= 8
+
+
 # --------------------------------------------------------------------------- command line
 
 

@@ -308,6 +308,57 @@ def test_configurations_the_figures_cannot_order_are_reported_with_the_deciding_
     assert {t.figure for t in recommend(workload, hardware="h100-sxm-8", ranks=8, db=db).ties} == {STRUCTURE}
 
 
+def test_a_figure_measured_on_the_machine_closes_its_range_and_moves_the_pick(db, tmp_path):
+    """Issue 32: a tie names the figure that decides it; given that figure as measured (here the
+    L20's all-to-all through the CPUs at host-memory speed, as nccl-tests reports busbw), its range
+    closes, it decides no tie any more, and the prior's pick follows it."""
+    workload = Workload(seq_len=8192, heads=32, kv_heads=8, head_dim=128, causal=True)
+    socket, node = "links.domains[1].bandwidth_gbps.all_to_all", "links.node.bandwidth_gbps.all_to_all"
+    unsure = recommend(workload, hardware="l20-pcie-8", ranks=8, db=db)
+    given = recommend(workload, hardware="l20-pcie-8", ranks=8, db=db, figures={socket: 17, node: 14})
+    assert unsure.config.head_group == 2 and given.config.head_group == 4
+    assert not {socket, node} & {t.figure for t in given.ties}
+    assert f"given {socket} = 17 GB/s" in given.hardware and "given" not in unsure.hardware
+    described = load_description("l20-pcie-8").with_given({socket: 17, node: 14})
+    assert given.fingerprint == described.fingerprint != unsure.fingerprint
+    assert described.figures[socket].low == described.figures[socket].high == 17e9
+
+
+def test_a_figure_is_given_only_to_a_description_known_and_in_range(db):
+    workload = Workload(seq_len=8192, heads=32, head_dim=128)
+    with pytest.raises(CPTuneError, match="is measured"):
+        recommend(workload, db=db, figures={"device.launch_us": 5})
+    with pytest.raises(CPTuneError, match=r"device\.nope is not a figure of l20-pcie-8; its figures: "):
+        recommend(workload, hardware="l20-pcie-8", db=db, figures={"device.nope": 5})
+    with pytest.raises(CPTuneError, match="below 1"):
+        recommend(workload, hardware="l20-pcie-8", db=db, figures={"device.overlap_slowdown": 1.0})
+    with pytest.raises(CPTuneError, match="positive number"):
+        recommend(workload, hardware="l20-pcie-8", db=db, figures={"device.launch_us": float("inf")})
+
+
+def test_cptune_recommend_and_export_take_figures_and_refuse_bad_ones(cptune_here, db, tmp_path):
+    flags = ["--hardware", "l20-pcie-8", "--heads", "32", "--head-dim", "128", "--db", db]
+    out = cptune_here("recommend", *flags, "--seq-len", "8192", "--json",
+                      "--figure", "links.node.bandwidth_gbps.all_to_all=14")
+    assert "given links.node.bandwidth_gbps.all_to_all = 14 GB/s" in json.loads(out.stdout)["hardware"]
+    plan = tmp_path / "plan.json"
+    cptune_here("export", *flags, "--seq-lens", "8192", "-o", str(plan), "--figure", "device.launch_us=7")
+    described = json.loads(plan.read_text())["hardware"]["description"]
+    assert "given device.launch_us = 7 microseconds" in described
+    for figure, fragments in [
+        ("x", ("argument --figure: expected KEY=VALUE",)),
+        ("device.launch_us=fast", ("expected a number after device.launch_us=",)),
+    ]:
+        assert_refused(cptune_here("recommend", *flags, "--seq-len", "8192", "--figure", figure),
+                       *fragments, prefix="cptune recommend: error: ")
+    assert_refused(cptune_here("recommend", *flags, "--seq-len", "8192", "--figure", "device.launch_us=1",
+                               "--figure", "device.launch_us=2"), "given twice")
+    assert_refused(cptune_here("export", *flags, "--seq-lens", "8192", "-o", str(tmp_path / "p2.json"),
+                               "--figure", "links.node.bandwidth=3"),
+                   "links.node.bandwidth is not a figure of l20-pcie-8")
+    assert not (tmp_path / "p2.json").exists()
+
+
 # --------------------------------------------------------------------------- marked rows, memory
 
 

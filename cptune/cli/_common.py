@@ -204,6 +204,38 @@ def add_host_backend(parser: argparse.ArgumentParser) -> None:
                              f"(default {timed[0]})")
 
 
+def figure_setting(text: str) -> tuple[str, float]:
+    """One ``--figure KEY=VALUE``: a description's figure key and a number in the file's units
+    (whether the key is a figure of the hardware, and the value in range, the library checks)."""
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE like links.node.bandwidth_gbps.all_to_all=17, got {text!r}")
+    try:
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number after {key.strip()}=, got {value!r}") from None
+
+
+def add_figure_flag(parser: argparse.ArgumentParser) -> None:
+    """``--figure KEY=VALUE``, repeatable: a hardware description's figure measured on the machine."""
+    parser.add_argument(
+        "--figure", action="append", type=figure_setting, dest="figures", metavar="KEY=VALUE",
+        help="with a hardware description: one of its figures as you measured it on the machine, in the "
+             "file's units, its range closed (e.g. links.node.bandwidth_gbps.all_to_all=17 for 17 GB/s "
+             "all-to-all busbw); repeatable; a tie names the figure that decides it")
+
+
+def figures_of(args: argparse.Namespace) -> dict[str, float] | None:
+    """The ``--figure`` settings by key, or None; a key given twice is a ``UsageError``."""
+    figures: dict[str, float] = {}
+    for key, value in args.figures or ():
+        if key in figures:
+            raise UsageError(f"--figure {key} is given twice ({figures[key]:g} and {value:g}); give it once")
+        figures[key] = value
+    return figures or None
+
+
 def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
     """The workload the flags describe at ``seq_len`` tokens; a bad shape as a ``UsageError``."""
     try:

@@ -15,8 +15,10 @@ from rich.console import Console
 from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
+    add_figure_flag,
     add_host_backend,
     add_workload_flags,
+    figures_of,
     positive,
     say,
     table,
@@ -65,6 +67,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     rec.add_argument("--ranks", type=positive,
                      help="exactly this many ranks (default: any up to the hardware's)")
     rec.add_argument("--hardware", help=HARDWARE_HELP)
+    add_figure_flag(rec)
     add_host_backend(rec)
     rec.add_argument("--db", help=DB_HELP)
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
@@ -134,7 +137,8 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.model import recommend
 
     workload = workload_of(args, args.seq_len)
-    pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend)
+    pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
+                     figures=figures_of(args))
     if args.json:
         print(json.dumps(pick.to_dict(), indent=2))
         return 0
@@ -165,6 +169,10 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
              f"decide; the same command with --json lists them all")
     if settle := pick.settling_search():
         say(console, ("to settle it on that machine:", "yellow"), f" {' '.join(settle)}")
+    if deciding := Counter(t.figure for t in pick.ties if not t.structural).most_common(1):
+        say(console, ("or give a figure measured there:", "yellow"),
+             f" --figure {deciding[0][0]}=VALUE, in the description's units (GB/s, microseconds, TFLOP/s), "
+             f"closes its range")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:

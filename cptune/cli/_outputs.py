@@ -13,8 +13,10 @@ from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
     UsageError,
+    add_figure_flag,
     add_host_backend,
     add_workload_flags,
+    figures_of,
     positive,
     say,
     table,
@@ -48,6 +50,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--force", action="store_true",
                         help="replace the -o file even if it is not a plan cptune export wrote")
     export.add_argument("--hardware", help=HARDWARE_HELP)
+    add_figure_flag(export)
     add_host_backend(export)
     export.add_argument("--ranks", dest="plan_ranks", type=positive,
                         help="exactly this many ranks (default: the fastest count up to the hardware's)")
@@ -101,7 +104,7 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
     space = find_space(space_of(args))
     check_replaceable(args.output, args.force)  # before the work, not only at the write
     plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
-                       strategies=space.strategies, backend=args.backend)
+                       strategies=space.strategies, backend=args.backend, figures=figures_of(args))
     path = plan.write(args.output, force=args.force)
     shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
                    "ms per attention call, slowest rank: the pick's stored measurements combined, "

@@ -97,6 +97,11 @@ _UNITS = {
     "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9),
 }
 
+def _unit(key: str) -> tuple[str, float]:
+    """(unit in the file, factor to SI) of figure ``key``."""
+    return _UNITS[next(part for part in key.split(".") if part in _UNITS)]
+
+
 def _size_problem(ranks_per_node: int, nodes: int) -> tuple[str, str] | None:
     """(key, reason) when a machine's size is beyond any built (``MAX_RANKS_PER_NODE``,
     ``MAX_RANKS``), else None."""
@@ -164,6 +169,8 @@ class HardwareDescription:
     figures: Mapping[str, Figure]
     #: The file it was loaded from.
     source: str
+    #: Figures the user gave (``with_given``): (key, value in the file's units), in order given.
+    given: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Direct construction gets the structural limits the TOML loader enforces.
@@ -216,6 +223,26 @@ class HardwareDescription:
         if key not in self.figures:
             raise KeyError(key)
         return dataclasses.replace(self, figures={**self.figures, key: Figure(value, value, value)})
+
+    def with_given(self, given: Mapping[str, float]) -> HardwareDescription:
+        """This description with each figure in ``given`` (by key, e.g.
+        "links.node.bandwidth_gbps.all_to_all", in the file's units) set to that value and its
+        range closed: a figure measured on the machine itself (nccl-tests busbw, say), where a
+        tie's deciding figure is named. Raises ValueError naming the key and the fix."""
+        figures = dict(self.figures)
+        for key, value in given.items():
+            if key not in figures:
+                raise ValueError(f"{key} is not a figure of {self.name}; its figures: {', '.join(figures)}")
+            unit, scale = _unit(key)
+            ceiling = 1.0 if key == "device.overlap_slowdown" else math.inf
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < ceiling:
+                bound = " below 1" if ceiling == 1.0 else ""
+                raise ValueError(f"{key} must be a positive number{bound} ({unit}), got {value!r}")
+            figures[key] = Figure(value * scale, value * scale, value * scale)
+        if "device.launch_us" in given and "device.attention_call_us" not in given \
+                and self.figures["device.attention_call_us"] == self.figures["device.launch_us"]:
+            figures["device.attention_call_us"] = figures["device.launch_us"]  # its default follows
+        return dataclasses.replace(self, figures=figures, given=(*self.given, *given.items()))
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
     def spread(self, keys: tuple[str, ...]) -> HardwareDescription:
@@ -339,7 +366,7 @@ class HardwareDescription:
         nodes), with its bandwidth and uplink in GB/s by collective kind ("default" for the kinds
         the file does not list) and its latency in microseconds, each as value, low and high."""
         def in_file_units(key: str) -> dict[str, float]:
-            unit = _UNITS[next(part for part in key.split(".") if part in _UNITS)][1]
+            unit = _unit(key)[1]
             figure = self.figures[key]
             return {"value": figure.value / unit, "low": figure.low / unit, "high": figure.high / unit}
 
@@ -364,11 +391,12 @@ class HardwareDescription:
         """One line, e.g. "8x NVIDIA H100 SXM5 80GB (h100-sxm-8), NVLink 4 through NVSwitch"."""
         head = f"{self.max_ranks}x {self.device} ({self.name})"
         inside = ", ".join([*(f"{d.name} per {d.ranks}" for d in self.domains), self.node_link.name])
+        given = "".join(f"; given {key} = {value:g} {_unit(key)[0]}" for key, value in self.given)
         if self.network_link is None:
-            return f"{head}, {inside}"
+            return f"{head}, {inside}{given}"
         return (
             f"{head}, {self.nodes} nodes x {self.ranks_per_node}: {inside} within a node, "
-            f"{self.network_link.name} between nodes"
+            f"{self.network_link.name} between nodes{given}"
         )
 
 

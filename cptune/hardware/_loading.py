@@ -12,13 +12,13 @@ from typing import Any
 from cptune._toml import TableReader, TomlFileError, read_toml, show, suggest
 from cptune.cost import COLLECTIVES
 from cptune.hardware._description import (
-    _UNITS,
     DEFAULT_KIND,
     DTYPES,
     Figure,
     HardwareDescription,
     LinkTier,
     _size_problem,
+    _unit,
 )
 
 #: Allowed keys of each table, in the order the file format documents them.
@@ -173,7 +173,7 @@ def _load(file: str, name: str) -> HardwareDescription:
 
 def _figure(r: TableReader, raw: object, key: str) -> Figure:
     """A figure: a positive number, or a table ``{ value, low, high }`` with low <= value <= high."""
-    unit, scale = _UNITS[next(part for part in key.split(".") if part in _UNITS)]
+    unit, scale = _unit(key)
     if not isinstance(raw, dict):
         value = r.positive_number(raw, key, unit) * scale
         return Figure(value, value, value)

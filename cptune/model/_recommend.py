@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -326,10 +326,21 @@ def _advisor(db: str | None) -> _Advisor:
     return advisor
 
 
-def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi"
-                     ) -> Profile | MeasuredHost:
+def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi",
+                     figures: Mapping[str, float] | None = None) -> Profile | MeasuredHost:
     """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
-    return _advisor(db).profile(hardware, backend)
+    profile = _advisor(db).profile(hardware, backend)
+    if not figures:
+        return profile
+    if not isinstance(profile, DescribedProfile):
+        raise CPTuneError(
+            f"figures are given only to a hardware description, and {profile.describe()} is measured (its "
+            f"rates come from its calibration); name a description with --hardware, or drop --figure"
+        )
+    try:
+        return DescribedProfile(profile.description.with_given(figures))
+    except ValueError as exc:
+        raise CPTuneError(f"{exc}; give --figure KEY=VALUE in the description file's units") from None
 
 
 def correction_decision_of(db: str | None = None) -> CorrectionDecision:
@@ -344,6 +355,7 @@ def recommend(
     db: str | None = None,
     strategies: Sequence[str] = STRATEGIES,
     backend: str = "mpi",
+    figures: Mapping[str, float] | None = None,
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
@@ -352,9 +364,12 @@ def recommend(
     description name (e.g. "h100-sxm-8") or a description file. ``db``: a SQLAlchemy URL or
     a file path (default: $CPTUNE_DB or ./cptune.db). ``strategies``: the context strategies
     to consider (default all). ``backend``: the engine whose view of this host ``hardware``
-    None means (its measurements and calibration are stored under their own fingerprint)."""
+    None means (its measurements and calibration are stored under their own fingerprint).
+    ``figures``: a description's figures measured on the machine (key as a tie names it, value
+    in the file's units, e.g. {"links.node.bandwidth_gbps.all_to_all": 17}), each range closed
+    at that value."""
     advisor = _advisor(db)
-    profile = advisor.profile(hardware, backend)
+    profile = hardware_profile(hardware, db, backend, figures)
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"

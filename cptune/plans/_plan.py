@@ -205,7 +205,7 @@ class Plan:
             here, what = description.fingerprint, f"{description.describe()} ({description.fingerprint})"
         if here != self.hardware.fingerprint:
             if self.hardware.kind == "described":
-                fix = (f"if this machine is that hardware, name it: hardware={self.hardware.name!r}; "
+                fix = (f"if this machine is that hardware, name it: hardware={self._described_as()!r}; "
                        f"else export a plan for it")
             else:
                 fix = "export a plan on this hardware (cptune search, then cptune export)"
@@ -213,6 +213,18 @@ class Plan:
                 f"{self.source or 'this plan'} was tuned for {self.hardware.description} "
                 f"({self.hardware.fingerprint}), not {what}: {fix}, or pass force=True"
             )
+
+    def _described_as(self) -> str:
+        """How to name a described plan's hardware: its description's name where that still
+        loads to the plan's fingerprint, else the fingerprint (figures given at export, or a
+        description changed since)."""
+        name = self.hardware.name
+        try:
+            if name is not None and load_description(name).fingerprint == self.hardware.fingerprint:
+                return name
+        except HardwareDescriptionError:
+            pass
+        return self.hardware.fingerprint
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON data, without its digest."""
