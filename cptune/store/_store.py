@@ -327,8 +327,7 @@ class Store:
             raise
         except DBAPIError as exc:
             self.engine.dispose()
-            if disk_full(exc):
-                raise self.full_disk() from None
+            self._raise_if_full(exc)
             why_read_only = opened_read_only or "the file or its directory is read-only"
             fix = (f"it can only be read here ({why_read_only}) and cptune must write to it first: open it "
                    f"writable once, or pass another --db"
@@ -359,6 +358,12 @@ class Store:
             f"written; {free}, then run the same command again: it resumes where it stopped"
         )
 
+    def _raise_if_full(self, error: BaseException) -> None:
+        """Raise ``full_disk`` (the driver's error hidden) when ``error`` says the disk is
+        full (``disk_full``): opening, ``require_writable`` and ``session`` check this first."""
+        if disk_full(error):
+            raise self.full_disk() from None
+
     def failed(self, error: BaseException, doing: str, after: str = "") -> StoreError:
         """A ``StoreError`` for ``error`` met while ``doing`` (in words): ``full_disk`` when
         it says so, else its real cause in one line, then ``after``."""
@@ -380,8 +385,7 @@ class Store:
                 connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = version_num")
                 transaction.rollback()
         except DBAPIError as exc:
-            if disk_full(exc):
-                raise self.full_disk() from None
+            self._raise_if_full(exc)
             fix = (f"open it without {self._opened_read_only} in the URL" if self._opened_read_only else
                    "make it writable")
             raise StoreError(
@@ -427,8 +431,7 @@ class Store:
             with Session(self.engine) as session, session.begin():
                 yield session
         except (DBAPIError, OSError) as exc:  # the server refused or failed: one line, no password
-            if disk_full(exc):
-                raise self.full_disk() from None
+            self._raise_if_full(exc)
             if isinstance(exc, OSError):
                 raise
             raise StoreError(f"database {self.url} failed: {self._explain(exc.orig)}") from None
