@@ -101,26 +101,26 @@ def test_a_search_that_fills_the_disk_exits_2_in_one_line_and_the_rerun_complete
     at 64 tokens; the database then cannot grow, and the search of 64 and 96 tokens stops at
     the first write that needs room. Given room, the same command completes: every
     configuration gets its one clean visit, none twice, and the Optuna view holds every row."""
-    import cptune.store._store as store_module
+    import cptune.store._opening as opening
 
     stand_in_measuring(monkeypatch, lambda workload, config, **_: measurement(workload, config, 10.0))
     db = tmp_path / "s.db"
     assert cptune_here("search", "--db", db, *SEARCH, "--seq-lens", "64").returncode == 0
-    use_wal = store_module._use_wal
+    use_wal = opening._use_wal
 
     def no_room(cursor):  # every connection opened from now on: the file may not grow
         use_wal(cursor)
         pages = cursor.execute("PRAGMA page_count").fetchone()[0]
         cursor.execute(f"PRAGMA max_page_count = {pages}")
 
-    monkeypatch.setattr(store_module, "_use_wal", no_room)
+    monkeypatch.setattr(opening, "_use_wal", no_room)
     full = cptune_here("search", "--db", db, *SEARCH, "--seq-lens", "64,96,128,192")
     assert full.returncode == 2, full.stdout + full.stderr
     (line,) = full.stderr.splitlines()
     assert line.startswith(f"cptune: error: the disk holding database {db} is full: the "), line
     assert line.endswith(f"free space on {tmp_path}, then run the same command again: it resumes where it "
                          f"stopped"), line
-    monkeypatch.setattr(store_module, "_use_wal", use_wal)
+    monkeypatch.setattr(opening, "_use_wal", use_wal)
     again = cptune_here("search", "--db", db, *SEARCH, "--seq-lens", "64,96,128,192")
     assert again.returncode == 0, again.stdout + again.stderr
     with Store(str(db)) as store:

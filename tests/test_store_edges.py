@@ -14,7 +14,7 @@ from conftest import assert_refused
 from cptune import CPConfig, Workload
 from cptune.hardware import Hardware
 from cptune.store import VERSION_TABLE, Store, StoreError
-from cptune.store._store import OPTUNA_TABLES
+from cptune.store._opening import OPTUNA_TABLES
 from cptune.store._urls import in_memory, read_only, sqlite_file
 
 HARDWARE = Hardware(host="h1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
@@ -239,7 +239,7 @@ def test_a_db_in_a_directory_that_is_not_writable_names_it(cptune_here, tmp_path
     locked.chmod(0o555)
     if os.geteuid() == 0:  # root writes anywhere: the directory is as a user would find it
         access = os.access
-        monkeypatch.setattr("cptune.store._store.os.access",
+        monkeypatch.setattr("cptune.store._opening.os.access",
                             lambda path, mode: Path(path) != locked and access(path, mode))
     try:
         assert_refused(cptune_here(*SEARCH, "--db", locked / "results.db"),

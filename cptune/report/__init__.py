@@ -6,7 +6,8 @@ self-contained HTML page, ``text_tables`` as rich tables for the terminal. Measu
 predicted values are always told apart.
 """
 
-from cptune.report._data import ReportData, gather
+from cptune.report._data import ReportData
+from cptune.report._gather import gather
 from cptune.report._html import write_report
 from cptune.report._text import text_tables
 

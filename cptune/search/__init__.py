@@ -4,7 +4,9 @@
 this machine as ``cptune calibrate`` does, and ``check_host`` probes it as ``cptune doctor``
 does); ``WorkloadSearch`` searches one workload in
 phases: Optuna trials (``_trials``; exhaustive, TPE, or the cost model's ``GuidedSampler``
-order), interleaved rounds, a final race and a second sitting (``_workload``).
+order), interleaved rounds, a final race and a second sitting (``_workload``), each run
+reported as a ``Visit`` and what the verdict leaves out named as a ``LeftOut``
+(``_visits``), every stored run also shown in a study for the dashboard (``_view``).
 """
 
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler, any_wins, win_probability
@@ -18,15 +20,8 @@ from cptune.search._space import (
     search_space,
 )
 from cptune.search._trials import study_name, suggest, tree_of
-from cptune.search._workload import (
-    NEAR_MISS_RATIO,
-    PHASES,
-    LeftOut,
-    Visit,
-    WorkloadSearch,
-    is_near_miss,
-    measure_command,
-)
+from cptune.search._visits import PHASES, LeftOut, Visit, measure_command
+from cptune.search._workload import NEAR_MISS_RATIO, WorkloadSearch, is_near_miss
 
 __all__ = [
     "NEAR_MISS_RATIO",

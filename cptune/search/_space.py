@@ -28,7 +28,8 @@ from cptune.guard import enabled as guard_enabled
 from cptune.guard import patience_s
 from cptune.hardware import Hardware
 from cptune.hostlock import measuring
-from cptune.search._workload import Visit, WorkloadSearch
+from cptune.search._visits import Visit
+from cptune.search._workload import WorkloadSearch
 from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
 from cptune.store import Store
 from cptune.workload import Workload

@@ -11,7 +11,8 @@ memory, wrong output, a pool that cannot start) is stored with its reason and to
 Optuna as infeasible (``trial.set_constraint``); the search goes on. A failure the host's
 state can explain (``RETRIED_FAILURES``) is tried once more by the next search of the same
 space; whatever the verdict leaves out is named afterwards (``WorkloadSearch.left_out``),
-with the ``cptune measure`` command that runs it alone (``measure_command``).
+with the ``cptune measure`` command that runs it alone (``measure_command``; both in
+``_visits``, with the ``Visit`` each run is reported as).
 
 Two orders (``cptune.space.ORDERS``). ``exhaustive``: spaces small enough for the trial
 budget are covered exhaustively (BruteForceSampler); larger ones by TPE, warm-started with
@@ -24,8 +25,9 @@ guided order falls back to the exhaustive one.
 
 With ``study_storage`` (``Store.optuna_storage``) every stored run of the workload on this
 hardware is also kept as a trial of an Optuna study in the database, named by
-``study_name``: a view for ``optuna-dashboard`` and ``optuna.load_study``. The store stays
-the source of truth: the sampler's own study lives in memory, seeded from the store.
+``study_name``: a view for ``optuna-dashboard`` and ``optuna.load_study`` (``StudyView``,
+``_view``). The store stays the source of truth: the sampler's own study lives in memory,
+seeded from the store.
 """
 
 from __future__ import annotations
@@ -43,11 +45,10 @@ from uuid import uuid4
 
 import optuna
 from optuna.storages import BaseStorage
-from optuna.study import Study
 from optuna.trial import TrialState
 
 from cptune.config import CPConfig
-from cptune.engines import ENGINES, Engine, get_engine
+from cptune.engines import Engine, get_engine
 from cptune.errors import EngineError
 from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine
 from cptune.execute import measure, measure_round
@@ -58,7 +59,7 @@ from cptune.hostlock import measuring
 from cptune.measurement import Measurement, oversubscribed
 from cptune.model import Candidate, predict_for
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler
-from cptune.search._ledger import RETRIED_FAILURES, Ledger, Tally, read_ledger
+from cptune.search._ledger import Ledger, Tally, read_ledger
 from cptune.search._trials import (
     Known,
     distributions,
@@ -66,18 +67,17 @@ from cptune.search._trials import (
     study_name,
     suggest,
     tree_of,
-    view_trial,
 )
+from cptune.search._view import StudyView
+from cptune.search._visits import LeftOut, Visit, left_out_of
 from cptune.space import ORDERS
-from cptune.store import Result, Store
+from cptune.store import Store
 from cptune.workload import Workload
 
 # the search reports each failure itself; Optuna would also log every trial an exception
 # ends (Ctrl-C included) with its traceback
 optuna.logging.set_verbosity(logging.ERROR)
 
-#: What a study view that cannot be written leaves (``WorkloadSearch._sync_view``).
-_STUDY_LACKS = "; every measurement is stored, and the next search adds what the study lacks"
 #: The objective of a configuration whose run failed; the constraint marks it infeasible.
 FAILED_LATENCY_MS = float("inf")
 _WARM_START = 3
@@ -95,62 +95,6 @@ def is_near_miss(comparison: Comparison) -> bool:
     few shared rounds to stand (see ``NEAR_MISS_RATIO``): such a configuration races on."""
     return (comparison.separated and comparison.paired_rounds < MIN_PAIRED_ROUNDS
             and comparison.ratio < NEAR_MISS_RATIO)
-
-
-#: The phases of a search (``Visit.phase``; see ``WorkloadSearch``).
-PHASES = ("explore", "round", "race", "confirm")
-
-
-def measure_command(workload: Workload, config: CPConfig, backend: str = "mpi",
-                    timeout: float | None = None) -> str:
-    """The ``cptune measure`` command line that runs ``config`` of ``workload`` alone (on
-    ``backend``, within ``timeout`` seconds when given) and prints its timing or its failure
-    in full; it stores nothing."""
-    parts = ["cptune", "measure", *workload.flags("--seq-len"), "--strategies", config.strategy,
-             "--ranks", str(config.ranks), "--head-group", str(config.head_group)]
-    parts += ["--backend", backend] if backend != next(iter(ENGINES)) else []
-    parts += ["--timeout", f"{timeout:g}"] if timeout is not None else []
-    return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class LeftOut:
-    """A configuration a search ran that its verdict leaves out, as it has no clean visit."""
-
-    config: CPConfig
-    #: Its latest run's status: an ``EngineError`` kind, or "disturbed" (ran, never clean).
-    status: str
-    #: Why, and what later searches do about it, in words.
-    reason: str
-    #: Whether the next search of the same space runs it again.
-    retried: bool
-    #: The ``cptune measure`` command that runs it alone (``measure_command``).
-    command: str
-
-    def describe(self) -> str:
-        """The configuration, why it is left out, and how to measure it now, in one line."""
-        return (f"{self.config.describe()} left out of the verdict: {self.reason}; measure it alone with: "
-                f"{self.command}")
-
-
-@dataclass(frozen=True)
-class Visit:
-    """One run of a configuration by the search, or (``reused``) what the exploration took
-    from the store instead of running it."""
-
-    config: CPConfig
-    status: str  # "ok" or an EngineError kind
-    median_ms: float | None  # this run's median; a reused configuration's combined estimate
-    error: str | None
-    reused: bool
-    phase: str = "explore"  # one of PHASES
-    round_id: str | None = None
-    #: Why the contention guard judged this run disturbed (it counts for nothing and is re-run).
-    disturbed: str | None = None
-    #: Visits still planned after this one, as things stand (``WorkloadSearch._planned``).
-    left: int = 0
-
-
 
 
 @dataclass
@@ -252,7 +196,7 @@ class WorkloadSearch:
         self._phase = "explore"
         self._explore_left = 0
         self._race_left = 0
-        self._view: Study | None = None
+        self._view: StudyView | None = None
         self._ran: Counter[CPConfig] = Counter()  # this search's runs of each configuration
         self._sittings = {self.session}
         self._budget_left: float | None = None  # of ``time_budget`` after ``run``, for ``confirm``
@@ -335,17 +279,6 @@ class WorkloadSearch:
     def _predict(self, configs: list[CPConfig]) -> list[Candidate]:
         return predict_for(self.store, self.hardware.fingerprint, self.workload, configs)
 
-    def _sync_view(self, view: Study, stored: list[Result]) -> None:
-        """Add every run in ``stored`` (``Ledger.stored``) that ``view`` lacks."""
-        try:
-            kept = {trial.user_attrs.get("measurement_id") for trial in view.get_trials(deepcopy=False)}
-            for row in stored:
-                if row.id not in kept:
-                    view.add_trial(view_trial(row))
-        except optuna.exceptions.StorageInternalError as exc:
-            doing = f"add to the Optuna study {view.study_name!r}"
-            raise self.store.failed(exc, doing, _STUDY_LACKS) from None
-
     def run(self) -> list[Visit]:
         """Explore, run the rounds, race; every visit (and each configuration the exploration
         took from the store, ``reused``) in the order it happened."""
@@ -357,13 +290,8 @@ class WorkloadSearch:
         deadline = None if self.time_budget is None else started + self.time_budget
         self.verdict = self.current_verdict()
         if self.study_storage is not None:
-            name = study_name(self.workload, self.hardware)
-            try:
-                self._view = optuna.create_study(storage=self.study_storage, direction="minimize",
-                                                 load_if_exists=True, study_name=name)
-            except optuna.exceptions.StorageInternalError as exc:
-                raise self.store.failed(exc, f"keep the Optuna study {name!r}", _STUDY_LACKS) from None
-            self._sync_view(self._view, self._ledger().stored)
+            self._view = StudyView.open(self.study_storage, self.store, self.workload, self.hardware)
+            self._view.sync(self._ledger().stored)
         visits: list[Visit] = []
         self._explore(visits)
         self._phase = "round"
@@ -445,33 +373,8 @@ class WorkloadSearch:
         self.verdict = ledger.verdict
         self.never_clean = tuple(c for c, entry in ledger.tally.items() if entry.clean == 0
                                  and not entry.failed and entry.attempts >= self.max_attempts)
-        self.left_out = self._left_out(ledger)
-
-    def _left_out(self, ledger: Ledger) -> tuple[LeftOut, ...]:
-        """The configurations that ran and have no clean visit the verdict counts, with why."""
-        counted = {config for (_, _, config) in combine(ledger.counted)}
-        engine = get_engine(self.backend).name
-        found = []
-        for config, entry in ledger.tally.items():
-            if config in counted or entry.latest is None:
-                continue
-            status = entry.latest.status if entry.failed else "disturbed"
-            retried = entry.retry_due if entry.failed else entry.attempts < self.max_attempts
-            if entry.failed:
-                error = (entry.latest.error or "").strip().splitlines()
-                reason = f"its latest run failed ({status}{': ' + error[0].rstrip(':.') if error else ''}); "
-                reason += ("the next search of this space runs it once more" if retried else
-                           "it failed again when retried, so searches do not run it again"
-                           if status in RETRIED_FAILURES else
-                           f"a failure of kind {status} is the configuration's, not the host's, so "
-                           f"searches do not run it again")
-            else:
-                reason = f"it never ran clean in {entry.attempts} visit(s) (other load each time); " + (
-                    "the next search visits it again" if retried else
-                    "searches do not run it again (--remeasure does): rerun when the host is quiet")
-            command = measure_command(self.workload, config, engine, self.run_timeout)
-            found.append(LeftOut(config, status, reason, retried, command))
-        return tuple(found)
+        self.left_out = left_out_of(ledger, self.workload, get_engine(self.backend).name, self.run_timeout,
+                                    self.max_attempts)
 
     def _explore(self, visits: list[Visit]) -> None:
         """Phase 1: the Optuna trials, one visit each, all in round 0."""
@@ -622,7 +525,7 @@ class WorkloadSearch:
         visits.append(visit)
         ledger = self._ledger()  # read once for the study view and the verdict
         if self._view is not None:
-            self._sync_view(self._view, ledger.stored)
+            self._view.sync(ledger.stored)
         self._report(visit, ledger)
         return visit
 

@@ -18,7 +18,8 @@ beside the others (on PostgreSQL, a schema of cptune's own in the URL's search_p
 them apart without it). SQLite in memory is refused (it would keep nothing for the next
 command); a file opened read-only (``mode=ro``) or ``immutable=1`` stays out of WAL mode and
 can be read, not written. A path that cannot hold a database (a loop of symbolic links, a
-directory, a missing or read-only parent directory) is refused with what to do.
+directory, a missing or read-only parent directory) is refused with what to do. These checks
+and SQLite's connection setup live in ``_opening``.
 
 A disk that fills (SQLite's "database or disk is full", ``ENOSPC``, PostgreSQL's disk_full,
 also wrapped in Optuna's ``StorageInternalError``) is a ``DiskFullError``: one line saying
@@ -29,18 +30,15 @@ room. Every write is one transaction, rolled back whole, so nothing is left half
 from __future__ import annotations
 
 import errno
-import os
 import sqlite3
-import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy import Connection, Engine, Select, create_engine, event, func, inspect, select
+from sqlalchemy import Engine, Select, create_engine, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
@@ -52,6 +50,7 @@ from cptune.engines import NodeVerdict
 from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
+from cptune.store._opening import BUSY_TIMEOUT_MS, foreign_tables, named_few, path_problem, sqlite_setup
 from cptune.store._result import STATUSES, Result
 from cptune.store._schema import (
     VERSION_TABLE,
@@ -77,22 +76,12 @@ from cptune.workload import Workload
 if TYPE_CHECKING:
     from optuna.storages import RDBStorage
 
-_BUSY_TIMEOUT_MS = 60_000
 #: Tries at opening Optuna's storage (a first open creates its tables).
 _OPTUNA_ATTEMPTS = 3
 #: PostgreSQL advisory lock key held while migrating ("cptune" in ASCII).
 _MIGRATION_LOCK = 0x637074756E65
-#: The tables Optuna keeps (its models' and its Alembic version table): a database that
-#: holds only these is one cptune may open, as it keeps its own studies there too.
-OPTUNA_TABLES = frozenset({
-    "alembic_version", "studies", "study_directions", "study_system_attributes", "study_user_attributes",
-    "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
-    "trial_user_attributes", "trial_values", "trials", "version_info",
-})
 #: The commands whose ``--share-db`` passes ``Store(share=True)``: those that create cptune's tables.
 SHARING_COMMANDS = "cptune search, calibrate or doctor"
-#: How many of another program's tables a refusal names.
-_NAMED_TABLES = 3
 
 
 class StoreError(CPTuneError):
@@ -130,92 +119,6 @@ def disk_full(error: BaseException | None) -> bool:
 def _utc(moment: datetime) -> datetime:
     """``moment`` in UTC; a naive one (SQLite keeps no offset) is UTC, as cptune writes it."""
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-
-
-def _sqlite_setup(engine: Engine) -> None:
-    """WAL, a busy timeout, foreign keys, and BEGIN IMMEDIATE so writers queue instead of
-    failing when two of them upgrade read locks at once."""
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
-        dbapi_connection.isolation_level = None  # transactions are begun below
-        cursor = dbapi_connection.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        _use_wal(cursor)
-        cursor.execute("PRAGMA foreign_keys = ON")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(connection):  # type: ignore[no-untyped-def]
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-def _use_wal(cursor: sqlite3.Cursor) -> None:
-    """Put the database in WAL mode (it stays so). The switch needs the file to itself and
-    SQLite does not wait for that (no busy handler): a new file opened by two processes at
-    once has one of them creating tables while the other switches, so a switch refused as
-    "locked" is tried again until the busy timeout. A database that cannot be in WAL mode
-    answers the switch with the mode it keeps (in memory: "memory"; immutable: its own) or
-    as read-only: it is left as it is, to be read (a write is refused when it comes)."""
-    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
-    if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
-        return
-    while True:
-        try:
-            cursor.execute("PRAGMA journal_mode = WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "readonly" in str(exc):
-                return
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
-def _foreign_tables(connection: Connection) -> list[str]:
-    """The tables and views of another program in the database ``connection`` opens, when it
-    holds no cptune schema; none when it is cptune's, empty, or holds only Optuna's."""
-    found = inspect(connection)
-    names = set(found.get_table_names()) | set(found.get_view_names())
-    return [] if VERSION_TABLE in names else sorted(names - OPTUNA_TABLES)
-
-
-def _some(names: list[str]) -> str:
-    """A few of ``names`` on one line, and how many more."""
-    shown = ", ".join(" ".join(name.split()) or repr(name) for name in names[:_NAMED_TABLES])
-    more = len(names) - _NAMED_TABLES
-    return shown + (f" and {more} more" if more > 0 else "")
-
-
-def _path_problem(path: Path, create: bool, opened_read_only: str | None) -> str | None:
-    """Why the SQLite file ``path`` cannot be opened (``create``: or made), as one line
-    with what to do; None when it can."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return (f"cannot open database {path}: it is a loop of symbolic links (one leads to another and "
-                    f"back), so there is no file there; fix or remove the links, or pass another --db")
-        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
-            return f"cannot open database {path}: {exc.strerror}; pass another --db"
-        if not create or opened_read_only:
-            return (f"no database at {path}: check the path (--db or $CPTUNE_DB), or create one with "
-                    f"cptune search or cptune calibrate")
-        parent = path.absolute().parent
-        if not parent.is_dir():
-            blocker = next((p for p in (parent, *parent.parents) if p.exists() or p.is_symlink()), None)
-            if blocker is not None and not blocker.is_dir():
-                return (f"cannot create database {path}: {blocker} is a file, not a directory; "
-                        f"pass another --db")
-            return (f"cannot create database {path}: its directory {parent} does not exist; create it "
-                    f"(mkdir -p {parent}) or pass another --db")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            return (f"cannot create database {path}: its directory {parent} is not writable; pass a --db "
-                    f"in a directory you can write to")
-        return None
-    if stat.S_ISDIR(mode):
-        return f"cannot use database {path}: it is a directory; pass a file path such as {path / 'cptune.db'}"
-    return None
 
 
 def _migrate(engine: Engine, url: str) -> None:
@@ -287,7 +190,7 @@ class Store:
                                  f"--db cptune.db")
             path = sqlite_file(url)
             opened_read_only = read_only(url)
-            if path is not None and (problem := _path_problem(path, create, opened_read_only)):
+            if path is not None and (problem := path_problem(path, create, opened_read_only)):
                 raise StoreError(problem)
             self.engine = create_engine(url)
         except ImportError as exc:
@@ -307,28 +210,27 @@ class Store:
             if not share:
                 with self.engine.connect() as connection:  # before the switch to WAL: it writes too
                     if backend == "sqlite":  # another process may be creating the file's tables
-                        connection.exec_driver_sql(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-                    foreign = _foreign_tables(connection)
+                        connection.exec_driver_sql(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                    foreign = foreign_tables(connection)
                 self.engine.dispose()  # later connections get the setup below
                 if foreign:
                     elsewhere = ("another --db path (a new file is created there)" if backend == "sqlite" else
                                  "another --db: a database of cptune's own, or a schema of its own (CREATE "
                                  "SCHEMA cptune, then add ?options=-csearch_path%3Dcptune to the URL)")
                     raise StoreError(
-                        f"database {where} holds another program's tables ({_some(foreign)}) and no cptune "
-                        f"data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
+                        f"database {where} holds another program's tables ({named_few(foreign)}) and no "
+                        f"cptune data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
                         f"{SHARING_COMMANDS} to keep cptune's tables beside theirs"
                     )
             if backend == "sqlite":
-                _sqlite_setup(self.engine)
+                sqlite_setup(self.engine)
             _migrate(self.engine, self.url)
         except StoreError:
             self.engine.dispose()
             raise
         except DBAPIError as exc:
             self.engine.dispose()
-            if disk_full(exc):
-                raise self.full_disk() from None
+            self._raise_if_full(exc)
             why_read_only = opened_read_only or "the file or its directory is read-only"
             fix = (f"it can only be read here ({why_read_only}) and cptune must write to it first: open it "
                    f"writable once, or pass another --db"
@@ -359,6 +261,12 @@ class Store:
             f"written; {free}, then run the same command again: it resumes where it stopped"
         )
 
+    def _raise_if_full(self, error: BaseException) -> None:
+        """Raise ``full_disk`` (the driver's error hidden) when ``error`` says the disk is
+        full (``disk_full``): opening, ``require_writable`` and ``session`` check this first."""
+        if disk_full(error):
+            raise self.full_disk() from None
+
     def failed(self, error: BaseException, doing: str, after: str = "") -> StoreError:
         """A ``StoreError`` for ``error`` met while ``doing`` (in words): ``full_disk`` when
         it says so, else its real cause in one line, then ``after``."""
@@ -380,8 +288,7 @@ class Store:
                 connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = version_num")
                 transaction.rollback()
         except DBAPIError as exc:
-            if disk_full(exc):
-                raise self.full_disk() from None
+            self._raise_if_full(exc)
             fix = (f"open it without {self._opened_read_only} in the URL" if self._opened_read_only else
                    "make it writable")
             raise StoreError(
@@ -399,7 +306,7 @@ class Store:
 
         url = self.engine.url.render_as_string(hide_password=False)
         sqlite = self.engine.dialect.name == "sqlite"
-        engine_kwargs = {"connect_args": {"timeout": _BUSY_TIMEOUT_MS / 1000}} if sqlite else {}
+        engine_kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_MS / 1000}} if sqlite else {}
         for attempt in range(_OPTUNA_ATTEMPTS):
             try:
                 storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
@@ -410,7 +317,7 @@ class Store:
                     raise self.failed(exc, "keep Optuna studies", unaffected) from None
                 time.sleep(0.5)
         if sqlite:
-            _sqlite_setup(storage.engine)
+            sqlite_setup(storage.engine)
             storage.engine.dispose()  # every later connection gets the setup above
         return storage
 
@@ -427,8 +334,7 @@ class Store:
             with Session(self.engine) as session, session.begin():
                 yield session
         except (DBAPIError, OSError) as exc:  # the server refused or failed: one line, no password
-            if disk_full(exc):
-                raise self.full_disk() from None
+            self._raise_if_full(exc)
             if isinstance(exc, OSError):
                 raise
             raise StoreError(f"database {self.url} failed: {self._explain(exc.orig)}") from None
