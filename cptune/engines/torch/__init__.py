@@ -27,7 +27,8 @@ def on_launched_ranks(command: Callable[[], int]) -> int:
     which serve it and return 0 when it is done; alone, it just runs."""
     if importlib.util.find_spec("torch") is None:
         return command()  # the engine's preflight says how to install PyTorch
-    from cptune.engines.torch._launch import driving, launched_ranks, serve_launched
+    from cptune.engines.torch._launch import driving, launched_ranks
+    from cptune.engines.torch._worker import serve_launched
 
     launch = launched_ranks()
     if launch is None:

@@ -3,10 +3,11 @@
 Rank 0's cptune runs the command and drives; it holds the world's key-value store at
 MASTER_ADDR:MASTER_PORT (unless torchrun's agent holds it already). When its engine first
 needs ranks it listens on loopback, writes where into the store and starts its own rank-0
-worker; every other rank's cptune, instead of running the command, waits for that address,
-joins the world and serves the driver until told to exit (``serve_launched``). A driver that
-never needed its ranks tells them so as it ends, and they exit. A rank whose driver is gone
-exits too, so torchrun's job ends with its command.
+worker; every other rank's cptune, instead of running the command, waits for that address
+(``driver_address``), joins the world (``launched_world``) and serves the driver until told
+to exit (the rank side, ``_worker.serve_launched``). A driver that never needed its ranks
+tells them so as it ends, and they exit. A rank whose driver is gone exits too
+(``exit_when_driver_closes``), so torchrun's job ends with its command.
 
 One node: the driver listens on loopback only. Several nodes are refused with the reason.
 """
@@ -31,7 +32,7 @@ from cptune.engines._pool import WorkerPool, rank_environment
 from cptune.errors import EngineError
 
 #: The prefix of the launched world's keys in the store.
-LAUNCHED_WORLD = "cptune-world"
+_WORLD = "cptune-world"
 _DRIVER_KEY = "cptune/driver"
 _NO_DRIVER = "none"
 #: How long launched ranks wait for their driver to need them.
@@ -110,6 +111,24 @@ def connect(address: str, timeout: float = 60.0) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=timeout)
 
 
+def driver_address(launch: Launched) -> str | None:
+    """host:port where rank 0's driver listens, once it needs the launched ranks (waiting up
+    to an hour for that); None when it ended without ever needing them."""
+    address = _store(launch, is_master=False).get(_DRIVER_KEY).decode()
+    return None if address == _NO_DRIVER else address
+
+
+def launched_world(launch: Launched) -> dist.Store:
+    """The store the launched ranks' ``torch.distributed`` world rendezvouses in."""
+    return dist.PrefixStore(_WORLD, _store(launch, is_master=False))
+
+
+def exit_when_driver_closes(sock: socket.socket) -> None:
+    """Watch ``sock``, the connection to the driver, from a daemon thread and end this
+    process as soon as the driver closes it."""
+    threading.Thread(target=_exit_when_closed, args=(sock,), daemon=True).start()
+
+
 def _exit_when_closed(sock: socket.socket) -> None:
     """End this process as soon as the driver closes its connection, whatever the rank is
     doing (a rank stuck in a collective would never read the close)."""
@@ -122,23 +141,6 @@ def _exit_when_closed(sock: socket.socket) -> None:
             except OSError:
                 os._exit(0)
             time.sleep(0.5)  # a request waits for the serving loop: look again later
-
-
-def serve_launched(launch: Launched) -> None:
-    """Serve as launched rank ``launch.rank`` > 0 once the driver needs it; returns (and the
-    process exits) when the driver never does."""
-    from cptune.engines._worker import serve_until_done
-    from cptune.engines.torch._worker import TorchRank, join_world
-
-    address = _store(launch, is_master=False).get(_DRIVER_KEY).decode()
-    if address == _NO_DRIVER:
-        return
-    world = dist.PrefixStore(LAUNCHED_WORLD, _store(launch, is_master=False))
-    device, backend = join_world(world, launch.rank, launch.size, launch.local_rank)
-    sock = connect(address)
-    sock.settimeout(None)
-    threading.Thread(target=_exit_when_closed, args=(sock,), daemon=True).start()
-    serve_until_done(TorchRank(sock, device, backend))
 
 
 class LaunchedPool(WorkerPool):

@@ -6,7 +6,9 @@ join one ``torch.distributed`` world (gloo on the CPU, NCCL with one GPU per ran
 rank on a GPU node) through a TCPStore the driver holds, and make, all together, every
 process group a configuration or a calibration of up to that many ranks uses
 (``torch.distributed.new_group`` is collective over the world; a task reaches only the ranks
-it runs on). Ranks the user launched with torchrun join the same way (``_launch``).
+it runs on). Ranks the user launched with torchrun join the same way: rank 0 started by the
+driver, the others serving from their own cptune (``serve_launched``; the driver's side is
+``_launch``).
 
 "run" receives a configuration and this rank's shard, runs the strategy once on ``TorchOps``
 and returns its output shard; "time" repeats it: each iteration starts at a barrier of its
@@ -32,6 +34,14 @@ import torch.distributed as dist
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines._worker import RankServer, kill_when_gone, serve_until_done
+from cptune.engines.torch._launch import (
+    Launched,
+    connect,
+    driver_address,
+    exit_when_driver_closes,
+    launched_ranks,
+    launched_world,
+)
 from cptune.engines.torch._ops import (
     TORCH_DTYPES,
     TorchOps,
@@ -46,8 +56,7 @@ from cptune.strategies import run_strategy
 from cptune.strategies.primitives import HEADS, SEQ
 from cptune.workload import Workload
 
-#: How long a rank waits on the driver's store (for the others to join, for a launched
-#: world's driver to say where it listens).
+#: How long a rank waits on the driver's store (for the others to join).
 STORE_TIMEOUT = datetime.timedelta(hours=1)
 #: Heads of the K/V tensor calibration exchanges (as the mpi engine's calibration).
 _CHUNK_HEADS = 4
@@ -277,6 +286,19 @@ class RankTask:
         return {}, [timings]
 
 
+def serve_launched(launch: Launched) -> None:
+    """Serve as launched rank ``launch.rank`` > 0 once the driver needs it; returns (and the
+    process exits) when the driver never does."""
+    address = driver_address(launch)
+    if address is None:
+        return
+    device, backend = join_world(launched_world(launch), launch.rank, launch.size, launch.local_rank)
+    sock = connect(address)
+    sock.settimeout(None)
+    exit_when_driver_closes(sock)
+    serve_until_done(TorchRank(sock, device, backend))
+
+
 def main(argv: list[str] | None = None) -> None:
     """One rank of a pool mpiexec started (its rank in PMI_RANK), or rank 0 of a world the
     user launched with torchrun, started by the driver (``_launch``)."""
@@ -293,13 +315,10 @@ def main(argv: list[str] | None = None) -> None:
         device, backend = join_world(store, rank, size, int(os.environ.get("MPI_LOCALRANKID", rank)))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(args.socket)
-    else:  # rank 0 of ranks the user launched: the others joined from their own cptune (_launch)
-        from cptune.engines.torch._launch import LAUNCHED_WORLD, connect, launched_ranks
-
+    else:  # rank 0 of ranks the user launched: the others join from their own cptune (serve_launched)
         launch = launched_ranks()
         assert launch is not None and launch.rank == 0
-        world = store_at(launch.store, LAUNCHED_WORLD)
-        device, backend = join_world(world, 0, launch.size, launch.local_rank)
+        device, backend = join_world(launched_world(launch), 0, launch.size, launch.local_rank)
         sock = connect(args.driver)
     serve_until_done(TorchRank(sock, device, backend))
 
