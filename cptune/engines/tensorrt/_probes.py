@@ -10,9 +10,11 @@ driver's deadline.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
+import onnx
 from mpi4py import MPI
 from onnx import TensorProto, helper
 
@@ -25,10 +27,8 @@ from cptune.engines.onnx._calibration import (
     collective_graph,
     single_op_model,
 )
+from cptune.engines.tensorrt._checks import CheckedGraph, check_case
 from cptune.workload import Workload
-
-if TYPE_CHECKING:
-    from cptune.engines.tensorrt._worker import LoadedGraph, TensorRTWorker
 
 Answer = dict[str, Any]
 #: Bytes per peer the collective probes move: small, and a multiple of every chunk size.
@@ -38,15 +38,31 @@ ATTENTION_SHAPE = {"heads": 4, "seq_q": 128, "seq_k": 128, "head_dim": 64, "caus
 KINDS = ("all_to_all", "all_gather", "broadcast")
 
 
+class ProbeGraph(CheckedGraph, Protocol):
+    """What a probe needs of a graph its rank loaded (``_worker.LoadedGraph``)."""
+
+    #: Whether it was rebuilt with a float32 Cast around each collective.
+    cast_boundary: bool
+
+    def close(self) -> None: ...
+
+
+class ProbeRank(Protocol):
+    """What a probe needs of the rank it runs on (``_worker.TensorRTWorker``)."""
+
+    rank: int
+
+    def load(self, make: Callable[[bool], tuple[onnx.ModelProto, dict[str, np.ndarray]]],
+             comm: MPI.Comm) -> tuple[ProbeGraph, float | None]: ...
+
+
 def _answer(passed: bool, seen: str, answer: str = "") -> Answer:
     return {"passed": passed, "seen": seen, "answer": answer}
 
 
-def _checked(rank: TensorRTWorker, comm: MPI.Comm, case: dict, model: Any, point: Any) -> str | None:
+def _checked(rank: ProbeRank, comm: MPI.Comm, case: dict, model: Any, point: Any) -> str | None:
     """Load ``model`` on a communicator of all of ``comm``'s ranks, run it once and check
     its values as calibration does: None when right, else what was wrong (one line)."""
-    from cptune.engines.tensorrt._worker import check_case
-
     graph = _loaded(rank, comm, model)
     try:
         check_case(graph, case, point, rank.rank)
@@ -57,7 +73,7 @@ def _checked(rank: TensorRTWorker, comm: MPI.Comm, case: dict, model: Any, point
     return None
 
 
-def collectives(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
+def collectives(rank: ProbeRank, comm: MPI.Comm) -> Answer:
     """Each collective kind over every rank, on a communicator of them all."""
     n = comm.Get_size()
     wrong = [problem for kind in KINDS if (problem := _checked(
@@ -66,7 +82,7 @@ def collectives(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
     return _answer(not wrong, wrong[0] if wrong else f"{', '.join(KINDS)} on {n} GPU(s): values right")
 
 
-def subgroups(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
+def subgroups(rank: ProbeRank, comm: MPI.Comm) -> Answer:
     """Each collective kind in two halves of the ranks named in ``groups``, on one
     communicator of all ranks: how a hybrid's graphs are written."""
     n = comm.Get_size()
@@ -80,7 +96,7 @@ def subgroups(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
     return _answer(not wrong, wrong[0] if wrong else f"groups of {half} named among {n} GPUs: values right")
 
 
-def broadcast_root(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
+def broadcast_root(rank: ProbeRank, comm: MPI.Comm) -> Answer:
     """A broadcast over every rank named in reverse order with root 0: rank 0's value
     everywhere if ``root`` is read as a global rank (as cptune writes it), the last rank's
     if it is read as an index into ``groups``."""
@@ -106,12 +122,12 @@ def broadcast_root(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
     return _answer(False, f"the broadcast's output held {sorted(got)}, from no single root", "neither")
 
 
-def _loaded(rank: TensorRTWorker, comm: MPI.Comm, model: Any) -> LoadedGraph:
+def _loaded(rank: ProbeRank, comm: MPI.Comm, model: Any) -> ProbeGraph:
     return rank.load(lambda boundary: (for_tensorrt(model, boundary), {}), comm)[0]
 
 
 def _attention(dtype: int, name: str) -> Any:
-    def probe(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
+    def probe(rank: ProbeRank, comm: MPI.Comm) -> Answer:
         wrong = _checked(rank, comm, {"shapes": [ATTENTION_SHAPE]}, attention_graph(ATTENTION_SHAPE, dtype),
                          ATTENTION_SHAPE)
         return _answer(not wrong, wrong or f"causal {name} attention built (decomposable) and right")
@@ -119,7 +135,7 @@ def _attention(dtype: int, name: str) -> Any:
     return probe
 
 
-def standalone(rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
+def standalone(rank: ProbeRank, comm: MPI.Comm) -> Answer:
     """A real rank graph (Ulysses over every rank, bf16, causal: Transposes around each
     all_to_all, attention between them) built and inspected: do its collectives stay
     layers of their own, or only behind a Cast boundary, or not at all?"""
@@ -150,7 +166,7 @@ PROBE_RUNS = {
 }
 
 
-def run(probe: str, rank: TensorRTWorker, comm: MPI.Comm) -> Answer:
+def run(probe: str, rank: ProbeRank, comm: MPI.Comm) -> Answer:
     """Probe ``probe`` on this rank, collectively over ``comm``."""
     if probe not in PROBE_RUNS:
         raise RuntimeError(f"unknown probe {probe!r}")

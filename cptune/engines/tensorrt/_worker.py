@@ -61,12 +61,10 @@ from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines._worker import Worker, main
 from cptune.engines.onnx import OP_TYPE, case_graphs, for_tensorrt, tensorrt_rank_graph
-from cptune.engines.onnx._calibration import attention_expected, collective_expected, collective_inputs
 from cptune.engines.tensorrt import _probes
 from cptune.engines.tensorrt._cache import EngineCache, engine_key, graph_digest
+from cptune.engines.tensorrt._checks import check_case
 from cptune.engines.tensorrt._preflight import load_nccl
-from cptune.layout import head_group_members
-from cptune.reference import REAL_BF16_TOLERANCE
 from cptune.workload import Workload
 
 #: How a graph is made for TensorRT, with or without the Cast boundary around collectives:
@@ -529,37 +527,6 @@ class TensorRTWorker(Worker):
         self._drop()
         if self._gpu is not None:
             self._gpu.close()
-
-
-def check_case(graph: LoadedGraph, case: dict, point: int | dict, rank: int) -> None:
-    """Run a calibration graph (``point``: its chunk bytes or attention shape) once with
-    inputs whose output shows what the layer did, and raise unless it did what the graph
-    says: a collective's chunks from the right members of the right group, an attention's
-    output within the bf16 tolerance runs are held to."""
-    if "collective" in case:
-        kind, group = case["collective"], case["group"]
-        member = head_group_members(rank, group).index(rank)
-        graph.fill({"x": collective_inputs(kind, group, member, graph.specs["x"][0])})
-        graph.execute()
-        got, expected = graph.read("y"), collective_expected(kind, group, member, graph.specs["y"][0])
-        if not np.array_equal(got, expected):
-            raise RuntimeError(
-                f"calibration's {kind} over groups of {group} gave rank {rank} wrong values "
-                f"({int(np.count_nonzero(got != expected))} of {got.size}): TensorRT did not run this "
-                f"collective in its group as written; nothing was timed")
-        return
-    assert isinstance(point, dict)
-    rng = np.random.default_rng(rank)
-    q, k, v = (rng.standard_normal(graph.specs[name][0], dtype=np.float32) for name in ("q", "k", "v"))
-    graph.fill({"q": q, "k": k, "v": v})
-    graph.execute()
-    rounded = (x.astype(graph.specs["q"][1]).astype(np.float32) for x in (q, k, v))  # as the graph holds them
-    expected = attention_expected(point, *rounded)
-    error = float(np.max(np.abs(graph.read("out") - expected)) / np.max(np.abs(expected)))
-    if error > REAL_BF16_TOLERANCE["bf16"]:
-        raise RuntimeError(f"calibration's attention on {point} is off by {error:.2g} of its largest "
-                           f"value on rank {rank}: TensorRT did not compute attention as written; "
-                           f"nothing was timed")
 
 
 if __name__ == "__main__":
