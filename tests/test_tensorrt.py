@@ -6,7 +6,6 @@ cannot run them."""
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 import re
@@ -694,27 +693,6 @@ def test_a_calibration_collective_with_wrong_values_stops_calibration():
     in_the_wrong_group = graphs.collective_expected("all_gather", 2, 1, (16,)) * 0 + right[::-1]
     with pytest.raises(RuntimeError, match="all_gather over groups of 2 gave rank 3 wrong values"):
         check_case(Ran("all_gather", in_the_wrong_group), case, 16, rank=3)
-
-
-def imported_modules(module: str) -> set[str]:
-    """Every module ``module``'s source imports, lazily or under TYPE_CHECKING too (with
-    ``from m import n``: m and m.n)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(Path(importlib.util.find_spec(module).origin).read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
-    return found
-
-
-def test_the_probes_and_the_check_never_import_the_rank():
-    """The rank (_worker) imports the probes and the calibration check; neither imports it
-    back, not even lazily or for types: the project has no import cycles."""
-    worker = "cptune.engines.tensorrt._worker"
-    assert {"cptune.engines.tensorrt._probes", "cptune.engines.tensorrt._checks"} <= imported_modules(worker)
-    assert worker not in imported_modules("cptune.engines.tensorrt._probes")
-    assert worker not in imported_modules("cptune.engines.tensorrt._checks")
 
 
 @pytest.mark.slow

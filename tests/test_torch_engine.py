@@ -4,8 +4,6 @@ calibration ops, its supervision and its refusals (slow: they start ranks)."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import signal
 import threading
@@ -263,25 +261,6 @@ def test_launched_ranks_are_read_from_torchrun_and_srun():
     srun = launched_ranks({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3",
                            "SLURM_NNODES": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "1234"})
     assert (srun.rank, srun.size, srun.store) == (3, 4, "node1:1234")
-
-
-def imported_modules(module: str) -> set[str]:
-    """Every module ``module``'s source imports, lazily or under TYPE_CHECKING too (with
-    ``from m import n``: m and m.n)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(Path(importlib.util.find_spec(module).origin).read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
-    return found
-
-
-def test_the_launch_side_never_imports_the_rank_side():
-    """_worker (every rank, launched ones included) imports _launch; _launch never imports
-    _worker back, not even lazily: the project has no import cycles."""
-    assert "cptune.engines.torch._launch" in imported_modules("cptune.engines.torch._worker")
-    assert "cptune.engines.torch._worker" not in imported_modules("cptune.engines.torch._launch")
 
 
 @pytest.mark.parametrize(("change", "reason"), [
