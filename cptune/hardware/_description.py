@@ -71,6 +71,7 @@ from typing import Any
 
 import numpy as np
 
+from cptune._toml import suggest
 from cptune.layout import Groups, RankGroups
 from cptune.workload import WIRE_DTYPES
 
@@ -232,7 +233,8 @@ class HardwareDescription:
         figures = dict(self.figures)
         for key, value in given.items():
             if key not in figures:
-                raise ValueError(f"{key} is not a figure of {self.name}; its figures: {', '.join(figures)}")
+                raise ValueError(f"{key} is not a figure of {self.name}{suggest(key, list(figures))}; its "
+                                 f"figures: {', '.join(figures)}")
             unit, scale = _unit(key)
             ceiling = 1.0 if key == "device.overlap_slowdown" else math.inf
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < ceiling:
