@@ -328,7 +328,7 @@ def test_a_figure_is_given_only_to_a_description_known_and_in_range(db):
     workload = Workload(seq_len=8192, heads=32, head_dim=128)
     with pytest.raises(CPTuneError, match="is measured"):
         recommend(workload, db=db, figures={"device.launch_us": 5})
-    with pytest.raises(CPTuneError, match=r"device\.nope is not a figure of l20-pcie-8; its figures: "):
+    with pytest.raises(CPTuneError, match=r"device\.nope is not a figure of l20-pcie-8.*; its figures: "):
         recommend(workload, hardware="l20-pcie-8", db=db, figures={"device.nope": 5})
     with pytest.raises(CPTuneError, match="did you mean 'links.node.bandwidth_gbps.all_to_all'"):
         recommend(workload, hardware="l20-pcie-8", db=db, figures={"links.node.bandwidth_gbps.alltoall": 5})
