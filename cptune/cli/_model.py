@@ -204,10 +204,7 @@ def _decides(tie: Tie) -> str:
 
 def _what_decides(ties: Sequence[Tie]) -> str:
     """Which figures decide ``ties``, most first: "links.node.bandwidth_gbps.default decides
-    9 of them, device.matmul_tflops.bf16 5" (the prior's own error as "its own error")."""
+    9 of them, device.matmul_tflops.bf16 5" (the structural ones as "the prior's own error")."""
     counts = Counter("the prior's own error" if t.structural else t.figure for t in ties).most_common()
     first, *others = counts
     return ", ".join([f"{first[0]} decides {first[1]} of them", *(f"{figure} {n}" for figure, n in others)])
-
-
-

@@ -227,9 +227,25 @@ class _Advisor:
         self.uncalibrated = {fp: MeasuredHost(hosts[fp]) for fp in data.uncalibrated if fp in hosts}
         self.revision = revision
 
-    def profile(self, hardware: str | None, backend: str = "mpi") -> Profile | MeasuredHost:
+    def profile(self, hardware: str | None, backend: str = "mpi",
+                figures: Mapping[str, float] | None = None) -> Profile | MeasuredHost:
         """This host as ``backend``'s ranks use it, a stored fingerprint (or a unique prefix
-        of one), or a description."""
+        of one), or a description, with ``figures`` given (a description's only)."""
+        profile = self._profile(hardware, backend)
+        if not figures:
+            return profile
+        if not isinstance(profile, DescribedProfile):
+            raise CPTuneError(
+                f"figures are given only to a hardware description, and {profile.describe()} is measured "
+                f"(its rates come from its calibration); name a description with --hardware, or drop --figure"
+            )
+        try:
+            return DescribedProfile(profile.description.with_given(figures))
+        except ValueError as exc:
+            raise CPTuneError(f"{exc}; give --figure KEY=VALUE in the description file's units") from None
+
+    def _profile(self, hardware: str | None, backend: str) -> Profile | MeasuredHost:
+        """``profile`` before any figures are given."""
         if hardware in (None, "host"):
             host = this_machine(backend)
             if self.store is None:
@@ -329,18 +345,7 @@ def _advisor(db: str | None) -> _Advisor:
 def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi",
                      figures: Mapping[str, float] | None = None) -> Profile | MeasuredHost:
     """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
-    profile = _advisor(db).profile(hardware, backend)
-    if not figures:
-        return profile
-    if not isinstance(profile, DescribedProfile):
-        raise CPTuneError(
-            f"figures are given only to a hardware description, and {profile.describe()} is measured (its "
-            f"rates come from its calibration); name a description with --hardware, or drop --figure"
-        )
-    try:
-        return DescribedProfile(profile.description.with_given(figures))
-    except ValueError as exc:
-        raise CPTuneError(f"{exc}; give --figure KEY=VALUE in the description file's units") from None
+    return _advisor(db).profile(hardware, backend, figures)
 
 
 def correction_decision_of(db: str | None = None) -> CorrectionDecision:
@@ -369,7 +374,7 @@ def recommend(
     in the file's units, e.g. {"links.node.bandwidth_gbps.all_to_all": 17}), each range closed
     at that value."""
     advisor = _advisor(db)
-    profile = hardware_profile(hardware, db, backend, figures)
+    profile = advisor.profile(hardware, backend, figures)
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
