@@ -137,12 +137,15 @@ def test_a_per_kind_bandwidth_table_serves_every_other_kind_its_default():
 def test_all_to_all_through_a_cpu_spans_both_of_nccls_paths(name):
     """Through a CPU, NCCL stages through host memory (all-to-all as fast as all-reduce, 18 GB/s
     busbw) or, 2.15-2.22 on AMD CPUs, goes peer to peer (all-to-all among more than two GPUs
-    collapses to 2 GB/s): every PCIe description's all-to-all figure there spans both, and a
-    GPU pair (one flow each way, under a switch or one CPU) keeps one figure for every kind."""
+    collapses to 2 GB/s): every PCIe description marks those tiers, its all-to-all figure there
+    spans both, and a GPU pair (one flow each way, under a switch or one CPU) keeps one figure
+    for every kind."""
     description = load_description(name)
-    through_cpu = [tier for tier in description.tiers
-                   if tier.name.startswith(("CPU", "socket link")) and tier.ranks != 2]
-    assert through_cpu
+    named = [tier for tier in description.tiers
+             if tier.name.startswith(("CPU", "socket link")) and tier.ranks != 2]
+    through_cpu = [tier for tier in description.tiers if tier.through_cpu]
+    assert through_cpu and through_cpu == named
+    assert description.path_figures == tuple(f"{tier.key}.bandwidth_gbps.all_to_all" for tier in through_cpu)
     for tier in through_cpu:
         figure = description.figures[f"{tier.key}.bandwidth_gbps.all_to_all"]
         assert figure.low <= 2e9 and figure.high >= 14e9
@@ -150,6 +153,41 @@ def test_all_to_all_through_a_cpu_spans_both_of_nccls_paths(name):
     for tier in description.domains:
         if tier.ranks == 2:
             assert description.bandwidth(tier, "all_to_all") == description.bandwidth(tier, "p2p")
+
+
+def test_nccls_path_settles_all_to_all_through_a_cpu_and_only_there():
+    """Through host memory all-to-all takes the tier's send/recv figure, range and all; peer to
+    peer it is closed at the collapsed end. Either path is a different machine (fingerprint,
+    description line), settled once; an NVLink machine has no such tier and refuses it."""
+    l20 = load_description("l20-pcie-8")
+    shm, p2p = l20.with_nccl_path("shm"), l20.with_nccl_path("p2p")
+    for key in l20.path_figures:
+        assert shm.figures[key] == l20.figures[key.replace("all_to_all", "default")]
+        assert p2p.figures[key] == Figure(2e9, 2e9, 2e9) == Figure(*(l20.figures[key].low,) * 3)
+    unchanged = set(l20.figures) - set(l20.path_figures)
+    assert all(shm.figures[k] == p2p.figures[k] == l20.figures[k] for k in unchanged)
+    assert len({l20.fingerprint, shm.fingerprint, p2p.fingerprint}) == 3
+    assert "NCCL goes through host memory (shm)" in shm.describe()
+    assert "peer to peer through the CPU (p2p)" in p2p.describe() and "NCCL" not in l20.describe()
+    assert shm.path_figures == () and shm.summary()["links"][1]["through_cpu"]
+    with pytest.raises(ValueError, match="already settled"):
+        shm.with_nccl_path("p2p")
+    with pytest.raises(ValueError, match="one of shm or p2p"):
+        l20.with_nccl_path("nvlink")
+    with pytest.raises(ValueError, match="no GPUs of h100-sxm-8 reach each other only through a CPU"):
+        load_description("h100-sxm-8").with_nccl_path("shm")
+
+
+def test_a_tier_through_a_cpu_needs_its_own_all_to_all_figure(tmp_path):
+    marked = edited('name = "fast"\n', 'name = "fast"\nthrough_cpu = true\n')
+    message = refusal(write(tmp_path, marked))
+    assert "links.node.through_cpu" in message and "all_to_all = { value = 6, low = 2, high = 18 }" in message
+    given = marked.replace("bandwidth_gbps = 200", "bandwidth_gbps = { default = 200, all_to_all = 50 }")
+    assert load_description(write(tmp_path, given)).path_figures == ("links.node.bandwidth_gbps.all_to_all",)
+    message = refusal(write(tmp_path, given.replace("through_cpu = true", "through_cpu = 1")))
+    assert "links.node.through_cpu" in message and "expected a boolean" in message
+    network = given.replace('name = "slow"\n', 'name = "slow"\nthrough_cpu = true\n')
+    assert "links.network" in refusal(write(tmp_path, network))
 
 
 def test_fingerprints_differ_between_files_and_survive_a_copy(tmp_path):

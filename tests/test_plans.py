@@ -325,6 +325,14 @@ def test_a_plan_with_figures_given_is_named_by_its_fingerprint_not_the_descripti
     assert load_plan(path, hardware=plan.hardware.fingerprint).select(8192).ranks <= 8
 
 
+def test_a_plan_for_a_settled_nccl_path_is_named_by_its_fingerprint(db):
+    plan = export_plan([at(16384, heads=32, head_dim=32)], ranks=4, hardware="a100-pcie-4", db=db,
+                       nccl_path="shm")
+    assert plan.hardware.fingerprint == load_description("a100-pcie-4").with_nccl_path("shm").fingerprint
+    assert "NCCL goes through host memory" in plan.hardware.description
+    assert plan._described_as() == plan.hardware.fingerprint
+
+
 # --------------------------------------------------------------------------- command line
 
 

@@ -731,7 +731,7 @@ def test_decide_ties_what_the_ranges_can_reorder_and_names_the_figure():
     pick = (FigureSwing("x", 1.0, 1.0), FigureSwing("y", 0.9, 1.2))
     close = (FigureSwing("x", 1.05, 1.05), FigureSwing("y", 1.0, 1.1))  # y high: 1.1 < 1.2
     tie = decide(1.0, pick, 1.05, close, CPConfig("ring", 4))
-    assert tie == Tie(CPConfig("ring", 4), "y", "high")
+    assert tie == Tie(CPConfig("ring", 4), "y", "high", movers=frozenset({"y"}))  # x moves neither way
     far = (FigureSwing("x", 2.0, 2.0), FigureSwing("y", 1.9, 2.2))
     assert decide(1.0, pick, 2.0, far, CPConfig("ring", 4)) is None
 

@@ -338,6 +338,41 @@ def test_a_figure_is_given_only_to_a_description_known_and_in_range(db):
         recommend(workload, hardware="l20-pcie-8", db=db, figures={"device.launch_us": float("inf")})
 
 
+def test_nccls_path_through_a_cpu_settles_a_pcie_tie_and_moves_the_pick(db):
+    """Issue 32: on PCIe servers all-to-all through a CPU runs as fast as send/recv or collapses,
+    by the path NCCL takes; unsettled, recommend says the path would decide, and named (host
+    memory, as NCCL 2.23.4 and later take it) Ulysses over both CPU sockets wins where the pairs
+    did; peer to peer the pairs stay."""
+    workload = Workload(seq_len=16384, heads=32, head_dim=32, batch=2, causal=True)
+    unsure = recommend(workload, hardware="a100-pcie-4", ranks=4, db=db)
+    shm = recommend(workload, hardware="a100-pcie-4", ranks=4, db=db, nccl_path="shm")
+    p2p = recommend(workload, hardware="a100-pcie-4", ranks=4, db=db, nccl_path="p2p")
+    assert unsure.config.head_group == 2 == p2p.config.head_group and shm.config.head_group == 4
+    assert unsure.path_decides and unsure.to_dict()["nccl_path_decides"] is True
+    assert not shm.path_decides and not p2p.path_decides and shm.path_figures == ()
+    assert len(p2p.ties) < len(unsure.ties)
+    assert "NCCL goes through host memory (shm)" in shm.hardware
+    assert shm.fingerprint == load_description("a100-pcie-4").with_nccl_path("shm").fingerprint
+    with pytest.raises(CPTuneError, match="NCCL's path is given only to a hardware description"):
+        recommend(workload, db=db, nccl_path="shm")
+    with pytest.raises(CPTuneError, match="no GPUs of h100-sxm-8 reach each other only through a CPU"):
+        recommend(workload, hardware="h100-sxm-8", db=db, nccl_path="shm")
+
+
+def test_cptune_recommend_names_the_nccl_path_and_refuses_it_where_it_decides_nothing(cptune_here, db):
+    flags = ["--heads", "32", "--head-dim", "32", "--batch", "2", "--causal", "--seq-len", "16384",
+             "--db", db]
+    out = cptune_here("recommend", "--hardware", "a100-pcie-4", *flags)
+    assert "--nccl-path shm" in out.stdout and "'via SHM'" in out.stdout
+    settled = cptune_here("recommend", "--hardware", "a100-pcie-4", *flags, "--nccl-path", "shm")
+    words = " ".join(settled.stdout.split())  # the title wraps
+    assert "NCCL goes through host memory (shm)" in words and "--nccl-path shm" not in words
+    assert_refused(cptune_here("recommend", "--hardware", "h100-sxm-8", *flags, "--nccl-path", "p2p"),
+                   "no GPUs of h100-sxm-8 reach each other only through a CPU")
+    assert_refused(cptune_here("recommend", "--hardware", "a100-pcie-4", *flags, "--nccl-path", "nvlink"),
+                   "invalid choice: 'nvlink'", prefix="cptune recommend: error: ")
+
+
 def test_cptune_recommend_and_export_take_figures_and_refuse_bad_ones(cptune_here, db, tmp_path):
     flags = ["--hardware", "l20-pcie-8", "--heads", "32", "--head-dim", "128", "--db", db]
     out = cptune_here("recommend", *flags, "--seq-len", "8192", "--json",

@@ -17,7 +17,7 @@ from rich.text import Text
 from cptune.config import STRATEGIES
 from cptune.engines import ENGINES
 from cptune.errors import CPTuneError
-from cptune.hardware import builtin_descriptions
+from cptune.hardware import NCCL_PATHS, builtin_descriptions
 from cptune.space import check_seconds
 from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
 
@@ -217,13 +217,20 @@ def figure_setting(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected a number after {key.strip()}=, got {value!r}") from None
 
 
-def add_figure_flag(parser: argparse.ArgumentParser) -> None:
-    """``--figure KEY=VALUE``, repeatable: a hardware description's figure measured on the machine."""
+def add_given_flags(parser: argparse.ArgumentParser) -> None:
+    """What a user knows of a described machine: ``--figure KEY=VALUE``, repeatable, a figure
+    measured there, and ``--nccl-path``, the path NCCL takes between GPUs joined only by a CPU."""
     parser.add_argument(
         "--figure", action="append", type=figure_setting, dest="figures", metavar="KEY=VALUE",
         help="with a hardware description: one of its figures as you measured it on the machine, in the "
              "file's units, its range closed (e.g. links.node.bandwidth_gbps.all_to_all=17 for 17 GB/s "
              "all-to-all busbw); repeatable; a tie names the figure that decides it")
+    parser.add_argument(
+        "--nccl-path", choices=NCCL_PATHS,
+        help="with a PCIe description: how NCCL moves data between GPUs that only a CPU joins: shm "
+             "(through host memory: NCCL 2.23.4 and later, or any NCCL on Intel CPUs) or p2p (peer to "
+             "peer through the CPU: NCCL 2.15-2.22 on AMD CPUs); NCCL_DEBUG=INFO prints 'via SHM' or "
+             "'via P2P' for each channel (default: both are weighed)")
 
 
 def figures_of(args: argparse.Namespace) -> dict[str, float] | None:

@@ -15,7 +15,7 @@ from rich.console import Console
 from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
-    add_figure_flag,
+    add_given_flags,
     add_host_backend,
     add_workload_flags,
     figures_of,
@@ -67,7 +67,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     rec.add_argument("--ranks", type=positive,
                      help="exactly this many ranks (default: any up to the hardware's)")
     rec.add_argument("--hardware", help=HARDWARE_HELP)
-    add_figure_flag(rec)
+    add_given_flags(rec)
     add_host_backend(rec)
     rec.add_argument("--db", help=DB_HELP)
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
@@ -138,7 +138,8 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
 
     workload = workload_of(args, args.seq_len)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
-                     figures=figures_of(args))
+                     figures=figures_of(args),
+                     nccl_path=args.nccl_path)
     if args.json:
         print(json.dumps(pick.to_dict(), indent=2))
         return 0
@@ -173,6 +174,10 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
         say(console, ("or give a figure measured there:", "yellow"),
              f" --figure {deciding[0][0]}=VALUE, in the description's units (GB/s, microseconds, TFLOP/s), "
              f"closes its range")
+    if pick.path_decides:
+        say(console, ("or name the path NCCL takes between GPUs only a CPU joins:", "yellow"),
+            " --nccl-path shm (through host memory: NCCL 2.23.4 and later, or Intel CPUs) or p2p (peer to "
+            "peer: NCCL 2.15-2.22 on AMD CPUs); NCCL_DEBUG=INFO prints 'via SHM' or 'via P2P'")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:

@@ -13,7 +13,7 @@ from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
     UsageError,
-    add_figure_flag,
+    add_given_flags,
     add_host_backend,
     add_workload_flags,
     figures_of,
@@ -50,7 +50,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--force", action="store_true",
                         help="replace the -o file even if it is not a plan cptune export wrote")
     export.add_argument("--hardware", help=HARDWARE_HELP)
-    add_figure_flag(export)
+    add_given_flags(export)
     add_host_backend(export)
     export.add_argument("--ranks", dest="plan_ranks", type=positive,
                         help="exactly this many ranks (default: the fastest count up to the hardware's)")
@@ -104,7 +104,8 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
     space = find_space(space_of(args))
     check_replaceable(args.output, args.force)  # before the work, not only at the write
     plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
-                       strategies=space.strategies, backend=args.backend, figures=figures_of(args))
+                       strategies=space.strategies, backend=args.backend, figures=figures_of(args),
+                       nccl_path=args.nccl_path)
     path = plan.write(args.output, force=args.force)
     shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
                    "ms per attention call, slowest rank: the pick's stored measurements combined, "

@@ -6,7 +6,7 @@ shipped name such as "h100-sxm-8", or a TOML file); ``shipped_descriptions`` loa
 shipped one (``cptune hardware``).
 """
 
-from cptune.hardware._description import Figure, HardwareDescription, LinkTier
+from cptune.hardware._description import NCCL_PATHS, Figure, HardwareDescription, LinkTier
 from cptune.hardware._host import (
     GpuInfo,
     Hardware,
@@ -30,6 +30,7 @@ __all__ = [
     "HardwareDescription",
     "HardwareDescriptionError",
     "LinkTier",
+    "NCCL_PATHS",
     "builtin_descriptions",
     "list_gpus",
     "load_description",

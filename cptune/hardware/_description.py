@@ -44,6 +44,9 @@ should cite where it comes from in a comment)::
     bandwidth_gbps = 22         # one flow between two ranks of one domain (not of a smaller one)
     latency_us = 20
     uplink_gbps = 22            # everything one domain sends out of itself, per direction
+    through_cpu = false         # optional (also on links.node): ranks of different domains
+                                # here reach each other only through a CPU; all-to-all then
+                                # needs its own figure spanning NCCL's two paths (NCCL_PATHS)
 
     [links.network]             # required when nodes > 1, refused when nodes = 1
     name = "InfiniBand NDR 400 Gb/s, one NIC per GPU"
@@ -83,6 +86,14 @@ DEFAULT_KIND = "default"
 #: other kind (the Ring's stream step, NCCL's ring all-gather, a broadcast chain) sends each
 #: rank's bytes to its neighbour in the group.
 ALL_TO_ALL_KINDS = frozenset({"all_to_all"})
+
+#: How NCCL moves data between GPUs that reach each other only through a CPU (no PCIe switch
+#: joins them, ``LinkTier.through_cpu``): "shm" stages it through host memory, "p2p" writes peer
+#: to peer through the CPU's root complex. NCCL's ``ncclTopoCheckP2p`` (src/graph/paths.cc)
+#: chooses: 2.15 to 2.22 go peer to peer at any PCIe distance on AMD CPUs and through host memory
+#: on Intel, ARM and Zhaoxin ones; from 2.23.4 through host memory everywhere except AMD hosts with
+#: two GPUs; NCCL_P2P_LEVEL overrides both.
+NCCL_PATHS = ("shm", "p2p")
 
 #: The most ranks one node's links may join: the largest NVLink domains join 72 to 576 GPUs.
 MAX_RANKS_PER_NODE = 4096
@@ -143,6 +154,10 @@ class LinkTier:
     ranks: int
     #: Whether everything one domain of the tier below sends out is limited (uplink_gbps).
     has_uplink: bool
+    #: Whether ranks of different domains at this tier reach each other only through a CPU: there
+    #: all-to-all depends on the path NCCL takes (``NCCL_PATHS``), and the tier's all-to-all figure
+    #: spans both.
+    through_cpu: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,8 @@ class HardwareDescription:
     source: str
     #: Figures the user gave (``with_given``): (key, value in the file's units), in order given.
     given: tuple[tuple[str, float], ...] = ()
+    #: The path NCCL takes through a CPU, where the user settled it (``with_nccl_path``), else None.
+    nccl_path: str | None = None
 
     def __post_init__(self) -> None:
         # Direct construction gets the structural limits the TOML loader enforces.
@@ -210,6 +227,12 @@ class HardwareDescription:
         copy of the file describes the same hardware."""
         fields: dict[str, Any] = asdict(self)
         del fields["source"]
+        # Which tiers run through a CPU changes no figure until a path is settled, and then the
+        # path and the figures it set are hashed: a description unchanged otherwise keeps its print.
+        for tier in (*fields["domains"], fields["node_link"], fields["network_link"] or {}):
+            tier.pop("through_cpu", None)
+        if self.nccl_path is None:
+            del fields["nccl_path"]
         fields["figures"] = {key: asdict(figure) for key, figure in sorted(self.figures.items())}
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return "described:" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
@@ -245,6 +268,36 @@ class HardwareDescription:
                 and self.figures["device.attention_call_us"] == self.figures["device.launch_us"]:
             figures["device.attention_call_us"] = figures["device.launch_us"]  # its default follows
         return dataclasses.replace(self, figures=figures, given=(*self.given, *given.items()))
+
+    @property
+    def path_figures(self) -> tuple[str, ...]:
+        """The all-to-all figures of the tiers through a CPU, which the path NCCL takes there
+        settles (``with_nccl_path``); none once it is settled."""
+        if self.nccl_path is not None:
+            return ()
+        return tuple(f"{tier.key}.bandwidth_gbps.all_to_all" for tier in self.tiers if tier.through_cpu)
+
+    def with_nccl_path(self, path: str) -> HardwareDescription:
+        """This description with the path NCCL takes through a CPU settled (``NCCL_PATHS``), where
+        each tier through a CPU has an all-to-all figure spanning both. Through host memory
+        all-to-all runs as fast as the tier's other collectives (NVIDIA/nccl issue 1603: 18 GB/s
+        busbw, as all-reduce), so it takes the tier's default figure, range and all; peer to peer
+        through the CPU it collapses among more than two GPUs, so it is closed at its range's low
+        end, the measurement of that path. Raises ValueError naming the fix."""
+        if path not in NCCL_PATHS:
+            raise ValueError(f"the NCCL path is one of {' or '.join(NCCL_PATHS)}, got {path!r}")
+        if self.nccl_path is not None:
+            raise ValueError(f"the NCCL path of {self.name} is already settled ({self.nccl_path})")
+        if not self.path_figures:
+            raise ValueError(f"no GPUs of {self.name} reach each other only through a CPU ("
+                             f"{', '.join(tier.name for tier in self.tiers)}), so NCCL's path decides "
+                             f"nothing there: name it only for a PCIe description whose GPUs a CPU joins")
+        figures = dict(self.figures)
+        for key in self.path_figures:
+            both = figures[key]
+            figures[key] = (figures[key.replace(".all_to_all", f".{DEFAULT_KIND}")] if path == "shm"
+                            else Figure(both.low, both.low, both.low))
+        return dataclasses.replace(self, figures=figures, nccl_path=path)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - descriptions are few, immutable and hashable
     def spread(self, keys: tuple[str, ...]) -> HardwareDescription:
@@ -366,7 +419,8 @@ class HardwareDescription:
         """What ``cptune hardware`` lists: the name, GPU, ranks, ranks per node and nodes, and
         each tier's link, innermost first ("domain" inside a node, "node", "network" between
         nodes), with its bandwidth and uplink in GB/s by collective kind ("default" for the kinds
-        the file does not list) and its latency in microseconds, each as value, low and high."""
+        the file does not list) and its latency in microseconds, each as value, low and high,
+        and whether its GPUs reach each other only through a CPU."""
         def in_file_units(key: str) -> dict[str, float]:
             unit = _unit(key)[1]
             figure = self.figures[key]
@@ -381,6 +435,7 @@ class HardwareDescription:
         for tier in self.tiers:
             where = "network" if tier is self.network_link else "node" if tier is self.node_link else "domain"
             links.append({"tier": where, "key": tier.key, "name": tier.name, "ranks": tier.ranks,
+                          "through_cpu": tier.through_cpu,
                           "bandwidth_gbps": by_kind(f"{tier.key}.bandwidth_gbps"),
                           "latency_us": in_file_units(f"{tier.key}.latency_us"),
                           "uplink_gbps": by_kind(f"{tier.key}.uplink_gbps")})
@@ -394,6 +449,9 @@ class HardwareDescription:
         head = f"{self.max_ranks}x {self.device} ({self.name})"
         inside = ", ".join([*(f"{d.name} per {d.ranks}" for d in self.domains), self.node_link.name])
         given = "".join(f"; given {key} = {value:g} {_unit(key)[0]}" for key, value in self.given)
+        if self.nccl_path is not None:
+            path = "through host memory" if self.nccl_path == "shm" else "peer to peer through the CPU"
+            given = f"; NCCL goes {path} ({self.nccl_path}){given}"
         if self.network_link is None:
             return f"{head}, {inside}{given}"
         return (

@@ -26,8 +26,8 @@ TOP_KEYS = ("description", "ranks_per_node", "nodes", "device", "links")
 DEVICE_KEYS = ("name", "memory_gib", "matmul_tflops", "softmax_tops", "memory_gbps", "launch_us",
                "attention_call_us", "overlap_slowdown")
 LINKS_KEYS = ("node", "domains", "network")
-LINK_KEYS = ("name", "bandwidth_gbps", "latency_us")
-DOMAIN_KEYS = ("name", "ranks", "bandwidth_gbps", "latency_us", "uplink_gbps")
+LINK_KEYS = ("name", "bandwidth_gbps", "latency_us", "through_cpu")
+DOMAIN_KEYS = ("name", "ranks", "bandwidth_gbps", "latency_us", "uplink_gbps", "through_cpu")
 NETWORK_KEYS = ("name", "bandwidth_gbps", "latency_us", "uplink_gbps")
 FIGURE_KEYS = ("value", "low", "high")
 _NODE_EXAMPLE = (
@@ -65,6 +65,8 @@ _EXAMPLES = {
     "links.domains.bandwidth_gbps": "bandwidth_gbps = { default = 22, all_to_all = 10 }",
     "links.domains.latency_us": "latency_us = 20",
     "links.domains.uplink_gbps": "uplink_gbps = 22",
+    "links.domains.through_cpu": "through_cpu = true",
+    "links.node.through_cpu": "through_cpu = true",
     "links.network.name": 'name = "InfiniBand NDR 400 Gb/s, one NIC per GPU"',
     "links.network.bandwidth_gbps": "bandwidth_gbps = 46",
     "links.network.latency_us": "latency_us = 46",
@@ -238,7 +240,14 @@ def _read_tier(r: TableReader, table_of: dict[str, Any], tier: str, ranks: int, 
             figures[key.replace("bandwidth_gbps", "uplink_gbps")] = Figure(
                 *(ranks_per_node * x for x in (flow.value, flow.low, flow.high)))
     has_uplink = f"{prefix}.uplink_gbps.{DEFAULT_KIND}" in figures
-    return LinkTier(name=name, key=prefix, ranks=ranks, has_uplink=has_uplink)
+    raw = r.value(table, "through_cpu", prefix, required=False) if "through_cpu" in allowed else None
+    through_cpu = raw is not None and r.boolean(raw, f"{prefix}.through_cpu")
+    if through_cpu and f"{prefix}.bandwidth_gbps.all_to_all" not in figures:
+        raise r.fail(f"{prefix}.through_cpu", "all-to-all through a CPU runs as fast as the other "
+                     "collectives or collapses, by the path NCCL takes: give it its own figure spanning "
+                     "both, e.g. bandwidth_gbps = { default = 11, all_to_all = "
+                     "{ value = 6, low = 2, high = 18 } }")
+    return LinkTier(name=name, key=prefix, ranks=ranks, has_uplink=has_uplink, through_cpu=through_cpu)
 
 
 def _read_domains(r: TableReader, links: dict[str, Any], ranks_per_node: int,

@@ -455,11 +455,13 @@ class Tie:
     """Two configurations whose order the prior cannot settle: within the figures' ranges and
     its own structural error ``other`` can be faster than the pick; ``figure`` at its ``end``
     ("low" or "high") moves the difference most in ``other``'s favour, or ``figure`` is
-    ``STRUCTURE`` (``end`` "") where the figures alone would have settled it."""
+    ``STRUCTURE`` (``end`` "") where the figures alone would have settled it; ``movers``: every
+    figure whose range moves it in ``other``'s favour."""
 
     other: CPConfig
     figure: str
     end: str
+    movers: frozenset[str] = frozenset()
 
     @property
     def structural(self) -> bool:
@@ -489,10 +491,11 @@ def decide(pick_s: float, pick: tuple[FigureSwing, ...], other_s: float,
     figures = sum(m**2 for m in against.values())
     if lead - (figures + structural_s**2) ** 0.5 > 0:
         return None
+    movers = frozenset(figure for figure, move in against.items() if move < 0)
     if lead - figures**0.5 > 0:
-        return Tie(other_config, STRUCTURE, "")
+        return Tie(other_config, STRUCTURE, "", movers)
     (figure, end), _ = min(moves.items(), key=lambda item: item[1])
-    return Tie(other_config, figure, end)
+    return Tie(other_config, figure, end, movers)
 
 
 def prior_ties(

@@ -96,6 +96,9 @@ class Recommendation:
     #: Feasible configurations neither measured nor predicted: the hardware has measurements
     #: but no calibration (``MeasuredHost``) for the prior to stand on.
     unpredicted: tuple[CPConfig, ...] = ()
+    #: The description's figures the path NCCL takes through a CPU would settle, where it is not
+    #: given (``HardwareDescription.path_figures``).
+    path_figures: tuple[str, ...] = ()
 
     @property
     def best(self) -> Candidate:
@@ -130,6 +133,12 @@ class Recommendation:
         if self.verdict is not None:
             return self.verdict.tied
         return tuple(t.other for t in self.ties)
+
+    @property
+    def path_decides(self) -> bool:
+        """Whether naming the path NCCL takes through a CPU (``nccl_path``) settles a figure that
+        moves some tie in the other configuration's favour."""
+        return any(t.movers.intersection(self.path_figures) for t in self.ties)
 
     def settling_search(self) -> tuple[str, ...]:
         """The one ``cptune search`` command (as its words) that measures the pick and every
@@ -171,6 +180,7 @@ class Recommendation:
             ],
             "tied": [{**c.to_dict(), "label": c.label} for c in self.tied],
             "settle": " ".join(self.settling_search()) or None,
+            "nccl_path_decides": self.path_decides,
             "unpredicted": [{**c.to_dict(), "label": c.label} for c in self.unpredicted],
             "verdict": self.describe(),
             "comparisons": [] if self.verdict is None else [
@@ -227,20 +237,29 @@ class _Advisor:
         self.uncalibrated = {fp: MeasuredHost(hosts[fp]) for fp in data.uncalibrated if fp in hosts}
         self.revision = revision
 
-    def profile(self, hardware: str | None, backend: str = "mpi",
-                figures: Mapping[str, float] | None = None) -> Profile | MeasuredHost:
+    def profile(self, hardware: str | None, backend: str = "mpi", figures: Mapping[str, float] | None = None,
+                nccl_path: str | None = None) -> Profile | MeasuredHost:
         """This host as ``backend``'s ranks use it, a stored fingerprint (or a unique prefix
-        of one), or a description, with ``figures`` given (a description's only)."""
+        of one), or a description, with ``figures`` given and NCCL's path through a CPU
+        settled (a description's only)."""
         profile = self._profile(hardware, backend)
-        if not figures:
+        if not figures and nccl_path is None:
             return profile
         if not isinstance(profile, DescribedProfile):
+            what, flag = (("figures are given", "--figure") if figures
+                          else ("NCCL's path is given", "--nccl-path"))
             raise CPTuneError(
-                f"figures are given only to a hardware description, and {profile.describe()} is measured "
-                f"(its rates come from its calibration); name a description with --hardware, or drop --figure"
+                f"{what} only to a hardware description, and {profile.describe()} is measured (its rates "
+                f"come from its calibration); name a description with --hardware, or drop {flag}"
             )
+        description = profile.description
         try:
-            return DescribedProfile(profile.description.with_given(figures))
+            if nccl_path is not None:
+                description = description.with_nccl_path(nccl_path)
+        except ValueError as exc:
+            raise CPTuneError(str(exc)) from None
+        try:
+            return DescribedProfile(description.with_given(figures or {}))
         except ValueError as exc:
             raise CPTuneError(f"{exc}; give --figure KEY=VALUE in the description file's units") from None
 
@@ -343,9 +362,10 @@ def _advisor(db: str | None) -> _Advisor:
 
 
 def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi",
-                     figures: Mapping[str, float] | None = None) -> Profile | MeasuredHost:
+                     figures: Mapping[str, float] | None = None,
+                     nccl_path: str | None = None) -> Profile | MeasuredHost:
     """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
-    return _advisor(db).profile(hardware, backend, figures)
+    return _advisor(db).profile(hardware, backend, figures, nccl_path)
 
 
 def correction_decision_of(db: str | None = None) -> CorrectionDecision:
@@ -361,6 +381,7 @@ def recommend(
     strategies: Sequence[str] = STRATEGIES,
     backend: str = "mpi",
     figures: Mapping[str, float] | None = None,
+    nccl_path: str | None = None,
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
@@ -372,9 +393,11 @@ def recommend(
     None means (its measurements and calibration are stored under their own fingerprint).
     ``figures``: a description's figures measured on the machine (key as a tie names it, value
     in the file's units, e.g. {"links.node.bandwidth_gbps.all_to_all": 17}), each range closed
-    at that value."""
+    at that value. ``nccl_path``: how NCCL moves data between the description's GPUs that reach
+    each other only through a CPU, "shm" (host memory) or "p2p" (``cptune.hardware.NCCL_PATHS``
+    says which NCCL versions and CPUs take which); None leaves both open."""
     advisor = _advisor(db)
-    profile = advisor.profile(hardware, backend, figures)
+    profile = advisor.profile(hardware, backend, figures, nccl_path)
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
@@ -425,6 +448,7 @@ def recommend(
         candidates=tuple(candidates), infeasible=infeasible, correction=correction,
         ties=_ties(workload, profile, candidates),
         verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
+        path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
     )
 
 

@@ -216,8 +216,8 @@ class Plan:
 
     def _described_as(self) -> str:
         """How to name a described plan's hardware: its description's name where that still
-        loads to the plan's fingerprint, else the fingerprint (figures given at export, or a
-        description changed since)."""
+        loads to the plan's fingerprint, else the fingerprint (figures or NCCL's path given at
+        export, or a description changed since)."""
         name = self.hardware.name
         try:
             if name is not None and load_description(name).fingerprint == self.hardware.fingerprint:

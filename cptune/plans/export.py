@@ -47,23 +47,24 @@ def export_plan(
     strategies: Sequence[str] = STRATEGIES,
     backend: str = "mpi",
     figures: Mapping[str, float] | None = None,
+    nccl_path: str | None = None,
 ) -> Plan:
     """A plan for ``workloads`` (one attention shape at several sequence lengths): the
     ``recommend`` pick at each length (same ``ranks``, ``hardware``, ``db``, ``strategies``)
     with its evidence, and the launch of as many ranks as the largest pick uses. ``backend``:
     the engine whose view of this host ``hardware`` None means, ``figures`` a description's
-    figures measured on the machine (``recommend``)."""
+    figures measured on the machine and ``nccl_path`` the path NCCL takes there (``recommend``)."""
     if not workloads:
         raise CPTuneError("a plan needs at least one sequence length")
     shape = workloads[0].shape
     if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
-    profile = hardware_profile(hardware, db, backend, figures)
+    profile = hardware_profile(hardware, db, backend, figures, nccl_path)
     lengths = sorted({w.seq_len for w in workloads})
     buckets = []
     for seq_len, (low, high) in zip(lengths, bucket_bounds(lengths), strict=True):
-        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies, backend, figures)
+        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies, backend, figures, nccl_path)
         # the pick's measurements first, then those it was judged against; none when predicted
         ids = [i for c in pick.candidates for i in c.measurement_ids]
         evidence = tuple(ids) if pick.source == "measured" else ()
