@@ -22,6 +22,11 @@ them were right, ties reported and how many held the best, and the mean size of 
 pick included). No constant of the prior is fitted on these tables, so scoring each machine's
 cases is already leaving that machine out.
 
+``--paths`` rescores each case of a machine whose GPUs a CPU joins with NCCL's path named
+(``recommend --nccl-path``), each path in turn: the pick, its regret and its tie. The published
+tables do not say which path their machines took, so this shows what naming it buys, not a
+score.
+
 Only the prior is scored (no database, no measurement): these are machines nobody here ran on.
 """
 
@@ -38,7 +43,7 @@ from pathlib import Path
 from scipy.stats import spearmanr
 
 from cptune.config import CPConfig
-from cptune.hardware import load_description
+from cptune.hardware import NCCL_PATHS, load_description
 from cptune.model import STRUCTURAL_ERROR, DescribedProfile, prior_ties, prior_time
 from cptune.workload import Workload
 
@@ -87,13 +92,20 @@ def load_cases(path: Path) -> list[Case]:
 Change = tuple[str, str, float]
 
 
-def picks(case: Case, changed: Change | None = None) -> tuple[dict[str, int], dict[int, float]]:
-    """The Ulysses degree each rule picks, and the prior's latency (ms) per degree; ``changed``
-    = (description, figure, value) sets one figure of one description."""
+def profile_of(case: Case, changed: Change | None = None, path: str | None = None) -> DescribedProfile:
+    """The case's described machine; ``changed`` = (description, figure, value) sets one figure
+    of one description, ``path`` names the path NCCL takes through a CPU."""
     description = load_description(case.hardware)
     if changed is not None and changed[0] == case.hardware:
         description = description.with_figure(changed[1], changed[2])
-    profile = DescribedProfile(description)
+    return DescribedProfile(description if path is None else description.with_nccl_path(path))
+
+
+def picks(case: Case, changed: Change | None = None,
+          path: str | None = None) -> tuple[dict[str, int], dict[int, float]]:
+    """The Ulysses degree each rule picks, and the prior's latency (ms) per degree, on
+    ``profile_of(case, changed, path)``."""
+    profile = profile_of(case, changed, path)
     predicted = {
         u: prior_time(case.workload, config_for(case.ranks, u), profile).total_s * 1e3
         for u in case.latency_ms
@@ -173,18 +185,22 @@ def structural_estimates(cases: list[Case]) -> dict[str, float]:
     return {**estimates, "all": structural_estimate(cases)}
 
 
+def tied_degrees(case: Case, structural: float, path: str | None = None) -> tuple[int, set[int]]:
+    """cptune's pick (a Ulysses degree) and the degrees ``recommend`` reports tied with it,
+    the pick included, with the prior's structural error at ``structural``."""
+    pick = picks(case, path=path)[0]["cptune"]
+    others = [config_for(case.ranks, u) for u in case.latency_ms if u != pick]
+    ties = prior_ties(case.workload, config_for(case.ranks, pick), others, profile_of(case, path=path),
+                      structural=structural)
+    return pick, {pick} | {ulysses_degree(t.other) for t in ties}
+
+
 def confidence(cases: list[Case], structural: dict[str, float]) -> dict[str, dict[str, float]]:
     """Per machine and overall: how often a clear pick was right and a tie held the best, each
     machine's cases judged with the structural error estimated without it (``structural``)."""
     counts: dict[str, dict[str, float]] = {}
     for case in cases:
-        chosen, predicted = picks(case)
-        pick = chosen["cptune"]
-        others = [config_for(case.ranks, u) for u in case.latency_ms if u != pick]
-        profile = DescribedProfile(load_description(case.hardware))
-        ties = prior_ties(case.workload, config_for(case.ranks, pick), others, profile,
-                          structural=structural[case.hardware])
-        tied = {pick} | {ulysses_degree(t.other) for t in ties}
+        pick, tied = tied_degrees(case, structural[case.hardware])
         best = min(case.latency_ms, key=case.latency_ms.__getitem__)
         for key in (case.hardware, "all"):
             c = counts.setdefault(key, dict.fromkeys(
@@ -208,6 +224,33 @@ def render_confidence(counts: dict[str, dict[str, float]]) -> str:
     for name, c in sorted(counts.items(), key=lambda item: item[0] == "all"):
         lines.append(f"{name:12} {c['cases']:5d} {c['clear']:5d} {c['clear_right']:5d} {c['tied']:5d} "
                      f"{c['tie_holds_best']:10d} {c['tie_size']:13.2f}")
+    return "\n".join(lines)
+
+
+def by_path(cases: list[Case], structural: dict[str, float]) -> list[dict[str, object]]:
+    """Each case of a machine whose GPUs a CPU joins, with each of NCCL's paths named: the pick,
+    its regret, the degrees tied with it and whether they hold the published best."""
+    rows = []
+    for case in cases:
+        if not load_description(case.hardware).path_figures:
+            continue
+        best = min(case.latency_ms, key=case.latency_ms.__getitem__)
+        for path in NCCL_PATHS:
+            pick, tied = tied_degrees(case, structural[case.hardware], path)
+            rows.append({"id": case.id, "path": path, "pick": pick, "best": best,
+                         "regret": case.latency_ms[pick] / case.latency_ms[best],
+                         "tied": sorted(tied), "holds_best": best in tied})
+    return rows
+
+
+def render_paths(rows: list[dict[str, object]], ranks: dict[str, int]) -> str:
+    lines = [f"{'case':24} {'path':>4} {'cptune pick':>16} {'regret':>7} {'tie holds best':>14}   "
+             f"tied (pick included)"]
+    for row in rows:
+        n = ranks[row["id"]]
+        tied = ", ".join(label(n, u) for u in row["tied"])
+        lines.append(f"{row['id']:24} {row['path']:>4} {label(n, row['pick']):>16} {row['regret']:7.3f} "
+                     f"{'yes' if row['holds_best'] else 'no':>14}   {tied}")
     return "\n".join(lines)
 
 
@@ -256,6 +299,8 @@ def main() -> None:
                         help="estimate the prior's structural error, leaving each machine out in turn")
     parser.add_argument("--confidence", action="store_true",
                         help="score how sure cptune says it is: clear picks right, ties holding the best")
+    parser.add_argument("--paths", action="store_true",
+                        help="rescore the PCIe cases with each of NCCL's paths through a CPU named")
     args = parser.parse_args()
     cases = [case for path in args.files for case in load_cases(path)]
     result = score(cases)
@@ -266,7 +311,7 @@ def main() -> None:
         for row in result["sensitivity"]:
             print(f"{row['hardware']:12} {row['figure'] + ' ' + row['end']:48} "
                   f"{row['median_regret']:7.3f} {row['worst_regret']:7.3f}")
-    if args.structural or args.confidence:
+    if args.structural or args.confidence or args.paths:
         result["structural"] = structural_estimates(cases)
         print(f"\nthe prior's structural error, estimated leaving each machine out (shipped: "
               f"{STRUCTURAL_ERROR}):")
@@ -276,6 +321,11 @@ def main() -> None:
         print("\nhow sure cptune says it is (a clear pick is right within 2% of the published best;\n"
               "each machine judged with the structural error estimated without it):")
         print(render_confidence(result["confidence"]))
+    if args.paths:
+        result["paths"] = by_path(cases, result["structural"])
+        print("\nwith NCCL's path through a CPU named (recommend --nccl-path); the tables do not say which\n"
+              "path their machines took, so this is what naming it buys, not a score:")
+        print(render_paths(result["paths"], {case.id: case.ranks for case in cases}))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -89,3 +89,21 @@ def test_the_structural_error_is_estimated_leaving_each_machine_out():
             [case for case in CASES if case.hardware != machine])
         assert estimates[machine] <= estimates["all"]
     assert estimates["all"] <= STRUCTURAL_ERROR < estimates["all"] + 0.01
+
+
+def test_paths_rescore_only_the_cases_whose_gpus_a_cpu_joins_once_per_path():
+    """``--paths`` names each of NCCL's paths for every case on a PCIe description (none on an
+    NVLink one), and a named path is what ``recommend --nccl-path`` would pick."""
+    from cptune.hardware import NCCL_PATHS
+
+    structural = published_prior.structural_estimates(CASES)
+    rows = published_prior.by_path(CASES, structural)
+    pcie = [case for case in CASES if load_description(case.hardware).path_figures]
+    assert pcie and len(pcie) < len(CASES)
+    assert [(row["id"], row["path"]) for row in rows] == [(c.id, p) for c in pcie for p in NCCL_PATHS]
+    for row, case in zip(rows, [c for c in pcie for _ in NCCL_PATHS], strict=True):
+        assert row["pick"] == published_prior.picks(case, path=row["path"])[0]["cptune"]
+        assert row["pick"] in row["tied"] and row["regret"] >= 1.0
+        assert row["holds_best"] == (row["best"] in row["tied"])
+    # the path moves some pick: it is a figure the prior reads
+    assert len({row["pick"] for row in rows if row["id"] == pcie[0].id}) == 2
