@@ -547,6 +547,8 @@ def test_cptune_hardware_lists_every_shipped_description_with_its_gpu_ranks_and_
     for name, summary in data.items():
         assert name in text and summary["gpu"] in text
     assert "InfiniBand NDR 400 Gb/s" in text and "46 GB/s (40-48)" in text and "360 GB/s (290-370)" in text
+    assert socket["through_cpu"] and not data["l20-pcie-8"]["links"][0]["through_cpu"]
+    assert text.count("through a CPU: all-to-all by NCCL's path (--nccl-path)") == 5  # 2 L20, 2 L40S, 1 A100
 
 
 @pytest.mark.parametrize("name", sorted(builtin_descriptions()))

@@ -33,12 +33,14 @@ def _figure(figure: dict[str, float], unit: str) -> str:
 
 
 def _link(link: dict) -> str:
-    """One tier's link in words: its name, bandwidth (other collective kinds after), latency."""
+    """One tier's link in words: its name, bandwidth (other collective kinds after), latency,
+    and whether NCCL's path through a CPU decides its all-to-all."""
     default, *others = link["bandwidth_gbps"].items()
     kinds = "".join(f", {kind} {_figure(figure, 'GB/s')}" for kind, figure in others)
     shared = f" per {link['ranks']} ranks" if link["tier"] == "domain" else ""
     latency = _figure(link["latency_us"], "us")
-    return f"{link['name']}{shared}: {_figure(default[1], 'GB/s')}{kinds}, {latency}"
+    path = "; through a CPU: all-to-all by NCCL's path (--nccl-path)" if link["through_cpu"] else ""
+    return f"{link['name']}{shared}: {_figure(default[1], 'GB/s')}{kinds}, {latency}{path}"
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
