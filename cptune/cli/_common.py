@@ -217,6 +217,12 @@ def figure_setting(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected a number after {key.strip()}=, got {value!r}") from None
 
 
+#: Which NCCL takes which path through a CPU (``cptune.hardware.NCCL_PATHS``), and where to read it.
+NCCL_PATH_RULE = ("shm (through host memory: NCCL 2.23.4 and later, or any NCCL on Intel CPUs) or p2p (peer "
+                  "to peer through the CPU: NCCL 2.15-2.22 on AMD CPUs); NCCL_DEBUG=INFO prints 'via SHM' "
+                  "or 'via P2P' for each channel")
+
+
 def add_given_flags(parser: argparse.ArgumentParser) -> None:
     """What a user knows of a described machine: ``--figure KEY=VALUE``, repeatable, a figure
     measured there, and ``--nccl-path``, the path NCCL takes between GPUs joined only by a CPU."""
@@ -227,10 +233,8 @@ def add_given_flags(parser: argparse.ArgumentParser) -> None:
              "all-to-all busbw); repeatable; a tie names the figure that decides it")
     parser.add_argument(
         "--nccl-path", choices=NCCL_PATHS,
-        help="with a PCIe description: how NCCL moves data between GPUs that only a CPU joins: shm "
-             "(through host memory: NCCL 2.23.4 and later, or any NCCL on Intel CPUs) or p2p (peer to "
-             "peer through the CPU: NCCL 2.15-2.22 on AMD CPUs); NCCL_DEBUG=INFO prints 'via SHM' or "
-             "'via P2P' for each channel (default: both are weighed)")
+        help=f"with a PCIe description: how NCCL moves data between GPUs that only a CPU joins: "
+             f"{NCCL_PATH_RULE} (default: both are weighed)")
 
 
 def figures_of(args: argparse.Namespace) -> dict[str, float] | None:

@@ -15,6 +15,7 @@ from rich.console import Console
 from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
+    NCCL_PATH_RULE,
     add_given_flags,
     add_host_backend,
     add_workload_flags,
@@ -138,8 +139,7 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
 
     workload = workload_of(args, args.seq_len)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
-                     figures=figures_of(args),
-                     nccl_path=args.nccl_path)
+                     figures=figures_of(args), nccl_path=args.nccl_path)
     if args.json:
         print(json.dumps(pick.to_dict(), indent=2))
         return 0
@@ -176,8 +176,7 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
              f"closes its range")
     if pick.path_decides:
         say(console, ("or name the path NCCL takes between GPUs only a CPU joins:", "yellow"),
-            " --nccl-path shm (through host memory: NCCL 2.23.4 and later, or Intel CPUs) or p2p (peer to "
-            "peer: NCCL 2.15-2.22 on AMD CPUs); NCCL_DEBUG=INFO prints 'via SHM' or 'via P2P'")
+            f" --nccl-path {NCCL_PATH_RULE}")
     sources = {c.source for c in pick.candidates}
     correction = None
     if "model" in sources:
