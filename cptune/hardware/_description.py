@@ -295,7 +295,7 @@ class HardwareDescription:
         figures = dict(self.figures)
         for key in self.path_figures:
             both = figures[key]
-            figures[key] = (figures[key.replace(".all_to_all", f".{DEFAULT_KIND}")] if path == "shm"
+            figures[key] = (figures[key.removesuffix("all_to_all") + DEFAULT_KIND] if path == "shm"
                             else Figure(both.low, both.low, both.low))
         return dataclasses.replace(self, figures=figures, nccl_path=path)
 

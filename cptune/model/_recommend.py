@@ -253,15 +253,17 @@ class _Advisor:
                 f"come from its calibration); name a description with --hardware, or drop {flag}"
             )
         description = profile.description
-        try:
-            if nccl_path is not None:
+        if nccl_path is not None:
+            try:
                 description = description.with_nccl_path(nccl_path)
-        except ValueError as exc:
-            raise CPTuneError(str(exc)) from None
-        try:
-            return DescribedProfile(description.with_given(figures or {}))
-        except ValueError as exc:
-            raise CPTuneError(f"{exc}; give --figure KEY=VALUE in the description file's units") from None
+            except ValueError as exc:
+                raise CPTuneError(str(exc)) from None
+        if figures:
+            try:
+                description = description.with_given(figures)
+            except ValueError as exc:
+                raise CPTuneError(f"{exc}; give --figure KEY=VALUE in the description file's units") from None
+        return DescribedProfile(description)
 
     def _profile(self, hardware: str | None, backend: str) -> Profile | MeasuredHost:
         """``profile`` before any figures are given."""
