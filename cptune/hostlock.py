@@ -10,8 +10,11 @@ stderr who holds it (``cptune._waiting.WaitLine``), instead of both failing.
 The lock is ``fcntl.flock`` on a file (``lock_path``: ``$CPTUNE_LOCK``, else
 ``cptune-<uid>.lock`` in the temporary directory). The kernel drops it when its holder's
 process ends, however it ends, so a killed holder never blocks the next one. The holder
-writes its pid, command line and start time into the file for those who wait. Within one
-process the lock is re-entrant: a search that calibrates first takes it once.
+writes its pid, command line and start time into the file for those who wait, and leaves
+them there. The file is only ever written when it is the lock's own: new, empty, or holding
+such a record; a ``$CPTUNE_LOCK`` naming anything else (a database, a device, a folder) is
+refused in one line and left as it is. Within one process the lock is re-entrant: a search
+that calibrates first takes it once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import fcntl
 import json
 import os
 import shlex
+import stat
 import sys
 import tempfile
 import threading
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from cptune._files import kind_of, read_regular
 from cptune._passwords import display_url
 from cptune._waiting import WaitLine
 from cptune.errors import CPTuneError
@@ -37,6 +42,8 @@ from cptune.errors import CPTuneError
 #: The environment variable naming the lock file (several GPU sets of one host measured at
 #: once: one file each).
 LOCK_ENV = "CPTUNE_LOCK"
+#: The most a holder's record takes (its command line included).
+MAX_RECORD_BYTES = 1 << 16
 #: Seconds between tries of a lock another process holds.
 POLL_S = 0.5
 
@@ -66,15 +73,27 @@ def _duration(seconds: float) -> str:
 def lock_path() -> Path:
     """The lock file: ``$CPTUNE_LOCK``, else ``cptune-<uid>.lock`` in the temporary directory."""
     named = os.environ.get(LOCK_ENV)
-    return Path(named) if named else Path(tempfile.gettempdir()) / f"cptune-{os.getuid()}.lock"
+    return Path(named) if named else _default_path()
+
+
+def _default_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"cptune-{os.getuid()}.lock"
 
 
 def read_holder(path: Path) -> Holder | None:
     """Who the lock file says holds it (None: nobody wrote it yet, or it is unreadable)."""
     try:
-        written = json.loads(path.read_text())
+        return _holder_from(read_regular(path, MAX_RECORD_BYTES))
+    except OSError:
+        return None
+
+
+def _holder_from(content: bytes) -> Holder | None:
+    """The holder a lock file's bytes record (None: they are no holder's record)."""
+    try:
+        written = json.loads(content)
         return Holder(pid=int(written["pid"]), command=str(written["command"]), since=float(written["since"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -103,11 +122,15 @@ class _HostLock:
     def acquire(self, sleep: Callable[[float], None], line: WaitLine) -> None:
         path = lock_path()
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            # no O_TRUNC: what the path names is checked (a regular file, empty or a lock's) before any write
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise HostLockError(f"cannot open the host lock {path} ({exc.strerror}): set {LOCK_ENV} to a "
                                 f"file this user may write") from None
         try:
+            if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
+                raise HostLockError(f"the host lock {path} is {kind_of(mode)}, not a file: set {LOCK_ENV} to "
+                                    f"a new file's path (say {_default_path()})")
             waited = False
             while True:
                 try:
@@ -123,7 +146,8 @@ class _HostLock:
                     sleep(POLL_S)
             if waited:
                 line.end()
-            os.ftruncate(fd, 0)
+            _check_is_lock(fd, path)
+            os.ftruncate(fd, 0)  # the previous holder's record: this file is the lock's own
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": _command_line(),
                                       "since": time.time()}).encode(), 0)
         except BaseException:
@@ -133,12 +157,21 @@ class _HostLock:
         self.fd = fd
 
     def release(self) -> None:
+        """Drop the lock; the file keeps the last holder's record (a lock file, not emptied, so it
+        is never mistaken for another program's empty file)."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            try:
-                os.ftruncate(fd, 0)
-            finally:
-                os.close(fd)
+            os.close(fd)
+
+
+def _check_is_lock(fd: int, path: Path) -> None:
+    """``HostLockError`` unless the file open at ``fd`` is empty (new) or holds a holder's record:
+    a lock that names another program's file (a database, a search space) leaves it untouched."""
+    content = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
+    if not content or _holder_from(content) is not None:
+        return
+    raise HostLockError(f"{LOCK_ENV} names {path}, which is not cptune's host lock file (it holds other "
+                        f"data, left as it is): set {LOCK_ENV} to a new file's path (say {_default_path()})")
 
 
 _LOCK = _HostLock()
@@ -148,11 +181,14 @@ _LOCK = _HostLock()
 def measuring(
     sleep: Callable[[float], None] = time.sleep,
     line: WaitLine | None = None,
+    lazy: bool = False,
 ) -> Iterator[None]:
     """Hold the host lock for the block, waiting for it while another process holds it (``line``,
-    default one on stderr, says who; ``sleep`` between tries). Re-entrant within the process."""
+    default one on stderr, says who; ``sleep`` between tries). Re-entrant within the process.
+    ``lazy``: the block may have nothing to measure (a search whose results are all stored), so
+    it takes the lock only when a hold inside it does, then keeps it to the block's end."""
     with _LOCK.mutex:
-        if _LOCK.depth == 0:
+        if _LOCK.fd is None and not lazy:
             _LOCK.acquire(sleep, line or WaitLine())
         _LOCK.depth += 1
         try:

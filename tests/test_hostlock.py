@@ -75,7 +75,54 @@ def test_the_holder_writes_who_it_is_and_nested_holds_take_the_lock_once(lock_fi
         with measuring():  # re-entered (a search that calibrates first): no deadlock
             assert hostlock._LOCK.depth == 2
         assert read_holder(lock_file) == holder  # still held by the outer one
-    assert hostlock._LOCK.depth == 0 and read_holder(lock_file) is None  # released, nobody named
+    assert hostlock._LOCK.depth == 0 and hostlock._LOCK.fd is None  # released
+    assert read_holder(lock_file) == holder  # the record stays: the file is never emptied
+    with measuring():  # and it is taken again
+        assert read_holder(lock_file).pid == os.getpid()
+
+
+def test_a_lazy_hold_takes_the_lock_only_when_a_hold_inside_it_measures(lock_file):
+    with measuring(lazy=True):  # a search with every result stored: no lock, so no wait
+        assert hostlock._LOCK.fd is None and not lock_file.exists()
+        with measuring():  # the first run takes it ...
+            assert read_holder(lock_file).pid == os.getpid()
+        assert hostlock._LOCK.fd is not None  # ... and the search keeps it to its end
+    assert hostlock._LOCK.fd is None and hostlock._LOCK.depth == 0
+
+
+def test_a_lock_that_names_another_file_refuses_and_leaves_it_as_it_is(lock_file, monkeypatch):
+    database = lock_file.parent / "my.db"
+    sqlite3.connect(database).executescript("create table rows (x); insert into rows values (1);")
+    before = database.read_bytes()
+    monkeypatch.setenv(LOCK_ENV, str(database))
+    with pytest.raises(hostlock.HostLockError, match="not cptune's host lock file"), measuring():
+        pass
+    assert database.read_bytes() == before and hostlock._LOCK.fd is None
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "folder"])
+def test_a_lock_that_names_a_device_a_fifo_or_a_folder_is_refused_at_once(lock_file, monkeypatch, kind):
+    path = {"device": lambda: "/dev/null", "fifo": lambda: _fifo(lock_file.parent / "fifo"),
+            "folder": lambda: str(lock_file.parent)}[kind]()
+    mode = os.stat(path).st_mode
+    monkeypatch.setenv(LOCK_ENV, path)
+    with pytest.raises(hostlock.HostLockError, match="host lock"), measuring():
+        pass
+    assert os.stat(path).st_mode == mode  # still what it was: nothing replaced or written
+
+
+def test_the_cli_refuses_a_lock_naming_its_own_database_in_one_line(cptune_here, monkeypatch, tmp_path):
+    database = tmp_path / "my.db"
+    sqlite3.connect(database).executescript("create table rows (x); insert into rows values (1);")
+    before = database.read_bytes()
+    monkeypatch.setenv(LOCK_ENV, str(database))
+    assert_refused(cptune_here(*TINY_MEASURE), "not cptune's host lock file", LOCK_ENV)
+    assert database.read_bytes() == before
+
+
+def _fifo(path) -> str:
+    os.mkfifo(path)
+    return str(path)
 
 
 def test_a_lock_file_that_cannot_be_opened_is_one_line_exit_2(cptune_here, monkeypatch, tmp_path):
@@ -133,13 +180,15 @@ def test_cli_measure_waits_for_the_holder_on_stderr_then_measures(lock_file):
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_waiting_is_one_line_exit_130_and_loses_nothing(lock_file, tmp_path):
+def test_a_stored_search_never_waits_and_ctrl_c_while_waiting_loses_nothing(lock_file, tmp_path):
     db = tmp_path / "kept.db"
     first = cptune("search", "--db", db, "--seq-lens", "64", *TINY_SEARCH)
     assert first.returncode == 0, first.stderr
     kept = sqlite3.connect(db).execute("SELECT count(*) FROM measurements").fetchone()[0]
     holder = start_holder()
     try:
+        stored = cptune("search", "--db", db, "--seq-lens", "64", *TINY_SEARCH, timeout=120)
+        assert stored.returncode == 0 and "waiting" not in stored.stderr  # all stored: nothing to wait for
         waiting = subprocess.Popen([*CLI, "search", "--db", str(db), "--seq-lens", "96", *TINY_SEARCH],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

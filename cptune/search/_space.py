@@ -198,7 +198,7 @@ def search_space(
     anything runs for what cannot run here (an untimed or unavailable backend, a space with
     nothing feasible, more ranks than cores without ``oversubscribe``, a database that cannot
     be written). While another process measures on this host (``cptune.hostlock``), waits
-    for it first."""
+    for it before the first run (not at all when every result is stored already)."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs, not at the first run
     patience_s()  # ... and a bad CPTUNE_GUARD_PATIENCE
     if order not in ORDERS:
@@ -217,7 +217,8 @@ def search_space(
     told = progress or SearchProgress()
     with Store(db, share=share) as store:
         store.require_writable()
-        with measuring():  # one measuring process per host: a second one waits here
+        # one measuring process per host: a second one waits at the first run, none if all is stored
+        with measuring(lazy=True):
             run = SpaceSearch(
                 space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
                 rounds=rounds or space.measure.rounds,

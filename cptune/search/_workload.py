@@ -282,7 +282,7 @@ class WorkloadSearch:
     def run(self) -> list[Visit]:
         """Explore, run the rounds, race; every visit (and each configuration the exploration
         took from the store, ``reused``) in the order it happened."""
-        with measuring():
+        with measuring(lazy=True):  # the lock from the first run on; none if nothing runs
             return self._run()
 
     def _run(self) -> list[Visit]:
@@ -315,7 +315,7 @@ class WorkloadSearch:
         switches between states that slow configurations unlike each other, for minutes at a
         time: two runs of one sweep put one configuration's latency apart by p10-p90
         0.78-1.17, more than one sitting's rounds can show. Its visits, in order."""
-        with measuring():
+        with measuring(lazy=True):  # the lock from the first run on; none if nothing runs
             return self._confirm()
 
     def _confirm(self) -> list[Visit]:
