@@ -99,4 +99,15 @@ def check_regular_or_absent(path: str | Path, how: str) -> None:
         raise FileRefused(path, f"is {kind_of(mode)}, which cptune never replaces; {how}")
 
 
-__all__ = ["FileRefused", "check_regular_or_absent", "existing_kind", "kind_of", "read_regular"]
+
+def write_regular(path: Path, data: bytes, how: str) -> None:
+    """Write ``data`` to ``path``, a regular file or nothing (``check_regular_or_absent``): a
+    file of a folder cptune fills (a report's figures) that turned out a FIFO or a device is
+    refused, not written into."""
+    check_regular_or_absent(path, how)
+    path.write_bytes(data)
+
+
+__all__ = [
+    "FileRefused", "check_regular_or_absent", "existing_kind", "kind_of", "read_regular", "write_regular",
+]

@@ -13,11 +13,14 @@ import json
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+from cptune._files import FileRefused, read_regular
 from cptune.errors import CPTuneError
 from cptune.workload import MAX_INT, MAX_INT_TEXT
+
+#: The largest TOML file read: spaces and descriptions are a few KB; a bigger file is not one.
+MAX_TOML_BYTES = 1 << 20
 
 #: Builds the error a loader raises from (file, dotted key, reason).
 ErrorFactory = Callable[[str, str, str], Exception]
@@ -172,9 +175,11 @@ def read_toml(file: str, error: ErrorFactory, missing: Callable[[], str]) -> dic
     """Parse the TOML file, turning every read or syntax failure into ``error``. ``missing()``
     is the reason given when the file does not exist (called only then)."""
     try:
-        data = Path(file).read_bytes()
+        data = read_regular(file, MAX_TOML_BYTES)
     except FileNotFoundError:
         raise error(file, "(file)", missing()) from None
+    except FileRefused as refused:
+        raise error(file, "(file)", refused.reason) from None
     except OSError as exc:
         raise error(file, "(file)", f"cannot read it: {exc.strerror or exc}; check the path") from None
     try:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from cptune._files import FileRefused, existing_kind
 from cptune._shipped import shipped
 from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
 from cptune.config import STRATEGIES, CPConfig
@@ -355,8 +357,11 @@ def resolve_space(name_or_path: str) -> Path:
     """The file a space argument names: an existing file path wins, then a built-in name
     (e.g. "demo", "flux1-dev"); otherwise SpaceError listing the built-in names."""
     as_path = Path(name_or_path)
-    if as_path.is_file():
-        return as_path
+    try:  # anything there but a folder is read, and a device or FIFO refused in one line
+        if (mode := existing_kind(as_path)) is not None and not stat.S_ISDIR(mode):
+            return as_path
+    except FileRefused as refused:
+        raise SpaceError(name_or_path, "(file)", refused.reason) from None
     builtins = builtin_spaces()
     if name_or_path in builtins:
         # The package is a plain directory in both editable and regular installs.

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import tempfile
 
 import pytest
 
@@ -139,36 +140,34 @@ def test_search_refuses_a_sequence_longer_than_this_hosts_memory_before_touching
 
 
 def failing_filesystem(monkeypatch, folder: pathlib.Path, error: int, when: str):
-    """Make writing under ``folder`` fail with ``error`` as a filesystem would: ``when`` "open"
-    (a read-only filesystem refuses to create or remove anything: opening for writing and
-    unlinking both fail) or "write" (a full disk: the file opens, its bytes do not fit)."""
-    real_open, real_unlink = pathlib.Path.open, pathlib.Path.unlink
+    """Make writing a plan under ``folder`` fail with ``error`` as a filesystem would: ``when``
+    "open" (a read-only filesystem refuses to create anything) or "write" (a full disk: the
+    temporary file opens, its bytes do not fit)."""
+    real_mkstemp, real_fdopen = tempfile.mkstemp, os.fdopen
 
     def refused(path):
         return OSError(error, os.strerror(error), str(path))
 
-    def open_(self, mode="r", *args, **kwargs):
-        if self.parent != folder or "r" in mode:
-            return real_open(self, mode, *args, **kwargs)
-        if when == "open":
-            raise refused(self)
-        file = real_open(self, mode, *args, **kwargs)
+    def mkstemp(*args, dir=None, **kwargs):
+        if pathlib.Path(dir) == folder and when == "open":
+            raise refused(folder)
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        file = real_fdopen(fd, mode, *args, **kwargs)
+        if "w" not in mode or pathlib.Path(os.readlink(f"/proc/self/fd/{fd}")).parent != folder:
+            return file
         write = file.write
 
-        def write_half(text):
-            write(text[: len(text) // 2])  # half of it fits
-            raise refused(self)
+        def write_half(data):
+            write(data[: len(data) // 2])  # half of it fits
+            raise refused(folder)
 
         file.write = write_half
         return file
 
-    def unlink(self, *args, **kwargs):
-        if self.parent == folder and when == "open":
-            raise refused(self)
-        return real_unlink(self, *args, **kwargs)
-
-    monkeypatch.setattr(pathlib.Path, "open", open_)
-    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(os, "fdopen", fdopen)
 
 
 def test_export_to_a_read_only_filesystem_is_one_line(cptune_here, db, tmp_path, monkeypatch):

@@ -4,11 +4,13 @@ fix (the format itself is ``cptune.hardware._description``'s docstring)."""
 
 from __future__ import annotations
 
+import stat
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from cptune._files import FileRefused, existing_kind
 from cptune._toml import TableReader, TomlFileError, read_toml, show, suggest
 from cptune.cost import COLLECTIVES
 from cptune.hardware._description import (
@@ -103,8 +105,11 @@ def load_description(name_or_path: str | Path) -> HardwareDescription:
     An existing file wins over a shipped name. Raises HardwareDescriptionError naming the
     file, the key and the fix for the first problem found."""
     as_path = Path(name_or_path)
-    if as_path.is_file():
-        return _load(str(name_or_path), as_path.stem)
+    try:  # anything there but a folder is read, and a device or FIFO refused in one line
+        if (mode := existing_kind(as_path)) is not None and not stat.S_ISDIR(mode):
+            return _load(str(name_or_path), as_path.stem)
+    except FileRefused as refused:
+        raise HardwareDescriptionError(str(name_or_path), "(file)", refused.reason) from None
     builtins = builtin_descriptions()
     if str(name_or_path) in builtins:
         # The package is a plain directory in both editable and regular installs.

@@ -32,7 +32,7 @@ import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from stat import S_ISREG
 from typing import TypeVar
 
 from cptune.config import STRATEGIES, CPConfig
@@ -296,9 +296,8 @@ class _Advisor:
                     f"run cptune calibrate on that machine with this database"
                 )
             return _with_memory(self.profiles[stored[0]])
-        path = Path(hardware)
         try:
-            return _described(hardware, path.stat().st_mtime_ns if path.is_file() else None)
+            return _described(hardware, _modified(hardware))
         except HardwareDescriptionError as exc:
             known = ", ".join(sorted(self.profiles)) or "none"
             where = display_url(self.url)
@@ -337,6 +336,16 @@ def _with_memory(profile: Stored) -> Stored:
     if profile.fingerprint not in here or profile.hardware.gpu_count:
         return profile
     return dataclasses.replace(profile, memory_bytes=host_memory_bytes())
+
+
+def _modified(name_or_path: str) -> int | None:
+    """When the regular file ``name_or_path`` names was last changed (None: it names no such
+    file, and loading it says why), so an edited description is read again."""
+    try:
+        stat = os.stat(name_or_path)
+    except OSError:
+        return None
+    return stat.st_mtime_ns if S_ISREG(stat.st_mode) else None
 
 
 @functools.lru_cache(maxsize=32)

@@ -12,13 +12,17 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import re
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from cptune._files import FileRefused, check_regular_or_absent, existing_kind, read_regular
 from cptune.config import CPConfig
 from cptune.engines import get_engine
 from cptune.errors import CPTuneError
@@ -250,17 +254,20 @@ class Plan:
         or with ``force``; ``PlanError`` for that and for what the filesystem refuses."""
         target = Path(path)
         check_replaceable(target, force)
-        partial = target.with_name(target.name + ".partial")
-        text = self.to_json()
-        created = False
+        text = self.to_json().encode("utf-8")
+        partial: Path | None = None
         try:
-            with partial.open("w", encoding="utf-8") as file:
-                created = True
+            # a new file of its own beside the target (never one that was there: O_EXCL)
+            fd, name = tempfile.mkstemp(prefix=f".{target.name[:64]}.", suffix=".partial",
+                                        dir=target.parent)
+            partial = Path(name)
+            with os.fdopen(fd, "wb") as file:
                 file.write(text)
+                os.fchmod(file.fileno(), _new_file_mode())  # as open() would have made it, not 0600
             partial.replace(target)
         except OSError as exc:
             left = ""
-            if created:  # only what this call created is removed, and a failure to remove it is said
+            if partial is not None:  # only what this call created is removed; a failure to remove it is said
                 try:
                     partial.unlink(missing_ok=True)
                 except OSError as cleanup:
@@ -270,29 +277,42 @@ class Plan:
         return target
 
 
+def _new_file_mode() -> int:
+    """The mode a new file gets from ``open``: 0o666 less this process's umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def check_replaceable(path: str | Path, force: bool = False) -> None:
-    """``PlanError`` when ``path`` holds something a plan must not replace: a directory, or
-    (unless ``force``) a file that is not a plan cptune export wrote - not JSON, or JSON
-    without a plan's ``schema_version`` and ``digest``. A plan of any version, hardware or
-    content is replaced (exporting again is how a plan is updated); no file is fine."""
+    """``PlanError`` when ``path`` holds something a plan must not replace: a directory, a
+    device, FIFO or socket (``force`` or not), or (unless ``force``) a file that is not a plan
+    cptune export wrote - not JSON, or JSON without a plan's ``schema_version`` and ``digest``.
+    A plan of any version, hardware or content is replaced (exporting again is how a plan is
+    updated); no file is fine."""
     target = Path(path)
-    if target.is_dir():
-        raise PlanError(f"cannot write the plan to {target}: it is a directory; name a file "
-                        f"(cptune export -o {target / 'plan.json'})")
-    if force or not target.exists() or _is_plan(target):
+    elsewhere = "write the plan elsewhere (cptune export -o PATH)"
+    try:
+        mode = existing_kind(target)
+        if mode is not None and stat.S_ISDIR(mode):
+            raise PlanError(f"cannot write the plan to {target}: it is a directory; name a file "
+                            f"(cptune export -o {target / 'plan.json'})")
+        check_regular_or_absent(target, elsewhere)
+    except FileRefused as refused:
+        raise PlanError(f"cannot write the plan to {refused}") from None
+    except OSError as exc:
+        raise PlanError(f"cannot write the plan to {target}: {exc.strerror or exc}; {elsewhere}") from None
+    if force or mode is None or _is_plan(target):
         return
     raise PlanError(f"{target} exists and is not a plan written by cptune export, so it is left as it "
-                    f"is: write the plan elsewhere (cptune export -o PATH), or replace the file with "
-                    f"cptune export --force (force=True)")
+                    f"is: {elsewhere}, or replace the file with cptune export --force (force=True)")
 
 
 def _is_plan(path: Path) -> bool:
     """Whether ``path`` is a plan file cptune export wrote, whatever its version or content:
-    a small JSON object with a plan's ``schema_version`` and ``digest``."""
+    a small regular file holding a JSON object with a plan's ``schema_version`` and ``digest``."""
     try:
-        if path.stat().st_size > MAX_PLAN_BYTES:
-            return False
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path, MAX_PLAN_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and "schema_version" in data and "digest" in data
@@ -372,12 +392,11 @@ def _refuse_constant(name: str) -> Any:
 
 def _read(path: Path) -> str:
     try:
-        if path.stat().st_size > MAX_PLAN_BYTES:
-            raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan (at most "
-                            f"{MAX_PLAN_BYTES}); is this a plan written by cptune export?")
-        return path.read_text(encoding="utf-8")
+        return read_regular(path, MAX_PLAN_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise PlanError(f"{path}: no such file; write one with cptune export -o {path}") from None
+    except FileRefused as refused:
+        raise PlanError(str(refused)) from None
     except UnicodeDecodeError:
         raise PlanError(f"{path}: not UTF-8 text, so not a plan written by cptune export") from None
     except OSError as exc:

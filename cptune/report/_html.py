@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 
+from cptune._files import write_regular
 from cptune.measurement import format_ms
 from cptune.report._data import (
     BREAKDOWN_COLUMNS,
@@ -79,6 +80,9 @@ _CAPTIONS = {
               "marks the physical prior alone, the dashed line y = x; the legend gives each MAPE and how "
               "many measurements fall inside the model's held-out 10-90% band.",
 }
+
+#: The fix offered when a file in the report's folder is something cptune never writes into.
+_ELSEWHERE = "write the report into another folder (cptune report -o DIR)"
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -238,7 +242,7 @@ class _Output:
         """Write ``png`` and return its HTML figure, the image embedded, with its caption."""
         name = file_name(self.data, hardware, shape, kind)
         path = self.out_dir / name
-        path.write_bytes(png)
+        write_regular(path, png, _ELSEWHERE)
         self.written.append(path)
         source = base64.b64encode(png).decode("ascii")
         return (f'<figure><img src="data:image/png;base64,{source}" alt="{escape(name)}">'
@@ -299,5 +303,5 @@ every figure of every report.</p>
 </html>
 """
     html_path = out_dir / "report.html"
-    html_path.write_text(page, encoding="utf-8")
+    write_regular(html_path, page.encode("utf-8"), _ELSEWHERE)
     return [*out.written, html_path]

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from cptune._files import write_regular
 from cptune.config import CPConfig
 from cptune.engines import ENGINES, untimed
 from cptune.engines._pool import PooledEngine
@@ -32,6 +33,8 @@ from cptune.version import __version__
 from cptune.workload import Workload
 
 MANIFEST = "manifest.json"
+#: The fix offered when a file in the graphs' folder is something cptune never writes into.
+_ELSEWHERE = "write the graphs into another folder (cptune export-graph -o DIR)"
 _ONNX_TYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -107,7 +110,7 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
         model, feeds = tensorrt_rank_graph(workload, config, rank)
         data = model.SerializeToString(deterministic=True)
         path = directory / f"rank{rank}.onnx"
-        path.write_bytes(data)
+        write_regular(path, data, _ELSEWHERE)
         positions = layout.rank_positions(rank)
         ranks.append(
             {
@@ -140,5 +143,5 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
         "ranks": ranks,
     }
     out = directory / MANIFEST
-    out.write_text(json.dumps(manifest, indent=2) + "\n")
+    write_regular(out, (json.dumps(manifest, indent=2) + "\n").encode(), _ELSEWHERE)
     return out
