@@ -237,6 +237,16 @@ def test_a_reader_that_leaves_early_ends_the_listing_quietly(tmp_path):
         assert error == ""
 
 
+@pytest.mark.slow  # a subprocess: its reader must really close the pipe
+def test_a_table_into_a_pipe_already_closed_ends_quietly_with_exit_0():
+    for command in (["hardware"], ["hardware", "--json"]):
+        listing = subprocess.Popen([*CLI, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        listing.stdout.close()  # the reader left before the first line (rich's own way out is exit 1)
+        error = listing.stderr.read().decode()
+        assert listing.wait(timeout=120) == 0, error
+        assert error == ""
+
+
 # --------------------------------------------------------------------------- host memory (item 4)
 
 
@@ -281,4 +291,30 @@ def test_ctrl_c_that_python_drops_in_a_finalizer_still_interrupts(tmp_path, monk
         signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert code == 130
-    assert err.splitlines() == ["interrupted: every finished measurement is stored; rerun to resume"]
+    assert err.splitlines() == ["interrupted: nothing was changed"]  # results only reads
+
+
+@pytest.mark.parametrize(("command", "said"), [
+    ("search", "every finished measurement is stored; rerun to resume"),
+    ("calibrate", "no calibration is stored (one is kept only whole); run it again"),
+    ("export", "no plan is written (a plan is written whole or not at all); run it again"),
+    ("results", "nothing was changed"),
+])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stopped_command_says_in_one_line_what_it_kept(monkeypatch, capsys, command, said, how):
+    from cptune import cli
+
+    def stopped(args, console):
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # as a batch system's kill: the handler main installed
+        raise AssertionError("SIGTERM should have ended the command")
+
+    monkeypatch.setitem(cli.COMMANDS, command, stopped)
+    code = cli.main([command])
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    lines = capsys.readouterr().err.splitlines()
+    if how == "ctrl-c":
+        assert (code, lines) == (130, [f"interrupted: {said}"])
+    else:
+        assert (code, lines) == (128 + signal.SIGTERM, [f"stopped by SIGTERM: {said}"])

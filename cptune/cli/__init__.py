@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 
 from cptune.cli import _doctor, _hardware, _measure, _model, _outputs, _results, _search
-from cptune.cli._common import CTRL_C, USAGE_ERROR, Parser, UsageError, warn
+from cptune.cli._common import CTRL_C, USAGE_ERROR, Parser, PipedConsole, UsageError, warn
 from cptune.errors import CPTuneError
 from cptune.version import __version__
 
@@ -41,6 +41,28 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "report": _outputs.run_report,
     "export-graph": _outputs.run_export_graph,
 }
+#: What a command leaves when it is stopped part way (Ctrl-C, SIGTERM, a full disk), said in
+#: the line that ends it; a command not named changes nothing.
+LEFT_BEHIND = {
+    "search": "every finished measurement is stored; rerun to resume",
+    "calibrate": "no calibration is stored (one is kept only whole); run it again",
+    "measure": "measure stores nothing; run it again",
+    "doctor": "no verdict is stored; run it again",
+    "export": "no plan is written (a plan is written whole or not at all); run it again",
+    "report": "the report's folder may hold part of it; run it again",
+    "export-graph": "the graphs' folder may hold part of them; run it again",
+}
+NOTHING_CHANGED = "nothing was changed"
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP: the way out runs as for any exit, and ``main`` says what was kept."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 #: The commands that run an engine's ranks: under torchrun with --backend torch, rank 0 runs
 #: them and the other ranks serve it.
 RANK_COMMANDS = ("search", "measure", "calibrate")
@@ -69,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     machine_output = getattr(args, "json", False) or getattr(args, "csv", False)
-    console = Console(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
+    console = PipedConsole(stderr=machine_output)  # normal output; stdout unless it carries JSON/CSV
     restore_sigint = CTRL_C.install()
     restore_termination = _exit_on_termination()
     try:
@@ -86,8 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         warn(("cptune: error:", "red"), f" {error}")
         return USAGE_ERROR
     except KeyboardInterrupt:
-        warn(("interrupted", "yellow"), ": every finished measurement is stored; rerun to resume")
+        warn(("interrupted", "yellow"), f": {LEFT_BEHIND.get(args.command, NOTHING_CHANGED)}")
         return 130
+    except Terminated as ended:
+        name = signal.Signals(ended.signum).name
+        warn(("stopped", "yellow"), f" by {name}: {LEFT_BEHIND.get(args.command, NOTHING_CHANGED)}")
+        return 128 + ended.signum
     except BrokenPipeError:  # before OSError, of which it is one
         # the reader left (cptune results --csv | head -1): nothing more to say, and the
         # interpreter's last flush must not fail on the closed pipe either
@@ -97,24 +123,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error.errno != errno.ENOSPC:
             raise
         where = f" ({error.filename})" if error.filename else ""
-        warn(("cptune: error:", "red"), f" no space left on the device{where}: every finished measurement "
-                                        f"is stored; free space there, then run the same command again: it "
-                                        f"resumes where it stopped")
+        kept = "every finished measurement is stored; " if args.command == "search" else ""
+        resumes = ": it resumes where it stopped" if args.command == "search" else ""
+        warn(("cptune: error:", "red"), f" no space left on the device{where}: {kept}free space there, then "
+                                        f"run the same command again{resumes}")
         return USAGE_ERROR
     finally:
         restore_termination()
         restore_sigint()
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 def _exit_on_termination() -> Callable[[], None]:
     """SIGTERM and SIGHUP (where their action is the default: to end the process on the spot)
-    become ``SystemExit(128 + signal)``, so the way out runs: the engines' pools stop and
+    become ``Terminated`` (a ``SystemExit(128 + signal)``), so the way out runs: the engines' pools stop and
     their folders are removed (``atexit``), and a search's finished measurements are stored
     as always. Returns what puts the previous handlers back."""
     previous = {}
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
-            previous[signum] = signal.signal(signum, lambda number, frame: sys.exit(128 + number))
+            previous[signum] = signal.signal(signum, _terminate)
 
     def restore() -> None:
         for signum, handler in previous.items():

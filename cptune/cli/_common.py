@@ -44,8 +44,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class PipedConsole(Console):
+    """A console whose reader may leave (``cptune results | head -1``): a closed pipe is a
+    ``BrokenPipeError`` for ``main`` to end on quietly with exit 0, as ``--json`` and ``--csv``
+    do, not rich's own exit 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 #: Errors and warnings: always stderr, whatever stdout carries.
-STDERR = Console(stderr=True)
+STDERR = PipedConsole(stderr=True)
 Part = str | tuple[str, str]
 
 
