@@ -95,7 +95,10 @@ def wide(monkeypatch):
 def test_doctor_off_a_gpu_prints_the_preflights_line_and_exits_2(cptune_here, tmp_path, monkeypatch):
     """No stand-in: this machine, as it is, has no GPU."""
     monkeypatch.chdir(tmp_path)
-    assert_refused(cptune_here("doctor"), "--backend tensorrt needs NVIDIA GPUs", "use --backend mpi here")
+    refused = cptune_here("doctor")
+    # the advice is what runs here (a search with mpi), never a doctor --backend mpi that doctor refuses
+    assert_refused(refused, "--backend tensorrt needs NVIDIA GPUs", "search, measure and calibrate with "
+                   "--backend mpi", "cptune doctor has no node to probe here")
     assert_refused(cptune_here("doctor", "--max-ranks", "2", "--db", tmp_path / "x.db"), "needs NVIDIA GPUs")
     assert list(tmp_path.iterdir()) == []  # no database, not even the default one
 

@@ -86,7 +86,8 @@ def preflight(ranks: int, probe: NodeProbe) -> None:
         why = probe.gpu_problem or "the NVIDIA driver lists none"
         raise BackendUnavailableError(
             f"--backend tensorrt needs NVIDIA GPUs, but this machine has no CUDA GPU ({why}); "
-            f"run it on a GPU node with the NVIDIA driver installed, or use --backend mpi here"
+            f"run it on a GPU node with the NVIDIA driver installed (on this machine, search, measure "
+            f"and calibrate with --backend mpi, the default; cptune doctor has no node to probe here)"
         )
     if probe.missing:
         packages = ", ".join(GPU_MODULES[m] for m in probe.missing)
