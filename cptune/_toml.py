@@ -119,14 +119,15 @@ class TableReader:
             return None
         return table[name]
 
-    def integer(self, value: object, key: str, minimum: int) -> int:
+    def integer(self, value: object, key: str, minimum: int, maximum: int = MAX_INT) -> int:
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(key, f"expected {wanted}, {got(value)}{self.example(key)}")
         if value < minimum:
             raise self.fail(key, f"out of range: expected {wanted}, got {value}{self.example(key)}")
-        if value > MAX_INT:
-            raise self.fail(key, f"out of range: expected {wanted} of at most {MAX_INT_TEXT}, got {value}"
+        if value > maximum:
+            most = MAX_INT_TEXT if maximum == MAX_INT else f"{maximum:,}"
+            raise self.fail(key, f"out of range: expected {wanted} of at most {most}, got {value:,}"
                                  f"{self.example(key)}")
         return value
 

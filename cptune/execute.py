@@ -35,6 +35,7 @@ from cptune.measurement import (
     summarize,
 )
 from cptune.reference import make_inputs, reference_attention, relative_error
+from cptune.space import check_count
 from cptune.workload import Workload
 
 Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -292,8 +293,9 @@ def measure_round(
 
 
 def _check_counts(warmup: int, repeats: int) -> None:
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    """The counts a search space allows (``cptune.space.MEASURE_COUNTS``), else ``ValueError``."""
+    check_count("warmup", warmup)
+    check_count("repeats", repeats)
 
 
 def _timed_engine(backend: str | Engine) -> Engine:

@@ -22,7 +22,7 @@ from cptune._shipped import shipped
 from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
 from cptune.config import STRATEGIES, CPConfig
 from cptune.feasibility import closest_to_fitting, enumerate_configs, feasibility
-from cptune.workload import MAX_INT, WIRE_DTYPES, AttentionShape, Workload
+from cptune.workload import WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
 DEMO_SPACE = "demo"
@@ -61,6 +61,24 @@ _EXAMPLES = {
     "measure.race_rounds": "race_rounds = 10",
     "measure.confirm_rounds": "confirm_rounds = 3",
 }
+
+
+#: Each count of ``[measure]`` (and of the flags that set it): (least, most). Past the most a
+#: visit or a search runs for hours and settles nothing more - a visit's median of 10-100
+#: iterations is steady, and rounds past a few dozen only repeat the host's drift - so more is
+#: a slip of the keyboard, refused before anything runs.
+MEASURE_COUNTS = {"warmup": (0, 1_000), "repeats": (1, 10_000), "rounds": (1, 1_000),
+                  "race_rounds": (0, 1_000), "confirm_rounds": (0, 1_000)}
+#: The most sequence lengths one space (or ``--seq-lens``) sweeps: each is a search of its own.
+MAX_SEQ_LENS = 256
+
+
+def check_count(name: str, value: object) -> int:
+    """``value`` as the ``MEASURE_COUNTS`` count ``name``; ``ValueError`` saying the range otherwise."""
+    least, most = MEASURE_COUNTS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise ValueError(f"{name} must be a whole number from {least} to {most:,}, got {value!r}")
+    return value
 
 
 #: The longest timeout or time budget cptune waits, in seconds: a year. Longer is a slip of
@@ -104,11 +122,8 @@ class MeasureSettings:
 
     def __post_init__(self) -> None:
         # Direct construction gets the same limits the TOML loader enforces.
-        for name, least in (("warmup", 0), ("repeats", 1), ("rounds", 1), ("race_rounds", 0),
-                            ("confirm_rounds", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_INT:
-                raise ValueError(f"{name} must be an integer >= {least} and <= {MAX_INT}, got {value!r}")
+        for name in MEASURE_COUNTS:
+            check_count(name, getattr(self, name))
         if self.timeout is not None:
             try:
                 check_seconds(self.timeout)
@@ -204,6 +219,9 @@ def load_space(path: str | Path) -> SearchSpace:
         r.value(sweep, "seq_lens", "sweep", required=True), "sweep.seq_lens",
         lambda v, k: r.integer(v, k, 1),
     )
+    if len(seq_lens) > MAX_SEQ_LENS:
+        raise r.fail("sweep.seq_lens", f"{len(seq_lens):,} lengths, more than the {MAX_SEQ_LENS} a space may "
+                                       f"sweep (each is a search of its own); split it into several spaces")
     ranks = _read_ranks(r, r.value(sweep, "ranks", "sweep", required=False))
     raw = r.value(sweep, "strategies", "sweep", required=False)
     strategies = (
@@ -214,26 +232,19 @@ def load_space(path: str | Path) -> SearchSpace:
 
     measure_table = r.table(doc, "measure", required=False) or {}
     r.check_keys(measure_table, MEASURE_KEYS, "measure")
-    raw = r.value(measure_table, "warmup", "measure", required=False)
-    warmup = 2 if raw is None else r.integer(raw, "measure.warmup", 0)
-    raw = r.value(measure_table, "repeats", "measure", required=False)
-    repeats = 10 if raw is None else r.integer(raw, "measure.repeats", 1)
+    counts = {}
+    for key, (least, most) in MEASURE_COUNTS.items():
+        raw = r.value(measure_table, key, "measure", required=False)
+        counts[key] = getattr(MeasureSettings, key) if raw is None else r.integer(raw, f"measure.{key}",
+                                                                                  least, most)
     raw = r.value(measure_table, "timeout", "measure", required=False)
     timeout = None if raw is None else _timeout(r, raw)
-    raw = r.value(measure_table, "rounds", "measure", required=False)
-    rounds = MeasureSettings.rounds if raw is None else r.integer(raw, "measure.rounds", 1)
-    raw = r.value(measure_table, "race_rounds", "measure", required=False)
-    race_rounds = MeasureSettings.race_rounds if raw is None else r.integer(raw, "measure.race_rounds", 0)
-    raw = r.value(measure_table, "confirm_rounds", "measure", required=False)
-    confirm_rounds = (MeasureSettings.confirm_rounds if raw is None
-                      else r.integer(raw, "measure.confirm_rounds", 0))
 
     return SearchSpace(
         name=name, description=description, source=Path(path),
         shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal), seq_lens=seq_lens, ranks=ranks,
         strategies=strategies, trials=trials,
-        measure=MeasureSettings(warmup=warmup, repeats=repeats, timeout=timeout, rounds=rounds,
-                                race_rounds=race_rounds, confirm_rounds=confirm_rounds),
+        measure=MeasureSettings(timeout=timeout, **counts),
     )
 
 

@@ -52,12 +52,15 @@ def db(tmp_path):
     (["search", "--seq-lens", "64,x"], "cptune search: error: ", "argument --seq-lens"),
     (["recommend", "--heads", "8"], "cptune recommend: error: ", "--seq-len"),
     (["results", "--frobnicate"], "cptune results: error: ", "unrecognized arguments: --frobnicate"),
-    # counts that may be 0 say so; a count that may not says positive
-    (["search", "--race-rounds", "-1"], "cptune search: error: ", "--race-rounds: must be 0 or more, got -1"),
+    # counts say their range: from 0 where 0 is allowed, from 1 where it is not
+    (["search", "--race-rounds", "-1"], "cptune search: error: ",
+     "--race-rounds: must be a whole number from 0 to 1,000, got -1"),
     (["search", "--confirm-rounds", "-2"], "cptune search: error: ",
-     "--confirm-rounds: must be 0 or more, got -2"),
-    (["measure", "--warmup", "-2"], "cptune measure: error: ", "--warmup: must be 0 or more, got -2"),
-    (["search", "--rounds", "0"], "cptune search: error: ", "--rounds: must be positive, got 0"),
+     "--confirm-rounds: must be a whole number from 0 to 1,000, got -2"),
+    (["measure", "--warmup", "-2"], "cptune measure: error: ",
+     "--warmup: must be a whole number from 0 to 1,000, got -2"),
+    (["search", "--rounds", "0"], "cptune search: error: ",
+     "--rounds: must be a whole number from 1 to 1,000, got 0"),
     ([], "cptune: error: ", "command"),
 ])
 def test_a_flag_error_is_one_line_with_where_to_get_help(cptune_here, args, prefix, fragment):
@@ -318,3 +321,15 @@ def test_a_stopped_command_says_in_one_line_what_it_kept(monkeypatch, capsys, co
         assert (code, lines) == (130, [f"interrupted: {said}"])
     else:
         assert (code, lines) == (128 + signal.SIGTERM, [f"stopped by SIGTERM: {said}"])
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["measure", "--repeats", "100000000"], "--repeats: must be a whole number from 1 to 10,000"),
+    (["calibrate", "--rounds", "5000"], "--rounds: must be a whole number from 1 to 1,000"),
+    (["search", "--race-rounds", "99999"], "--race-rounds: must be a whole number from 0 to 1,000"),
+    (["search", "--heads", "4", "--head-dim", "16",
+      "--seq-lens", ",".join(str(64 * i) for i in range(1, 10_001))],
+     "10,000 lengths, more than the 256 one command sweeps"),
+])
+def test_counts_past_what_a_search_can_use_are_refused_before_anything_runs(cptune_here, args, said):
+    assert_refused(cptune_here(*args), said, prefix=f"cptune {args[0]}: error: argument")

@@ -194,6 +194,13 @@ BAD = [
     ("repeats = 3", "repeats = 3\ntimeout = 0", "measure.timeout", ["out of range", "positive"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, 128]\ntrials = 0", "sweep.trials", ["out of range"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, -128]", "sweep.seq_lens[1]", ["out of range", "-128"]),
+    # counts past what a search can use: hours of runs that settle nothing more
+    ("repeats = 3", "repeats = 100000000", "measure.repeats",
+     ["out of range", "at most 10,000", "100,000,000"]),
+    ("warmup = 1", "warmup = 5000", "measure.warmup", ["out of range", "at most 1,000"]),
+    ("repeats = 3", "repeats = 3\nrace_rounds = 99999", "measure.race_rounds", ["at most 1,000"]),
+    ("seq_lens = [64, 128]", f"seq_lens = [{', '.join(str(64 * i) for i in range(1, 258))}]",
+     "sweep.seq_lens", ["257 lengths", "more than the 256", "split it"]),
     ('name = "t"', 'name = "  "', "name", ["must not be empty"]),
     # lists: empty, duplicated, unknown names
     ("seq_lens = [64, 128]", "seq_lens = []", "sweep.seq_lens", ["must not be empty"]),
@@ -273,7 +280,8 @@ def test_space_error_is_a_cptune_error_and_a_value_error(tmp_path):
 
 def test_measure_settings_refuse_bad_values_in_code():
     for bad in (dict(warmup=-1), dict(repeats=0), dict(repeats=True), dict(timeout=0), dict(timeout="5"),
-                dict(rounds=0), dict(race_rounds=-1), dict(rounds=2.0)):
+                dict(rounds=0), dict(race_rounds=-1), dict(rounds=2.0), dict(repeats=10**8),
+                dict(warmup=1001), dict(confirm_rounds=1001)):
         with pytest.raises(ValueError):
             MeasureSettings(**bad)
 

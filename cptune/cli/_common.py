@@ -18,7 +18,7 @@ from cptune.config import STRATEGIES
 from cptune.engines import ENGINES
 from cptune.errors import CPTuneError
 from cptune.hardware import NCCL_PATHS, builtin_descriptions
-from cptune.space import check_seconds
+from cptune.space import MAX_SEQ_LENS, MEASURE_COUNTS, check_seconds
 from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
 
 USAGE_ERROR = 2
@@ -156,6 +156,32 @@ def positive_list(text: str) -> tuple[int, ...]:
     return tuple(positive(part) for part in _items(text, "1024,2048"))
 
 
+def seq_lens(text: str) -> tuple[int, ...]:
+    """Sequence lengths, e.g. 1024,2048: at most ``MAX_SEQ_LENS`` of them."""
+    found = positive_list(text)
+    if len(found) > MAX_SEQ_LENS:
+        raise argparse.ArgumentTypeError(f"{len(found):,} lengths, more than the {MAX_SEQ_LENS} one command "
+                                         f"sweeps (each is a search of its own); split them over runs")
+    return found
+
+
+def count(name: str) -> Callable[[str], int]:
+    """An argparse type for the ``[measure]`` count ``name`` (``cptune.space.MEASURE_COUNTS``:
+    the flag and the TOML key take the same range)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        least, most = MEASURE_COUNTS[name]
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {least} to {most:,}, got {text}")
+        return value
+
+    return parse
+
+
 # --------------------------------------------------------------------------- shared flags
 
 
@@ -179,7 +205,7 @@ def add_workload_flags(
 
     group = parser.add_argument_group("workload (one attention layer)")
     if lengths:
-        group.add_argument("--seq-lens", type=positive_list, help="sequence lengths, e.g. 1024,2048")
+        group.add_argument("--seq-lens", type=seq_lens, help="sequence lengths, e.g. 1024,2048")
     else:
         group.add_argument("--seq-len", type=positive, default=d.get("seq_len"), required=required,
                            help=shown("seq_len", "tokens per sequence"))

@@ -19,7 +19,7 @@ from cptune.cli._common import (
     UsageError,
     add_backend,
     add_workload_flags,
-    non_negative,
+    count,
     positive,
     positive_list,
     seconds,
@@ -56,8 +56,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                          help="only this Ulysses degree u: u-way Ulysses x ranks/u-way strategy (1: the pure "
                               "strategy; default: every one); with --strategies and --ranks it names one "
                               "configuration, as a search's output does")
-    measure.add_argument("--warmup", type=non_negative, default=2, help="untimed iterations (default 2)")
-    measure.add_argument("--repeats", type=positive, default=10, help="timed iterations (default 10)")
+    measure.add_argument("--warmup", type=count("warmup"), default=2, help="untimed iterations (default 2)")
+    measure.add_argument("--repeats", type=count("repeats"), default=10, help="timed iterations (default 10)")
     measure.add_argument("--timeout", type=seconds, default=None,
                      help="seconds before a configuration's run is stopped (default: scaled to its size)")
     measure.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
@@ -75,9 +75,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--db", help=DB_HELP)
     calibrate.add_argument("--share-db", action="store_true", help=SHARE_DB_HELP)
     calibrate.add_argument("--max-ranks", type=positive, help=MAX_RANKS_HELP)
-    calibrate.add_argument("--repeats", type=positive, default=REPEATS,
+    calibrate.add_argument("--repeats", type=count("repeats"), default=REPEATS,
                            help=f"timed iterations per point in each round (default {REPEATS})")
-    calibrate.add_argument("--rounds", type=positive, default=ROUNDS,
+    calibrate.add_argument("--rounds", type=count("rounds"), default=ROUNDS,
                            help=f"rounds, each timing every point once; a point's time is the median "
                                 f"of its rounds (default {ROUNDS})")
     calibrate.add_argument("--oversubscribe", action="store_true",

@@ -20,6 +20,7 @@ from cptune.cli._common import (
     UsageError,
     add_backend,
     add_workload_flags,
+    count,
     non_negative,
     positive,
     positive_list,
@@ -75,14 +76,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     search.add_argument("--remeasure", action="store_true",
                         help="visit every configuration afresh (exploration, rounds, race) even if stored; "
                              "the verdict combines the new visits with the stored ones")
-    search.add_argument("--rounds", type=positive,
+    search.add_argument("--rounds", type=count("rounds"),
                         help="clean visits every configuration that ran gets, in interleaved rounds "
                              "(default: the space's [measure] rounds, else 2); each visit times [measure] "
                              "repeats iterations")
-    search.add_argument("--race-rounds", type=non_negative,
+    search.add_argument("--race-rounds", type=count("race_rounds"),
                         help="further visits the configurations tied with the fastest may get in the final "
                              "race (default: the space's [measure] race_rounds, else 10; 0: no race)")
-    search.add_argument("--confirm-rounds", type=non_negative,
+    search.add_argument("--confirm-rounds", type=count("confirm_rounds"),
                         help="rounds a winner and the configurations close to it get again in a second "
                              "sitting, after the other sequence lengths, so the verdict covers two states "
                              "of the host (default: the space's [measure] confirm_rounds, else 3; 0: none)")
