@@ -12,6 +12,7 @@ import difflib
 import json
 import re
 import tomllib
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,6 +60,21 @@ def got(value: object) -> str:
 def suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+#: Format characters that reorder or hide text on a terminal (bidirectional overrides and
+#: isolates, marks, zero-width characters): a name holding one can print as another name.
+_FORMAT_CONTROLS = frozenset("\u061c\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                             "\u2060\u2066\u2067\u2068\u2069\ufeff")
+
+
+def _hidden_character(text: str) -> str | None:
+    """The first control or text-reordering character in ``text`` (tabs and line breaks aside),
+    as U+XXXX; None when it prints as it reads."""
+    for char in text:
+        if (unicodedata.category(char) == "Cc" and char not in "\t\n") or char in _FORMAT_CONTROLS:
+            return f"U+{ord(char):04X}"
+    return None
 
 
 class TomlFileError(CPTuneError, ValueError):
@@ -145,6 +161,9 @@ class TableReader:
             raise self.fail(key, f"expected a string, {got(value)}{self.example(key)}")
         if non_empty and not value.strip():
             raise self.fail(key, f"must not be empty{self.example(key)}")
+        if hidden := _hidden_character(value):
+            raise self.fail(key, f"holds the invisible character {hidden}, which a terminal would print "
+                                 f"as something else; remove it{self.example(key)}")
         return value
 
     def boolean(self, value: object, key: str) -> bool:

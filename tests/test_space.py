@@ -202,6 +202,10 @@ BAD = [
     ("seq_lens = [64, 128]", f"seq_lens = [{', '.join(str(64 * i) for i in range(1, 258))}]",
      "sweep.seq_lens", ["257 lengths", "more than the 256", "split it"]),
     ('name = "t"', 'name = "  "', "name", ["must not be empty"]),
+    # characters a terminal prints as something else: a name must read as it prints
+    ('name = "t"', 'name = "t\\u202Eevil"', "name", ["invisible character U+202E", "remove it"]),
+    ('name = "t"', 'name = "t\\u0000"', "name", ["invisible character U+0000"]),
+    ('description = "test space"', 'description = "a\\u2066b"', "description", ["U+2066"]),
     # lists: empty, duplicated, unknown names
     ("seq_lens = [64, 128]", "seq_lens = []", "sweep.seq_lens", ["must not be empty"]),
     ("seq_lens = [64, 128]", "seq_lens = [64, 128, 64]", "sweep.seq_lens[2]",
