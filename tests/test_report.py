@@ -762,3 +762,30 @@ def test_a_crowded_strategy_map_leaves_labels_out_rather_than_shrink_or_overlap_
     boxes = [label.get_window_extent(renderer) for label in shown]
     for a, b in itertools.combinations(boxes, 2):
         assert not a.overlaps(b)
+
+
+def test_a_speedup_the_noise_cannot_tell_from_the_baseline_is_shown_tied_and_no_line_hides_another(tmp_path):
+    # one visit each: 10 ms on 1 rank, 8.85 ms on 2 - a 1.13x the verdict cannot separate
+    path = str(tmp_path / "tied.db")
+    with Store(path) as store:
+        for seq_len in (2048, 4096):  # two lengths with the very same curve
+            workload = Workload(seq_len, **SHAPE)
+            store.add_measurement(OTHER_HOST, measurement(workload, CPConfig("ring", 1), 10.0))
+            store.add_measurement(OTHER_HOST, measurement(workload, CPConfig("ring", 2), 8.85))
+    data = gather(path)
+    shape = data.hardware[0].shapes[0]
+    two = shape.speedup[0].points[1]
+    assert two.tied and two.speedup_text == "tied (1.13x)"
+    assert not shape.speedup[0].points[0].tied  # the baseline itself is no tie
+    page = html.unescape(write_report(data, tmp_path / "out")[-1].read_text())
+    assert "tied (1.13x)" in page and ">1.13x<" not in page
+    console = Console(record=True, width=200)
+    for table in text_tables(data):
+        console.print(table)
+    assert "tied (1.13x)" in console.export_text()
+    speed = speedup_plot(data.hardware[0], shape).axes[0]
+    drawn = [line for line in speed.get_lines() if str(line.get_label()).startswith("seq_len")]
+    assert len(drawn) == 2 and list(drawn[0].get_xdata()) != list(drawn[1].get_xdata())  # side by side
+    hollow = [line for line in speed.get_lines() if line.get_markerfacecolor() == "white"
+              and len(line.get_xdata())]
+    assert len(hollow) == 2  # each length's tied point, drawn hollow

@@ -97,12 +97,13 @@ def baseline_text(cores: int | None) -> str:
 
 def speedup_caption(cores: int | None) -> str:
     """What a speedup table's numbers are, for a CPU host of ``cores`` cores or (None) GPUs."""
+    tied = "; tied: the noise cannot tell it from the baseline, so no speedup is shown by it"
     if cores is None:
         return ("speedup = fastest 1-rank ms / fastest ms on n ranks (combined estimates), each rank on a "
-                "GPU of its own: the ideal is n; efficiency = speedup / n")
+                f"GPU of its own: the ideal is n; efficiency = speedup / n{tied}")
     return (f"speedup = fastest ms of {baseline_text(cores)} as threads / fastest ms on n ranks (combined "
             f"estimates): every rank count computes on the same {cores} cores, split between its ranks, so "
-            "the ideal is 1x, not n; efficiency = speedup / (cores used / cores of 1 rank)")
+            f"the ideal is 1x, not n; efficiency = speedup / (cores used / cores of 1 rank){tied}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,14 @@ class SpeedupPoint:
     efficiency: float
     measurement_ids: tuple[int, ...]
     processors: int = 0
+    #: Whether the noise cannot tell it from the baseline (the verdict's tie): its speedup is
+    #: then no speedup, whatever the medians' ratio.
+    tied: bool = False
+
+    @property
+    def speedup_text(self) -> str:
+        """"1.52x", or "tied (1.13x)" where the verdict cannot tell it from the baseline."""
+        return f"tied ({self.speedup:.2f}x)" if self.tied else f"{self.speedup:.2f}x"
 
 
 @dataclass(frozen=True)

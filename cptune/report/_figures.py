@@ -45,6 +45,8 @@ LOG_SPAN = 10.0
 LABELLED_COUNTS = 12
 #: Series at one rank count sit this far apart sideways (in octaves) so none hides another.
 SIDESTEP = 0.04
+#: Each sequence length's marker in the speedup figure, in turn.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 #: The strategy map's largest size in inches (width, height), however many cells it has.
 MAP_MAX_SIZE = (16.0, 9.0)
 #: The strategy map's labels (winner, margin, runner-up; or the tied configurations), in points:
@@ -242,12 +244,20 @@ def speedup_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
     efficiency.axhline(1.0, linestyle="--", color="0.5", linewidth=1, label="ideal")
     colors = {curve.seq_len: to_hex(colormaps["viridis"](i / max(1, len(shape.speedup) - 1) * 0.85))
               for i, curve in enumerate(shape.speedup)}
-    for curve in shape.speedup:
-        xs = [p.ranks for p in curve.points]
-        label = f"seq_len {curve.seq_len}"
-        speed.plot(xs, [p.speedup for p in curve.points], "-o", color=colors[curve.seq_len], label=label)
-        efficiency.plot(xs, [p.efficiency for p in curve.points], "-o", color=colors[curve.seq_len],
-                        label=label)
+    count = len(shape.speedup)
+    for i, curve in enumerate(shape.speedup):
+        # lines that coincide (every length near 1x on a CPU host) must all show: each length a
+        # step sideways and a marker of its own; a point tied with the baseline hollow (its
+        # speedup is no speedup)
+        xs = [p.ranks * _sidestep(i, count) for p in curve.points]
+        marker = _MARKERS[i % len(_MARKERS)]
+        for axes, ys in ((speed, [p.speedup for p in curve.points]),
+                         (efficiency, [p.efficiency for p in curve.points])):
+            color = colors[curve.seq_len]
+            axes.plot(xs, ys, "-", marker=marker, color=color, label=f"seq_len {curve.seq_len}")
+            if tied := [(x, y) for x, y, p in zip(xs, ys, curve.points, strict=True) if p.tied]:
+                axes.plot(*zip(*tied, strict=True), linestyle="none", marker=marker, markerfacecolor="white",
+                          color=color)
     for axes in (speed, efficiency):
         _rank_axis(axes, ranks)
         axes.set_xlabel("ranks")
@@ -262,7 +272,11 @@ def speedup_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
         efficiency.set_ylabel("parallel efficiency (speedup / ranks)")
         efficiency.set_title("efficiency: one GPU per rank", fontsize=9)
     efficiency.set_ylim(bottom=0)
-    speed.legend(handles=[ideal_line], fontsize=8, loc="best")
+    handles = [ideal_line]
+    if any(p.tied for curve in shape.speedup for p in curve.points):
+        handles += speed.plot([], [], linestyle="none", marker="o", color="0.3", markerfacecolor="white",
+                              label="hollow: tied with the baseline")
+    speed.legend(handles=handles, fontsize=8, loc="best")
     efficiency.legend(fontsize=8, loc="best")
     figure.suptitle(f"Speedup and efficiency: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)

@@ -20,7 +20,7 @@ import numpy as np
 
 from cptune.config import LOCAL
 from cptune.errors import CPTuneError, InfeasibleConfigError
-from cptune.estimate import Estimate, Verdict, combine, judge
+from cptune.estimate import Estimate, Verdict, combine, compare, judge
 from cptune.model import TrainingSet, correction_decision_of, held_out_predictions, recommend, training_set
 from cptune.report._data import (
     Accuracy,
@@ -91,14 +91,16 @@ def _speedup_curves(fastest: dict[tuple[int, int], Estimate], cores: int | None)
     for seq_len in sorted({s for s, _ in fastest}):
         if (seq_len, 1) not in fastest:
             continue
-        one = fastest[(seq_len, 1)].median_ms
+        baseline = fastest[(seq_len, 1)]
+        one = baseline.median_ms
         points = []
         for (length, ranks), estimate in sorted(fastest.items()):
             if length == seq_len:
                 ms, used = estimate.median_ms, processors_used(ranks, cores)
                 efficiency = one / ms / (used / processors_used(1, cores))
+                tied = ranks > 1 and not compare(estimate, baseline).separated
                 points.append(SpeedupPoint(ranks, estimate.config.label, ms, one / ms, efficiency,
-                                           estimate.ids, used))
+                                           estimate.ids, used, tied))
         curves.append(SpeedupCurve(seq_len, one, tuple(points), cores))
     return tuple(curves)
 

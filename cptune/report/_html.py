@@ -138,7 +138,7 @@ def _latency_table(shape: ShapeReport) -> str:
 def _speedup_table(shape: ShapeReport) -> str:
     rows = [
         [escape(str(curve.seq_len)), escape(str(p.ranks)), escape(p.label), escape(format_ms(p.latency_ms)),
-         escape(f"{p.speedup:.2f}x"), escape(f"{p.efficiency:.0%}")]
+         escape(p.speedup_text), escape(f"{p.efficiency:.0%}")]
         for curve in shape.speedup for p in curve.points
     ]
     baseline, cores = shape.speedup[0].baseline, shape.speedup[0].cores

@@ -57,7 +57,7 @@ def _speedup(hardware: HardwareReport, shape: ShapeReport) -> Table:
     for curve in shape.speedup:
         for p in curve.points:
             table.add_row(str(curve.seq_len), str(p.ranks), escape(p.label), format_ms(p.latency_ms),
-                          f"{p.speedup:.2f}x", f"{p.efficiency:.0%}")
+                          p.speedup_text, f"{p.efficiency:.0%}")
     return table
 
 
