@@ -16,6 +16,7 @@ from cli_ignoring_load import IGNORE_LOAD, ignore_load
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import ENGINES
+from cptune.engines._pool import PooledEngine
 from cptune.engines.mpi import MPIEngine
 from cptune.hardware import Hardware, this_host
 from cptune.measurement import Measurement
@@ -240,11 +241,13 @@ def refusal_of(load: Callable[[Any], object], error: type[Exception], source: ob
 
 @pytest.fixture
 def faulty_engine():
-    """Make an MPI engine whose rank 1 misbehaves as asked; closed after the test."""
+    """Make an engine (default the mpi engine) whose rank 1 misbehaves as asked
+    (tests/faulty_worker.py); closed after the test."""
     engines = []
 
-    def make(mode: str) -> MPIEngine:
-        engine = MPIEngine(worker=[sys.executable, str(TESTS / "faulty_worker.py"), mode])
+    def make(mode: str, kind: type[PooledEngine] = MPIEngine) -> PooledEngine:
+        loop = "torch" if kind.spec.name == "torch" else "shared"
+        engine = kind(worker=[sys.executable, str(TESTS / "faulty_worker.py"), loop, mode])
         engines.append(engine)
         return engine
 

@@ -56,8 +56,19 @@ def test_rank_hang_times_out(faulty_engine):
     error, elapsed = run_until_failure(engine, timeout=3)
     assert error.kind == "timeout"
     assert "did not finish Ring on 2 ranks within 3 s" in str(error)
+    assert "--timeout of cptune measure" in str(error)  # a run's deadline is the caller's
     assert elapsed < 60  # bounded: the deadline, not forever
     assert_pool_gone(pool_dir, pids)
+
+
+def test_a_calibration_past_its_fixed_deadline_names_no_setting_to_raise(faulty_engine):
+    """Calibration's deadline is cptune's own: the advice names none of a run's settings."""
+    engine = faulty_engine("hang")
+    with pytest.raises(EngineError) as failure:
+        engine.time_collective("all_to_all", 2, 2, [1024], warmup=0, repeats=1, timeout=0.25)
+    assert failure.value.kind == "timeout"
+    assert "did not finish all_to_all calibration on 2 ranks within 0.25 s" in str(failure.value)
+    assert "this deadline is fixed" in str(failure.value) and "--timeout" not in str(failure.value)
 
 
 def test_engine_recovers_after_a_failure(faulty_engine):
@@ -86,7 +97,8 @@ def test_killed_caller_leaves_no_ranks_behind(tmp_path):
         "from cptune.engines.mpi import MPIEngine\n"
         "from cptune import CPConfig, Workload, compute\n"
         "from cptune.reference import make_inputs\n"
-        f"engine = MPIEngine(worker=[sys.executable, {str(TESTS / 'faulty_worker.py')!r}, 'hang'])\n"
+        f"worker = [sys.executable, {str(TESTS / 'faulty_worker.py')!r}, 'shared', 'hang']\n"
+        "engine = MPIEngine(worker=worker)\n"
         "w = Workload(seq_len=32, heads=4, head_dim=8)\n"
         "engine._pool_for(2)\n"
         "print(engine._pool.dir, flush=True)\n"

@@ -152,7 +152,7 @@ def test_cli_search_with_the_onnx_backend_is_one_line(capsys, tmp_path):
 @pytest.mark.slow
 def test_rank_failures_end_as_one_error_with_no_process_left(faulty_engine):
     """The onnx engine's ranks are the shared supervised pool: a crashing rank is one error."""
-    engine = OnnxEngine(worker=[sys.executable, str(TESTS / "faulty_worker.py"), "crash"])
+    engine = OnnxEngine(worker=[sys.executable, str(TESTS / "faulty_worker.py"), "shared", "crash"])
     try:
         engine._pool_for(2)
         pool_dir, pids = engine._pool.dir, list(engine._pool.pids)

@@ -1,6 +1,7 @@
 """The pool folders in the temporary directory (issue 33, item 9): a run killed outright
 leaves its folder behind, so the next pool removes those whose owner is gone; a run ended by
-SIGTERM removes its own on the way out."""
+SIGTERM removes its own on the way out; a pool that cannot start leaves none. A TMPDIR longer
+than a Unix socket's address holds (issue 41, item 4) measures all the same."""
 
 import os
 import signal
@@ -11,8 +12,18 @@ import time
 
 import pytest
 
-from conftest import CLI, processes_left
-from cptune.engines._pool import OWNER_FILE, WorkerPool, _started
+from conftest import CLI, cptune, processes_left
+from cptune.engines import _pool
+from cptune.engines._pool import OWNER_FILE, WorkerPool, _started, worker_command
+from cptune.engines._protocol import SOCKET_PATH_MAX, receive, send, unix_connection, unix_listener
+from cptune.errors import EngineError
+
+
+def long_folder(parent):
+    """A folder under ``parent`` whose path is far longer than a socket address holds."""
+    path = parent.joinpath(*["d" * 200] * 3)
+    path.mkdir(parents=True)
+    return path
 
 
 def folder(parent, name, owner=None):
@@ -60,3 +71,53 @@ def test_a_terminated_command_stops_its_ranks_and_removes_their_folder(tmp_path)
     assert command.wait(timeout=60) == 128 + signal.SIGTERM
     assert list(tmp_path.glob("cptune-pool-*")) == []
     assert processes_left(str(found[0]), within=15) == []
+
+
+def test_a_socket_file_at_a_path_longer_than_an_address_holds_listens_and_connects(tmp_path):
+    path = long_folder(tmp_path) / "driver.sock"
+    assert len(str(path)) > SOCKET_PATH_MAX
+    with unix_listener(path, 1) as listener, unix_connection(path) as rank:
+        send(rank, {"hello": 1})
+        driver, _ = listener.accept()
+        with driver:
+            assert receive(driver) == ({"hello": 1}, [])
+    assert path.is_socket()  # the very file in the folder, not one elsewhere
+
+
+def test_a_pool_that_cannot_start_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_mpiexec():
+        raise EngineError("launch", "no mpiexec found")
+
+    monkeypatch.setattr(_pool, "find_mpiexec", no_mpiexec)
+    with pytest.raises(EngineError, match="no mpiexec found"):
+        WorkerPool(2, worker_command("cptune.engines._worker"), 10)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_socket_that_cannot_be_opened_is_one_launch_error_and_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def refused(path, backlog):
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr(_pool.protocol, "unix_listener", refused)
+    with pytest.raises(EngineError, match="cannot open the pool's socket .* point TMPDIR at a") as failure:
+        WorkerPool(2, worker_command("cptune.engines._worker"), 10)
+    assert failure.value.kind == "launch" and len(str(failure.value).splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_a_tmpdir_longer_than_a_socket_address_holds_measures_and_leaves_no_folder(tmp_path, backend):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    tmpdir = long_folder(tmp_path)
+    done = cptune("measure", "--seq-len", "64", "--heads", "4", "--head-dim", "8", "--strategies", "ring",
+                  "--ranks", "2", "--head-group", "1", "--warmup", "0", "--repeats", "1", "--json",
+                  "--backend", backend, env={**os.environ, "TMPDIR": str(tmpdir)})
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(tmpdir.glob("cptune-pool-*")) == []

@@ -171,10 +171,11 @@ def test_the_module_refuses_what_it_cannot_run_with_the_fix(one_rank):
 # --------------------------------------------------------------------------- a block on gloo ranks
 
 
-def run_ranks(world: int, plan: Path) -> dict:
-    """tests/torch_block.py on ``world`` gloo ranks under torchrun; rank 0's JSON summary."""
+def run_ranks(world: int, script: str, plan: Path) -> list[str]:
+    """tests/``script`` on ``world`` gloo ranks under torchrun, given ``plan``; the lines the
+    ranks printed."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(TESTS / "torch_block.py"), str(plan)]
+               str(TESTS / script), str(plan)]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as ranks:
         try:
@@ -184,15 +185,14 @@ def run_ranks(world: int, plan: Path) -> dict:
             ranks.communicate()
             pytest.fail(f"{world} ranks did not finish within 240 s")
     assert ranks.returncode == 0, err[-6000:]
-    summary: dict = json.loads(out.splitlines()[-1])
-    return summary
+    return out.splitlines()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_block_on_gloo_ranks_equals_the_block_unsharded_for_every_configuration(world, tmp_path):
     plan = plan_for(world)
-    summary = run_ranks(world, plan.write(tmp_path / "plan.json"))
+    summary = json.loads(run_ranks(world, "torch_block.py", plan.write(tmp_path / "plan.json"))[-1])
     assert summary["world"] == world
     cases = summary["cases"]
     for case in cases:
@@ -220,3 +220,17 @@ def test_a_block_on_gloo_ranks_equals_the_block_unsharded_for_every_configuratio
 
     side_by_side = [c["config"] for c in cases if c["case"] == "subgroup"]
     assert side_by_side == (["allgather_kv", "ring", "ulysses"] if world == 4 else [])
+
+
+@pytest.mark.slow
+def test_ranks_passing_different_lengths_each_get_one_error_naming_every_rank_s_length(tmp_path):
+    """It used to hang (lengths in different buckets) or abort in gloo (in one bucket)."""
+    lines = run_ranks(2, "torch_lengths.py", plan_for(2).write(tmp_path / "plan.json"))
+    reports = sorted((json.loads(line) for line in lines if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1]
+    for report in reports:
+        for case, lengths in (("same_bucket", (37, 38)), ("other_buckets", (20, 50)), ("unshard", (30, 31))):
+            assert report[case].startswith(f"the ranks passed different seq_len (rank 0 passed {lengths[0]}, "
+                                           f"rank 1 passed {lengths[1]}): every rank of the group must pass "
+                                           f"the same seq_len"), report[case]
+        assert report["after"] == [SHAPE.batch, 23, SHAPE.heads, SHAPE.head_dim]  # the group still works

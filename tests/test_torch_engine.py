@@ -5,10 +5,7 @@ calibration ops, its supervision and its refusals (slow: they start ranks)."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,35 +210,33 @@ def test_calibration_ops_time_each_collective_and_shape():
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_as_one_error_and_no_process_is_left():
-    engine = TorchEngine()
-    workload = Workload(seq_len=4096, heads=8, head_dim=64, dtype="fp32")
-    q, k, v = make_inputs(workload)
+def test_a_killed_rank_ends_as_one_error_and_no_process_is_left(faulty_engine):
+    engine = faulty_engine("kill", TorchEngine)  # rank 1 is SIGKILLed as its run starts
+    workload = Workload(seq_len=64, heads=4, head_dim=8, dtype="fp32")
     engine._pool_for(2)
     pool_dir, pids = engine._pool.dir, list(engine._pool.pids)
-    rank_pids = [pid for pid in pids
-                 if b"cptune.engines.torch._worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert rank_pids, "the pool should run torch ranks"
-    threading.Timer(1.0, lambda: os.kill(rank_pids[-1], signal.SIGKILL)).start()
-    started = time.monotonic()
     with pytest.raises(EngineError) as failure:
-        for _ in range(30):
-            cptune.compute(workload, CPConfig("ring", 2), q, k, v, backend=engine, timeout=120)
+        cptune.compute(workload, CPConfig("ring", 2), *make_inputs(workload), backend=engine, timeout=120)
     assert failure.value.kind == "crash"
-    assert time.monotonic() - started < 60
+    assert "a rank crashed while running Ring on 2 ranks" in str(failure.value)
     assert_pool_gone(pool_dir, pids)
 
 
 @pytest.mark.slow
-def test_a_hung_run_times_out_and_no_process_is_left():
-    engine = TorchEngine()
-    workload = Workload(seq_len=8192, heads=8, head_dim=64, dtype="fp32", causal=True)
-    q, k, v = make_inputs(workload)
+def test_a_hung_run_times_out_and_no_process_is_left(faulty_engine):
+    """Rank 1 never answers (rank 0 waits on it inside the Ring), however fast the machine:
+    the run ends at its deadline, and the message shows a deadline under a second as it is
+    and names every place a run's deadline is set."""
+    engine = faulty_engine("hang", TorchEngine)
+    workload = Workload(seq_len=64, heads=4, head_dim=8, dtype="fp32")
     engine._pool_for(2)
     pool_dir, pids = engine._pool.dir, list(engine._pool.pids)
     with pytest.raises(EngineError) as failure:
-        cptune.compute(workload, CPConfig("ring", 2), q, k, v, backend=engine, timeout=0.5)
+        cptune.compute(workload, CPConfig("ring", 2), *make_inputs(workload), backend=engine, timeout=0.5)
     assert failure.value.kind == "timeout"
+    assert "did not finish Ring on 2 ranks within 0.5 s" in str(failure.value)
+    for knob in ("--timeout of cptune measure", "search space's [measure] table", "timeout= in Python"):
+        assert knob in str(failure.value)
     assert_pool_gone(pool_dir, pids)
 
 

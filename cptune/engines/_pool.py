@@ -49,8 +49,19 @@ def worker_command(module: str) -> list[str]:
     return [sys.executable, "-P", "-m", module]
 
 _OUTPUT_TAIL_LINES = 15
+#: What to do about a run that overran the deadline its caller set, wherever they set it.
+RAISE_RUN_DEADLINE = ("if the run is just slow, allow it more time: --timeout of cptune measure, timeout in "
+                      "a search space's [measure] table, or timeout= in Python")
+#: ... and one that overran a deadline of cptune's own (calibration, an engine build, a probe).
+FIXED_DEADLINE = "this deadline is fixed: if the machine was busy, run again when it is quiet"
 #: The file in a pool's folder naming the process that owns it: "<pid> <start time>".
 OWNER_FILE = "owner"
+
+
+def seconds_text(seconds: float) -> str:
+    """``seconds`` for a message: two significant digits under 10 s (0.5 s, never "0 s"), whole
+    seconds above."""
+    return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
 def _started(pid: int) -> str:
@@ -119,15 +130,19 @@ class WorkerPool:
 
     def __init__(self, size: int, worker: Sequence[str], start_timeout: float,
                  env: Mapping[str, str] | None = None) -> None:
-        self._prepare(size, "cptune-pool-")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.dir / "driver.sock"))
-        listener.listen(size)
         mpiexec = find_mpiexec()
+        self._prepare(size, "cptune-pool-")
+        address = self.dir / "driver.sock"
+        try:
+            listener = protocol.unix_listener(address, size)
+        except OSError as exc:
+            self._discard()
+            raise EngineError("launch", f"cannot open the pool's socket {address} ({exc.strerror}): point "
+                                        f"TMPDIR at a writable local directory") from None
         env = rank_environment(env)
         env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
         command = [mpiexec, "-n", str(size), *worker,
-                   "--socket", str(self.dir / "driver.sock"), "--driver-pid", str(os.getpid())]
+                   "--socket", str(address), "--driver-pid", str(os.getpid())]
         self._start(command, env, listener, start_timeout)
 
     def _prepare(self, size: int, prefix: str) -> None:
@@ -146,10 +161,15 @@ class WorkerPool:
                start_timeout: float) -> None:
         """Run ``command`` in a session of its own, its output into the pool's log, and wait
         until every rank has connected to ``listener`` (closed after); a failure ends the ranks."""
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True,
+            )
+        except BaseException:
+            listener.close()
+            self._discard()
+            raise
         try:
             self._accept(listener, start_timeout)
         except BaseException:
@@ -171,7 +191,7 @@ class WorkerPool:
             if time.monotonic() > deadline:
                 raise EngineError(
                     "launch",
-                    f"only {len(self.socks)} of {self.size} ranks started within {timeout:.0f} s; "
+                    f"only {len(self.socks)} of {self.size} ranks started within {seconds_text(timeout)}; "
                     f"the machine may be overloaded. Output so far:\n{self.output_tail()}",
                 )
             try:
@@ -199,22 +219,25 @@ class WorkerPool:
         return "\n".join("    " + line for line in lines) if lines else "    (no output)"
 
     def request(
-        self, messages: dict[int, protocol.Message], timeout: float, what: str
+        self, messages: dict[int, protocol.Message], timeout: float, what: str, *, caller_set: bool
     ) -> dict[int, protocol.Message]:
         """Send each rank its message and collect every reply; on any failure stop the pool
-        and raise one ``EngineError`` naming the rank(s) and what happened."""
+        and raise one ``EngineError`` naming the rank(s) and what happened. ``caller_set``:
+        whether ``timeout`` is the deadline of a run the caller may raise (else cptune's own),
+        for the advice when it passes."""
         try:
             try:
                 for rank, (header, arrays) in messages.items():
                     protocol.send(self.socks[rank], header, arrays)
             except OSError as exc:
                 self._crashed(what, f"lost contact with a rank ({exc})")
-            return self._collect(set(messages), timeout, what)
+            return self._collect(set(messages), timeout, what, caller_set)
         except BaseException:  # the ranks' state is unknown (also after Ctrl-C): stop them
             self.kill()
             raise
 
-    def _collect(self, waiting: set[int], timeout: float, what: str) -> dict[int, protocol.Message]:
+    def _collect(self, waiting: set[int], timeout: float, what: str,
+                 caller_set: bool) -> dict[int, protocol.Message]:
         deadline = time.monotonic() + timeout
         replies: dict[int, protocol.Message] = {}
         with selectors.DefaultSelector() as selector:
@@ -224,11 +247,11 @@ class WorkerPool:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     ranks = ", ".join(map(str, sorted(waiting)))
+                    advice = RAISE_RUN_DEADLINE if caller_set else FIXED_DEADLINE
                     raise EngineError(
                         "timeout",
-                        f"rank(s) {ranks} did not finish {what} within {timeout:.0f} s, so the "
-                        f"ranks were stopped. If the workload is just slow, allow more time "
-                        f"(timeout=...); a hang points at a deadlock in the strategy.",
+                        f"rank(s) {ranks} did not finish {what} within {seconds_text(timeout)}, so the "
+                        f"ranks were stopped. A hang points at a deadlock; {advice}.",
                     )
                 if self.proc.poll() is not None:
                     self._crashed(what, f"mpiexec exited with code {self.proc.returncode}")
@@ -288,6 +311,10 @@ class WorkerPool:
             sock.close()
         self.socks.clear()
         self.pids.clear()
+        self._discard()
+
+    def _discard(self) -> None:
+        """Close the ranks' log and remove the pool's folder (its processes are gone)."""
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -346,12 +373,12 @@ class PooledEngine:
         return {}
 
     def _request(
-        self, messages: dict[int, protocol.Message], timeout: float, what: str
+        self, messages: dict[int, protocol.Message], timeout: float, what: str, *, caller_set: bool
     ) -> dict[int, protocol.Message]:
         pool = self._pool
         assert pool is not None
         try:
-            return pool.request(messages, timeout, what)
+            return pool.request(messages, timeout, what, caller_set=caller_set)
         except BaseException:
             self._pool = None  # request() already stopped it
             raise
@@ -367,7 +394,7 @@ class PooledEngine:
         header = {"op": "run", "engine": self.name, "workload": workload.to_dict(),
                   "config": config.to_dict(), **extra}
         messages = {rank: (header, list(sent)) for rank, sent in enumerate(arrays)}
-        replies = self._request(messages, timeout, what)
+        replies = self._request(messages, timeout, what, caller_set=True)
         return self._ran(replies, config.ranks)
 
     def _ran(self, replies: dict[int, protocol.Message], ranks: int) -> tuple[list[np.ndarray], list[int]]:
@@ -382,7 +409,8 @@ class PooledEngine:
         if self._pool is None or not self._timed_ranks:
             raise RuntimeError("time() needs a successful run() first")
         header = {"op": "time", "warmup": warmup, "repeats": repeats}
-        replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what)
+        replies = self._request({r: (header, []) for r in range(self._timed_ranks)}, timeout, what,
+                                caller_set=True)
         return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
 
     def _threads(self, ranks: int) -> int:
@@ -424,7 +452,7 @@ class PooledEngine:
         slowest rank, element by element."""
         self._pool_for(ranks)
         request = {**header, "engine": self.name}
-        replies = self._request({r: (request, []) for r in range(ranks)}, timeout, what)
+        replies = self._request({r: (request, []) for r in range(ranks)}, timeout, what, caller_set=False)
         return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
 
     def time_steps(

@@ -1,15 +1,23 @@
-"""Messages between the driver and its ranks over a stream socket.
+"""Messages between the driver and its ranks over a stream socket, and the Unix sockets they
+meet on.
 
 A message is a JSON header followed by the raw bytes of the arrays it lists (dtype and
 shape in the header). Nothing is pickled: a peer can only ever send data, never code.
+
+The driver's socket is a file in its pool's private folder (mode 0700, in the temporary
+directory), so only this user's processes can connect. A Unix socket's address holds at
+most 107 bytes, and a cluster job's TMPDIR alone can be longer: a longer path is reached
+through a descriptor of its folder (``/proc/self/fd/N/name``), the same file by a short name.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +27,44 @@ _MAX_HEADER = 16 * 2**20
 _DTYPES = {"float16", "float32", "float64", "int32", "int64", "uint8"}  # uint8: serialized graphs
 
 Message = tuple[dict[str, Any], list[np.ndarray]]
+#: The longest path a Unix socket address holds (Linux's sun_path, less its final NUL).
+SOCKET_PATH_MAX = 107
+
+
+def _at(path: Path, use: Callable[[str], None]) -> None:
+    """Call ``use`` (a socket's bind or connect) with an address of the socket file ``path``:
+    the path itself where it fits, else a short one through a descriptor of its folder."""
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        use(str(path))
+        return
+    folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        use(f"/proc/self/fd/{folder}/{path.name}")
+    finally:
+        os.close(folder)
+
+
+def unix_listener(path: Path, backlog: int) -> socket.socket:
+    """A stream socket listening at the new socket file ``path``, whatever its length."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _at(path, listener.bind)
+        listener.listen(backlog)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def unix_connection(path: Path) -> socket.socket:
+    """A stream socket connected to the listener at socket file ``path``, whatever its length."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _at(path, sock.connect)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def send(sock: socket.socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:

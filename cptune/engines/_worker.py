@@ -33,6 +33,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -231,9 +232,7 @@ def main(argv: list[str] | None = None, worker: Callable[[socket.socket], RankSe
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
     kill_when_gone(args.driver_pid)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(args.socket)
-    serve_until_done(worker(sock))
+    serve_until_done(worker(protocol.unix_connection(Path(args.socket))))
 
 
 def serve_until_done(rank: RankServer) -> None:

@@ -20,6 +20,7 @@ from cptune.feasibility import check_feasible
 from cptune.layout import context_group_members, head_group_members, rank_groups
 from cptune.plans import Plan, PlanMismatchError
 from cptune.strategies import run_strategy
+from cptune.torch._lengths import SameLength
 from cptune.torch._sequence import sequence_layout, shard_length, shard_sequence, unshard_sequence
 from cptune.workload import AttentionShape, Workload
 
@@ -69,6 +70,7 @@ class ContextParallelAttention(torch.nn.Module):
                                  f"{config.ranks}) or pass a larger group")
         #: Group ranks in layout order: where each rank's piece arrives in an all-gather.
         self._group_ranks = [dist.get_group_rank(self.group, g) for g in members]
+        self._same_length = SameLength(self.group, self._group_ranks)
         self._groups = _process_groups(self.configs, members, self.rank)
 
     def config_for(self, seq_len: int) -> CPConfig:
@@ -101,6 +103,7 @@ class ContextParallelAttention(torch.nn.Module):
     def unshard(self, local: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The full sequence [batch, seq_len, ...] on every rank, from each rank's shard
         ``local`` (``unshard_sequence`` after an all-gather: collective over the group)."""
+        self._same_length.check(seq_len)
         workload, config = self.shape.at(seq_len), self.config_for(seq_len)
         length, piece = shard_length(workload, config, self.rank), shard_length(workload, config, 0)
         if local.dim() < 2 or local.shape[1] != length:
@@ -117,7 +120,8 @@ class ContextParallelAttention(torch.nn.Module):
         """This rank's output shard [batch, local_seq, heads, head_dim] of attention over a
         sequence of ``seq_len`` tokens, from its shards ``q`` [batch, local_seq, heads,
         head_dim] and ``k``, ``v`` [batch, local_seq, kv_heads, head_dim] in the shape's dtype.
-        Every rank of the group calls it with the same ``seq_len``."""
+        Every rank of the group calls it with the same ``seq_len`` (checked at a length's first call)."""
+        self._same_length.check(seq_len)
         workload, config = self.shape.at(seq_len), self.config_for(seq_len)
         check_feasible(workload, config)  # the one reason left: fewer tokens than ranks
         local = shard_length(workload, config, self.rank)

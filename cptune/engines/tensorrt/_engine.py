@@ -99,7 +99,7 @@ class TensorRTEngine(PooledEngine):
         request = {"op": "probe", "probe": name, "ranks": ranks}
         try:
             replies = self._request({r: (request, []) for r in range(ranks)}, PROBE_TIMEOUT_S,
-                                    f"cptune doctor's {name} probe")
+                                    f"cptune doctor's {name} probe", caller_set=False)
         except EngineError as failure:  # the rank's own words: the last line of its report
             said = [line.strip() for line in str(failure).splitlines() if line.strip()]
             return ProbeResult.judged(name, False, f"{failure.kind}: {said[-1]}", "error")
@@ -135,10 +135,10 @@ class TensorRTEngine(PooledEngine):
         prepare = {"op": "prepare", "workload": workload.to_dict(), "config": config.to_dict()}
         what = config.describe()
         replies = self._request({r: (prepare, []) for r in range(config.ranks)}, BUILD_TIMEOUT_S,
-                                f"building the engines of {what}")
+                                f"building the engines of {what}", caller_set=False)
         self._note_build(replies)
         replies = self._request({r: ({"op": "run"}, list(shard)) for r, shard in enumerate(shards)},
-                                timeout, what)
+                                timeout, what, caller_set=True)
         return self._ran(replies, config.ranks)
 
     def _time_cases(
@@ -146,10 +146,11 @@ class TensorRTEngine(PooledEngine):
     ) -> np.ndarray:
         self._pool_for(ranks)
         prepare = {"op": "prepare_cases", "ranks": ranks, "case": case}
-        replies = self._request({r: (prepare, []) for r in range(ranks)}, BUILD_TIMEOUT_S, f"building {what}")
+        replies = self._request({r: (prepare, []) for r in range(ranks)}, BUILD_TIMEOUT_S, f"building {what}",
+                                caller_set=False)
         self._note_build(replies)
         timing = {"op": "time_cases", "warmup": warmup, "repeats": repeats}
-        replies = self._request({r: (timing, []) for r in range(ranks)}, timeout, what)
+        replies = self._request({r: (timing, []) for r in range(ranks)}, timeout, what, caller_set=False)
         return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
 
     def time_collective(

@@ -18,7 +18,6 @@ import contextlib
 import datetime
 import os
 import select
-import shutil
 import socket
 import threading
 import time
@@ -151,10 +150,14 @@ class LaunchedPool(WorkerPool):
     def __init__(self, launch: Launched, worker: Sequence[str], start_timeout: float) -> None:
         if _driver_store is None:
             raise BackendUnavailableError("launched ranks are driven from cptune's command line on rank 0")
-        self._prepare(launch.size, "cptune-launched-")
-        listener = socket.create_server(("127.0.0.1", 0), backlog=self.size)
+        listener = socket.create_server(("127.0.0.1", 0), backlog=launch.size)
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        _driver_store.set(_DRIVER_KEY, address)
+        try:
+            _driver_store.set(_DRIVER_KEY, address)
+        except BaseException:
+            listener.close()
+            raise
+        self._prepare(launch.size, "cptune-launched-")  # its folder last: nothing fails before _start
         self._start([*worker, "--driver", address, "--driver-pid", str(os.getpid())], rank_environment(),
                     listener, start_timeout)
         self.pids = [self.proc.pid]  # the user's ranks exit when their connection closes
@@ -170,8 +173,7 @@ class LaunchedPool(WorkerPool):
                 os.killpg(self.proc.pid, 9)
         self.proc.wait()
         self.pids.clear()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._discard()
 
 
 def lost() -> EngineError:

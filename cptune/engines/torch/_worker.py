@@ -313,8 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
         store = store_at(os.environ["CPTUNE_TORCH_STORE"], os.environ["CPTUNE_TORCH_WORLD"])
         device, backend = join_world(store, rank, size, int(os.environ.get("MPI_LOCALRANKID", rank)))
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(args.socket)
+        sock = protocol.unix_connection(Path(args.socket))
     else:  # rank 0 of ranks the user launched: the others join from their own cptune (serve_launched)
         launch = launched_ranks()
         assert launch is not None and launch.rank == 0
