@@ -1,7 +1,8 @@
 """Every measurement, kept: SQLAlchemy 2 over SQLite by default, any SQLAlchemy URL allowed.
 
-``Store(db)`` opens (and migrates) a database; ``Result`` is one stored row as it is handed
-out. The tables (``_schema``) are this package's own; nothing outside it reads them.
+``Store(db)`` opens (and migrates) a database, ``Store(db, reading=True)`` one to read without
+changing it; ``Result`` is one stored row as it is handed out. The tables (``_schema``) are
+this package's own; nothing outside it reads them.
 """
 
 from cptune.store._result import RESULT_COLUMNS, STATUSES, Result
