@@ -1,7 +1,8 @@
 """Commands that only read never change a database (issue 41): an older schema is read as it
 is, an empty file or one that is not cptune's is refused untouched, a database on a read-only
-filesystem is read. And what writes never writes into a damaged file. "Untouched" is checked
-byte for byte, over every file in the database's directory (SQLite's journals included)."""
+filesystem is read. And what writes never writes into a damaged file, nor leaves behind a new
+empty database when it fails before storing anything. "Untouched" is checked byte for byte,
+over every file in the database's directory (SQLite's journals included)."""
 
 import contextlib
 import hashlib
@@ -36,6 +37,7 @@ READING = {
     "fit": ["fit"],
 }
 SEARCH = ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", "1", "--no-calibrate"]
+CALIBRATE = ["calibrate", "--max-ranks", "1"]
 
 
 def command(name: str, out: Path) -> list[str]:
@@ -307,3 +309,17 @@ def test_a_damaged_database_is_refused_and_never_written(cptune_here, monkeypatc
     assert_refused(cptune_here(*argv, "--db", damaged), f"database {damaged} is damaged (",
                    f"cptune leaves it as it is: recover what it holds with sqlite3 {damaged} .recover")
     assert files_in(damaged.parent) == before
+
+
+@pytest.mark.parametrize("existing", [None, b""], ids=["no-file", "empty-file"])
+@pytest.mark.parametrize("argv", [SEARCH, CALIBRATE], ids=["search", "calibrate"])
+def test_a_command_that_cannot_take_the_host_lock_leaves_no_database(
+        cptune_here, monkeypatch, tmp_path, existing, argv):
+    """The new database used to be made before the lock was taken, and stayed, empty."""
+    monkeypatch.setenv("CPTUNE_LOCK", str(tmp_path / "no-such-dir" / "host.lock"))
+    path = tmp_path / "db" / "new.db"
+    path.parent.mkdir()
+    if existing is not None:
+        path.write_bytes(existing)
+    assert_refused(cptune_here(*argv, "--db", path), "lock")
+    assert files_in(path.parent) == ({} if existing is None else {"new.db": hashlib.sha256(b"").hexdigest()})

@@ -7,7 +7,7 @@ this package's own; nothing outside it reads them.
 
 from cptune.store._result import RESULT_COLUMNS, STATUSES, Result
 from cptune.store._schema import VERSION_TABLE, Base
-from cptune.store._store import DiskFullError, Store, StoreError, disk_full
+from cptune.store._store import DiskFullError, Store, StoreError, disk_full, new_database
 from cptune.store._urls import DEFAULT_DB, POSTGRES_DRIVER, database_url, display_url, missing_database
 
 __all__ = [
@@ -25,4 +25,5 @@ __all__ = [
     "disk_full",
     "display_url",
     "missing_database",
+    "new_database",
 ]

@@ -185,6 +185,20 @@ def _migrate(engine: Engine, url: str) -> None:
         command.upgrade(config, "head")
 
 
+def new_database(db: str | None = None) -> bool:
+    """Whether opening ``db`` to write makes a new database (a SQLite file that does not
+    exist yet, or is empty), checked as ``Store`` would (a ``StoreError`` saying why it
+    cannot be made there) but not made: a command can then take what it waits for (the host
+    lock) first, and one that fails or is stopped before leaves no empty database behind."""
+    url = database_url(db)
+    path = None if in_memory(url) or read_only(url) else sqlite_file(url)
+    if path is None:
+        return False
+    if problem := path_problem(path, create=True, opened_read_only=None):
+        raise StoreError(problem)
+    return not path.exists() or path.stat().st_size == 0
+
+
 Row = TypeVar("Row", HardwareRow, WorkloadRow)
 T = TypeVar("T")
 
