@@ -151,7 +151,7 @@ def main() -> int:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
 
-    with Store(args.db, create=False) as store:
+    with Store(args.db, reading=True) as store:
         data = training_set(store, include_oversubscribed=args.include_oversubscribed)
         oversubscribed = sum(r.oversubscribed for r in data.results)
     workloads = sorted({case.workload for case in data.cases},

@@ -70,7 +70,7 @@ def clean_rows(dbs: Sequence[str], fingerprint: str) -> Run:
     hardware ``fingerprint`` (a sweep may store its spaces in several)."""
     by_workload: Run = defaultdict(list)
     for db in dbs:
-        with Store(db, create=False) as store:
+        with Store(db, reading=True) as store:
             rows = store.results(hardware=fingerprint)
         for row in rows:
             if row.clean:

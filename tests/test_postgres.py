@@ -249,3 +249,32 @@ def test_another_programs_database_is_refused_and_a_schema_of_cptunes_own_shares
                                     "WHERE table_schema IN ('public', 'cptune')").fetchall()
     assert ("public", "customers") in tables and ("cptune", "measurements") in tables
     assert {schema for schema, name in tables if name != "customers"} == {"cptune"}
+
+
+def test_an_older_database_is_left_as_it_is_by_a_command_that_reads(postgres_url, password):
+    """It cannot be copied to be read as SQLite's is: reading refuses it in one line naming
+    what upgrades it, and its schema stays as the older cptune left it."""
+    from importlib.resources import files
+
+    import psycopg
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    config = Config()
+    config.set_main_option("script_location", str(files("cptune.db")))
+    engine = create_engine(database_url(postgres_url))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0005")
+    engine.dispose()
+    done = cptune("results", "--db", postgres_url)
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "holds cptune's schema revision '0005', older than this cptune" in done.stderr
+    assert "upgrade it once with a command that writes to it (cptune search or cptune" in done.stderr
+    assert password not in done.stderr
+    with psycopg.connect(postgres_url) as connection:
+        assert connection.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchone() == ("0005",)
+    with Store(postgres_url) as store:  # a command that writes upgrades it
+        assert store.results() == []
+    assert cptune("results", "--db", postgres_url).returncode == 0

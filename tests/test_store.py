@@ -302,7 +302,8 @@ def test_reading_never_creates_a_database(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_database_of_a_newer_cptune_is_refused_untouched(tmp_path):
+@pytest.mark.parametrize("reading", [False, True], ids=["writing", "reading"])
+def test_a_database_of_a_newer_cptune_is_refused_untouched(tmp_path, reading):
     path = tmp_path / "newer.db"
     with Store(str(path)) as store:
         store.add_failure(HARDWARE, WORKLOAD, CPConfig("ring", 2), "crash", "x", "mpi")
@@ -310,7 +311,7 @@ def test_a_database_of_a_newer_cptune_is_refused_untouched(tmp_path):
             connection.exec_driver_sql(f"UPDATE {VERSION_TABLE} SET version_num = '0042'")
     before = path.read_bytes()
     with pytest.raises(StoreError, match=r"by a newer cptune \(schema revision '0042'.*Nothing was changed"):
-        Store(str(path))
+        Store(str(path), reading=reading)
     assert path.read_bytes() == before
 
 

@@ -175,7 +175,8 @@ def test_an_immutable_url_of_a_missing_file_is_not_created(cptune_here, tmp_path
 def test_a_read_only_file_cptune_must_write_first_says_so(tmp_path):
     path = tmp_path / "empty.db"
     path.write_bytes(b"")  # its schema must be created first, which is a write
-    with pytest.raises(StoreError, match=r"it can only be read here \(mode=ro\) and cptune must write to"):
+    with pytest.raises(StoreError, match=r"It can only be read here \(mode=ro\) and nothing was changed: "
+                                         r"open it without mode=ro in the URL or pass another --db$"):
         Store(f"sqlite:///file:{path}?mode=ro&uri=true")
     assert path.read_bytes() == b""
 

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.combined and args.status not in (None, "ok"):
         raise UsageError(f"--combined combines successful runs only, so --status {args.status} selects "
                          f"nothing there; drop --status, or list the rows without --combined")
-    with Store(args.db, create=False) as store:
+    with Store(args.db, create=False, reading=not changes) as store:
         if changes:
             store.require_writable()
         if args.exclude or args.include:

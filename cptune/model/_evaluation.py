@@ -378,7 +378,7 @@ def fit_advised(
 def load_training(db: str | None = None, include_oversubscribed: bool = False) -> TrainingSet:
     """The training set of ``db`` (see ``training_set``); a ``CPTuneError`` saying what to
     run when it is empty."""
-    with Store(db, create=False) as store:
+    with Store(db, reading=True) as store:
         data = training_set(store, include_oversubscribed)
     if not data.cases and data.uncalibrated:
         raise CPTuneError(

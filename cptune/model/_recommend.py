@@ -358,15 +358,22 @@ _advisors: dict[str, _Advisor] = {}
 
 
 def _advisor(db: str | None) -> _Advisor:
-    """The advisor of ``db``. A database that does not exist is never created: named (``db``
-    or $CPTUNE_DB), it is refused; the default one stands for an empty database."""
+    """The advisor of ``db``, which is only read. A database that does not exist is never
+    created: named (``db`` or $CPTUNE_DB), it is refused; the default one stands for an
+    empty database."""
     url = database_url(db)
     if url not in _advisors:
         if db is None and not os.environ.get("CPTUNE_DB") and missing_database(url) is not None:
             advisor = _Advisor(url, None)  # not kept: the file may be created later
             advisor.refresh()
             return advisor
-        _advisors[url] = _Advisor(url, Store(url, create=False))
+        store = Store(url, reading=True)
+        if store.copied:  # an older database read through a copy: not kept, it would go stale
+            with store:
+                advisor = _Advisor(url, store)
+                advisor.refresh()
+            return advisor
+        _advisors[url] = _Advisor(url, store)
     advisor = _advisors[url]
     advisor.refresh()
     return advisor

@@ -232,7 +232,7 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
 
     ``hardware``: a fingerprint or a unique prefix of 4 or more characters; None for every
     hardware with measurements. A ``CPTuneError`` when there is nothing to report."""
-    with Store(db, create=False) as store:
+    with Store(db, reading=True) as store:
         url = store.url  # shown in the report: no password
         rows = store.results(oversubscribed=False)
         described = store.hardware()

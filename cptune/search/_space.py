@@ -14,6 +14,8 @@ line draws it live.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from cptune.hostlock import measuring
 from cptune.search._visits import Visit
 from cptune.search._workload import WorkloadSearch
 from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
-from cptune.store import Store
+from cptune.store import Store, new_database
 from cptune.workload import Workload
 
 
@@ -215,47 +217,62 @@ def search_space(
     engine.preflight(max(counts))
     hardware = engine.hardware()
     told = progress or SearchProgress()
+    with _measuring_into(db, share) as store:  # one measuring process per host: a second one waits
+        run = SpaceSearch(
+            space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
+            rounds=rounds or space.measure.rounds,
+            race_rounds=space.measure.race_rounds if race_rounds is None else race_rounds,
+            confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
+        )
+        told.started(run)
+        studies = store.optuna_storage()
+        if calibrate_first and store.calibration(hardware.fingerprint) is None:
+            ranks = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
+            told.calibrating(hardware, ranks, store.url, first_run=True)
+            run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
+            store.add_calibration(hardware, run.calibration)
+        if engine.spec.probes:
+            run.node = _node_verdict(store, engine, hardware, max(counts), told)
+        pending = []  # searches whose winner a second sitting confirms
+        for workload in space.workloads():
+            configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
+                       if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))]
+            if run.node is not None:
+                configs = _allowed(run, workload, configs, told)
+                if not configs:
+                    told.skipped(workload)
+                    continue
+            search = WorkloadSearch(
+                workload, configs, store, hardware, warmup=space.measure.warmup,
+                repeats=space.measure.repeats, run_timeout=space.measure.timeout,
+                trials=trials or space.trials, time_budget=timeout, remeasure=remeasure,
+                backend=engine, order=order, study_storage=studies, rounds=run.rounds,
+                race_rounds=run.race_rounds, confirm_rounds=run.confirm_rounds, seed=seed,
+            )
+            run.searches[workload.seq_len] = search
+            if _sitting(run, search, second=False, told=told):
+                pending.append(search)
+        for search in pending:
+            _sitting(run, search, second=True, told=told)
+    return run
+
+
+@contextmanager
+def _measuring_into(db: str | None, share: bool) -> Iterator[Store]:
+    """``db``'s store, checked writable, with the host lock held (``measuring``). An
+    existing database is opened before the lock is waited for, so one that cannot be written
+    is refused at once, and the lock is taken at the first run (none when every result is
+    stored); a new one (``new_database``) is made only once the lock is held, so that failing
+    to get it (a lock file that cannot be opened, Ctrl-C while waiting) leaves no empty
+    database behind."""
+    if new_database(db):
+        with measuring(), Store(db, share=share) as store:
+            yield store
+        return
     with Store(db, share=share) as store:
         store.require_writable()
-        # one measuring process per host: a second one waits at the first run, none if all is stored
-        with measuring(lazy=True):
-            run = SpaceSearch(
-                space=space, hardware=hardware, engine=engine.name, url=store.url, order=order,
-                rounds=rounds or space.measure.rounds,
-                race_rounds=space.measure.race_rounds if race_rounds is None else race_rounds,
-                confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
-            )
-            told.started(run)
-            studies = store.optuna_storage()
-            if calibrate_first and store.calibration(hardware.fingerprint) is None:
-                ranks = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
-                told.calibrating(hardware, ranks, store.url, first_run=True)
-                run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
-                store.add_calibration(hardware, run.calibration)
-            if engine.spec.probes:
-                run.node = _node_verdict(store, engine, hardware, max(counts), told)
-            pending = []  # searches whose winner a second sitting confirms
-            for workload in space.workloads():
-                configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
-                           if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))]
-                if run.node is not None:
-                    configs = _allowed(run, workload, configs, told)
-                    if not configs:
-                        told.skipped(workload)
-                        continue
-                search = WorkloadSearch(
-                    workload, configs, store, hardware, warmup=space.measure.warmup,
-                    repeats=space.measure.repeats, run_timeout=space.measure.timeout,
-                    trials=trials or space.trials, time_budget=timeout, remeasure=remeasure,
-                    backend=engine, order=order, study_storage=studies, rounds=run.rounds,
-                    race_rounds=run.race_rounds, confirm_rounds=run.confirm_rounds, seed=seed,
-                )
-                run.searches[workload.seq_len] = search
-                if _sitting(run, search, second=False, told=told):
-                    pending.append(search)
-            for search in pending:
-                _sitting(run, search, second=True, told=told)
-    return run
+        with measuring(lazy=True):  # taken at the first run: a search with all stored never waits
+            yield store
 
 
 def _node_verdict(store: Store, engine: Engine, hardware: Hardware, ranks: int, told: SearchProgress
@@ -370,12 +387,10 @@ def calibrate_host(
     if max_ranks > cores and engine.device == "cpu":  # a GPU engine's preflight refused this
         refuse_oversubscription(f"--max-ranks {max_ranks}", cores, oversubscribe)
     told = progress or SearchProgress()
-    with Store(db, share=share) as store:
-        store.require_writable()
-        with measuring():
-            hardware = engine.hardware()
-            told.calibrating(hardware, max_ranks, store.url, first_run=False)
-            calibration = calibrate(max_ranks, backend=engine, repeats=repeats,
-                                    progress=told.calibration_step, rounds=rounds)
-            store.add_calibration(hardware, calibration)
+    with _measuring_into(db, share) as store:
+        hardware = engine.hardware()
+        told.calibrating(hardware, max_ranks, store.url, first_run=False)
+        calibration = calibrate(max_ranks, backend=engine, repeats=repeats,
+                                progress=told.calibration_step, rounds=rounds)
+        store.add_calibration(hardware, calibration)
     return hardware, calibration

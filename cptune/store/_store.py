@@ -1,6 +1,6 @@
 """Every measurement, kept: SQLAlchemy 2 over SQLite by default, any SQLAlchemy URL allowed.
 
-A store is opened with ``Store(url)``: the schema is brought up to date by the Alembic
+A store is opened to write with ``Store(url)``: the schema is brought up to date by the Alembic
 migrations in ``cptune.db`` (version table ``cptune_alembic_version``, so Optuna's own
 tables and ``alembic_version`` can live in the same database). SQLite runs in WAL mode with
 a busy timeout and takes its write lock at the start of each transaction (BEGIN
@@ -10,6 +10,13 @@ that writers share (hardware, workloads) are added under a savepoint, so searche
 a database there too. Each measurement is committed on its own: an interrupted search loses
 at most the one in flight. A URL is shown only with its password hidden (``display_url``).
 
+A store opened ``reading`` (what commands that only read use) changes nothing: no WAL switch,
+no migration, no write (SQLite's ``query_only``, a URI that never creates the file, read-only
+or immutable where the file cannot be written: ``reading_url``). An older schema is read
+through a copy migrated in memory (SQLite) or refused naming what upgrades it (PostgreSQL); an
+empty file or a database without cptune's schema is refused. A writer refuses a damaged
+SQLite file (``quick_check``) before its first write.
+
 A store never touches a database that is not cptune's: one that holds other tables and no
 cptune schema (no ``cptune_alembic_version``) is refused before anything is written, even
 the switch to WAL. Optuna's tables do not count (cptune keeps its studies beside its own
@@ -18,8 +25,8 @@ beside the others (on PostgreSQL, a schema of cptune's own in the URL's search_p
 them apart without it). SQLite in memory is refused (it would keep nothing for the next
 command); a file opened read-only (``mode=ro``) or ``immutable=1`` stays out of WAL mode and
 can be read, not written. A path that cannot hold a database (a loop of symbolic links, a
-directory, a missing or read-only parent directory) is refused with what to do. These checks
-and SQLite's connection setup live in ``_opening``.
+directory, a device, FIFO or socket, a missing or read-only parent directory) is refused with
+what to do. These checks and SQLite's connection setup live in ``_opening``.
 
 A disk that fills (SQLite's "database or disk is full", ``ENOSPC``, PostgreSQL's disk_full,
 also wrapped in Optuna's ``StorageInternalError``) is a ``DiskFullError``: one line saying
@@ -38,7 +45,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, TypeVar
 
-from sqlalchemy import Engine, Select, create_engine, func, select
+from sqlalchemy import Connection, Engine, Select, StaticPool, create_engine, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
@@ -50,7 +57,19 @@ from cptune.engines import NodeVerdict
 from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
-from cptune.store._opening import BUSY_TIMEOUT_MS, foreign_tables, named_few, path_problem, sqlite_setup
+from cptune.store._opening import (
+    BUSY_TIMEOUT_MS,
+    CHECK_OR_CREATE,
+    corrupt,
+    damage,
+    damaged,
+    foreign_tables,
+    named_few,
+    path_problem,
+    reading_url,
+    sqlite_setup,
+    writable,
+)
 from cptune.store._result import STATUSES, Result
 from cptune.store._schema import (
     VERSION_TABLE,
@@ -74,6 +93,8 @@ from cptune.version import __version__
 from cptune.workload import Workload
 
 if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
     from optuna.storages import RDBStorage
 
 #: Tries at opening Optuna's storage (a first open creates its tables).
@@ -121,31 +142,61 @@ def _utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
-def _migrate(engine: Engine, url: str) -> None:
-    """Bring the schema to this cptune's head; a database of a newer cptune (a revision
-    this one does not know) is refused before anything is written."""
-    from alembic import command
+def _alembic() -> tuple[Config, ScriptDirectory]:
+    """Alembic's configuration of cptune's migrations (``cptune.db``) and their scripts."""
     from alembic.config import Config
-    from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
     config = Config()
     config.set_main_option("script_location", str(shipped("cptune.db")))
-    scripts = ScriptDirectory.from_config(config)
+    return config, ScriptDirectory.from_config(config)
+
+
+def _revision(connection: Connection) -> str | None:
+    """The schema revision of the database ``connection`` opens (None: no cptune schema), read only."""
+    from alembic.runtime.migration import MigrationContext
+
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def _refuse_newer(current: str | None, scripts: ScriptDirectory, url: str) -> None:
+    """Refuse a database of a newer cptune (``current`` is a revision this one does not know)."""
+    if current is not None and current not in {script.revision for script in scripts.walk_revisions()}:
+        raise StoreError(
+            f"database {display_url(url)} was written by a newer cptune (schema revision {current!r}; "
+            f"this cptune {__version__} knows up to {scripts.get_current_head()!r}): upgrade cptune "
+            f"to use it, or pass another --db. Nothing was changed"
+        )
+
+
+def _migrate(engine: Engine, url: str) -> None:
+    """Bring the schema to this cptune's head; a database of a newer cptune (a revision
+    this one does not know) is refused before anything is written."""
+    from alembic import command
+
+    config, scripts = _alembic()
     with engine.begin() as connection:
         if connection.dialect.name == "postgresql":
             # two processes opening a new database at once: the second waits, then finds it migrated
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-        current = context.get_current_revision()
-        if current is not None and current not in {script.revision for script in scripts.walk_revisions()}:
-            raise StoreError(
-                f"database {display_url(url)} was written by a newer cptune (schema revision {current!r}; "
-                f"this cptune {__version__} knows up to {scripts.get_current_head()!r}): upgrade cptune "
-                f"to use it, or pass another --db. Nothing was changed"
-            )
+        _refuse_newer(_revision(connection), scripts, url)
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+def new_database(db: str | None = None) -> bool:
+    """Whether opening ``db`` to write makes a new database (a SQLite file that does not
+    exist yet, or is empty), checked as ``Store`` would (a ``StoreError`` saying why it
+    cannot be made there) but not made: a command can then take what it waits for (the host
+    lock) first, and one that fails or is stopped before leaves no empty database behind."""
+    url = database_url(db)
+    path = None if in_memory(url) or read_only(url) else sqlite_file(url)
+    if path is None:
+        return False
+    if problem := path_problem(path, create=True, opened_read_only=None):
+        raise StoreError(problem)
+    return not path.exists() or path.stat().st_size == 0
 
 
 Row = TypeVar("Row", HardwareRow, WorkloadRow)
@@ -171,12 +222,17 @@ def _get_or_add(session: Session, model: type[Row], key: dict[str, object], **re
 
 class Store:
     """Opens (and migrates) the database at ``db``; see ``database_url``. With
-    ``create=False`` (what reading commands use) a SQLite file that does not exist is
-    refused rather than created. A database that holds other programs' tables and no cptune
-    schema is refused untouched unless ``share`` (cptune's tables are then added beside
-    theirs); one in memory is refused."""
+    ``create=False`` a SQLite file that does not exist, or is empty, is refused rather than
+    made a database. ``reading`` (what commands that only read use; implies ``create=False``)
+    changes nothing in the database, its schema included: an older schema is read through a
+    copy migrated in memory (SQLite; ``copied``) or refused, saying which command upgrades
+    it; a file that cannot be written is read read-only (``reading_url``). A database that
+    holds other programs' tables and no cptune schema is refused untouched unless ``share``
+    (cptune's tables are then added beside theirs); one in memory is refused; so is a
+    damaged SQLite file a writer would write into."""
 
-    def __init__(self, db: str | None = None, create: bool = True, share: bool = False) -> None:
+    def __init__(self, db: str | None = None, create: bool = True, share: bool = False,
+                 reading: bool = False) -> None:
         url = database_url(db)
         #: The URL as it may be shown or written: its password lives only inside the engine.
         self.url = display_url(url)
@@ -190,9 +246,10 @@ class Store:
                                  f"--db cptune.db")
             path = sqlite_file(url)
             opened_read_only = read_only(url)
-            if path is not None and (problem := path_problem(path, create, opened_read_only)):
+            if path is not None and (problem := path_problem(path, create and not reading, opened_read_only)):
                 raise StoreError(problem)
-            self.engine = create_engine(url)
+            opened = reading_url(path, opened_read_only) if reading and path is not None else url
+            self.engine = create_engine(opened)
         except ImportError as exc:
             raise StoreError(f"cannot use database {self.url}: its driver {exc.name or exc} is not "
                              f"installed; {missing_driver_hint(backend)}") from None
@@ -205,44 +262,113 @@ class Store:
         self._path = path
         #: Rows this store committed (measurements, failures, calibrations, node verdicts).
         self.written = 0
-        where = str(path) if path is not None else self.url
+        #: Whether this (reading) store reads a copy in memory of an older database, migrated
+        #: there: what is written to the file after it opened is not seen.
+        self.copied = False
+        self._where = str(path) if path is not None else self.url
         try:
-            if not share:
-                with self.engine.connect() as connection:  # before the switch to WAL: it writes too
-                    if backend == "sqlite":  # another process may be creating the file's tables
-                        connection.exec_driver_sql(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-                    foreign = foreign_tables(connection)
-                self.engine.dispose()  # later connections get the setup below
-                if foreign:
-                    elsewhere = ("another --db path (a new file is created there)" if backend == "sqlite" else
-                                 "another --db: a database of cptune's own, or a schema of its own (CREATE "
-                                 "SCHEMA cptune, then add ?options=-csearch_path%3Dcptune to the URL)")
-                    raise StoreError(
-                        f"database {where} holds another program's tables ({named_few(foreign)}) and no "
-                        f"cptune data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
-                        f"{SHARING_COMMANDS} to keep cptune's tables beside theirs"
-                    )
-            if backend == "sqlite":
-                sqlite_setup(self.engine)
-            _migrate(self.engine, self.url)
+            if reading:
+                self._open_to_read(url)
+            else:
+                self._open_to_write(url, share)
         except StoreError:
             self.engine.dispose()
             raise
         except DBAPIError as exc:
             self.engine.dispose()
             self._raise_if_full(exc)
-            why_read_only = opened_read_only or "the file or its directory is read-only"
-            fix = (f"it can only be read here ({why_read_only}) and cptune must write to it first: open it "
-                   f"writable once, or pass another --db"
-                   if backend == "sqlite" and "readonly" in str(exc.orig) else
-                   "if the file is not a cptune database (or is damaged), move it away or pass another --db"
-                   if backend == "sqlite" else
-                   "check that the server is up, the URL's host, port, user, password and database name, "
-                   "and that the user may create tables there")
-            reason = self._explain(exc.orig)
-            reason += "" if reason.endswith((".", "?", "!")) else "."
-            raise StoreError(f"cannot open database {self.url}: {reason} Nothing was changed; {fix}"
-                             ) from None
+            raise self._unopened(exc.orig, reading) from None
+
+    def _unopened(self, error: BaseException, reading: bool) -> StoreError:
+        """Why the driver's ``error`` kept the database from opening, in one line with what to do."""
+        reason = self._explain(error)
+        if self._path is not None and corrupt(error):
+            return StoreError(damaged(self._where, reason))
+        reason += "" if reason.endswith((".", "?", "!")) else "."
+        read_only = self._opened_read_only
+        if self._path is None:
+            fix = ("check that the server is up, the URL's host, port, user, password and database name, and "
+                   "that the user may create tables there")
+        elif not reading and (read_only or "readonly" in str(error) or not writable(self._path)):
+            why = read_only or "the file or its directory is read-only: a read-only filesystem or permissions"
+            to_write = f"open it without {read_only} in the URL" if read_only else "make it writable"
+            readers = (" (results, recommend, export, report and fit read it as it is)"
+                       if self._path.stat().st_size else "")
+            return StoreError(f"cannot write to database {self.url}: {reason} It can only be read here "
+                              f"({why}) and nothing was changed: {to_write} or pass another --db{readers}")
+        else:
+            fix = "if the file is not a cptune database (or is damaged), move it away or pass another --db"
+        return StoreError(f"cannot open database {self.url}: {reason} Nothing was changed; {fix}")
+
+    def _open_to_write(self, url: str, share: bool) -> None:
+        """Check the database before the first write (the switch to WAL is one): whole, and
+        cptune's (``share``: or anyone's); then migrate it to this cptune's schema."""
+        sqlite = self.engine.dialect.name == "sqlite"
+        if sqlite or not share:
+            with self.engine.connect() as connection:
+                if sqlite:  # another process may be creating the file's tables
+                    connection.exec_driver_sql(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                    if problem := damage(connection):
+                        raise StoreError(damaged(self._where, problem))
+                foreign = [] if share else foreign_tables(connection)
+            self.engine.dispose()  # later connections get the setup below
+            if foreign:
+                raise StoreError(self._not_cptunes(foreign))
+        if sqlite:
+            sqlite_setup(self.engine)
+        _migrate(self.engine, url)
+
+    def _open_to_read(self, url: str) -> None:
+        """Check that the database holds cptune's schema, of this cptune or an older one,
+        reading only; an older one is migrated in a copy in memory (SQLite) or refused."""
+        sqlite = self.engine.dialect.name == "sqlite"
+        if sqlite:
+            sqlite_setup(self.engine, reading=True)
+        with self.engine.connect() as connection:
+            current = _revision(connection)
+            foreign = foreign_tables(connection) if current is None else []
+        if current is None:
+            empty = f"database {self._where} holds no cptune data and is left as it is; {CHECK_OR_CREATE}"
+            raise StoreError(self._not_cptunes(foreign) if foreign else empty)
+        _, scripts = _alembic()
+        head = scripts.get_current_head()
+        if current == head:
+            return
+        _refuse_newer(current, scripts, url)
+        if not sqlite:
+            raise StoreError(
+                f"database {self.url} holds cptune's schema revision {current!r}, older than this cptune "
+                f"{__version__}'s {head!r}, and a command that only reads leaves it as it is: upgrade it "
+                f"once with a command that writes to it (cptune search or cptune calibrate with this --db), "
+                f"then read it. Nothing was changed"
+            )
+        self.engine = self._migrated_copy(url)
+        self.copied = True
+
+    def _migrated_copy(self, url: str) -> Engine:
+        """An engine on a copy in memory of this store's SQLite database, migrated to this
+        cptune's schema and then kept from writes (``query_only``): an older database read as
+        this cptune reads its own, the file left as it is."""
+        copy = sqlite3.connect(":memory:", check_same_thread=False)
+        source = self.engine.raw_connection()
+        try:
+            source.driver_connection.backup(copy)  # type: ignore[union-attr]
+        finally:
+            source.close()
+            self.engine.dispose()
+        engine = create_engine("sqlite://", creator=lambda: copy, poolclass=StaticPool)
+        _migrate(engine, url)
+        copy.execute("PRAGMA query_only = ON")
+        return engine
+
+    def _not_cptunes(self, foreign: list[str]) -> str:
+        """The refusal of a database that holds the tables ``foreign`` and no cptune schema."""
+        elsewhere = ("another --db path (a new file is created there)" if self._path is not None else
+                     "another --db: a database of cptune's own, or a schema of its own (CREATE "
+                     "SCHEMA cptune, then add ?options=-csearch_path%3Dcptune to the URL)")
+        return (f"database {self._where} holds another program's tables ({named_few(foreign)}) and no "
+                f"cptune data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
+                f"{SHARING_COMMANDS} to keep cptune's tables beside theirs")
 
     def _explain(self, error: BaseException) -> str:
         """The text of a driver's or SQLAlchemy's ``error`` on one line, with no password."""
@@ -337,7 +463,10 @@ class Store:
             self._raise_if_full(exc)
             if isinstance(exc, OSError):
                 raise
-            raise StoreError(f"database {self.url} failed: {self._explain(exc.orig)}") from None
+            reason = self._explain(exc.orig)
+            if corrupt(exc.orig):
+                raise StoreError(damaged(self._where, reason)) from None
+            raise StoreError(f"database {self.url} failed: {reason}") from None
 
     @contextmanager
     def _writing(self) -> Iterator[Session]:
