@@ -63,7 +63,7 @@ def files(folder):
     (["search", *SHAPE, "--seq-lens", "64", "--ranks", "1", "--trials", TOO_BIG], "cptune search: error: ",
      "--trials: must be at most"),
     (["measure", *SHAPE, "--seq-len", "64", "--max-ranks", "1", "--repeats", TOO_BIG],
-     "cptune measure: error: ", "--repeats: must be at most"),
+     "cptune measure: error: ", "--repeats: must be a whole number from 1 to 10,000"),
     (["recommend", "--hardware", "h100-sxm-8", "--heads", TOO_BIG, "--head-dim", "64", "--seq-len", "64"],
      "cptune recommend: error: ", "--heads: must be at most"),
 ])
