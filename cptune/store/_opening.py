@@ -39,7 +39,7 @@ def sqlite_setup(engine: Engine) -> None:
     failing when two of them upgrade read locks at once."""
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_connection, _record):
         dbapi_connection.isolation_level = None  # transactions are begun below
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -48,7 +48,7 @@ def sqlite_setup(engine: Engine) -> None:
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(connection):  # type: ignore[no-untyped-def]
+    def _on_begin(connection):
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
