@@ -58,7 +58,7 @@ Global rank ``r`` lives on node ``r // ranks_per_node`` and in domain ``r // ran
 size. A flow between two ranks crosses the outermost tier that separates them: ``links.node``
 for ranks of one node in different top-level domains (or anywhere in a node without domains),
 ``links.network`` across nodes. An exchange is limited by the slowest tier its traffic
-crosses and by the share crossing it (see ``HardwareDescription.exchange_time``).
+crosses and by the share crossing it (see ``HardwareDescription.exchange``).
 """
 
 from __future__ import annotations
