@@ -9,6 +9,8 @@ picks a configuration from measurements and the cost model; ``evaluate`` scores 
 ``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s.
 """
 
+from typing import TYPE_CHECKING
+
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import AnalyticCost, analytic_cost
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
@@ -34,6 +36,13 @@ _LAZY = {
     "calibrate_host": "cptune.search",
     "check_host": "cptune.search",
 }
+
+
+if TYPE_CHECKING:  # a type checker reads the lazy names' own types, not __getattr__'s object
+    from cptune.model import Recommendation, evaluate, recommend
+    from cptune.plans import Plan, PlanError, PlanMismatchError, load_plan
+    from cptune.plans.export import export_plan
+    from cptune.search import calibrate_host, check_host, search_space
 
 
 def __getattr__(name: str) -> object:

@@ -31,7 +31,7 @@ class WaitLine:
         """The stream, and whether it is the terminal itself (rewritable in place)."""
         stream = self._stream or sys.stderr
         try:
-            terminal = stream is sys.__stderr__ and stream.isatty()
+            terminal = stream.isatty() and stream is sys.__stderr__
         except (AttributeError, ValueError):
             terminal = False
         return stream, terminal

@@ -142,12 +142,18 @@ def _noise(logs_by_config: Sequence[np.ndarray], visits: Sequence[Result]) -> No
 _POLISH_SWEEPS = 10
 
 
+def _log_ms(visit: Result) -> float:
+    """The log of a clean visit's median latency (a clean one has a median: ``Result.clean``)."""
+    assert visit.median_ms is not None, "only clean visits are combined"
+    return math.log(visit.median_ms)
+
+
 def round_levels(by_config: dict[CPConfig, list[Result]]) -> dict[str, float]:
     """Each round two or more configurations of one workload shared: its level, the log
     factor by which that round ran slower than the median such round (negative: faster).
     Tukey's median polish of log latency = configuration + round over the visits of those
     rounds (missing cells allowed): medians, so one burst in a round moves its level little."""
-    cells = [(config, v.round_id, math.log(v.median_ms))
+    cells = [(config, v.round_id, _log_ms(v))
              for config, visits in by_config.items() for v in visits if v.round_id]
     members: dict[str, set[CPConfig]] = defaultdict(set)
     for config, round_id, _ in cells:
@@ -202,7 +208,7 @@ def combine(rows: Iterable[Result]) -> dict[tuple[str, Workload, CPConfig], Esti
     for (hardware, workload), by_config in grouped.items():
         levels = round_levels(by_config)
         logs_by_config = {
-            config: np.sort([math.log(v.median_ms) - levels.get(v.round_id or "", 0.0) for v in visits])
+            config: np.sort([_log_ms(v) - levels.get(v.round_id or "", 0.0) for v in visits])
             for config, visits in by_config.items()
         }
         noise = _noise(list(logs_by_config.values()), [v for visits in by_config.values() for v in visits])
@@ -258,8 +264,8 @@ def _hodges_lehmann(diffs: Sequence[float]) -> tuple[float, float, float]:
 
 def compare(leader: Estimate, other: Estimate) -> Comparison:
     """``other``'s latency over ``leader``'s, paired by round where they share enough rounds."""
-    mine = {v.round_id: math.log(v.median_ms) for v in leader.visits if v.round_id}
-    pairs = [math.log(v.median_ms) - mine[v.round_id] for v in other.visits if v.round_id in mine]
+    mine = {v.round_id: _log_ms(v) for v in leader.visits if v.round_id}
+    pairs = [_log_ms(v) - mine[v.round_id] for v in other.visits if v.round_id in mine]
     if len(pairs) >= MIN_SIGNED_RANK_ROUNDS:
         diff, low, high = _hodges_lehmann(pairs)
         return Comparison(other.config, math.exp(diff), math.exp(low), math.exp(high), len(pairs))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
@@ -63,7 +64,7 @@ ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
 #: Memory-bound steps timed per rank count (where ``EngineSpec.times_steps``) on a 4-head x
 #: 1024-row x d128 block (half a million elements): preparing a query block from each wire
 #: dtype, merging an output.
-STEP_SHAPES: tuple[dict[str, object], ...] = (
+STEP_SHAPES: tuple[dict[str, Any], ...] = (
     *({"kind": "query", "wire": wire, "heads": 4, "rows": 1024, "head_dim": 128}
       for wire in ("float16", "float32")),
     {"kind": "merge", "wire": "float32", "heads": 4, "rows": 1024, "head_dim": 128},

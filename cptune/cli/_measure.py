@@ -167,8 +167,8 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
                    "query: a query block made scaled float32; merge: a block's output merged into the "
                    "running one; every rank at once")
     for column in ("step", "wire dtype", "ranks", "ns per element"):
-        justify = "left" if column in ("step", "wire dtype") else "right"
-        steps.add_column(column, justify=justify, no_wrap=True)
+        steps.add_column(column, justify="left" if column in ("step", "wire dtype") else "right",
+                         no_wrap=True)
     for step in calibration.steps:
         steps.add_row(step.kind, step.wire, str(step.ranks), f"{step.seconds_per_element * 1e9:.3f}")
     return [comms, compute, steps]
@@ -182,7 +182,7 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
         _, calibration = calibrate_host(
             args.db, backend=args.backend, max_ranks=args.max_ranks, oversubscribe=args.oversubscribe,
             repeats=args.repeats, rounds=args.rounds, share=args.share_db,
-            progress=shown,  # type: ignore[arg-type] - a SearchProgress by shape
+            progress=shown,  # type: ignore[arg-type]  # a SearchProgress by shape
         )
     finally:
         shown.close()

@@ -109,8 +109,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         listing.add_row(str(r.id), str(r.workload.seq_len), heads, r.config.label, str(r.config.ranks),
                         str(numbers.get(r.id, "-")), status, median, Text(r.hardware))
     console.print(listing)
-    if marked := sum(r.oversubscribed or r.excluded or bool(r.disturbed) for r in rows):
-        say(console, f"{marked} marked: oversub. = oversubscribed, run on more ranks than the host's cores; "
+    if count := sum(r.oversubscribed or r.excluded or bool(r.disturbed) for r in rows):
+        say(console, f"{count} marked: oversub. = oversubscribed, run on more ranks than the host's cores; "
                       f"excluded = set aside with --exclude (--include ID takes it back); disturbed = the "
                       f"contention guard saw other load while it ran (--json says what). All are kept but "
                       f"left out of the model and the picks")

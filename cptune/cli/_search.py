@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cptune.calibration import RETIMED
@@ -35,6 +35,8 @@ from cptune.measurement import format_ms, oversubscribed
 from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace
 
 if TYPE_CHECKING:
+    from rich.status import Status
+
     from cptune.config import CPConfig
     from cptune.engines import NodeVerdict
     from cptune.estimate import Verdict
@@ -179,9 +181,9 @@ class LiveSearch:
         self.live: Live | None = None
         self.run: SpaceSearch | None = None
         self.finished: set[int] = set()
-        self._task = 0
+        self._task = TaskID(0)
         self._seen = 0  # visits of the current sitting (reused ones too), for its bar
-        self._status = None
+        self._status: Status | None = None
         #: The configurations the node refused of the workload being set up, by reason.
         self._refused: dict[str, list[CPConfig]] = {}
         self._refused_of = 0  # that workload's length
@@ -329,7 +331,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             confirm_rounds=args.confirm_rounds, order=args.order, remeasure=args.remeasure,
             oversubscribe=args.oversubscribe, calibrate_first=not args.no_calibrate, seed=args.seed,
             share=args.share_db,
-            progress=shown,  # type: ignore[arg-type] - a SearchProgress by shape
+            progress=shown,  # type: ignore[arg-type]  # a SearchProgress by shape
         )
     finally:
         shown.close()

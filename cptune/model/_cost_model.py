@@ -109,7 +109,7 @@ def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
     return np.asarray(rows, dtype=float)
 
 
-class CostModel(RegressorMixin, BaseEstimator):
+class CostModel(RegressorMixin, BaseEstimator):  # type: ignore[misc]  # scikit-learn has no types
     """Predicts a ``Case``'s latency in seconds, with an interval (see the module docstring).
 
     Parameters: the boosting's ``n_estimators``, ``learning_rate``, ``max_depth`` and
@@ -256,15 +256,14 @@ class CostModel(RegressorMixin, BaseEstimator):
         # the breakdown is needed only where the correction reads it
         described = [None if k else described_prior(c.workload, c.config, c.profile)
                      for c, k in zip(cases, corrected, strict=True)]
-        priors = [case.prior() if d is None else None for case, d in zip(cases, described, strict=True)]
-        prior = np.array([p.total_s if d is None else d.total_s
-                          for p, d in zip(priors, described, strict=True)])
+        priors = {i: cases[i].prior() for i, d in enumerate(described) if d is None}
+        prior = np.array([priors[i].total_s if d is None else d.total_s for i, d in enumerate(described)])
         estimate = prior.copy()
         low, high = self.prior_only_band(cases, prior)
         if corrected.any():
             assert self.correction_ is not None
             table = features([c for c, k in zip(cases, corrected, strict=True) if k],
-                             [p for p, k in zip(priors, corrected, strict=True) if k])
+                             [priors[i] for i, k in enumerate(corrected) if k])
             correction = self._with_levels([c for c, k in zip(cases, corrected, strict=True) if k],
                                            self.correction_.predict(table))
             estimate[corrected] = prior[corrected] * np.exp(correction)

@@ -207,7 +207,7 @@ def _worse_beyond_noise(differences: np.ndarray) -> bool:
         return mean > 0
     count = len(differences)
     half = float(student_t.ppf(0.975, count - 1)) * float(differences.std(ddof=1)) / np.sqrt(count)
-    return mean - half > 0
+    return bool(mean - half > 0)
 
 
 def _folds(cases: Sequence[Case], by: str) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:

@@ -413,10 +413,10 @@ def _described_prior(workload: Workload, config: CPConfig,
     arithmetic as alone)."""
     keys, spread = _spread(description)
     prior = prior_time(workload, config, spread)
-    totals = prior.total_s.tolist()
+    totals: list[float] = np.asarray(prior.total_s).tolist()  # arrays over the variants
     swings = tuple(FigureSwing(key, totals[2 * i], totals[2 * i + 1]) for i, key in enumerate(keys))
     return DescribedPrior(totals[-1], swings, *prior_range(totals[-1], swings),
-                          outside_compute=float(prior.outside_compute[-1]))
+                          outside_compute=float(np.asarray(prior.outside_compute)[-1]))
 
 
 @functools.lru_cache(maxsize=64)

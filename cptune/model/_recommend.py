@@ -448,12 +448,13 @@ def recommend(
         else:
             to_predict.append(config)
     unpredicted: tuple[CPConfig, ...] = ()
-    if to_predict and isinstance(profile, MeasuredHost):
-        if not measured:
+    if to_predict:
+        if not isinstance(profile, MeasuredHost):
+            candidates += predicted(advisor.model, workload, to_predict, profile)
+        elif measured:
+            unpredicted = tuple(to_predict)
+        else:
             raise _unmeasured(workload, ranks, profile, advisor, backend)
-        unpredicted = tuple(to_predict)
-    elif to_predict:
-        candidates += predicted(advisor.model, workload, to_predict, profile)
     candidates.sort(key=lambda c: c.latency_ms)
     correction = advisor.decision
     if correction.applied and not any(c.source == "model" for c in candidates):
@@ -464,7 +465,7 @@ def recommend(
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
         candidates=tuple(candidates), infeasible=infeasible, correction=correction,
-        ties=_ties(workload, profile, candidates),
+        ties=() if isinstance(profile, MeasuredHost) else _ties(workload, profile, candidates),
         verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
         path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
     )

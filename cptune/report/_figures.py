@@ -80,7 +80,8 @@ def _png(figure: Figure) -> bytes:
 def _mix(color: str, toward: str, share: float) -> str:
     """``color`` moved ``share`` of the way to ``toward`` (white: lighter, black: darker)."""
     a, b = to_rgb(color), to_rgb(toward)
-    return to_hex(tuple(x + (y - x) * share for x, y in zip(a, b, strict=True)))
+    red, green, blue = (x + (y - x) * share for x, y in zip(a, b, strict=True))
+    return to_hex((red, green, blue))
 
 
 #: One colour per strategy, the same in every figure of every report: never assigned by

@@ -50,7 +50,9 @@ def config_of(params: dict[str, Any]) -> CPConfig | None:
     strategy = params.get("strategy")
     ranks = params.get(f"ranks|{strategy}")
     head_group = params.get(f"head_group|{strategy}|{ranks}")
-    return None if head_group is None else CPConfig(str(strategy), int(ranks), int(head_group))
+    if ranks is None or head_group is None:
+        return None
+    return CPConfig(str(strategy), int(ranks), int(head_group))
 
 
 def study_name(workload: Workload, hardware: Hardware) -> str:

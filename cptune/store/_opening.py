@@ -52,7 +52,7 @@ def sqlite_setup(engine: Engine, reading: bool = False) -> None:
     and a plain BEGIN, which takes no write lock; the journal stays as the file has it."""
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_connection, _record):
         dbapi_connection.isolation_level = None  # transactions are begun below
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -64,7 +64,7 @@ def sqlite_setup(engine: Engine, reading: bool = False) -> None:
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(connection):  # type: ignore[no-untyped-def]
+    def _on_begin(connection):
         connection.exec_driver_sql("BEGIN" if reading else "BEGIN IMMEDIATE")
 
 

@@ -370,7 +370,7 @@ class Store:
                 f"cptune data; cptune leaves it untouched: pass {elsewhere}, or add --share-db to "
                 f"{SHARING_COMMANDS} to keep cptune's tables beside theirs")
 
-    def _explain(self, error: BaseException) -> str:
+    def _explain(self, error: BaseException | None) -> str:
         """The text of a driver's or SQLAlchemy's ``error`` on one line, with no password."""
         return redact(" ".join(str(error).split()), self._passwords)
 
@@ -398,7 +398,7 @@ class Store:
         it says so, else its real cause in one line, then ``after``."""
         if disk_full(error):
             return self.full_disk()
-        cause = error.__cause__ if isinstance(error.__cause__, BaseException) else error
+        cause: BaseException | None = error.__cause__ if isinstance(error.__cause__, BaseException) else error
         if isinstance(cause, DBAPIError):
             cause = cause.orig
         return StoreError(f"cannot {doing} in {self.url}: {self._explain(cause)}{after}")

@@ -58,6 +58,7 @@ class ContextParallelAttention(torch.nn.Module):
         configs = [b.config for b in choice.buckets] if isinstance(choice, Plan) else [choice]
         self.configs: tuple[CPConfig, ...] = tuple(dict.fromkeys(configs))
         self.group = dist.group.WORLD if group is None else group
+        assert self.group is not None  # the world exists once torch.distributed is initialized
         members = sorted(dist.get_process_group_ranks(self.group))
         #: This process's place in the layout: which shard it holds.
         self.rank = members.index(dist.get_rank())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
@@ -235,7 +235,7 @@ def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]
     return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
 
 
-def _step_case(step: dict[str, object], threads: int) -> Callable[[], object]:
+def _step_case(step: dict[str, Any], threads: int) -> Callable[[], object]:
     """One memory-bound step of the kernel on a random block of ``step``'s heads, rows and
     head_dim: "query" prepares a query block in wire dtype ``step["wire"]``
     (``kernels.prepare_query``), "merge" merges a float32 block's output into a running one

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -98,7 +99,7 @@ class GraphBuilder:
         shape: tuple[int, ...],
         dtype: int,
         output: str | None = None,
-        **attributes: object,
+        **attributes: Any,
     ) -> Sym:
         """Append one single-output node (its output named ``output`` if given, else after
         ``stem``); returns its output."""

@@ -113,5 +113,5 @@ def collective_attributes(node: NodeProto) -> dict[str, object]:
         value = helper.get_attribute_value(attribute)
         values[attribute.name] = value.decode() if isinstance(value, bytes) else value
     if "groups" in values:
-        values["groups"] = [int(g) for g in values["groups"]]  # type: ignore[union-attr]
+        values["groups"] = [int(g) for g in values["groups"]]  # type: ignore[attr-defined]
     return values

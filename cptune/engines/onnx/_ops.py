@@ -339,8 +339,8 @@ class OnnxOps:
                     "Where",
                     [
                         visible.name,
-                        g.constant(np.float32(0), "zero"),
-                        g.constant(np.float32(MASKED), "masked"),
+                        g.constant(np.array(0, np.float32), "zero"),
+                        g.constant(np.array(MASKED, np.float32), "masked"),
                     ],
                     "mask_bias",
                     visible.shape,

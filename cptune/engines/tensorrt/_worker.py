@@ -378,7 +378,7 @@ class LoadedGraph:
         trt = self.gpu.trt
         layers: dict[str, list[float]] = {}
 
-        class LayerTimes(trt.IProfiler):  # type: ignore[name-defined,misc]
+        class LayerTimes(trt.IProfiler):  # type: ignore[name-defined]
             def __init__(self) -> None:
                 trt.IProfiler.__init__(self)
 
@@ -510,13 +510,13 @@ class TensorRTWorker(Worker):
         points = case.get("chunks") or case["shapes"]
         built = []
         for point, model in zip(points, case_graphs(case, ranks, self.rank), strict=True):
-            graph, seconds = self.load(lambda boundary, m=model: (for_tensorrt(m, boundary), {}),
+            graph, seconds = self.load(lambda boundary, m=model: (for_tensorrt(m, boundary), {}),  # type: ignore[misc]
                                        self.barrier, group)
             self.cases.append(graph)
             built.append(seconds)
             check_case(graph, case, point, self.rank)
-        seconds = [s for s in built if s is not None]
-        return {"build_seconds": sum(seconds) if seconds else None}, []
+        timed = [s for s in built if s is not None]
+        return {"build_seconds": sum(timed) if timed else None}, []
 
     def _prepared(self, graph: LoadedGraph | None) -> LoadedGraph:
         if graph is None:

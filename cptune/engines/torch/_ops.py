@@ -283,6 +283,12 @@ class TorchOps:
         pg = self.groups[group]
         return 1 if pg is None else dist.get_world_size(pg)
 
+    def _shared(self, group: Group) -> dist.ProcessGroup:
+        """The process group of ``group``, which has two or more members (callers check ``_members``)."""
+        pg = self.groups[group]
+        assert pg is not None, f"{group} group is this rank alone"
+        return pg
+
     def attention(self, q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
         started = self.clock.start()
         part = attend(q, kv, q_pos, k_pos, self.workload.causal, self.workload.seq_len)
@@ -305,7 +311,7 @@ class TorchOps:
         if self._members(group) == 1:
             return x
         started = self.clock.start()
-        out = exchange_all_to_all(self.groups[group], x, split_axis, concat_axis, self.wire)
+        out = exchange_all_to_all(self._shared(group), x, split_axis, concat_axis, self.wire)
         self.clock.stop("comm", started)
         return out
 
@@ -313,7 +319,7 @@ class TorchOps:
         if self._members(group) == 1:
             return x
         started = self.clock.start()
-        out = exchange_all_gather(self.groups[group], x, axis, self.wire)
+        out = exchange_all_gather(self._shared(group), x, axis, self.wire)
         self.clock.stop("comm", started)
         return out
 
@@ -326,7 +332,7 @@ class TorchOps:
         current = kv.to(self.wire).contiguous()
         incoming = torch.empty_like(current) if members > 1 else current
         for step in range(members):
-            requests = ring_step(pg, current, incoming) if step < members - 1 else []
+            requests = ring_step(self._shared(group), current, incoming) if step < members - 1 else []
             yield (me - step) % members, current
             if requests:
                 started = self.clock.start()

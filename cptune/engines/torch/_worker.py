@@ -181,8 +181,9 @@ class TorchRank(RankServer):
         and out of receive order, the Ring's stream step as one send and one receive."""
         kind = header["kind"]
         pg = self.group(head_group_members(self.rank, header["group"]))
+        assert pg is not None, "collectives are timed in groups of two or more ranks"
         members = dist.get_world_size(pg)
-        cases: list[Callable[[], object]] = []
+        cases: list[Callable[..., object]] = []  # lambdas binding their tensors as defaults
         for chunk in header["chunks"]:
             rows = max(1, int(chunk) // (2 * _CHUNK_HEADS))
             if kind == "all_to_all":
