@@ -25,6 +25,7 @@ from urllib.parse import quote
 from sqlalchemy import URL, Connection, Engine, event, inspect
 from sqlalchemy.exc import DBAPIError
 
+from cptune._files import kind_of
 from cptune.store._schema import VERSION_TABLE
 
 #: How long a SQLite connection waits for another's write lock.
@@ -38,9 +39,6 @@ OPTUNA_TABLES = frozenset({
 })
 #: How many of another program's tables a refusal names.
 NAMED_TABLES = 3
-#: What a path that is not a regular file or a directory may be, as a refusal names it.
-_NOT_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-              (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
 #: What to do where there is no database to read.
 CHECK_OR_CREATE = "check the path (--db or $CPTUNE_DB), or create one with cptune search or cptune calibrate"
 
@@ -134,8 +132,8 @@ def path_problem(path: Path, create: bool, opened_read_only: str | None) -> str 
     if stat.S_ISDIR(mode):
         return f"cannot use database {path}: it is a directory; pass a file path such as {path / 'cptune.db'}"
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _NOT_FILES if test(mode)), "not a regular file")
-        return f"cannot use database {path}: it is {kind}, not a file; pass a file path such as ./cptune.db"
+        return (f"cannot use database {path}: it is {kind_of(mode)}, not a file; pass a file path such as "
+                f"./cptune.db")
     if not create and found.st_size == 0:
         return f"no database at {path}: the file is empty (0 bytes) and is left so; {CHECK_OR_CREATE}"
     return None
@@ -196,7 +194,7 @@ def damage(connection: Connection) -> str | None:
     return None if found == ["ok"] else " ".join(" ".join(found).split())
 
 
-def corrupt(error: BaseException) -> bool:
+def corrupt(error: BaseException | None) -> bool:
     """Whether SQLite's ``error`` says the database file is damaged ("malformed")."""
     return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_CORRUPT
 

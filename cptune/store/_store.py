@@ -279,7 +279,7 @@ class Store:
             self._raise_if_full(exc)
             raise self._unopened(exc.orig, reading) from None
 
-    def _unopened(self, error: BaseException, reading: bool) -> StoreError:
+    def _unopened(self, error: BaseException | None, reading: bool) -> StoreError:
         """Why the driver's ``error`` kept the database from opening, in one line with what to do."""
         reason = self._explain(error)
         if self._path is not None and corrupt(error):
