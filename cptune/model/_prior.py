@@ -295,7 +295,8 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     kernel also computes the masked pairs inside each query row block that straddles the
     causal diagonal (``computed_pairs``): up to half a block's rows per query, so a short
     causal sequence costs up to 1.5x its useful work. Each rank attends its context block to
-    every block: in one call (AllGather-KV, Ulysses, one rank) or one call per block (Ring).
+    every block: in one call over the keys in position order (AllGather-KV, Ulysses, one rank)
+    or one call per block (Ring).
     Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
     0.1% and the useful FLOPs stand for it."""
     check_kernel(kernel)
@@ -309,7 +310,7 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
 
     blocks = range(config.context_degree)
     calls = ([runs(j) for j in blocks] if config.strategy == "ring"
-             else [[run for j in blocks for run in runs(j)]])
+             else [sorted(run for j in blocks for run in runs(j))])  # gathered in position order
     pairs = max(
         sum(computed_pairs(runs(g), keys, workload.causal, workload.seq_len) for keys in calls)
         for g in blocks
