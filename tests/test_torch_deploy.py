@@ -143,6 +143,17 @@ def test_on_one_rank_the_module_is_plain_attention_and_its_shard_the_whole_seque
     torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+def test_the_scale_reaches_the_kernel(one_rank):
+    cp = ContextParallelAttention(CPConfig("ring", 1), SHAPE, scale=0.3)
+    q, k, v = attention_inputs(37)
+    with torch.no_grad():
+        out = cp(q, k, v, 37)
+    k, v = (t.repeat_interleave(2, dim=2).transpose(1, 2) for t in (k, v))
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=TOLERANCE, atol=TOLERANCE)
+    assert out.is_contiguous()
+
+
 def test_the_module_refuses_what_it_cannot_run_with_the_fix(one_rank):
     with pytest.raises(ValueError, match=r"needs 2 ranks, but the group has 1: start 2 ranks"):
         ContextParallelAttention(CPConfig("ring", 2), SHAPE)

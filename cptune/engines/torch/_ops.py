@@ -193,8 +193,15 @@ def exchange_all_gather(group: dist.ProcessGroup, x: torch.Tensor, axis: int, wi
     received = torch.empty((members * send.shape[0], *send.shape[1:]), dtype=wire, device=send.device)
     _all_gather_single(received, send, group=group)  # the arrivals stacked along dim 0
     arrivals = [as_x(piece) for piece in received.view(members, *send.shape).unbind(0)]
-    length = x.shape[axis]
-    pieces = order if order is not None else [(m, 0, length) for m in range(members)]
+    return joined_in_order(arrivals, axis, order)
+
+
+def joined_in_order(arrivals: Sequence[torch.Tensor], axis: int,
+                    order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """The members' arrivals joined along ``axis``: the (member, start, stop) ranges of
+    ``order`` in that order, or each whole in member order; one copy."""
+    length = arrivals[0].shape[axis]
+    pieces = order if order is not None else [(m, 0, length) for m in range(len(arrivals))]
     return torch.cat([arrivals[m].narrow(axis, start, stop - start) for m, start, stop in pieces], dim=axis)
 
 
