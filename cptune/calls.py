@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cptune.layout import position_runs
+from cptune.layout import SequenceLayout, position_runs
 
 #: (first index, stop index, first position) of each run of consecutive positions.
 Runs = tuple[tuple[int, int, int], ...]
@@ -125,3 +125,17 @@ def _calls(q_runs: Runs, k_runs: Runs, causal: bool, seq_len: int) -> tuple[Call
         if diagonal is not None:
             calls.append(Call(slice(start, stop), slice(*diagonal), True))
     return tuple(calls)
+
+
+def busiest_calls(layout: SequenceLayout) -> int:
+    """The fused calls the busiest rank of ``layout``'s configuration makes over all its steps,
+    as ``attention_calls`` plans them (``tests/test_torch_engine.py`` checks the two agree), in
+    closed form so that any size costs the same: the Ring one per step whose block holds a real
+    key; AllGather-KV over zigzag blocks two per query chunk, but the first chunk has no keys
+    before it (three calls on two blocks, four from three on); one otherwise."""
+    workload, c = layout.workload, layout.context_degree
+    if layout.config.strategy == "ring" and c > 1:
+        return c if workload.causal else min(c, -(-workload.seq_len // (layout.padded_len // c)))
+    if layout.config.strategy == "allgather_kv" and layout.zigzag:
+        return 3 if c == 2 else 4
+    return 1

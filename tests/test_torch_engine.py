@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 import cptune  # noqa: E402
 from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
-from cptune.calls import attention_calls  # noqa: E402
+from cptune.calls import attention_calls, busiest_calls  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
 from cptune.engines.torch import TorchEngine  # noqa: E402
 from cptune.engines.torch._kernels import explicit, fused_attention  # noqa: E402
@@ -128,15 +128,17 @@ def call_bound(workload: Workload, config: CPConfig, q_pos: np.ndarray) -> int:
 def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal, kv_heads):
     """Every configuration on 1-8 ranks, every rank, at lengths with and without padding:
     the calls ``attention_calls`` plans for each step the strategy takes (what TorchOps runs),
-    never more than ``call_bound``, so the count does not grow with the ranks."""
+    never more than ``call_bound``, so the count does not grow with the ranks; the busiest
+    rank's total is the prior's closed form (``busiest_calls``)."""
     most = 0
-    for seq_len in (840, 837):
+    for seq_len in (840, 837, 9):
         for ranks in range(1, 9):
             workload = Workload(seq_len=seq_len, heads=8, head_dim=16, kv_heads=kv_heads, causal=causal)
             for config in enumerate_configs(workload, ranks):
                 if config.ranks != ranks:
                     continue
                 layout = SequenceLayout(workload, config)
+                busiest = 0
                 for rank in range(ranks):
                     ops = PlanOnly(layout, rank)
                     run_strategy(ops, layout, rank, None, None)
@@ -145,6 +147,9 @@ def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal,
                         calls = attention_calls(q_pos, k_pos, causal, seq_len)
                         assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
                         most = max(most, len(calls))
+                    mine = sum(len(attention_calls(q, k, causal, seq_len)) for q, k in ops.steps)
+                    busiest = max(busiest, mine)
+                assert busiest_calls(layout) == busiest, config.label  # what the prior counts
     assert most == (4 if causal else 1)
 
 
