@@ -4,11 +4,6 @@ configuration, equals the block unsharded (tests/torch_block.py, under torchrun)
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from conftest import torchrun_summary
 from cptune.config import CPConfig
 from cptune.errors import InfeasibleConfigError
 from cptune.feasibility import enumerate_configs
@@ -184,19 +180,7 @@ def test_the_module_refuses_what_it_cannot_run_with_the_fix(one_rank):
 
 def run_ranks(world: int, plan: Path) -> dict:
     """tests/torch_block.py on ``world`` gloo ranks under torchrun; rank 0's JSON summary."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(TESTS / "torch_block.py"), str(plan)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as ranks:
-        try:
-            out, err = ranks.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(ranks.pid, signal.SIGKILL)  # torchrun and the ranks it started
-            ranks.communicate()
-            pytest.fail(f"{world} ranks did not finish within 240 s")
-    assert ranks.returncode == 0, err[-6000:]
-    summary: dict = json.loads(out.splitlines()[-1])
-    return summary
+    return torchrun_summary(world, TESTS / "torch_block.py", str(plan))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 
 import cptune  # noqa: E402
-from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases  # noqa: E402
+from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases, torchrun_summary  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
 from cptune.calls import attention_calls, busiest_calls  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
@@ -248,23 +248,8 @@ def test_every_configuration_matches_the_reference(cases, name, causal, config):
 
 def run_torch_ranks(world: int) -> dict:
     """benchmarks/torch_ranks.py on ``world`` gloo ranks under torchrun; rank 0's JSON summary."""
-    import json
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(Path(__file__).parent.parent / "benchmarks" / "torch_ranks.py")]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as ranks:
-        try:
-            out, err = ranks.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(ranks.pid, signal.SIGKILL)  # torchrun and the ranks it started
-            ranks.communicate()
-            pytest.fail(f"{world} ranks did not finish within 300 s")
-    assert ranks.returncode == 0, err[-6000:]
-    summary: dict = json.loads(out.splitlines()[-1])
-    return summary
+    script = Path(__file__).parent.parent / "benchmarks" / "torch_ranks.py"
+    return torchrun_summary(world, script, timeout=300)
 
 
 @pytest.mark.slow

@@ -116,12 +116,13 @@ def attend(q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarr
         call = calls[0]
         return Partial(*fused_attention(q, k[..., call.keys, :], v[..., call.keys, :], call.causal, scale))
     acc = accumulator(q, calls) if into is None else in_float32(into)
-    written: set[tuple[int, int]] = set() if into is None else {(0, q.shape[-2])}
+    written: set[tuple[int, int]] = set()  # rows a call of this step wrote (a call's rows: all or none)
     for call in calls:
         out, lse = fused_attention(q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :],
                                    call.causal, scale)
-        if into is None and (call.rows.start, call.rows.stop) not in written:  # the rows' first call
-            written.add((call.rows.start, call.rows.stop))
+        span = (call.rows.start, call.rows.stop)
+        if into is None and span not in written:  # the rows' first call: a copy, not a merge
+            written.add(span)
             acc.out[..., call.rows, :].copy_(out)
             acc.lse[..., call.rows].copy_(lse)
         else:
