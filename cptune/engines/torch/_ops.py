@@ -219,14 +219,17 @@ def ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tenso
 class _Clock:
     """Seconds spent in compute and in waiting for communication on one rank: wall clock on
     the CPU, where kernels run synchronously; CUDA events on the compute stream on a GPU,
-    read once the iteration is done (``totals``)."""
+    read once the iteration is done (``totals``). Off (a deployment): nothing recorded."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, on: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.on = on
         self.seconds = {"compute": 0.0, "comm": 0.0}
         self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"compute": [], "comm": []}
 
     def start(self) -> object:
+        if not self.on:
+            return None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -234,6 +237,8 @@ class _Clock:
         return time.perf_counter()
 
     def stop(self, kind: str, started: object) -> None:
+        if not self.on:
+            return
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -256,13 +261,14 @@ class TorchOps:
     group is this rank alone), for tensors on one device."""
 
     def __init__(self, workload: Workload, groups: Mapping[str, dist.ProcessGroup | None],
-                 device: torch.device, scale: float | None = None) -> None:
+                 device: torch.device, scale: float | None = None, timed: bool = True) -> None:
         self.workload = workload
         self.groups = groups
         self.wire = TORCH_DTYPES[workload.dtype]
         #: The scores' scale (None: 1 / sqrt(head_dim)).
         self.scale = scale
-        self.clock = _Clock(device)
+        #: Compute and communication apart (the engine's split); off where nobody reads it.
+        self.clock = _Clock(device, timed)
 
     def _members(self, group: Group) -> int:
         pg = self.groups[group]
