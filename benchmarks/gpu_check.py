@@ -387,11 +387,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if which:
             say(f"{len(which)} case(s) {what}: " + "; ".join(which))
     say()
-    say("3. the kernel probe's choices (GPU, dtype, head_dim, grouped, call size class: the kernel)")
+    say("3. the kernel probe's choices (GPU, dtype, head_dim, grouped, call size, layouts: the kernel)")
     picks = _kernels.CHOOSER.picks
     for key, pick in sorted(picks.items(), key=str):
-        say(f"  {key[0]} {str(key[1]).removeprefix('torch.')} d{key[2]} {'GQA' if key[3] else 'MHA'} "
-            f"~{_k(2 ** key[4])} per head^(1/2): {pick.describe()}")
+        gpu, dtype, head_dim, grouped, size, q_heads_outer, kv_heads_outer = key
+        say(f"  {gpu} {str(dtype).removeprefix('torch.')} d{head_dim} {'GQA' if grouped else 'MHA'}, "
+            f"sqrt(rows x keys) ~{_k(2 ** size)}, q {'heads' if q_heads_outer else 'sequence'}-major, "
+            f"K/V {'heads' if kv_heads_outer else 'sequence'}-major: {pick.describe()}")
     if not picks:
         say("  none probed (only CUDA probes; the CPU runs flash_for_cpu)")
     say(f"elapsed {time.perf_counter() - started:.0f} s for {len(rows)} cases")

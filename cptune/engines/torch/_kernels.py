@@ -8,10 +8,11 @@ partial is merged by log-sum-exp, so the kernel must return the log-sum-exp:
 - on CUDA, the fastest of cuDNN's attention (``_scaled_dot_product_cudnn_attention`` with
   ``compute_log_sumexp``), FlashAttention-2 (``_scaled_dot_product_flash_attention``) and
   the memory-efficient kernel (``_scaled_dot_product_efficient_attention``), chosen by a short
-  probe per GPU, dtype, head_dim, grouped or not, and call size (``KernelChooser``): each
-  candidate is first checked against an explicit float32 computation (unmasked and causal,
-  with the KV heads as they are, else repeated for it), then timed on inputs of the call's
-  shape; the fastest correct one is kept for the life of the process;
+  probe per GPU, dtype, head_dim, grouped or not, call size and memory layout
+  (``KernelChooser``): each candidate is first checked against an explicit float32
+  computation (unmasked and causal, with the KV heads as they are, else repeated for it), then
+  timed on inputs of the call's shape and layout; the fastest correct one is kept for the life
+  of the process;
 - elsewhere an explicit float32 computation.
 
 ``kernels_used`` says which ran since it was last asked (each measurement records it, with
@@ -109,22 +110,39 @@ def size_class(rows: int, keys: int) -> int:
     return (rows * keys).bit_length() // 2
 
 
+def heads_outer(x: torch.Tensor) -> bool:
+    """Whether ``x`` [..., heads, seq, head_dim] is laid out heads-major in memory (else
+    sequence-major, as a model holds it): kernels may take one layout and not the other."""
+    return x.stride(HEADS) >= x.stride(-2)
+
+
+def _drawn(like: torch.Tensor, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Random values of ``shape`` in ``like``'s dtype, device and memory layout (heads- or
+    sequence-major, head_dim innermost)."""
+    x = torch.randn(shape, generator=generator, device=like.device).to(like.dtype)
+    return x if heads_outer(like) else x.transpose(HEADS, -2).contiguous().transpose(HEADS, -2)
+
+
 class KernelChooser:
     """The kernel each call runs: fixed on the CPU and other devices, chosen on CUDA by a
-    probe per (GPU, dtype, head_dim, grouped, call size), kept for the life of the process."""
+    probe per (GPU, dtype, head_dim, grouped, call size, memory layout of q and of K/V), kept
+    for the life of the process."""
 
     def __init__(self, repeats: int = 3) -> None:
         self.repeats = repeats
         self.picks: dict[tuple, Pick] = {}
         self.used: set[str] = set()
+        self.names: dict[torch.device, str] = {}
 
     def pick(self, q: torch.Tensor, k: torch.Tensor) -> Pick:
         if q.device.type == "cpu":
             return Pick("flash_for_cpu", False)
         if q.device.type != "cuda":
             return Pick("explicit", False)
-        key = (torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1], q.shape[HEADS] != k.shape[HEADS],
-               size_class(q.shape[-2], k.shape[-2]))
+        if q.device not in self.names:
+            self.names[q.device] = torch.cuda.get_device_name(q.device)
+        key = (self.names[q.device], q.dtype, q.shape[-1], q.shape[HEADS] != k.shape[HEADS],
+               size_class(q.shape[-2], k.shape[-2]), heads_outer(q), heads_outer(k))
         if key not in self.picks:
             self.picks[key] = self.probe(q, k)
         return self.picks[key]
@@ -146,9 +164,8 @@ class KernelChooser:
 
     def _seconds(self, pick: Pick, q_like: torch.Tensor, k_like: torch.Tensor) -> float:
         generator = torch.Generator(device=q_like.device).manual_seed(0)
-        q = torch.randn(q_like.shape, generator=generator, device=q_like.device).to(q_like.dtype)
-        k, v = (torch.randn(k_like.shape, generator=generator, device=k_like.device).to(k_like.dtype)
-                for _ in range(2))
+        q = _drawn(q_like, tuple(q_like.shape), generator)
+        k, v = (_drawn(k_like, tuple(k_like.shape), generator) for _ in range(2))
         run(pick, q, k, v, False, None)  # warm-up
         samples = []
         for _ in range(self.repeats):
@@ -168,12 +185,10 @@ class KernelChooser:
 
 def _correct(pick: Pick, q_like: torch.Tensor, k_like: torch.Tensor) -> bool:
     """Whether ``pick`` runs and matches the float32 computation on small inputs of the
-    call's heads, KV heads, head_dim and dtype, unmasked and square-causal."""
+    call's heads, KV heads, head_dim, dtype and memory layout, unmasked and square-causal."""
     generator = torch.Generator(device=q_like.device).manual_seed(1)
-    shape = (1, q_like.shape[HEADS], 96, q_like.shape[-1])
-    q = torch.randn(shape, generator=generator, device=q_like.device).to(q_like.dtype)
-    k, v = (torch.randn((1, k_like.shape[HEADS], 96, k_like.shape[-1]), generator=generator,
-                        device=q_like.device).to(q_like.dtype) for _ in range(2))
+    q = _drawn(q_like, (1, q_like.shape[HEADS], 96, q_like.shape[-1]), generator)
+    k, v = (_drawn(k_like, (1, k_like.shape[HEADS], 96, k_like.shape[-1]), generator) for _ in range(2))
     for causal in (False, True):
         try:
             out, lse = run(pick, q, k, v, causal, None)
