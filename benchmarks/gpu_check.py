@@ -3,7 +3,8 @@
 1. **Multi-rank correctness on one GPU**: every configuration on 2 and 4 ranks sharing the GPU,
    over gloo with CUDA tensors (NCCL refuses two ranks on one GPU), MHA, GQA and MQA, causal
    and not, fp32 and bf16, each run twice on the same tensors and checked against the float64
-   reference (``benchmarks/torch_ranks.py``). A correctness run: its exchange times are gloo's,
+   reference (``benchmarks/torch_ranks.py``; the Ring's send/recv and the all-gather through
+   host copies, which gloo takes where it may not take CUDA tensors). A correctness run: its exchange times are gloo's,
    not NCCL's, and nothing is stored.
 2. **Each rank's local work against its ideal**, at the per-rank shapes of the shipped 8-GPU
    description's configurations (h200-sxm-8 on an H200, else h100-sxm-8: every strategy and
@@ -31,8 +32,9 @@ scipy; not SQLAlchemy, scikit-learn, Optuna or mpi4py):
     pip install --no-deps -e .
     python benchmarks/gpu_check.py --out gpu_check.txt
 
-``--smoke`` runs all three on the CPU at tiny shapes (gloo CPU ranks; the ratios say nothing
-there): what ``tests/test_benchmarks_torch.py`` runs, so the script is known to run.
+``--smoke`` runs all three on the CPU at tiny shapes (gloo CPU ranks, staging through host
+copies as on a GPU; the ratios say nothing there): what ``tests/test_benchmarks_torch.py``
+runs, so the script is known to run.
 """
 
 from __future__ import annotations
@@ -282,8 +284,8 @@ def expected_s(workload: Workload, done: Sequence[Row], repeats: int) -> float:
 def correctness(device: str, smoke: bool, say: Callable[[str], None]) -> list[str]:
     """Every configuration on each of ``WORLDS`` ranks sharing this device over gloo
     (``torch_ranks.py``); one line per world and what failed."""
-    args = ["--device", device] + ([] if smoke else ["--seq-len", "1000", "--heads", "8", "--head-dim", "64",
-                                                     "--dtypes", "fp32,bf16"])
+    args = ["--device", device] + (["--stage"] if smoke else ["--seq-len", "1000", "--heads", "8",
+                                                               "--head-dim", "64", "--dtypes", "fp32,bf16"])
     tolerance = REAL_BF16_TOLERANCE
     problems = []
     for world in WORLDS:

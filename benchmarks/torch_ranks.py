@@ -6,13 +6,15 @@ times are not NCCL's and nothing is stored. Launch it with
     python -m torch.distributed.run --standalone --nproc-per-node N benchmarks/torch_ranks.py [--device cuda]
 
 (``tests/test_torch_engine.py`` runs it on 2-4 CPU ranks; ``gpu_check.py`` on 2 and 4 ranks
-sharing one GPU). Each configuration (MHA, GQA and MQA; causal and not; each ``--dtypes``; a
-length that needs padding) runs twice on the same input tensors, as the engine's timed
-iterations do after its checked run, and each run's output is compared with the float64
-reference. The fused kernel calls are counted for each attention step (one
-``TorchOps.attention``). Rank 0 prints one JSON line: {"world": N, "device": ..., "cases":
-[{"config", "workload", "errors": [first run, second run] (the largest relative error on
-any rank), "calls": [[calls per step] for each rank], "failed": null or the error}]}.
+sharing one GPU, where the Ring's send/recv and AllGather-KV's all-gather go through host
+copies, ``staging_through_the_host``, and the all-to-all takes the CUDA tensors). Each
+configuration (MHA, GQA and MQA; causal and not; each ``--dtypes``; a length that needs
+padding) runs twice on the same input tensors, as the engine's timed iterations do after its
+checked run, and each run's output is compared with the float64 reference. The fused kernel
+calls are counted for each attention step (one ``TorchOps.attention``). Rank 0 prints one
+JSON line: {"world": N, "device": ..., "cases": [{"config", "workload", "errors": [first run,
+second run] (the largest relative error on any rank), "calls": [[calls per step] for each
+rank], "failed": null or the error}]}.
 """
 
 from __future__ import annotations
@@ -52,6 +54,37 @@ def counting() -> list[int]:
     _ops.fused_attention = counted_kernel  # type: ignore[assignment]
     _ops.TorchOps.attention = counted_attention  # type: ignore[method-assign]
     return steps
+
+
+class _Staged:
+    """A point-to-point step run on host copies: waiting on it copies what arrived back."""
+
+    def __init__(self, works: list, arrived: torch.Tensor, receive: torch.Tensor) -> None:
+        self.works, self.arrived, self.receive = works, arrived, receive
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.receive.copy_(self.arrived)
+
+
+def staging_through_the_host() -> None:
+    """Run the Ring's send/recv and AllGather-KV's all-gather on host copies of the GPU
+    tensors (gloo's point-to-point and all-gather-into-tensor may not take CUDA tensors); the
+    all-to-all takes them as they are. The copies are the harness's, not the engine's."""
+    ring_step, gather = _ops.ring_step, _ops._all_gather_single
+
+    def staged_ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor) -> list:
+        arrived = torch.empty(receive.shape, dtype=receive.dtype)
+        return [_Staged(ring_step(group, send.cpu(), arrived), arrived, receive)]
+
+    def staged_gather(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+        arrived = torch.empty(received.shape, dtype=received.dtype)
+        gather(arrived, send.cpu(), group=group)
+        received.copy_(arrived)
+
+    _ops.ring_step = staged_ring_step  # type: ignore[assignment]
+    _ops._all_gather_single = staged_gather  # type: ignore[assignment]
 
 
 def workloads(seq_len: int, heads: int, head_dim: int, dtypes: Sequence[str]) -> list[Workload]:
@@ -94,11 +127,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=8)
     parser.add_argument("--dtypes", default="fp32", help="comma-separated (default fp32)")
+    parser.add_argument("--stage", action="store_true", help="send/recv and all-gather through host copies "
+                        "(always with --device cuda; on the CPU: to try the staging itself)")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = args.device == "cuda"
     device = local_device(int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda or args.stage:
+        staging_through_the_host()
     groups = {members: dist.new_group(list(members)) for members in group_members(world)}
     steps = counting()
     cases = []
