@@ -4,8 +4,8 @@
    over gloo with CUDA tensors (NCCL refuses two ranks on one GPU), MHA, GQA and MQA, causal
    and not, fp32 and bf16, each run twice on the same tensors and checked against the float64
    reference (``benchmarks/torch_ranks.py``; the Ring's send/recv and the all-gather through
-   host copies, which gloo takes where it may not take CUDA tensors). A correctness run: its exchange times are gloo's,
-   not NCCL's, and nothing is stored.
+   host copies, which gloo takes where it may not take CUDA tensors). A correctness run: its
+   exchange times are gloo's, not NCCL's, and nothing is stored.
 2. **Each rank's local work against its ideal**, at the per-rank shapes of the shipped 8-GPU
    description's configurations (h200-sxm-8 on an H200, else h100-sxm-8: every strategy and
    hybrid of 8 ranks; bf16, 32 heads x 128 (MHA, and GQA with 4 KV heads, which Ulysses-8
