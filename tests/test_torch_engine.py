@@ -478,6 +478,11 @@ def test_the_probe_keeps_the_fastest_right_kernel_repeating_kv_heads_where_refus
     speed["right"] = 0.5
     assert _kernels.KernelChooser().probe(q, k) == _kernels.Pick("right", False)
     assert _kernels.KernelChooser().probe(q, q) == _kernels.Pick("right", False)
+    # the probe's inputs are laid out as the call's: a sequence-major q stays sequence-major
+    sequence_major = torch.zeros(1, 64, 4, 16).transpose(1, 2)
+    generator = torch.Generator().manual_seed(0)
+    assert not _kernels.heads_outer(_kernels._drawn(sequence_major, (1, 4, 96, 16), generator))
+    assert _kernels.heads_outer(_kernels._drawn(q, (1, 4, 96, 16), generator))
 
 
 def test_a_rank_takes_its_gpu_by_local_rank_modulo_the_gpus_it_sees(monkeypatch):
