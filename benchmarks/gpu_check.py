@@ -1,62 +1,56 @@
-"""Prepared GPU check: the torch engine's kernel path on one GPU at the per-rank shapes of the
-shipped 8-GPU descriptions' configurations, each piece beside what the description predicts.
+"""Prepared GPU check of the torch engine, in one run under 10 minutes on one H100 or H200:
 
-One GPU cannot run NCCL between ranks, so no configuration runs whole: for every configuration
-of the description's 8 ranks (Ring, AllGather-KV, Ulysses and their hybrids) this times what
-the busiest rank computes between its exchanges, in one process without ``torch.distributed``,
-on the functions the engine's ranks call (``cptune.engines.torch._ops``):
+1. **Multi-rank correctness on one GPU**: every configuration on 2 and 4 ranks sharing the GPU,
+   over gloo with CUDA tensors (NCCL refuses two ranks on one GPU), MHA, GQA and MQA, causal
+   and not, fp32 and bf16, each run twice on the same tensors and checked against the float64
+   reference (``benchmarks/torch_ranks.py``; the Ring's send/recv and the all-gather through
+   host copies, which gloo takes where it may not take CUDA tensors). A correctness run: its
+   exchange times are gloo's, not NCCL's, and nothing is stored.
+2. **Each rank's local work against its ideal**, at the per-rank shapes of the shipped 8-GPU
+   description's configurations (h200-sxm-8 on an H200, else h100-sxm-8: every strategy and
+   hybrid of 8 ranks; bf16, 32 heads x 128 (MHA, and GQA with 4 KV heads, which Ulysses-8
+   replicates) and 16 heads x 64, causal and not, 1K, 4K, 16K and 64K tokens per rank). Local
+   work is what a rank of context block 1 (block 0 on one block) computes between its
+   exchanges, on the functions its ranks call
+   (``cptune.engines.torch._ops``): the Ulysses packs and unpacks of Q, K/V and the output,
+   AllGather-KV's copy of the arrivals into position order, every attention step (the Ring's c
+   steps, own block first, merged in place) and the output's cast. Its ideal, from figures of
+   the same run: for each fused call the step needs (``cptune.calls``), the time one
+   ``scaled_dot_product_attention`` call of that shape takes (the backend PyTorch picks, fixed
+   cost included), plus the bytes the step must move (packs, unpacks and the gathered copy read
+   and written once; a first write into the float32 accumulator w + 4 bytes per element, a merge
+   8 + w, the output's cast 4 + w) at the copy rate of this GPU. Ratio = local / ideal; goal:
+   median <= 1.15 and worst <= 1.5.
+3. **The kernel probe's choice** per GPU, dtype, head_dim, grouping and call size.
 
-- attention: the rank's ``attend`` calls (one; the Ring's one per block, its own first), its
-  pieces and causal zigzag halves included, GQA heads as the engine passes them;
-- permute: the all-to-all copies into send order and out of receive order
-  (``in_send_order``, ``out_of_receive_order``) of Q, K/V and the output (Ulysses groups);
-- replicate: the K/V heads repeated for a head group larger than the KV heads;
-- merge: the Ring's ``merge_partials`` of its blocks' partials, one per block;
-- sdpa: where the engine's attention is one call with no merge (Ulysses), the same call
-  through the public ``scaled_dot_product_attention`` with the backend PyTorch picks (cuDNN,
-  flash or efficient) instead of the log-sum-exp-returning op the engine runs: whether the
-  engine leaves speed on the table there (not part of "local");
-- local: all of the above together.
+Timing: CUDA events, one warm-up, the median of ``--repeats``. Cases run from the shortest
+length up; one likely to end past ``--budget-s`` is skipped and named.
 
-Predicted, from the description (``DescribedProfile``, the prior's own terms): attention =
-the prior's compute term (useful FLOPs / ``attention_rate``), plus its query re-reads for the
-Ring; each step = ``memory_time`` of the bytes ``analytic_cost`` counts for it; local = compute
-+ memory + launch overhead. Ratio = measured / predicted (above 1: slower than predicted).
-
-Workloads: bf16, 32 heads x 128 (MHA, and GQA with 4 KV heads: Ulysses-8 replicates them)
-and 16 heads x 64, causal and not, at 1K, 4K, 16K and 64K tokens per rank (8K-512K in
-all). Timing: CUDA events, one warm-up, the median of ``--repeats`` (at most 3 where the
-warm-up took over 0.5 s). Cases run from the shortest length up; one likely to end past
-``--budget-s`` is skipped and named, so that the whole run stays under 8 minutes on one H100
-or H200 (at the description's rates the plan takes about 150 s).
-
-On a machine with one H100 or H200, from the repository root (it needs PyTorch with CUDA,
-numpy and scipy; not ``cptune.model``'s package, SQLAlchemy, scikit-learn, Optuna or mpi4py):
+On a machine with one H100 or H200, from the repository root (PyTorch with CUDA, numpy,
+scipy; not SQLAlchemy, scikit-learn, Optuna or mpi4py):
 
     pip install --no-deps -e .
     python benchmarks/gpu_check.py --out gpu_check.txt
 
-The description is picked by the GPU's name (``--description`` overrides it); ``--per-rank``
-reruns some lengths only (e.g. ``--per-rank 65536`` for the cases a budget skipped).
-
-Smoke test on a CPU (tiny shapes; the ratios say nothing there):
-
-    python benchmarks/gpu_check.py --device cpu --quick
+``--smoke`` runs all three on the CPU at tiny shapes (gloo CPU ranks, staging through host
+copies as on a GPU; the ratios say nothing there): what ``tests/test_benchmarks_torch.py``
+runs, so the script is known to run.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import ModuleType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -64,20 +58,21 @@ import torch.nn.functional as F
 from _provenance import command, commit
 
 import cptune
+from cptune.calls import attention_calls
 from cptune.config import CPConfig
-from cptune.cost import analytic_cost
+from cptune.engines.torch import _kernels
 from cptune.engines.torch._ops import (
     TORCH_DTYPES,
     attend,
-    attention_pieces,
-    in_send_order,
-    kernel_name,
-    merge_partials,
-    out_of_receive_order,
+    joined_in_order,
+    pack,
+    sequence_major,
+    unpack,
 )
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import load_description
 from cptune.layout import SequenceLayout, kv_replication
+from cptune.reference import REAL_BF16_TOLERANCE
 from cptune.strategies.primitives import HEADS, SEQ, Partial
 from cptune.workload import Workload
 
@@ -85,44 +80,37 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (heads, KV heads, head_dim) of the workloads, each causal and not.
 SHAPES = ((32, 32, 128), (32, 4, 128), (16, 16, 64))
 PER_RANK = (1024, 4096, 16384, 65536)
-QUICK_PER_RANK = (32,)
-#: A description for each GPU the check is meant for (by a word of its name).
+SMOKE_PER_RANK = (32,)
+#: The description whose 8-rank configurations are the cases, by a word of the GPU's name.
 DESCRIPTIONS = {"H200": "h200-sxm-8", "H100": "h100-sxm-8"}
-PIECES = ("attention", "sdpa", "permute", "replicate", "merge", "local")
-#: A piece whose warm-up takes longer than this is timed at most 3 times.
-LONG_PIECE_S = 0.5
+#: Ranks sharing the one GPU in the correctness run.
+WORLDS = (2, 4)
+#: Bytes of the copy that measures the copy rate (read and written once).
+COPY_BYTES = 1 << 30
+GOAL_MEDIAN, GOAL_WORST = 1.15, 1.5
 
 T = TypeVar("T")
 
 
-def _prior() -> ModuleType:
-    """``cptune.model._prior`` loaded on its own: the ``cptune.model`` package also brings
-    SQLAlchemy and scikit-learn, which this check does not need."""
-    name = "cptune_prior_for_gpu_check"
-    spec = importlib.util.spec_from_file_location(name, Path(cptune.__file__).parent / "model" / "_prior.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @dataclass(frozen=True)
 class Row:
-    """One timed piece of one configuration's busiest rank."""
+    """One configuration's local work on one rank against its ideal."""
 
     workload: Workload
     config: CPConfig
-    piece: str
-    work: str
-    measured_s: float
-    predicted_s: float
-    #: Useful FLOPs (attention) or bytes (a memory step) the prediction counts; 0: none.
-    amount: float
+    calls: int
+    local_s: float
+    attention_ideal_s: float
+    bytes_moved: int
+    copy_rate: float
+
+    @property
+    def ideal_s(self) -> float:
+        return self.attention_ideal_s + self.bytes_moved / self.copy_rate
 
     @property
     def ratio(self) -> float:
-        return self.measured_s / self.predicted_s
+        return self.local_s / self.ideal_s
 
 
 def label(workload: Workload) -> str:
@@ -153,25 +141,17 @@ def cases(description: str, per_rank: Sequence[int]) -> list[tuple[int, Workload
 
 
 class Timer:
-    """Median seconds of a callable on ``device`` after one warm-up call, and what the warm-up
-    returned: CUDA events on a GPU, wall clock on a CPU."""
+    """Median seconds of a callable on ``device`` after one warm-up call: CUDA events on a
+    GPU, wall clock on a CPU."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
         self.device = device
         self.repeats = repeats
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def __call__(self, fn: Callable[[], T]) -> tuple[float, T]:
-        self._sync()
-        started = time.perf_counter()
-        result = fn()
-        self._sync()
-        repeats = min(self.repeats, 3) if time.perf_counter() - started > LONG_PIECE_S else self.repeats
+    def __call__(self, fn: Callable[[], object]) -> float:
+        fn()
         samples = []
-        for _ in range(repeats):
+        for _ in range(self.repeats):
             if self.device.type == "cuda":
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
@@ -183,202 +163,258 @@ class Timer:
                 started = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - started)
-        return statistics.median(samples), result
+        return statistics.median(samples)
 
 
-def run_case(workload: Workload, config: CPConfig, profile: Any, prior: ModuleType,
-             timer: Timer, generator: torch.Generator) -> list[Row]:
-    """Time the busiest rank's local pieces of ``config`` (rank 0: every rank does the same
-    work) and predict each from ``profile``."""
+def copy_rate(timer: Timer, nbytes: int) -> float:
+    """Bytes per second a device-to-device copy reads and writes (both counted)."""
+    source = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=timer.device)
+    target = torch.empty_like(source)
+    return 2 * nbytes / timer(lambda: target.copy_(source))
+
+
+class Ideal:
+    """What one ``scaled_dot_product_attention`` call of each shape takes, timed once per shape."""
+
+    def __init__(self, timer: Timer, generator: torch.Generator) -> None:
+        self.timer, self.generator = timer, generator
+        self.seconds: dict[tuple, float] = {}
+
+    def call_s(self, batch: int, heads: int, kv_heads: int, rows: int, keys: int, head_dim: int,
+               causal: bool, dtype: torch.dtype) -> float:
+        key = (batch, heads, kv_heads, rows, keys, head_dim, causal, dtype)
+        if key not in self.seconds:
+            device = self.timer.device
+
+            def draw(*shape: int) -> torch.Tensor:
+                return torch.randn(shape, generator=self.generator, device=device).to(dtype)
+
+            q = draw(batch, heads, rows, head_dim)
+            k, v = draw(batch, kv_heads, keys, head_dim), draw(batch, kv_heads, keys, head_dim)
+            self.seconds[key] = self.timer(lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=heads != kv_heads))
+        return self.seconds[key]
+
+
+def run_case(workload: Workload, config: CPConfig, timer: Timer, ideal: Ideal, rate: float,
+             generator: torch.Generator) -> Row:
+    """Time a rank's local work of ``config`` (see the module docstring) and work out its ideal."""
     device, wire = timer.device, TORCH_DTYPES[workload.dtype]
     u, c = config.head_group, config.context_degree
     layout = SequenceLayout(workload, config)
     rep = kv_replication(workload, u) if u > 1 else 1
-    heads, kv_heads = workload.heads // u, workload.kv_heads * rep // u
-    b, d = workload.batch, workload.head_dim
-    rank_tokens = layout.padded_len // config.ranks
+    heads, kv_heads = workload.heads // u, (workload.kv_heads * rep // u) if u > 1 else workload.kv_heads
+    b, d, w = workload.batch, workload.head_dim, wire.itemsize
+    tokens, block = layout.padded_len // config.ranks, layout.padded_len // c
+    group = min(1, c - 1)  # context block 1: its calls are the busiest AllGather-KV makes
+    q_pos = layout.block_positions(group)
 
-    def tensor(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device, dtype=wire)
+    def draw(shape: Sequence[int], sequence_first: bool = False) -> torch.Tensor:
+        x = torch.randn(tuple(shape), generator=generator, device=device).to(wire)
+        if sequence_first:  # a model's [batch, seq, heads, head_dim] seen as [batch, heads, seq, head_dim]
+            target = sequence_major(x.shape, wire, device)
+            target.copy_(x)
+            return target
+        return x
 
-    q_pos = layout.block_positions(0)
-    ring = config.strategy == "ring" and c > 1
-    # the Ring's blocks in stream order (its own first); else the one call over all keys
-    if ring:
-        sources = [layout.block_positions(-step % c) for step in range(c)]
+    q_in = draw((b, workload.heads, tokens, d), True)
+    kv_in = draw((2, b, workload.kv_heads, tokens, d), True)
+    arrived_q = draw((u, b, heads, tokens, d))  # what the Ulysses all-to-all brings
+    arrived_kv = draw((u, 2, b, kv_heads, tokens, d))
+    gathers = config.strategy == "allgather_kv" and c > 1
+    arrivals = [draw((2, b, kv_heads, block, d), True) for _ in range(c)] if gathers else []
+    if config.strategy == "ring":  # each block arrives in the Ring's own buffer: one stands for all
+        steps = [layout.block_positions((group - step) % c) for step in range(c)]
     else:
-        sources = [layout.context_positions()]
-    q = tensor(b, heads, len(q_pos), d)
-    kv = tensor(2, b, kv_heads, len(sources[0]), d)
+        steps = [layout.gathered_positions if gathers else q_pos]
 
-    def attention() -> list[Partial]:
-        return [attend(q, kv, q_pos, k_pos, workload.causal, workload.seq_len) for k_pos in sources]
-
-    def merge() -> Partial:
+    def local() -> torch.Tensor:
+        q, kv = q_in, kv_in
+        if u > 1:
+            pack(q_in, HEADS, u, wire), pack(kv_in, HEADS, u, wire, rep)
+            q, kv = unpack(arrived_q, SEQ), unpack(arrived_kv, SEQ)
+        if gathers:
+            kv = joined_in_order(arrivals, SEQ, layout.gather_order)
         result: Partial | None = None
-        for part in parts:
-            result = merge_partials(result, part)
+        for k_pos in steps:
+            result = attend(q, kv, q_pos, k_pos, workload.causal, workload.seq_len, into=result)
         assert result is not None
-        return result
+        out = result.out
+        if u > 1:
+            out = unpack(pack(out, SEQ, u, wire), HEADS)
+        return out.to(wire)
 
-    measured: dict[str, float] = {}
-    measured["attention"], parts = timer(attention)
-    out = parts[0].out
-    if ring:
-        measured["merge"], merged = timer(merge)
-        out = merged.out
-    if rep > 1:
-        kv_in = tensor(2, b, workload.kv_heads, rank_tokens, d)
-        measured["replicate"], _ = timer(lambda: kv_in.repeat_interleave(rep, dim=HEADS))
+    local_s = timer(local)
+
+    attention_s, moved, written = 0.0, 0, set()
+    plans = [attention_calls(q_pos, k_pos, workload.causal, workload.seq_len) for k_pos in steps]
+    for plan in plans:
+        for call in plan:
+            rows, keys = call.rows.stop - call.rows.start, call.keys.stop - call.keys.start
+            attention_s += ideal.call_s(b, heads, kv_heads, rows, keys, d, call.causal, wire)
+            span = (call.rows.start, call.rows.stop)
+            moved += b * heads * rows * d * ((8 + w) if span in written else (w + 4))
+            written.add(span)
+    calls = sum(len(plan) for plan in plans)
+    if calls == 1 and written == {(0, len(q_pos))}:
+        moved = 0  # one call over every row: the kernel's own output is the result
+    else:
+        moved += b * heads * len(q_pos) * d * (4 + w)  # the float32 result cast to the wire dtype
     if u > 1:
-        q_in = tensor(b, workload.heads, rank_tokens, d)
-        kv_sent = tensor(2, b, workload.kv_heads * rep, rank_tokens, d)
-
-        def permute() -> None:
-            out_of_receive_order(in_send_order(q_in, HEADS, u, wire), SEQ)
-            out_of_receive_order(in_send_order(kv_sent, HEADS, u, wire), SEQ)
-            out_of_receive_order(in_send_order(out, SEQ, u, wire), HEADS)
-
-        measured["permute"], _ = timer(permute)
-    measured["local"] = sum(measured.values())
-    plan = attention_pieces(q_pos, sources[0], workload.causal, workload.seq_len)
-    whole = slice(0, len(sources[0]))
-    if not ring and len(plan) == 1 and len(plan[0].pieces) == 1 and plan[0].pieces[0].keys == whole:
-        # the same one call through the public API, the backend PyTorch picks (not in "local")
-        causal_piece = plan[0].pieces[0].causal
-        measured["sdpa"], _ = timer(lambda: F.scaled_dot_product_attention(
-            q, kv[0], kv[1], is_causal=causal_piece, enable_gqa=heads != kv_heads))
-
-    cost = analytic_cost(workload, config, profile.stream)
-    prior_time = prior.prior_time(workload, config, profile)
-    memory = {step: profile.memory_time(step, nbytes, workload, config.ranks)
-              for step, nbytes in cost.memory_bytes.items()}
-    predicted = {"attention": prior_time.compute_s + memory["requery"],
-                 "sdpa": prior_time.compute_s + memory["requery"],
-                 "local": prior_time.compute_s + prior_time.memory_s + prior_time.overhead_s} | memory
-    amounts = {"attention": cost.flops, "sdpa": cost.flops} | cost.memory_bytes
-    work = {
-        "attention": f"q {heads}x{len(q_pos)} kv {kv_heads}x{len(sources[0])}" + (f" x{c}" if ring else ""),
-        "sdpa": f"q {heads}x{len(q_pos)} kv {kv_heads}x{len(sources[0])}",
-        "permute": f"{cost.memory_bytes['permute'] / 2**20:.0f} MiB",
-        "replicate": f"kv {workload.kv_heads}->{workload.kv_heads * rep} heads",
-        "merge": f"{c} x {heads}x{len(q_pos)}",
-        "local": "",
-    }
-    return [Row(workload, config, piece, work[piece], measured[piece], predicted[piece],
-                amounts.get(piece, 0)) for piece in PIECES if piece in measured]
+        sent = b * tokens * d * w
+        moved += 2 * 2 * sent * (workload.heads + 2 * workload.kv_heads * rep)  # Q, K/V: pack, unpack
+        moved += 2 * 2 * b * len(q_pos) * heads * d * w  # the output: pack, unpack
+    if gathers:
+        moved += 2 * 2 * b * kv_heads * layout.padded_len * d * w  # the gathered K/V into position order
+    return Row(workload, config, calls, local_s, attention_s, moved, rate)
 
 
-def expected_s(workload: Workload, config: CPConfig, done: Sequence[Row], profile: Any, prior: ModuleType,
-               repeats: int) -> float:
-    """Seconds a case will likely take: its predicted local time x how much slower than
-    predicted the last cases ran (the median of their 'local' ratios, at least 1) x the calls
-    the timer makes (the longest piece's; a margin of 1.2)."""
-    recent = [row.ratio for row in done if row.piece == "local"][-7:]
-    slowness = max(1.0, statistics.median(recent)) if recent else 1.0
-    predicted = prior.prior_time(workload, config, profile)
-    one = slowness * (predicted.compute_s + predicted.memory_s)
-    calls = 1 + (min(repeats, 3) if one > LONG_PIECE_S else repeats)
-    return 1.2 * calls * one
+def expected_s(workload: Workload, done: Sequence[Row], repeats: int) -> float:
+    """Seconds a case will likely take: the last cases' local seconds per useful pair x this
+    case's pairs x the calls the timer makes (local, and about as much again for its ideal)."""
+    def pairs(w: Workload) -> float:
+        return w.seq_len * w.seq_len * w.heads * w.head_dim / (2 if w.causal else 1)
+
+    recent = [row.local_s / pairs(row.workload) for row in done[-7:]]
+    if not recent:
+        return 0.0
+    return 2 * (1 + repeats) * statistics.median(recent) * pairs(workload)
 
 
-def _rate(row: Row) -> str:
-    """What the piece reached: TFLOP/s for attention, GB/s for a memory step."""
-    if not row.amount:
-        return ""
-    if row.piece in ("attention", "sdpa"):
-        return f"{row.amount / row.measured_s / 1e12:.3g} TF/s"
-    return f"{row.amount / row.measured_s / 1e9:.3g} GB/s"
-
-
-def summary(rows: Sequence[Row]) -> list[str]:
-    """Ratio median and range per piece, head_dim and mask."""
-    lines = [f"{'piece':<11}{'head_dim':>9}{'causal':>8}{'cases':>7}{'median':>9}{'min':>9}{'max':>9}"]
-    groups: dict[tuple[str, int, bool], list[float]] = {}
-    for row in rows:
-        groups.setdefault((row.piece, row.workload.head_dim, row.workload.causal), []).append(row.ratio)
-    for key in sorted(groups, key=lambda k: (PIECES.index(k[0]), k)):
-        piece, head_dim, causal = key
-        ratios = groups[key]
-        lines.append(f"{piece:<11}{head_dim:>9}{'yes' if causal else 'no':>8}{len(ratios):>7}"
-                     f"{np.median(ratios):>9.3g}{min(ratios):>9.3g}{max(ratios):>9.3g}")
-    return lines
+def correctness(device: str, smoke: bool, say: Callable[[str], None]) -> list[str]:
+    """Every configuration on each of ``WORLDS`` ranks sharing this device over gloo
+    (``torch_ranks.py``); one line per world and what failed."""
+    args = ["--device", device] + (["--stage"] if smoke else ["--seq-len", "1000", "--heads", "8",
+                                                               "--head-dim", "64", "--dtypes", "fp32,bf16"])
+    tolerance = REAL_BF16_TOLERANCE
+    problems = []
+    for world in WORLDS:
+        command_line = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={world}", str(Path(__file__).parent / "torch_ranks.py"), *args]
+        try:
+            done = subprocess.run(command_line, capture_output=True, text=True, timeout=240,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        except subprocess.TimeoutExpired:
+            problems.append(f"{world} ranks: did not finish within 240 s")
+            say(problems[-1])
+            continue
+        if done.returncode != 0 or not done.stdout.strip():
+            problems.append(f"{world} ranks: exit {done.returncode}: {done.stderr.strip()[-600:]}")
+            say(problems[-1])
+            continue
+        summary = json.loads(done.stdout.splitlines()[-1])
+        for case in summary["cases"]:
+            dtype = "bf16" if "bf16" in case["workload"] else "fp32"
+            worst = max(case["errors"])
+            calls = max((max(steps, default=0) for steps in case["calls"]), default=0)
+            verdict = "ok" if case["failed"] is None and worst <= tolerance[dtype] else "WRONG"
+            say(f"{world:>5}  {case['workload']:<50}{case['config']:<24}{worst:>10.2e}{calls:>6}  "
+                f"{verdict}{'' if case['failed'] is None else ': ' + case['failed']}")
+            if verdict != "ok":
+                problems.append(f"{world} ranks {case['config']} {case['workload']}")
+    return problems
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    parser.add_argument("--description", help="hardware description to predict with (default: by GPU name; "
-                        "h100-sxm-8 where the name matches neither H100 nor H200)")
     parser.add_argument("--per-rank", type=int, nargs="+", help="tokens per rank (default 1K 4K 16K 64K)")
-    parser.add_argument("--repeats", type=int, help="timed calls per piece (default 5; 2 with --quick)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="skip a case that would end past this many seconds (default 420)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny shapes (32 tokens per rank): a smoke test")
+    parser.add_argument("--repeats", type=int, help="timed calls per measurement (default 5; 2 with --smoke)")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="skip a case that would end past this many seconds from the start (default 480)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="on the CPU, tiny shapes: a test that the script runs, not a result")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)
     started = time.perf_counter()
-    device = torch.device(args.device)
+    device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("PyTorch sees no CUDA device here; use --device cpu (with --quick) to smoke-test")
+        parser.error("PyTorch sees no CUDA device here; --smoke runs the script on the CPU at tiny shapes")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    described = args.description or next((d for key, d in DESCRIPTIONS.items() if key in name), "h100-sxm-8")
-    prior = _prior()
-    profile = prior.DescribedProfile(load_description(described))
-    per_rank = args.per_rank or (QUICK_PER_RANK if args.quick else PER_RANK)
-    repeats = args.repeats or (2 if args.quick else 5)
+    described = next((d for key, d in DESCRIPTIONS.items() if key in name), "h100-sxm-8")
+    per_rank = args.per_rank or (SMOKE_PER_RANK if args.smoke else PER_RANK)
+    repeats = args.repeats or (2 if args.smoke else 5)
     lines: list[str] = []
 
     def say(line: str = "") -> None:
         print(line, flush=True)
         lines.append(line)
 
-    say(f"# benchmarks/gpu_check.py: the torch engine's kernel path on one device at the per-rank shapes of "
-        f"{described}'s {profile.max_ranks}-rank configurations, beside the description's prediction")
+    say("# benchmarks/gpu_check.py: the torch engine on one device: every configuration on 2 and 4 ranks "
+        "sharing it (gloo), each rank's local work against its ideal, the kernel probe's choices")
+    software = " ".join(f"{k} {v}" for k, v in _kernels.software().items())
     say(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit()}, cptune {cptune.__version__}, "
-        f"torch {torch.__version__}, device {name}, kernel {kernel_name(device, torch.bfloat16)}")
+        f"torch {torch.__version__}, device {name} {software}".rstrip())
     say(f"#   {command('gpu_check.py', argv)}")
-    say(f"# predicted from {profile.describe()}; ratio = measured / predicted")
     say()
-    say(f"{'tokens/rank':>11}  {'workload':<26}{'config':<23}{'piece':<11}{'work':<26}"
-        f"{'measured ms':>12}{'predicted ms':>13}{'ratio':>9}{'reached':>12}")
+    say("1. correctness: every configuration on ranks sharing the device over gloo, run twice on the same "
+        "tensors, against the float64 reference")
+    say(f"{'ranks':>5}  {'workload':<50}{'config':<24}{'rel. error':>10}{'calls':>6}")
+    problems = correctness(device.type, args.smoke, say)
+    say(f"{len(problems)} problem(s)" + (": " + "; ".join(problems) if problems else ""))
+    say()
+
+    timer = Timer(device, repeats)
+    generator = torch.Generator(device=device).manual_seed(0)
+    rate = copy_rate(timer, (1 << 20) if args.smoke else COPY_BYTES)
+    ideal = Ideal(timer, generator)
+    say(f"2. local work against its ideal at the per-rank shapes of {described}'s 8-rank configurations "
+        f"(a rank of context block 1); copy rate {rate / 1e9:.4g} GB/s (read + write)")
+    say(f"{'tokens/rank':>11}  {'workload':<26}{'config':<23}{'calls':>6}{'local ms':>11}{'calls ms':>10}"
+        f"{'bytes ms':>10}{'ideal ms':>10}{'ratio':>8}")
     rows: list[Row] = []
     skipped, failed = [], []
-    generator = torch.Generator(device=device).manual_seed(0)
-    timer = Timer(device, repeats)
     for tokens, workload, config in cases(described, per_rank):
-        expected = expected_s(workload, config, rows, profile, prior, repeats)
-        if time.perf_counter() - started + expected > args.budget_s:
+        if time.perf_counter() - started + expected_s(workload, rows, repeats) > args.budget_s:
             skipped.append(f"{label(workload)} {config.label}")
             continue
         try:
-            case = run_case(workload, config, profile, prior, timer, generator)
+            row = run_case(workload, config, timer, ideal, rate, generator)
         except torch.OutOfMemoryError:
             failed.append(f"{label(workload)} {config.label}: out of memory")
             continue
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        rows += case
-        for row in case:
-            say(f"{_k(tokens):>11}  {label(workload):<26}{config.label:<23}{row.piece:<11}{row.work:<26}"
-                f"{row.measured_s * 1e3:>12.4g}{row.predicted_s * 1e3:>13.4g}{row.ratio:>9.3g}"
-                f"{_rate(row):>12}")
+        rows.append(row)
+        say(f"{_k(tokens):>11}  {label(workload):<26}{config.label:<23}{row.calls:>6}"
+            f"{row.local_s * 1e3:>11.4g}{row.attention_ideal_s * 1e3:>10.4g}"
+            f"{row.bytes_moved / rate * 1e3:>10.4g}{row.ideal_s * 1e3:>10.4g}{row.ratio:>8.3g}")
     say()
-    say("ratio measured / predicted, by piece:")
+    say(f"local / ideal (goal: median <= {GOAL_MEDIAN}, worst <= {GOAL_WORST}):")
     for line in summary(rows):
         say(line)
     for what, which in (("skipped past the budget", skipped), ("failed", failed)):
         if which:
             say(f"{len(which)} case(s) {what}: " + "; ".join(which))
-    ran = len({(row.workload, row.config) for row in rows})
-    say(f"elapsed {time.perf_counter() - started:.0f} s for {ran} cases")
+    say()
+    say("3. the kernel probe's choices (GPU, dtype, head_dim, grouped, call size, layouts: the kernel)")
+    picks = _kernels.CHOOSER.picks
+    for key, pick in sorted(picks.items(), key=str):
+        gpu, dtype, head_dim, grouped, size, q_heads_outer, kv_heads_outer = key
+        say(f"  {gpu} {str(dtype).removeprefix('torch.')} d{head_dim} {'GQA' if grouped else 'MHA'}, "
+            f"sqrt(rows x keys) ~{_k(2 ** size)}, q {'heads' if q_heads_outer else 'sequence'}-major, "
+            f"K/V {'heads' if kv_heads_outer else 'sequence'}-major: {pick.describe()}")
+    if not picks:
+        say("  none probed (only CUDA probes; the CPU runs flash_for_cpu)")
+    say(f"elapsed {time.perf_counter() - started:.0f} s for {len(rows)} cases")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
+
+
+def summary(rows: Sequence[Row]) -> list[str]:
+    """Ratio median and worst overall and per head_dim and mask."""
+    groups: dict[str, list[float]] = {"all": [row.ratio for row in rows]}
+    for row in rows:
+        key = f"d{row.workload.head_dim} {'causal' if row.workload.causal else 'full'}"
+        groups.setdefault(key, []).append(row.ratio)
+    lines = [f"{'cases':<14}{'count':>6}{'median':>9}{'worst':>9}"]
+    for key, ratios in groups.items():
+        if ratios:
+            lines.append(f"{key:<14}{len(ratios):>6}{np.median(ratios):>9.3g}{max(ratios):>9.3g}")
+    return lines
 
 
 if __name__ == "__main__":

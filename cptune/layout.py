@@ -112,6 +112,11 @@ def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
 class SequenceLayout:
     """Token positions per rank and the two communication groups of each rank."""
 
@@ -137,27 +142,37 @@ class SequenceLayout:
 
     @functools.cached_property
     def _blocks(self) -> list[np.ndarray]:
-        """Token positions of every context block (what running a configuration needs)."""
-        return [
-            np.concatenate([np.arange(start, stop) for start, stop in self.block_ranges(g)])
-            for g in range(self.context_degree)
-        ]
+        """Token positions of every context block (what running a configuration needs),
+        read-only: a plan of attention calls made for them holds while they live."""
+        return [_read_only(np.concatenate([np.arange(start, stop) for start, stop in self.block_ranges(g)]))
+                for g in range(self.context_degree)]
 
     def block_positions(self, group: int) -> np.ndarray:
         """Token positions of context block ``group`` (what each of its ranks holds after
         the Ulysses all-to-all), in the order the ranks hold them."""
         return self._blocks[group]
 
-    def context_positions(self) -> np.ndarray:
-        """Positions of all context blocks in group order: the key order after an
-        all-gather across head groups."""
-        return np.concatenate(self._blocks)
+    @functools.cached_property
+    def gather_order(self) -> tuple[tuple[int, int, int], ...]:
+        """(member, start, stop): the index ranges of each context block that, joined in this
+        order, hold every position in increasing order (the zigzag halves of each block
+        apart): the order an all-gather across head groups puts the keys in."""
+        pieces = sorted((int(block[start]), member, start, stop)
+                        for member, block in enumerate(self._blocks) for start, stop in position_runs(block))
+        return tuple((member, start, stop) for _, member, start, stop in pieces)
+
+    @functools.cached_property
+    def gathered_positions(self) -> np.ndarray:
+        """Positions of the keys an all-gather in ``gather_order`` holds: 0 .. padded_len - 1
+        (read-only)."""
+        pieces = [self._blocks[member][start:stop] for member, start, stop in self.gather_order]
+        return _read_only(np.concatenate(pieces))
 
     def rank_positions(self, rank: int) -> np.ndarray:
-        """Token positions rank ``rank`` holds before any exchange."""
+        """Token positions rank ``rank`` holds before any exchange (a copy of its own)."""
         group, member = rank_coordinates(rank, self.head_group)
         piece = self.padded_len // self.ranks
-        return self._blocks[group][member * piece : (member + 1) * piece]
+        return self._blocks[group][member * piece : (member + 1) * piece].copy()
 
     def head_group_of(self, rank: int) -> int:
         return rank_coordinates(rank, self.head_group)[0]

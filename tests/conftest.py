@@ -77,6 +77,34 @@ def reference_cases(workloads: dict[str, dict[str, Any]]) -> Callable[[str, bool
     return case
 
 
+def torchrun_lines(world: int, script: Path, *args: str, timeout: float = 240) -> list[str]:
+    """``script`` on ``world`` gloo ranks under torchrun; the lines the ranks printed. A run
+    past ``timeout`` fails the test, torchrun and its ranks killed."""
+    import signal
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(script), *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as ranks:
+        try:
+            out, err = ranks.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(ranks.pid, signal.SIGKILL)  # torchrun and the ranks it started
+            ranks.communicate()
+            pytest.fail(f"{world} ranks did not finish within {timeout} s")
+    assert ranks.returncode == 0, err[-6000:]
+    return out.splitlines()
+
+
+def torchrun_summary(world: int, script: Path, *args: str, timeout: float = 240) -> dict:
+    """``script`` on ``world`` gloo ranks under torchrun (``torchrun_lines``); rank 0's JSON
+    summary (the last line)."""
+    import json
+
+    summary: dict = json.loads(torchrun_lines(world, script, *args, timeout=timeout)[-1])
+    return summary
+
+
 def load_benchmark(name: str) -> ModuleType:
     """benchmarks/<name>.py imported as the module ``name``, with benchmarks/ on the path as
     when the script runs (for the helpers it imports)."""

@@ -46,8 +46,8 @@ def test_rank_positions_partition_padded_sequence(split, causal):
         everything = np.concatenate(pieces)
         assert len(everything) == layout.padded_len
         assert np.array_equal(np.sort(everything), np.arange(layout.padded_len))
-        # the context order also covers every position once
-        assert np.array_equal(np.sort(layout.context_positions()), np.arange(layout.padded_len))
+        # the gather order holds every position once, in increasing order
+        assert np.array_equal(layout.gathered_positions, np.arange(layout.padded_len))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -77,9 +77,8 @@ def test_block_positions_concatenate_rank_positions(split, causal):
             assert np.array_equal(layout.block_positions(g), expected)
             block = layout.block_positions(g)
             assert np.array_equal(layout.real_query_positions(g), block[block < seq_len])
-        assert np.array_equal(
-            layout.context_positions(), np.concatenate([layout.block_positions(g) for g in range(c)])
-        )
+        gathered = [layout.block_positions(m)[start:stop] for m, start, stop in layout.gather_order]
+        assert np.array_equal(np.concatenate(gathered), layout.gathered_positions)
 
 
 @pytest.mark.parametrize("split", [s for s in SPLITS if s[0] // s[1] > 1], ids=split_id)
@@ -265,7 +264,7 @@ def test_numpy_kernel_work_is_what_its_plan_computes_on_the_strategys_calls(stra
         config = CPConfig("ulysses" if u == n and n > 1 else strategy, n, u)
         layout = SequenceLayout(workload, config)
         blocks = [layout.block_positions(g) for g in range(config.context_degree)]
-        calls = blocks if strategy == "ring" else [layout.context_positions()]
+        calls = blocks if strategy == "ring" else [layout.gathered_positions]
         pairs = max(sum(planned(q_pos, keys, workload) for keys in calls) for q_pos in blocks)
         assert computed_flops(workload, config, "numpy") == 4 * 8 * (4 // u) * pairs, config
 

@@ -218,11 +218,11 @@ def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_mask():
                     if n.op_type == "Attention"]
     assert helper.get_attribute_value(next(a for a in attention.attribute if a.name == "is_causal")) == 1
     assert len(attention.input) == 3
-    # zigzag AllGather-KV: queries at two chunks, keys in block order: a real mask
+    # zigzag AllGather-KV: queries at two chunks, keys in position order: a real mask
     model = rank_graph(unpadded, CPConfig("allgather_kv", 2), 0)
     (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
     layout = SequenceLayout(unpadded, CPConfig("allgather_kv", 2))
-    q_pos, k_pos = layout.block_positions(0), layout.context_positions()
+    q_pos, k_pos = layout.block_positions(0), layout.gathered_positions
     feeds = rank_inputs(unpadded, CPConfig("allgather_kv", 2), 0)
     assert np.array_equal(mask_of(model, attention, feeds), k_pos[None, :] <= q_pos[:, None])
     # padding keys (seq 13 padded to 16) are never visible, causal or not
@@ -231,7 +231,7 @@ def test_a_plain_causal_mask_is_is_causal_and_any_other_a_boolean_mask():
         model = rank_graph(padded, CPConfig("allgather_kv", 2), 1)
         (attention,) = [n for n in model.graph.node if n.op_type == "Attention"]
         layout = SequenceLayout(padded, CPConfig("allgather_kv", 2))
-        q_pos, k_pos = layout.block_positions(1), layout.context_positions()
+        q_pos, k_pos = layout.block_positions(1), layout.gathered_positions
         expected = (k_pos[None, :] < 13) & ((k_pos[None, :] <= q_pos[:, None]) | (not causal))
         feeds = rank_inputs(padded, CPConfig("allgather_kv", 2), 1)
         assert np.array_equal(mask_of(model, attention, feeds), expected)

@@ -256,6 +256,7 @@ class Recording:
     overlap_slowdown = property(lambda self: self.inner.overlap_slowdown)
     attention_kernel = property(lambda self: self.inner.attention_kernel)
     stream = property(lambda self: self.inner.stream)
+    position_calls = property(lambda self: self.inner.position_calls)
 
     def describe(self):
         return self.inner.describe()

@@ -5,10 +5,6 @@ configuration, equals the block unsharded (tests/torch_block.py, under torchrun)
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from conftest import torchrun_lines, torchrun_summary
 from cptune.config import CPConfig
 from cptune.errors import InfeasibleConfigError
 from cptune.feasibility import enumerate_configs
@@ -143,6 +140,17 @@ def test_on_one_rank_the_module_is_plain_attention_and_its_shard_the_whole_seque
     torch.testing.assert_close(out, expected, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+def test_the_scale_reaches_the_kernel(one_rank):
+    cp = ContextParallelAttention(CPConfig("ring", 1), SHAPE, scale=0.3)
+    q, k, v = attention_inputs(37)
+    with torch.no_grad():
+        out = cp(q, k, v, 37)
+    k, v = (t.repeat_interleave(2, dim=2).transpose(1, 2) for t in (k, v))
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=TOLERANCE, atol=TOLERANCE)
+    assert out.is_contiguous()
+
+
 def test_the_module_refuses_what_it_cannot_run_with_the_fix(one_rank):
     with pytest.raises(ValueError, match=r"needs 2 ranks, but the group has 1: start 2 ranks"):
         ContextParallelAttention(CPConfig("ring", 2), SHAPE)
@@ -171,28 +179,16 @@ def test_the_module_refuses_what_it_cannot_run_with_the_fix(one_rank):
 # --------------------------------------------------------------------------- a block on gloo ranks
 
 
-def run_ranks(world: int, script: str, plan: Path) -> list[str]:
-    """tests/``script`` on ``world`` gloo ranks under torchrun, given ``plan``; the lines the
-    ranks printed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(TESTS / script), str(plan)]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as ranks:
-        try:
-            out, err = ranks.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(ranks.pid, signal.SIGKILL)  # torchrun and the ranks it started
-            ranks.communicate()
-            pytest.fail(f"{world} ranks did not finish within 240 s")
-    assert ranks.returncode == 0, err[-6000:]
-    return out.splitlines()
+def run_ranks(world: int, plan: Path) -> dict:
+    """tests/torch_block.py on ``world`` gloo ranks under torchrun; rank 0's JSON summary."""
+    return torchrun_summary(world, TESTS / "torch_block.py", str(plan))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_block_on_gloo_ranks_equals_the_block_unsharded_for_every_configuration(world, tmp_path):
     plan = plan_for(world)
-    summary = json.loads(run_ranks(world, "torch_block.py", plan.write(tmp_path / "plan.json"))[-1])
+    summary = run_ranks(world, plan.write(tmp_path / "plan.json"))
     assert summary["world"] == world
     cases = summary["cases"]
     for case in cases:
@@ -225,7 +221,7 @@ def test_a_block_on_gloo_ranks_equals_the_block_unsharded_for_every_configuratio
 @pytest.mark.slow
 def test_ranks_passing_different_lengths_each_get_one_error_naming_every_rank_s_length(tmp_path):
     """It used to hang (lengths in different buckets) or abort in gloo (in one bucket)."""
-    lines = run_ranks(2, "torch_lengths.py", plan_for(2).write(tmp_path / "plan.json"))
+    lines = torchrun_lines(2, TESTS / "torch_lengths.py", str(plan_for(2).write(tmp_path / "plan.json")))
     reports = sorted((json.loads(line) for line in lines if line.startswith("{")), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,13 +14,18 @@ import pytest
 torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 
 import cptune  # noqa: E402
-from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases  # noqa: E402
+from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases, torchrun_summary  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
+from cptune.calls import attention_calls, busiest_calls  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
 from cptune.engines.torch import TorchEngine  # noqa: E402
-from cptune.engines.torch._ops import _explicit, attend, attention_pieces, fused_attention, merge_partials  # noqa: E402
+from cptune.engines.torch._kernels import explicit, fused_attention  # noqa: E402
+from cptune.engines.torch._ops import accumulator, attend, merge_into  # noqa: E402
 from cptune.engines.torch._worker import group_members  # noqa: E402
+from cptune.feasibility import enumerate_configs  # noqa: E402
+from cptune.layout import SequenceLayout, position_runs  # noqa: E402
 from cptune.reference import make_inputs, relative_error  # noqa: E402
+from cptune.strategies import run_strategy  # noqa: E402
 from cptune.strategies.primitives import Partial  # noqa: E402
 
 
@@ -54,54 +60,125 @@ POSITIONS = {
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("positions", list(POSITIONS), ids=list(POSITIONS))
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_attention_by_pieces_matches_the_masked_reference(positions, causal, kv_heads):
+def test_attention_by_calls_matches_the_masked_reference(positions, causal, kv_heads):
+    """Every real query's output and log-sum-exp (padding queries' outputs are dropped)."""
     q_pos, k_pos = POSITIONS[positions]
     generator = torch.Generator().manual_seed(0)
     q = torch.randn((2, 4, len(q_pos), 16), generator=generator)
     kv = torch.randn((2, 2, kv_heads, len(k_pos), 16), generator=generator)
     out, lse = attend(q, kv, q_pos, k_pos, causal, seq_len=60)
     ref_out, ref_lse = dense_reference(q, kv[0], kv[1], q_pos, k_pos, causal, 60)
-    assert torch.allclose(out.double(), ref_out, atol=1e-5)
-    seen = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), seen)
+    real = torch.as_tensor(q_pos < 60)
+    assert torch.allclose(out.double()[..., real, :], ref_out[..., real, :], atol=1e-5)
+    seen = torch.isfinite(ref_lse) & real
+    assert torch.equal(torch.isfinite(lse) & real, seen)
     assert torch.allclose(lse.double()[seen], ref_lse[seen], atol=1e-5)
 
 
-def test_pieces_never_need_a_mask_tensor_and_skip_the_future():
-    """Zigzag blocks cut into unmasked and aligned-diagonal pieces only; a key block wholly
-    in the queries' future is no piece at all."""
-    own = attention_pieces(ZIGZAG[0], ZIGZAG[0], True, 64)
-    assert [[(p.keys.start, p.keys.stop, p.causal) for p in run.pieces] for run in own] == [
-        [(0, 16, True)],  # first chunk: its own diagonal
-        [(0, 16, False), (16, 32, True)],  # last chunk: the first in full, then its diagonal
-    ]
-    future = attention_pieces(ZIGZAG[1][:8], np.r_[48:64], True, 64)
-    assert [run.pieces for run in future] == [()]
-    padded = attention_pieces(np.r_[0:8], np.r_[0:64], False, 60)
-    assert padded[0].pieces[0].keys == slice(0, 60)  # the padding keys are left out
+def test_calls_need_no_mask_tensor_and_skip_the_future():
+    """A zigzag block over its own keys is one square causal call; over keys all in its
+    future, none; padding keys are left out of an unmasked call; gathered keys in position
+    order take the keys before each query chunk, then its square diagonal."""
+    own = attention_calls(ZIGZAG[0], ZIGZAG[0], True, 64)
+    assert own == ((slice(0, 32), slice(0, 32), True),)
+    assert attention_calls(ZIGZAG[1][:8], np.r_[48:64], True, 64) == ()
+    assert attention_calls(np.r_[0:8], np.r_[0:64], False, 60) == ((slice(0, 8), slice(0, 60), False),)
+    gathered = attention_calls(ZIGZAG[0], np.r_[0:64], True, 64)
+    assert gathered == ((slice(0, 16), slice(0, 16), True),
+                        (slice(16, 32), slice(0, 48), False), (slice(16, 32), slice(48, 64), True))
+    other = attention_calls(ZIGZAG[1], ZIGZAG[0], True, 64)  # a later block: every query sees chunk 0
+    assert other == ((slice(0, 32), slice(0, 16), False),)
 
 
-def test_merging_two_halves_equals_attending_to_both():
+class PlanOnly:
+    """``Primitives`` that compute nothing and record each attention step's positions: the
+    strategies' steps on any rank without running ranks."""
+
+    def __init__(self, layout: SequenceLayout, rank: int) -> None:
+        self.layout, self.rank, self.steps = layout, rank, []
+
+    def attention(self, q, kv, q_pos, k_pos, into=None):
+        self.steps.append((q_pos, k_pos))
+        return Partial(None, None)
+
+    def all_to_all(self, x, group, split_axis, concat_axis, repeat=1):
+        return x
+
+    def all_gather(self, x, group, axis, order=None):
+        return x
+
+    def kv_stream(self, kv, group):
+        members = self.layout.context_group_ranks(self.rank)
+        me = members.index(self.rank)
+        for step in range(len(members)):
+            yield (me - step) % len(members), kv
+
+
+def call_bound(workload: Workload, config: CPConfig, q_pos: np.ndarray) -> int:
+    """At most one fused call per query run and step; two for AllGather-KV's causal query
+    chunks (the keys before a chunk, then its square diagonal)."""
+    per_run = 2 if config.strategy == "allgather_kv" and workload.causal and config.context_degree > 1 else 1
+    return per_run * len(position_runs(q_pos))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [8, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal, kv_heads):
+    """Every configuration on 1-8 ranks, every rank, at lengths with and without padding:
+    the calls ``attention_calls`` plans for each step the strategy takes (what TorchOps runs),
+    never more than ``call_bound``, so the count does not grow with the ranks; the busiest
+    rank's total is the prior's closed form (``busiest_calls``)."""
+    most = 0
+    for seq_len in (840, 837, 9):
+        for ranks in range(1, 9):
+            workload = Workload(seq_len=seq_len, heads=8, head_dim=16, kv_heads=kv_heads, causal=causal)
+            for config in enumerate_configs(workload, ranks):
+                if config.ranks != ranks:
+                    continue
+                layout = SequenceLayout(workload, config)
+                busiest = 0
+                for rank in range(ranks):
+                    ops = PlanOnly(layout, rank)
+                    run_strategy(ops, layout, rank, None, None)
+                    assert len(ops.steps) == (config.context_degree if config.strategy == "ring" else 1)
+                    for q_pos, k_pos in ops.steps:
+                        calls = attention_calls(q_pos, k_pos, causal, seq_len)
+                        assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
+                        most = max(most, len(calls))
+                    mine = sum(len(attention_calls(q, k, causal, seq_len)) for q, k in ops.steps)
+                    busiest = max(busiest, mine)
+                assert busiest_calls(layout) == busiest, config.label  # what the prior counts
+    assert most == (4 if causal else 1)
+
+
+def test_merging_two_halves_in_place_equals_attending_to_both():
     generator = torch.Generator().manual_seed(1)
     q = torch.randn((1, 2, 8, 16), generator=generator)
     k, v = torch.randn((1, 2, 32, 16), generator=generator), torch.randn((1, 2, 32, 16), generator=generator)
     whole = fused_attention(q, k, v, False)
-    halves = [Partial(*fused_attention(q, k[..., keys, :], v[..., keys, :], False))
-              for keys in (slice(0, 20), slice(20, 32))]
-    merged = merge_partials(merge_partials(None, halves[0]), halves[1])
-    assert torch.allclose(merged.out, whole[0], atol=1e-6) and torch.allclose(merged.lse, whole[1], atol=1e-5)
-    nothing = Partial(torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf")))
-    kept = merge_partials(merge_partials(None, nothing), halves[1])
-    assert torch.allclose(kept.out, halves[1].out) and torch.equal(kept.lse, halves[1].lse)
+    for dtype in (torch.float32, torch.bfloat16):
+        acc = accumulator(q, [])  # no call yet: every row 0 and -inf
+        assert torch.equal(acc.out, torch.zeros_like(acc.out)) and torch.isneginf(acc.lse).all()
+        for keys in (slice(0, 20), slice(20, 32)):
+            out, lse = fused_attention(*(x.to(dtype) for x in (q, k[..., keys, :], v[..., keys, :])), False)
+            merge_into(acc, slice(0, 8), out, lse)
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(acc.out, whole[0], atol=tolerance)
+        assert torch.allclose(acc.lse, whole[1], atol=tolerance)
+    acc = accumulator(q, [])
+    out, lse = fused_attention(q[..., 2:5, :], k, v, False)
+    merge_into(acc, slice(2, 5), out, lse)  # only those rows
+    assert torch.equal(acc.out[..., 2:5, :], out) and torch.isneginf(acc.lse[..., :2]).all()
 
 
 def test_the_explicit_fallback_agrees_with_the_fused_kernel():
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn((1, 4, 24, 8), generator=generator) for _ in range(3))
     for causal in (False, True):
-        fused = fused_attention(q, k[:, :2], v[:, :2], causal)
-        explicit = _explicit(q, k[:, :2], v[:, :2], causal)
-        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused, explicit, strict=True))
+        for scale in (None, 0.5):
+            fused = fused_attention(q, k[:, :2], v[:, :2], causal, scale)
+            expected = explicit(q, k[:, :2], v[:, :2], causal, scale)
+            assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused, expected, strict=True))
 
 
 def test_every_group_a_task_uses_is_made_once():
@@ -165,6 +242,41 @@ def test_every_configuration_matches_the_reference(cases, name, causal, config):
     out = cptune.compute(workload, config, q, k, v, backend="torch")
     assert out.shape == reference.shape and out.dtype == np.float32
     assert relative_error(out, reference) <= get_engine("torch").tolerance[workload.dtype]
+
+
+def run_torch_ranks(world: int) -> dict:
+    """benchmarks/torch_ranks.py on ``world`` gloo ranks under torchrun; rank 0's JSON summary."""
+    script = Path(__file__).parent.parent / "benchmarks" / "torch_ranks.py"
+    return torchrun_summary(world, script, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_on_gloo_ranks_each_step_is_one_fused_call_and_a_rerun_is_right(world):
+    """Every configuration on ``world`` ranks run twice on the same tensors (the engine's
+    timed iterations after its checked run): both runs match the reference (from 3 ranks the
+    Ring used to receive into the caller's K/V and start its second run from another rank's
+    block), and each rank's fused calls per step stay within ``call_bound``."""
+    summary = run_torch_ranks(world)
+    assert summary["world"] == world
+    expected = [
+        config.label for causal in (False, True) for kv_heads in (4, 2, 1)
+        for config in enumerate_configs(Workload(seq_len=37, heads=4, head_dim=8, kv_heads=kv_heads,
+                                                 causal=causal), world)
+        if config.ranks == world
+    ]
+    assert [case["config"] for case in summary["cases"]] == expected
+    for case in summary["cases"]:
+        assert case["failed"] is None and all(error <= 1e-5 for error in case["errors"]), case
+        causal = case["workload"].endswith("causal")
+        workload = Workload(seq_len=37, heads=4, head_dim=8, kv_heads=4, causal=causal)
+        config = next(c for c in enumerate_configs(workload, world)
+                      if c.label == case["config"] and c.ranks == world)
+        layout = SequenceLayout(workload, config)
+        for rank, steps in enumerate(case["calls"]):
+            q_pos = layout.block_positions(layout.head_group_of(rank))
+            assert len(steps) == (config.context_degree if config.strategy == "ring" else 1), case
+            assert all(calls <= call_bound(workload, config, q_pos) for calls in steps), (rank, case)
 
 
 class Corrupting(TorchEngine):
@@ -331,3 +443,65 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
     reported = cptune("report", "--db", db, "-o", tmp_path / "report")
     assert reported.returncode == 0, reported.stderr
     assert "(engine: torch)" in (tmp_path / "report" / "report.html").read_text()
+
+
+# -- the kernel choice and the plans a deployment reuses -------------------------------------
+
+
+def test_the_probe_keeps_the_fastest_right_kernel_repeating_kv_heads_where_refused(monkeypatch):
+    """On CUDA the probe times every candidate that passes the float32 check; here CPU fakes
+    stand for the CUDA kernels: one ignores the causal mask (refused), one refuses fewer KV
+    heads (kept, with the KV heads repeated), and the faster correct one wins."""
+    from cptune.engines.torch import _kernels
+
+    cpu = _kernels.KERNELS["flash_for_cpu"]
+
+    def no_gqa(q, k, v, causal, scale):
+        if q.shape[1] != k.shape[1]:
+            raise RuntimeError("fewer KV heads")
+        return cpu(q, k, v, causal, scale)
+
+    def no_mask(q, k, v, causal, scale):
+        return cpu(q, k, v, False, scale)
+
+    fakes = {"no_mask": no_mask, "no_gqa": no_gqa, "right": cpu}
+    monkeypatch.setattr(_kernels, "KERNELS", _kernels.KERNELS | fakes)
+    monkeypatch.setattr(_kernels, "CUDA_KERNELS", tuple(fakes))
+    speed = {"no_mask": 1.0, "no_gqa": 2.0, "right": 3.0}
+    monkeypatch.setattr(_kernels.KernelChooser, "_seconds", lambda self, pick, q, k: speed[pick.kernel])
+    q, k = torch.zeros(1, 4, 64, 16), torch.zeros(1, 2, 64, 16)
+    assert _kernels.KernelChooser().probe(q, k) == _kernels.Pick("no_gqa", True)
+    speed["right"] = 0.5
+    assert _kernels.KernelChooser().probe(q, k) == _kernels.Pick("right", False)
+    assert _kernels.KernelChooser().probe(q, q) == _kernels.Pick("right", False)
+    # the probe's inputs are laid out as the call's: a sequence-major q stays sequence-major
+    sequence_major = torch.zeros(1, 64, 4, 16).transpose(1, 2)
+    generator = torch.Generator().manual_seed(0)
+    assert not _kernels.heads_outer(_kernels._drawn(sequence_major, (1, 4, 96, 16), generator))
+    assert _kernels.heads_outer(_kernels._drawn(q, (1, 4, 96, 16), generator))
+
+
+def test_a_rank_takes_its_gpu_by_local_rank_modulo_the_gpus_it_sees(monkeypatch):
+    from cptune.engines.torch._worker import local_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # srun --gpus-per-task=1
+    assert local_device(3) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert local_device(3) == torch.device("cuda", 3)
+
+
+def test_a_layouts_plans_are_made_once_and_dropped_with_it():
+    from cptune import calls
+
+    workload = Workload(seq_len=64, heads=4, head_dim=8, causal=True)
+    layout = SequenceLayout(workload, CPConfig("allgather_kv", 2))
+    q_pos, k_pos = layout.block_positions(1), layout.gathered_positions
+    first = attention_calls(q_pos, k_pos, True, 64)
+    assert attention_calls(q_pos, k_pos, True, 64) is first  # kept, no pass over the positions
+    assert attention_calls(q_pos.copy(), k_pos.copy(), True, 64) == first  # writable arrays: planned anew
+    kept = len(calls._BY_ARRAYS)
+    del layout, q_pos, k_pos
+    import gc
+
+    gc.collect()
+    assert len(calls._BY_ARRAYS) < kept

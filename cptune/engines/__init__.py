@@ -71,6 +71,10 @@ class EngineSpec:
     #: Whether a node must be probed (``Engine.check_node``, ``cptune doctor``) before its
     #: first measurement: what only a GPU can tell about the runtime.
     probes: bool = False
+    #: Whether its attention steps run as the fused calls ``cptune.calls`` plans by position
+    #: (up to two per AllGather-KV query chunk) rather than one call per step: what the prior
+    #: counts as its attention calls.
+    position_calls: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -203,7 +207,7 @@ register(EngineSpec(
     name="torch", summary="torch.distributed ranks, PyTorch's fused attention: gloo on CPUs, NCCL on GPUs "
                           "(pip install 'cptune[torch]')",
     kernel="fused", stream="p2p", timed=True, times_steps=False, device="any",
-    engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker",
+    engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker", position_calls=True,
 ))
 
 

@@ -13,6 +13,8 @@ ranks, hardware that is only calibrated or only described.
                   the Ring's calls together count as one call where the profile charges
                   what each of its steps repeats, ``charges_ring_steps``)
                   + attention calls x the fixed cost of one call however little its work
+                  (one per step, or the fused calls ``cptune.calls`` plans where the profile's
+                  engine cuts them by position, ``position_calls``)
                   (a described GPU's ``attention_call_us``, from a microbenchmark of the
                   kernel; a calibrated host's rate at the work per call already holds it)
     memory      = bytes of the memory-bound steps (permutes, GQA replication, the Ring's
@@ -46,6 +48,7 @@ from typing import Protocol
 import numpy as np
 
 from cptune.calibration import Calibration
+from cptune.calls import busiest_calls
 from cptune.config import CPConfig
 from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
 from cptune.hardware import Hardware, HardwareDescription
@@ -102,6 +105,11 @@ class Profile(Protocol):
     @property
     def stream(self) -> str:
         """What the Ring's K/V stream step is made of there (``cptune.cost.STREAM_KINDS``)."""
+
+    @property
+    def position_calls(self) -> bool:
+        """Whether attention runs as the fused calls ``cptune.calls`` plans (the torch engine,
+        and ``cptune.torch`` where a plan deploys) rather than one call per step."""
 
     def describe(self) -> str: ...
 
@@ -177,6 +185,10 @@ class CalibratedProfile(StoredHost):
     def stream(self) -> str:
         return self.calibration.spec.stream
 
+    @property
+    def position_calls(self) -> bool:
+        return self.calibration.spec.position_calls
+
     def describe(self) -> str:
         return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
 
@@ -231,6 +243,10 @@ class DescribedProfile:
     @property
     def stream(self) -> str:
         return DESCRIBED_STREAM
+
+    @property
+    def position_calls(self) -> bool:
+        return True  # what a plan deploys there: cptune.torch
 
     def describe(self) -> str:
         return self.description.describe()
@@ -295,7 +311,8 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     kernel also computes the masked pairs inside each query row block that straddles the
     causal diagonal (``computed_pairs``): up to half a block's rows per query, so a short
     causal sequence costs up to 1.5x its useful work. Each rank attends its context block to
-    every block: in one call (AllGather-KV, Ulysses, one rank) or one call per block (Ring).
+    every block: in one call over the keys in position order (AllGather-KV, Ulysses, one rank)
+    or one call per block (Ring).
     Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
     0.1% and the useful FLOPs stand for it."""
     check_kernel(kernel)
@@ -309,7 +326,7 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
 
     blocks = range(config.context_degree)
     calls = ([runs(j) for j in blocks] if config.strategy == "ring"
-             else [[run for j in blocks for run in runs(j)]])
+             else [sorted(run for j in blocks for run in runs(j))])  # gathered in position order
     pairs = max(
         sum(computed_pairs(runs(g), keys, workload.causal, workload.seq_len) for keys in calls)
         for g in blocks
@@ -324,14 +341,15 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``."""
     cost = analytic_cost(workload, config, profile.stream)
     n, u, c = config.ranks, config.head_group, config.context_degree
-    calls = cost.kernels["attention"]
+    one_per_step = cost.kernels["attention"]
+    calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
     compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
     memory = {step: profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0
               for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
-    kernels = sum(cost.kernels.values())
+    kernels = sum(cost.kernels.values()) + calls - one_per_step
     heads, context = rank_groups(config)
 
     all_to_all = 0.0

@@ -9,5 +9,5 @@ from cptune.strategies.primitives import SEQ, Primitives, Tensor
 
 def attend(ops: Primitives, layout: SequenceLayout, rank: int, q: Tensor, kv: Tensor) -> Tensor:
     q_pos = layout.block_positions(layout.head_group_of(rank))
-    everything = ops.all_gather(kv, "context", SEQ)
-    return ops.attention(q, everything, q_pos, layout.context_positions()).out
+    everything = ops.all_gather(kv, "context", SEQ, layout.gather_order)  # in position order
+    return ops.attention(q, everything, q_pos, layout.gathered_positions).out

@@ -14,7 +14,7 @@ the attention on the current block; a collective-only engine broadcasts one bloc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -40,22 +40,25 @@ class Partial(NamedTuple):
 class Primitives(Protocol):
     """What an engine provides to run a strategy on one rank."""
 
-    def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+    def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray,
+                  into: Partial | None = None) -> Partial:
         """Attention of queries at ``q_pos`` over keys at ``k_pos`` (causal and padding
-        masks by position), GQA heads mapped by group."""
+        masks by position), GQA heads mapped by group; merged (online softmax) with ``into``,
+        an earlier result of the same queries over other keys, where given. The engine may
+        update ``into`` in place and fuse the merge with the attention."""
 
-    def merge(self, acc: Partial | None, part: Partial) -> Partial:
-        """Online-softmax merge of two partials over disjoint key sets."""
-
-    def repeat_heads(self, kv: Tensor, times: int) -> Tensor:
-        """Each KV head repeated ``times`` times along the heads axis."""
-
-    def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int) -> Tensor:
+    def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int,
+                   repeat: int = 1) -> Tensor:
         """Cut ``split_axis`` into one chunk per group member, send chunk j to member j, and
-        concatenate what arrives along ``concat_axis`` in member order."""
+        concatenate what arrives along ``concat_axis`` in member order. ``repeat`` > 1: each
+        slice of ``split_axis`` is repeated that many times first (Ulysses' KV heads for a head
+        group larger than them), so the engine may do it in the same copy as the send order."""
 
-    def all_gather(self, x: Tensor, group: Group, axis: int) -> Tensor:
-        """Concatenate every member's ``x`` along ``axis`` in member order."""
+    def all_gather(self, x: Tensor, group: Group, axis: int,
+                   order: Sequence[tuple[int, int, int]] | None = None) -> Tensor:
+        """Concatenate every member's ``x`` along ``axis`` in member order; or, given
+        ``order``, its (member, start, stop) index ranges along ``axis`` in that order (the
+        layout's ``gather_order``: every position in increasing order)."""
 
     def kv_stream(self, kv: Tensor, group: Group) -> Iterator[tuple[int, Tensor]]:
         """Yield ``(member, kv block of that member)`` once for each member of ``group``, in

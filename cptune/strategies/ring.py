@@ -12,6 +12,6 @@ def attend(ops: Primitives, layout: SequenceLayout, rank: int, q: Tensor, kv: Te
     q_pos = layout.block_positions(layout.head_group_of(rank))
     result: Partial | None = None
     for source, block in ops.kv_stream(kv, "context"):
-        result = ops.merge(result, ops.attention(q, block, q_pos, layout.block_positions(source)))
+        result = ops.attention(q, block, q_pos, layout.block_positions(source), into=result)
     assert result is not None  # the stream always yields the rank's own block
     return result.out

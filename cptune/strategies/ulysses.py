@@ -12,13 +12,11 @@ from cptune.strategies.primitives import HEADS, SEQ, Primitives, Tensor
 
 def to_heads(ops: Primitives, layout: SequenceLayout, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
     """Sequence shards -> head shards inside the head group. KV heads fewer than the group
-    are replicated first, so each rank still gets the KV head its query heads read."""
+    are replicated on the way, so each rank still gets the KV head its query heads read."""
     if layout.head_group == 1:
         return q, kv
     copies = kv_replication(layout.workload, layout.head_group)
-    if copies > 1:
-        kv = ops.repeat_heads(kv, copies)
-    return ops.all_to_all(q, "heads", HEADS, SEQ), ops.all_to_all(kv, "heads", HEADS, SEQ)
+    return ops.all_to_all(q, "heads", HEADS, SEQ), ops.all_to_all(kv, "heads", HEADS, SEQ, repeat=copies)
 
 
 def to_sequence(ops: Primitives, layout: SequenceLayout, out: Tensor) -> Tensor:

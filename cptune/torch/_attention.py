@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cptune.config import CPConfig
-from cptune.engines.torch import TORCH_DTYPES, TorchOps
+from cptune.engines.torch import TORCH_DTYPES, TorchOps, model_output, strategy_inputs
 from cptune.feasibility import check_feasible
 from cptune.layout import context_group_members, head_group_members, rank_groups
 from cptune.plans import Plan, PlanMismatchError
@@ -35,7 +35,8 @@ class ContextParallelAttention(torch.nn.Module):
     ``choice`` is one ``CPConfig``, or a ``Plan`` whose configuration is picked per sequence
     length. ``shape`` is the attention layer (an ``AttentionShape``, or a ``Workload``
     standing for its shape): required with a config, checked against the plan's with a plan
-    (the batch may differ: the strategies do not depend on it). ``group`` is the caller's
+    (the batch may differ: the strategies do not depend on it). ``scale`` multiplies the
+    scores, as ``scaled_dot_product_attention``'s does (None: 1 / sqrt(head_dim)). ``group`` is the caller's
     process group, default the world; a configuration on fewer ranks than the group runs on
     its first ``config.ranks`` ranks, and the others hold empty shards. Ranks are numbered
     by global rank within the group (for a group ``new_group`` made: the group rank).
@@ -48,12 +49,14 @@ class ContextParallelAttention(torch.nn.Module):
     """
 
     def __init__(self, choice: CPConfig | Plan, shape: AttentionShape | Workload | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, scale: float | None = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ContextParallelAttention needs torch.distributed: call "
                                "torch.distributed.init_process_group first (torchrun sets its environment)")
         self.plan = choice if isinstance(choice, Plan) else None
+        #: The scores' scale, as ``scaled_dot_product_attention`` takes it (None: 1 / sqrt(head_dim)).
+        self.scale = scale
         self.shape = _attention_shape(choice, shape)
         configs = [b.config for b in choice.buckets] if isinstance(choice, Plan) else [choice]
         self.configs: tuple[CPConfig, ...] = tuple(dict.fromkeys(configs))
@@ -129,11 +132,10 @@ class ContextParallelAttention(torch.nn.Module):
         self._check_shards(q, k, v, local, seq_len, config)
         if local == 0:
             return q.new_empty((q.shape[0], 0, *q.shape[2:]))
-        ops = TorchOps(workload, self._groups[config], q.device)
-        # the strategies' layout: q [batch, heads, seq, head_dim], K and V packed in one tensor
-        q, kv = q.transpose(1, 2).contiguous(), torch.stack([k, v]).transpose(2, 3).contiguous()
-        out = run_strategy(ops, sequence_layout(workload, config), self.rank, q, kv)
-        return out.to(q.dtype).transpose(1, 2).contiguous()
+        ops = TorchOps(workload, self._groups[config], q.device, self.scale, timed=False)
+        heads_q, kv = strategy_inputs(q, k, v)
+        out = run_strategy(ops, sequence_layout(workload, config), self.rank, heads_q, kv)
+        return model_output(out, q.dtype)
 
     def _check_shards(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: int, seq_len: int,
                       config: CPConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,13 +55,19 @@ def exchange_all_to_all(comm: MPI.Comm, x: np.ndarray, split_axis: int, concat_a
     return out_of_receive_order(received, concat_axis)
 
 
-def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype) -> np.ndarray:
-    """Every member's ``x`` joined along ``axis`` in member order, the copy out of receive
-    order included (see ``exchange_all_to_all``)."""
+def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype,
+                        order: Sequence[tuple[int, int, int]] | None = None) -> np.ndarray:
+    """Every member's ``x`` joined along ``axis`` in member order, or the (member, start,
+    stop) ranges of ``order`` in that order; the copy out of receive order included (see
+    ``exchange_all_to_all``)."""
     send = np.ascontiguousarray(x, dtype=wire)
     received = np.empty((comm.Get_size(), *send.shape), dtype=wire)
     comm.Allgather([send, MPI.BYTE], [received, MPI.BYTE])
-    return out_of_receive_order(received, axis)
+    if order is None:
+        return out_of_receive_order(received, axis)
+    axis %= send.ndim
+    pieces = [received[m].take(range(start, stop), axis=axis) for m, start, stop in order]
+    return np.concatenate(pieces, axis=axis)
 
 
 class MpiOps:
@@ -81,7 +87,8 @@ class MpiOps:
     def _poll(self) -> None:
         MPI.Request.Testall(self._in_flight)
 
-    def attention(self, q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+    def attention(self, q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                  into: Partial | None = None) -> Partial:
         start = time.perf_counter()
         out, lse = kernels.attention(
             q, kv, q_pos, k_pos,
@@ -90,36 +97,32 @@ class MpiOps:
             threads=self.threads,
             poll=self._poll if self._in_flight else None,
         )
+        if into is not None:
+            out, lse = kernels.merge(into, (out, lse), self.threads)
         self.compute_s += time.perf_counter() - start
         return Partial(out, lse)
 
-    def merge(self, acc: Partial | None, part: Partial) -> Partial:
-        start = time.perf_counter()
-        merged = Partial(*kernels.merge(acc, part, self.threads))
-        self.compute_s += time.perf_counter() - start
-        return merged
-
-    def repeat_heads(self, kv: np.ndarray, times: int) -> np.ndarray:
-        start = time.perf_counter()
-        repeated = np.repeat(kv, times, axis=HEADS)
-        self.compute_s += time.perf_counter() - start
-        return repeated
-
-    def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int) -> np.ndarray:
+    def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int,
+                   repeat: int = 1) -> np.ndarray:
         comm = self.comms[group]
         if comm.Get_size() == 1:
             return x
+        if repeat > 1:  # a copy of its own here, timed as compute as before
+            start = time.perf_counter()
+            x = np.repeat(x, repeat, axis=split_axis)
+            self.compute_s += time.perf_counter() - start
         start = time.perf_counter()
         out = exchange_all_to_all(comm, x, split_axis, concat_axis, self.wire)
         self.comm_s += time.perf_counter() - start
         return out
 
-    def all_gather(self, x: np.ndarray, group: Group, axis: int) -> np.ndarray:
+    def all_gather(self, x: np.ndarray, group: Group, axis: int,
+                   order: Sequence[tuple[int, int, int]] | None = None) -> np.ndarray:
         comm = self.comms[group]
         if comm.Get_size() == 1:
             return x
         start = time.perf_counter()
-        out = exchange_all_gather(comm, x, axis, self.wire)
+        out = exchange_all_gather(comm, x, axis, self.wire, order)
         self.comm_s += time.perf_counter() - start
         return out
 
@@ -129,9 +132,11 @@ class MpiOps:
         comm = self.comms[group]
         n, me = comm.Get_size(), comm.Get_rank()
         current = np.ascontiguousarray(kv, dtype=self.wire)
-        incoming = np.empty_like(current) if n > 1 else current
+        # the blocks arrive in buffers of the Ring's own, never in the caller's K/V
+        buffers = [np.empty_like(current) for _ in range(min(2, n - 1))]
         for step in range(n):
             if step < n - 1:
+                incoming = buffers[step % 2]
                 self._in_flight = [
                     comm.Irecv([incoming, MPI.BYTE], source=(me - 1) % n),
                     comm.Isend([current, MPI.BYTE], dest=(me + 1) % n),
@@ -142,7 +147,7 @@ class MpiOps:
                 MPI.Request.Waitall(self._in_flight)
                 self._in_flight = []
                 self.comm_s += time.perf_counter() - start
-                current, incoming = incoming, current
+                current = incoming
 
 
 class RankTask:

@@ -50,7 +50,7 @@ whether TensorRT overlaps a step with the previous block's attention is its choi
 
 GQA/MQA keep their KV heads through every exchange; the spelled-out blocks map query head
 h to KV head h // group by reshaping Q to [batch, kv_heads, group, ...] (no repeat), the
-fused op does the same itself. Ulysses replicates KV heads (``repeat_heads``) only where
+fused op does the same itself. Ulysses replicates KV heads (its all-to-all's ``repeat``) only where
 the MPI engine does.
 """
 

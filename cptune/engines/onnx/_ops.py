@@ -4,7 +4,7 @@ is spelled out when the graph is finished (see ``cptune.engines.onnx._graph``)."
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from onnx import TensorProto
@@ -64,14 +64,15 @@ class OnnxOps:
 
     # ---- Primitives ---------------------------------------------------------------------
 
-    def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+    def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray,
+                  into: Partial | None = None) -> Partial:
         call = AttentionCall(self.wire(q), self.wire(kv), np.asarray(q_pos), np.asarray(k_pos))
         self.g.request(call)
-        return Partial(OutOf(call), LseOf(call))
+        part = Partial(OutOf(call), LseOf(call))
+        return part if into is None else self._merge(into, part)
 
-    def merge(self, acc: Partial | None, part: Partial) -> Partial:
-        if acc is None:
-            return part
+    def _merge(self, acc: Partial, part: Partial) -> Partial:
+        """The online-softmax merge of two partials over disjoint keys, as graph nodes."""
         g = self.g
         a_out, a_lse = self.as_dtype(acc.out, FLOAT), self.as_dtype(acc.lse, FLOAT)
         b_out, b_lse = self.as_dtype(part.out, FLOAT), self.as_dtype(part.lse, FLOAT)
@@ -93,8 +94,8 @@ class OnnxOps:
         out = g.node("Div", [summed.name, total.name], "merged", a_out.shape, FLOAT)
         return Partial(out, lse)
 
-    def repeat_heads(self, kv: Tensor, times: int) -> Sym:
-        kv = self.wire(kv)
+    def _repeat_heads(self, kv: Sym, times: int) -> Sym:
+        """Each KV head of ``kv`` [2, batch, kv_heads, seq, head_dim] repeated ``times`` times."""
         two, b, k, s, d = kv.shape
         g = self.g
         lifted = g.node(
@@ -120,8 +121,10 @@ class OnnxOps:
             return self.layout.head_group_ranks(self.rank)
         return self.layout.context_group_ranks(self.rank)
 
-    def all_gather(self, x: Tensor, group: Group, axis: int) -> Sym:
-        """Axis to dim 0, all_gather (concatenates dim 0 in member order), and back."""
+    def all_gather(self, x: Tensor, group: Group, axis: int,
+                   order: Sequence[tuple[int, int, int]] | None = None) -> Sym:
+        """Axis to dim 0, all_gather (concatenates dim 0 in member order), and back; then,
+        given ``order``, its ranges sliced and joined in that order."""
         x = self.wire(x)
         members = self._members(group)
         n = len(members)
@@ -131,17 +134,31 @@ class OnnxOps:
         perm = transpose_perm(len(x.shape), 0, axis)
         front = self._transpose(x, perm)
         grown = (front.shape[0] * n, *front.shape[1:])
-        gathered = self.g.collective(front, "all_gather", members, grown, local=self.local)
-        return self._transpose(gathered, perm)
+        stacked = self.g.collective(front, "all_gather", members, grown, local=self.local)
+        gathered = self._transpose(stacked, perm)
+        if order is None:
+            return gathered
+        g, length = self.g, x.shape[axis]
+        pieces = []
+        for member, start, stop in order:
+            shape = tuple(stop - start if a == axis else size for a, size in enumerate(gathered.shape))
+            pieces.append(g.node("Slice", [gathered.name, g.ints([member * length + start]),
+                                           g.ints([member * length + stop]), g.ints([axis])],
+                                 "gathered_piece", shape, x.dtype))
+        names = [piece.name for piece in pieces]
+        return g.node("Concat", names, "gathered_in_order", gathered.shape, x.dtype, axis=axis)
 
-    def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int) -> Sym:
+    def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int, repeat: int = 1) -> Sym:
         """Split axis to dim 0, all_to_all (chunk j of dim 0 to member j, arrivals in member
-        order along dim 0), then the member index moved in front of the concat axis."""
+        order along dim 0), then the member index moved in front of the concat axis. ``repeat``
+        repeats the KV heads of a [2, batch, kv_heads, seq, head_dim] tensor (Ulysses')."""
         x = self.wire(x)
         members = self._members(group)
         n = len(members)
         if n == 1:
             return x
+        if repeat > 1:
+            x = self._repeat_heads(x, repeat)
         ndim = len(x.shape)
         split, concat = split_axis % ndim, concat_axis % ndim
         perm = transpose_perm(ndim, 0, split)

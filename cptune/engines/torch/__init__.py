@@ -10,7 +10,7 @@ from typing import Any
 
 from cptune.engines.torch._engine import TorchEngine
 
-_OPS = ("TORCH_DTYPES", "TorchOps", "kernel_name")
+_OPS = ("TORCH_DTYPES", "TorchOps", "model_output", "strategy_inputs")
 
 
 def __getattr__(name: str) -> Any:
@@ -40,4 +40,4 @@ def on_launched_ranks(command: Callable[[], int]) -> int:
         return command()
 
 
-__all__ = ["TORCH_DTYPES", "TorchEngine", "TorchOps", "kernel_name", "on_launched_ranks"]
+__all__ = ["TORCH_DTYPES", "TorchEngine", "TorchOps", "model_output", "on_launched_ranks", "strategy_inputs"]

@@ -128,10 +128,12 @@ class TorchEngine(PooledEngine):
     def _ran(self, replies: dict, ranks: int) -> tuple[list[np.ndarray], list[int]]:
         first = replies[0][0]
         self._ran_with = {key: str(first.get(key, "")) for key in ("kernel", "process_group")}
+        self._ran_with |= {key: str(first[key]) for key in ("cudnn", "nccl") if key in first}
         return super()._ran(replies, ranks)
 
     def describe(self) -> dict[str, str]:
-        """The engine's software, and the kernel and process group the last run used."""
+        """The engine's software, and the kernels and process group the last run used (on a
+        GPU with the cuDNN and NCCL versions)."""
         version, gpus = self._torch
         info = {"engine": self.name, "torch": version, "device": f"{gpus} GPUs" if gpus else "cpu"}
         return info | self._pool_software() | self._ran_with

@@ -2,225 +2,209 @@
 PyTorch's fused attention kernels. The torch engine's ranks time it, and ``cptune.torch``
 hands the same code to a deployment.
 
-Attention goes by token position without a mask tensor: each call is cut into pieces a
-fused kernel runs unmasked or with its own causal mask (``attention_pieces``), and the
-pieces' partials are merged by log-sum-exp. So the kernel is always one that returns the
-log-sum-exp (``fused_attention``): on the CPU ``_scaled_dot_product_flash_attention_for_cpu``
-(what ``scaled_dot_product_attention`` itself runs there), on CUDA the FlashAttention-2
-kernel for 16-bit inputs and the memory-efficient one for float32, an explicit float32
-computation elsewhere. ``kernel_name`` says which runs.
+Attention goes by token position without a mask tensor: each step is cut into as few fused
+calls as its positions allow (``cptune.calls``: one per query run and step, unmasked or
+square-causal), by the kernel ``_kernels`` picks, which returns the log-sum-exp. A step of
+several calls, or one merged into an earlier step's result (the Ring), accumulates in
+float32 in place: one accumulator per attention, each call's rows merged into it in one pass
+(two where the call's output is 16-bit), no other row touched.
 
-Exchanges send in the workload's dtype (bf16 is real bfloat16 here), K and V in one
-message and with their own KV heads (GQA/MQA): Ulysses through ``all_to_all_single``,
-AllGather-KV through ``all_gather_into_tensor``, the Ring through ``batch_isend_irecv``
-with the next block in flight while the current one is attended to (NCCL runs it on its own
-stream on a GPU, gloo on its own threads on the CPU).
+Tensors are held sequence-major in memory, as a model holds them ([batch, seq, heads,
+head_dim], seen as [batch, heads, seq, head_dim]): what the deployment passes in and takes
+back without a copy, and what the kernels read as they are. Exchanges send in the workload's
+dtype (bf16 is real bfloat16 here), K and V in one message with their own KV heads (GQA/MQA):
+Ulysses through ``all_to_all_single``, one pack (the cast, and the repeated KV heads of a
+head group larger than them, included) and one unpack per exchange; AllGather-KV through
+``all_gather_into_tensor``, the arrivals put in the order asked (position order) by the one
+copy out of the receive buffer; the Ring through ``batch_isend_irecv`` into its own two
+receive buffers, the next block in flight while the current one is attended to (NCCL runs it
+on its own stream on a GPU, gloo on its own threads on the CPU).
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import time
-from collections.abc import Iterator, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cptune.layout import position_runs
-from cptune.strategies.primitives import HEADS, Group, Partial
+from cptune.calls import Call, attention_calls
+from cptune.engines.torch._kernels import fused_attention
+from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
 from cptune.workload import Workload
 
 #: The torch dtype each workload dtype computes and travels in.
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class Piece(NamedTuple):
-    """Keys ``keys`` (an index range) of one query run, attended unmasked or with the causal
-    mask aligned at both ranges' first position."""
-
-    keys: slice
-    causal: bool
-
-
-class QueryRun(NamedTuple):
-    """Queries ``rows`` (an index range) and the key pieces they attend to."""
-
-    rows: slice
-    pieces: tuple[Piece, ...]
+def sequence_major(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``shape`` ([..., heads, seq, head_dim]) laid out sequence-major in
+    memory ([..., seq, heads, head_dim]), as a model holds its activations."""
+    swapped = [*shape[:-3], shape[-2], shape[-3], shape[-1]]
+    return torch.empty(swapped, dtype=dtype, device=device).transpose(HEADS, SEQ)
 
 
-def _runs(positions: np.ndarray) -> tuple[tuple[int, int, int], ...]:
-    """(first index, stop index, first position) of each run of consecutive positions."""
-    return tuple((start, stop, int(positions[start])) for start, stop in position_runs(positions))
+def strategy_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] as
+    the strategies take them: q seen as [batch, heads, seq, head_dim] (no copy) and K and V
+    packed as one [2, batch, kv_heads, seq, head_dim] tensor (one copy: the message they
+    travel in)."""
+    return q.transpose(1, 2), torch.stack([k, v]).transpose(2, 3)
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(q_runs: tuple, k_runs: tuple, causal: bool, seq_len: int) -> tuple[QueryRun, ...]:
-    keys = []
-    for start, stop, first in k_runs:
-        real = min(stop - start, seq_len - first)  # padding keys sit at the end of a run
-        if real > 0:
-            keys.append((start, start + real, first))
-    plan = []
-    for q_start, q_stop, q_first in q_runs:
-        # cut the query run where a key run starts inside it: queries before that position
-        # see none of its keys, those from it on see them through an aligned causal mask
-        cuts = {q_start, q_stop}
-        if causal:
-            last = q_first + q_stop - q_start - 1
-            cuts |= {q_start + first - q_first for _, _, first in keys if q_first < first <= last}
-        edges = sorted(cuts)
-        for rows_start, rows_stop in zip(edges, edges[1:], strict=False):
-            first_q = q_first + rows_start - q_start
-            last_q = first_q + rows_stop - rows_start - 1
-            pieces = []
-            for k_start, k_stop, first_k in keys:
-                if not causal or first_k + (k_stop - k_start) - 1 <= first_q:
-                    pieces.append(Piece(slice(k_start, k_stop), False))
-                elif first_k <= first_q:  # straddles the diagonal: the past unmasked, then the diagonal
-                    split = k_start + first_q - first_k
-                    if split > k_start:
-                        pieces.append(Piece(slice(k_start, split), False))
-                    pieces.append(Piece(slice(split, min(k_stop, split + last_q - first_q + 1)), True))
-                # else: the whole key run lies in these queries' future
-            plan.append(QueryRun(slice(rows_start, rows_stop), tuple(pieces)))
-    return tuple(plan)
+def model_output(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A strategy's output [batch, heads, seq, head_dim] as a model's [batch, seq, heads,
+    head_dim] in ``dtype``: a view where it is already sequence-major in that dtype."""
+    return out.to(dtype).transpose(1, 2).contiguous()
 
 
-def attention_pieces(
-    q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, seq_len: int
-) -> tuple[QueryRun, ...]:
-    """Queries at ``q_pos`` over keys at ``k_pos`` as runs of queries, each with the key
-    pieces it attends to: unmasked, or causal with both ranges starting at one position
-    (the upper-left alignment every fused kernel's ``is_causal`` uses), never a mask
-    tensor. Keys at ``seq_len`` or beyond (padding) are left out; queries are not."""
-    return _plan(_runs(q_pos), _runs(k_pos), causal, seq_len)
+def _uncovered(rows: int, calls: Sequence[Call]) -> list[tuple[int, int]]:
+    """Index ranges [start, stop) of the rows no call names."""
+    covered = np.zeros(rows, dtype=bool)
+    for call in calls:
+        covered[call.rows] = True
+    change = np.flatnonzero(np.diff(np.concatenate([[0], (~covered).astype(np.int8), [0]])))
+    return list(zip(change[::2].tolist(), change[1::2].tolist(), strict=True))
 
 
-def kernel_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The attention kernel ``fused_attention`` runs for ``dtype`` inputs on ``device``."""
-    if device.type == "cpu":
-        return "flash_for_cpu"
-    if device.type == "cuda":
-        return "cuda_flash" if dtype in (torch.float16, torch.bfloat16) else "cuda_efficient"
-    return "explicit"
+def accumulator(q: torch.Tensor, calls: Sequence[Call]) -> Partial:
+    """The float32 partial a step of several calls accumulates in, allocated once,
+    sequence-major like ``q``; the rows no call names hold output 0 and log-sum-exp -inf."""
+    out = sequence_major(q.shape, torch.float32, q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for start, stop in _uncovered(q.shape[-2], calls):
+        out[..., start:stop, :] = 0.0
+        lse[..., start:stop] = float("-inf")
+    return Partial(out, lse)
 
 
-TensorPair = tuple[torch.Tensor, torch.Tensor]
+def in_float32(part: Partial) -> Partial:
+    """``part`` with a float32 output to merge into in place: itself where it is one (a
+    kernel's output is this rank's own), else one copy."""
+    if part.out.dtype == torch.float32:
+        return part
+    out = sequence_major(part.out.shape, torch.float32, part.out.device)
+    out.copy_(part.out)
+    return Partial(out, part.lse)
 
 
-def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> TensorPair:
-    """Attention and log-sum-exp in float32 with plain tensor ops (no fused kernel here)."""
-    groups = q.shape[HEADS] // k.shape[HEADS]
-    k, v = k.repeat_interleave(groups, dim=HEADS).float(), v.repeat_interleave(groups, dim=HEADS).float()
-    scores = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        scores = scores.masked_fill(
-            torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return (torch.exp(scores - lse[..., None]) @ v).to(q.dtype), lse
-
-
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> TensorPair:
-    """softmax(q k^T / sqrt(d) [+ upper-left causal mask]) v and its float32 log-sum-exp
-    [batch, heads, seq], by the kernel ``kernel_name`` names; ``k`` and ``v`` may have
-    fewer (KV) heads than ``q``."""
-    name = kernel_name(q.device, q.dtype)
-    if name == "flash_for_cpu":  # takes GQA heads as they are
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    if name == "explicit":
-        return _explicit(q, k, v, causal)
-    groups = q.shape[HEADS] // k.shape[HEADS]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=HEADS), v.repeat_interleave(groups, dim=HEADS)
-    if name == "cuda_flash":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
-        return out, lse
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-    return out, lse[..., : q.shape[-2]]  # its log-sum-exp rows are padded to a multiple of 32
-
-
-def merge_partials(acc: Partial | None, part: Partial) -> Partial:
-    """The online-softmax merge of two partials over disjoint keys, in float32; rows that
-    saw no key (log-sum-exp -inf) take the other side as it is."""
-    if acc is None:
-        return Partial(part.out.float(), part.lse)
-    top = torch.maximum(acc.lse, part.lse)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    mine, theirs = torch.exp(acc.lse - top), torch.exp(part.lse - top)
-    total = mine + theirs
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    out = acc.out * (mine / safe)[..., None] + part.out.float() * (theirs / safe)[..., None]
-    return Partial(out, top + torch.log(total))
+def merge_into(acc: Partial, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge a call's partial over other keys (``out``, ``lse`` for ``rows``) into the float32
+    ``acc`` in place, touching only those rows: one pass over the output (two where ``out``
+    is 16-bit); the log-sum-exp -inf of a row that saw nothing yet takes the call as it is."""
+    acc_out, acc_lse = acc.out[..., rows, :], acc.lse[..., rows]
+    total = torch.logaddexp(acc_lse, lse)
+    share = torch.exp(lse - total).unsqueeze(-1)
+    if out.dtype == acc_out.dtype:
+        acc_out.lerp_(out, share)
+    else:
+        acc_out.mul_(torch.exp(acc_lse - total).unsqueeze(-1)).addcmul_(out, share)
+    acc_lse.copy_(total)
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
-           seq_len: int) -> Partial:
+           seq_len: int, scale: float | None = None, into: Partial | None = None) -> Partial:
     """Attention of queries at ``q_pos`` over the keys of ``kv`` ([2, batch, kv_heads, seq,
-    head_dim]) at ``k_pos``, by pieces (``attention_pieces``) merged by log-sum-exp."""
-    outs, lses = [], []
-    for run in attention_pieces(q_pos, k_pos, causal, seq_len):
-        rows = q[..., run.rows, :]
-        merged: Partial | None = None
-        for piece in run.pieces:
-            k, v = kv[0][..., piece.keys, :], kv[1][..., piece.keys, :]
-            part = Partial(*fused_attention(rows, k, v, piece.causal))
-            merged = part if merged is None else merge_partials(merged, part)
-        if merged is None:  # no key is visible to these queries
-            lse = torch.full(rows.shape[:-1], float("-inf"), device=q.device)
-            merged = Partial(torch.zeros_like(rows), lse)
-        outs.append(merged.out)
-        lses.append(merged.lse)
-    if len(outs) == 1:
-        return Partial(outs[0], lses[0])
-    # a run of one piece keeps the kernel's dtype, a merged one is float32
-    dtype = torch.float32 if len({o.dtype for o in outs}) > 1 else outs[0].dtype
-    return Partial(torch.cat([o.to(dtype) for o in outs], dim=-2), torch.cat(lses, dim=-1))
+    head_dim]) at ``k_pos``, by the fused calls ``attention_calls`` plans, merged into
+    ``into`` (a partial over other keys, updated in place) where given. One call over every
+    row returns the kernel's own output; several accumulate in float32."""
+    calls = attention_calls(q_pos, k_pos, causal, seq_len)
+    k, v = kv[0], kv[1]
+    if into is None and len(calls) == 1 and calls[0].rows == slice(0, q.shape[-2]):
+        call = calls[0]
+        return Partial(*fused_attention(q, k[..., call.keys, :], v[..., call.keys, :], call.causal, scale))
+    acc = accumulator(q, calls) if into is None else in_float32(into)
+    written: set[tuple[int, int]] = set()  # rows a call of this step wrote (a call's rows: all or none)
+    for call in calls:
+        out, lse = fused_attention(q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :],
+                                   call.causal, scale)
+        span = (call.rows.start, call.rows.stop)
+        if into is None and span not in written:  # the rows' first call: a copy, not a merge
+            written.add(span)
+            acc.out[..., call.rows, :].copy_(out)
+            acc.lse[..., call.rows].copy_(lse)
+        else:
+            merge_into(acc, call.rows, out, lse)
+    return acc
 
 
-def in_send_order(x: torch.Tensor, split_axis: int, members: int, wire: torch.dtype) -> torch.Tensor:
+def pack(x: torch.Tensor, split_axis: int, members: int, wire: torch.dtype, repeat: int = 1) -> torch.Tensor:
     """``x`` cut into ``members`` chunks along ``split_axis``, chunk j first: the contiguous
-    [members, ...] buffer an all-to-all sends, in ``wire`` dtype (one copy, cast included)."""
+    [members, ...] buffer an all-to-all sends, in ``wire`` dtype, in one copy (the cast
+    included). ``repeat`` > 1: each slice of ``split_axis`` repeated that many times first,
+    which gives each member one slice (Ulysses' KV heads, ``kv_replication``), in the same copy."""
     split = split_axis % x.dim()
-    chunked = x.reshape(*x.shape[:split], members, x.shape[split] // members, *x.shape[split + 1:])
-    return chunked.movedim(split, 0).to(wire).contiguous()
+    if repeat > 1:
+        picked = torch.arange(x.shape[split] * repeat, device=x.device) // repeat
+        return x.movedim(split, 0).index_select(0, picked).to(wire).unsqueeze(split + 1)
+    chunks = x.unflatten(split, (members, x.shape[split] // members)).movedim(split, 0)
+    send = torch.empty(chunks.shape, dtype=wire, device=x.device)
+    send.copy_(chunks)
+    return send
 
 
-def out_of_receive_order(received: torch.Tensor, axis: int) -> torch.Tensor:
-    """The members' arrivals (``received[j]`` from member j) joined along ``axis`` of one arrival."""
-    axis %= received.dim() - 1
-    shape = list(received.shape[1:])
-    shape[axis] *= received.shape[0]
-    return received.movedim(0, axis).reshape(shape)
+def unpack(received: torch.Tensor, axis: int) -> torch.Tensor:
+    """The members' arrivals (``received[j]`` from member j) joined along ``axis`` of one
+    arrival, in one copy into a sequence-major tensor."""
+    members, piece = received.shape[0], list(received.shape[1:])
+    axis %= len(piece)
+    shape = list(piece)
+    shape[axis] *= members
+    joined = sequence_major(shape, received.dtype, received.device)
+    joined.unflatten(axis, (members, piece[axis])).copy_(received.movedim(0, axis))
+    return joined
 
 
 def exchange_all_to_all(group: dist.ProcessGroup, x: torch.Tensor, split_axis: int, concat_axis: int,
-                        wire: torch.dtype) -> torch.Tensor:
-    """Member j of ``group`` gets chunk j of ``x`` along ``split_axis``; the arrivals are
-    joined along ``concat_axis``, the copies into send order and out of receive order
-    included (calibration times the exchange as a strategy pays for it)."""
-    send = in_send_order(x, split_axis, dist.get_world_size(group), wire)
+                        wire: torch.dtype, repeat: int = 1) -> torch.Tensor:
+    """Member j of ``group`` gets chunk j of ``x`` along ``split_axis`` (each slice repeated
+    ``repeat`` times first); the arrivals are joined along ``concat_axis``: one pack, the
+    exchange and one unpack (calibration times the exchange as a strategy pays for it)."""
+    send = pack(x, split_axis, dist.get_world_size(group), wire, repeat)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    return out_of_receive_order(received, concat_axis)
+    return unpack(received, concat_axis)
+
+
+def dense(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``x`` as a contiguous tensor with its dims permuted (no copy where it is one, as a
+    sequence-major tensor is), and how to see a tensor of that layout with ``x``'s dims: what
+    a collective sends and receives without a copy."""
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: -strides[d])
+    permuted = x.permute(order)
+    if not permuted.is_contiguous():
+        permuted, order = x.contiguous(), list(range(x.dim()))
+    back = [order.index(d) for d in range(x.dim())]
+    return permuted, lambda t: t.permute(back)
 
 
 #: ``all_gather_into_tensor`` under the name newer PyTorch releases give it (2.13 warns on the old one).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def exchange_all_gather(
-    group: dist.ProcessGroup, x: torch.Tensor, axis: int, wire: torch.dtype
-) -> torch.Tensor:
-    """Every member's ``x`` joined along ``axis`` in member order."""
-    send = x.to(wire).contiguous()
+def exchange_all_gather(group: dist.ProcessGroup, x: torch.Tensor, axis: int, wire: torch.dtype,
+                        order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """Every member's ``x`` joined along ``axis``: the (member, start, stop) ranges of
+    ``order`` in that order, each member's whole ``x`` in member order where None; one copy
+    out of the receive buffer."""
+    send, as_x = dense(x.to(wire))
     members = dist.get_world_size(group)
     received = torch.empty((members * send.shape[0], *send.shape[1:]), dtype=wire, device=send.device)
     _all_gather_single(received, send, group=group)  # the arrivals stacked along dim 0
-    return out_of_receive_order(received.view(members, *send.shape), axis)
+    arrivals = [as_x(piece) for piece in received.view(members, *send.shape).unbind(0)]
+    return joined_in_order(arrivals, axis, order)
+
+
+def joined_in_order(arrivals: Sequence[torch.Tensor], axis: int,
+                    order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """The members' arrivals joined along ``axis``: the (member, start, stop) ranges of
+    ``order`` in that order, or each whole in member order; one copy."""
+    length = arrivals[0].shape[axis]
+    pieces = order if order is not None else [(m, 0, length) for m in range(len(arrivals))]
+    return torch.cat([arrivals[m].narrow(axis, start, stop - start) for m, start, stop in pieces], dim=axis)
 
 
 def ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor) -> list[dist.Work]:
@@ -236,14 +220,17 @@ def ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tenso
 class _Clock:
     """Seconds spent in compute and in waiting for communication on one rank: wall clock on
     the CPU, where kernels run synchronously; CUDA events on the compute stream on a GPU,
-    read once the iteration is done (``totals``)."""
+    read once the iteration is done (``totals``). Off (a deployment): nothing recorded."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, on: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.on = on
         self.seconds = {"compute": 0.0, "comm": 0.0}
         self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"compute": [], "comm": []}
 
     def start(self) -> object:
+        if not self.on:
+            return None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -251,6 +238,8 @@ class _Clock:
         return time.perf_counter()
 
     def stop(self, kind: str, started: object) -> None:
+        if not self.on:
+            return
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -273,11 +262,14 @@ class TorchOps:
     group is this rank alone), for tensors on one device."""
 
     def __init__(self, workload: Workload, groups: Mapping[str, dist.ProcessGroup | None],
-                 device: torch.device) -> None:
+                 device: torch.device, scale: float | None = None, timed: bool = True) -> None:
         self.workload = workload
         self.groups = groups
         self.wire = TORCH_DTYPES[workload.dtype]
-        self.clock = _Clock(device)
+        #: The scores' scale (None: 1 / sqrt(head_dim)).
+        self.scale = scale
+        #: Compute and communication apart (the engine's split); off where nobody reads it.
+        self.clock = _Clock(device, timed)
 
     def _members(self, group: Group) -> int:
         pg = self.groups[group]
@@ -289,37 +281,28 @@ class TorchOps:
         assert pg is not None, f"{group} group is this rank alone"
         return pg
 
-    def attention(self, q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray) -> Partial:
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray,
+                  into: Partial | None = None) -> Partial:
         started = self.clock.start()
-        part = attend(q, kv, q_pos, k_pos, self.workload.causal, self.workload.seq_len)
+        part = attend(q, kv, q_pos, k_pos, self.workload.causal, self.workload.seq_len, self.scale, into)
         self.clock.stop("compute", started)
         return part
 
-    def merge(self, acc: Partial | None, part: Partial) -> Partial:
-        started = self.clock.start()
-        merged = merge_partials(acc, part)
-        self.clock.stop("compute", started)
-        return merged
-
-    def repeat_heads(self, kv: torch.Tensor, times: int) -> torch.Tensor:
-        started = self.clock.start()
-        repeated = kv.repeat_interleave(times, dim=HEADS)
-        self.clock.stop("compute", started)
-        return repeated
-
-    def all_to_all(self, x: torch.Tensor, group: Group, split_axis: int, concat_axis: int) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, group: Group, split_axis: int, concat_axis: int,
+                   repeat: int = 1) -> torch.Tensor:
         if self._members(group) == 1:
             return x
         started = self.clock.start()
-        out = exchange_all_to_all(self._shared(group), x, split_axis, concat_axis, self.wire)
+        out = exchange_all_to_all(self._shared(group), x, split_axis, concat_axis, self.wire, repeat)
         self.clock.stop("comm", started)
         return out
 
-    def all_gather(self, x: torch.Tensor, group: Group, axis: int) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, group: Group, axis: int,
+                   order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
         if self._members(group) == 1:
             return x
         started = self.clock.start()
-        out = exchange_all_gather(self._shared(group), x, axis, self.wire)
+        out = exchange_all_gather(self._shared(group), x, axis, self.wire, order)
         self.clock.stop("comm", started)
         return out
 
@@ -329,14 +312,19 @@ class TorchOps:
         pg = self.groups[group]
         members = self._members(group)
         me = 0 if pg is None else dist.get_rank(pg)
-        current = kv.to(self.wire).contiguous()
-        incoming = torch.empty_like(current) if members > 1 else current
+        current, as_kv = dense(kv.to(self.wire))
+        # the blocks arrive in buffers of the Ring's own, never in the caller's K/V: two where
+        # a block is passed on while the next arrives
+        buffers = [torch.empty_like(current) for _ in range(min(2, members - 1))]
         for step in range(members):
-            requests = ring_step(self._shared(group), current, incoming) if step < members - 1 else []
-            yield (me - step) % members, current
-            if requests:
-                started = self.clock.start()
-                for request in requests:
-                    request.wait()
-                self.clock.stop("comm", started)
-                current, incoming = incoming, current
+            if step == members - 1:  # the last block: nothing more to pass on
+                yield (me - step) % members, as_kv(current)
+                break
+            incoming = buffers[step % 2]
+            requests = ring_step(self._shared(group), current, incoming)
+            yield (me - step) % members, as_kv(current)
+            started = self.clock.start()
+            for request in requests:
+                request.wait()
+            self.clock.stop("comm", started)
+            current = incoming

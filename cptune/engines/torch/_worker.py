@@ -34,6 +34,7 @@ import torch.distributed as dist
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines._worker import RankServer, kill_when_gone, serve_until_done
+from cptune.engines.torch._kernels import CHOOSER, software
 from cptune.engines.torch._launch import (
     Launched,
     connect,
@@ -48,8 +49,8 @@ from cptune.engines.torch._ops import (
     attend,
     exchange_all_gather,
     exchange_all_to_all,
-    kernel_name,
     ring_step,
+    strategy_inputs,
 )
 from cptune.layout import SequenceLayout, context_group_members, head_group_members
 from cptune.strategies import run_strategy
@@ -94,12 +95,19 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def local_device(local_rank: int) -> torch.device:
+    """This rank's GPU: its local rank modulo the GPUs it sees, so that a launcher giving each
+    task one visible GPU (``srun --gpus-per-task=1``: every task sees its own as GPU 0) works
+    as well as one showing them all."""
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def join_world(store: dist.Store, rank: int, size: int, local_rank: int) -> tuple[torch.device, str]:
     """Join the ``torch.distributed`` world rendezvousing in ``store`` as ``rank`` of ``size``:
-    NCCL with GPU ``local_rank`` where PyTorch sees CUDA, gloo on the CPU otherwise. Returns
-    this rank's device and the backend."""
+    NCCL with this rank's GPU (``local_device``) where PyTorch sees CUDA, gloo on the CPU
+    otherwise. Returns this rank's device and the backend."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = local_device(local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -234,8 +242,7 @@ class RankTask:
         }
         dtype = TORCH_DTYPES[self.workload.dtype]
         q, k, v = (torch.from_numpy(a).to(rank.device, dtype) for a in arrays)  # [batch, seq, heads, dim]
-        self.q = q.transpose(1, 2).contiguous()
-        self.kv = torch.stack([k, v]).transpose(2, 3).contiguous()
+        self.q, self.kv = strategy_inputs(q, k, v)  # as a deployment passes them
         self.input_bytes = self.q.nbytes + self.kv.nbytes
 
     def iteration(self) -> tuple[torch.Tensor, TorchOps]:
@@ -246,7 +253,9 @@ class RankTask:
     def run_once(self) -> protocol.Message:
         """Run once: the output shard (float32, [batch, seq, heads, head_dim]), the peak bytes
         held (device memory on a GPU; on the CPU the resident growth over the inputs, which
-        the allocator may round up) and the kernel that ran."""
+        the allocator may round up), the kernels that ran (on a GPU, chosen by their probe on
+        this first run, and the cuDNN and NCCL versions)."""
+        CHOOSER.take_used()
         device = self.rank.device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -260,8 +269,8 @@ class RankTask:
         else:
             peak = self.input_bytes + (max(0, rss_bytes("VmHWM") - baseline) if measured else 0)
         shard = out.transpose(1, 2).float().cpu().numpy()
-        return {"peak_bytes": int(peak), "kernel": kernel_name(device, self.q.dtype),
-                "process_group": self.rank.backend}, [shard]
+        return {"peak_bytes": int(peak), "kernel": CHOOSER.take_used(), "process_group": self.rank.backend,
+                **software()}, [shard]
 
     def time(self, warmup: int, repeats: int) -> protocol.Message:
         """Per timed iteration: wall, compute and communication seconds on this rank; every
