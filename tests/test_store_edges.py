@@ -5,7 +5,6 @@ once, in one line on stderr with exit code 2 where refused, and no stored byte c
 import hashlib
 import os
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -136,11 +135,10 @@ def test_optunas_tables_are_the_ones_optuna_makes():
 @pytest.mark.parametrize("url", IN_MEMORY)
 @pytest.mark.parametrize("command", [COMMANDS["results"], SEARCH], ids=["results", "search"])
 def test_a_database_in_memory_is_refused_at_once(cptune_here, tmp_path, monkeypatch, command, url):
-    """It used to spin forever: the switch to WAL was retried while memory never becomes WAL."""
+    """It used to spin forever: the switch to WAL was retried while memory never becomes WAL
+    (the timeout mark fails a spin; no bound on the machine's speed)."""
     monkeypatch.chdir(tmp_path)
-    started = time.monotonic()
     result = cptune_here(*command, "--db", url)
-    assert time.monotonic() - started < (1 if command == ["results"] else 10)
     assert_refused(result, f"cannot keep results in {url}: a database in memory is gone when the command "
                            f"ends", "pass a file path")
     assert list(tmp_path.iterdir()) == []
@@ -154,9 +152,7 @@ def test_a_read_only_or_immutable_database_is_read_at_once_and_never_written(
     anything is measured, naming what in the URL makes it read-only."""
     url = f"sqlite:///file:{rollback_journal_store}?{opened}&uri=true"
     before = checksum(rollback_journal_store)
-    started = time.monotonic()
-    listed = cptune_here("results", "--db", url, "--json")
-    assert time.monotonic() - started < 1
+    listed = cptune_here("results", "--db", url, "--json")  # a spin would meet the timeout mark
     assert listed.returncode == 0, listed.stderr
     assert '"status": "crash"' in listed.stdout
     assert_refused(cptune_here(*SEARCH, "--db", url), f"cannot write to database {url}",
