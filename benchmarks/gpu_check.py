@@ -63,10 +63,10 @@ from cptune.config import CPConfig
 from cptune.engines.torch import _kernels
 from cptune.engines.torch._ops import (
     TORCH_DTYPES,
+    activations,
     attend,
     joined_in_order,
     pack,
-    sequence_major,
     unpack,
 )
 from cptune.feasibility import enumerate_configs
@@ -209,10 +209,10 @@ def run_case(workload: Workload, config: CPConfig, timer: Timer, ideal: Ideal, r
     group = min(1, c - 1)  # context block 1: its calls are the busiest AllGather-KV makes
     q_pos = layout.block_positions(group)
 
-    def draw(shape: Sequence[int], sequence_first: bool = False) -> torch.Tensor:
+    def draw(shape: Sequence[int], laid_out: bool = False) -> torch.Tensor:
         x = torch.randn(tuple(shape), generator=generator, device=device).to(wire)
-        if sequence_first:  # a model's [batch, seq, heads, head_dim] seen as [batch, heads, seq, head_dim]
-            target = sequence_major(x.shape, wire, device)
+        if laid_out:  # laid out as the engine holds its activations on this device
+            target = activations(x.shape, wire, device)
             target.copy_(x)
             return target
         return x
