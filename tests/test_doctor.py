@@ -15,6 +15,7 @@ from conftest import assert_refused, measurement, stand_in_measuring
 from cptune import CPConfig, Workload
 from cptune.cli import main
 from cptune.engines import ENGINES, BackendUnavailableError, NodeVerdict, ProbeResult
+from cptune.errors import EngineError
 from cptune.hardware import Hardware
 from cptune.measurement import oversubscribed
 from cptune.reference import TOLERANCE
@@ -176,6 +177,18 @@ def test_check_host_refuses_before_probing(tmp_path, node):
     with pytest.raises(BackendUnavailableError, match="8 ranks need 8 GPUs"):
         check_host(str(db), max_ranks=8)
     assert engine.probed == [] and not db.exists()
+
+
+def test_a_probe_that_fails_leaves_no_new_database(tmp_path, node, monkeypatch):
+    engine = node(HEALTHY)
+
+    def fails(ranks):
+        raise EngineError("crash", "rank 1 died while probing")
+
+    monkeypatch.setattr(engine, "check_node", fails)
+    with pytest.raises(EngineError, match="rank 1 died"):
+        check_host(str(tmp_path / "new.db"))
+    assert list(tmp_path.iterdir()) == []  # made only once there is a verdict to keep
 
 
 # --------------------------------------------------------------------------- the search goes by it

@@ -357,6 +357,11 @@ def check_host(
     hardware = engine.hardware()
     if db is None:
         return hardware, engine.check_node(max_ranks)
+    if new_database(db):  # made only once there is a verdict to keep: a failed probe leaves none
+        verdict = engine.check_node(max_ranks)
+        with Store(db, share=share) as store:
+            store.add_node_verdict(hardware, engine.name, verdict)
+        return hardware, verdict
     with Store(db, share=share) as store:
         store.require_writable()
         verdict = engine.check_node(max_ranks)
