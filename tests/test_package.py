@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cptune.store import Store
+
 pytestmark = pytest.mark.slow  # every test here starts a fresh interpreter
 
 
@@ -22,7 +24,8 @@ def test_recommend_answers_twice_in_one_process(tmp_path):
         f"    pick = cptune.recommend(w, hardware='h100-sxm-8', db={str(tmp_path / 'cptune.db')!r})\n"
         "    print(type(pick).__name__, pick.config.ranks)\n"
     )
-    (tmp_path / "cptune.db").touch()  # recommend reads a database; it never creates one
+    with Store(str(tmp_path / "cptune.db")):  # recommend reads a database; it never creates one
+        pass
     result = run_python(script)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
