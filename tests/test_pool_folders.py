@@ -59,7 +59,7 @@ def test_a_new_pool_removes_the_folders_whose_owner_is_gone_and_only_those(tmp_p
 def test_a_terminated_command_stops_its_ranks_and_removes_their_folder(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     measure = ["measure", "--seq-len", "4096", "--heads", "8", "--head-dim", "64", "--strategies", "ring",
-               "--ranks", "2", "--head-group", "1", "--repeats", "100000", "--timeout", "600"]
+               "--ranks", "2", "--head-group", "1", "--repeats", "10000", "--timeout", "600"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     command = subprocess.Popen([*CLI, *measure], env=env, **quiet)
     deadline = time.monotonic() + 120
