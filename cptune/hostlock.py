@@ -121,16 +121,8 @@ class _HostLock:
 
     def acquire(self, sleep: Callable[[float], None], line: WaitLine) -> None:
         path = lock_path()
+        fd = _open_lock(path)
         try:
-            # no O_TRUNC: what the path names is checked (a regular file, empty or a lock's) before any write
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise HostLockError(f"cannot open the host lock {path} ({exc.strerror}): set {LOCK_ENV} to a "
-                                f"file this user may write") from None
-        try:
-            if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
-                raise HostLockError(f"the host lock {path} is {kind_of(mode)}, not a file: set {LOCK_ENV} to "
-                                    f"a new file's path (say {_default_path()})")
             waited = False
             while True:
                 try:
@@ -164,6 +156,26 @@ class _HostLock:
             os.close(fd)
 
 
+def _open_lock(path: Path) -> int:
+    """The lock file at ``path`` open for reading and writing: ``HostLockError`` (the file
+    closed again) unless it is a regular file, new, empty or holding a holder's record."""
+    try:
+        # no O_TRUNC: what the path names is checked (a regular file, empty or a lock's) before any write
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise HostLockError(f"cannot open the host lock {path} ({exc.strerror}): set {LOCK_ENV} to a "
+                            f"file this user may write") from None
+    try:
+        if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
+            raise HostLockError(f"the host lock {path} is {kind_of(mode)}, not a file: set {LOCK_ENV} to "
+                                f"a new file's path (say {_default_path()})")
+        _check_is_lock(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _check_is_lock(fd: int, path: Path) -> None:
     """``HostLockError`` unless the file open at ``fd`` is empty (new) or holds a holder's record:
     a lock that names another program's file (a database, a search space) leaves it untouched."""
@@ -190,6 +202,8 @@ def measuring(
     with _LOCK.mutex:
         if _LOCK.fd is None and not lazy:
             _LOCK.acquire(sleep, line or WaitLine())
+        elif _LOCK.fd is None and _LOCK.depth == 0:
+            os.close(_open_lock(lock_path()))  # a lock file it cannot use: refused now, not at the first run
         _LOCK.depth += 1
         try:
             yield

@@ -83,19 +83,21 @@ def test_the_holder_writes_who_it_is_and_nested_holds_take_the_lock_once(lock_fi
 
 def test_a_lazy_hold_takes_the_lock_only_when_a_hold_inside_it_measures(lock_file):
     with measuring(lazy=True):  # a search with every result stored: no lock, so no wait
-        assert hostlock._LOCK.fd is None and not lock_file.exists()
+        assert hostlock._LOCK.fd is None and lock_file.read_bytes() == b""  # checked usable, not taken
         with measuring():  # the first run takes it ...
             assert read_holder(lock_file).pid == os.getpid()
         assert hostlock._LOCK.fd is not None  # ... and the search keeps it to its end
     assert hostlock._LOCK.fd is None and hostlock._LOCK.depth == 0
 
 
-def test_a_lock_that_names_another_file_refuses_and_leaves_it_as_it_is(lock_file, monkeypatch):
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_lock_that_names_another_file_refuses_and_leaves_it_as_it_is(lock_file, monkeypatch, lazy):
     database = lock_file.parent / "my.db"
     sqlite3.connect(database).executescript("create table rows (x); insert into rows values (1);")
     before = database.read_bytes()
     monkeypatch.setenv(LOCK_ENV, str(database))
-    with pytest.raises(hostlock.HostLockError, match="not cptune's host lock file"), measuring():
+    # lazy too: refused before a search writes anything, not at its first run
+    with pytest.raises(hostlock.HostLockError, match="not cptune's host lock file"), measuring(lazy=lazy):
         pass
     assert database.read_bytes() == before and hostlock._LOCK.fd is None
 
@@ -118,6 +120,19 @@ def test_the_cli_refuses_a_lock_naming_its_own_database_in_one_line(cptune_here,
     monkeypatch.setenv(LOCK_ENV, str(database))
     assert_refused(cptune_here(*TINY_MEASURE), "not cptune's host lock file", LOCK_ENV)
     assert database.read_bytes() == before
+
+
+def test_a_search_whose_lock_names_its_own_database_writes_nothing_to_it(cptune_here, monkeypatch, tmp_path):
+    from cptune.store import Store
+
+    database = tmp_path / "my.db"
+    with Store(str(database)):  # a cptune database, as a search leaves it
+        pass
+    before = database.read_bytes()
+    monkeypatch.setenv(LOCK_ENV, str(database))
+    assert_refused(cptune_here("search", "--db", database, "--seq-lens", "64", *TINY_SEARCH),
+                   "not cptune's host lock file")
+    assert database.read_bytes() == before  # not even the search's study was written
 
 
 def _fifo(path) -> str:
