@@ -77,6 +77,24 @@ def reference_cases(workloads: dict[str, dict[str, Any]]) -> Callable[[str, bool
     return case
 
 
+def migrated(path: Path, revision: str, down: bool = False) -> Any:
+    """A SQLAlchemy engine on the SQLite file at ``path``, moved by cptune's own migrations up
+    to schema ``revision`` (``down``: back to it), as an older cptune left it."""
+    from importlib.resources import files
+
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    config = Config()
+    config.set_main_option("script_location", str(files("cptune.db")))
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        (command.downgrade if down else command.upgrade)(config, revision)
+    return engine
+
+
 def torchrun_lines(world: int, script: Path, *args: str, timeout: float = 240) -> list[str]:
     """``script`` on ``world`` gloo ranks under torchrun; the lines the ranks printed. A run
     past ``timeout`` fails the test, torchrun and its ranks killed."""

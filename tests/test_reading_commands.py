@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_refused, make_calibration, measurement, stand_in_measuring
+from conftest import assert_refused, make_calibration, measurement, migrated, stand_in_measuring
 from cptune import CPConfig, Workload
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import this_host
@@ -60,17 +60,7 @@ def revision_of(path: Path) -> str:
 
 def downgrade(path: Path, revision: str) -> None:
     """Take the database at ``path`` back to the schema ``revision``, as an older cptune left it."""
-    from alembic import command as alembic
-    from alembic.config import Config
-    from sqlalchemy import create_engine
-
-    config = Config()
-    config.set_main_option("script_location", str(files("cptune.db")))
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        alembic.downgrade(config, revision)
-    engine.dispose()
+    migrated(path, revision, down=True).dispose()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 import cptune
-from conftest import measurement
+from conftest import measurement, migrated
 from cptune import CPConfig, Workload
 from cptune.cli import main
 from cptune.engines import NodeVerdict, ProbeResult
@@ -227,26 +227,9 @@ def test_two_study_writers_on_one_sqlite_file(tmp_path):
 # --------------------------------------------------------------------------- marks, refusals
 
 
-def _database_at(path, revision):
-    """A SQLite file migrated only up to ``revision`` (as an older cptune left it)."""
-    from importlib.resources import files
-
-    from alembic import command
-    from alembic.config import Config
-    from sqlalchemy import create_engine
-
-    config = Config()
-    config.set_main_option("script_location", str(files("cptune.db")))
-    engine = create_engine(f"sqlite:///{path}")
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
-    return engine
-
-
 def test_migration_0003_marks_old_rows_that_ran_more_ranks_than_cores(tmp_path):
     path = tmp_path / "old.db"
-    engine = _database_at(path, "0002")
+    engine = migrated(path, "0002")
     with engine.begin() as connection:
         connection.exec_driver_sql(
             "INSERT INTO hardware (id, fingerprint, host, cpu_model, cpu_count, gpu_count, interconnect, "
@@ -391,7 +374,7 @@ def test_a_damaged_node_verdict_is_named_with_the_fix(store):
 
 def test_migration_0006_keeps_the_rows_of_a_0005_database(tmp_path):
     path = tmp_path / "old.db"
-    engine = _database_at(path, "0005")
+    engine = migrated(path, "0005")
     with engine.begin() as connection:
         connection.exec_driver_sql(
             "INSERT INTO hardware (id, fingerprint, host, cpu_model, cpu_count, gpu_count, interconnect, "
@@ -411,14 +394,14 @@ def test_migration_0006_keeps_the_rows_of_a_0005_database(tmp_path):
         assert "node_checks" not in {row[0] for row in connection.exec_driver_sql(
             "SELECT name FROM sqlite_master WHERE type = 'table'")}
     engine.dispose()
-    with Store(str(path)) as migrated:
-        (row,) = migrated.results()
+    with Store(str(path)) as upgraded:
+        (row,) = upgraded.results()
         assert (row.config, row.median_ms, row.round_id) == (CPConfig("ring", 2), 1.5, "r:1")
-        with migrated.engine.connect() as connection:
+        with upgraded.engine.connect() as connection:
             assert connection.exec_driver_sql("SELECT count(*) FROM calibrations").scalar() == 1
             context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
             assert context.get_current_revision() == "0006"
-        assert migrated.node_verdict(GPU_NODE.fingerprint, "tensorrt") is None
-        migrated.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)  # the stored hardware row
-        assert migrated.node_verdict(GPU_NODE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
-        assert list(migrated.hardware()) == [GPU_NODE.fingerprint]
+        assert upgraded.node_verdict(GPU_NODE.fingerprint, "tensorrt") is None
+        upgraded.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)  # the stored hardware row
+        assert upgraded.node_verdict(GPU_NODE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
+        assert list(upgraded.hardware()) == [GPU_NODE.fingerprint]
