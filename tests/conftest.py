@@ -11,7 +11,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from cli_ignoring_load import IGNORE_LOAD, ignore_load
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import STRATEGIES, CPConfig
@@ -23,6 +22,7 @@ from cptune.measurement import Measurement
 from cptune.reference import make_inputs, reference_attention
 from cptune.store import Store
 from cptune.workload import Workload
+from suite_cli import IGNORE_LOAD, QUICK_CALIBRATION, ignore_load, quick_calibration
 
 if TYPE_CHECKING:
     from cptune.model import Candidate
@@ -31,24 +31,26 @@ if TYPE_CHECKING:
 TESTS = Path(__file__).parent
 #: ``cptune`` as a user starts it: a fresh interpreter (``-P``: neither the working directory
 #: nor the script's is put on sys.path, so the installed or PYTHONPATH cptune runs, not a stray
-#: module beside it), by way of tests/cli_ignoring_load.py (the guard's evidence ignored where
-#: ``_unguarded`` says so).
-CLI = [sys.executable, "-P", str(Path(__file__).parent / "cli_ignoring_load.py")]
+#: module beside it), by way of tests/suite_cli.py (the guard's evidence ignored and
+#: calibrations quick where ``_suite_settings`` says so).
+CLI = [sys.executable, "-P", str(Path(__file__).parent / "suite_cli.py")]
 #: A host other than this one, for measurements and calibrations stored under another fingerprint.
 OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu_model=None, gpu_count=0,
                       interconnect="shared memory (one host)", mpi_library="MPICH 5")
 
 
 @pytest.fixture(autouse=True)
-def _unguarded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The contention guard off (``CPTUNE_GUARD=off``: no waiting for quiet) and its evidence
-    ignored (``cli_ignoring_load``: every run judged clean), here and in CLI subprocesses: the
-    suite runs on shared hosts, where other test runs would mark most runs disturbed.
-    tests/test_guard.py watches the load again for the guard's own tests, the loaded search
-    included."""
+def _suite_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Here and in CLI subprocesses (tests/suite_cli.py): the contention guard off
+    (``CPTUNE_GUARD=off``: no waiting for quiet) and its evidence ignored (every run judged
+    clean), since the suite runs on shared hosts where other test runs would mark most runs
+    disturbed; and calibrations quick (small shapes). tests/test_guard.py watches the load
+    again for the guard's own tests; tests/test_cli_model.py calibrates with the real shapes."""
     monkeypatch.setenv("CPTUNE_GUARD", "off")
     monkeypatch.setenv(IGNORE_LOAD, "1")
     ignore_load(monkeypatch.setattr)
+    monkeypatch.setenv(QUICK_CALIBRATION, "1")
+    quick_calibration(monkeypatch.setattr)
 
 
 #: Every strategy and head group on 4, 3, 2 and 1 ranks, largest first (so an engine's pool

@@ -8,6 +8,7 @@ import pytest
 from conftest import assert_refused, cptune, make_calibration, measurement
 from cptune.hardware import builtin_descriptions, this_host
 from cptune.store import Store
+from suite_cli import QUICK_CALIBRATION
 
 H100 = ["--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128"]
 
@@ -68,9 +69,11 @@ def test_bad_input_is_one_line(cptune_here, no_database, tmp_path, name, fragmen
 
 
 @pytest.mark.slow
-def test_calibrate_then_recommend_from_the_prior(tmp_path):
+def test_calibrate_then_recommend_from_the_prior(tmp_path, monkeypatch):
+    """The suite's one calibration of the real shapes and messages (the others time small ones)."""
+    monkeypatch.delenv(QUICK_CALIBRATION)
     db = str(tmp_path / "cal.db")
-    result = cptune("calibrate", "--max-ranks", "2", "--repeats", "2", "--rounds", "1", "--db", db)
+    result = cptune("calibrate", "--max-ranks", "2", "--repeats", "1", "--rounds", "1", "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "collectives" in result.stdout and "attention compute rate" in result.stdout
     for kind in ("all_to_all", "all_gather", "p2p"):

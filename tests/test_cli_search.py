@@ -17,9 +17,10 @@ from conftest import CLI, assert_refused, cptune, measurement, stand_in_measurin
 from cptune.hardware import this_host
 from cptune.store import Store
 
-# 3 lengths x (ring x1, ring x2, allgather_kv x2, ulysses x2) = 12 configurations
-SLOW = ["--heads", "8", "--head-dim", "64", "--seq-lens", "1024,1536,2048", "--ranks", "1,2",
-        "--no-calibrate"]
+# 3 lengths x (ring x1, ring x2, allgather_kv x2, ulysses x2) = 12 configurations, 24 visits in
+# ROUNDS: long enough (about 10 s) for a signal to land between the second row and the last
+TWELVE = ["--heads", "4", "--head-dim", "32", "--seq-lens", "256,384,512", "--ranks", "1,2",
+          "--no-calibrate"]
 QUICK = ["--heads", "4", "--head-dim", "16", "--seq-lens", "64,96", "--ranks", "1,2"]
 ROUNDS = ["--rounds", "2", "--race-rounds", "0", "--confirm-rounds", "0"]  # 2 clean visits each, fixed
 ONE_VISIT = ["--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0"]  # one clean visit each
@@ -58,7 +59,7 @@ def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
     db = str(tmp_path / "search.db")
     # Ctrl-C as a terminal delivers it: a suite started in the background by a shell without
     # job control inherits SIGINT ignored, and the search rightly keeps an ignored SIGINT
-    search = subprocess.Popen([*CLI, "search", "--db", db, *SLOW, *ROUNDS], stdout=subprocess.PIPE,
+    search = subprocess.Popen([*CLI, "search", "--db", db, *TWELVE, *ROUNDS], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for_rows(db, 2, search)
@@ -73,7 +74,7 @@ def test_interrupted_search_resumes_with_only_what_is_missing(tmp_path, how):
     assert 2 <= len(kept) < 24
     assert all(r.status == "ok" and r.median_ms is not None and r.median_ms > 0 for r in kept)
 
-    rerun = cptune("search", "--db", db, *SLOW, *ROUNDS)
+    rerun = cptune("search", "--db", db, *TWELVE, *ROUNDS)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     rows = stored(db)
     assert f"in {len(rows) - len(kept)} visit(s)" in rerun.stdout  # only what was missing ran

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_ignoring_load import IGNORE_LOAD, watch_load
 
 import cptune
 from conftest import assert_refused, make_calibration
@@ -41,6 +40,7 @@ from cptune.measurement import available_cores
 from cptune.reference import make_inputs
 from cptune.search import WorkloadSearch
 from cptune.store import Store
+from suite_cli import IGNORE_LOAD, watch_load
 
 
 @pytest.fixture(autouse=True)

@@ -8,12 +8,12 @@ import sys
 import time
 
 import pytest
-from cli_ignoring_load import IGNORE_LOAD
 
 from conftest import CLI, assert_refused, cptune
 from cptune import hostlock
 from cptune._waiting import WaitLine
 from cptune.hostlock import LOCK_ENV, lock_path, measuring, read_holder
+from suite_cli import IGNORE_LOAD
 
 #: A process holding the lock through the library until a line arrives on its stdin.
 HOLDER = ("import sys\nfrom cptune.hostlock import measuring\nwith measuring():\n"
