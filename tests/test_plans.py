@@ -156,6 +156,13 @@ def edit_latency(text: str, new: str) -> str:
     return edited
 
 
+def with_alternative(data: dict, config: dict) -> dict:
+    """``data`` with its first bucket ranking ``config`` first among its alternatives."""
+    first = data["buckets"][0]
+    ranked = {"config": config, "latency_ms": 9.0, "interval_ms": [8.0, 10.0], "source": "prior"}
+    return {**data, "buckets": [{**first, "alternatives": [ranked, *first["alternatives"]]}, *data["buckets"][1:]]}
+
+
 def with_tied(data: dict, *configs: dict) -> dict:
     """``data`` with its first bucket listing ``configs`` as tied alternatives."""
     return {**data, "buckets": [{**data["buckets"][0], "tied": list(configs)}, *data["buckets"][1:]]}
@@ -199,6 +206,12 @@ BROKEN = {
     "resigned infeasible tied": (
         lambda t, d: resigned(with_tied(d, {"strategy": "ring", "ranks": 3, "head_group": 3})), ('"tied"', 1),
         "buckets[0].tied[0]: 3-way Ulysses"),
+    "resigned alternative that is the pick": (
+        lambda t, d: resigned(with_alternative(d, d["buckets"][0]["config"])), ('"alternatives"', 1),
+        "buckets[0].alternatives[0]: Ring on 2 ranks is listed already in this bucket"),
+    "resigned infeasible alternative": (
+        lambda t, d: resigned(with_alternative(d, {"strategy": "ring", "ranks": 3, "head_group": 3})),
+        ('"alternatives"', 1), "buckets[0].alternatives[0]: 3-way Ulysses"),
     "resigned wrong label": (
         lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "label": "ulysses"}, d["buckets"][1]]}),
         '"label": "ulysses"', "must be 'ring'"),

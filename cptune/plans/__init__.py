@@ -7,6 +7,7 @@ import stays light; ``cptune.plans.export.export_plan`` builds one from recommen
 
 from cptune.plans._plan import (
     SCHEMA_VERSION,
+    Alternative,
     Bucket,
     Device,
     Launch,
@@ -21,6 +22,7 @@ from cptune.plans._plan import (
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Alternative",
     "Bucket",
     "Device",
     "Launch",

@@ -61,6 +61,21 @@ class PlanHardware:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A configuration the evidence ranked below a bucket's pick, with its latency (ms), its
+    interval and where they come from ("measured", "model" or "prior")."""
+
+    config: CPConfig
+    latency_ms: float
+    interval_ms: tuple[float, float]
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "latency_ms": self.latency_ms,
+                "interval_ms": list(self.interval_ms), "source": self.source}
+
+
+@dataclass(frozen=True)
 class Bucket:
     """Sequence lengths ``min_seq_len..max_seq_len`` run ``config``, chosen at ``seq_len``."""
 
@@ -77,6 +92,9 @@ class Bucket:
     #: Configurations tied with ``config`` (``Recommendation.tied``), fastest first: a deployment
     #: may run any of them at no cost the evidence can see.
     tied: tuple[CPConfig, ...] = ()
+    #: Every other configuration ranked at ``seq_len``, fastest first (empty in plans written
+    #: before they were kept): what a framework that cannot run ``config`` takes instead.
+    alternatives: tuple[Alternative, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +102,7 @@ class Bucket:
             "config": self.config.to_dict(), "label": self.config.label, "latency_ms": self.latency_ms,
             "interval_ms": list(self.interval_ms), "source": self.source,
             "measurement_ids": list(self.measurement_ids), "tied": [c.to_dict() for c in self.tied],
+            "alternatives": [a.to_dict() for a in self.alternatives],
         }
 
 
@@ -441,10 +460,22 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
                 raise locate.error(at + ("tied", j), f"{other.describe()} is listed already in this bucket: "
                                                      f"each tied configuration once, never the bucket's own")
             tied.append(other)
+        alternatives: list[Alternative] = []
+        for j, ranked in enumerate(entry.get("alternatives", [])):
+            other = CPConfig(**ranked["config"])
+            if reasons := feasibility(shape.at(entry["seq_len"]), other):
+                raise locate.error(at + ("alternatives", j), f"{other.describe()} cannot run this shape: "
+                                                              f"{reasons[0]}")
+            if other == config or any(a.config == other for a in alternatives):
+                raise locate.error(at + ("alternatives", j), f"{other.describe()} is listed already in "
+                                                              f"this bucket: each alternative once, never "
+                                                              f"its pick")
+            fast, slow = ranked["interval_ms"]
+            alternatives.append(Alternative(other, ranked["latency_ms"], (fast, slow), ranked["source"]))
         low, high = entry["interval_ms"]
         buckets.append(Bucket(
             entry["min_seq_len"], entry["max_seq_len"], entry["seq_len"], config, entry["latency_ms"],
-            (low, high), entry["source"], tuple(entry["measurement_ids"]), tuple(tied),
+            (low, high), entry["source"], tuple(entry["measurement_ids"]), tuple(tied), tuple(alternatives),
         ))
     launch = data["launch"]
     devices = tuple(Device(**d) for d in launch["devices"])

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
 from cptune.model import CalibratedProfile, DescribedProfile, MeasuredHost, hardware_profile, recommend
-from cptune.plans._plan import Bucket, Plan, PlanHardware, launch_for
+from cptune.plans._plan import Alternative, Bucket, Plan, PlanHardware, launch_for
 from cptune.version import __version__
 from cptune.workload import Workload
 
@@ -68,8 +68,10 @@ def export_plan(
         # the pick's measurements first, then those it was judged against; none when predicted
         ids = [i for c in pick.candidates for i in c.measurement_ids]
         evidence = tuple(ids) if pick.source == "measured" else ()
+        ranked = tuple(Alternative(c.config, c.latency_ms, (c.low_ms, c.high_ms), c.source)
+                       for c in pick.alternatives)
         buckets.append(Bucket(low, high, seq_len, pick.config, pick.latency_ms, pick.interval_ms,
-                              pick.source, evidence, pick.tied))
+                              pick.source, evidence, pick.tied, ranked))
     # every listed configuration, tied alternatives too, can run within the launch
     used = max(c.ranks for b in buckets for c in (b.config, *b.tied))
     if isinstance(profile, DescribedProfile):
