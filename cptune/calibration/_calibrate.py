@@ -38,7 +38,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from cptune.calibration._record import Calibration, CollectiveFit, ComputeRate, StepCost
 from cptune.cost import STREAM_KINDS
@@ -87,6 +86,8 @@ def fit_latency_bandwidth(sizes: np.ndarray, times: np.ndarray) -> tuple[float, 
     """Non-negative (latency, bandwidth) minimising the relative error of
     ``latency + size / bandwidth`` against ``times``: small messages weigh as much as large.
     Timings that do not grow with size give the bandwidth seen at the largest size."""
+    from scipy.optimize import nnls  # half a second to import: only a calibration pays it
+
     weights = 1.0 / times
     (latency, inverse_bandwidth), _ = nnls(np.column_stack([weights, sizes * weights]), np.ones_like(times))
     if inverse_bandwidth <= 0:
