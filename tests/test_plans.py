@@ -3,8 +3,10 @@ line and the reason when broken, and refused on other hardware or shapes unless 
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -30,10 +32,12 @@ def at(seq_len: int, **shape) -> Workload:
     return Workload(seq_len=seq_len, **(SHAPE | shape))
 
 
-@pytest.fixture
-def db(tmp_path):
-    """This host calibrated, every config measured at SHORT and LONG; FAST_SHORT and FAST_LONG win."""
-    path = str(tmp_path / "p.db")
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """This host calibrated, every config measured at SHORT and LONG (FAST_SHORT and FAST_LONG
+    win), and the plan exported from it: made once, each test gets copies (``db``, ``plan_file``)."""
+    folder = tmp_path_factory.mktemp("plans")
+    path = str(folder / "p.db")
     with Store(path) as store:
         store.add_calibration(this_host(), make_calibration())
     for seq_len, fastest in ((SHORT, FAST_SHORT), (LONG, FAST_LONG)):
@@ -41,12 +45,17 @@ def db(tmp_path):
         add_measurements(path, *(measurement(at(seq_len), c,
                                              (5.0 if c == fastest else 9.0 + i) * seq_len / SHORT)
                                  for i, c in enumerate(configs)))
-    return path
+    return Path(path), export_plan([at(SHORT), at(LONG)], db=path).write(folder / "plan.json")
 
 
 @pytest.fixture
-def plan_file(db, tmp_path):
-    return export_plan([at(SHORT), at(LONG)], db=db).write(tmp_path / "plan.json")
+def db(measured, tmp_path):
+    return str(shutil.copy(measured[0], tmp_path / "p.db"))
+
+
+@pytest.fixture
+def plan_file(measured, tmp_path):
+    return Path(shutil.copy(measured[1], tmp_path / "plan.json"))
 
 
 def ids_of(db, seq_len, config):
@@ -160,7 +169,8 @@ def with_alternative(data: dict, config: dict) -> dict:
     """``data`` with its first bucket ranking ``config`` first among its alternatives."""
     first = data["buckets"][0]
     ranked = {"config": config, "latency_ms": 9.0, "interval_ms": [8.0, 10.0], "source": "prior"}
-    return {**data, "buckets": [{**first, "alternatives": [ranked, *first["alternatives"]]}, *data["buckets"][1:]]}
+    first = {**first, "alternatives": [ranked, *first["alternatives"]]}
+    return {**data, "buckets": [first, *data["buckets"][1:]]}
 
 
 def with_tied(data: dict, *configs: dict) -> dict:
