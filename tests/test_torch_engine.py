@@ -417,7 +417,9 @@ def test_rank_0_refusing_ends_every_launched_rank():
 @pytest.mark.slow
 def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
     """calibrate, search, fit, recommend, export and report with --backend torch: the rows
-    record the engine, this host is the torch engine's view of it, the report names it."""
+    record the engine, this host is the torch engine's view of it, the report names it; then
+    search and export for frameworks."""
+    import importlib.util
     import json
 
     from conftest import cptune
@@ -436,13 +438,36 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
     picked = cptune("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
     assert picked.returncode == 0, picked.stderr
     assert json.loads(picked.stdout)["fingerprint"] == TorchEngine().hardware().fingerprint
+    # the plan, and the same plan as diffusers takes it (--ranks 2: every bucket runs context parallel)
     plan = tmp_path / "plan.json"
-    exported = cptune("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96", "-o", plan)
+    exported = cptune("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
+                      "--ranks", "2", "-o", plan, "--for", "diffusers", "--json")
     assert exported.returncode == 0, exported.stderr
     assert json.loads(plan.read_text())["hardware"]["engine"] == "torch"
     reported = cptune("report", "--db", db, "-o", tmp_path / "report")
     assert reported.returncode == 0, reported.stderr
     assert "(engine: torch)" in (tmp_path / "report" / "report.html").read_text()
+
+    # the plan in frameworks' terms, fed to the real packages where they install; then a search
+    # of only what xDiT runs (no AllGather-KV)
+    from test_frameworks import _package_takes
+
+    from cptune.frameworks import for_framework
+    from cptune.plans import load_plan
+
+    as_yunchang = for_framework(load_plan(plan), "yunchang").buckets
+    emitted = {"diffusers": [b["settings"] for b in json.loads(exported.stdout)["buckets"]],
+               "yunchang": [dict(b.spelling.settings) for b in as_yunchang]}
+    for name, all_settings in emitted.items():
+        assert len(all_settings) == 2 and all(all_settings)
+        if importlib.util.find_spec(name):
+            for settings in all_settings:
+                _package_takes(name, settings, 2)
+    framed = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "128", "--ranks", "2",
+                    "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0", "--for", "xdit")
+    assert framed.returncode == 0, framed.stderr
+    at_128 = [r for r in json.loads(cptune("results", "--db", db, "--json").stdout) if r["seq_len"] == 128]
+    assert {r["strategy"] for r in at_128} == {"ring", "ulysses"}
 
 
 # -- the kernel choice and the plans a deployment reuses -------------------------------------

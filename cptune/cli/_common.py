@@ -17,6 +17,7 @@ from rich.text import Text
 from cptune.config import STRATEGIES
 from cptune.engines import ENGINES
 from cptune.errors import CPTuneError
+from cptune.frameworks import FRAMEWORKS, Spelling, Substitution
 from cptune.hardware import NCCL_PATHS, builtin_descriptions
 from cptune.space import MAX_SEQ_LENS, MEASURE_COUNTS, check_seconds
 from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
@@ -74,6 +75,20 @@ def table(title: str, caption: str) -> Table:
     and caption as Text: they carry names from users' files, never markup."""
     return Table(title=Text(title, style="table.title"), caption=Text(caption, style="table.caption"),
                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+
+
+def show_framework_choice(
+    console: Console, heading: str, substitution: Substitution, spelling: Spelling
+) -> None:
+    """One length's answer for a framework: what runs and at what cost, its settings as the
+    framework takes them (indented, to copy), the launch line and what the user must also do."""
+    cost = "yellow" if substitution.chosen.config != substitution.pick.config else "bold green"
+    say(console, (heading, "bold"), " ", (substitution.describe(), cost))
+    for line in spelling.code.splitlines():
+        say(console, f"    {line}")
+    say(console, ("  launch:", "dim"), f" {spelling.launch}")
+    for need in spelling.needs:
+        say(console, ("  needs:", "dim"), f" {need}")
 
 
 # --------------------------------------------------------------------------- flag types
@@ -229,6 +244,12 @@ def add_backend(parser: argparse.ArgumentParser) -> None:
     listed = "; ".join(f"{name}: {spec.summary}" for name, spec in ENGINES.items())
     parser.add_argument("--backend", choices=tuple(ENGINES), default=next(iter(ENGINES)),
                         help=f"engine ({listed})")
+
+
+def add_framework_flag(parser: argparse.ArgumentParser, does: str) -> None:
+    """``--for FRAMEWORK``: the command answers in terms of a framework users deploy through."""
+    parser.add_argument("--for", dest="framework", metavar="FRAMEWORK",
+                        help=f"{does} ({', '.join(FRAMEWORKS)}; docs/frameworks.md)")
 
 
 def add_host_backend(parser: argparse.ArgumentParser) -> None:

@@ -16,12 +16,14 @@ from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
     NCCL_PATH_RULE,
+    add_framework_flag,
     add_given_flags,
     add_host_backend,
     add_workload_flags,
     figures_of,
     positive,
     say,
+    show_framework_choice,
     table,
     warn,
     workload_of,
@@ -72,6 +74,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     add_host_backend(rec)
     rec.add_argument("--db", help=DB_HELP)
     rec.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    add_framework_flag(rec, "also the fastest configuration FRAMEWORK can run, its settings as the "
+                            "framework spells them, and what it costs against the pick")
 
 
 def _score_cells(score: GroupScore) -> list[str]:
@@ -138,10 +142,17 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.model import recommend
 
     workload = workload_of(args, args.seq_len)
+    framed = None
+    if args.framework:  # an unknown framework, or an engine no framework runs, before the work
+        from cptune.frameworks import check_engine, for_recommendation, get_framework
+
+        check_engine(get_framework(args.framework), args.backend if args.hardware is None else None)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
                      figures=figures_of(args), nccl_path=args.nccl_path)
+    if args.framework:
+        framed = for_recommendation(pick, args.framework, args.backend if args.hardware is None else None)
     if args.json:
-        print(json.dumps(pick.to_dict(), indent=2))
+        print(json.dumps(pick.to_dict() | ({"for": framed.to_dict()} if framed else {}), indent=2))
         return 0
     ranked = table(f"{workload.describe()}\non {pick.hardware}",
                    "ms per attention call, slowest rank; measured: every clean visit combined, interval "
@@ -196,6 +207,9 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     if (hidden := len(pick.infeasible) - SHOWN_INFEASIBLE) > 0:
         say(console, (f"+ {hidden:,} more configurations cannot run: --json lists each with its reasons",
                       "dim"))
+    if framed is not None:
+        show_framework_choice(console, f"for {framed.framework.name} ({framed.framework.pinned}):",
+                              framed.substitution, framed.spelling)
     return 0
 
 

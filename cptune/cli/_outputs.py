@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -13,12 +14,14 @@ from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
     UsageError,
+    add_framework_flag,
     add_given_flags,
     add_host_backend,
     add_workload_flags,
     figures_of,
     positive,
     say,
+    show_framework_choice,
     table,
     workload_of,
 )
@@ -28,6 +31,9 @@ from cptune.errors import InfeasibleConfigError
 from cptune.feasibility import check_feasible
 from cptune.measurement import format_ms
 from cptune.space import DEMO_SPACE, find_space
+
+if TYPE_CHECKING:
+    from cptune.plans import Plan
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -44,9 +50,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("space", nargs="?",
                         help=f"search space file or built-in name (default {DEMO_SPACE})")
-    export.add_argument("-o", "--output", default="plan.json",
-                        help="plan file to write (default plan.json); a plan already there is replaced, "
-                             "any other file is refused unless --force")
+    export.add_argument("-o", "--output",
+                        help="plan file to write (default plan.json; with --for, none unless named); a plan "
+                             "already there is replaced, any other file is refused unless --force")
     export.add_argument("--force", action="store_true",
                         help="replace the -o file even if it is not a plan cptune export wrote")
     export.add_argument("--hardware", help=HARDWARE_HELP)
@@ -57,6 +63,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--db", help=DB_HELP)
     add_workload_flags(export, lengths=True, with_strategies=True)
     export.set_defaults(ranks=None)  # the search-space reader's rank list: not a flag of export
+    add_framework_flag(export, "print each bucket as FRAMEWORK takes it: the fastest configuration it "
+                               "can run, its settings and launch line, and what that costs against the "
+                               "plan's pick")
+    export.add_argument("--plan", help="with --for: a plan file cptune export wrote, taken as it is "
+                                       "instead of exporting one")
+    export.add_argument("--json", action="store_true", help="with --for: the settings as JSON, for tools")
 
 
     report = commands.add_parser(
@@ -98,15 +110,32 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace, console: Console) -> int:
-    from cptune.plans import check_replaceable
+    from cptune.plans import check_replaceable, load_plan
     from cptune.plans.export import export_plan
 
-    space = find_space(space_of(args))
-    check_replaceable(args.output, args.force)  # before the work, not only at the write
-    plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
-                       strategies=space.strategies, backend=args.backend, figures=figures_of(args),
-                       nccl_path=args.nccl_path)
-    path = plan.write(args.output, force=args.force)
+    if (args.plan or args.json) and not args.framework:
+        raise UsageError(f"{'--plan' if args.plan else '--json'} goes with --for FRAMEWORK: "
+                         f"add --for, or leave it out to write a plan")
+    if args.framework:
+        from cptune.frameworks import check_engine, get_framework
+
+        framework = get_framework(args.framework)  # an unknown one, before the work
+        if args.plan is None and args.hardware is None:
+            check_engine(framework, args.backend)
+    output = args.output or (None if args.framework else "plan.json")
+    if output is not None:
+        check_replaceable(output, args.force)  # before the work, not only at the write
+    if args.plan is not None:
+        plan = load_plan(args.plan, hardware=args.hardware, force=args.hardware is None)
+    else:
+        space = find_space(space_of(args))
+        plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
+                           strategies=space.strategies, backend=args.backend, figures=figures_of(args),
+                           nccl_path=args.nccl_path)
+    if args.framework:
+        return _export_for(args, console, plan, output)
+    assert output is not None
+    path = plan.write(output, force=args.force)
     shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
                    "ms per attention call, slowest rank: the pick's stored measurements combined, "
                    "or predicted (model/prior); the plan lists every measurement compared")
@@ -126,6 +155,28 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
                   f"(Slurm: {' '.join(plan.launch.srun)} <your program>; PyTorch: "
                   f"{' '.join(plan.launch.torchrun)} <your program>)")
     say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")
+    return 0
+
+
+def _export_for(args: argparse.Namespace, console: Console, plan: Plan, output: str | None) -> int:
+    """``export --for``: the plan bucket by bucket as the framework takes it."""
+    from cptune.frameworks import for_framework
+
+    framed = for_framework(plan, args.framework)
+    if output is not None:
+        plan.write(output, force=args.force)
+    if args.json:
+        print(json.dumps(framed.to_dict(), indent=2))
+        return 0
+    framework = framed.framework
+    say(console, (f"{framework.name} ({framework.pinned})", "bold"),
+        f" for {plan.shape.describe()} on {plan.hardware.description}")
+    for entry in framed.buckets:
+        b = entry.bucket
+        show_framework_choice(console, f"seq {b.min_seq_len}-{b.max_seq_len} (tuned at {b.seq_len}):",
+                              entry.substitution, entry.spelling)
+    if output is not None:
+        say(console, f"wrote the plan to {output}")
     return 0
 
 

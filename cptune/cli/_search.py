@@ -19,6 +19,7 @@ from cptune.cli._common import (
     SHARE_DB_HELP,
     UsageError,
     add_backend,
+    add_framework_flag,
     add_workload_flags,
     count,
     non_negative,
@@ -101,6 +102,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     search.add_argument("--seed", type=non_negative,
                         help="seed of the rounds' random order, to repeat a search's order (default: fresh)")
     add_workload_flags(search, lengths=True, with_strategies=True)
+    add_framework_flag(search, "measure only the configurations FRAMEWORK can run (with --backend torch)")
 
 
 def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
@@ -330,7 +332,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             timeout=args.timeout, rounds=args.rounds, race_rounds=args.race_rounds,
             confirm_rounds=args.confirm_rounds, order=args.order, remeasure=args.remeasure,
             oversubscribe=args.oversubscribe, calibrate_first=not args.no_calibrate, seed=args.seed,
-            share=args.share_db,
+            share=args.share_db, framework=args.framework,
             progress=shown,  # type: ignore[arg-type]  # a SearchProgress by shape
         )
     finally:

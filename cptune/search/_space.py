@@ -14,7 +14,7 @@ line draws it live.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from cptune.errors import CPTuneError
 from cptune.estimate import Verdict
 from cptune.execute import rank_memory_limit
 from cptune.feasibility import enumerate_configs, feasibility
+from cptune.frameworks import FrameworkError, check_engine, get_framework
 from cptune.guard import enabled as guard_enabled
 from cptune.guard import patience_s
 from cptune.hardware import Hardware
@@ -185,6 +186,7 @@ def search_space(
     seed: int | None = None,
     progress: SearchProgress | None = None,
     share: bool = False,
+    framework: str | None = None,
 ) -> SpaceSearch:
     """Search every sequence length of ``space`` (a ``SearchSpace``, a TOML file or a
     built-in name) on this machine and keep every result in ``db`` (a path or SQLAlchemy
@@ -200,7 +202,9 @@ def search_space(
     anything runs for what cannot run here (an untimed or unavailable backend, a space with
     nothing feasible, more ranks than cores without ``oversubscribe``, a database that cannot
     be written). While another process measures on this host (``cptune.hostlock``), waits
-    for it before the first run (not at all when every result is stored already)."""
+    for it before the first run (not at all when every result is stored already).
+    ``framework`` (a name of ``cptune.frameworks.FRAMEWORKS``): only the configurations that
+    framework can run are measured."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs, not at the first run
     patience_s()  # ... and a bad CPTUNE_GUARD_PATIENCE
     if order not in ORDERS:
@@ -214,6 +218,7 @@ def search_space(
     counts = space.rank_counts(available)
     memory_limit = rank_memory_limit(engine)
     check_runnable(space, available, space.origin, memory_limit)
+    runs = _framework_filter(framework, engine.name, space, max(counts))
     engine.preflight(max(counts))
     hardware = engine.hardware()
     told = progress or SearchProgress()
@@ -236,7 +241,8 @@ def search_space(
         pending = []  # searches whose winner a second sitting confirms
         for workload in space.workloads():
             configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
-                       if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))]
+                       if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))
+                       and runs(workload, c)]
             if run.node is not None:
                 configs = _allowed(run, workload, configs, told)
                 if not configs:
@@ -255,6 +261,26 @@ def search_space(
         for search in pending:
             _sitting(run, search, second=True, told=told)
     return run
+
+
+def _framework_filter(
+    name: str | None, engine: str, space: SearchSpace, max_ranks: int
+) -> Callable[[Workload, CPConfig], bool]:
+    """Whether framework ``name`` runs a configuration (every one when None); ``FrameworkError``
+    before anything runs for an engine whose ranks do not stand for the framework's, or a
+    length of ``space`` where it runs none of its configurations."""
+    if name is None:
+        return lambda workload, config: True
+    framework = get_framework(name)
+    check_engine(framework, engine)
+    for workload in space.workloads():
+        configs = enumerate_configs(workload, max_ranks, space.strategies)
+        if configs and all(framework.refusal(workload.shape, c) for c in configs):
+            reason = framework.refusal(workload.shape, configs[-1])
+            raise FrameworkError(f"{framework.name} runs none of the {len(configs)} configuration(s) of "
+                                 f"{workload.describe()} in this space ({configs[-1].describe()}: "
+                                 f"{reason}): search without --for, or for another framework")
+    return lambda workload, config: framework.refusal(workload.shape, config) is None
 
 
 @contextmanager

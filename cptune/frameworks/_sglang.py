@@ -1,0 +1,43 @@
+"""SGLang diffusion (sglang 0.5.23): ``--sp-degree``, ``--ulysses-degree``, ``--ring-degree``
+and ``--kv-gather-degree`` (sglang/multimodal_gen/runtime/server_args/server_args.py).
+K/V-gather is AllGather-KV over the whole sequence-parallel group: non-causal, never with
+Ulysses or Ring, its degree the sp degree. Ring needs the fa or sage_attn backend. Groups:
+Ulysses ``sp_ranks[i*u:(i+1)*u]``, Ring ``sp_ranks[i::u]`` (consecutive Ulysses, as in cptune).
+"""
+
+from __future__ import annotations
+
+from cptune.config import CPConfig
+from cptune.frameworks._framework import Framework, Spelling, flags, heads_refusal
+from cptune.workload import AttentionShape
+
+_FLAGS = {"num_gpus": "--num-gpus", "sp_degree": "--sp-degree", "ulysses_degree": "--ulysses-degree",
+          "ring_degree": "--ring-degree", "kv_gather_degree": "--kv-gather-degree",
+          "attention_backend": "--attention-backend"}
+
+
+class SGLang(Framework):
+    name = "sglang"
+    pinned = "sglang 0.5.23"
+    form = "flags"
+
+    def context_refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
+        if config.strategy == "allgather_kv" and config.context_degree > 1:
+            if config.head_group > 1:
+                return "SGLang's --kv-gather-degree does not compose with --ulysses-degree or --ring-degree"
+            if shape.causal:
+                return "SGLang's K/V-gather does not support causal attention"
+            return None
+        return heads_refusal(shape, config.head_group, "SGLang")
+
+    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+        n = config.ranks
+        settings: dict[str, object] = {"num_gpus": n, "sp_degree": n}
+        if config.strategy == "allgather_kv":
+            settings["kv_gather_degree"] = n
+        else:  # both degrees named: --sp-degree 2 alone picks K/V-gather
+            settings.update(ulysses_degree=config.head_group, ring_degree=config.context_degree)
+            if config.context_degree > 1:
+                settings["attention_backend"] = "fa"
+        line = flags(settings, _FLAGS)
+        return Spelling(settings, line, f"sglang generate --model-path <model> {line}")

@@ -1,0 +1,28 @@
+"""vLLM-Omni 0.20.0: ``DiffusionParallelConfig(ulysses_degree, ring_degree)``, on the command
+line ``--ulysses-degree`` and ``--ring-degree`` (vllm_omni/diffusion/data.py,
+vllm_omni/entrypoints/cli/serve.py). It has no AllGather-KV. Groups: Ulysses
+``group_ranks[i*u:(i+1)*u]``, Ring ``group_ranks[i::u]`` (consecutive Ulysses, as in cptune).
+"""
+
+from __future__ import annotations
+
+from cptune.config import CPConfig
+from cptune.frameworks._framework import Framework, Spelling, flags
+from cptune.frameworks._yunchang import usp_refusal
+from cptune.workload import AttentionShape
+
+_FLAGS = {"ulysses_degree": "--ulysses-degree", "ring_degree": "--ring-degree"}
+
+
+class VLLMOmni(Framework):
+    name = "vllm-omni"
+    pinned = "vllm-omni 0.20.0"
+    form = "flags"
+
+    def context_refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
+        return usp_refusal("vLLM-Omni", shape, config)
+
+    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+        settings = {"ulysses_degree": config.head_group, "ring_degree": config.context_degree}
+        line = flags(settings, _FLAGS)
+        return Spelling(settings, line, f"vllm serve <model> --omni {line}")

@@ -1,0 +1,33 @@
+"""xDiT (xfuser 0.7.0): ``--ulysses_degree``, ``--ring_degree`` (xfuser/config/args.py), run by
+yunchang's ``set_seq_parallel_pg`` with ``use_ulysses_low=True`` (xfuser/core/distributed/
+parallel_state.py): Ulysses groups on consecutive ranks while tensor parallelism is 1. Its
+attention processors run non-causal attention and its ring is yunchang's "basic" one.
+"""
+
+from __future__ import annotations
+
+from cptune.config import CPConfig
+from cptune.frameworks._framework import Framework, Spelling, flags
+from cptune.frameworks._yunchang import usp_refusal
+from cptune.workload import AttentionShape
+
+_FLAGS = {"ulysses_degree": "--ulysses_degree", "ring_degree": "--ring_degree"}
+
+
+class XDiT(Framework):
+    name = "xdit"
+    pinned = "xfuser 0.7.0"
+    form = "flags"
+
+    def context_refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
+        if shape.causal:
+            return ("xDiT runs diffusion transformers' non-causal attention (is_causal=False) with "
+                    "yunchang's basic ring; for causal attention use yunchang's zigzag ring directly")
+        return usp_refusal("xDiT", shape, config)
+
+    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+        settings = {"ulysses_degree": config.head_group, "ring_degree": config.context_degree}
+        line = flags(settings, _FLAGS)
+        return Spelling(settings, line, f"torchrun --nproc_per_node={config.ranks} <your xDiT script> {line}",
+                        ("--tensor_parallel_degree 1, and data, CFG and PipeFusion degrees of 1 on these "
+                         "ranks (xfuser passes yunchang contiguous sequence-parallel blocks)",))

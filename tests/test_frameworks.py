@@ -1,0 +1,410 @@
+"""cptune export / recommend / search --for: what each framework can run, how its settings are
+spelled (checked against the real package where it installs here, and against its released
+source elsewhere: tests/framework_sources/), which ranks its own rule groups (against
+cptune.layout), and what a substitution costs."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import TESTS, assert_refused, torchrun_summary
+from cptune.config import STRATEGIES, CPConfig
+from cptune.feasibility import enumerate_configs
+from cptune.frameworks import FRAMEWORKS, FrameworkError, choose, for_framework, get_framework
+from cptune.layout import rank_groups
+from cptune.plans import Alternative, Bucket, Plan, load_plan
+from cptune.plans.export import export_plan
+from cptune.workload import AttentionShape
+
+#: FLUX.1-dev's joint attention at 1024x1024 (24 heads x 128, 4096 image + 512 text tokens
+#: = 4,608; 16,896 at 2048x2048) and a Llama-3.1-8B prefill (32 query / 8 KV heads x 128, causal).
+FLUX = AttentionShape(heads=24, kv_heads=24, head_dim=128, batch=1, dtype="bf16", causal=False)
+LLAMA = AttentionShape(heads=32, kv_heads=8, head_dim=128, batch=1, dtype="bf16", causal=True)
+ODD = AttentionShape(heads=6, kv_heads=3, head_dim=64, batch=1, dtype="bf16", causal=False)
+SHAPES = {"flux": FLUX, "llama": LLAMA, "odd": ODD}
+SOURCES = TESTS / "framework_sources"
+
+
+def configs(shape: AttentionShape, max_ranks: int = 8) -> list[CPConfig]:
+    """Every configuration cptune can run for ``shape`` on 2..``max_ranks`` ranks."""
+    return [c for c in enumerate_configs(shape.at(16896), max_ranks, STRATEGIES) if c.ranks > 1]
+
+
+# --------------------------------------------------------------------------- limits
+
+
+#: What each framework cannot run (from its source: docs/frameworks.md), as a rule over
+#: (shape, config), written apart from cptune.frameworks.
+def _no_allgather(c: CPConfig) -> bool:
+    return c.strategy == "allgather_kv" and c.context_degree > 1
+
+
+def _ulysses_allgather(c: CPConfig) -> bool:
+    return c.strategy == "allgather_kv" and c.head_group > 1
+
+
+def _kv_unsplit(s: AttentionShape, c: CPConfig) -> bool:
+    return s.kv_heads % c.head_group > 0
+
+
+CANNOT = {
+    "diffusers": lambda s, c: s.causal or s.kv_heads != s.heads
+    or (c.strategy == "ring" and c.context_degree > 1),
+    "xdit": lambda s, c: s.causal or _no_allgather(c) or _kv_unsplit(s, c),
+    "yunchang": lambda s, c: _no_allgather(c) or _kv_unsplit(s, c),
+    "sglang": lambda s, c: (_no_allgather(c) and (c.head_group > 1 or s.causal))
+    or (c.strategy != "allgather_kv" and _kv_unsplit(s, c)),
+    "vllm-omni": lambda s, c: _no_allgather(c) or _kv_unsplit(s, c),
+    "transformer-engine": lambda s, c: _ulysses_allgather(c) or _kv_unsplit(s, c),
+    "megatron": lambda s, c: _ulysses_allgather(c) or _kv_unsplit(s, c),
+}
+
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
+def test_a_configuration_a_framework_cannot_run_is_never_spelled(name, shape):
+    framework = get_framework(name)
+    for config in configs(shape):
+        reason = framework.refusal(shape, config)
+        assert (reason is not None) == CANNOT[name](shape, config), (config.label, reason)
+        if reason:
+            with pytest.raises(FrameworkError, match=re.escape(reason)):
+                framework.spell(shape, config)
+        else:
+            assert framework.spell(shape, config).settings
+    assert framework.refusal(shape, CPConfig("ring", 1)) is None  # one rank: plain attention anywhere
+
+
+def test_the_limits_the_issue_names():
+    flux, llama = FLUX, LLAMA
+    assert "AllGather-KV, not Ring" in FRAMEWORKS["diffusers"].refusal(flux, CPConfig("ring", 8))
+    assert FRAMEWORKS["diffusers"].refusal(flux, CPConfig("allgather_kv", 8)) is None  # its ring_degree
+    assert "causal" in FRAMEWORKS["diffusers"].refusal(llama, CPConfig("ulysses", 8))
+    assert "causal" in FRAMEWORKS["sglang"].refusal(llama, CPConfig("allgather_kv", 8))
+    assert "does not compose" in FRAMEWORKS["sglang"].refusal(flux, CPConfig("allgather_kv", 8, 2))
+    assert FRAMEWORKS["sglang"].spell(flux, CPConfig("allgather_kv", 8)).settings["kv_gather_degree"] == 8
+    assert "no AllGather-KV" in FRAMEWORKS["vllm-omni"].refusal(flux, CPConfig("allgather_kv", 8))
+    assert "no Ulysses x AllGather-KV" in FRAMEWORKS["megatron"].refusal(llama,
+                                                                         CPConfig("allgather_kv", 8, 2))
+
+
+# --------------------------------------------------------------------------- rank order
+
+
+def _consecutive_ulysses(u: int, c: int, world: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """yunchang's set_seq_parallel_pg with use_ulysses_low=True (yunchang/globals.py), which
+    xDiT calls as it is, and SGLang's and vLLM-Omni's own copies (over their SP group's ranks):
+    Ulysses ``range(i*u, (i+1)*u)``, ring ``range(i, sp, u)``."""
+    return [world[i * u:(i + 1) * u] for i in range(c)], [world[i::u] for i in range(u)]
+
+
+def _diffusers_mesh(u: int, c: int, world: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """diffusers' mesh: init_device_mesh(mesh_shape=(ring, ulysses)), row-major."""
+    grid = [world[i * u:(i + 1) * u] for i in range(c)]
+    return grid, [list(column) for column in zip(*grid, strict=True)]
+
+
+def _te_cp_global_ranks(u: int, c: int, world: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """TransformerEngine's a2a+p2p: ``cp_global_ranks[p2p_rank * a2a_size + a2a_rank]``
+    (context_parallel.py)."""
+    return ([[world[p * u + a] for a in range(u)] for p in range(c)],
+            [[world[p * u + a] for p in range(c)] for a in range(u)])
+
+
+def _megatron_hierarchy(u: int, c: int, world: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Megatron's create_hierarchical_groups with sizes [u, c]: level k is
+    ``rearrange(ranks, "(l s u) -> (l u) s", u=prod(sizes[:k]), s=sizes[k], l=prod(sizes[k+1:]))``."""
+    def level(inner: int, size: int, outer: int) -> list[list[int]]:
+        return [[world[(ol * size + s) * inner + ui] for s in range(size)]
+                for ol in range(outer) for ui in range(inner)]
+    return level(1, u, c), level(u, c, 1)
+
+
+RULES = {"diffusers": _diffusers_mesh, "xdit": _consecutive_ulysses, "yunchang": _consecutive_ulysses,
+         "sglang": _consecutive_ulysses, "vllm-omni": _consecutive_ulysses,
+         "transformer-engine": _te_cp_global_ranks, "megatron": _megatron_hierarchy}
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_each_framework_groups_the_ranks_cptune_measured(name):
+    """Each framework's own rule, with the degrees its export names, puts on the same ranks
+    the head groups and context groups cptune's layout measured (world = the ranks 0..n-1)."""
+    checked = 0
+    for shape in (FLUX, LLAMA):
+        for config in configs(shape):
+            if get_framework(name).refusal(shape, config):
+                continue
+            world = list(range(config.ranks))
+            ulysses, context = RULES[name](config.head_group, config.context_degree, world)
+            heads, across = rank_groups(config)
+            assert sorted(map(tuple, ulysses)) == sorted(heads)
+            assert sorted(map(tuple, context)) == sorted(across)
+            checked += 1
+    assert checked >= 10
+
+
+# --------------------------------------------------------------------------- names against the source
+
+
+def _source(name: str) -> str:
+    return (SOURCES / f"{name}.txt").read_text(encoding="utf-8")
+
+
+def _flags(line: str) -> list[str]:
+    return re.findall(r"--[a-z_-]+", line)
+
+
+@pytest.mark.parametrize("name, defines", [
+    ("xdit", lambda flag, text: f'"{flag}",' in text),
+    ("sglang", lambda flag, text: f'"{flag}",' in text),
+    ("vllm-omni", lambda flag, text: f'"{flag}",' in text),
+    # Megatron's --context-parallel-size and --hierarchical-...: "--" + field.replace("_", "-")
+    # of ModelParallelConfig's fields (argument_utils.py); --cp-comm-type: its own add_argument
+    ("megatron", lambda flag, text: f"'{flag}'" in text or f"    {flag[2:].replace('-', '_')}: " in text),
+])
+def test_every_flag_a_framework_export_spells_is_defined_in_its_released_source(name, defines):
+    text = _source(name)
+    shapes = [FLUX] if name in ("xdit", "sglang", "vllm-omni") else [FLUX, LLAMA]
+    spelled = set()
+    for shape in shapes:
+        for config in configs(shape):
+            if get_framework(name).refusal(shape, config) is None:
+                spelled |= set(_flags(get_framework(name).spell(shape, config).code))
+    assert spelled and all(defines(flag, text) for flag in spelled), spelled
+    if name == "sglang":  # the backend its ring needs is one it names
+        assert '"fa"' in text.split("RING_CAPABLE_ATTENTION_BACKENDS")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("name", ["transformer-engine", "megatron"])
+def test_every_comm_type_spelled_is_one_transformer_engine_takes(name):
+    te = _source("transformer-engine")
+    taken = set(re.findall(r'``"([a-z_+0-9]+)"``', te.split("cp_comm_type : str")[1]))
+    assert taken == {"p2p", "all_gather", "a2a", "a2a+p2p"}
+    for word in ("num_attention_heads", "kv_channels", "num_gqa_groups", "attn_mask_type", "cp_global_ranks",
+                 "cp_stream"):
+        assert f"{word}:" in te
+    spelled = {FRAMEWORKS[name].spell(LLAMA, c).settings["cp_comm_type"]
+               for c in configs(LLAMA) if FRAMEWORKS[name].refusal(LLAMA, c) is None}
+    assert spelled == taken
+
+
+# --------------------------------------------------------------------------- choice and cost
+
+
+def _ranked(*entries: tuple[CPConfig, float]) -> list[Alternative]:
+    return [Alternative(config, ms, (ms * 0.9, ms * 1.1), "prior") for config, ms in entries]
+
+
+def test_a_substitution_states_its_cost_and_whether_it_is_inside_the_tie():
+    ranked = _ranked((CPConfig("allgather_kv", 8), 1.0), (CPConfig("ulysses", 8), 1.05),
+                     (CPConfig("ring", 8), 1.5))
+    kept = choose(FRAMEWORKS["diffusers"], FLUX, 4608, ranked)
+    assert kept.chosen.config == CPConfig("allgather_kv", 8) and kept.cost_pct == 0 and kept.within_tie
+    assert kept.describe().endswith("cptune's pick")
+    tied = choose(FRAMEWORKS["xdit"], FLUX, 4608, ranked, tied=[CPConfig("ulysses", 8)])
+    assert tied.chosen.config == CPConfig("ulysses", 8) and tied.within_tie
+    assert tied.cost_pct == pytest.approx(5.0)
+    assert "+5.0%" in tied.describe() and "within the tie" in tied.describe()
+    assert tied.passed_over[0][0] == CPConfig("allgather_kv", 8)
+    apart = choose(FRAMEWORKS["xdit"], FLUX, 4608, ranked)
+    assert not apart.within_tie and "outside the tie" in apart.describe()
+
+
+def test_a_length_a_framework_can_express_nothing_of_names_the_frameworks_that_can():
+    ranked = _ranked((CPConfig("ulysses", 8), 1.0), (CPConfig("ring", 8), 1.2))
+    with pytest.raises(FrameworkError, match=r"diffusers runs none of the 2 configuration\(s\).*causal.*"
+                                             r"yunchang.*transformer-engine.*megatron run cptune's pick"):
+        choose(FRAMEWORKS["diffusers"], LLAMA, 131072, ranked)
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_exports_for_flux_and_llama_on_h100_take_the_fastest_configuration_each_framework_runs(name):
+    framework = get_framework(name)
+    for shape, lengths in ((FLUX, (4608, 16896)), (LLAMA, (32768, 131072))):
+        plan = export_plan([shape.at(n) for n in lengths], hardware="h100-sxm-8")
+        framed = for_framework(plan, name)
+        if all(framework.refusal(shape, c) for c in configs(shape)):  # one rank, plain attention
+            assert all(b.substitution.chosen.config.ranks == 1 and b.substitution.cost_pct > 100
+                       for b in framed.buckets)
+            on_eight = export_plan([shape.at(n) for n in lengths], ranks=8, hardware="h100-sxm-8")
+            with pytest.raises(FrameworkError, match="runs none of"):
+                for_framework(on_eight, name)
+        for entry, bucket in zip(framed.buckets, plan.buckets, strict=True):
+            chosen = entry.substitution.chosen
+            assert framework.refusal(shape, chosen.config) is None
+            faster = [bucket.config, *(a.config for a in bucket.alternatives)]
+            faster = faster[:faster.index(chosen.config)]
+            assert all(framework.refusal(shape, c) for c in faster)  # nothing faster it could run
+            assert entry.substitution.cost_pct >= 0
+            assert entry.substitution.within_tie == (chosen.config in (bucket.config, *bucket.tied))
+        assert json.loads(json.dumps(framed.to_dict()))["framework"] == name
+
+
+def test_a_plan_file_keeps_its_ranking_so_a_framework_reads_the_same_choice_from_it(tmp_path):
+    plan = export_plan([FLUX.at(4608), FLUX.at(16896)], hardware="h100-sxm-8")
+    assert all(b.alternatives for b in plan.buckets)
+    path = plan.write(tmp_path / "plan.json")
+    loaded = load_plan(path, hardware="h100-sxm-8")
+    assert loaded.buckets == plan.buckets
+    for name in FRAMEWORKS:
+        assert for_framework(loaded, name).to_dict() == for_framework(plan, name).to_dict()
+    older = Plan(plan.hardware, plan.shape,
+                 tuple(Bucket(b.min_seq_len, b.max_seq_len, b.seq_len, b.config, b.latency_ms, b.interval_ms,
+                              b.source, b.measurement_ids, b.tied) for b in plan.buckets),
+                 plan.launch, plan.cptune_version, plan.created_at)
+    kept = for_framework(older, "transformer-engine").buckets[0].substitution.chosen
+    assert kept.config == plan.buckets[0].config
+
+
+def test_a_plan_measured_by_an_engine_a_framework_does_not_run_is_refused():
+    plan = export_plan([FLUX.at(4608)], hardware="h100-sxm-8")
+    host = Plan(type(plan.hardware)("0123456789abcdef", "a host", "host", None, "mpi"), plan.shape,
+                plan.buckets, plan.launch, plan.cptune_version, plan.created_at)
+    with pytest.raises(FrameworkError, match="mpi engine.*--backend torch"):
+        for_framework(host, "yunchang")
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+H100_FLUX = ["--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128"]
+
+
+def test_export_for_prints_settings_or_json_and_writes_no_plan_unless_asked(cptune_here, tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shown = cptune_here("export", *H100_FLUX, "--seq-lens", "4608,16896", "--for", "xdit")
+    assert shown.returncode == 0, shown.stderr
+    assert "xdit (xfuser 0.7.0)" in shown.stdout and "--ulysses_degree" in shown.stdout
+    assert "torchrun --nproc_per_node=8" in shown.stdout and not (tmp_path / "plan.json").exists()
+    data = json.loads(cptune_here("export", *H100_FLUX, "--seq-lens", "4608,16896", "--for", "diffusers",
+                                  "--json", "-o", "p.json").stdout)
+    assert [b["settings"]["ulysses_degree"] * b["settings"]["ring_degree"] for b in data["buckets"]] == [8, 8]
+    assert (tmp_path / "p.json").exists()
+    again = cptune_here("export", "--plan", "p.json", "--for", "megatron", "--json")
+    assert json.loads(again.stdout)["buckets"][0]["settings"]["context_parallel_size"] == 8
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["export", *H100_FLUX, "--seq-lens", "4608", "--for", "deepspeed"], ["unknown framework 'deepspeed'",
+                                                                          "diffusers, xdit"]),
+    (["export", *H100_FLUX, "--seq-lens", "4608", "--json"], ["--json goes with --for"]),
+    (["export", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--for", "yunchang"],
+     ["mpi engine", "--backend torch"]),
+    (["export", "--hardware", "h100-sxm-8", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
+      "--causal",
+      "--seq-lens", "131072", "--ranks", "8", "--for", "diffusers"], ["diffusers runs none", "yunchang"]),
+    (["recommend", *H100_FLUX, "--seq-len", "4608", "--for", "nope"], ["unknown framework 'nope'"]),
+    (["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--for", "xdit", "--no-calibrate"],
+     ["mpi engine", "--backend torch"]),
+])
+def test_bad_framework_input_is_one_line_and_exit_2(cptune_here, tmp_path, monkeypatch, args, fragments):
+    monkeypatch.chdir(tmp_path)
+    assert_refused(cptune_here(*args), *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recommend_for_a_framework_adds_its_choice(cptune_here):
+    shown = cptune_here("recommend", *H100_FLUX, "--seq-len", "4608", "--for", "vllm-omni")
+    assert shown.returncode == 0, shown.stderr
+    assert "for vllm-omni (vllm-omni 0.20.0):" in shown.stdout and "vllm serve <model> --omni" in shown.stdout
+    data = json.loads(cptune_here("recommend", *H100_FLUX, "--seq-len", "4608", "--for", "vllm-omni",
+                                  "--json").stdout)
+    assert data["for"]["framework"] == "vllm-omni" and data["for"]["config"]["strategy"] != "allgather_kv"
+
+
+# --------------------------------------------------------------------------- the real packages
+
+
+@pytest.mark.slow
+def test_the_exported_settings_build_real_groups_on_gloo_ranks_where_cptune_measured_them(tmp_path):
+    """diffusers' ContextParallelConfig and yunchang's set_seq_parallel_pg, fed the settings
+    the export emits for every configuration each runs on 4 ranks, form their groups on 4
+    gloo ranks with their own code: the same ranks as cptune's layout."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("yunchang")
+    emitted: dict[str, list[dict]] = {}
+    expected: dict[str, list[list[list[tuple[int, ...]]]]] = {}
+    for name in ("diffusers", "yunchang"):
+        runnable = [c for c in configs(FLUX, 4) if c.ranks == 4 and FRAMEWORKS[name].refusal(FLUX, c) is None]
+        emitted[name] = [dict(FRAMEWORKS[name].spell(FLUX, c).settings) for c in runnable]
+        expected[name] = [[sorted(group) for group in rank_groups(c)] for c in runnable]
+    assert len(emitted["diffusers"]) == 3 and len(emitted["yunchang"]) == 3
+    for settings in emitted["yunchang"]:
+        del settings["ring_impl_type"]  # LongContextAttention's, not the groups'
+    spec = tmp_path / "settings.json"
+    spec.write_text(json.dumps(emitted))
+    formed = torchrun_summary(4, TESTS / "framework_ranks.py", str(spec))
+    for name in emitted:
+        got = [[[tuple(g) for g in groups] for groups in config] for config in formed[name]]
+        assert got == expected[name]
+
+
+def _package_takes(name: str, settings: dict, ranks: int) -> None:
+    """Raise unless the real package takes ``settings`` as the export spells them."""
+    if name == "diffusers":
+        from diffusers import ContextParallelConfig
+
+        ContextParallelConfig(**settings)
+    else:
+        import inspect
+
+        from yunchang import LongContextAttention, set_seq_parallel_pg
+        from yunchang.hybrid.utils import RING_IMPL_DICT
+
+        groups = {k: v for k, v in settings.items() if k != "ring_impl_type"}
+        inspect.signature(set_seq_parallel_pg).bind(**groups, rank=0, world_size=ranks)
+        inspect.signature(LongContextAttention).bind(ring_impl_type=settings["ring_impl_type"])
+        assert settings["ring_impl_type"] in RING_IMPL_DICT
+
+
+@pytest.mark.parametrize("name", ["diffusers", "yunchang"])
+def test_the_real_packages_take_the_settings_exported_for_flux_and_llama_on_h100(name):
+    pytest.importorskip(name)
+    taken = 0
+    for shape, lengths in ((FLUX, (4608, 16896)), (LLAMA, (32768, 131072))):
+        framed = for_framework(export_plan([shape.at(n) for n in lengths], hardware="h100-sxm-8"), name)
+        for entry in framed.buckets:
+            if entry.substitution.chosen.config.ranks > 1:
+                _package_takes(name, dict(entry.spelling.settings), entry.substitution.chosen.config.ranks)
+                taken += 1
+    assert taken >= 2
+
+
+def test_diffusers_takes_every_configuration_the_export_spells_for_it():
+    diffusers = pytest.importorskip("diffusers")
+    for config in configs(FLUX):
+        if FRAMEWORKS["diffusers"].refusal(FLUX, config) is None:
+            settings = FRAMEWORKS["diffusers"].spell(FLUX, config).settings
+            built = diffusers.ContextParallelConfig(**settings)
+            assert built.mesh_shape == (config.context_degree, config.head_group)
+            assert built.mesh_dim_names == ("ring", "ulysses")
+
+
+def _doc_rows(hardware: str) -> list[str]:
+    """docs/frameworks.md's table of FLUX.1-dev's export for every framework on ``hardware``."""
+    plan = export_plan([FLUX.at(4608), FLUX.at(16896)], hardware=hardware)
+    rows = []
+    for name, framework in FRAMEWORKS.items():
+        for entry in for_framework(plan, name).buckets:
+            s, b = entry.substitution, entry.bucket
+            shown = entry.spelling.code if framework.form == "flags" else ", ".join(
+                f"{k}={v!r}" for k, v in entry.spelling.settings.items() if k != "cp_group")
+            cost = "cptune's pick" if s.chosen.config == s.pick.config else (
+                f"{s.cost_pct:+.1f}% vs {s.pick.config.label} "
+                f"({'within' if s.within_tie else 'outside'} the tie)")
+            rows.append(f"| {name} | {b.min_seq_len}-{b.max_seq_len} | {s.chosen.config.label} on "
+                        f"{s.chosen.config.ranks} | `{shown}` | {cost} |")
+    return rows
+
+
+@pytest.mark.parametrize("hardware", ["h100-sxm-8", "l20-pcie-8"])
+def test_the_docs_show_flux_exports_for_every_framework_as_the_code_gives_them(hardware):
+    docs = (Path(__file__).parents[1] / "docs" / "frameworks.md").read_text(encoding="utf-8")
+    table = docs.split(f"\n{hardware}:\n")[1].strip().split("\n\n")[0].splitlines()[2:]
+    assert table == _doc_rows(hardware)
+    for name in FRAMEWORKS:
+        assert f"\n## {name}\n" in docs
