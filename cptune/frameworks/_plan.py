@@ -28,15 +28,8 @@ class FrameworkBucket:
     spelling: Spelling
 
     def to_dict(self) -> dict[str, Any]:
-        chosen = self.substitution.chosen
-        return {
-            "min_seq_len": self.bucket.min_seq_len, "max_seq_len": self.bucket.max_seq_len,
-            "seq_len": self.bucket.seq_len, "config": chosen.config.to_dict(), "label": chosen.config.label,
-            "latency_ms": chosen.latency_ms, "interval_ms": list(chosen.interval_ms), "source": chosen.source,
-            "settings": dict(self.spelling.settings), "code": self.spelling.code,
-            "launch": self.spelling.launch, "needs": list(self.spelling.needs),
-            **self.substitution.to_dict(),
-        }
+        return {"min_seq_len": self.bucket.min_seq_len, "max_seq_len": self.bucket.max_seq_len,
+                "seq_len": self.bucket.seq_len, **_answer(self.substitution, self.spelling)}
 
 
 @dataclass(frozen=True)
@@ -64,14 +57,20 @@ class FrameworkPick:
     spelling: Spelling
 
     def to_dict(self) -> dict[str, Any]:
-        chosen = self.substitution.chosen
-        return {
-            "framework": self.framework.name, "pinned": self.framework.pinned,
-            "config": chosen.config.to_dict(), "label": chosen.config.label, "latency_ms": chosen.latency_ms,
-            "interval_ms": list(chosen.interval_ms), "source": chosen.source,
-            "settings": dict(self.spelling.settings), "code": self.spelling.code,
-            "launch": self.spelling.launch, "needs": list(self.spelling.needs), **self.substitution.to_dict(),
-        }
+        return {"framework": self.framework.name, "pinned": self.framework.pinned,
+                **_answer(self.substitution, self.spelling)}
+
+
+def _answer(substitution: Substitution, spelling: Spelling) -> dict[str, Any]:
+    """What runs (its configuration, latency, interval and source), spelled the framework's
+    way, and what it costs against cptune's pick: one length's answer as JSON data."""
+    chosen = substitution.chosen
+    return {
+        "config": chosen.config.to_dict(), "label": chosen.config.label, "latency_ms": chosen.latency_ms,
+        "interval_ms": list(chosen.interval_ms), "source": chosen.source,
+        "settings": dict(spelling.settings), "code": spelling.code, "launch": spelling.launch,
+        "needs": list(spelling.needs), **substitution.to_dict(),
+    }
 
 
 def check_engine(framework: Framework, engine: str | None, where: str = "this host") -> None:
