@@ -43,6 +43,23 @@ def test_migrations_build_exactly_the_models(store):
         assert context.get_current_revision() is not None
 
 
+def test_the_head_revision_a_store_opens_without_alembic_is_alembics_head(store):
+    """``HEAD_REVISION`` (a database at it opens without loading Alembic) is the head of the
+    migrations that ship, and what a new database is migrated to."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from cptune._shipped import shipped
+    from cptune.store._store import HEAD_REVISION
+
+    config = Config()
+    config.set_main_option("script_location", str(shipped("cptune.db")))
+    assert ScriptDirectory.from_config(config).get_current_head() == HEAD_REVISION
+    with store.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        assert context.get_current_revision() == HEAD_REVISION
+
+
 def test_sqlite_runs_in_wal_mode(store):
     with store.engine.connect() as connection:
         assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
