@@ -69,9 +69,24 @@ def test_bad_input_is_one_line(cptune_here, no_database, tmp_path, name, fragmen
 
 
 @pytest.mark.slow
-def test_calibrate_then_recommend_from_the_prior(tmp_path, monkeypatch):
-    """The suite's one calibration of the real shapes and messages (the others time small ones)."""
+def test_the_shipped_attention_shapes_and_steps_calibrate_on_a_rank(tmp_path, monkeypatch):
+    """The suite's one calibration of the shapes cptune ships (up to 34 GFLOP a call; the others
+    time small ones: conftest), on one rank: every shape and step timed and stored."""
     monkeypatch.delenv(QUICK_CALIBRATION)
+    db = str(tmp_path / "cal.db")
+    result = cptune("calibrate", "--max-ranks", "1", "--repeats", "1", "--rounds", "1", "--db", db)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with Store(db) as store:
+        calibration = store.calibration(this_host().fingerprint)
+    assert calibration is not None and calibration.collectives == ()
+    shapes = {(r.seq_q, r.seq_k, r.head_dim, r.causal) for r in calibration.compute}
+    assert shapes == {(q, 4 * q, d, causal)
+                      for q in (512, 1024, 2048) for d in (64, 128) for causal in (False, True)}
+    assert all(r.ranks == 1 and r.seconds > 0 for r in calibration.compute) and len(calibration.steps) == 3
+
+
+@pytest.mark.slow
+def test_calibrate_then_recommend_from_the_prior(tmp_path):
     db = str(tmp_path / "cal.db")
     result = cptune("calibrate", "--max-ranks", "2", "--repeats", "1", "--rounds", "1", "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr

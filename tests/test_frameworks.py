@@ -307,6 +307,14 @@ def test_bad_framework_input_is_one_line_and_exit_2(cptune_here, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plan_for_other_hardware_is_refused_with_the_way_to_use_it(cptune_here, tmp_path):
+    plan = export_plan([FLUX.at(4608)], hardware="h100-sxm-8").write(tmp_path / "plan.json")
+    before = plan.read_bytes()
+    assert_refused(cptune_here("export", "--plan", plan, "--hardware", "l20-pcie-8", "--for", "xdit"),
+                   "was tuned for", "h100-sxm-8", "export a plan for it")
+    assert plan.read_bytes() == before and list(tmp_path.iterdir()) == [plan]
+
+
 def test_recommend_for_a_framework_adds_its_choice(cptune_here):
     shown = cptune_here("recommend", *H100_FLUX, "--seq-len", "4608", "--for", "vllm-omni")
     assert shown.returncode == 0, shown.stderr
