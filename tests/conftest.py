@@ -18,6 +18,7 @@ from cptune.engines import ENGINES
 from cptune.engines._pool import PooledEngine
 from cptune.engines.mpi import MPIEngine
 from cptune.hardware import Hardware, this_host
+from cptune.hostlock import LOCK_ENV
 from cptune.measurement import Measurement
 from cptune.reference import make_inputs, reference_attention
 from cptune.store import Store
@@ -39,13 +40,22 @@ OTHER_HOST = Hardware(host="elsewhere", cpu_model="other cpu", cpu_count=64, gpu
                       interconnect="shared memory (one host)", mpi_library="MPICH 5")
 
 
+@pytest.fixture(scope="session")
+def _host_lock(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This test process's own host lock file (each pytest-xdist worker has its own base
+    folder): tests running at once in two workers do not wait for each other's searches."""
+    return tmp_path_factory.getbasetemp() / "host.lock"
+
+
 @pytest.fixture(autouse=True)
-def _suite_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def _suite_settings(monkeypatch: pytest.MonkeyPatch, _host_lock: Path) -> None:
     """Here and in CLI subprocesses (tests/suite_cli.py): the contention guard off
     (``CPTUNE_GUARD=off``: no waiting for quiet) and its evidence ignored (every run judged
     clean), since the suite runs on shared hosts where other test runs would mark most runs
-    disturbed; and calibrations quick (small shapes). tests/test_guard.py watches the load
-    again for the guard's own tests; tests/test_cli_model.py calibrates with the real shapes."""
+    disturbed; calibrations quick (small shapes); a host lock of this test process's own.
+    tests/test_guard.py watches the load again for the guard's own tests;
+    tests/test_cli_model.py calibrates once with the real shapes."""
+    monkeypatch.setenv(LOCK_ENV, str(_host_lock))
     monkeypatch.setenv("CPTUNE_GUARD", "off")
     monkeypatch.setenv(IGNORE_LOAD, "1")
     ignore_load(monkeypatch.setattr)

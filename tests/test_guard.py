@@ -42,6 +42,9 @@ from cptune.search import WorkloadSearch
 from cptune.store import Store
 from suite_cli import IGNORE_LOAD, watch_load
 
+#: The guard's own tests watch the host's load: alone, or another test's ranks are that load.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(autouse=True)
 def guard_on(monkeypatch):

@@ -15,6 +15,9 @@ from cptune._waiting import WaitLine
 from cptune.hostlock import LOCK_ENV, lock_path, measuring, read_holder
 from suite_cli import IGNORE_LOAD
 
+#: Searches taking turns on one host, one of them judging the load as a user's does: alone.
+pytestmark = pytest.mark.serial
+
 #: A process holding the lock through the library until a line arrives on its stdin.
 HOLDER = ("import sys\nfrom cptune.hostlock import measuring\nwith measuring():\n"
           "    print('held', flush=True)\n    sys.stdin.readline()\n")

@@ -42,6 +42,10 @@ from cptune.hardware._host import (
 )
 from cptune.reference import make_inputs
 
+#: Its pools' ranks are found by their module's name once they should be gone: alone, or another
+#: test's stand-in ranks would be counted.
+pytestmark = pytest.mark.serial
+
 # --------------------------------------------------------------------------- recorded driver text
 
 QUERY_H100 = """\
