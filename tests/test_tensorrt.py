@@ -42,10 +42,6 @@ from cptune.hardware._host import (
 )
 from cptune.reference import make_inputs
 
-#: Its pools' ranks are found by their module's name once they should be gone: alone, or another
-#: test's stand-in ranks would be counted.
-pytestmark = pytest.mark.serial
-
 # --------------------------------------------------------------------------- recorded driver text
 
 QUERY_H100 = """\
@@ -212,6 +208,7 @@ def test_library_callers_get_the_preflight_before_any_process_starts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its ranks are found by the module's name: alone
 def test_rank_failures_on_the_tensorrt_pool_end_as_one_error_and_no_process(monkeypatch):
     """The node is said to be fine, but the ranks cannot import TensorRT here: the
     supervised pool reports the rank's failure as one EngineError and leaves nothing."""
@@ -599,6 +596,7 @@ def test_every_rank_gets_the_same_calibration_graph():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its ranks are found by the module's name: alone
 def test_a_rank_stuck_in_execute_becomes_a_timeout_and_leaves_no_process(stand_in_engine, monkeypatch):
     monkeypatch.setenv("FAKE_TENSORRT_HANG_RANK", "1")
     w = Workload(seq_len=16, heads=2, head_dim=8, dtype="fp32")
@@ -700,6 +698,7 @@ def test_a_calibration_collective_with_wrong_values_stops_calibration():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its ranks are found by the module's name: alone
 def test_a_rank_blocked_holding_the_gil_dies_with_its_driver(monkeypatch, tmp_path):
     """TensorRT's set_communicator blocks in native code holding the GIL until every rank
     calls it; ranks all stuck there (a peer never came) must still go when their driver is
