@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 def diffusers_groups(settings: dict[str, Any]) -> list[list[int]]:
     """The ranks of this rank's (Ulysses, ring) groups as diffusers forms them."""
-    from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ContextParallelConfig  # what diffusers exports
     from torch.distributed.device_mesh import init_device_mesh
 
     config = ContextParallelConfig(**settings)

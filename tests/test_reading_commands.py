@@ -92,7 +92,7 @@ def database(kept, tmp_path) -> Path:
 # --------------------------------------------------------------------------- an older schema
 
 
-@pytest.mark.parametrize("revision", ["0002", "0005"])
+@pytest.mark.parametrize("revision", ["0002"])  # the oldest a reader upgrades in memory: every later step too
 def test_an_older_database_is_read_as_this_cptune_reads_it_and_left_as_it_is(
         cptune_here, database, tmp_path, revision):
     """Every reading command answers on a database of an older schema exactly as on the same
