@@ -143,14 +143,15 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
 
     workload = workload_of(args, args.seq_len)
     framed = None
+    engine = args.backend if args.hardware is None else None  # whose ranks measured the hardware
     if args.framework:  # an unknown framework, or an engine no framework runs, before the work
         from cptune.frameworks import check_engine, for_recommendation, get_framework
 
-        check_engine(get_framework(args.framework), args.backend if args.hardware is None else None)
+        check_engine(get_framework(args.framework), engine)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
                      figures=figures_of(args), nccl_path=args.nccl_path)
     if args.framework:
-        framed = for_recommendation(pick, args.framework, args.backend if args.hardware is None else None)
+        framed = for_recommendation(pick, args.framework, engine)
     if args.json:
         print(json.dumps(pick.to_dict() | ({"for": framed.to_dict()} if framed else {}), indent=2))
         return 0

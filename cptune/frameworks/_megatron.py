@@ -33,6 +33,6 @@ class Megatron(Framework):
             settings["hierarchical_context_parallel_sizes"] = [config.head_group, config.context_degree]
         line = flags(settings, _FLAGS)
         return Spelling(settings, line, f"torchrun --nproc-per-node={config.ranks} <pretrain script> {line}",
-                        (length_need(config).replace("every sequence", "--seq-length"),
+                        (length_need(config, "--seq-length"),
                          "--tensor-model-parallel-size 1 on these ranks (Megatron's order is tp-cp-ep-dp-pp: "
                          "tensor-parallel ranks are innermost and would stride the context groups)"))

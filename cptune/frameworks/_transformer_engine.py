@@ -31,8 +31,9 @@ def te_refusal(framework: str, shape: AttentionShape, config: CPConfig) -> str |
     return heads_refusal(shape, config.head_group, framework)
 
 
-def length_need(config: CPConfig) -> str:
-    return (f"every sequence a multiple of {2 * config.ranks} tokens long (2 x {config.ranks} chunks, "
+def length_need(config: CPConfig, what: str = "every sequence") -> str:
+    """The length ``what`` must have: TransformerEngine cuts it into 2 x cp chunks."""
+    return (f"{what} a multiple of {2 * config.ranks} tokens long (2 x {config.ranks} chunks, "
             f"rank i holding chunks i and {2 * config.ranks - 1} - i)")
 
 
