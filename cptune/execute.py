@@ -18,7 +18,7 @@ import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
-from cptune.engines import Engine, get_engine, untimed
+from cptune.engines import Engine, get_engine, ranks_per_node, untimed
 from cptune.errors import EngineError, InfeasibleConfigError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
@@ -339,6 +339,6 @@ def _measurement(engine: Engine, workload: Workload, config: CPConfig, summary: 
         host=describe_host() | engine.describe(),
         warmup=warmup,
         repeats=len(summary["samples_ms"]),
-        oversubscribed=oversubscribed(config.ranks),
+        oversubscribed=oversubscribed(config.ranks, ranks_per_node(engine)),
         disturbed=disturbed,
     )

@@ -189,6 +189,24 @@ def _check_is_lock(fd: int, path: Path) -> None:
 _LOCK = _HostLock()
 
 
+def hold_for_life() -> str | None:
+    """Take this host's lock without waiting and keep it until this process ends (a rank on
+    another node of a cluster: no other cptune measures there while it serves); None once
+    held, else who holds it (``Holder.describe``)."""
+    path = lock_path()
+    fd = _open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = read_holder(path)
+        os.close(fd)
+        return holder.describe(time.time()) if holder else "another process"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": f"a rank of {_command_line()}",
+                              "since": time.time()}).encode(), 0)
+    return None  # fd stays open: the lock lasts as long as this process
+
+
 @contextmanager
 def measuring(
     sleep: Callable[[float], None] = time.sleep,

@@ -117,9 +117,11 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, available_cores() // ranks)
 
 
-def oversubscribed(ranks: int) -> bool:
-    """Whether ``ranks`` ranks on this host share cores (more ranks than ``available_cores``)."""
-    return ranks > available_cores()
+def oversubscribed(ranks: int, ranks_per_node: int | None = None) -> bool:
+    """Whether ``ranks`` ranks share cores: more of them on one node (this host, or each of
+    a cluster's nodes of ``ranks_per_node`` ranks, taken to be like this one) than
+    ``available_cores``."""
+    return min(ranks, ranks_per_node or ranks) > available_cores()
 
 
 def host_memory_bytes() -> int:

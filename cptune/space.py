@@ -34,7 +34,7 @@ ORDERS: tuple[str, ...] = ("guided", "exhaustive")
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
 MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
-SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials")
+SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials", "within_node_heads")
 MEASURE_KEYS = ("warmup", "repeats", "timeout", "rounds", "race_rounds", "confirm_rounds")
 
 #: A line the user can copy for each key, shown when the key is missing or mistyped.
@@ -54,6 +54,7 @@ _EXAMPLES = {
     "sweep.ranks": 'ranks = "auto" or ranks = [2, 4, 8]',
     "sweep.strategies": 'strategies = ["ring", "ulysses"]',
     "sweep.trials": "trials = 40",
+    "sweep.within_node_heads": "within_node_heads = true",
     "measure.warmup": "warmup = 2",
     "measure.repeats": "repeats = 10",
     "measure.timeout": "timeout = 600",
@@ -148,6 +149,9 @@ class SearchSpace:
     #: Optuna trial budget per workload; None means try every configuration in the space.
     trials: int | None
     measure: MeasureSettings
+    #: On a cluster, only the configurations whose head groups fit inside a node
+    #: (``cptune.hardware.heads_span_nodes``); nothing is left out on one node.
+    within_node_heads: bool = False
 
     @property
     def origin(self) -> str:
@@ -229,6 +233,8 @@ def load_space(path: str | Path) -> SearchSpace:
     )
     raw = r.value(sweep, "trials", "sweep", required=False)
     trials = None if raw is None else r.integer(raw, "sweep.trials", 1)
+    raw = r.value(sweep, "within_node_heads", "sweep", required=False)
+    within_node_heads = False if raw is None else r.boolean(raw, "sweep.within_node_heads")
 
     measure_table = r.table(doc, "measure", required=False) or {}
     r.check_keys(measure_table, MEASURE_KEYS, "measure")
@@ -244,7 +250,7 @@ def load_space(path: str | Path) -> SearchSpace:
         name=name, description=description, source=Path(path),
         shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal), seq_lens=seq_lens, ranks=ranks,
         strategies=strategies, trials=trials,
-        measure=MeasureSettings(timeout=timeout, **counts),
+        measure=MeasureSettings(timeout=timeout, **counts), within_node_heads=within_node_heads,
     )
 
 

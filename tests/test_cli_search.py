@@ -1,5 +1,6 @@
 """cptune search / results end to end, as a user runs them: interrupted, killed, in parallel."""
 
+import dataclasses
 import json
 import os
 import re
@@ -279,7 +280,9 @@ def test_narrow_winners_get_a_second_sitting_after_every_length_ran_once(tmp_pat
     assert local == {64: 3 + 2, 96: 3 + 2}  # per length: 3 visits, then 2 in the second sitting
 
 
-def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("marked", [True, False])
+def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, marked):
+    """As its row was stored: on a cluster a node's ranks decide, not this host's cores."""
     from cptune import CPConfig, Workload
     from cptune.cli._search import verdict_line
     from cptune.estimate import combine, judge
@@ -287,16 +290,15 @@ def test_the_verdict_line_says_when_the_leader_ran_oversubscribed(tmp_path, monk
     workload = Workload(seq_len=64, heads=4, head_dim=16)
     with Store(str(tmp_path / "o.db")) as store:
         for config, ms in ((CPConfig("ring", 4), 5.0), (CPConfig("ring", 1), 20.0)):
-            store.add_measurement(this_host(), measurement(workload, config, ms))
+            shared = marked and config.ranks > 2
+            store.add_measurement(this_host(), dataclasses.replace(measurement(workload, config, ms),
+                                                                   oversubscribed=shared))
         rows = store.results()
     verdict = judge(combine(rows).values())
-    monkeypatch.setattr("cptune.cli._search.oversubscribed", lambda ranks: ranks > 2)
     line = verdict_line(64, verdict, second=False, unconfirmed=False)
     assert line.startswith("seq 64: Ring on 4 ranks, faster than local attention on 1 rank by 300.0%")
-    assert line.endswith("; it ran more ranks than cores (--oversubscribe), so the model and the picks "
-                         "leave it out")
-    monkeypatch.setattr("cptune.cli._search.oversubscribed", lambda ranks: False)
-    assert "oversubscribe" not in verdict_line(64, verdict, second=False, unconfirmed=False)
+    said = "; it ran more ranks than cores (--oversubscribe), so the model and the picks leave it out"
+    assert line.endswith(said) == marked
 
 
 def test_a_crashed_configuration_is_named_with_the_command_that_measures_it_and_retried_once(

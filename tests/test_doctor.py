@@ -77,7 +77,7 @@ def node(monkeypatch):
 
     def make(results: tuple[ProbeResult, ...]) -> StandInNode:
         engine = StandInNode(results)
-        monkeypatch.setitem(cptune.engines._engines, "tensorrt", engine)
+        monkeypatch.setitem(cptune.engines._engines, ("tensorrt", None), engine)
         return engine
 
     return make

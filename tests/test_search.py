@@ -506,8 +506,8 @@ def test_only_runs_like_the_search_own_count(store, runs):
 
 
 def test_an_oversubscribed_search_races_its_oversubscribed_configurations(store, runs, monkeypatch):
-    monkeypatch.setattr("cptune.search._workload.oversubscribed", lambda ranks: ranks > 1)
-    monkeypatch.setattr("cptune.search._ledger.oversubscribed", lambda ranks: ranks > 1)
+    monkeypatch.setattr("cptune.search._workload.oversubscribed", lambda ranks, per_node=None: ranks > 1)
+    monkeypatch.setattr("cptune.search._ledger.oversubscribed", lambda ranks, per_node=None: ranks > 1)
     monkeypatch.setattr("cptune.measurement.available_cores", lambda: 1)
     runs(lambda config, n: (10.0 if config == RING else 20.0) * JITTER[n])
     s = search(store, configs=[LOCAL, RING], rounds=2)

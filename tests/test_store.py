@@ -19,6 +19,7 @@ from cptune.cli import main
 from cptune.engines import NodeVerdict, ProbeResult
 from cptune.hardware import Hardware, this_host
 from cptune.store import RESULT_COLUMNS, VERSION_TABLE, Base, Store, StoreError, database_url
+from cptune.store._store import HEAD_REVISION
 
 HARDWARE = Hardware(host="h1", cpu_model="test cpu", cpu_count=2, gpu_model=None, gpu_count=0,
                     interconnect="shared memory (one host)", mpi_library="MPICH 5")
@@ -389,7 +390,7 @@ def test_a_damaged_node_verdict_is_named_with_the_fix(store):
         store.node_verdict(GPU_NODE.fingerprint, "tensorrt")
 
 
-def test_migration_0006_keeps_the_rows_of_a_0005_database(tmp_path):
+def test_migrations_from_0005_keep_its_rows_one_node_each(tmp_path):
     path = tmp_path / "old.db"
     engine = migrated(path, "0005")
     with engine.begin() as connection:
@@ -417,8 +418,10 @@ def test_migration_0006_keeps_the_rows_of_a_0005_database(tmp_path):
         with upgraded.engine.connect() as connection:
             assert connection.exec_driver_sql("SELECT count(*) FROM calibrations").scalar() == 1
             context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-            assert context.get_current_revision() == "0006"
+            assert context.get_current_revision() == HEAD_REVISION
         assert upgraded.node_verdict(GPU_NODE.fingerprint, "tensorrt") is None
+        host = upgraded.hardware()[GPU_NODE.fingerprint]  # 0007: every older host is one node
+        assert (host.nodes, host.ranks_per_node, host.network) == (1, None, None)
         upgraded.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)  # the stored hardware row
         assert upgraded.node_verdict(GPU_NODE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
         assert list(upgraded.hardware()) == [GPU_NODE.fingerprint]

@@ -805,12 +805,12 @@ def test_the_doctor_command_prints_the_table_and_exits_by_the_verdict(faulty, mo
 
     answers = {("topo", "-m"): TOPO_NVLINK, ("-q",): SMI_HEADER}  # the fingerprint's driver facts
     monkeypatch.setattr("cptune.hardware._host._nvidia_smi", lambda *arguments: answers[arguments])
-    monkeypatch.setitem(_engines, "tensorrt", faulty())
+    monkeypatch.setitem(_engines, ("tensorrt", None), faulty())
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["doctor", "--max-ranks", "4"]) == 0
     healthy = capsys.readouterr().out
     assert all(probe in healthy for probe in PROBES) and "healthy" in healthy and "FAILED" not in healthy
-    monkeypatch.setitem(_engines, "tensorrt", faulty("subgroups_ignored"))
+    monkeypatch.setitem(_engines, ("tensorrt", None), faulty("subgroups_ignored"))
     assert main(["doctor", "--max-ranks", "4"]) == 1
     unhealthy = capsys.readouterr().out
     assert "FAILED" in unhealthy and "hybrids" in unhealthy and "child communicator" in unhealthy

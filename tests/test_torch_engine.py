@@ -367,11 +367,17 @@ def test_launched_ranks_are_read_from_torchrun_and_srun():
     assert (torchrun.rank, torchrun.size, torchrun.local_rank, torchrun.store) == (1, 2, 1, "127.0.0.1:29500")
     srun = launched_ranks({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3",
                            "SLURM_NNODES": "1", "MASTER_ADDR": "node1", "MASTER_PORT": "1234"})
-    assert (srun.rank, srun.size, srun.store) == (3, 4, "node1:1234")
+    assert (srun.rank, srun.size, srun.store, srun.nodes) == (3, 4, "node1:1234", 1)
+    # several nodes: ranks fill them in order, LOCAL_WORLD_SIZE (or the tasks per node) each
+    across = launched_ranks({**TORCHRUN, "WORLD_SIZE": "4", "RANK": "3"})
+    assert (across.nodes, across.ranks_per_node, across.master) == (2, 2, "127.0.0.1")
+    slurm = launched_ranks({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                            "SLURM_NNODES": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "1234"})
+    assert (slurm.nodes, slurm.ranks_per_node, slurm.local_rank) == (2, 4, 1)
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"LOCAL_WORLD_SIZE": "1"}, "several nodes"),
+    ({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}, "not spread evenly over their nodes"),
     ({"MASTER_PORT": ""}, "MASTER_ADDR and MASTER_PORT"),
 ])
 def test_a_launch_cptune_cannot_drive_is_refused_with_the_reason(change, reason):

@@ -41,11 +41,13 @@ import numpy as np
 
 from cptune.calibration._record import Calibration, CollectiveFit, ComputeRate, StepCost
 from cptune.cost import STREAM_KINDS
-from cptune.engines import Engine, get_engine, untimed
+from cptune.engines import Engine, get_engine, ranks_per_node, untimed
 from cptune.errors import CPTuneError
 from cptune.guard import Watch, patience_s, wait_for_quiet
 from cptune.guard import enabled as guard_enabled
+from cptune.hardware import tier_of
 from cptune.hostlock import measuring
+from cptune.layout import RankGroups
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -148,19 +150,37 @@ def _chunks(kind: str, group: int) -> list[int]:
 
 
 def _collective_times(
-    engine: Engine, kind: str, ranks: int, group: int, warmup: int, repeats: int, guarded: bool,
-    report: Progress,
+    engine: Engine, kind: str, ranks: int, group: int, layout: tuple[str, str], warmup: int, repeats: int,
+    guarded: bool, report: Progress,
 ) -> np.ndarray:
-    """Median seconds per call of ``kind`` at each of ``MESSAGE_SIZES`` (one round's timing)."""
+    """Median seconds per call of ``kind`` at each of ``MESSAGE_SIZES`` (one round's timing),
+    its groups laid out ``along`` to cross ``tier`` (``layout``)."""
     chunks = _chunks(kind, group)
+    along, tier = layout
+    extra = {} if along == "heads" else {"along": along}
     time_it = functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats,
-                                _TIMEOUT_S)
-    timings = _guarded(engine, ranks, f"{kind} on {ranks} ranks in groups of {group}", time_it, guarded,
-                       report)
+                                _TIMEOUT_S, **extra)
+    timings = _guarded(engine, ranks, _collective_name(kind, ranks, group, tier), time_it, guarded, report)
     return np.median(timings, axis=1)
 
 
-def _collective_fit(kind: str, ranks: int, group: int, seconds: np.ndarray) -> CollectiveFit:
+def _collective_name(kind: str, ranks: int, group: int, tier: str) -> str:
+    """A collective step for progress and messages ("across nodes" where it crosses them)."""
+    return f"{kind} on {ranks} ranks in groups of {group}{' across nodes' if tier == 'network' else ''}"
+
+
+def layouts(ranks: int, group: int, ranks_per_node: int | None) -> list[tuple[str, str]]:
+    """How calibration lays out groups of ``group`` among ``ranks`` ranks, as (along, tier):
+    as head groups (consecutive ranks), and on a cluster as context groups too where those
+    cross another link tier (``cptune.hardware.tier_of``): each tier a configuration uses is
+    timed where it uses it."""
+    found = {tier_of(RankGroups("heads", ranks, group), ranks_per_node): "heads"}
+    context_tier = tier_of(RankGroups("context", ranks, ranks // group), ranks_per_node)
+    found.setdefault(context_tier, "context")
+    return [(along, tier) for tier, along in found.items()]
+
+
+def _collective_fit(kind: str, ranks: int, group: int, tier: str, seconds: np.ndarray) -> CollectiveFit:
     """``latency + bytes / bandwidth`` through the times of ``kind`` at ``MESSAGE_SIZES``."""
     sizes = np.array([c if kind in STREAM_KINDS else c * (group - 1) for c in _chunks(kind, group)],
                      dtype=float)
@@ -168,7 +188,7 @@ def _collective_fit(kind: str, ranks: int, group: int, seconds: np.ndarray) -> C
     return CollectiveFit(
         kind=kind, ranks=ranks, group=group, latency_s=latency, bandwidth=bandwidth,
         bus_bandwidth=float(sizes[-1] / seconds[-1]),
-        sizes=tuple(int(s) for s in sizes), times_s=tuple(float(t) for t in seconds),
+        sizes=tuple(int(s) for s in sizes), times_s=tuple(float(t) for t in seconds), tier=tier,
     )
 
 
@@ -210,10 +230,11 @@ def calibrate(
     spec = engine.spec
     attention: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     step_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
-    collective_times: dict[tuple[str, int, int], list[np.ndarray]] = {
-        (kind, ranks, group): []
+    per_node = ranks_per_node(engine)
+    collective_times: dict[tuple[str, int, int, tuple[str, str]], list[np.ndarray]] = {
+        (kind, ranks, group, layout): []
         for ranks in range(1, max_ranks + 1) for group in group_sizes(ranks)
-        for kind in spec.collectives
+        for layout in layouts(ranks, group, per_node) for kind in spec.collectives
     }
     with measuring():  # one measuring process per host (cptune.hostlock)
         for round_index in range(rounds):
@@ -231,11 +252,13 @@ def calibrate(
                     timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
                                        time_it, guarded, report)
                     step_times[ranks].append(np.median(timings, axis=1))
-                for group in group_sizes(ranks):
-                    for kind in spec.collectives:
-                        report(f"{prefix}{kind} on {ranks} ranks in groups of {group}")
-                        collective_times[(kind, ranks, group)].append(
-                            _collective_times(engine, kind, ranks, group, warmup, repeats, guarded, report))
+                for kind, n, group, layout in collective_times:
+                    if n != ranks:
+                        continue
+                    report(f"{prefix}{_collective_name(kind, ranks, group, layout[1])}")
+                    seconds = _collective_times(engine, kind, ranks, group, layout, warmup, repeats, guarded,
+                                                report)
+                    collective_times[(kind, ranks, group, layout)].append(seconds)
     compute = [
         ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
                     head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
@@ -248,8 +271,8 @@ def calibrate(
         for ranks, times in step_times.items() if times
         for s, t in zip(STEP_SHAPES, np.median(times, axis=0), strict=True)
     ]
-    collectives = [_collective_fit(kind, ranks, group, np.median(times, axis=0))
-                   for (kind, ranks, group), times in collective_times.items()]
+    collectives = [_collective_fit(kind, ranks, group, layout[1], np.median(times, axis=0))
+                   for (kind, ranks, group, layout), times in collective_times.items()]
     return Calibration(
         engine=engine.name,
         collectives=tuple(collectives),

@@ -20,7 +20,9 @@ from cptune.kernels import computed_pairs
 class CollectiveFit:
     """One collective on ``ranks`` ranks in groups of ``group``: ``latency_s`` + bytes sent
     per rank / ``bandwidth`` (B/s) fits its ``times_s`` at ``sizes`` (bytes sent per rank);
-    ``bus_bandwidth`` is measured at the largest size, as nccl-tests reports it."""
+    ``bus_bandwidth`` is measured at the largest size, as nccl-tests reports it. ``tier``:
+    the outermost link tier its groups crossed (``cptune.hardware.TIERS``: "network" on a
+    cluster where they spanned nodes)."""
 
     kind: str
     ranks: int
@@ -30,6 +32,7 @@ class CollectiveFit:
     bus_bandwidth: float
     sizes: tuple[int, ...]
     times_s: tuple[float, ...]
+    tier: str = "node"
 
     def time(self, nbytes: float, calls: int = 1) -> float:
         """Seconds for ``calls`` calls sending ``nbytes`` per rank in total."""
@@ -118,13 +121,20 @@ class Calibration:
         """The attention kernel the calibrated engine runs (``cptune.kernels.ATTENTION_KERNELS``)."""
         return self.spec.kernel
 
-    def collective(self, kind: str, ranks: int, group: int) -> CollectiveFit:
-        """The fit for ``kind`` in groups of ``group`` among ``ranks`` ranks; the nearest
-        calibrated rank count with that group size when ``ranks`` was not calibrated."""
+    def collective(self, kind: str, ranks: int, group: int, tier: str = "node") -> CollectiveFit:
+        """The fit for ``kind`` in groups of ``group`` among ``ranks`` ranks whose traffic
+        crosses link tier ``tier``; the nearest calibrated group size and rank count of that
+        tier when those were not calibrated (of the nearest tier when none was)."""
         fits = [f for f in self.collectives if f.kind == kind]
         if not fits:
             raise ValueError(f"the calibration has no {kind} measurements")
-        return min(fits, key=lambda f: (f.group != group, abs(f.group - group), abs(f.ranks - ranks)))
+        return min(fits, key=lambda f: (f.tier != tier, f.group != group, abs(f.group - group),
+                                        abs(f.ranks - ranks)))
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The link tiers its collectives crossed (a cluster's calibration has both)."""
+        return tuple(dict.fromkeys(f.tier for f in self.collectives))
 
     def measured_rates(self) -> dict[tuple[int, bool, int, int], float]:
         """FLOP/s per (head_dim, causal, seq_q, ranks) as timed, before pooling: what

@@ -15,10 +15,10 @@ from rich.table import Table
 from rich.text import Text
 
 from cptune.config import STRATEGIES
-from cptune.engines import ENGINES
+from cptune.engines import ENGINES, Engine, get_engine
 from cptune.errors import CPTuneError
 from cptune.frameworks import FRAMEWORKS, Spelling, Substitution
-from cptune.hardware import NCCL_PATHS, builtin_descriptions
+from cptune.hardware import NCCL_PATHS, builtin_descriptions, parse_hosts, read_hostfile
 from cptune.space import MAX_SEQ_LENS, MEASURE_COUNTS, check_seconds
 from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
 
@@ -244,6 +244,27 @@ def add_backend(parser: argparse.ArgumentParser) -> None:
     listed = "; ".join(f"{name}: {spec.summary}" for name, spec in ENGINES.items())
     parser.add_argument("--backend", choices=tuple(ENGINES), default=next(iter(ENGINES)),
                         help=f"engine ({listed})")
+
+
+def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
+    """``--hosts`` and ``--hostfile``: run the ranks on these nodes (mpiexec's -hosts and -f)."""
+    nodes = parser.add_mutually_exclusive_group()
+    nodes.add_argument("--hosts", metavar="HOST:RANKS,...",
+                       help="run the ranks on these nodes, equal ranks on each (e.g. a:2,b:2; mpiexec starts "
+                            "them; docs/multi-node.md)")
+    nodes.add_argument("--hostfile", metavar="FILE",
+                       help="the nodes from a hostfile (MPICH Hydra's: host:ranks per line)")
+
+
+def engine_of(args: argparse.Namespace) -> str | Engine:
+    """The engine the flags ask for: its name (this host), or on ``--hosts``/``--hostfile``'s
+    nodes the engine itself; ``ClusterError`` or ``BackendUnavailableError`` for nodes it
+    cannot use."""
+    if args.hosts is not None:
+        return get_engine(args.backend, hosts=parse_hosts(args.hosts))
+    if args.hostfile is not None:
+        return get_engine(args.backend, hosts=read_hostfile(args.hostfile))
+    return str(args.backend)
 
 
 def add_framework_flag(parser: argparse.ArgumentParser, does: str) -> None:

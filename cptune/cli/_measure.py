@@ -18,8 +18,10 @@ from cptune.cli._common import (
     USAGE_ERROR,
     UsageError,
     add_backend,
+    add_hosts_flags,
     add_workload_flags,
     count,
+    engine_of,
     positive,
     positive_list,
     seconds,
@@ -62,6 +64,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                      help="seconds before a configuration's run is stopped (default: scaled to its size)")
     measure.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
     add_backend(measure)
+    add_hosts_flags(measure)
 
     calibrate = commands.add_parser(
         "calibrate",
@@ -83,6 +86,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--oversubscribe", action="store_true",
                            help="allow --max-ranks above this host's cores (those rates time the sharing)")
     add_backend(calibrate)
+    add_hosts_flags(calibrate)
 
 
 
@@ -123,7 +127,7 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
 
     try:
         results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
-                                        backend=args.backend, warmup=args.warmup, repeats=args.repeats,
+                                        backend=engine_of(args), warmup=args.warmup, repeats=args.repeats,
                                         timeout=args.timeout, on_config=on_config, ranks=args.ranks,
                                         head_group=args.head_group)
     finally:
@@ -149,10 +153,15 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
     comms = table("collectives: time = latency + bytes sent per rank / bandwidth",
                    "bus bw: nccl-tests' bus bandwidth at the largest message (bytes sent per rank / s); "
                    "the mpi engine's all-to-all and all-gather are timed with their copies")
-    for column in ("collective", "ranks", "group", "latency us", "fit GB/s", "bus bw GB/s"):
-        comms.add_column(column, justify="left" if column == "collective" else "right", no_wrap=True)
+    across = "network" in calibration.tiers  # a cluster's: each tier where configurations use it
+    columns = ("collective", "ranks", "group", *(("tier",) if across else ()), "latency us", "fit GB/s",
+               "bus bw GB/s")
+    for column in columns:
+        left = column in ("collective", "tier")
+        comms.add_column(column, justify="left" if left else "right", no_wrap=True)
     for f in calibration.collectives:
-        comms.add_row(f.kind, str(f.ranks), str(f.group), f"{f.latency_s * 1e6:.1f}",
+        tier = (("across nodes" if f.tier == "network" else "in a node"),) if across else ()
+        comms.add_row(f.kind, str(f.ranks), str(f.group), *tier, f"{f.latency_s * 1e6:.1f}",
                       f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}")
     compute = table("attention compute rate", "every rank computing at once on its share of the cores")
     for column in ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank", "GFLOP/s total"):
@@ -180,7 +189,7 @@ def run_calibrate(args: argparse.Namespace, console: Console) -> int:
     shown = LiveSearch(console)
     try:
         _, calibration = calibrate_host(
-            args.db, backend=args.backend, max_ranks=args.max_ranks, oversubscribe=args.oversubscribe,
+            args.db, backend=engine_of(args), max_ranks=args.max_ranks, oversubscribe=args.oversubscribe,
             repeats=args.repeats, rounds=args.rounds, share=args.share_db,
             progress=shown,  # type: ignore[arg-type]  # a SearchProgress by shape
         )

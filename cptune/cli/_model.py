@@ -70,6 +70,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     rec.add_argument("--ranks", type=positive,
                      help="exactly this many ranks (default: any up to the hardware's)")
     rec.add_argument("--hardware", help=HARDWARE_HELP)
+    rec.add_argument("--nodes", type=positive,
+                     help="with a calibrated cluster's fingerprint: read it for this many nodes sharing "
+                          "--ranks (a size it never ran: the same nodes and links, each exchange at its "
+                          "tier's rates)")
     add_given_flags(rec)
     add_host_backend(rec)
     rec.add_argument("--db", help=DB_HELP)
@@ -149,7 +153,7 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
 
         check_engine(get_framework(args.framework), engine)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
-                     figures=figures_of(args), nccl_path=args.nccl_path)
+                     figures=figures_of(args), nccl_path=args.nccl_path, nodes=args.nodes)
     if args.framework:
         framed = for_recommendation(pick, args.framework, engine)
     if args.json:
@@ -173,6 +177,8 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
          f" {pick.config.describe()}, {format_ms(pick.latency_ms)} ms ({pick.source})")
     if pick.verdict is not None:
         say(console, ("measured verdict:", "yellow" if pick.tied else "bold"), f" {pick.describe()}")
+    if pick.tiers is not None:
+        say(console, ("across nodes:", "bold"), f" {pick.tiers.describe()}")
     for tie in pick.ties[:SHOWN_TIES]:
         say(console, ("tied within what the prior can tell apart:", "yellow"),
              f" {tie.other.label} on {tie.other.ranks} may be faster; {_decides(tie)}")

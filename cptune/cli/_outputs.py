@@ -60,6 +60,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     add_host_backend(export)
     export.add_argument("--ranks", dest="plan_ranks", type=positive,
                         help="exactly this many ranks (default: the fastest count up to the hardware's)")
+    export.add_argument("--nodes", type=positive,
+                        help="with a calibrated cluster's fingerprint: plan for this many nodes sharing "
+                             "--ranks (a size it never ran; as cptune recommend --nodes)")
     export.add_argument("--db", help=DB_HELP)
     add_workload_flags(export, lengths=True, with_strategies=True)
     export.set_defaults(ranks=None)  # the search-space reader's rank list: not a flag of export
@@ -131,7 +134,7 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
         space = find_space(space_of(args))
         plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
                            strategies=space.strategies, backend=args.backend, figures=figures_of(args),
-                           nccl_path=args.nccl_path)
+                           nccl_path=args.nccl_path, nodes=args.nodes)
     if args.framework:
         return _export_for(args, console, plan, output)
     assert output is not None
@@ -147,6 +150,8 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
                       format_ms(b.latency_ms), b.source, pick_id)
     console.print(shown)
     for b in plan.buckets:
+        if b.decided_by:
+            say(console, (f"{b.min_seq_len}-{b.max_seq_len} across nodes:", "bold"), f" {b.decided_by}")
         if b.tied:
             names = ", ".join(c.describe() for c in b.tied)
             say(console, (f"{b.min_seq_len}-{b.max_seq_len}:", "yellow"),

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         heads = f"{r.workload.heads}/{r.workload.kv_heads}"
         status = Text(r.status, style="" if r.status == "ok" else "red")
         for mark, marked in (("oversub.", r.oversubscribed), ("excluded", r.excluded),
-                             ("disturbed", bool(r.disturbed))):
+                             ("disturbed", bool(r.disturbed)), ("heads span nodes", r.heads_span_nodes)):
             if marked:
                 status.append(f", {mark}", style="yellow")
         listing.add_row(str(r.id), str(r.workload.seq_len), heads, r.config.label, str(r.config.ranks),
@@ -114,6 +114,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
                       f"excluded = set aside with --exclude (--include ID takes it back); disturbed = the "
                       f"contention guard saw other load while it ran (--json says what). All are kept but "
                       f"left out of the model and the picks")
+    if any(r.heads_span_nodes for r in rows):
+        say(console, "heads span nodes: a head group (Ulysses' all-to-all) of that configuration ran across "
+                     "nodes, over the network; search with --within-node-heads to measure only the "
+                     "configurations whose head groups fit in a node")
     if any(r.clean and not r.oversubscribed for r in rows):
         say(console, "each configuration's rounds combined, with its 95% interval, and each workload's "
                       "verdict: cptune results --combined")

@@ -4,6 +4,7 @@ drawn live: a progress bar per sequence length and each length's fastest configu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
@@ -20,8 +21,10 @@ from cptune.cli._common import (
     UsageError,
     add_backend,
     add_framework_flag,
+    add_hosts_flags,
     add_workload_flags,
     count,
+    engine_of,
     non_negative,
     positive,
     positive_list,
@@ -32,8 +35,8 @@ from cptune.cli._common import (
     workload_of,
 )
 from cptune.config import STRATEGIES
-from cptune.measurement import format_ms, oversubscribed
-from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace
+from cptune.measurement import format_ms
+from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace, find_space
 
 if TYPE_CHECKING:
     from rich.status import Status
@@ -76,6 +79,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     search.add_argument("--ranks", type=positive_list,
                         help="rank counts to try, e.g. 1,2 (with workload flags)")
     add_backend(search)
+    add_hosts_flags(search)
+    search.add_argument("--within-node-heads", action="store_true",
+                        help="on --hosts' nodes, measure only the configurations whose head groups (Ulysses) "
+                             "fit inside a node (a space's within_node_heads = true)")
     search.add_argument("--remeasure", action="store_true",
                         help="visit every configuration afresh (exploration, rounds, race) even if stored; "
                              "the verdict combines the new visits with the stored ones")
@@ -122,12 +129,15 @@ def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
 
 def space_of(args: argparse.Namespace) -> SearchSpace | str:
     """The space the command line names: the workload flags' (``--ranks`` among them), or a
-    file or built-in name (default: the demo)."""
+    file or built-in name (default: the demo); ``--within-node-heads`` restricts either."""
     flags_given = any(getattr(args, name, None) is not None for name in (
         "heads", "head_dim", "seq_lens", "kv_heads", "strategies", "ranks")) or args.causal
     if args.space and flags_given:
         raise UsageError("give either a search space or workload flags (--heads, --seq-lens, ...), not both")
-    return _space_from_flags(args) if flags_given else args.space or DEMO_SPACE
+    space = _space_from_flags(args) if flags_given else args.space or DEMO_SPACE
+    if not getattr(args, "within_node_heads", False):
+        return space
+    return dataclasses.replace(find_space(space), within_node_heads=True)
 
 
 def best_table(run: SpaceSearch, finished: set[int]) -> Table:
@@ -167,7 +177,7 @@ def verdict_line(seq_len: int, verdict: Verdict | None, second: bool, unconfirme
         line += ("; not confirmed yet (the time budget or the runs ran out, or the leader changed): a "
                  "rerun of this search adds a sitting" if second
                  else "; a second sitting after the other lengths confirms it")
-    if oversubscribed(verdict.leader.config.ranks):
+    if verdict.leader.visits[-1].oversubscribed:
         line += "; it ran more ranks than cores (--oversubscribe), so the model and the picks leave it out"
     return line
 
@@ -328,7 +338,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     shown = LiveSearch(console)
     try:
         done = search_space(
-            space_of(args), args.db, backend=args.backend, max_ranks=args.max_ranks, trials=args.trials,
+            space_of(args), args.db, backend=engine_of(args), max_ranks=args.max_ranks, trials=args.trials,
             timeout=args.timeout, rounds=args.rounds, race_rounds=args.race_rounds,
             confirm_rounds=args.confirm_rounds, order=args.order, remeasure=args.remeasure,
             oversubscribe=args.oversubscribe, calibrate_first=not args.no_calibrate, seed=args.seed,

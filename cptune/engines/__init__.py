@@ -34,7 +34,7 @@ from cptune.kernels import check_kernel
 from cptune.workload import Workload
 
 if TYPE_CHECKING:
-    from cptune.hardware import Hardware
+    from cptune.hardware import Cluster, Hardware
 
 #: Where an engine's ranks run: one per CPU core (more may share cores), one per GPU, or
 #: either, by what the machine has ("any": ``Engine.device`` says which).
@@ -75,6 +75,8 @@ class EngineSpec:
     #: (up to two per AllGather-KV query chunk) rather than one call per step: what the prior
     #: counts as its attention calls.
     position_calls: bool = False
+    #: Whether its ranks can run on several nodes (``--hosts``, ``get_engine(hosts=)``).
+    spans_nodes: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -129,11 +131,13 @@ class Engine(Protocol):
 
     def time_collective(
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
-        timeout: float,
+        timeout: float, along: str = "heads",
     ) -> np.ndarray:
         """Seconds [chunk, iteration] of the slowest rank: collective ``kind`` (one of
         ``spec.collectives``) in groups of ``group`` among ``ranks`` ranks, ``chunks[i]``
-        bytes per peer."""
+        bytes per peer; the groups laid out as a configuration's head groups (``along="heads"``:
+        consecutive ranks) or context groups ("context": every ``ranks / group``-th rank), so
+        that on a cluster each link tier is timed where a configuration uses it."""
 
     def time_attention(
         self, ranks: int, shapes: Sequence[dict[str, int]], warmup: int, repeats: int, timeout: float
@@ -191,7 +195,7 @@ def register(spec: EngineSpec) -> EngineSpec:
 register(EngineSpec(
     name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
     kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
-    engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank",
+    engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank", spans_nodes=True,
 ))
 register(EngineSpec(
     name="onnx", summary="each rank's ONNX graph on ONNX's reference runtime (checks, does not time)",
@@ -208,7 +212,14 @@ register(EngineSpec(
                           "(pip install 'cptune[torch]')",
     kernel="fused", stream="p2p", timed=True, times_steps=False, device="any",
     engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker", position_calls=True,
+    spans_nodes=True,
 ))
+
+
+def ranks_per_node(engine: Engine) -> int | None:
+    """Ranks per node where ``engine``'s ranks run on a cluster (``get_engine(hosts=)``), else None."""
+    cluster = getattr(engine, "cluster", None)
+    return None if cluster is None else int(cluster.ranks_per_node)
 
 
 def engine_spec(name: str) -> EngineSpec:
@@ -219,19 +230,25 @@ def engine_spec(name: str) -> EngineSpec:
         raise ValueError(f"backend must be one of {', '.join(ENGINES)}, got {name!r}") from None
 
 
-_engines: dict[str, Engine] = {}
+_engines: dict[tuple[str, Cluster | None], Engine] = {}
 
 
-def get_engine(backend: str | Engine) -> Engine:
-    """The shared engine for ``backend`` (created on first use); an ``Engine`` instance is
-    used as given."""
+def get_engine(backend: str | Engine, hosts: Cluster | None = None) -> Engine:
+    """The shared engine for ``backend`` (created on first use), its ranks on this host or,
+    given ``hosts``, on those nodes; an ``Engine`` instance is used as given.
+    ``BackendUnavailableError`` for ``hosts`` with an engine that runs on one node."""
     if not isinstance(backend, str):
         return backend
     spec = engine_spec(backend)
-    if backend not in _engines:
+    if hosts is not None and not spec.spans_nodes:
+        across = " or ".join(repr(s.name) for s in ENGINES.values() if s.spans_nodes)
+        raise BackendUnavailableError(
+            f"--hosts: the {backend} engine runs its ranks on one node; across nodes use --backend {across}")
+    if (backend, hosts) not in _engines:
         module, _, name = spec.engine.partition(":")
-        _engines[backend] = getattr(importlib.import_module(module), name)()
-    return _engines[backend]
+        kind = getattr(importlib.import_module(module), name)
+        _engines[(backend, hosts)] = kind() if hosts is None else kind(hosts=hosts)
+    return _engines[(backend, hosts)]
 
 
 @atexit.register
@@ -255,6 +272,7 @@ __all__ = [
     "close_engines",
     "engine_spec",
     "get_engine",
+    "ranks_per_node",
     "register",
     "untimed",
 ]

@@ -17,8 +17,12 @@ into a normal exit, which stops the pools and removes their folders.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hmac
 import os
+import secrets
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -35,8 +39,8 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.engines import EngineSpec, NodeVerdict
 from cptune.engines import _protocol as protocol
-from cptune.errors import EngineError
-from cptune.hardware import Hardware, this_host
+from cptune.errors import CPTuneError, EngineError
+from cptune.hardware import Cluster, Hardware, this_host
 from cptune.measurement import available_cores, process_stat, threads_per_rank
 from cptune.reference import TOLERANCE
 from cptune.workload import Workload
@@ -56,6 +60,11 @@ RAISE_RUN_DEADLINE = ("if the run is just slow, allow it more time: --timeout of
 FIXED_DEADLINE = "this deadline is fixed: if the machine was busy, run again when it is quiet"
 #: The file in a pool's folder naming the process that owns it: "<pid> <start time>".
 OWNER_FILE = "owner"
+
+
+class NodeBusyError(CPTuneError):
+    """Another cptune measures on a node of the cluster: nothing is run (a search keeps what
+    it stored before)."""
 
 
 def seconds_text(seconds: float) -> str:
@@ -125,29 +134,88 @@ def rank_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: Where the driver listens for ranks on other nodes: an address (or host name) of this host
+#: they reach. Default: the address this host reaches the last node from.
+DRIVER_ADDRESS_VARIABLE = "CPTUNE_DRIVER_ADDRESS"
+#: Extra mpiexec arguments for a pool across nodes (shell words): how Hydra reaches the nodes
+#: (``-launcher slurm``, ``-launcher ssh -launcher-exec PATH``) and which interface its
+#: proxies use (``-iface ib0``).
+MPIEXEC_ARGUMENTS_VARIABLE = "CPTUNE_MPIEXEC_ARGS"
+
+
+def driver_host(peer: str) -> str:
+    """The address of this host that ranks on other nodes connect to: ``$CPTUNE_DRIVER_ADDRESS``,
+    else the one this host's routes reach ``peer`` (another node) from."""
+    if chosen := os.environ.get(DRIVER_ADDRESS_VARIABLE):
+        return chosen
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # sends nothing: routes only
+        try:
+            probe.connect((peer, 9))
+        except OSError as exc:
+            raise EngineError(
+                "launch", f"no route from this host to {peer} ({exc.strerror}): set "
+                          f"{DRIVER_ADDRESS_VARIABLE} to an address the nodes reach") from None
+        address = str(probe.getsockname()[0])
+    if address.startswith("127."):
+        raise EngineError("launch", f"this host reaches {peer} over loopback, which other nodes cannot: set "
+                                    f"{DRIVER_ADDRESS_VARIABLE} to an address of this host the nodes reach")
+    return address
+
+
+def mpiexec_arguments() -> list[str]:
+    """``$CPTUNE_MPIEXEC_ARGS`` as mpiexec's arguments."""
+    return shlex.split(os.environ.get(MPIEXEC_ARGUMENTS_VARIABLE, ""))
+
+
 class WorkerPool:
     """``size`` worker ranks under one mpiexec, each connected to this process."""
 
     def __init__(self, size: int, worker: Sequence[str], start_timeout: float,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, cluster: Cluster | None = None) -> None:
         mpiexec = find_mpiexec()
-        self._prepare(size, "cptune-pool-")
+        self._prepare(size, "cptune-pool-", cluster)
+        env = rank_environment(env)
+        env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
+        if cluster is None:
+            listener, address = self._unix_listener(size)
+            placement: list[str] = []
+        else:
+            listener, address = self._tcp_listener(size, cluster)
+            env[protocol.TOKEN_VARIABLE] = self.token
+            env[protocol.DRIVER_MACHINE_VARIABLE] = protocol.machine_id()
+            placement = ["-hosts", cluster.hydra_hosts(), *mpiexec_arguments()]
+        command = [mpiexec, *placement, "-n", str(size), *worker,
+                   "--socket", address, "--driver-pid", str(os.getpid())]
+        self._start(command, env, listener, start_timeout)
+
+    def _unix_listener(self, size: int) -> tuple[socket.socket, str]:
+        """The pool's Unix socket, in its private folder: for ranks on this host."""
         address = self.dir / "driver.sock"
         try:
-            listener = protocol.unix_listener(address, size)
+            return protocol.unix_listener(address, size), str(address)
         except OSError as exc:
             self._discard()
             raise EngineError("launch", f"cannot open the pool's socket {address} ({exc.strerror}): point "
                                         f"TMPDIR at a writable local directory") from None
-        env = rank_environment(env)
-        env["PATH"] = os.pathsep.join([str(Path(mpiexec).parent), env.get("PATH", "")])
-        command = [mpiexec, "-n", str(size), *worker,
-                   "--socket", str(address), "--driver-pid", str(os.getpid())]
-        self._start(command, env, listener, start_timeout)
 
-    def _prepare(self, size: int, prefix: str) -> None:
+    def _tcp_listener(self, size: int, cluster: Cluster) -> tuple[socket.socket, str]:
+        """A TCP socket the ranks of every node reach (``driver_host``); only ranks that send
+        the pool's token are taken."""
+        host = driver_host(cluster.hosts[-1])
+        try:
+            listener = socket.create_server((host, 0), backlog=size)
+        except OSError as exc:
+            self._discard()
+            raise EngineError("launch", f"cannot listen for the ranks at {host} ({exc.strerror}): set "
+                                        f"{DRIVER_ADDRESS_VARIABLE} to an address of this host the nodes "
+                                        f"reach") from None
+        return listener, protocol.tcp_address(host, listener.getsockname()[1])
+
+    def _prepare(self, size: int, prefix: str, cluster: Cluster | None = None) -> None:
         """The pool's state before any rank connects: its directory and the ranks' log."""
         self.size = size
+        self.cluster = cluster
+        self.token = secrets.token_hex(16)
         remove_stale_folders(prefix)
         self.dir = Path(tempfile.mkdtemp(prefix=prefix))
         (self.dir / OWNER_FILE).write_text(f"{os.getpid()} {_started(os.getpid())}")
@@ -207,10 +275,22 @@ class WorkerPool:
                     "launch", f"a rank was lost during start-up ({exc}). Output so far:\n{self.output_tail()}"
                 ) from None
             conn.settimeout(None)
+            if self.cluster is not None and not hmac.compare_digest(str(hello.get("token", "")), self.token):
+                conn.close()  # not one of this pool's ranks
+                continue
             self.socks[hello["rank"]] = conn
-            self.pids += [hello["pid"], hello["parent_pid"]]
+            if busy := hello.get("busy"):
+                node = self.where(hello["rank"]).partition("(")[2].rstrip(")")
+                raise NodeBusyError(f"{node} has another cptune measuring there ({busy}): one measures at a "
+                                    f"time on each node; run again when it is done")
+            if hello.get("machine") == protocol.machine_id():  # a pid means something here only
+                self.pids += [hello["pid"], hello["parent_pid"]]
             self.mpi_library = hello["mpi_library"]
             self.allocator = hello["allocator"]
+
+    def where(self, rank: int) -> str:
+        """Rank ``rank`` for a message, with its node on a cluster."""
+        return f"rank {rank}" if self.cluster is None else self.cluster.where(rank)
 
     def output_tail(self) -> str:
         self.log.flush()
@@ -246,7 +326,7 @@ class WorkerPool:
             while waiting:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    ranks = ", ".join(map(str, sorted(waiting)))
+                    ranks = ", ".join(self.where(rank) for rank in sorted(waiting))
                     advice = RAISE_RUN_DEADLINE if caller_set else FIXED_DEADLINE
                     raise EngineError(
                         "timeout",
@@ -262,12 +342,12 @@ class WorkerPool:
                     try:
                         header, arrays = protocol.receive(sock)
                     except OSError:  # closed, reset or stalled mid-message
-                        self._crashed(what, f"rank {rank} died")
+                        self._crashed(what, f"{self.where(rank)} died")
                     sock.settimeout(None)
                     if not header.get("ok"):
                         raise EngineError(
                             header.get("kind", "error"),
-                            f"rank {rank} failed running {what}:\n{header.get('error', '').rstrip()}",
+                            f"{self.where(rank)} failed running {what}:\n{header.get('error', '').rstrip()}",
                         )
                     replies[rank] = (header, arrays)
                     waiting.discard(rank)
@@ -319,6 +399,15 @@ class WorkerPool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def on_cluster(node: Hardware, cluster: Cluster | None, network: str) -> Hardware:
+    """``node`` as one of ``cluster``'s equal nodes joined by ``network`` (``node`` itself
+    without a cluster): the hosts, nodes x ranks per node and both tiers in its fingerprint."""
+    if cluster is None:
+        return node
+    return dataclasses.replace(node, host=",".join(cluster.hosts), nodes=cluster.nodes,
+                               ranks_per_node=cluster.ranks_per_node, network=network)
+
+
 class PooledEngine:
     """Base of the engines whose ranks run in a ``WorkerPool``: keeps one pool, grows it when
     a run needs more ranks, and forgets it after any failure (the pool stopped itself).
@@ -330,9 +419,11 @@ class PooledEngine:
     #: The largest relative error of an output, per workload dtype, ``measure`` accepts.
     tolerance: Mapping[str, float] = TOLERANCE
 
-    def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 60.0) -> None:
+    def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 60.0,
+                 hosts: Cluster | None = None) -> None:
         self.worker = list(worker) if worker is not None else worker_command(self.spec.worker)
         self.start_timeout = start_timeout
+        self._hosts = hosts
         self._pool: WorkerPool | None = None
         self._timed_ranks = 0
 
@@ -341,16 +432,26 @@ class PooledEngine:
         return self.spec.name
 
     @property
+    def cluster(self) -> Cluster | None:
+        """The nodes the ranks run on (``--hosts``); None: this host."""
+        return self._hosts
+
+    @property
     def device(self) -> str:
         """Where this engine's ranks run on this machine: "cpu" or "gpu"."""
         return self.spec.device
 
     def preflight(self, ranks: int) -> None:
-        """Nothing to check: CPU ranks run anywhere (more ranks than cores share them)."""
+        """On one host nothing to check: CPU ranks run anywhere (more ranks than cores share
+        them). On a cluster, ``ClusterError`` when the nodes hold fewer ranks or a host's name
+        does not resolve."""
+        if self.cluster is not None:
+            self.cluster.check_ranks(ranks)
+            self.cluster.check_reachable()
 
     def capacity(self) -> int:
-        """This host's cores: one rank each."""
-        return available_cores()
+        """This host's cores, one rank each; a cluster's ranks."""
+        return available_cores() if self.cluster is None else self.cluster.size
 
     def check_node(self, ranks: int | None = None) -> NodeVerdict:
         """Nothing only a run can tell: an empty verdict (the engine's runs are checked
@@ -358,14 +459,23 @@ class PooledEngine:
         return NodeVerdict(ranks or 1)
 
     def hardware(self) -> Hardware:
-        """This host: its CPU cores, linked by shared memory."""
-        return this_host()
+        """This host: its CPU cores, linked by shared memory; on a cluster, its nodes (each
+        taken to be like this one) and the network between them."""
+        return on_cluster(this_host(), self.cluster, self._network())
+
+    def _network(self) -> str:
+        """How this engine's ranks on different nodes reach each other (a cluster's fingerprint)."""
+        netmod = os.environ.get("MPIR_CVAR_CH4_NETMOD", "MPICH's default netmod")
+        provider = os.environ.get("FI_PROVIDER")
+        return f"MPI ({netmod}{f', libfabric {provider}' if provider else ''})"
 
     def _pool_for(self, ranks: int) -> WorkerPool:
+        self.preflight(ranks)
         if self._pool is not None and (self._pool.size < ranks or self._pool.proc.poll() is not None):
             self.close()
-        if self._pool is None:
-            self._pool = WorkerPool(ranks, self.worker, self.start_timeout, self._pool_env())
+        if self._pool is None:  # a cluster's pool has all its ranks: a start there is slow
+            size = ranks if self.cluster is None else self.cluster.size
+            self._pool = WorkerPool(size, self.worker, self.start_timeout, self._pool_env(), self.cluster)
         return self._pool
 
     def _pool_env(self) -> dict[str, str]:
@@ -414,8 +524,10 @@ class PooledEngine:
         return np.stack([replies[r][1][0] for r in range(self._timed_ranks)])
 
     def _threads(self, ranks: int) -> int:
-        """Compute threads of each of ``ranks`` ranks: its share of the cores on a CPU host."""
-        return threads_per_rank(ranks) if self.device == "cpu" else 1
+        """Compute threads of each of ``ranks`` ranks: its share of its node's cores on CPUs."""
+        if self.device != "cpu":
+            return 1
+        return threads_per_rank(ranks if self.cluster is None else min(ranks, self.cluster.ranks_per_node))
 
     def run(
         self, workload: Workload, config: CPConfig, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -428,12 +540,12 @@ class PooledEngine:
 
     def time_collective(
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
-        timeout: float,
+        timeout: float, along: str = "heads",
     ) -> np.ndarray:
         """Seconds [chunk, iteration], slowest rank, of collective ``kind`` in groups of
-        ``group`` consecutive ranks among the first ``ranks`` (all groups at once), moving
-        ``chunks[i]`` bytes per peer."""
-        header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group,
+        ``group`` ranks among the first ``ranks`` (all groups at once; consecutive ranks, or
+        strided as context groups: ``along``), moving ``chunks[i]`` bytes per peer."""
+        header = {"op": "time_collective", "kind": kind, "ranks": ranks, "group": group, "along": along,
                   "chunks": [int(c) for c in chunks], "warmup": warmup, "repeats": repeats}
         return self._time_slowest(ranks, header, timeout, f"{kind} calibration on {ranks} ranks")
 

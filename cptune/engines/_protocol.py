@@ -5,7 +5,9 @@ A message is a JSON header followed by the raw bytes of the arrays it lists (dty
 shape in the header). Nothing is pickled: a peer can only ever send data, never code.
 
 The driver's socket is a file in its pool's private folder (mode 0700, in the temporary
-directory), so only this user's processes can connect. A Unix socket's address holds at
+directory), so only this user's processes can connect. Ranks on other nodes reach the driver
+over TCP instead (``tcp://host:port``), and prove they are the pool's with a secret token
+the driver gave them through mpiexec's environment (``TOKEN_VARIABLE``). A Unix socket's address holds at
 most 107 bytes, and a cluster job's TMPDIR alone can be longer: a longer path is reached
 through a descriptor of its folder (``/proc/self/fd/N/name``), the same file by a short name.
 """
@@ -27,6 +29,13 @@ _MAX_HEADER = 16 * 2**20
 _DTYPES = {"float16", "float32", "float64", "int32", "int64", "uint8"}  # uint8: serialized graphs
 
 Message = tuple[dict[str, Any], list[np.ndarray]]
+#: The environment variable carrying a TCP pool's token to its ranks.
+TOKEN_VARIABLE = "CPTUNE_POOL_TOKEN"
+#: ... and the driver's ``machine_id``: a node's first rank on another machine takes that
+#: machine's host lock (``cptune.hostlock.hold_for_life``).
+DRIVER_MACHINE_VARIABLE = "CPTUNE_DRIVER_MACHINE"
+#: How a driver's TCP address is written where a socket path could be.
+TCP_SCHEME = "tcp://"
 #: The longest path a Unix socket address holds (Linux's sun_path, less its final NUL).
 SOCKET_PATH_MAX = 107
 
@@ -65,6 +74,30 @@ def unix_connection(path: Path) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def machine_id() -> str:
+    """Which kernel and process namespace this process runs in (its boot id and pid
+    namespace): a rank whose id is the driver's has pids the driver can signal."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def tcp_address(host: str, port: int) -> str:
+    """The address ranks connect to for a driver listening at ``host``:``port``."""
+    return f"{TCP_SCHEME}[{host}]:{port}" if ":" in host else f"{TCP_SCHEME}{host}:{port}"
+
+
+def connection(address: str) -> socket.socket:
+    """A stream socket connected to the driver at ``address``: ``tcp://host:port`` or the
+    path of a Unix socket file."""
+    if not address.startswith(TCP_SCHEME):
+        return unix_connection(Path(address))
+    host, _, port = address.removeprefix(TCP_SCHEME).rpartition(":")
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=60.0)
 
 
 def send(sock: socket.socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> None:

@@ -30,6 +30,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ from threadpoolctl import threadpool_limits
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines import engine_spec
+from cptune.hostlock import hold_for_life
 from cptune.layout import rank_coordinates
 
 
@@ -124,6 +126,18 @@ def time_each(
 
 
 
+def claim_node() -> str | None:
+    """As the first rank of a node on another machine than the driver's, take that machine's
+    host lock for this rank's life; who holds it instead, when another cptune does (the
+    driver then names the node and stops). Every other rank: None (the driver's host lock
+    covers its own machine)."""
+    local = os.environ.get("MPI_LOCALRANKID", os.environ.get("LOCAL_RANK", "0"))
+    driver = os.environ.get(protocol.DRIVER_MACHINE_VARIABLE)
+    if local != "0" or not driver or driver == protocol.machine_id():
+        return None
+    return hold_for_life()
+
+
 def rank_side(engine: str) -> ModuleType:
     """The module of ``engine``'s rank side (``EngineSpec.rank_task``), imported once."""
     module = engine_spec(engine).rank_task
@@ -141,6 +155,7 @@ class RankServer:
         self.sock = sock
         self.rank = rank
         self.allocator = "steady" if steady_allocator() else "system default"
+        self.busy = claim_node()
 
     def hello_facts(self) -> dict[str, str]:
         """What the driver records of the ranks' software: the MPI library (or launcher)."""
@@ -148,7 +163,9 @@ class RankServer:
 
     def hello(self) -> None:
         protocol.send(self.sock, {"rank": self.rank, "pid": os.getpid(), "parent_pid": os.getppid(),
-                                  "allocator": self.allocator, **self.hello_facts()})
+                                  "machine": protocol.machine_id(), "allocator": self.allocator,
+                                  "busy": self.busy,
+                                  "token": os.environ.get(protocol.TOKEN_VARIABLE, ""), **self.hello_facts()})
 
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
         raise NotImplementedError
@@ -228,11 +245,44 @@ def main(argv: list[str] | None = None, worker: Callable[[socket.socket], RankSe
     """Serve as one rank of the pool with ``worker``: this loop, or an engine's own (the
     TensorRT and torch ranks)."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--socket", required=True, help="the driver's Unix socket")
+    parser.add_argument("--socket", required=True, help="the driver's Unix socket, or tcp://host:port")
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    kill_when_gone(args.driver_pid)
-    serve_until_done(worker(protocol.unix_connection(Path(args.socket))))
+    serve_until_done(worker(connect_to_driver(args.socket, args.driver_pid)))
+
+
+def connect_to_driver(address: str, driver_pid: int) -> socket.socket:
+    """The connection to the driver at ``address`` (``protocol.connection``), this rank set
+    to end with the driver: by its pid on the driver's host (a Unix socket), by the
+    connection closing from another node (TCP)."""
+    if address.startswith(protocol.TCP_SCHEME):
+        sock = protocol.connection(address)
+        sock.settimeout(None)
+        exit_when_driver_closes(sock)
+        return sock
+    kill_when_gone(driver_pid)
+    return protocol.unix_connection(Path(address))
+
+
+def exit_when_driver_closes(sock: socket.socket) -> None:
+    """Watch ``sock``, the connection to the driver, from a daemon thread and end this
+    process as soon as the driver closes it (a rank on another node cannot watch the
+    driver's pid)."""
+    threading.Thread(target=_exit_when_closed, args=(sock,), daemon=True).start()
+
+
+def _exit_when_closed(sock: socket.socket) -> None:
+    """End this process as soon as the driver closes its connection, whatever the rank is
+    doing (a rank stuck in a collective would never read the close)."""
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.5)
+        if readable:
+            try:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    os._exit(0)
+            except OSError:
+                os._exit(0)
+            time.sleep(0.5)  # a request waits for the serving loop: look again later
 
 
 def serve_until_done(rank: RankServer) -> None:

@@ -1,11 +1,21 @@
 """The hardware a measurement or a recommendation is for.
 
-``this_host()`` is the machine cptune runs on, reduced to a fingerprint (``Hardware``);
+``this_host()`` is the machine cptune runs on, reduced to a fingerprint (``Hardware``); a
+``Cluster`` is the nodes a search runs on when they are several (``--hosts``);
 ``load_description`` reads a topology description of hardware the user does not have (a
 shipped name such as "h100-sxm-8", or a TOML file); ``shipped_descriptions`` loads every
 shipped one (``cptune hardware``).
 """
 
+from cptune.hardware._cluster import (
+    TIERS,
+    Cluster,
+    ClusterError,
+    heads_span_nodes,
+    parse_hosts,
+    read_hostfile,
+    tier_of,
+)
 from cptune.hardware._description import NCCL_PATHS, Figure, HardwareDescription, LinkTier
 from cptune.hardware._host import (
     GpuInfo,
@@ -24,6 +34,13 @@ from cptune.hardware._loading import (
 )
 
 __all__ = [
+    "Cluster",
+    "ClusterError",
+    "TIERS",
+    "heads_span_nodes",
+    "parse_hosts",
+    "read_hostfile",
+    "tier_of",
     "GpuInfo",
     "Figure",
     "Hardware",

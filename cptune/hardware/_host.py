@@ -34,16 +34,34 @@ class Hardware:
     mpi_library: str | None
     nccl_version: str | None = None
     tensorrt_version: str | None = None
+    #: A cluster: its nodes, the ranks each runs, and the link between nodes
+    #: (``interconnect`` is then the link inside one node). One node: 1, None, None.
+    nodes: int = 1
+    ranks_per_node: int | None = None
+    network: str | None = None
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """A stable 16-hex-digit hash of every field (computed once: recommendations ask often)."""
-        canonical = json.dumps(asdict(self), sort_keys=True)
+        """A stable 16-hex-digit hash of every field (computed once: recommendations ask
+        often). A cluster's fields count only on a cluster, so one node's fingerprint is what
+        it was before clusters were measured."""
+        facts = asdict(self)
+        if self.nodes == 1 and self.ranks_per_node is None and self.network is None:
+            for key in _CLUSTER_FIELDS:
+                del facts[key]
+        canonical = json.dumps(facts, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         devices = f"{self.gpu_count}x {self.gpu_model}" if self.gpu_model else f"{self.cpu_count} CPU cores"
-        return f"{self.host}: {devices}, {self.interconnect}"
+        if self.nodes == 1:
+            return f"{self.host}: {devices}, {self.interconnect}"
+        return (f"{self.host}: {self.nodes} nodes x {self.ranks_per_node} ranks ({devices} each), "
+                f"{self.interconnect} inside a node, {self.network} across nodes")
+
+
+#: The fields only a cluster sets.
+_CLUSTER_FIELDS = ("nodes", "ranks_per_node", "network")
 
 
 def mpi_library() -> str | None:

@@ -28,11 +28,13 @@ from cptune.model._prior import (
     computed_flops,
     prior_ties,
     prior_time,
+    tier_split,
 )
 from cptune.model._recommend import (
     Candidate,
     MeasuredHost,
     Recommendation,
+    TierDecision,
     correction_decision_of,
     hardware_profile,
     predict_for,
@@ -52,6 +54,7 @@ __all__ = [
     "Profile",
     "Recommendation",
     "Tie",
+    "TierDecision",
     "TrainingSet",
     "compare",
     "computed_flops",
@@ -68,5 +71,6 @@ __all__ = [
     "STRUCTURE",
     "prior_time",
     "recommend",
+    "tier_split",
     "training_set",
 ]

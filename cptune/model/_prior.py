@@ -39,6 +39,7 @@ ranks, hardware that is only calibrated or only described.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ from cptune.calibration import Calibration
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
 from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
-from cptune.hardware import Hardware, HardwareDescription
+from cptune.hardware import TIERS, Hardware, HardwareDescription, tier_of
 from cptune.kernels import check_kernel, computed_pairs
 from cptune.layout import Groups, SequenceLayout, rank_groups
 from cptune.workload import Workload
@@ -113,6 +114,10 @@ class Profile(Protocol):
 
     def describe(self) -> str: ...
 
+    @property
+    def ranks_per_node(self) -> int | None:
+        """Ranks per node on hardware of several nodes (ranks fill them in order); None on one."""
+
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         """Attention FLOP/s of one rank doing ``flops`` of work per call when ``ranks`` ranks
         compute at once."""
@@ -141,13 +146,41 @@ class StoredHost:
 
 @dataclass(frozen=True)
 class CalibratedProfile(StoredHost):
-    """A host with a stored calibration (measured rates)."""
+    """A host with a stored calibration (measured rates). A cluster's may be read for
+    ``nodes`` x ``ranks_per_node`` it never ran (``resized``): the same nodes and links, each
+    collective at the rates its tier measured."""
 
     calibration: Calibration
+    #: (nodes, ranks per node) it is read for, when not the measured cluster's own.
+    shape: tuple[int, int] | None = field(default=None, kw_only=True)
+
+    def resized(self, nodes: int, ranks_per_node: int) -> CalibratedProfile:
+        """This calibrated cluster read for ``nodes`` x ``ranks_per_node`` ranks; ``ValueError``
+        for a host of one node, or one whose calibration never crossed nodes."""
+        if self.hardware.nodes == 1 or "network" not in self.calibration.tiers:
+            raise ValueError(f"{self.hardware.describe()} is one node: only a calibrated cluster (cptune "
+                             f"calibrate --hosts) can be read for other nodes x ranks per node")
+        if nodes < 2 or ranks_per_node < 1:
+            raise ValueError(f"a cluster has 2 nodes or more of a rank or more, not {nodes}x{ranks_per_node}")
+        return dataclasses.replace(self, shape=(nodes, ranks_per_node))
+
+    @property
+    def fingerprint(self) -> str:
+        """The measured hardware's; read at another shape, another one (its measurements
+        ran at the measured shape, so none of them answers for this one)."""
+        if self.shape is None:
+            return self.hardware.fingerprint
+        return f"{self.hardware.fingerprint}@{self.shape[0]}x{self.shape[1]}"
 
     @property
     def max_ranks(self) -> int:
+        if self.shape is not None:
+            return self.shape[0] * self.shape[1]
         return self.calibration.max_ranks
+
+    @property
+    def ranks_per_node(self) -> int | None:
+        return self.shape[1] if self.shape is not None else self.hardware.ranks_per_node
 
     def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
         wire = workload.wire_dtype
@@ -190,13 +223,17 @@ class CalibratedProfile(StoredHost):
         return self.calibration.spec.position_calls
 
     def describe(self) -> str:
-        return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at})"
+        read_as = "" if self.shape is None else (f", read for {self.shape[0]} nodes x {self.shape[1]} ranks "
+                                                  f"from its tiers")
+        return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at}{read_as})"
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         return self.calibration.attention_rate(ranks, workload.head_dim, workload.causal, flops)
 
     def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
-        fit = self.calibration.collective(kind, ranks, len(groups[0]))
+        """At the rates of the calibrated groups of this size whose traffic crossed the same
+        tier as ``groups`` (``cptune.hardware.tier_of``)."""
+        fit = self.calibration.collective(kind, ranks, len(groups[0]), tier_of(groups, self.ranks_per_node))
         return calls * fit.latency_s + nbytes / fit.bandwidth
 
 
@@ -250,6 +287,10 @@ class DescribedProfile:
 
     def describe(self) -> str:
         return self.description.describe()
+
+    @property
+    def ranks_per_node(self) -> int | None:
+        return self.description.ranks_per_node if self.description.nodes > 1 else None
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         """Per (query, key) pair and head the kernel does 4 * head_dim GEMM FLOPs and one
@@ -379,6 +420,19 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
                      overhead_s=launch * kernels)
+
+
+def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[str, float]:
+    """The prior's seconds of ``config`` by where they go: "compute" (attention, memory-bound
+    steps, launches) and each link tier its exchanges cross (``cptune.hardware.TIERS``):
+    Ulysses' all-to-all over its head groups' tier, the context exchange over theirs."""
+    time = prior_time(workload, config, profile)
+    heads, context = rank_groups(config)
+    split = dict.fromkeys(("compute", *TIERS), 0.0)
+    split["compute"] = float(time.compute_s + time.memory_s + time.overhead_s)
+    split[tier_of(heads, profile.ranks_per_node)] += float(time.all_to_all_s)
+    split[tier_of(context, profile.ranks_per_node)] += float(time.all_gather_s + time.ring_exposed_s)
+    return split
 
 
 # --------------------------------------------------------------------------- what is known

@@ -44,7 +44,15 @@ from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
 from cptune.model._evaluation import CorrectionDecision, fit_advised
-from cptune.model._prior import CalibratedProfile, DescribedProfile, Profile, StoredHost, Tie, prior_ties
+from cptune.model._prior import (
+    CalibratedProfile,
+    DescribedProfile,
+    Profile,
+    StoredHost,
+    Tie,
+    prior_ties,
+    tier_split,
+)
 from cptune.store import Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
@@ -76,6 +84,44 @@ class Candidate:
         }
 
 
+#: What a tier decision names each part of the prior's time: as the decider, and in a list.
+_PARTS = {"compute": "compute (attention, memory-bound steps, launches)",
+          "node": "the links inside a node", "network": "the network between nodes"}
+_SHORT = {"compute": "compute", "node": "inside a node", "network": "across nodes"}
+
+
+@dataclass(frozen=True)
+class TierDecision:
+    """On hardware of several nodes: the prior's seconds of the pick and of the runner-up by
+    where they go (``cptune.model.tier_split``), and the part that decides between them: the
+    one the runner-up loses most in (the pick's largest part when nothing runs up)."""
+
+    pick: Mapping[str, float]
+    runner_up: CPConfig | None
+    runner_up_split: Mapping[str, float]
+
+    @property
+    def deciding(self) -> str:
+        """"compute", "node" or "network" (``cptune.hardware.TIERS``)."""
+        if self.runner_up is None:
+            return max(self.pick, key=lambda part: self.pick[part])
+        return max(self.pick, key=lambda part: self.runner_up_split[part] - self.pick[part])
+
+    def describe(self) -> str:
+        ms = ", ".join(f"{_SHORT[part]} {self.pick[part] * 1e3:.3g} ms" for part in self.pick)
+        if self.runner_up is None:
+            return f"{_PARTS[self.deciding]} decides (the prior's time of the pick: {ms})"
+        lost = (self.runner_up_split[self.deciding] - self.pick[self.deciding]) * 1e3
+        return (f"{_PARTS[self.deciding]} decides: the runner-up, {self.runner_up.describe()}, spends "
+                f"{lost:.3g} ms more there (the prior's time of the pick: {ms})")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"deciding": self.deciding, "pick_s": dict(self.pick),
+                "runner_up": None if self.runner_up is None else {**self.runner_up.to_dict(),
+                                                                  "label": self.runner_up.label},
+                "runner_up_s": dict(self.runner_up_split), "describe": self.describe()}
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
@@ -99,6 +145,8 @@ class Recommendation:
     #: The description's figures the path NCCL takes through a CPU would settle, where it is not
     #: given (``HardwareDescription.path_figures``).
     path_figures: tuple[str, ...] = ()
+    #: On hardware of several nodes, which part of the prior's time decides the pick.
+    tiers: TierDecision | None = None
 
     @property
     def best(self) -> Candidate:
@@ -182,6 +230,7 @@ class Recommendation:
             "settle": " ".join(self.settling_search()) or None,
             "nccl_path_decides": self.path_decides,
             "unpredicted": [{**c.to_dict(), "label": c.label} for c in self.unpredicted],
+            "tiers": None if self.tiers is None else self.tiers.to_dict(),
             "verdict": self.describe(),
             "comparisons": [] if self.verdict is None else [
                 {**c.other.to_dict(), "label": c.other.label, "ratio": c.ratio, "low": c.low, "high": c.high,
@@ -195,6 +244,10 @@ class Recommendation:
 class MeasuredHost(StoredHost):
     """A host with measurements and no calibration (``cptune search --no-calibrate``): what
     was measured there can be compared, nothing predicted."""
+
+    @property
+    def ranks_per_node(self) -> int | None:
+        return self.hardware.ranks_per_node
 
     @property
     def max_ranks(self) -> int:
@@ -380,10 +433,11 @@ def _advisor(db: str | None) -> _Advisor:
 
 
 def hardware_profile(hardware: str | None = None, db: str | None = None, backend: str = "mpi",
-                     figures: Mapping[str, float] | None = None,
-                     nccl_path: str | None = None) -> Profile | MeasuredHost:
+                     figures: Mapping[str, float] | None = None, nccl_path: str | None = None,
+                     nodes: int | None = None, ranks: int | None = None) -> Profile | MeasuredHost:
     """The profile ``recommend`` uses for ``hardware`` (same arguments)."""
-    return _advisor(db).profile(hardware, backend, figures, nccl_path)
+    profile = _advisor(db).profile(hardware, backend, figures, nccl_path)
+    return profile if nodes is None else _resized(profile, nodes, ranks)
 
 
 def correction_decision_of(db: str | None = None) -> CorrectionDecision:
@@ -400,6 +454,7 @@ def recommend(
     backend: str = "mpi",
     figures: Mapping[str, float] | None = None,
     nccl_path: str | None = None,
+    nodes: int | None = None,
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
@@ -413,9 +468,14 @@ def recommend(
     in the file's units, e.g. {"links.node.bandwidth_gbps.all_to_all": 17}), each range closed
     at that value. ``nccl_path``: how NCCL moves data between the description's GPUs that reach
     each other only through a CPU, "shm" (host memory) or "p2p" (``cptune.hardware.NCCL_PATHS``
-    says which NCCL versions and CPUs take which); None leaves both open."""
+    says which NCCL versions and CPUs take which); None leaves both open. ``nodes``: a
+    calibrated cluster read for that many nodes sharing ``ranks`` (a size it never ran;
+    ``CalibratedProfile.resized``). On hardware of several nodes the recommendation says which
+    tier decides (``TierDecision``)."""
     advisor = _advisor(db)
     profile = advisor.profile(hardware, backend, figures, nccl_path)
+    if nodes is not None:
+        profile = _resized(profile, nodes, ranks)
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
@@ -468,7 +528,32 @@ def recommend(
         ties=() if isinstance(profile, MeasuredHost) else _ties(workload, profile, candidates),
         verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
         path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
+        tiers=None if isinstance(profile, MeasuredHost) else _tier_decision(workload, profile, candidates),
     )
+
+
+def _resized(profile: Profile | MeasuredHost, nodes: int, ranks: int | None) -> CalibratedProfile:
+    """``profile``, a calibrated cluster, read for ``nodes`` nodes sharing ``ranks``."""
+    if ranks is None or ranks % nodes:
+        raise CPTuneError(f"--nodes {nodes} reads a calibrated cluster for {nodes} nodes sharing --ranks: "
+                          f"give --ranks, a multiple of {nodes} (--nodes 2 --ranks 16: 2 nodes x 8 ranks)")
+    if not isinstance(profile, CalibratedProfile):
+        raise CPTuneError(f"--nodes reads a calibrated cluster for another size, and {profile.describe()} is "
+                          f"not one: name a cluster's fingerprint with --hardware, or drop --nodes")
+    try:
+        return profile.resized(nodes, ranks // nodes)
+    except ValueError as exc:
+        raise CPTuneError(str(exc)) from None
+
+
+def _tier_decision(workload: Workload, profile: Profile, candidates: list[Candidate]) -> TierDecision | None:
+    """Which part of the prior's time decides the pick, on hardware of several nodes."""
+    if profile.ranks_per_node is None:
+        return None
+    pick = candidates[0].config
+    runner_up = candidates[1].config if len(candidates) > 1 else None
+    return TierDecision(tier_split(workload, pick, profile), runner_up,
+                        {} if runner_up is None else tier_split(workload, runner_up, profile))
 
 
 def _unmeasured(workload: Workload, ranks: int | None, host: MeasuredHost, advisor: _Advisor, backend: str

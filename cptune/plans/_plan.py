@@ -95,6 +95,9 @@ class Bucket:
     #: Every other configuration ranked at ``seq_len``, fastest first (empty in plans written
     #: before they were kept): what a framework that cannot run ``config`` takes instead.
     alternatives: tuple[Alternative, ...] = ()
+    #: On hardware of several nodes, which part of the prior's time decides the pick
+    #: (``cptune.model.TierDecision``), in words; None on one node.
+    decided_by: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -103,7 +106,7 @@ class Bucket:
             "interval_ms": list(self.interval_ms), "source": self.source,
             "measurement_ids": list(self.measurement_ids), "tied": [c.to_dict() for c in self.tied],
             "alternatives": [a.to_dict() for a in self.alternatives],
-        }
+        } | ({} if self.decided_by is None else {"decided_by": self.decided_by})
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ def launch_for(ranks: int, ranks_per_node: int, gpus: bool) -> Launch:
     mpiexec = ["mpiexec", "-n", str(ranks)] + (["-ppn", str(per_node)] if nodes > 1 else [])
     srun = ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}"]
     torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
+    if nodes > 1:  # every node's torchrun meets at the first node's agent (set MASTER_ADDR to it)
+        torchrun += ["--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500", "--rdzv-id=cptune"]
     if gpus:
         srun.append("--gpus-per-task=1")
     devices = tuple(
@@ -476,6 +481,7 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
         buckets.append(Bucket(
             entry["min_seq_len"], entry["max_seq_len"], entry["seq_len"], config, entry["latency_ms"],
             (low, high), entry["source"], tuple(entry["measurement_ids"]), tuple(tied), tuple(alternatives),
+            entry.get("decided_by"),
         ))
     launch = data["launch"]
     devices = tuple(Device(**d) for d in launch["devices"])

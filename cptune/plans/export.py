@@ -48,30 +48,34 @@ def export_plan(
     backend: str = "mpi",
     figures: Mapping[str, float] | None = None,
     nccl_path: str | None = None,
+    nodes: int | None = None,
 ) -> Plan:
     """A plan for ``workloads`` (one attention shape at several sequence lengths): the
     ``recommend`` pick at each length (same ``ranks``, ``hardware``, ``db``, ``strategies``)
     with its evidence, and the launch of as many ranks as the largest pick uses. ``backend``:
     the engine whose view of this host ``hardware`` None means, ``figures`` a description's
-    figures measured on the machine and ``nccl_path`` the path NCCL takes there (``recommend``)."""
+    figures measured on the machine and ``nccl_path`` the path NCCL takes there, ``nodes`` a
+    calibrated cluster read for that many nodes sharing ``ranks`` (``recommend``)."""
     if not workloads:
         raise CPTuneError("a plan needs at least one sequence length")
     shape = workloads[0].shape
     if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
-    profile = hardware_profile(hardware, db, backend, figures, nccl_path)
+    profile = hardware_profile(hardware, db, backend, figures, nccl_path, nodes, ranks)
     lengths = sorted({w.seq_len for w in workloads})
     buckets = []
     for seq_len, (low, high) in zip(lengths, bucket_bounds(lengths), strict=True):
-        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies, backend, figures, nccl_path)
+        pick = recommend(shape.at(seq_len), ranks, hardware, db, strategies, backend, figures, nccl_path,
+                         nodes)
         # the pick's measurements first, then those it was judged against; none when predicted
         ids = [i for c in pick.candidates for i in c.measurement_ids]
         evidence = tuple(ids) if pick.source == "measured" else ()
         ranked = tuple(Alternative(c.config, c.latency_ms, (c.low_ms, c.high_ms), c.source)
                        for c in pick.alternatives)
+        decided_by = None if pick.tiers is None else pick.tiers.describe()
         buckets.append(Bucket(low, high, seq_len, pick.config, pick.latency_ms, pick.interval_ms,
-                              pick.source, evidence, pick.tied, ranked))
+                              pick.source, evidence, pick.tied, ranked, decided_by))
     # every listed configuration, tied alternatives too, can run within the launch
     used = max(c.ranks for b in buckets for c in (b.config, *b.tied))
     if isinstance(profile, DescribedProfile):
@@ -82,7 +86,7 @@ def export_plan(
         assert isinstance(profile, CalibratedProfile | MeasuredHost)
         engine = profile.calibration.engine if isinstance(profile, CalibratedProfile) else backend
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "host", None, engine)
-        launch = launch_for(used, used, gpus=profile.hardware.gpu_count > 0)
+        launch = launch_for(used, profile.ranks_per_node or used, gpus=profile.hardware.gpu_count > 0)
     return Plan(
         hardware=plan_hardware, shape=shape, buckets=tuple(buckets), launch=launch,
         cptune_version=__version__, created_at=datetime.now(UTC).isoformat(timespec="seconds"),

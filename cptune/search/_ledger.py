@@ -101,7 +101,7 @@ def read_ledger(store: Store, workload: Workload, hardware: Hardware, configs: l
     stored = store.results(**workload.to_dict(), hardware=hardware.fingerprint)
     wanted = set(configs)
     counted = [r for r in stored if not r.excluded and r.config in wanted and r.engine == engine
-               and r.oversubscribed == oversubscribed(r.config.ranks)]
+               and r.oversubscribed == oversubscribed(r.config.ranks, hardware.ranks_per_node)]
     own = counted if sittings is None else [
         r for r in counted if r.round_id is not None and sitting_of(r.round_id) in sittings]
     tally: dict[CPConfig, Tally] = {}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cptune.calibration import REPEATS, ROUNDS, Calibration, calibrate
 from cptune.config import CPConfig
-from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, untimed
+from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, ranks_per_node, untimed
 from cptune.errors import CPTuneError
 from cptune.estimate import Verdict
 from cptune.execute import rank_memory_limit
@@ -29,7 +29,7 @@ from cptune.feasibility import enumerate_configs, feasibility
 from cptune.frameworks import FrameworkError, check_engine, get_framework
 from cptune.guard import enabled as guard_enabled
 from cptune.guard import patience_s
-from cptune.hardware import Hardware
+from cptune.hardware import Hardware, heads_span_nodes
 from cptune.hostlock import measuring
 from cptune.search._visits import Visit
 from cptune.search._workload import WorkloadSearch
@@ -150,6 +150,7 @@ def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, ov
     counts = tuple(n for n in space.rank_counts(available) if max_ranks is None or n <= max_ranks)
     if not counts:
         raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
+    engine.preflight(max(counts))  # on a cluster: the nodes hold them all
     over = ", ".join(str(n) for n in counts if n > cores)
     if over and engine.device == "cpu":  # a GPU engine's preflight refuses more ranks than GPUs
         refuse_oversubscription(f"ranks {over} of {space.origin}", cores, oversubscribe)
@@ -221,6 +222,7 @@ def search_space(
     runs = _framework_filter(framework, engine.name, space, max(counts))
     engine.preflight(max(counts))
     hardware = engine.hardware()
+    per_node = ranks_per_node(engine)
     told = progress or SearchProgress()
     with _measuring_into(db, share) as store:  # one measuring process per host: a second one waits
         run = SpaceSearch(
@@ -242,7 +244,8 @@ def search_space(
         for workload in space.workloads():
             configs = [c for c in enumerate_configs(workload, max(counts), space.strategies)
                        if c.ranks in counts and not feasibility(workload, c, memory_limit(c.ranks))
-                       and runs(workload, c)]
+                       and runs(workload, c)
+                       and not (space.within_node_heads and heads_span_nodes(c, per_node))]
             if run.node is not None:
                 configs = _allowed(run, workload, configs, told)
                 if not configs:

@@ -514,8 +514,9 @@ class WorkloadSearch:
         """Store one visit's ``outcome`` (a failure with its reason) and report it."""
         if isinstance(outcome, EngineError):
             engine = get_engine(self.backend).name
+            shared = oversubscribed(config.ranks, self.hardware.ranks_per_node)
             self.store.add_failure(self.hardware, self.workload, config, outcome.kind, str(outcome), engine,
-                                   oversubscribed=oversubscribed(config.ranks), round_id=round_id)
+                                   oversubscribed=shared, round_id=round_id)
             visit = Visit(config, outcome.kind, None, str(outcome), reused=False, phase=phase,
                           round_id=round_id)
         else:

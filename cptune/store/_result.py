@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cptune.config import CPConfig
+from cptune.hardware import heads_span_nodes
 from cptune.measurement import STATUSES
 from cptune.workload import Workload
 
@@ -16,6 +17,7 @@ RESULT_COLUMNS = (
     "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy",
     "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms", "peak_bytes",
     "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
+    "heads_span_nodes",
 )
 
 
@@ -44,6 +46,14 @@ class Result:
     round_id: str | None = None
     #: Why the contention guard judged the run disturbed; None when it ran clean.
     disturbed: str | None = None
+    #: Ranks per node of the cluster it ran on (None: one node).
+    ranks_per_node: int | None = None
+
+    @property
+    def heads_span_nodes(self) -> bool:
+        """Whether its head groups spanned nodes (``cptune.hardware.heads_span_nodes``): its
+        all-to-all then crossed the network."""
+        return heads_span_nodes(self.config, self.ranks_per_node)
 
     @property
     def clean(self) -> bool:
@@ -57,7 +67,7 @@ class Result:
             "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
             "max_error": self.max_error, "error": self.error, "engine": self.engine,
             "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
-            "round_id": self.round_id, "disturbed": self.disturbed,
+            "round_id": self.round_id, "disturbed": self.disturbed, "heads_span_nodes": self.heads_span_nodes,
         }
 
 

@@ -46,6 +46,9 @@ class HardwareRow(Base):
     mpi_library: Mapped[str | None] = mapped_column(String(255))
     nccl_version: Mapped[str | None] = mapped_column(String(64))
     tensorrt_version: Mapped[str | None] = mapped_column(String(64))
+    nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    ranks_per_node: Mapped[int | None] = mapped_column(Integer)
+    network: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
     def to_hardware(self) -> Hardware:
@@ -53,6 +56,7 @@ class HardwareRow(Base):
             host=self.host, cpu_model=self.cpu_model, cpu_count=self.cpu_count, gpu_model=self.gpu_model,
             gpu_count=self.gpu_count, interconnect=self.interconnect, mpi_library=self.mpi_library,
             nccl_version=self.nccl_version, tensorrt_version=self.tensorrt_version,
+            nodes=self.nodes, ranks_per_node=self.ranks_per_node, network=self.network,
         )
 
 

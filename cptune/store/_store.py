@@ -166,7 +166,7 @@ def _alembic() -> tuple[Config, ScriptDirectory]:
 #: The newest schema revision cptune's migrations (db/versions) make; tests/test_store.py holds
 #: it to Alembic's head. A database already at it is opened without loading Alembic (0.4 s of
 #: every command).
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 
 
 def _revision(connection: Connection) -> str | None:
@@ -679,4 +679,5 @@ def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
         max_error=m.max_error, error=m.error, engine=m.engine,
         measured_at=_utc(m.measured_at).isoformat(timespec="seconds"),
         oversubscribed=m.oversubscribed, excluded=m.excluded, round_id=m.round_id, disturbed=m.disturbed,
+        ranks_per_node=h.ranks_per_node,
     )

@@ -259,8 +259,14 @@ def _step_case(step: dict[str, Any], threads: int) -> Callable[[], object]:
 
 
 def _time_collective(worker: Worker, header: dict) -> protocol.Message:
-    comms = worker.comms_for(header["ranks"], header["group"])
-    cases = [_collective(header["kind"], comms["heads"], chunk) for chunk in header["chunks"]]
+    ranks, group = header["ranks"], header["group"]
+    if header.get("along", "heads") == "heads":
+        comms = worker.comms_for(ranks, group)
+        members = comms["heads"]
+    else:  # strided, as the context groups of head groups of ranks / group
+        comms = worker.comms_for(ranks, ranks // group)
+        members = comms["context"]
+    cases = [_collective(header["kind"], members, chunk) for chunk in header["chunks"]]
     return {}, [time_each(cases, comms["all"], header["warmup"], header["repeats"])]
 
 

@@ -71,6 +71,7 @@ class OnnxEngine(PooledEngine):
         warmup: int,
         repeats: int,
         timeout: float,
+        along: str = "heads",
     ) -> np.ndarray:
         raise untimed(self.name)
 

@@ -155,10 +155,11 @@ class TensorRTEngine(PooledEngine):
 
     def time_collective(
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,
-        timeout: float,
+        timeout: float, along: str = "heads",
     ) -> np.ndarray:
         """Seconds [chunk, iteration], slowest rank, of one DistCollective ``kind`` layer in
-        groups of ``group`` consecutive ranks, ``chunks[i]`` bytes per peer."""
+        groups of ``group`` consecutive ranks, ``chunks[i]`` bytes per peer (one node: every
+        layout crosses the same links, so ``along`` changes nothing)."""
         case = {"collective": kind, "group": group, "chunks": [int(c) for c in chunks]}
         return self._time_cases(ranks, case, warmup, repeats, timeout, f"{kind} calibration on {ranks} GPUs")
 

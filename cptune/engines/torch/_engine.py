@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
@@ -18,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from cptune.engines import ENGINES, BackendUnavailableError
-from cptune.engines._pool import PooledEngine, WorkerPool
-from cptune.hardware import Hardware, list_gpus, this_gpu_node, this_host
+from cptune.engines._pool import PooledEngine, WorkerPool, driver_host, on_cluster
+from cptune.hardware import Cluster, Hardware, list_gpus, this_gpu_node, this_host
 from cptune.measurement import available_cores
 from cptune.reference import REAL_BF16_TOLERANCE
 
@@ -36,8 +37,9 @@ class TorchEngine(PooledEngine):
     #: bf16 is real bfloat16 here.
     tolerance: Mapping[str, float] = REAL_BF16_TOLERANCE
 
-    def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 120.0) -> None:
-        super().__init__(worker, start_timeout)
+    def __init__(self, worker: Sequence[str] | None = None, start_timeout: float = 120.0,
+                 hosts: Cluster | None = None) -> None:
+        super().__init__(worker, start_timeout, hosts)
         self._ran_with: dict[str, str] = {}
         self._store: Any = None  # the pools' rendezvous (a torch TCPStore), opened with the first
         self._worlds = 0
@@ -71,19 +73,35 @@ class TorchEngine(PooledEngine):
         """``BackendUnavailableError`` when PyTorch is missing, when ``ranks`` exceeds the
         ranks the user launched, or on a GPU node its GPUs (NCCL takes one GPU per rank)."""
         gpus = self._torch[1]
+        if self.launched is not None and self._hosts is not None:
+            raise BackendUnavailableError("--hosts with ranks torchrun or srun launched: the launcher placed "
+                                          "them already; drop --hosts")
+        super().preflight(ranks)
+        on_a_node = ranks if self.cluster is None else min(ranks, self.cluster.ranks_per_node)
+        if gpus and on_a_node > gpus:
+            raise BackendUnavailableError(
+                f"{on_a_node} ranks on a node need {on_a_node} GPUs (one per rank) and PyTorch sees {gpus} "
+                f"here: ask for at most {gpus} rank{'s' if gpus != 1 else ''} per node")
         if self.launched is not None and ranks > self.launched.size:
             raise BackendUnavailableError(
                 f"{ranks} ranks asked and {self.launched.size} were launched: launch {ranks} "
                 f"(torchrun --nproc-per-node {ranks}), or ask for at most {self.launched.size}")
-        if gpus and ranks > gpus:
-            raise BackendUnavailableError(
-                f"{ranks} ranks need {ranks} GPUs (one per rank) and PyTorch sees {gpus} here: "
-                f"ask for at most {gpus} rank{'s' if gpus != 1 else ''}")
+
+    @property
+    def cluster(self) -> Cluster | None:
+        """The nodes the ranks run on: ``--hosts``', or those torchrun or srun launched them on."""
+        if self._hosts is None and self.launched is not None:
+            from cptune.engines.torch._launch import launched_cluster
+
+            return launched_cluster(self.launched)
+        return self._hosts
 
     def capacity(self) -> int:
         """The ranks the user launched; else this machine's GPUs, or its cores where it has none."""
         if self.launched is not None:
             return self.launched.size
+        if self.cluster is not None:
+            return self.cluster.size
         return self._torch[1] or available_cores()
 
     def hardware(self) -> Hardware:
@@ -92,12 +110,22 @@ class TorchEngine(PooledEngine):
         if not self._torch[1]:
             # gloo talks over TCP on loopback, not MPI's shared memory: another stack, so
             # another fingerprint (its rows and calibration never mix with the mpi engine's)
-            return dataclasses.replace(this_host(), interconnect=GLOO_LINK, mpi_library=None)
+            node = dataclasses.replace(this_host(), interconnect=GLOO_LINK, mpi_library=None)
+            return on_cluster(node, self.cluster, self._network())
         try:
-            return dataclasses.replace(this_gpu_node(list_gpus()), mpi_library=None, tensorrt_version=None)
+            node = dataclasses.replace(this_gpu_node(list_gpus()), mpi_library=None, tensorrt_version=None)
+            return on_cluster(node, self.cluster, self._network())
         except (OSError, ValueError) as exc:
             raise BackendUnavailableError(f"cannot read this node's GPU facts for its fingerprint ({exc}); "
                                           f"check that nvidia-smi works here") from None
+
+    def _network(self) -> str:
+        """How ranks on different nodes reach each other: NCCL between GPUs, gloo over TCP
+        (on the interface ``GLOO_SOCKET_IFNAME`` names, else the host name's)."""
+        if self._torch[1]:
+            return "NCCL"
+        interface = os.environ.get("GLOO_SOCKET_IFNAME", "the host name's interface")
+        return f"gloo over TCP ({interface})"
 
     def _pool_for(self, ranks: int) -> WorkerPool:
         """The pool, after ``preflight`` (a library caller gets the command line's reason):
@@ -119,10 +147,11 @@ class TorchEngine(PooledEngine):
         prefix per pool (a pool after a failure is a new world)."""
         import torch.distributed as dist
 
+        host = "127.0.0.1" if self.cluster is None else driver_host(self.cluster.hosts[-1])
         if self._store is None:
-            self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+            self._store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False)
         self._worlds += 1
-        return {"CPTUNE_TORCH_STORE": f"127.0.0.1:{self._store.port}",
+        return {"CPTUNE_TORCH_STORE": f"{host}:{self._store.port}",
                 "CPTUNE_TORCH_WORLD": f"world-{self._worlds}"}
 
     def _ran(self, replies: dict, ranks: int) -> tuple[list[np.ndarray], list[int]]:

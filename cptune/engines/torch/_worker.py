@@ -33,13 +33,18 @@ import torch.distributed as dist
 
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
-from cptune.engines._worker import RankServer, kill_when_gone, serve_until_done
+from cptune.engines._worker import (
+    RankServer,
+    connect_to_driver,
+    exit_when_driver_closes,
+    kill_when_gone,
+    serve_until_done,
+)
 from cptune.engines.torch._kernels import CHOOSER, software
 from cptune.engines.torch._launch import (
     Launched,
     connect,
     driver_address,
-    exit_when_driver_closes,
     launched_ranks,
     launched_world,
 )
@@ -187,8 +192,11 @@ class TorchRank(RankServer):
         """One ``kind`` collective per chunk size, in groups of ``group`` consecutive ranks,
         as ``TorchOps`` runs it: all-to-all and all-gather with their copies into send order
         and out of receive order, the Ring's stream step as one send and one receive."""
-        kind = header["kind"]
-        pg = self.group(head_group_members(self.rank, header["group"]))
+        kind, ranks, group = header["kind"], header["ranks"], header["group"]
+        if header.get("along", "heads") == "heads":
+            pg = self.group(head_group_members(self.rank, group))
+        else:  # strided, as the context groups of head groups of ranks / group
+            pg = self.group(context_group_members(self.rank, ranks // group, ranks))
         assert pg is not None, "collectives are timed in groups of two or more ranks"
         members = dist.get_world_size(pg)
         cases: list[Callable[..., object]] = []  # lambdas binding their tensors as defaults
@@ -299,9 +307,11 @@ class RankTask:
 def serve_launched(launch: Launched) -> None:
     """Serve as launched rank ``launch.rank`` > 0 once the driver needs it; returns (and the
     process exits) when the driver never does."""
-    address = driver_address(launch)
-    if address is None:
+    driver = driver_address(launch)
+    if driver is None:
         return
+    # the token is shown in this rank's hello; the driver's machine says whose host lock to take
+    address, os.environ[protocol.TOKEN_VARIABLE], os.environ[protocol.DRIVER_MACHINE_VARIABLE] = driver
     device, backend = join_world(launched_world(launch), launch.rank, launch.size, launch.local_rank)
     sock = connect(address)
     sock.settimeout(None)
@@ -314,17 +324,17 @@ def main(argv: list[str] | None = None) -> None:
     user launched with torchrun, started by the driver (``_launch``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--socket", help="the driver's Unix socket (a pool mpiexec started)")
+    where.add_argument("--socket", help="the driver's Unix socket or tcp://host:port (ranks mpiexec started)")
     where.add_argument("--driver", help="the driver's host:port (rank 0 of launched ranks)")
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    kill_when_gone(args.driver_pid)
     if args.socket:
         rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
         store = store_at(os.environ["CPTUNE_TORCH_STORE"], os.environ["CPTUNE_TORCH_WORLD"])
         device, backend = join_world(store, rank, size, int(os.environ.get("MPI_LOCALRANKID", rank)))
-        sock = protocol.unix_connection(Path(args.socket))
+        sock = connect_to_driver(args.socket, args.driver_pid)
     else:  # rank 0 of ranks the user launched: the others join from their own cptune (serve_launched)
+        kill_when_gone(args.driver_pid)
         launch = launched_ranks()
         assert launch is not None and launch.rank == 0
         device, backend = join_world(launched_world(launch), 0, launch.size, launch.local_rank)
