@@ -38,6 +38,7 @@ from cptune._files import kind_of, read_regular
 from cptune._passwords import display_url
 from cptune._waiting import WaitLine
 from cptune.errors import CPTuneError
+from cptune.measurement import machine_id
 
 #: The environment variable naming the lock file (several GPU sets of one host measured at
 #: once: one file each).
@@ -59,6 +60,8 @@ class Holder:
     pid: int
     command: str
     since: float  # seconds since the epoch
+    #: The holder's ``cptune.measurement.machine_id`` ("" in records written before it was kept).
+    machine: str = ""
 
     def describe(self, now: float) -> str:
         started = datetime.fromtimestamp(self.since).strftime("%H:%M:%S")
@@ -92,7 +95,8 @@ def _holder_from(content: bytes) -> Holder | None:
     """The holder a lock file's bytes record (None: they are no holder's record)."""
     try:
         written = json.loads(content)
-        return Holder(pid=int(written["pid"]), command=str(written["command"]), since=float(written["since"]))
+        return Holder(pid=int(written["pid"]), command=str(written["command"]), since=float(written["since"]),
+                      machine=str(written.get("machine", "")))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -140,8 +144,7 @@ class _HostLock:
                 line.end()
             _check_is_lock(fd, path)
             os.ftruncate(fd, 0)  # the previous holder's record: this file is the lock's own
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": _command_line(),
-                                      "since": time.time()}).encode(), 0)
+            os.pwrite(fd, _record(_command_line()), 0)
         except BaseException:
             line.end()
             os.close(fd)  # closing drops the lock too, should it be held
@@ -189,10 +192,17 @@ def _check_is_lock(fd: int, path: Path) -> None:
 _LOCK = _HostLock()
 
 
-def hold_for_life() -> str | None:
-    """Take this host's lock without waiting and keep it until this process ends (a rank on
-    another node of a cluster: no other cptune measures there while it serves); None once
-    held, else who holds it (``Holder.describe``)."""
+def _record(command: str) -> bytes:
+    """What a holder writes into the lock file."""
+    return json.dumps({"pid": os.getpid(), "command": command, "since": time.time(),
+                       "machine": machine_id()}).encode()
+
+
+def hold_for_life(driver_machine: str) -> str | None:
+    """Take this host's lock without waiting and keep it until this process ends (the first
+    rank of a node of a cluster: no other cptune measures there while it serves); None once
+    held, or when the driver on ``driver_machine`` (``cptune.measurement.machine_id``) holds
+    this very file (one file system shared by the nodes); else who holds it."""
     path = lock_path()
     fd = _open_lock(path)
     try:
@@ -200,10 +210,11 @@ def hold_for_life() -> str | None:
     except BlockingIOError:
         holder = read_holder(path)
         os.close(fd)
+        if holder is not None and holder.machine == driver_machine:
+            return None
         return holder.describe(time.time()) if holder else "another process"
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "command": f"a rank of {_command_line()}",
-                              "since": time.time()}).encode(), 0)
+    os.pwrite(fd, _record(f"a rank of {_command_line()}"), 0)
     return None  # fd stays open: the lock lasts as long as this process
 
 

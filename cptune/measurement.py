@@ -124,6 +124,17 @@ def oversubscribed(ranks: int, ranks_per_node: int | None = None) -> bool:
     return min(ranks, ranks_per_node or ranks) > available_cores()
 
 
+def machine_id() -> str:
+    """Which kernel and process namespace this process runs in (its boot id and pid
+    namespace): processes of one id can signal each other by pid, and share a host lock
+    file; "" where unknown."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
 def host_memory_bytes() -> int:
     """This machine's physical memory, shared by every rank it runs."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -41,7 +41,7 @@ from cptune.engines import EngineSpec, NodeVerdict
 from cptune.engines import _protocol as protocol
 from cptune.errors import CPTuneError, EngineError
 from cptune.hardware import Cluster, Hardware, this_host
-from cptune.measurement import available_cores, process_stat, threads_per_rank
+from cptune.measurement import available_cores, machine_id, process_stat, threads_per_rank
 from cptune.reference import TOLERANCE
 from cptune.workload import Workload
 
@@ -182,7 +182,7 @@ class WorkerPool:
         else:
             listener, address = self._tcp_listener(size, cluster)
             env[protocol.TOKEN_VARIABLE] = self.token
-            env[protocol.DRIVER_MACHINE_VARIABLE] = protocol.machine_id()
+            env[protocol.DRIVER_MACHINE_VARIABLE] = machine_id()
             placement = ["-hosts", cluster.hydra_hosts(), *mpiexec_arguments()]
         command = [mpiexec, *placement, "-n", str(size), *worker,
                    "--socket", address, "--driver-pid", str(os.getpid())]
@@ -283,7 +283,7 @@ class WorkerPool:
                 node = self.where(hello["rank"]).partition("(")[2].rstrip(")")
                 raise NodeBusyError(f"{node} has another cptune measuring there ({busy}): one measures at a "
                                     f"time on each node; run again when it is done")
-            if hello.get("machine") == protocol.machine_id():  # a pid means something here only
+            if hello.get("machine") == machine_id():  # a pid means something here only
                 self.pids += [hello["pid"], hello["parent_pid"]]
             self.mpi_library = hello["mpi_library"]
             self.allocator = hello["allocator"]
@@ -445,9 +445,9 @@ class PooledEngine:
         """On one host nothing to check: CPU ranks run anywhere (more ranks than cores share
         them). On a cluster, ``ClusterError`` when the nodes hold fewer ranks or a host's name
         does not resolve."""
-        if self.cluster is not None:
-            self.cluster.check_ranks(ranks)
-            self.cluster.check_reachable()
+        if self._hosts is not None:  # the nodes given: a launcher's were placed already
+            self._hosts.check_ranks(ranks)
+            self._hosts.check_reachable()
 
     def capacity(self) -> int:
         """This host's cores, one rank each; a cluster's ranks."""

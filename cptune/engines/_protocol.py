@@ -76,16 +76,6 @@ def unix_connection(path: Path) -> socket.socket:
     return sock
 
 
-def machine_id() -> str:
-    """Which kernel and process namespace this process runs in (its boot id and pid
-    namespace): a rank whose id is the driver's has pids the driver can signal."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
-
-
 def tcp_address(host: str, port: int) -> str:
     """The address ranks connect to for a driver listening at ``host``:``port``."""
     return f"{TCP_SCHEME}[{host}]:{port}" if ":" in host else f"{TCP_SCHEME}{host}:{port}"

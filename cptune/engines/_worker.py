@@ -47,6 +47,7 @@ from cptune.engines import _protocol as protocol
 from cptune.engines import engine_spec
 from cptune.hostlock import hold_for_life
 from cptune.layout import rank_coordinates
+from cptune.measurement import machine_id
 
 
 def kill_when_gone(driver: int) -> None:
@@ -133,9 +134,9 @@ def claim_node() -> str | None:
     covers its own machine)."""
     local = os.environ.get("MPI_LOCALRANKID", os.environ.get("LOCAL_RANK", "0"))
     driver = os.environ.get(protocol.DRIVER_MACHINE_VARIABLE)
-    if local != "0" or not driver or driver == protocol.machine_id():
+    if local != "0" or not driver or driver == machine_id():
         return None
-    return hold_for_life()
+    return hold_for_life(driver)
 
 
 def rank_side(engine: str) -> ModuleType:
@@ -163,7 +164,7 @@ class RankServer:
 
     def hello(self) -> None:
         protocol.send(self.sock, {"rank": self.rank, "pid": os.getpid(), "parent_pid": os.getppid(),
-                                  "machine": protocol.machine_id(), "allocator": self.allocator,
+                                  "machine": machine_id(), "allocator": self.allocator,
                                   "busy": self.busy,
                                   "token": os.environ.get(protocol.TOKEN_VARIABLE, ""), **self.hello_facts()})
 

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from cptune.engines import BackendUnavailableError
 from cptune.engines._pool import WorkerPool, driver_host, rank_environment
-from cptune.engines._protocol import TOKEN_VARIABLE, machine_id
+from cptune.engines._protocol import TOKEN_VARIABLE
 from cptune.errors import EngineError
 from cptune.hardware import Cluster
+from cptune.measurement import machine_id
 
 #: The prefix of the launched world's keys in the store.
 _WORLD = "cptune-world"
