@@ -156,7 +156,7 @@ def measure(
     engine = _timed_engine(backend)
     with measuring():
         error, peaks = _checked_run(engine, workload, config, seed, timeout)
-        watch = Watch(engine.process_ids)
+        watch = Watch(engine.process_ids, engine.node_readings)
         timings = engine.time(
             warmup, repeats, timeout or default_timeout(workload, config, warmup + repeats), config.describe()
         )
@@ -260,7 +260,7 @@ def measure_round(
     checks: dict[CPConfig, tuple[float, list[int]]] = {}
     failures: dict[CPConfig, EngineError] = {}
     with measuring():
-        watch = Watch(engine.process_ids)
+        watch = Watch(engine.process_ids, engine.node_readings)
         for done in range(0, repeats, ITERATIONS_PER_PASS):
             if done and deadline is not None and time.monotonic() >= deadline:
                 break

@@ -257,15 +257,23 @@ class ReferenceKernel:
 _REFERENCE = ReferenceKernel()
 
 
+#: Each other node's CPU accounts, read by its first rank, by the node's name.
+NodeReadings = Callable[[], dict[str, CpuReading]]
+
+
 class Watch:
     """The evidence around one timed run: create it just before the run, ask ``disturbance``
     just after."""
 
-    def __init__(self, process_ids: Callable[[], Sequence[int]]) -> None:
-        """``process_ids``: the engine's processes (their CPU time is ours, not foreign)."""
+    def __init__(self, process_ids: Callable[[], Sequence[int]], nodes: NodeReadings | None = None) -> None:
+        """``process_ids``: the engine's processes (their CPU time is ours, not foreign);
+        ``nodes``: the CPU accounts of the cluster's other nodes (``Engine.node_readings``),
+        each judged as this host is."""
         self._process_ids = process_ids
+        self._nodes = nodes or dict
         self._reference_before = _REFERENCE.time()
         self._before = read_cpu(process_ids())
+        self._nodes_before = self._nodes()
 
     def disturbance(self, ranks: int, samples_ms: Sequence[float]) -> str | None:
         """Why the run of ``ranks`` ranks was disturbed ("; "-joined reasons), or None when it
@@ -278,9 +286,14 @@ class Watch:
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
+        nodes_after = self._nodes()
+        elsewhere = [f"on {node}, {reason}" for node, reading in nodes_after.items()
+                     if node in self._nodes_before
+                     and (reason := foreign_load(self._nodes_before[node], reading, 0.0)) is not None]
         return join_reasons(
             foreign_load(self._before, after, idle_cores(ranks)),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
+            *elsewhere,
         )
 
 

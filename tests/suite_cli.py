@@ -32,7 +32,7 @@ Setter = Callable[[str, Any], None]  # monkeypatch.setattr's form: ("module.name
 class Unwatched:
     """A contention guard's ``Watch`` that finds every run clean."""
 
-    def __init__(self, process_ids: Callable[[], Sequence[int]]) -> None:
+    def __init__(self, process_ids: Callable[[], Sequence[int]], nodes: object = None) -> None:
         pass
 
     def host_disturbance(self, ranks: int) -> None:

@@ -221,3 +221,57 @@ def test_a_hostfile_that_does_not_parse_is_refused_in_one_line(cptune_here, tmp_
     assert done.stderr.splitlines() == [f"cptune: error: {hostfile}:2: 'node2 4' is not host or host:ranks "
                                         f"(e.g. node1:8)"]
     assert not (tmp_path / "c.db").exists()
+
+
+# --------------------------------------------------------------------------- every node watched
+
+
+def test_the_guard_names_the_other_node_where_foreign_load_ran():
+    from cptune.guard import CpuReading, Watch
+
+    def reading(wall_s: float, idle_s: float, ours_s: float) -> CpuReading:
+        return CpuReading(wall_s=wall_s, cpus=2, idle_s=idle_s, ours_s={(7, 7): ours_s})
+
+    readings = iter([{"node 1 (b)": reading(0.0, 0.0, 0.0), "node 2 (c)": reading(0.0, 0.0, 0.0)},
+                     {"node 1 (b)": reading(1.0, 0.0, 2.0),  # busy with our ranks only
+                      "node 2 (c)": reading(1.0, 0.0, 0.8)}])  # 1.2 cores of someone else's
+    watch = Watch(lambda: [], lambda: next(readings))
+    reason = watch.host_disturbance(1) or ""
+    assert "on node 2 (c), other processes used 1.2 of 2 cores" in reason and "node 1" not in reason
+
+
+def test_a_node_reading_counts_this_rank_and_its_siblings_as_ours():
+    from cptune.engines._worker import node_reading
+
+    reading = node_reading()
+    assert reading["cpus"] >= 1 and reading["wall_s"] > 0
+    assert any(task.startswith(f"{os.getpid()}:") for task in reading["ours_s"])
+    assert all(seconds >= 0 for seconds in reading["ours_s"].values())
+
+
+def test_a_node_whose_lock_another_cptune_holds_is_busy_unless_our_driver_holds_it(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from cptune.hostlock import hold_for_life
+    from cptune.measurement import machine_id
+
+    lock = tmp_path / "node.lock"
+    monkeypatch.setenv("CPTUNE_LOCK", str(lock))
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from cptune.hostlock import measuring\n"
+                               "with measuring():\n    print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "CPTUNE_LOCK": str(lock)})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        busy = hold_for_life(driver_machine="another machine's driver")
+        assert busy is not None and f"pid {holder.pid}" in busy
+        # the holder runs on this machine: as a driver here, its own lock on a shared file system
+        assert hold_for_life(driver_machine=machine_id()) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    deadline = time.monotonic() + 5
+    while (free := hold_for_life(driver_machine="another machine's driver")) is not None:
+        assert time.monotonic() < deadline, free  # taken once the holder is gone
+        time.sleep(0.1)

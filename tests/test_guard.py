@@ -353,6 +353,9 @@ class CountingEngine:
         self.attention_calls += 1
         return np.full((len(shapes), repeats), 1.0 if self.attention_calls == 1 else 0.5)
 
+    def node_readings(self):
+        return {}
+
     def process_ids(self):
         return []
 
@@ -362,7 +365,7 @@ class DisturbedFirst:
 
     looks = 0
 
-    def __init__(self, process_ids) -> None:
+    def __init__(self, process_ids, nodes=None) -> None:
         pass
 
     def host_disturbance(self, ranks: int) -> str | None:
@@ -431,6 +434,9 @@ class BurstEngine:
     def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout):
         return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
                          for chunk in chunks])
+
+    def node_readings(self):
+        return {}
 
     def process_ids(self):
         return []
@@ -590,7 +596,7 @@ def test_cptune_guard_patience_is_seconds_or_refused_in_one_line(cptune_here, mo
 class AlwaysDisturbed:
     """A Watch that sees other load on every run."""
 
-    def __init__(self, process_ids) -> None:
+    def __init__(self, process_ids, nodes=None) -> None:
         pass
 
     def host_disturbance(self, ranks: int) -> str:

@@ -123,7 +123,7 @@ def _guarded(
     times; ``CalibrationDisturbedError`` when the host stays busy or the step disturbed.
     Unguarded, a disturbed timing is kept, and said so."""
     for attempt in range(1, GUARD_RETRIES + 2):
-        watch = Watch(engine.process_ids)
+        watch = Watch(engine.process_ids, engine.node_readings)
         timings = time_it()
         reason = watch.host_disturbance(ranks)
         if reason is None:

@@ -34,6 +34,7 @@ from cptune.kernels import check_kernel
 from cptune.workload import Workload
 
 if TYPE_CHECKING:
+    from cptune.guard import CpuReading
     from cptune.hardware import Cluster, Hardware
 
 #: Where an engine's ranks run: one per CPU core (more may share cores), one per GPU, or
@@ -156,6 +157,10 @@ class Engine(Protocol):
 
     def process_ids(self) -> list[int]:
         """The engine's processes now (the contention guard counts their CPU time as ours)."""
+
+    def node_readings(self) -> dict[str, CpuReading]:
+        """The CPU accounts of each other node of a cluster, by node (the contention guard
+        judges each): none on one node."""
 
     def close(self) -> None:
         """Stop the engine's processes."""

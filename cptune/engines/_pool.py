@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from cptune.config import CPConfig
 from cptune.engines import EngineSpec, NodeVerdict
 from cptune.engines import _protocol as protocol
 from cptune.errors import CPTuneError, EngineError
+from cptune.guard import CpuReading
 from cptune.hardware import Cluster, Hardware, this_host
 from cptune.measurement import available_cores, machine_id, process_stat, threads_per_rank
 from cptune.reference import TOLERANCE
@@ -222,6 +224,8 @@ class WorkerPool:
         self.log = open(self.dir / "ranks.log", "w+b")  # noqa: SIM115 - lives as long as the pool
         self.socks: dict[int, socket.socket] = {}
         self.pids: list[int] = []
+        #: The first rank of each node on another machine: it reads its node's load.
+        self.node_firsts: list[int] = []
         self.mpi_library = ""
         self.allocator = ""
 
@@ -285,6 +289,8 @@ class WorkerPool:
                                     f"time on each node; run again when it is done")
             if hello.get("machine") == machine_id():  # a pid means something here only
                 self.pids += [hello["pid"], hello["parent_pid"]]
+            elif self.cluster is not None and hello["rank"] % self.cluster.ranks_per_node == 0:
+                self.node_firsts.append(hello["rank"])
             self.mpi_library = hello["mpi_library"]
             self.allocator = hello["allocator"]
 
@@ -406,6 +412,20 @@ def on_cluster(node: Hardware, cluster: Cluster | None, network: str) -> Hardwar
         return node
     return dataclasses.replace(node, host=",".join(cluster.hosts), nodes=cluster.nodes,
                                ranks_per_node=cluster.ranks_per_node, network=network)
+
+
+#: How long a node's first rank may take to read its node's load.
+_NODE_LOAD_TIMEOUT_S = 10.0
+
+
+def _reading(header: Mapping[str, Any]) -> CpuReading:
+    """A node's CPU accounts as its rank sent them (``_worker.node_reading``)."""
+    ours: dict[tuple[int, int], float] = {}
+    for task, seconds in header["ours_s"].items():
+        pid, _, tid = task.partition(":")
+        ours[(int(pid), int(tid))] = float(seconds)
+    return CpuReading(wall_s=float(header["wall_s"]), cpus=int(header["cpus"]),
+                      idle_s=None if header["idle_s"] is None else float(header["idle_s"]), ours_s=ours)
 
 
 class PooledEngine:
@@ -581,6 +601,17 @@ class PooledEngine:
         if self._pool is None:
             return {}
         return {"mpi_library": self._pool.mpi_library, "allocator": self._pool.allocator}
+
+    def node_readings(self) -> dict[str, CpuReading]:
+        """The CPU accounts of each node on another machine, read by its first rank (none
+        without a pool, or on one machine): what the contention guard judges there."""
+        pool = self._pool
+        if pool is None or not pool.node_firsts or pool.cluster is None:
+            return {}
+        asked: dict[int, protocol.Message] = {rank: ({"op": "node_load"}, []) for rank in pool.node_firsts}
+        replies = self._request(asked, _NODE_LOAD_TIMEOUT_S, "reading the nodes' load", caller_set=False)
+        return {pool.cluster.node_name(pool.cluster.node_of(rank)): _reading(header)
+                for rank, (header, _) in replies.items()}
 
     def process_ids(self) -> list[int]:
         """The pool's processes now: mpiexec, its hydra proxies and the ranks (none without a pool)."""

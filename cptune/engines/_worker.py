@@ -45,9 +45,10 @@ from threadpoolctl import threadpool_limits
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines import engine_spec
+from cptune.guard import read_cpu
 from cptune.hostlock import hold_for_life
 from cptune.layout import rank_coordinates
-from cptune.measurement import machine_id
+from cptune.measurement import machine_id, process_stat
 
 
 def kill_when_gone(driver: int) -> None:
@@ -139,6 +140,18 @@ def claim_node() -> str | None:
     return hold_for_life(driver)
 
 
+def node_reading() -> dict[str, Any]:
+    """This node's CPU accounts for the contention guard (``cptune.guard.CpuReading`` as
+    JSON), its ranks' CPU time as ours: every child of this rank's parent (the node's MPI
+    proxy or torchrun agent), and the parent."""
+    parent = os.getppid()
+    ranks = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+             if (stat := process_stat(pid)) is not None and len(stat[1]) > 1 and stat[1][1] == str(parent)]
+    reading = read_cpu([parent, *ranks])
+    return {"wall_s": reading.wall_s, "cpus": reading.cpus, "idle_s": reading.idle_s,
+            "ours_s": {f"{pid}:{tid}": seconds for (pid, tid), seconds in reading.ours_s.items()}}
+
+
 def rank_side(engine: str) -> ModuleType:
     """The module of ``engine``'s rank side (``EngineSpec.rank_task``), imported once."""
     module = engine_spec(engine).rank_task
@@ -178,7 +191,11 @@ class RankServer:
             if header["op"] == "exit":
                 return
             try:
-                reply, out = self.handle(header, arrays)
+                out: list[np.ndarray] = []
+                if header["op"] == "node_load":  # any engine's ranks: the contention guard's
+                    reply = node_reading()
+                else:
+                    reply, out = self.handle(header, arrays)
                 protocol.send(self.sock, {"ok": True, **reply}, out)
                 if header["op"] != "run":  # a run's timing comes next and reuses its memory
                     release_free_memory()

@@ -65,6 +65,10 @@ class Cluster:
         node = self.node_of(rank)
         return f"rank {rank} (node {node}, {self.hosts[node]})"
 
+    def node_name(self, node: int) -> str:
+        """Node ``node`` for a message: "node 1 (b)"."""
+        return f"node {node} ({self.hosts[node]})"
+
     def hydra_hosts(self) -> str:
         """The cluster as mpiexec's ``-hosts`` takes it."""
         return ",".join(f"{host}:{self.ranks_per_node}" for host in self.hosts)
