@@ -113,7 +113,8 @@ def test_two_searches_share_one_sqlite_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_search_calibrates_then_results_export_and_report(tmp_path):
+def test_search_calibrates_then_results_export_and_report(tmp_path, cptune_here):
+    """Searches as a user runs them (a process each); the commands that only read, in this process."""
     db = str(tmp_path / "r.db")
     first = cptune("search", "--db", db, *QUICK, *ONE_VISIT)
     assert first.returncode == 0, first.stderr
@@ -127,19 +128,19 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     again = cptune("search", "--db", db, *QUICK, *ONE_VISIT)
     assert "0 configuration(s) measured now in 0 visit(s)" in again.stdout
     assert "calibrating" not in again.stdout
-    listed = cptune("results", "--db", db, "--json")
+    listed = cptune_here("results", "--db", db, "--json")
     rows = [row for row in json.loads(listed.stdout) if row["disturbed"] is None]
     assert len(rows) == 8
     for row in rows:
         assert {"seq_len", "heads", "kv_heads", "head_dim", "strategy", "ranks", "head_group", "status",
                 "median_ms", "error"} <= set(row)
         assert row["status"] == "ok" and row["median_ms"] > 0 and row["error"] is None
-    csv_lines = cptune("results", "--db", db, "--csv", "--seq-len", "64").stdout.strip().splitlines()
+    csv_lines = cptune_here("results", "--db", db, "--csv", "--seq-len", "64").stdout.strip().splitlines()
     assert csv_lines[0].startswith("id,") and len(csv_lines) >= 1 + 4
 
     # export a plan, load it in another process, select between the two buckets (1-78, 79-96)
     plan = tmp_path / "plan.json"
-    exported = cptune("export", "--db", db, *QUICK[:6], "-o", str(plan))
+    exported = cptune_here("export", "--db", db, *QUICK[:6], "-o", str(plan))
     assert exported.returncode == 0, exported.stdout + exported.stderr
     script = (f"import cptune; c = cptune.load_plan({str(plan)!r}).select(80); "
               f"print(c.strategy, c.ranks, c.head_group)")
@@ -147,7 +148,7 @@ def test_search_calibrates_then_results_export_and_report(tmp_path):
     fastest = min((r for r in rows if r["seq_len"] == 96), key=lambda r: r["median_ms"])
     assert loaded.stdout.split() == [fastest["strategy"], str(fastest["ranks"]), str(fastest["head_group"])]
 
-    report = cptune("report", "--db", db, "-o", str(tmp_path / "report"))
+    report = cptune_here("report", "--db", db, "-o", str(tmp_path / "report"))
     assert report.returncode == 0, report.stdout + report.stderr
     pngs = sorted(f.name for f in (tmp_path / "report").glob("*.png"))
     assert pngs == ["4x16-bf16-compute-vs-communication.png", "4x16-bf16-latency-vs-ranks.png",

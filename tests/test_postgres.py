@@ -187,41 +187,43 @@ def test_two_searches_share_one_database(postgres_url, password, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp_path):
+def test_resume_and_every_command_hides_the_password(postgres_url, password, tmp_path, cptune_here):
     """The loop a team runs on a shared database, with a password in the URL: calibrate,
     search, search again (only what is missing runs), results, recommend, export, report, fit.
-    The password appears in no output and no file; the URL is shown with *** instead."""
+    The password appears in no output and no file; the URL is shown with *** instead. The
+    commands that start ranks run as a user runs them, those that only read in this process."""
     shown = make_url(postgres_url).set(drivername="postgresql+psycopg").render_as_string()
     outputs = []
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        done = cptune(*args)
+    def run(*args: str, reads: bool = False) -> subprocess.CompletedProcess:
+        done = cptune_here(*args) if reads else cptune(*args)
         assert done.returncode == 0, done.stdout + done.stderr
         outputs.append(done.stdout + done.stderr)
         return done
 
-    assert shown in run("calibrate", "--db", postgres_url, "--max-ranks", "2", "--repeats", "1").stdout
+    assert shown in run("calibrate", "--db", postgres_url, "--max-ranks", "2", "--repeats", "1",
+                        "--rounds", "1").stdout
     first = run("search", "--db", postgres_url, "--seq-lens", "64", *TINY).stdout
     assert shown in first and "4 configuration(s) measured now" in first
     assert f"--db {make_url(postgres_url).render_as_string()}" in first  # the closing hint, hidden too
     again = run("search", "--db", postgres_url, "--seq-lens", "64,96", *TINY).stdout
     assert "4 configuration(s) measured now" in again  # seq 64 was stored: only 96 ran
 
-    listed = run("results", "--db", postgres_url, "--csv").stdout
+    listed = run("results", "--db", postgres_url, "--csv", reads=True).stdout
     assert "\r" not in listed
     rows = list(csv.DictReader(io.StringIO(listed)))
     configs = {(r["seq_len"], r["strategy"], r["ranks"], r["head_group"]) for r in rows}
     assert len(configs) == 8 and {r["seq_len"] for r in rows} == {"64", "96"}
     assert all(r["measured_at"].endswith("+00:00") for r in rows)  # the server keeps New York time
-    as_json = json.loads(run("results", "--db", postgres_url, "--json").stdout)
+    as_json = json.loads(run("results", "--db", postgres_url, "--json", reads=True).stdout)
     assert all(r["measured_at"].endswith("+00:00") for r in as_json)
 
-    run("recommend", "--db", postgres_url, "--heads", "4", "--head-dim", "16", "--seq-len", "128")
+    run("recommend", "--db", postgres_url, "--heads", "4", "--head-dim", "16", "--seq-len", "128", reads=True)
     plan = tmp_path / "plan.json"
     run("export", "--db", postgres_url, "--heads", "4", "--head-dim", "16", "--seq-lens", "64,96",
-        "-o", str(plan))
-    run("report", "--db", postgres_url, "-o", str(tmp_path / "report"))
-    run("fit", "--db", postgres_url)
+        "-o", str(plan), reads=True)
+    run("report", "--db", postgres_url, "-o", str(tmp_path / "report"), reads=True)
+    run("fit", "--db", postgres_url, reads=True)
     html = (tmp_path / "report" / "report.html").read_text()
     assert shown in html
     for text in [*outputs, plan.read_text(), html]:

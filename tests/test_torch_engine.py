@@ -421,10 +421,12 @@ def test_rank_0_refusing_ends_every_launched_rank():
 
 
 @pytest.mark.slow
-def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
+def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_here):
     """calibrate, search, fit, recommend, export and report with --backend torch: the rows
     record the engine, this host is the torch engine's view of it, the report names it; then
-    search and export for frameworks."""
+    search and export for frameworks. The commands that start ranks run as a user runs them
+    (a process each); those that only read, in this one (each process would pay PyTorch's
+    import again)."""
     import importlib.util
     import json
 
@@ -438,19 +440,19 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
                       "--ranks", "1,2", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0")
     assert searched.returncode == 0, searched.stderr
     assert "gloo over TCP loopback" in searched.stdout and "calibrating" not in searched.stdout
-    rows = json.loads(cptune("results", "--db", db, "--json").stdout)
+    rows = json.loads(cptune_here("results", "--db", db, "--json").stdout)
     assert len(rows) == 8 and {row["engine"] for row in rows} == {"torch"}
-    assert cptune("fit", "--db", db).returncode == 0
-    picked = cptune("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
+    assert cptune_here("fit", "--db", db).returncode == 0
+    picked = cptune_here("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
     assert picked.returncode == 0, picked.stderr
     assert json.loads(picked.stdout)["fingerprint"] == TorchEngine().hardware().fingerprint
     # the plan, and the same plan as diffusers takes it (--ranks 2: every bucket runs context parallel)
     plan = tmp_path / "plan.json"
-    exported = cptune("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
-                      "--ranks", "2", "-o", plan, "--for", "diffusers", "--json")
+    exported = cptune_here("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
+                           "--ranks", "2", "-o", plan, "--for", "diffusers", "--json")
     assert exported.returncode == 0, exported.stderr
     assert json.loads(plan.read_text())["hardware"]["engine"] == "torch"
-    reported = cptune("report", "--db", db, "-o", tmp_path / "report")
+    reported = cptune_here("report", "--db", db, "-o", tmp_path / "report")
     assert reported.returncode == 0, reported.stderr
     assert "(engine: torch)" in (tmp_path / "report" / "report.html").read_text()
 
@@ -472,7 +474,8 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path):
     framed = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "128", "--ranks", "2",
                     "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0", "--for", "xdit")
     assert framed.returncode == 0, framed.stderr
-    at_128 = [r for r in json.loads(cptune("results", "--db", db, "--json").stdout) if r["seq_len"] == 128]
+    listed = json.loads(cptune_here("results", "--db", db, "--json").stdout)
+    at_128 = [r for r in listed if r["seq_len"] == 128]
     assert {r["strategy"] for r in at_128} == {"ring", "ulysses"}
 
 

@@ -49,16 +49,12 @@ def stored(db: Path) -> list[tuple[str, int, int, str, str | None]]:
             "SELECT strategy, ranks, head_group, status, error FROM measurements ORDER BY id").fetchall()
 
 
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
-def test_a_search_runs_every_strategy_across_two_nodes(bed, tmp_path, backend):
-    """Calibrated first on the mpi engine (both tiers timed); the torch engine's calibration
-    is the same code on another engine's ranks, so it skips it (CI's time)."""
-    if backend == "torch":
-        pytest.importorskip("torch")
+def test_a_search_runs_every_strategy_across_two_nodes(bed, tmp_path):
+    """On the mpi engine, calibrated first (both tiers timed); the torch engine's ranks on
+    --hosts: test_within_node_heads_leaves_out_head_groups_across_nodes."""
     db = tmp_path / "c.db"
-    skip = ("--no-calibrate",) if backend == "torch" else ()
-    done = cptune_on(bed, "search", "--backend", backend, "--hosts", bed.hosts, "--db", db, *LAYER,
-                     "--seq-lens", "256", "--ranks", "4", *QUICK, *skip)
+    done = cptune_on(bed, "search", "--hosts", bed.hosts, "--db", db, *LAYER, "--seq-lens", "256",
+                     "--ranks", "4", *QUICK)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "2 nodes x 2 ranks" in done.stdout
     rows = stored(db)
@@ -67,9 +63,8 @@ def test_a_search_runs_every_strategy_across_two_nodes(bed, tmp_path, backend):
     with Store(str(db)) as store:
         (cluster,) = store.hardware().values()  # every row and the calibration: the cluster
         assert (cluster.nodes, cluster.ranks_per_node, cluster.host) == (2, 2, "198.18.0.1,198.18.0.2")
-        if backend == "mpi":
-            calibration = store.calibration(cluster.fingerprint)
-            assert calibration is not None and set(calibration.tiers) == {"node", "network"}
+        calibration = store.calibration(cluster.fingerprint)
+        assert calibration is not None and set(calibration.tiers) == {"node", "network"}
         spans = {(r.config.strategy, r.config.head_group): r.heads_span_nodes for r in store.results()}
     assert spans == {("ring", 1): False, ("allgather_kv", 1): False, ("ulysses", 4): True,
                      ("ring", 2): False, ("allgather_kv", 2): False}  # Ulysses over 4: across nodes
@@ -78,18 +73,23 @@ def test_a_search_runs_every_strategy_across_two_nodes(bed, tmp_path, backend):
 
 
 def test_within_node_heads_leaves_out_head_groups_across_nodes(bed, tmp_path):
+    """On the torch engine's gloo ranks, which mpiexec starts on --hosts and which meet at a
+    store the driver holds on the address the nodes reach."""
+    pytest.importorskip("torch")
     db = tmp_path / "c.db"
-    done = cptune_on(bed, "search", "--hosts", bed.hosts, "--within-node-heads", "--no-calibrate",
-                     "--db", db, *LAYER, "--seq-lens", "256", "--ranks", "4", "--strategies", "ulysses,ring",
-                     *QUICK)
+    done = cptune_on(bed, "search", "--backend", "torch", "--hosts", bed.hosts, "--within-node-heads",
+                     "--no-calibrate", "--db", db, *LAYER, "--seq-lens", "256", "--ranks", "4",
+                     "--strategies", "ulysses,ring", *QUICK)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert {(strategy, u) for strategy, _, u, _, _ in stored(db)} == {("ring", 1), ("ring", 2)}
+    assert "gloo over TCP (cpt0) across nodes" in done.stdout
+    assert {(strategy, u, status) for strategy, _, u, status, _ in stored(db)} == {
+        ("ring", 1, "ok"), ("ring", 2, "ok")}  # Ulysses over 4 ranks would span the nodes
 
 
 def test_a_node_lost_mid_search_is_stored_as_its_failure_and_the_next_search_resumes(bed, tmp_path):
     db = tmp_path / "c.db"
     args = ("search", "--hosts", bed.hosts, "--no-calibrate", "--db", db, *LAYER, "--seq-lens", "1024",
-            "--ranks", "4", "--rounds", "2", "--race-rounds", "0", "--confirm-rounds", "0")
+            "--ranks", "4", *QUICK)
     search = bed.start(0, [*CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (db.exists() and _ok_rows(db) >= 2):
@@ -101,6 +101,7 @@ def test_a_node_lost_mid_search_is_stored_as_its_failure_and_the_next_search_res
     failures = [(strategy, error) for strategy, _, _, status, error in stored(db) if status != "ok"]
     assert len(failures) == 1, stored(db)
     assert "(node 1, 198.18.0.2) died" in failures[0][1]
+    assert f"--hosts {bed.hosts}" in out  # the command that measures it alone, on the same nodes
     assert subprocess.run(["ip", "netns", "pids", bed.namespaces[1]], capture_output=True,
                           text=True).stdout == ""  # nothing left on node1
     ok_before = _ok_rows(db)

@@ -227,6 +227,13 @@ def ranks_per_node(engine: Engine) -> int | None:
     return None if cluster is None else int(cluster.ranks_per_node)
 
 
+def given_hosts(engine: Engine) -> Cluster | None:
+    """The nodes ``engine`` was given (``get_engine(hosts=)``, ``--hosts``); None on this host
+    or where a launcher placed the ranks."""
+    hosts: Cluster | None = getattr(engine, "hosts", None)
+    return hosts
+
+
 def engine_spec(name: str) -> EngineSpec:
     """The spec of the engine called ``name``; ``ValueError`` naming the known ones."""
     try:
@@ -277,6 +284,7 @@ __all__ = [
     "close_engines",
     "engine_spec",
     "get_engine",
+    "given_hosts",
     "ranks_per_node",
     "register",
     "untimed",

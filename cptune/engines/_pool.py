@@ -457,6 +457,11 @@ class PooledEngine:
         return self._hosts
 
     @property
+    def hosts(self) -> Cluster | None:
+        """The nodes this engine was given (``--hosts``); None: this host, or a launcher's."""
+        return self._hosts
+
+    @property
     def device(self) -> str:
         """Where this engine's ranks run on this machine: "cpu" or "gpu"."""
         return self.spec.device

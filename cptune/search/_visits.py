@@ -37,13 +37,14 @@ class Visit:
 
 
 def measure_command(workload: Workload, config: CPConfig, backend: str = "mpi",
-                    timeout: float | None = None) -> str:
+                    timeout: float | None = None, hosts: str | None = None) -> str:
     """The ``cptune measure`` command line that runs ``config`` of ``workload`` alone (on
-    ``backend``, within ``timeout`` seconds when given) and prints its timing or its failure
-    in full; it stores nothing."""
+    ``backend``, on the nodes ``hosts`` names, within ``timeout`` seconds when given) and
+    prints its timing or its failure in full; it stores nothing."""
     parts = ["cptune", "measure", *workload.flags("--seq-len"), "--strategies", config.strategy,
              "--ranks", str(config.ranks), "--head-group", str(config.head_group)]
     parts += ["--backend", backend] if backend != next(iter(ENGINES)) else []
+    parts += ["--hosts", hosts] if hosts is not None else []
     parts += ["--timeout", f"{timeout:g}"] if timeout is not None else []
     return " ".join(parts)
 
@@ -69,10 +70,11 @@ class LeftOut:
 
 
 def left_out_of(ledger: Ledger, workload: Workload, engine: str, timeout: float | None,
-                max_attempts: int) -> tuple[LeftOut, ...]:
+                max_attempts: int, hosts: str | None = None) -> tuple[LeftOut, ...]:
     """The configurations in ``ledger`` that ran and have no clean visit the verdict counts,
-    with why and the ``cptune measure`` command (on ``engine``, within ``timeout``) that runs
-    each alone; a configuration disturbed in fewer than ``max_attempts`` runs is visited again."""
+    with why and the ``cptune measure`` command (on ``engine`` and the nodes ``hosts`` names,
+    within ``timeout``) that runs each alone; a configuration disturbed in fewer than
+    ``max_attempts`` runs is visited again."""
     counted = {config for (_, _, config) in combine(ledger.counted)}
     found = []
     for config, entry in ledger.tally.items():
@@ -92,6 +94,6 @@ def left_out_of(ledger: Ledger, workload: Workload, engine: str, timeout: float 
             reason = f"it never ran clean in {entry.attempts} visit(s) (other load each time); " + (
                 "the next search visits it again" if retried else
                 "searches do not run it again (--remeasure does): rerun when the host is quiet")
-        command = measure_command(workload, config, engine, timeout)
+        command = measure_command(workload, config, engine, timeout, hosts)
         found.append(LeftOut(config, status, reason, retried, command))
     return tuple(found)

@@ -48,7 +48,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import TrialState
 
 from cptune.config import CPConfig
-from cptune.engines import Engine, get_engine
+from cptune.engines import Engine, get_engine, given_hosts
 from cptune.errors import EngineError
 from cptune.estimate import MIN_PAIRED_ROUNDS, Comparison, Estimate, Verdict, combine
 from cptune.execute import measure, measure_round
@@ -373,8 +373,10 @@ class WorkloadSearch:
         self.verdict = ledger.verdict
         self.never_clean = tuple(c for c, entry in ledger.tally.items() if entry.clean == 0
                                  and not entry.failed and entry.attempts >= self.max_attempts)
-        self.left_out = left_out_of(ledger, self.workload, get_engine(self.backend).name, self.run_timeout,
-                                    self.max_attempts)
+        engine = get_engine(self.backend)
+        nodes = given_hosts(engine)
+        self.left_out = left_out_of(ledger, self.workload, engine.name, self.run_timeout, self.max_attempts,
+                                    None if nodes is None else nodes.hydra_hosts())
 
     def _explore(self, visits: list[Visit]) -> None:
         """Phase 1: the Optuna trials, one visit each, all in round 0."""
