@@ -27,6 +27,8 @@ from cptune.reference import REAL_BF16_TOLERANCE
 INSTALL_HINT = "pip install 'cptune[torch]'"
 #: How a CPU host's torch ranks are linked.
 GLOO_LINK = "gloo over TCP loopback (one host)"
+#: ... and a node's ranks, when they are one node of several.
+GLOO_NODE_LINK = "gloo over TCP on the node's own addresses"
 
 
 class TorchEngine(PooledEngine):
@@ -110,7 +112,8 @@ class TorchEngine(PooledEngine):
         if not self._torch[1]:
             # gloo talks over TCP on loopback, not MPI's shared memory: another stack, so
             # another fingerprint (its rows and calibration never mix with the mpi engine's)
-            node = dataclasses.replace(this_host(), interconnect=GLOO_LINK, mpi_library=None)
+            link = GLOO_LINK if self.cluster is None else GLOO_NODE_LINK
+            node = dataclasses.replace(this_host(), interconnect=link, mpi_library=None)
             return on_cluster(node, self.cluster, self._network())
         try:
             node = dataclasses.replace(this_gpu_node(list_gpus()), mpi_library=None, tensorrt_version=None)
