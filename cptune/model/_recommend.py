@@ -109,11 +109,12 @@ class TierDecision:
 
     def describe(self) -> str:
         ms = ", ".join(f"{_SHORT[part]} {self.pick[part] * 1e3:.3g} ms" for part in self.pick)
+        decides = f"{_PARTS[self.deciding]} {'decide' if self.deciding == 'node' else 'decides'}"
         if self.runner_up is None:
-            return f"{_PARTS[self.deciding]} decides (the prior's time of the pick: {ms})"
+            return f"{decides} (the prior's time of the pick: {ms})"
         lost = (self.runner_up_split[self.deciding] - self.pick[self.deciding]) * 1e3
-        return (f"{_PARTS[self.deciding]} decides: the runner-up, {self.runner_up.describe()}, spends "
-                f"{lost:.3g} ms more there (the prior's time of the pick: {ms})")
+        return (f"{decides}: the runner-up, {self.runner_up.describe()}, spends {lost:.3g} ms more there "
+                f"(the prior's time of the pick: {ms})")
 
     def to_dict(self) -> dict[str, object]:
         return {"deciding": self.deciding, "pick_s": dict(self.pick),
