@@ -275,3 +275,23 @@ def test_a_node_whose_lock_another_cptune_holds_is_busy_unless_our_driver_holds_
     while (free := hold_for_life(driver_machine="another machine's driver")) is not None:
         assert time.monotonic() < deadline, free  # taken once the holder is gone
         time.sleep(0.1)
+
+
+def test_the_command_line_answers_for_a_cluster_size_it_never_ran(cptune_here, tmp_path):
+    db = tmp_path / "c.db"
+    with Store(str(db)) as store:
+        store.add_calibration(CLUSTER, cluster_calibration(1e6))
+    shape = ("--heads", "8", "--head-dim", "64")
+    picked = cptune_here("recommend", "--db", db, "--hardware", CLUSTER.fingerprint, "--nodes", "2",
+                         "--ranks", "16", *shape, "--seq-len", "4096")
+    assert picked.returncode == 0, picked.stderr
+    assert "read for 2 nodes x 8 ranks" in picked.stdout and "across nodes: " in picked.stdout
+    plan = tmp_path / "plan.json"
+    exported = cptune_here("export", "--db", db, "--hardware", CLUSTER.fingerprint, "--nodes", "2", "--ranks",
+                           "16", *shape, "--seq-lens", "4096", "-o", plan)
+    assert exported.returncode == 0, exported.stderr
+    assert "mpiexec -n 16 -ppn 8" in exported.stdout
+    assert json.loads(plan.read_text())["buckets"][0]["decided_by"]
+    odd = cptune_here("recommend", "--db", db, "--hardware", CLUSTER.fingerprint, "--nodes", "2",
+                      "--ranks", "15", *shape, "--seq-len", "4096")
+    assert odd.returncode == 2 and odd.stderr.count("\n") == 1 and "a multiple of 2" in odd.stderr

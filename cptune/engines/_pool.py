@@ -2,11 +2,13 @@
 
 The calling process never initialises MPI. It starts ``mpiexec`` with a pool of worker
 ranks (``cptune.engines._worker``, or an engine's own) once, keeps it for every later run (a search does
-not pay process start-up per trial) and talks to each rank over a private Unix socket.
-Every wait has a deadline; a rank that raises, dies or overruns ends the pool with one
-``EngineError`` and no process left behind, and a fresh pool starts on the next call. The
-ranks watch the driver too: if it is killed, they exit. Which engine's task a rank runs is
-named in each "run" request, so every engine shares this one supervisor.
+not pay process start-up per trial) and talks to each rank over a private Unix socket. On a
+cluster (``Cluster``, ``--hosts``) mpiexec starts the ranks on every node, and they reach the
+driver over TCP, each showing the pool's random token. Every wait has a deadline; a rank that
+raises, dies or overruns ends the pool with one ``EngineError`` naming it (and its node) and no
+process left behind, and a fresh pool starts on the next call. The ranks watch the driver too:
+if it is killed, they exit. Which engine's task a rank runs is named in each "run" request, so
+every engine shares this one supervisor.
 
 A pool's folder in the temporary directory names its owner (pid and start time): a driver
 killed outright (SIGKILL) cannot remove it, so each new pool removes this user's folders
@@ -283,8 +285,8 @@ class WorkerPool:
                 conn.close()  # not one of this pool's ranks
                 continue
             self.socks[hello["rank"]] = conn
-            if busy := hello.get("busy"):
-                node = self.where(hello["rank"]).partition("(")[2].rstrip(")")
+            if (busy := hello.get("busy")) and self.cluster is not None:
+                node = self.cluster.node_name(self.cluster.node_of(hello["rank"]))
                 raise NodeBusyError(f"{node} has another cptune measuring there ({busy}): one measures at a "
                                     f"time on each node; run again when it is done")
             if hello.get("machine") == machine_id():  # a pid means something here only
