@@ -431,7 +431,7 @@ class BurstEngine:
             seconds *= 2 if self.two_rank_calls == self.burst else 1
         return np.full((len(shapes), repeats), seconds)
 
-    def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout):
+    def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout, along="heads"):
         return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
                          for chunk in chunks])
 

@@ -157,9 +157,8 @@ def _collective_times(
     its groups laid out ``along`` to cross ``tier`` (``layout``)."""
     chunks = _chunks(kind, group)
     along, tier = layout
-    extra = {} if along == "heads" else {"along": along}
     time_it = functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats,
-                                _TIMEOUT_S, **extra)
+                                _TIMEOUT_S, along=along)
     timings = _guarded(engine, ranks, _collective_name(kind, ranks, group, tier), time_it, guarded, report)
     return np.median(timings, axis=1)
 

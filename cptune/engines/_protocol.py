@@ -7,9 +7,10 @@ shape in the header). Nothing is pickled: a peer can only ever send data, never 
 The driver's socket is a file in its pool's private folder (mode 0700, in the temporary
 directory), so only this user's processes can connect. Ranks on other nodes reach the driver
 over TCP instead (``tcp://host:port``), and prove they are the pool's with a secret token
-the driver gave them through mpiexec's environment (``TOKEN_VARIABLE``). A Unix socket's address holds at
-most 107 bytes, and a cluster job's TMPDIR alone can be longer: a longer path is reached
-through a descriptor of its folder (``/proc/self/fd/N/name``), the same file by a short name.
+the driver gave them through mpiexec's environment (``TOKEN_VARIABLE``). A Unix socket's
+address holds at most 107 bytes, and a cluster job's TMPDIR alone can be longer: a longer
+path is reached through a descriptor of its folder (``/proc/self/fd/N/name``), the same file
+by a short name.
 """
 
 from __future__ import annotations

@@ -269,15 +269,17 @@ def main(argv: list[str] | None = None, worker: Callable[[socket.socket], RankSe
     serve_until_done(worker(connect_to_driver(args.socket, args.driver_pid)))
 
 
-def connect_to_driver(address: str, driver_pid: int) -> socket.socket:
+def connect_to_driver(address: str, driver_pid: int | None = None) -> socket.socket:
     """The connection to the driver at ``address`` (``protocol.connection``), this rank set
-    to end with the driver: by its pid on the driver's host (a Unix socket), by the
-    connection closing from another node (TCP)."""
+    to end with the driver: by its pid ``driver_pid`` on the driver's host (a Unix socket), by
+    the connection closing from another node (TCP)."""
     if address.startswith(protocol.TCP_SCHEME):
         sock = protocol.connection(address)
         sock.settimeout(None)
         exit_when_driver_closes(sock)
         return sock
+    if driver_pid is None:
+        raise ValueError("a rank on the driver's host watches the driver's pid: give driver_pid")
     kill_when_gone(driver_pid)
     return protocol.unix_connection(Path(address))
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from cptune.engines import BackendUnavailableError
 from cptune.engines._pool import WorkerPool, driver_host, rank_environment
-from cptune.engines._protocol import TOKEN_VARIABLE
+from cptune.engines._protocol import TOKEN_VARIABLE, tcp_address
 from cptune.errors import EngineError
 from cptune.hardware import Cluster
 from cptune.measurement import machine_id
@@ -119,14 +119,8 @@ def driving(launch: Launched) -> Iterator[None]:
                 _driver_store.set(_DRIVER_KEY, _NO_DRIVER)
 
 
-def connect(address: str, timeout: float = 60.0) -> socket.socket:
-    """A TCP connection to the driver at host:port ``address``."""
-    host, _, port = address.rpartition(":")
-    return socket.create_connection((host, int(port)), timeout=timeout)
-
-
 def driver_address(launch: Launched) -> tuple[str, str, str] | None:
-    """host:port where rank 0's driver listens, the token it asks for and its machine
+    """Where rank 0's driver listens (``tcp://host:port``), the token it asks for and its machine
     (``_protocol.machine_id``), once it needs the launched ranks (waiting up to an hour for
     that); None when it ended without ever needing them."""
     address = _store(launch, is_master=False).get(_DRIVER_KEY).decode()
@@ -162,7 +156,7 @@ class LaunchedPool(WorkerPool):
         cluster = launched_cluster(launch)
         host = "127.0.0.1" if cluster is None else driver_host(launch.master)
         listener = socket.create_server((host, 0), backlog=launch.size)
-        address = f"{host}:{listener.getsockname()[1]}"
+        address = tcp_address(host, listener.getsockname()[1])
         self._prepare(launch.size, "cptune-launched-", cluster)
         try:
             _driver_store.set(_DRIVER_KEY, f"{address} {self.token} {machine_id()}")

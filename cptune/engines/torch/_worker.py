@@ -36,14 +36,12 @@ from cptune.engines import _protocol as protocol
 from cptune.engines._worker import (
     RankServer,
     connect_to_driver,
-    exit_when_driver_closes,
     kill_when_gone,
     serve_until_done,
 )
 from cptune.engines.torch._kernels import CHOOSER, software
 from cptune.engines.torch._launch import (
     Launched,
-    connect,
     driver_address,
     launched_ranks,
     launched_world,
@@ -313,10 +311,7 @@ def serve_launched(launch: Launched) -> None:
     # the token is shown in this rank's hello; the driver's machine says whose host lock to take
     address, os.environ[protocol.TOKEN_VARIABLE], os.environ[protocol.DRIVER_MACHINE_VARIABLE] = driver
     device, backend = join_world(launched_world(launch), launch.rank, launch.size, launch.local_rank)
-    sock = connect(address)
-    sock.settimeout(None)
-    exit_when_driver_closes(sock)
-    serve_until_done(TorchRank(sock, device, backend))
+    serve_until_done(TorchRank(connect_to_driver(address), device, backend))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -325,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", help="the driver's Unix socket or tcp://host:port (ranks mpiexec started)")
-    where.add_argument("--driver", help="the driver's host:port (rank 0 of launched ranks)")
+    where.add_argument("--driver", help="the driver's tcp://host:port (rank 0 of launched ranks)")
     parser.add_argument("--driver-pid", type=int, required=True)
     args = parser.parse_args(argv)
     if args.socket:
@@ -338,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         launch = launched_ranks()
         assert launch is not None and launch.rank == 0
         device, backend = join_world(launched_world(launch), 0, launch.size, launch.local_rank)
-        sock = connect(args.driver)
+        sock = protocol.connection(args.driver)
     serve_until_done(TorchRank(sock, device, backend))
 
 
