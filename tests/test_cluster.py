@@ -295,3 +295,11 @@ def test_the_command_line_answers_for_a_cluster_size_it_never_ran(cptune_here, t
     odd = cptune_here("recommend", "--db", db, "--hardware", CLUSTER.fingerprint, "--nodes", "2",
                       "--ranks", "15", *shape, "--seq-len", "4096")
     assert odd.returncode == 2 and odd.stderr.count("\n") == 1 and "a multiple of 2" in odd.stderr
+
+
+def test_the_command_a_search_prints_for_a_failed_configuration_names_its_nodes():
+    from cptune.search._visits import measure_command
+
+    command = measure_command(WORKLOAD, CPConfig("ring", 4), "mpi", hosts="a:2,b:2")
+    assert command.endswith("--ranks 4 --head-group 1 --hosts a:2,b:2")
+    assert "--hosts" not in measure_command(WORKLOAD, CPConfig("ring", 4))

@@ -23,6 +23,7 @@ import dataclasses
 import hmac
 import os
 import secrets
+import select
 import selectors
 import shlex
 import shutil
@@ -62,6 +63,9 @@ RAISE_RUN_DEADLINE = ("if the run is just slow, allow it more time: --timeout of
                       "a search space's [measure] table, or timeout= in Python")
 #: ... and one that overran a deadline of cptune's own (calibration, an engine build, a probe).
 FIXED_DEADLINE = "this deadline is fixed: if the machine was busy, run again when it is quiet"
+#: How long a rank's failure waits to see whether a peer died with it (a killed peer's
+#: connection closes as its process ends, as its collectives fail on the others).
+_PEER_GRACE_S = 0.1
 #: The file in a pool's folder naming the process that owns it: "<pid> <start time>".
 OWNER_FILE = "owner"
 
@@ -353,6 +357,7 @@ class WorkerPool:
                         self._crashed(what, f"{self.where(rank)} died")
                     sock.settimeout(None)
                     if not header.get("ok"):
+                        self._crashed_peer(waiting - {rank}, what)  # the cause, where a peer died
                         raise EngineError(
                             header.get("kind", "error"),
                             f"{self.where(rank)} failed running {what}:\n{header.get('error', '').rstrip()}",
@@ -361,6 +366,22 @@ class WorkerPool:
                     waiting.discard(rank)
                     selector.unregister(sock)
         return replies
+
+    def _crashed_peer(self, ranks: set[int], what: str) -> None:
+        """The crash of whichever of ``ranks`` has died (its connection closed) by now, if
+        any: a rank whose collective failed because its peer was killed reports an error, and
+        the peer's death is what happened."""
+        sockets = {self.socks[r]: r for r in ranks}
+        readable, _, _ = select.select(list(sockets), [], [], _PEER_GRACE_S) if sockets else ([], [], [])
+        for sock in readable:
+            try:
+                closed = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                closed = False
+            except OSError:
+                closed = True
+            if closed:
+                self._crashed(what, f"{self.where(sockets[sock])} died")
 
     def _crashed(self, what: str, how: str) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
