@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from cptune._waiting import WaitLine
-from cptune.errors import CPTuneError
+from cptune.errors import CPTuneError, EngineError
 from cptune.measurement import available_cores, oversubscribed, process_stat, threads_per_rank
 
 #: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
@@ -271,9 +271,10 @@ class Watch:
         each judged as this host is."""
         self._process_ids = process_ids
         self._nodes = nodes or dict
+        self._unread: str | None = None
         self._reference_before = _REFERENCE.time()
         self._before = read_cpu(process_ids())
-        self._nodes_before = self._nodes()
+        self._nodes_before = self._read_nodes()
 
     def disturbance(self, ranks: int, samples_ms: Sequence[float]) -> str | None:
         """Why the run of ``ranks`` ranks was disturbed ("; "-joined reasons), or None when it
@@ -286,7 +287,7 @@ class Watch:
         reference_after = _REFERENCE.time()  # at once: the pause below lets the core idle
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
-        nodes_after = self._nodes()
+        nodes_after = self._read_nodes()
         elsewhere = [f"on {node}, {reason}" for node, reading in nodes_after.items()
                      if node in self._nodes_before
                      and (reason := foreign_load(self._nodes_before[node], reading, 0.0)) is not None]
@@ -294,7 +295,17 @@ class Watch:
             foreign_load(self._before, after, idle_cores(ranks)),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
             *elsewhere,
+            self._unread,
         )
+
+    def _read_nodes(self) -> dict[str, CpuReading]:
+        """The other nodes' readings; none when their ranks are lost as they are asked (the
+        window then counts as disturbed, and the runs meet the loss as a failure)."""
+        try:
+            return self._nodes()
+        except EngineError as error:
+            self._unread = f"the other nodes' load could not be read ({str(error).splitlines()[0]})"
+            return {}
 
 
 def idle_cores(ranks: int) -> float:

@@ -240,6 +240,19 @@ def test_the_guard_names_the_other_node_where_foreign_load_ran():
     assert "on node 2 (c), other processes used 1.2 of 2 cores" in reason and "node 1" not in reason
 
 
+def test_a_node_lost_as_the_guard_reads_it_marks_the_window_and_raises_nothing():
+    from cptune.errors import EngineError
+    from cptune.guard import Watch
+
+    def lost() -> dict:
+        raise EngineError("crash", "a rank crashed while running reading the nodes' load: rank 2 (node 1, b) "
+                                   "died.\nLast output of the ranks:")
+
+    reason = Watch(lambda: [], lost).host_disturbance(1) or ""
+    assert "the other nodes' load could not be read (a rank crashed while running reading the nodes' load: " \
+           "rank 2 (node 1, b) died.)" in reason
+
+
 def test_a_node_reading_counts_this_rank_and_its_siblings_as_ours():
     from cptune.engines._worker import node_reading
 

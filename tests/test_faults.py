@@ -1,6 +1,7 @@
 """A rank that raises, crashes, hangs or computes garbage ends as one clear error, in
 bounded time, with no process left behind: also when the caller itself is killed."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import cptune
 from conftest import TESTS, assert_pool_gone, pool_processes, processes_left
 from cptune import CPConfig, EngineError, Workload
+from cptune.engines.mpi import MPIEngine
 from cptune.reference import make_inputs
 
 pytestmark = pytest.mark.slow  # every test here runs MPI ranks (and one a caller process)
@@ -78,6 +80,27 @@ def test_engine_recovers_after_a_failure(faulty_engine):
         error, _ = run_until_failure(engine)
         assert error.kind == "error"
     assert engine._pool is None
+
+
+def test_ranks_lost_between_runs_fail_the_next_run_and_the_one_after_runs_on_a_fresh_pool():
+    """Ranks killed while idle (a node's processes lost between a search's runs) are one
+    failure of the next run, stored as any other, not a pool started again unseen."""
+    engine = MPIEngine()
+    try:
+        q, k, v = make_inputs(WORKLOAD)
+        cptune.compute(WORKLOAD, CONFIG, q, k, v, backend=engine)
+        pool = engine._pool
+        for pid in pool.pids:  # each rank and its hydra proxy
+            os.kill(pid, signal.SIGKILL)
+        pool.proc.wait(timeout=30)
+        error, _ = run_until_failure(engine)
+        assert error.kind == "crash"
+        assert "a rank crashed before running Ring on 2 ranks: rank" in str(error) and "died" in str(error)
+        assert_pool_gone(pool.dir, [])
+        outputs = cptune.compute(WORKLOAD, CONFIG, q, k, v, backend=engine)
+        assert engine._pool is not None and engine._pool is not pool and outputs.shape == q.shape
+    finally:
+        engine.close()
 
 
 def test_wrong_output_is_an_error_not_a_timing(faulty_engine):

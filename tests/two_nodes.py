@@ -224,9 +224,24 @@ class TwoNodes:
         self._started[node].append(process)
         return process
 
+    def cpu_seconds(self, node: int) -> float:
+        """CPU time the processes inside ``node`` have used so far (user and system, from
+        ``/proc``): a test tells from its growth when ranks there are running, not waiting."""
+        ticks = 0
+        for pid in _namespace_pids(self.namespaces[node]):
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def kill_node(self, node: int) -> None:
-        """SIGKILL every process inside ``node`` (0 or 1): a node lost mid-run."""
-        self._kill(node)
+        """SIGKILL every process inside ``node`` (0 or 1) at this moment: a node lost mid-run.
+        Processes started there afterwards (a pool started again) are left to run."""
+        for process in self._started[node]:
+            process.kill()
+        for pid in _namespace_pids(self.namespaces[node]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self._reap(node)
 
     def close(self) -> None:

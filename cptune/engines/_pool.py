@@ -21,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hmac
+import itertools
 import os
 import secrets
-import select
 import selectors
 import shlex
 import shutil
@@ -66,6 +66,10 @@ FIXED_DEADLINE = "this deadline is fixed: if the machine was busy, run again whe
 #: How long a rank's failure waits to see whether a peer died with it (a killed peer's
 #: connection closes as its process ends, as its collectives fail on the others).
 _PEER_GRACE_S = 0.1
+#: ... and, once mpiexec has exited, for the connection of the rank whose death ended it: a
+#: killed process's exit (its memory released) can outlast its node's hydra proxy, on a
+#: loaded host by most of a second.
+_EXITED_GRACE_S = 2.0
 #: The file in a pool's folder naming the process that owns it: "<pid> <start time>".
 OWNER_FILE = "owner"
 
@@ -192,7 +196,10 @@ class WorkerPool:
             env[protocol.TOKEN_VARIABLE] = self.token
             env[protocol.DRIVER_MACHINE_VARIABLE] = machine_id()
             placement = ["-hosts", cluster.hydra_hosts(), *mpiexec_arguments()]
-        command = [mpiexec, *placement, "-n", str(size), *worker,
+        # the driver stops every rank on any failure, after it has seen which rank went first:
+        # hydra's own clean-up would kill the survivors at once, and on a cluster those on the
+        # driver's node could be seen gone before the lost node's ranks
+        command = [mpiexec, "-disable-auto-cleanup", *placement, "-n", str(size), *worker,
                    "--socket", address, "--driver-pid", str(os.getpid())]
         self._start(command, env, listener, start_timeout)
 
@@ -318,11 +325,14 @@ class WorkerPool:
         whether ``timeout`` is the deadline of a run the caller may raise (else cptune's own),
         for the advice when it passes."""
         try:
-            try:
-                for rank, (header, arrays) in messages.items():
+            if self.proc.poll() is not None:  # the ranks ended since the last request
+                self._crashed_peer(what, _EXITED_GRACE_S, when="before")
+                self._crashed(what, f"mpiexec exited with code {self.proc.returncode}", when="before")
+            for rank, (header, arrays) in messages.items():
+                try:
                     protocol.send(self.socks[rank], header, arrays)
-            except OSError as exc:
-                self._crashed(what, f"lost contact with a rank ({exc})")
+                except OSError as exc:
+                    self._crashed(what, f"{self._lost(self._dead_ranks(0.0) or [rank])} ({exc})")
             return self._collect(set(messages), timeout, what, caller_set)
         except BaseException:  # the ranks' state is unknown (also after Ctrl-C): stop them
             self.kill()
@@ -346,6 +356,7 @@ class WorkerPool:
                         f"ranks were stopped. A hang points at a deadlock; {advice}.",
                     )
                 if self.proc.poll() is not None:
+                    self._crashed_peer(what, _EXITED_GRACE_S)  # whose death ended mpiexec
                     self._crashed(what, f"mpiexec exited with code {self.proc.returncode}")
                 for key, _ in selector.select(timeout=min(remaining, 0.25)):
                     rank = key.data
@@ -354,10 +365,10 @@ class WorkerPool:
                     try:
                         header, arrays = protocol.receive(sock)
                     except OSError:  # closed, reset or stalled mid-message
-                        self._crashed(what, f"{self.where(rank)} died")
+                        self._crashed(what, self._lost(self._dead_ranks(0.0) or [rank]))
                     sock.settimeout(None)
                     if not header.get("ok"):
-                        self._crashed_peer(waiting - {rank}, what)  # the cause, where a peer died
+                        self._crashed_peer(what)  # the cause, where a peer died
                         raise EngineError(
                             header.get("kind", "error"),
                             f"{self.where(rank)} failed running {what}:\n{header.get('error', '').rstrip()}",
@@ -367,23 +378,38 @@ class WorkerPool:
                     selector.unregister(sock)
         return replies
 
-    def _crashed_peer(self, ranks: set[int], what: str) -> None:
-        """The crash of whichever of ``ranks`` has died (its connection closed) by now, if
-        any: a rank whose collective failed because its peer was killed reports an error, and
-        the peer's death is what happened."""
-        sockets = {self.socks[r]: r for r in ranks}
-        readable, _, _ = select.select(list(sockets), [], [], _PEER_GRACE_S) if sockets else ([], [], [])
-        for sock in readable:
-            try:
-                closed = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            except BlockingIOError:
-                closed = False
-            except OSError:
-                closed = True
-            if closed:
-                self._crashed(what, f"{self.where(sockets[sock])} died")
+    def _crashed_peer(self, what: str, grace: float = _PEER_GRACE_S, when: str = "while") -> None:
+        """The crash of the ranks that have died (their connections closed) within ``grace``
+        seconds, if any: a rank whose collective failed because its peer was killed reports
+        an error, and mpiexec ends as a node's proxy is killed; the deaths are what happened."""
+        if dead := self._dead_ranks(grace):
+            self._crashed(what, self._lost(dead), when)
 
-    def _crashed(self, what: str, how: str) -> None:
+    def _dead_ranks(self, grace: float) -> list[int]:
+        """The ranks whose connection to this process has closed, waiting up to ``grace``
+        seconds for the first."""
+        deadline = time.monotonic() + grace
+        while True:
+            dead = [rank for rank, sock in sorted(self.socks.items()) if _closed(sock)]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
+
+    def _lost(self, ranks: Sequence[int]) -> str:
+        """``ranks`` died, for a message, each node's together: "rank 3 (node 1, b) died",
+        "ranks 0, 1 (node 0, a) and 2, 3 (node 1, b) died" (every rank of a cluster dies with
+        mpiexec, soon after the node that was lost: all that are gone by then are named)."""
+        noun = "rank" if len(ranks) == 1 else "ranks"
+        if self.cluster is None:
+            return f"{noun} {', '.join(map(str, ranks))} died"
+        cluster = self.cluster
+        parts = [f"{', '.join(map(str, group))} (node {node}, {cluster.hosts[node]})"
+                 for node, group in itertools.groupby(ranks, cluster.node_of)]
+        return f"{noun} {' and '.join(parts)} died"
+
+    def _crashed(self, what: str, how: str, when: str = "while") -> None:
+        """Stop the pool and raise the ``EngineError`` "crash": ``how`` a rank was lost
+        ``when`` ("while" or "before") running ``what``, with the ranks' last output."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=2.0)
         code = self.proc.returncode
@@ -393,7 +419,7 @@ class WorkerPool:
         self.kill()
         raise EngineError(
             "crash",
-            f"a rank crashed while running {what}: {how}{hint}. Last output of the ranks:\n{tail}",
+            f"a rank crashed {when} running {what}: {how}{hint}. Last output of the ranks:\n{tail}",
         )
 
     def close(self) -> None:
@@ -426,6 +452,16 @@ class WorkerPool:
         """Close the ranks' log and remove the pool's folder (its processes are gone)."""
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` has closed it (or reset it)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def on_cluster(node: Hardware, cluster: Cluster | None, network: str) -> Hardware:
@@ -519,7 +555,7 @@ class PooledEngine:
 
     def _pool_for(self, ranks: int) -> WorkerPool:
         self.preflight(ranks)
-        if self._pool is not None and (self._pool.size < ranks or self._pool.proc.poll() is not None):
+        if self._pool is not None and self._pool.size < ranks:  # one that ended: its next request says so
             self.close()
         if self._pool is None:  # a cluster's pool has all its ranks: a start there is slow
             size = ranks if self.cluster is None else self.cluster.size
