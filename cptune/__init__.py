@@ -1,7 +1,8 @@
 """cptune: measure the context-parallel attention strategies on your hardware and pick one.
 
 The vocabulary (``Workload``, ``CPConfig``, ``feasibility``, ``analytic_cost``) describes
-what could run; ``compute``, ``measure`` and ``measure_all`` run it for real on real ranks;
+what could run; ``compute``, ``measure`` and ``measure_all`` run it for real on real ranks
+(``compute_gradients`` a training step: a ``Workload`` of ``mode="train"`` measures both);
 ``search_space`` searches a whole space and stores every result, as ``cptune search`` does
 (``calibrate_host`` calibrates this machine, as ``cptune calibrate`` does; ``check_host``
 probes a GPU node's runtime, as ``cptune doctor`` does); ``recommend``
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import AnalyticCost, analytic_cost
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
-from cptune.execute import compute, measure, measure_all
+from cptune.execute import compute, compute_gradients, measure, measure_all
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.measurement import Measurement
 from cptune.version import __version__ as __version__
@@ -70,6 +71,7 @@ __all__ = [
     "calibrate_host",
     "check_host",
     "compute",
+    "compute_gradients",
     "enumerate_configs",
     "evaluate",
     "export_plan",

@@ -4,7 +4,9 @@ measure several interleaved as one round of a search (``measure_round``).
 
 Engine-independent: the sequence is split by ``SequenceLayout``, each rank gets its shard,
 outputs are put back in token order, and ``measure`` checks the output against the float64
-reference before it times anything.
+reference before it times anything. A training workload (``Workload.mode`` "train") runs
+the forward and the backward from a given output gradient (``compute_gradients``), and its
+output and the gradients of Q, K and V are all checked.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
-from cptune.engines import Engine, get_engine, ranks_per_node, untimed
+from cptune.engines import Engine, Trained, check_trains, get_engine, ranks_per_node, untimed
 from cptune.errors import EngineError, InfeasibleConfigError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
@@ -34,11 +36,16 @@ from cptune.measurement import (
     oversubscribed,
     summarize,
 )
-from cptune.reference import make_inputs, reference_attention, relative_error
+from cptune.reference import (
+    make_inputs,
+    make_output_gradient,
+    reference_attention,
+    reference_gradients,
+    relative_error,
+)
 from cptune.space import check_count
 from cptune.workload import Workload
 
-Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
 #: Timed iterations of each configuration per pass of an interleaved round (``measure_round``):
 #: a pass of a round must be much shorter than the host's slow phases.
 ITERATIONS_PER_PASS = 2
@@ -76,8 +83,10 @@ def _check_arrays(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarra
             )
 
 
-def _scatter(layout: SequenceLayout, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> list[Shard]:
-    """Each rank's tokens, in the wire dtype, padded at the end to the layout's length."""
+def _scatter(layout: SequenceLayout, *arrays: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+    """Each rank's tokens of each of ``arrays`` (q, k, v; and a training run's output
+    gradient), in the wire dtype, padded at the end to the layout's length (with zeros: a
+    padding row's output gradient is zero, so it adds nothing to any gradient)."""
     wl = layout.workload
     pad = layout.padded_len - wl.seq_len
 
@@ -85,20 +94,23 @@ def _scatter(layout: SequenceLayout, q: np.ndarray, k: np.ndarray, v: np.ndarray
         x = np.asarray(x, dtype=wl.wire_dtype)
         return np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
 
-    qp, kp, vp = prepared(q), prepared(k), prepared(v)
-    shards = []
-    for rank in range(layout.ranks):
-        positions = layout.rank_positions(rank)
-        shards.append((qp[:, positions], kp[:, positions], vp[:, positions]))
-    return shards
+    padded = [prepared(x) for x in arrays]
+    return [tuple(x[:, layout.rank_positions(rank)] for x in padded) for rank in range(layout.ranks)]
 
 
-def _gather(layout: SequenceLayout, outputs: list[np.ndarray]) -> np.ndarray:
+def _gather(layout: SequenceLayout, outputs: Sequence[np.ndarray]) -> np.ndarray:
+    """The ranks' shards of one tensor ([batch, seq shard, heads, head_dim]) in token order,
+    float32, without the padding."""
     wl = layout.workload
-    full = np.empty((wl.batch, layout.padded_len, wl.heads, wl.head_dim), dtype=np.float32)
+    full = np.empty((wl.batch, layout.padded_len, *outputs[0].shape[2:]), dtype=np.float32)
     for rank, out in enumerate(outputs):
         full[:, layout.rank_positions(rank)] = out
     return full[:, : wl.seq_len]
+
+
+def _gather_trained(layout: SequenceLayout, shards: Sequence[Trained]) -> Trained:
+    """A training run's ranks' shards, each tensor put together in token order."""
+    return Trained(*(_gather(layout, [shard[i] for shard in shards]) for i in range(len(Trained._fields))))
 
 
 def compute(
@@ -120,15 +132,48 @@ def compute(
     engine = get_engine(backend)
     layout = SequenceLayout(workload, config)
     timeout = timeout or default_timeout(workload, config)
-    outputs, _ = engine.run(workload, config, _scatter(layout, q, k, v), timeout)
+    outputs, _ = engine.run(workload.in_mode("forward"), config, _scatter(layout, q, k, v), timeout)
     return _gather(layout, outputs)
 
 
+def compute_gradients(
+    workload: Workload,
+    config: CPConfig,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    backend: str | Engine = "mpi",
+    timeout: float | None = None,
+) -> Trained:
+    """One training step of the layer by ``config`` on real ranks: the forward, then the
+    backward from ``dout`` (the output's gradient, [batch, seq, heads, head_dim]): the output
+    and the gradients of Q, K and V, float32, shaped as the inputs. ``workload`` may be in
+    either mode (it runs as "train"). Raises as ``compute`` does, and
+    ``UntrainedEngineError`` for an engine that runs the forward alone."""
+    workload = workload.in_mode("train")
+    check_feasible(workload, config)
+    _check_arrays(workload, q, k, v)
+    _check_arrays(workload, dout, k, v)
+    engine = get_engine(backend)
+    check_trains(engine.spec, workload)
+    layout = SequenceLayout(workload, config)
+    timeout = timeout or default_timeout(workload, config)
+    shards, _ = engine.run_train(workload, config, _scatter(layout, q, k, v, dout), timeout)
+    return _gather_trained(layout, shards)
+
+
 @lru_cache(maxsize=1)
-def _reference_case(workload: Workload, seed: int) -> tuple[np.ndarray, ...]:
-    """Inputs and their reference output, kept for the next configuration of the same workload."""
+def _reference_case(workload: Workload, seed: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Inputs (a training workload's with the output's gradient) and their float64
+    reference (the output; then the gradients of Q, K and V), kept for the next
+    configuration of the same workload."""
     q, k, v = make_inputs(workload, seed)
-    return q, k, v, reference_attention(workload, q, k, v)
+    reference = reference_attention(workload, q, k, v)
+    if not workload.training:
+        return (q, k, v), (reference,)
+    dout = make_output_gradient(workload, seed)
+    return (q, k, v, dout), (reference, *reference_gradients(workload, q, k, v, dout))
 
 
 def measure(
@@ -307,23 +352,35 @@ def _timed_engine(backend: str | Engine) -> Engine:
 
 def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int,
                  timeout: float | None) -> tuple[float, list[int]]:
-    """Run ``config`` once on the seeded inputs and check its output against the float64
-    reference: its relative error and peak bytes per rank; ``EngineError`` "wrong_output"
-    when the error exceeds the engine's tolerance (a wrong configuration is never timed)."""
+    """Run ``config`` once on the seeded inputs and check its output (a training run's
+    gradients of Q, K and V too, each relative to its own scale) against the float64
+    reference: the largest relative error and peak bytes per rank; ``EngineError``
+    "wrong_output" naming what was wrong when an error exceeds the engine's tolerance (a
+    wrong configuration is never timed)."""
+    check_trains(engine.spec, workload)
     layout = SequenceLayout(workload, config)
-    q, k, v, reference = _reference_case(workload, seed)
-    outputs, peaks = engine.run(workload, config, _scatter(layout, q, k, v),
-                                timeout or default_timeout(workload, config))
-    error = relative_error(_gather(layout, outputs), reference)
+    inputs, references = _reference_case(workload, seed)
+    timeout = timeout or default_timeout(workload, config)
+    results: Sequence[np.ndarray]
+    if workload.training:
+        shards, peaks = engine.run_train(workload, config, _scatter(layout, *inputs), timeout)
+        results = _gather_trained(layout, shards)
+    else:
+        outputs, peaks = engine.run(workload, config, _scatter(layout, *inputs), timeout)
+        results = [_gather(layout, outputs)]
     tolerance = engine.tolerance[workload.dtype]
-    if not error <= tolerance:
-        raise EngineError(
-            "wrong_output",
-            f"{config.describe()} computed a wrong result for {workload.describe()}: relative "
-            f"error {error:.2e} exceeds the {workload.dtype} tolerance {tolerance:.0e}, so its "
-            f"timing does not count. This is a bug in the strategy or engine; please report it.",
-        )
-    return error, peaks
+    errors = {name: relative_error(result, reference)
+              for name, result, reference in zip(Trained._fields, results, references, strict=False)}
+    for name, error in errors.items():
+        if not error <= tolerance:
+            what = "result" if name == "out" else f"gradient of {name[1:].upper()}"
+            raise EngineError(
+                "wrong_output",
+                f"{config.describe()} computed a wrong {what} for {workload.describe()}: relative "
+                f"error {error:.2e} exceeds the {workload.dtype} tolerance {tolerance:.0e}, so its "
+                f"timing does not count. This is a bug in the strategy or engine; please report it.",
+            )
+    return max(errors.values()), peaks
 
 
 def _measurement(engine: Engine, workload: Workload, config: CPConfig, summary: TimingSummary,

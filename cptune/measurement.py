@@ -50,6 +50,9 @@ class Measurement:
     oversubscribed: bool = False
     #: Why the contention guard judged this run disturbed by other load (None: ran clean).
     disturbed: str | None = None
+    #: A training run's forward alone: median ms of the slowest rank (whose whole iteration,
+    #: forward and backward, is ``median_ms``); None for a forward run.
+    forward_ms: float | None = None
 
     @property
     def spread_ms(self) -> float:
@@ -70,6 +73,7 @@ class TimingSummary(TypedDict):
     compute_ms: float | None
     comm_ms: float | None
     samples_ms: list[float]
+    forward_ms: float | None
 
 
 def format_ms(value: float) -> str:
@@ -78,14 +82,15 @@ def format_ms(value: float) -> str:
 
 
 def summarize(timings: np.ndarray) -> TimingSummary:
-    """Turn seconds [rank, iteration, (wall, compute, comm)] into the figures of a
-    ``Measurement``: per-iteration latency is the slowest rank's wall time; the phase split
-    is that of the rank with the largest median wall time (None where an engine reported
-    it as NaN: unavailable)."""
+    """Turn seconds [rank, iteration, (wall, compute, comm[, forward wall])] into the figures
+    of a ``Measurement``: per-iteration latency is the slowest rank's wall time; the phase
+    split (and a training run's forward time) is that of the rank with the largest median
+    wall time (None where an engine reported it as NaN: unavailable)."""
     latency_ms = timings[:, :, 0].max(axis=0) * 1e3
     slowest = int(np.argmax(np.median(timings[:, :, 0], axis=1)))
-    split = np.median(timings[slowest, :, 1:], axis=0) * 1e3
+    split = np.median(timings[slowest, :, 1:3], axis=0) * 1e3
     compute_ms, comm_ms = (None, None) if np.isnan(split).any() else (float(split[0]), float(split[1]))
+    training = timings.shape[2] > 3  # a training run's forward wall time last
     return TimingSummary(
         median_ms=float(np.median(latency_ms)),
         p10_ms=float(np.percentile(latency_ms, 10)),
@@ -93,6 +98,7 @@ def summarize(timings: np.ndarray) -> TimingSummary:
         compute_ms=compute_ms,
         comm_ms=comm_ms,
         samples_ms=[float(x) for x in latency_ms],
+        forward_ms=float(np.median(timings[slowest, :, 3]) * 1e3) if training else None,
     )
 
 

@@ -36,6 +36,14 @@ def make_inputs(workload: Workload, seed: int = 0) -> tuple[np.ndarray, np.ndarr
     return draw(wl.heads), draw(wl.kv_heads), draw(wl.kv_heads)
 
 
+def make_output_gradient(workload: Workload, seed: int = 0) -> np.ndarray:
+    """A random gradient of the output ([batch, seq, heads, head_dim], wire dtype), drawn
+    apart from ``make_inputs``' values: what a training run's backward starts from."""
+    rng = np.random.default_rng([seed, 1])
+    shape = (workload.batch, workload.seq_len, workload.heads, workload.head_dim)
+    return rng.standard_normal(shape, dtype=np.float32).astype(workload.wire_dtype)
+
+
 def reference_attention(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """softmax(Q K^T / sqrt(d) [+ causal mask]) V in float64, [batch, seq, heads, head_dim]."""
     wl = workload
@@ -55,6 +63,40 @@ def reference_attention(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.
                 scores = np.exp(scores - scores.max(axis=1, keepdims=True))
                 out[b, start:stop, h] = (scores @ vh) / scores.sum(axis=1, keepdims=True)
     return out
+
+
+def reference_gradients(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                        dout: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """dQ, dK, dV in float64 of the attention ``reference_attention`` computes, given the
+    output's gradient ``dout`` (all [batch, seq, heads or kv_heads, head_dim]): from the
+    softmax's Jacobian, whole score rows at a time; a KV head's gradients sum over the
+    query heads that read it."""
+    wl = workload
+    dq = np.zeros((wl.batch, wl.seq_len, wl.heads, wl.head_dim), dtype=np.float64)
+    dk = np.zeros((wl.batch, wl.seq_len, wl.kv_heads, wl.head_dim), dtype=np.float64)
+    dv = np.zeros_like(dk)
+    scale = 1.0 / np.sqrt(wl.head_dim)
+    keys = np.arange(wl.seq_len)
+    for b in range(wl.batch):
+        for h in range(wl.heads):
+            kv_head = h // wl.group_size
+            kh = k[b, :, kv_head].astype(np.float64)
+            vh = v[b, :, kv_head].astype(np.float64)
+            for start in range(0, wl.seq_len, _QUERY_BLOCK):
+                stop = min(start + _QUERY_BLOCK, wl.seq_len)
+                qh = q[b, start:stop, h].astype(np.float64)
+                scores = (qh @ kh.T) * scale
+                if wl.causal:
+                    scores[keys[None, :] > np.arange(start, stop)[:, None]] = -np.inf
+                p = np.exp(scores - scores.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                do = dout[b, start:stop, h].astype(np.float64)
+                dp = do @ vh.T
+                ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))  # the softmax's Jacobian, row by row
+                dq[b, start:stop, h] = ds @ kh * scale
+                dk[b, :, kv_head] += ds.T @ qh * scale
+                dv[b, :, kv_head] += p.T @ do
+    return dq, dk, dv
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:

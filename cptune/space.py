@@ -22,7 +22,7 @@ from cptune._shipped import shipped
 from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
 from cptune.config import STRATEGIES, CPConfig
 from cptune.feasibility import closest_to_fitting, enumerate_configs, feasibility
-from cptune.workload import WIRE_DTYPES, AttentionShape, Workload
+from cptune.workload import MODES, WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
 DEMO_SPACE = "demo"
@@ -33,7 +33,7 @@ ORDERS: tuple[str, ...] = ("guided", "exhaustive")
 
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
-MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal")
+MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode")
 SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials", "within_node_heads")
 MEASURE_KEYS = ("warmup", "repeats", "timeout", "rounds", "race_rounds", "confirm_rounds")
 
@@ -50,6 +50,7 @@ _EXAMPLES = {
     "model.batch": "batch = 1",
     "model.dtype": 'dtype = "bf16"',
     "model.causal": "causal = false",
+    "model.mode": 'mode = "train"',
     "sweep.seq_lens": "seq_lens = [4096, 8192]",
     "sweep.ranks": 'ranks = "auto" or ranks = [2, 4, 8]',
     "sweep.strategies": 'strategies = ["ring", "ulysses"]',
@@ -215,6 +216,11 @@ def load_space(path: str | Path) -> SearchSpace:
                      f"choose one of {', '.join(WIRE_DTYPES)}")
     raw = r.value(model, "causal", "model", required=False)
     causal = False if raw is None else r.boolean(raw, "model.causal")
+    raw = r.value(model, "mode", "model", required=False)
+    mode = "forward" if raw is None else r.string(raw, "model.mode", non_empty=True)
+    if mode not in MODES:
+        raise r.fail("model.mode", f"unknown mode {show(mode)}{suggest(mode, list(MODES))}; "
+                     f"choose one of {', '.join(MODES)}")
 
     sweep = r.table(doc, "sweep", required=True)
     assert sweep is not None
@@ -248,8 +254,8 @@ def load_space(path: str | Path) -> SearchSpace:
 
     return SearchSpace(
         name=name, description=description, source=Path(path),
-        shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal), seq_lens=seq_lens, ranks=ranks,
-        strategies=strategies, trials=trials,
+        shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal, mode), seq_lens=seq_lens,
+        ranks=ranks, strategies=strategies, trials=trials,
         measure=MeasureSettings(timeout=timeout, **counts), within_node_heads=within_node_heads,
     )
 
@@ -282,10 +288,10 @@ def _strategy(r: TableReader, value: object, key: str) -> str:
 
 
 def _shape(r: TableReader, heads: int, kv_heads: int, head_dim: int, batch: int, dtype: str,
-           causal: bool) -> AttentionShape:
+           causal: bool, mode: str) -> AttentionShape:
     """The model's attention shape; a combination it rejects is reported against the key at fault."""
     try:
-        return AttentionShape(heads, kv_heads, head_dim, batch, dtype, causal)
+        return AttentionShape(heads, kv_heads, head_dim, batch, dtype, causal, mode)
     except ValueError as exc:
         text = str(exc)
         field = re.match(r"(kv_heads|heads|head_dim|batch|dtype|causal)\b:?\s*", text)

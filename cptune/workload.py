@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,18 @@ WIRE_DTYPES: dict[str, np.dtype] = {
     "fp16": np.dtype(np.float16),
     "fp32": np.dtype(np.float32),
 }
+
+
+#: What one run of a layer is: ``forward`` (inference: the attention's output) or ``train``
+#: (the forward, then the backward from a given output gradient: gradients of Q, K and V).
+MODES: tuple[str, ...] = ("forward", "train")
+
+
+def check_mode(mode: object) -> str:
+    """``mode`` if it is one of ``MODES``, else ``ValueError`` naming them."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return str(mode)
 
 
 #: The largest integer cptune takes anywhere (a size, a count, an id): what a database's
@@ -36,8 +49,9 @@ def check_positive_int(name: str, value: object) -> None:
 class Workload:
     """One attention layer: ``batch`` sequences of ``seq_len`` tokens, ``heads`` query
     heads of ``head_dim`` and ``kv_heads`` key/value heads (None: as many as query heads;
-    fewer means GQA, one means MQA). Validated on construction: a bad value raises
-    ``ValueError`` naming the field."""
+    fewer means GQA, one means MQA), run in ``mode`` (``MODES``: a training layer is a
+    workload of its own). Validated on construction: a bad value raises ``ValueError``
+    naming the field."""
 
     seq_len: int
     heads: int
@@ -46,6 +60,7 @@ class Workload:
     batch: int
     dtype: str
     causal: bool
+    mode: str
 
     def __init__(
         self,
@@ -56,6 +71,7 @@ class Workload:
         batch: int = 1,
         dtype: str = "bf16",
         causal: bool = False,
+        mode: str = "forward",
     ) -> None:
         kv_heads = heads if kv_heads is None else kv_heads
         sizes = dict(seq_len=seq_len, heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch)
@@ -74,6 +90,16 @@ class Workload:
             object.__setattr__(self, name, int(value))
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "causal", bool(causal))
+        object.__setattr__(self, "mode", check_mode(mode))
+
+    @property
+    def training(self) -> bool:
+        """Whether a run is the forward and the backward (``mode`` "train")."""
+        return self.mode == "train"
+
+    def in_mode(self, mode: str) -> Workload:
+        """This layer run in ``mode``."""
+        return dataclasses.replace(self, mode=mode)
 
     @property
     def wire_dtype(self) -> np.dtype:
@@ -88,7 +114,8 @@ class Workload:
     @property
     def shape(self) -> AttentionShape:
         """This layer without its sequence length."""
-        return AttentionShape(self.heads, self.kv_heads, self.head_dim, self.batch, self.dtype, self.causal)
+        return AttentionShape(self.heads, self.kv_heads, self.head_dim, self.batch, self.dtype, self.causal,
+                              self.mode)
 
     def describe(self) -> str:
         return f"seq {self.seq_len} x {self.shape.describe()}"
@@ -101,7 +128,8 @@ class Workload:
         words += ["--kv-heads", str(self.kv_heads)] if self.kv_heads != self.heads else []
         words += ["--head-dim", str(self.head_dim)]
         words += ["--batch", str(self.batch)] if self.batch != 1 else []
-        return [*words, "--dtype", self.dtype, *(["--causal"] if self.causal else [])]
+        return [*words, "--dtype", self.dtype, *(["--causal"] if self.causal else []),
+                *(["--mode", self.mode] if self.training else [])]
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -112,6 +140,7 @@ class Workload:
             "batch": self.batch,
             "dtype": self.dtype,
             "causal": self.causal,
+            "mode": self.mode,
         }
 
 
@@ -126,6 +155,7 @@ class AttentionShape:
     batch: int
     dtype: str
     causal: bool
+    mode: str = "forward"
 
     def __post_init__(self) -> None:
         self.at(1)  # raises ValueError naming the bad field
@@ -133,14 +163,15 @@ class AttentionShape:
     def at(self, seq_len: int) -> Workload:
         """This layer at ``seq_len`` tokens."""
         return Workload(seq_len=seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-                        batch=self.batch, dtype=self.dtype, causal=self.causal)
+                        batch=self.batch, dtype=self.dtype, causal=self.causal, mode=self.mode)
 
     def describe(self) -> str:
-        """E.g. "16/4kv heads x d128, batch 1, bf16 causal"."""
+        """E.g. "16/4kv heads x d128, batch 1, bf16 causal", "..., bf16 causal, train"."""
         kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
         mask = " causal" if self.causal else ""
-        return f"{self.heads}{kv} heads x d{self.head_dim}, batch {self.batch}, {self.dtype}{mask}"
+        train = ", train" if self.mode == "train" else ""
+        return f"{self.heads}{kv} heads x d{self.head_dim}, batch {self.batch}, {self.dtype}{mask}{train}"
 
     def to_dict(self) -> dict[str, object]:
         return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "batch": self.batch, "dtype": self.dtype, "causal": self.causal}
+                "batch": self.batch, "dtype": self.dtype, "causal": self.causal, "mode": self.mode}

@@ -136,7 +136,7 @@ def test_the_file_validates_against_the_shipped_schema_and_round_trips(db, plan_
     jsonschema.validate(data, plan_schema(), cls=jsonschema.Draft202012Validator)
     assert data["schema_version"] == 1 and data["digest"] == digest(data)
     assert data["shape"] == {"heads": 8, "kv_heads": 8, "head_dim": 64, "batch": 1, "dtype": "bf16",
-                             "causal": False}
+                             "causal": False, "mode": "forward"}  # a plan says what it was tuned for
     loaded = load_plan(plan_file)
     exported = export_plan([at(SHORT), at(LONG)], db=db)
     assert loaded.buckets == exported.buckets and loaded.launch == exported.launch

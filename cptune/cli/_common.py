@@ -20,7 +20,7 @@ from cptune.errors import CPTuneError
 from cptune.frameworks import FRAMEWORKS, Spelling, Substitution
 from cptune.hardware import NCCL_PATHS, builtin_descriptions, parse_hosts, read_hostfile
 from cptune.space import MAX_SEQ_LENS, MEASURE_COUNTS, check_seconds
-from cptune.workload import MAX_INT, MAX_INT_TEXT, WIRE_DTYPES, Workload
+from cptune.workload import MAX_INT, MAX_INT_TEXT, MODES, WIRE_DTYPES, Workload
 
 USAGE_ERROR = 2
 Number = TypeVar("Number", int, float)
@@ -210,7 +210,7 @@ def add_workload_flags(
 ) -> None:
     """The flags that describe one attention layer, in a group of their own: ``--seq-lens``
     (several; with ``lengths``) or ``--seq-len``, ``--heads``, ``--kv-heads``, ``--head-dim``,
-    ``--batch``, ``--dtype``, ``--causal``; ``required``: the length, heads and head_dim must
+    ``--batch``, ``--dtype``, ``--causal``, ``--mode``; ``required``: the length, heads and head_dim must
     be given; ``defaults`` for those (``cptune measure``'s demo shape); ``with_strategies``:
     also ``--strategies``."""
     d = defaults or {}
@@ -234,6 +234,8 @@ def add_workload_flags(
     group.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
                        help="activation dtype (default bf16)")
     group.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    group.add_argument("--mode", choices=MODES, default=None,
+                       help="forward (inference, the default) or train: the forward and the backward")
     if with_strategies:
         group.add_argument("--strategies", type=strategies, default=None,
                            help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
@@ -329,7 +331,7 @@ def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
     """The workload the flags describe at ``seq_len`` tokens; a bad shape as a ``UsageError``."""
     try:
         return Workload(seq_len=seq_len, heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
-                        batch=args.batch, dtype=args.dtype, causal=args.causal)
+                        batch=args.batch, dtype=args.dtype, causal=args.causal, mode=args.mode or "forward")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

@@ -94,19 +94,24 @@ def _measurements_table(
     workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]
 ) -> Table:
     disturbed = "; * = disturbed by other load (why: below)" if any(m.disturbed for m in results) else ""
+    train = workload.training
     shown = table(f"{workload.describe()} - fastest first",
-                  "ms per iteration, slowest rank; spread = p90 - p10; peak = MiB per rank; "
+                  f"ms per iteration{' (forward and backward; fwd: the forward alone)' if train else ''}, "
+                  "slowest rank; spread = p90 - p10; peak = MiB per rank; "
                   f"ulysses2xring2 = 2-way Ulysses x 2-way Ring{disturbed}")
-    for column in ("config", "ranks", "median", "spread", "compute", "comm", "peak", "error"):
+    columns = ("config", "ranks", "median", *(("fwd",) if train else ()), "spread", "compute", "comm", "peak",
+               "error")
+    for column in columns:
         shown.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for m in sorted(results, key=lambda m: m.median_ms):
         shown.add_row(
             m.config.label, str(m.config.ranks), f"{m.median_ms:.1f}{'*' if m.disturbed else ''}",
-            f"{m.spread_ms:.1f}", _ms(m.compute_ms), _ms(m.comm_ms),
+            *((_ms(m.forward_ms),) if train else ()), f"{m.spread_ms:.1f}", _ms(m.compute_ms), _ms(m.comm_ms),
             f"{m.peak_bytes / 2**20:.0f}", f"{m.max_error:.0e}",
         )
     for config, error in failures:
-        shown.add_row(config.label, str(config.ranks), f"[red]failed: {error.kind}[/]", "", "", "", "", "")
+        shown.add_row(config.label, str(config.ranks), f"[red]failed: {error.kind}[/]",
+                      *[""] * (len(columns) - 3))
     return shown
 
 

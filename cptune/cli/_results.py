@@ -16,7 +16,7 @@ from rich.text import Text
 from cptune.cli._common import DB_HELP, UsageError, ids, positive, say, table
 from cptune.config import STRATEGIES
 from cptune.measurement import STATUSES, format_ms
-from cptune.workload import Workload
+from cptune.workload import MODES, Workload
 
 if TYPE_CHECKING:
     from cptune.estimate import Comparison, Estimate, Verdict
@@ -36,6 +36,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     results.add_argument("--seq-len", type=positive)
     results.add_argument("--heads", type=positive)
     results.add_argument("--head-dim", type=positive)
+    results.add_argument("--mode", choices=MODES, help="forward or train runs only")
     results.add_argument("--strategy", choices=STRATEGIES)
     results.add_argument("--ranks", type=positive)
     results.add_argument("--status", choices=STATUSES, help="ok, or how a run failed")
@@ -57,7 +58,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     from cptune.store import RESULT_COLUMNS, Store, display_url
 
-    workload_filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim}
+    workload_filters = {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim,
+                        "mode": args.mode}
     row_filters = {"strategy": args.strategy, "ranks": args.ranks, "status": args.status}
     changes = args.exclude or args.include or args.delete
     if args.combined and changes:
@@ -92,10 +94,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         writer.writeheader()
         writer.writerows(r.to_dict() for r in rows)
         return 0
+    modes = any(r.workload.training for r in rows)  # a column where training runs are listed
     listing = table(f"{len(rows)} stored result(s)",
                    "median ms per iteration of the slowest rank; round: the interleaved rounds of each "
-                   "workload numbered in the order they ran (--json gives their ids)")
-    for column in ("id", "seq_len", "heads", "config", "ranks", "round", "status", "median ms", "hardware"):
+                   "workload numbered in the order they ran (--json gives their ids)"
+                   + ("; mode: forward, or train (forward and backward)" if modes else ""))
+    for column in ("id", "seq_len", "heads", *(("mode",) if modes else ()), "config", "ranks", "round",
+                   "status", "median ms", "hardware"):
         listing.add_column(column, justify="left" if column in ("config", "status", "hardware") else "right",
                            no_wrap=column != "hardware")
     for r in rows:
@@ -106,7 +111,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
                              ("disturbed", bool(r.disturbed)), ("heads span nodes", r.heads_span_nodes)):
             if marked:
                 status.append(f", {mark}", style="yellow")
-        listing.add_row(str(r.id), str(r.workload.seq_len), heads, r.config.label, str(r.config.ranks),
+        listing.add_row(str(r.id), str(r.workload.seq_len), heads, *((r.workload.mode,) if modes else ()),
+                        r.config.label, str(r.config.ranks),
                         str(numbers.get(r.id, "-")), status, median, Text(r.hardware))
     console.print(listing)
     if count := sum(r.oversubscribed or r.excluded or bool(r.disturbed) for r in rows):
@@ -138,8 +144,8 @@ def _round_numbers(rows: list[Result]) -> dict[int, int]:
 
 #: The columns of ``cptune results --combined --csv``, one row per configuration.
 COMBINED_COLUMNS = (
-    "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy", "ranks",
-    "head_group", "label", "median_ms", "low_ms", "high_ms", "rounds", "interval_from", "role",
+    "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "mode", "strategy",
+    "ranks", "head_group", "label", "median_ms", "low_ms", "high_ms", "rounds", "interval_from", "role",
     "vs_fastest", "vs_fastest_low", "vs_fastest_high", "paired_rounds", "measurement_ids", "verdict",
 )
 

@@ -129,12 +129,16 @@ def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
 
 def space_of(args: argparse.Namespace) -> SearchSpace | str:
     """The space the command line names: the workload flags' (``--ranks`` among them), or a
-    file or built-in name (default: the demo); ``--within-node-heads`` restricts either."""
+    file or built-in name (default: the demo), run in ``--mode`` where given;
+    ``--within-node-heads`` restricts either."""
     flags_given = any(getattr(args, name, None) is not None for name in (
         "heads", "head_dim", "seq_lens", "kv_heads", "strategies", "ranks")) or args.causal
     if args.space and flags_given:
         raise UsageError("give either a search space or workload flags (--heads, --seq-lens, ...), not both")
     space = _space_from_flags(args) if flags_given else args.space or DEMO_SPACE
+    if args.mode is not None and not flags_given:  # a named space in another mode
+        found = find_space(space)
+        space = dataclasses.replace(found, shape=dataclasses.replace(found.shape, mode=args.mode))
     if not getattr(args, "within_node_heads", False):
         return space
     return dataclasses.replace(find_space(space), within_node_heads=True)

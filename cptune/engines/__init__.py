@@ -22,7 +22,7 @@ import atexit
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -78,6 +78,8 @@ class EngineSpec:
     position_calls: bool = False
     #: Whether its ranks can run on several nodes (``--hosts``, ``get_engine(hosts=)``).
     spans_nodes: bool = False
+    #: Whether it runs training workloads (``Engine.run_train``: the forward and the backward).
+    trains: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -89,6 +91,17 @@ class EngineSpec:
     def collectives(self) -> tuple[str, ...]:
         """The collective kinds its runs use: what its calibration times."""
         return collectives_with(self.stream)
+
+
+class Trained(NamedTuple):
+    """What a training run computes: the output and the gradients of Q, K and V, each
+    [batch, seq, heads or kv_heads, head_dim] as the inputs (one rank's shards, or put
+    together in token order)."""
+
+    out: np.ndarray
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
 
 
 class Engine(Protocol):
@@ -123,9 +136,18 @@ class Engine(Protocol):
 
     def run(
         self, workload: Workload, config: CPConfig,
-        shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]], timeout: float,
+        shards: Sequence[tuple[np.ndarray, ...]], timeout: float,
     ) -> tuple[list[np.ndarray], list[int]]:
         """Run once with rank r holding ``shards[r]``: output shards and peak bytes per rank."""
+
+    def run_train(
+        self, workload: Workload, config: CPConfig,
+        shards: Sequence[tuple[np.ndarray, ...]], timeout: float,
+    ) -> tuple[list[Trained], list[int]]:
+        """A training run (``spec.trains``), the forward then the backward, rank r holding
+        ``shards[r]`` (q, k, v and the output's gradient): each rank's ``Trained`` and
+        peak bytes (the forward's saved activations included). ``time`` then repeats it,
+        seconds [rank, iteration, (wall, compute, comm, forward wall)]."""
 
     def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
         """Repeat the last run: seconds [rank, iteration, (wall, compute, comm)]."""
@@ -170,6 +192,18 @@ class UntimedEngineError(CPTuneError, ValueError):
     """A correctness-only engine was asked to time something."""
 
 
+class UntrainedEngineError(CPTuneError, ValueError):
+    """An engine that runs the forward alone was asked to train."""
+
+
+def check_trains(spec: EngineSpec, workload: Workload) -> None:
+    """``UntrainedEngineError`` where ``workload`` trains and the engine does not."""
+    if workload.training and not spec.trains:
+        raise UntrainedEngineError(
+            f"the {spec.name} engine runs the forward alone (inference), not --mode train: use a "
+            f"backend that trains ({trainers()})")
+
+
 class BackendUnavailableError(CPTuneError):
     """This machine cannot run the requested engine; the message says what is missing and
     how to get it."""
@@ -183,6 +217,11 @@ def untimed(engine: str) -> UntimedEngineError:
         f"attention and does not time them: use compute(..., backend={engine!r}) to check a "
         f"configuration, and a timing backend ({timed}) to measure one"
     )
+
+
+def trainers() -> str:
+    """The engines that run training workloads, for a message: "'mpi', 'torch'"."""
+    return ", ".join(repr(spec.name) for spec in ENGINES.values() if spec.trains)
 
 
 #: Every engine, by name, in the order ``--backend`` lists them (the first is the default).
@@ -201,6 +240,7 @@ register(EngineSpec(
     name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
     kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
     engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank", spans_nodes=True,
+    trains=True,
 ))
 register(EngineSpec(
     name="onnx", summary="each rank's ONNX graph on ONNX's reference runtime (checks, does not time)",
@@ -217,7 +257,7 @@ register(EngineSpec(
                           "(pip install 'cptune[torch]')",
     kernel="fused", stream="p2p", timed=True, times_steps=False, device="any",
     engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker", position_calls=True,
-    spans_nodes=True,
+    spans_nodes=True, trains=True,
 ))
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from cptune.config import CPConfig
-from cptune.engines import EngineSpec, NodeVerdict
+from cptune.engines import EngineSpec, NodeVerdict, Trained, check_trains
 from cptune.engines import _protocol as protocol
 from cptune.errors import CPTuneError, EngineError
 from cptune.guard import CpuReading
@@ -580,26 +580,34 @@ class PooledEngine:
     def _run(
         self, workload: Workload, config: CPConfig, arrays: Sequence[Sequence[np.ndarray]], timeout: float,
         what: str, **extra: object,
-    ) -> tuple[list[np.ndarray], list[int]]:
+    ) -> tuple[list[list[np.ndarray]], list[int]]:
         """A "run" of ``config`` by this engine's rank side, rank r sent ``arrays[r]`` (its
-        shard, and whatever else the engine's ranks need) and ``extra`` in the header: each
-        rank's output shard and peak bytes (``_ran``)."""
+        shard, and whatever else the engine's ranks need) and ``extra`` in the header: the
+        arrays each rank returned (its output shard; a training run's gradients after it)
+        and its peak bytes. The ranks keep the run for ``time``."""
         self._pool_for(config.ranks)
         header = {"op": "run", "engine": self.name, "workload": workload.to_dict(),
                   "config": config.to_dict(), **extra}
         messages = {rank: (header, list(sent)) for rank, sent in enumerate(arrays)}
         replies = self._request(messages, timeout, what, caller_set=True)
-        return self._ran(replies, config.ranks)
+        return self._arrays(replies, config.ranks)
 
-    def _ran(self, replies: dict[int, protocol.Message], ranks: int) -> tuple[list[np.ndarray], list[int]]:
-        """Each rank's output shard and peak bytes from a run's ``replies``; the ranks keep
-        the run for ``time``."""
+    def _arrays(self, replies: dict[int, protocol.Message],
+                ranks: int) -> tuple[list[list[np.ndarray]], list[int]]:
+        """Each rank's arrays and peak bytes from a run's ``replies``; the ranks keep the run
+        for ``time``."""
         self._timed_ranks = ranks
         ordered = [replies[r] for r in range(ranks)]
-        return [arrays[0] for _, arrays in ordered], [int(h.get("peak_bytes", 0)) for h, _ in ordered]
+        return [list(arrays) for _, arrays in ordered], [int(h.get("peak_bytes", 0)) for h, _ in ordered]
+
+    def _ran(self, replies: dict[int, protocol.Message], ranks: int) -> tuple[list[np.ndarray], list[int]]:
+        """Each rank's output shard and peak bytes from a run's ``replies`` (``_arrays``)."""
+        arrays, peaks = self._arrays(replies, ranks)
+        return [shard[0] for shard in arrays], peaks
 
     def time(self, warmup: int, repeats: int, timeout: float, what: str) -> np.ndarray:
-        """Time the last ``run``: seconds [rank, iteration, (wall, compute, comm)]."""
+        """Time the last ``run``: seconds [rank, iteration, (wall, compute, comm)]; after
+        ``run_train`` with the forward's wall time last."""
         if self._pool is None or not self._timed_ranks:
             raise RuntimeError("time() needs a successful run() first")
         header = {"op": "time", "warmup": warmup, "repeats": repeats}
@@ -614,13 +622,26 @@ class PooledEngine:
         return threads_per_rank(ranks if self.cluster is None else min(ranks, self.cluster.ranks_per_node))
 
     def run(
-        self, workload: Workload, config: CPConfig, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        self, workload: Workload, config: CPConfig, shards: Sequence[tuple[np.ndarray, ...]],
         timeout: float,
     ) -> tuple[list[np.ndarray], list[int]]:
         """Run ``config`` once with rank r holding ``shards[r]`` (q, k, v in the API layout):
         each rank's output shard and peak bytes. The ranks keep the inputs for ``time``."""
-        return self._run(workload, config, shards, timeout, config.describe(),
-                         threads=self._threads(config.ranks))
+        arrays, peaks = self._run(workload, config, shards, timeout, config.describe(),
+                                  threads=self._threads(config.ranks))
+        return [shard[0] for shard in arrays], peaks
+
+    def run_train(
+        self, workload: Workload, config: CPConfig,
+        shards: Sequence[tuple[np.ndarray, ...]], timeout: float,
+    ) -> tuple[list[Trained], list[int]]:
+        """Run ``config``'s forward and backward once, rank r holding ``shards[r]`` (q, k, v
+        and the output's gradient): each rank's output and gradients, and peak bytes."""
+        check_trains(self.spec, workload)
+        what = f"{config.describe()}, forward and backward"
+        arrays, peaks = self._run(workload, config, shards, timeout, what,
+                                  threads=self._threads(config.ranks))
+        return [Trained(*shard) for shard in arrays], peaks
 
     def time_collective(
         self, kind: str, ranks: int, group: int, chunks: Sequence[int], warmup: int, repeats: int,

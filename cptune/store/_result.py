@@ -14,8 +14,9 @@ __all__ = ["RESULT_COLUMNS", "STATUSES", "Result"]
 
 #: The keys of ``Result.to_dict``, in order: known without a row (a CSV header).
 RESULT_COLUMNS = (
-    "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "strategy",
-    "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms", "peak_bytes",
+    "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "mode",
+    "strategy", "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms",
+    "forward_ms", "peak_bytes",
     "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
     "heads_span_nodes",
 )
@@ -48,6 +49,8 @@ class Result:
     disturbed: str | None = None
     #: Ranks per node of the cluster it ran on (None: one node).
     ranks_per_node: int | None = None
+    #: A training run's forward alone (ms); None for a forward run.
+    forward_ms: float | None = None
 
     @property
     def heads_span_nodes(self) -> bool:
@@ -64,7 +67,8 @@ class Result:
         return {
             "id": self.id, "hardware": self.hardware, **self.workload.to_dict(), **self.config.to_dict(),
             "status": self.status, "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
-            "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "peak_bytes": self.peak_bytes,
+            "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "forward_ms": self.forward_ms,
+            "peak_bytes": self.peak_bytes,
             "max_error": self.max_error, "error": self.error, "engine": self.engine,
             "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
             "round_id": self.round_id, "disturbed": self.disturbed, "heads_span_nodes": self.heads_span_nodes,

@@ -63,7 +63,7 @@ class HardwareRow(Base):
 class WorkloadRow(Base):
     __tablename__ = "workloads"
     __table_args__ = (
-        UniqueConstraint("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal",
+        UniqueConstraint("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode",
                          name="uq_workload_shape"),
     )
 
@@ -75,11 +75,13 @@ class WorkloadRow(Base):
     batch: Mapped[int] = mapped_column(Integer)
     dtype: Mapped[str] = mapped_column(String(8))
     causal: Mapped[bool] = mapped_column(Boolean)
+    #: ``forward`` or ``train`` (``cptune.workload.MODES``).
+    mode: Mapped[str] = mapped_column(String(8), default="forward")
 
     def to_workload(self) -> Workload:
         return Workload(
             seq_len=self.seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-            batch=self.batch, dtype=self.dtype, causal=self.causal,
+            batch=self.batch, dtype=self.dtype, causal=self.causal, mode=self.mode,
         )
 
 
@@ -105,6 +107,8 @@ class MeasurementRow(Base):
     p90_ms: Mapped[float | None] = mapped_column(Float)
     compute_ms: Mapped[float | None] = mapped_column(Float)
     comm_ms: Mapped[float | None] = mapped_column(Float)
+    #: A training run's forward alone (median ms, slowest rank); None for a forward run.
+    forward_ms: Mapped[float | None] = mapped_column(Float)
     peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
     max_error: Mapped[float | None] = mapped_column(Float)
     samples_ms: Mapped[list[float] | None] = mapped_column(JSON)

@@ -166,7 +166,7 @@ def _alembic() -> tuple[Config, ScriptDirectory]:
 #: The newest schema revision cptune's migrations (db/versions) make; tests/test_store.py holds
 #: it to Alembic's head. A database already at it is opened without loading Alembic (0.4 s of
 #: every command).
-HEAD_REVISION = "0007"
+HEAD_REVISION = "0008"
 
 
 def _revision(connection: Connection) -> str | None:
@@ -193,7 +193,7 @@ def _migrate(engine: Engine, url: str) -> None:
     this one does not know) is refused before anything is written."""
     from alembic import command
 
-    with engine.begin() as connection:
+    with engine.connect() as connection, _foreign_keys_checked_at_the_end(connection), connection.begin():
         if connection.dialect.name == "postgresql":
             # two processes opening a new database at once: the second waits, then finds it migrated
             connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
@@ -204,6 +204,28 @@ def _migrate(engine: Engine, url: str) -> None:
         _refuse_newer(current, scripts, url)
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+        sqlite = connection.dialect.name == "sqlite"
+        if sqlite and connection.exec_driver_sql("PRAGMA foreign_key_check").first():
+            raise StoreError(f"migrating {display_url(url)} would leave rows pointing at none; "
+                             f"nothing was changed")
+
+
+@contextmanager
+def _foreign_keys_checked_at_the_end(connection: Connection) -> Iterator[None]:
+    """SQLite's foreign keys off while ``connection`` migrates (a table altered by copying it
+    is dropped while rows point at it; its copy has the same ids), as SQLite's own procedure
+    for altering a table has it; the migration checks them before it commits. The switch
+    works only outside a transaction: it is made on the driver's connection, unseen by the
+    transaction events."""
+    raw = connection.connection.dbapi_connection if connection.dialect.name == "sqlite" else None
+    if raw is None:
+        yield
+        return
+    raw.execute("PRAGMA foreign_keys = OFF")
+    try:
+        yield
+    finally:
+        raw.execute("PRAGMA foreign_keys = ON")
 
 
 def new_database(db: str | None = None) -> bool:
@@ -518,7 +540,7 @@ class Store:
                 comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
                 measured_at=_utc(datetime.fromisoformat(m.measured_at)), oversubscribed=m.oversubscribed,
-                round_id=round_id, disturbed=m.disturbed,
+                round_id=round_id, disturbed=m.disturbed, forward_ms=m.forward_ms,
             )
             session.add(row)
             session.flush()
@@ -675,7 +697,7 @@ def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
     return Result(
         id=m.id, hardware=h.fingerprint, workload=w.to_workload(), config=m.config,
         status=m.status, median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms,
-        compute_ms=m.compute_ms, comm_ms=m.comm_ms, peak_bytes=m.peak_bytes,
+        compute_ms=m.compute_ms, comm_ms=m.comm_ms, forward_ms=m.forward_ms, peak_bytes=m.peak_bytes,
         max_error=m.max_error, error=m.error, engine=m.engine,
         measured_at=_utc(m.measured_at).isoformat(timespec="seconds"),
         oversubscribed=m.oversubscribed, excluded=m.excluded, round_id=m.round_id, disturbed=m.disturbed,

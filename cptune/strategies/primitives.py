@@ -10,11 +10,19 @@ TensorRT 11 has no point-to-point layer, so ``kv_stream`` is the one primitive w
 implementation differs most: MPI passes blocks round a ring with send/recv, overlapped with
 the attention on the current block; a collective-only engine broadcasts one block per step
 (order does not matter: the masks go by position and the merge is commutative).
+
+Training adds the backward (``TrainingPrimitives``): ``attention_grad`` (the kernel's
+backward for one key subset, from the forward's final output and log-sum-exp),
+``reduce_scatter`` (the inverse of ``all_gather``), ``kv_grad_stream`` (the Ring's K/V
+blocks again, each with its gradient travelling beside it back to its owner) and
+``all_to_all_grad`` (Ulysses' exchange back, replicated KV heads summed). Gradients that
+are summed across ranks travel in float32; those an exchange only moves, in the wire dtype,
+as activations do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -65,3 +73,36 @@ class Primitives(Protocol):
         the engine's order (the MPI engine: this rank's own first, then round the ring; a
         graph: member order, the same on every rank); the engine may move the next block
         while the caller works on the current one."""
+
+
+class TrainingPrimitives(Primitives, Protocol):
+    """What an engine that trains provides besides: the backward's operations."""
+
+    def attention_grad(self, q: Tensor, kv: Tensor, dout: Tensor, saved: Partial, q_pos: np.ndarray,
+                       k_pos: np.ndarray, dq_into: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The backward of ``attention`` over these keys, from ``saved`` (the layer's final
+        output and log-sum-exp, over every key) and ``dout``, the output's gradient (zero on
+        padding rows): (dq, dkv), dq [batch, heads, seq, head_dim] this key subset's share of
+        Q's gradient, added into ``dq_into`` (the same queries' share over other keys) where
+        given, the engine may in place; dkv [2, batch, kv_heads, keys, head_dim] the
+        gradient of these keys' K and V from these queries, float32."""
+
+    def all_to_all_grad(self, x: Tensor, group: Group, split_axis: int, concat_axis: int,
+                        fold: int) -> Tensor:
+        """The inverse of ``all_to_all(..., repeat=fold)`` for a gradient: the exchange, then
+        each run of ``fold`` slices of ``concat_axis`` summed into one (float32; sent in
+        float32 where ``fold`` > 1, else as ``all_to_all`` sends)."""
+
+    def reduce_scatter(self, x: Tensor, group: Group, axis: int,
+                       order: Sequence[tuple[int, int, int]] | None = None) -> Tensor:
+        """The inverse of ``all_gather`` for a gradient: ``x`` holds every member's part along
+        ``axis`` (in member order, or laid out as ``order`` joins them); the members' ``x``
+        are summed in float32 and each gets its own part back, in its own order."""
+
+    def kv_grad_stream(self, kv: Tensor, group: Group,
+                       visit: Callable[[int, Tensor], Tensor]) -> Tensor:
+        """The Ring's backward exchange: each member's K/V block passes by as in
+        ``kv_stream`` and ``visit(member, block)`` returns this rank's gradient of it
+        ([2, ...] like the block, float32); each block's gradient travels beside it, summed
+        on every rank it passes, and arrives at its owner once all have added theirs. Returns
+        the gradient of this rank's own block."""

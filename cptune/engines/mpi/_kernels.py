@@ -313,3 +313,161 @@ def merge(
 
     for_each_slice(acc_out.shape[:-2], threads, weigh)
     return acc_out, lse
+
+
+def attention_grad(
+    q: np.ndarray,
+    kv: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    dout: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    *,
+    causal: bool,
+    seq_len: int,
+    threads: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gradients of attention of ``q`` [B, H, sq, D] over the keys of ``kv`` [2, B, K, sk, D]
+    -> (dq [B, H, sq, D], dkv [2, B, K, sk, D]), both float32: FlashAttention-2's backward.
+
+    ``out`` and ``lse`` are the layer's final output and log-sum-exp over all its keys, of
+    which these may be a subset (a Ring step, one rank's share), and ``dout`` is dL/d(out).
+    Each key's probability is then exp(score - lse), final and at most 1 (no max shift),
+    so subsets are independent: dq is this subset's share of dQ (shares over disjoint
+    subsets sum to it), dkv holds dK and dV of these keys from these queries. Masks and
+    blocks are the forward's (``_plan``); rows with lse -inf see no key.
+
+    ``threads`` > 1 splits the (batch, head) items into contiguous runs, one per thread;
+    under GQA/MQA a KV head whose query heads fall in two runs is accumulated by each
+    thread apart and summed after, so no two threads write one array."""
+    batch, heads, sq, dim = q.shape
+    kv_heads, sk = kv.shape[2], kv.shape[3]
+    group = heads // max(kv_heads, 1)
+    scaled_q, grad_out, delta, safe_lse = _prepare_grad_rows(q, out, lse, dout, threads)
+    kv32 = cast(kv, np.dtype(np.float32), threads)
+    chunks = [(c, k_pos[c], _plan(q_pos, k_pos[c], causal, seq_len)) for c in chunk_slices(sk)]
+    blocks = [(j - i, b - a) for _, _, plan in chunks for i, j, segments in plan for a, b, _ in segments]
+    widest = max((rows * keys for rows, keys in blocks), default=0)
+    most_rows = max((rows for rows, _ in blocks), default=0)
+    most_keys = max((keys for _, keys in blocks), default=0)
+    dq = np.zeros((batch, heads, sq, dim), np.float32)
+    dkv = np.zeros((2, batch, kv_heads, sk, dim), np.float32)
+    scale = np.float32(1.0 / np.sqrt(dim))
+
+    items = [(b, head) for b in range(batch) for head in range(heads)]
+    workers = max(1, min(threads, len(items)))
+    shares = [items[len(items) * n // workers : len(items) * (n + 1) // workers] for n in range(workers)]
+    owners: dict[tuple[int, int], set[int]] = {}
+    for n, share in enumerate(shares):
+        for b, head in share:
+            owners.setdefault((b, head // group), set()).add(n)
+    split = {kv_head for kv_head, who in owners.items() if len(who) > 1}
+
+    def grad_heads(share: list[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
+        scratch = _GradScratch(
+            np.empty(widest, np.float32), np.empty(widest, np.float32),
+            np.empty((most_keys, dim), np.float32), np.empty((most_rows, dim), np.float32),
+        )
+        partial: dict[tuple[int, int], np.ndarray] = {}
+        for b, head in share:
+            kv_head = (b, head // group)
+            if kv_head in split:
+                target = partial.setdefault(kv_head, np.zeros((2, sk, dim), np.float32))
+            else:
+                target = dkv[:, b, head // group]
+            for chunk, chunk_pos, plan in chunks:
+                keys, values = kv32[0, b, head // group, chunk], kv32[1, b, head // group, chunk]
+                for i, j, segments in plan:
+                    if segments:
+                        _grad_block(
+                            _GradBlock(scaled_q[b, head, i:j], grad_out[b, head, i:j], safe_lse[b, head, i:j],
+                                       delta[b, head, i:j], keys, values, q_pos[i:j], chunk_pos, segments,
+                                       dq[b, head, i:j], target[0, chunk], target[1, chunk]),
+                            scratch,
+                        )
+            dq[b, head] *= scale
+        return partial
+
+    partials = [grad_heads(shares[0])] if workers <= 1 else list(_executor(threads).map(grad_heads, shares))
+    for partial in partials:
+        for (b, kv_head), grads in partial.items():
+            dkv[:, b, kv_head] += grads
+    return dq, dkv
+
+
+def _prepare_grad_rows(
+    q: np.ndarray, out: np.ndarray, lse: np.ndarray, dout: np.ndarray, threads: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-call work over the query rows, once per (batch, head) slice while it is in cache:
+    Q as float32 scaled by 1/sqrt(head_dim) (dK = scale dS^T Q takes it as is), dout as
+    float32, D = rowsum(dout * out), and lse with -inf made +inf so that exp(score - lse)
+    is 0 on rows that see no key rather than NaN."""
+    scaled_q = np.empty(q.shape, np.float32)
+    grad_out = np.empty(dout.shape, np.float32)
+    delta = np.empty(q.shape[:-1], np.float32)
+    safe_lse = np.empty(q.shape[:-1], np.float32)
+    scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
+
+    def prepare(i: tuple[int, ...]) -> None:
+        np.multiply(q[i], scale, out=scaled_q[i], dtype=np.float32)
+        np.copyto(grad_out[i], dout[i], casting="unsafe")
+        final = out[i] if out.dtype == np.float32 else out[i].astype(np.float32)
+        np.einsum("qd,qd->q", grad_out[i], final, out=delta[i])
+        np.copyto(safe_lse[i], lse[i], casting="unsafe")
+        np.putmask(safe_lse[i], np.isneginf(safe_lse[i]), np.inf)
+
+    for_each_slice(q.shape[:-2], threads, prepare)
+    return scaled_q, grad_out, delta, safe_lse
+
+
+class _GradBlock(NamedTuple):
+    """One query row block of one head against one key chunk, for the backward."""
+
+    q: np.ndarray  # [rows, D], scaled
+    dout: np.ndarray  # [rows, D], float32
+    lse: np.ndarray  # [rows], +inf where the row sees no key
+    delta: np.ndarray  # [rows], rowsum(dout * out)
+    keys: np.ndarray  # [keys, D] of the chunk
+    values: np.ndarray
+    q_pos: np.ndarray  # [rows]
+    k_pos: np.ndarray  # [keys]
+    segments: list[Segment]
+    dq: np.ndarray  # [rows, D], accumulated (unscaled)
+    dk: np.ndarray  # [keys, D], accumulated
+    dv: np.ndarray  # [keys, D], accumulated
+
+
+class _GradScratch(NamedTuple):
+    """A thread's reused buffers: probabilities and their gradients (the widest segment's
+    [rows, keys] each), and the [keys, D] and [rows, D] products before they are added."""
+
+    probs: np.ndarray
+    grads: np.ndarray
+    key_part: np.ndarray
+    row_part: np.ndarray
+
+
+def _grad_block(block: _GradBlock, scratch: _GradScratch) -> None:
+    """Add one block's share to dQ, dK and dV, segment by segment: with the final lse no
+    segment needs another's scores, so each reuses the same buffers."""
+    rows = block.q.shape[0]
+    for start, stop, masked in block.segments:
+        keys, values = block.keys[start:stop], block.values[start:stop]
+        p = scratch.probs[: rows * (stop - start)].reshape(rows, stop - start)
+        ds = scratch.grads[: p.size].reshape(p.shape)
+        key_part, row_part = scratch.key_part[: stop - start], scratch.row_part[:rows]
+        np.matmul(block.q, keys.T, out=p)
+        if masked:
+            np.putmask(p, block.k_pos[None, start:stop] > block.q_pos[:, None], -np.inf)
+        np.subtract(p, block.lse[:, None], out=p)
+        np.exp(p, out=p)  # P = exp(S - lse) <= 1
+        np.matmul(p.T, block.dout, out=key_part)  # dV += P^T dout
+        np.add(block.dv[start:stop], key_part, out=block.dv[start:stop])
+        np.matmul(block.dout, values.T, out=ds)  # dP = dout V^T
+        np.subtract(ds, block.delta[:, None], out=ds)
+        np.multiply(ds, p, out=ds)  # dS = P (dP - D)
+        np.matmul(ds, keys, out=row_part)  # dQ += dS K (scaled at the end)
+        np.add(block.dq, row_part, out=block.dq)
+        np.matmul(ds.T, block.q, out=key_part)  # dK += dS^T (scale Q)
+        np.add(block.dk[start:stop], key_part, out=block.dk[start:stop])

@@ -20,7 +20,7 @@ from cptune.engines import _protocol as protocol
 from cptune.engines._worker import time_each
 from cptune.engines.mpi import _kernels as kernels
 from cptune.layout import SequenceLayout
-from cptune.strategies import run_strategy
+from cptune.strategies import run_backward, run_forward
 from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
 from cptune.workload import Workload
 
@@ -55,6 +55,29 @@ def exchange_all_to_all(comm: MPI.Comm, x: np.ndarray, split_axis: int, concat_a
     return out_of_receive_order(received, concat_axis)
 
 
+def exchange_reduce_scatter(comm: MPI.Comm, x: np.ndarray, axis: int,
+                            order: Sequence[tuple[int, int, int]] | None = None) -> np.ndarray:
+    """The inverse of ``exchange_all_gather`` for a gradient: ``x`` holds every member's part
+    along ``axis`` (in member order, or laid out as ``order`` joins them); each member gets
+    the float32 sum of every member's values of its own part. The copy into send order
+    included."""
+    n = comm.Get_size()
+    axis %= x.ndim
+    if order is None:
+        send = in_send_order(x, axis, n, np.dtype(np.float32))
+    else:
+        # where each (member, start, stop) range sits in x: in order's sequence, end to end
+        offsets = np.cumsum([0] + [stop - start for _, start, stop in order]).tolist()
+        placed = sorted(zip(order, offsets, strict=False))  # by member, then by its own index
+        parts = [np.concatenate([x.take(range(offset, offset + stop - start), axis=axis)
+                                 for (owner, start, stop), offset in placed if owner == member], axis=axis)
+                 for member in range(n)]
+        send = np.ascontiguousarray(np.stack(parts), dtype=np.float32)
+    received = np.empty(send.shape[1:], dtype=np.float32)
+    comm.Reduce_scatter_block([send, MPI.FLOAT], [received, MPI.FLOAT], op=MPI.SUM)
+    return received
+
+
 def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype,
                         order: Sequence[tuple[int, int, int]] | None = None) -> np.ndarray:
     """Every member's ``x`` joined along ``axis`` in member order, or the (member, start,
@@ -68,6 +91,10 @@ def exchange_all_gather(comm: MPI.Comm, x: np.ndarray, axis: int, wire: np.dtype
     axis %= send.ndim
     pieces = [received[m].take(range(start, stop), axis=axis) for m, start, stop in order]
     return np.concatenate(pieces, axis=axis)
+
+
+#: The tag of the Ring's travelling gradients (K/V blocks go with the default, 0).
+_GRAD_TAG = 1
 
 
 class MpiOps:
@@ -102,6 +129,19 @@ class MpiOps:
         self.compute_s += time.perf_counter() - start
         return Partial(out, lse)
 
+    def attention_grad(self, q: np.ndarray, kv: np.ndarray, dout: np.ndarray, saved: Partial,
+                       q_pos: np.ndarray, k_pos: np.ndarray,
+                       dq_into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        start = time.perf_counter()
+        dq, dkv = kernels.attention_grad(
+            q, kv, saved.out, saved.lse, dout, q_pos, k_pos,
+            causal=self.workload.causal, seq_len=self.workload.seq_len, threads=self.threads,
+        )
+        if dq_into is not None:
+            dq = np.add(dq_into, dq, out=dq_into)
+        self.compute_s += time.perf_counter() - start
+        return dq, dkv
+
     def all_to_all(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int,
                    repeat: int = 1) -> np.ndarray:
         comm = self.comms[group]
@@ -113,6 +153,31 @@ class MpiOps:
             self.compute_s += time.perf_counter() - start
         start = time.perf_counter()
         out = exchange_all_to_all(comm, x, split_axis, concat_axis, self.wire)
+        self.comm_s += time.perf_counter() - start
+        return out
+
+    def all_to_all_grad(self, x: np.ndarray, group: Group, split_axis: int, concat_axis: int,
+                        fold: int) -> np.ndarray:
+        comm = self.comms[group]
+        if comm.Get_size() == 1 or fold == 1:
+            return self.all_to_all(x, group, split_axis, concat_axis)
+        start = time.perf_counter()
+        out = exchange_all_to_all(comm, x, split_axis, concat_axis, np.dtype(np.float32))  # summed: float32
+        self.comm_s += time.perf_counter() - start
+        start = time.perf_counter()
+        axis = concat_axis % out.ndim
+        out = out.reshape(out.shape[:axis] + (out.shape[axis] // fold, fold) + out.shape[axis + 1:]).sum(
+            axis=axis + 1, dtype=np.float32)
+        self.compute_s += time.perf_counter() - start
+        return out
+
+    def reduce_scatter(self, x: np.ndarray, group: Group, axis: int,
+                       order: Sequence[tuple[int, int, int]] | None = None) -> np.ndarray:
+        comm = self.comms[group]
+        if comm.Get_size() == 1:
+            return x
+        start = time.perf_counter()
+        out = exchange_reduce_scatter(comm, x, axis, order)
         self.comm_s += time.perf_counter() - start
         return out
 
@@ -150,8 +215,43 @@ class MpiOps:
                 current = incoming
 
 
+    def kv_grad_stream(self, kv: np.ndarray, group: Group,
+                       visit: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+        """``kv_stream``'s order, each block's float32 gradient beside it: at step t the
+        gradient of member (me - t)'s block arrives from me - 1 while this rank works on the
+        block, gets this rank's share and goes on to me + 1; after the last step each
+        gradient is one hop from its owner, and this rank's own arrives from me - 1."""
+        comm = self.comms[group]
+        n, me = comm.Get_size(), comm.Get_rank()
+        if n == 1:
+            return visit(me, kv)
+        receive = np.empty(kv.shape, np.float32)
+        sending: list[MPI.Request] = []
+        arriving: list[MPI.Request] = []
+        for step, (member, block) in enumerate(self.kv_stream(kv, group)):
+            share = np.ascontiguousarray(visit(member, block), dtype=np.float32)
+            if step == 0:  # this rank's own block: its gradient starts here
+                send = share
+            else:
+                self._wait(arriving)
+                np.add(receive, share, out=receive)
+                self._wait(sending)  # the buffer sent last step is free to receive into
+                send, receive = receive, send
+            sending = [comm.Isend([send, MPI.FLOAT], dest=(me + 1) % n, tag=_GRAD_TAG)]
+            arriving = [comm.Irecv([receive, MPI.FLOAT], source=(me - 1) % n, tag=_GRAD_TAG)]
+        self._wait([*sending, *arriving])
+        return receive
+
+    def _wait(self, requests: list[MPI.Request]) -> None:
+        """Wait for ``requests``, the time counted as communication."""
+        start = time.perf_counter()
+        MPI.Request.Waitall(requests)
+        self.comm_s += time.perf_counter() - start
+
+
 class RankTask:
-    """One configuration on this rank: its inputs, communicators and how to run it."""
+    """One configuration on this rank: its inputs, communicators and how to run it (a
+    training workload's forward and backward, from the output's gradient it was given)."""
 
     def __init__(self, header: dict, arrays: list[np.ndarray], comms: dict[str, MPI.Comm], rank: int) -> None:
         self.threads = int(header["threads"])
@@ -160,40 +260,50 @@ class RankTask:
         self.layout = SequenceLayout(self.workload, self.config)
         self.comms = comms
         self.rank = rank
-        q, k, v = arrays  # [batch, seq, heads, head_dim] in the wire dtype
+        q, k, v, *dout = arrays  # [batch, seq, heads, head_dim] in the wire dtype
         self.q = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
         self.kv = np.ascontiguousarray(np.stack([k, v]).transpose(0, 1, 3, 2, 4))
-        self.input_bytes = self.q.nbytes + self.kv.nbytes
+        self.dout = np.ascontiguousarray(dout[0].transpose(0, 2, 1, 3)) if self.workload.training else None
+        self.input_bytes = self.q.nbytes + self.kv.nbytes + (0 if self.dout is None else self.dout.nbytes)
 
-    def iteration(self) -> tuple[np.ndarray, MpiOps]:
+    def iteration(self) -> tuple[list[np.ndarray], MpiOps, float]:
+        """One run: its outputs [batch, heads, seq, head_dim] (the output; a training run's
+        dQ, dK and dV after it), the ops that timed it and the forward's wall seconds."""
         ops = MpiOps(self.workload, self.comms, self.threads)
-        out = run_strategy(ops, self.layout, self.rank, self.q, self.kv)
-        return kernels.cast(out, self.workload.wire_dtype, self.threads), ops
+        start = time.perf_counter()
+        out, saved = run_forward(ops, self.layout, self.rank, self.q, self.kv)
+        out = kernels.cast(out, self.workload.wire_dtype, self.threads)
+        forward_s = time.perf_counter() - start
+        if self.dout is None:
+            return [out], ops, forward_s
+        dq, dkv = run_backward(ops, self.layout, self.rank, saved, self.dout)
+        return [out, dq, dkv[0], dkv[1]], ops, forward_s
 
     def run_once(self) -> protocol.Message:
-        """Run once, tracing allocations: the output shard and the peak bytes held."""
+        """Run once, tracing allocations: the output shard (and gradients) and the peak bytes
+        held, a training run's saved activations included."""
         tracemalloc.start()
         tracemalloc.reset_peak()
         try:
-            out, _ = self.iteration()
+            outputs, _, _ = self.iteration()
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        return {"peak_bytes": self.input_bytes + peak}, [out.transpose(0, 2, 1, 3)]
+        return {"peak_bytes": self.input_bytes + peak}, [x.transpose(0, 2, 1, 3) for x in outputs]
 
     def time(self, warmup: int, repeats: int) -> protocol.Message:
-        """Per timed iteration: wall, compute and communication seconds on this rank. All
-        ranks start each iteration together (barrier) so the slowest rank's wall time is the
-        iteration's latency."""
+        """Per timed iteration: wall, compute and communication seconds on this rank (and a
+        training run's forward wall seconds). All ranks start each iteration together
+        (barrier) so the slowest rank's wall time is the iteration's latency."""
         comm = self.comms["all"]
-        timings = np.zeros((repeats, 3), dtype=np.float64)
+        timings = np.zeros((repeats, 3 if self.dout is None else 4), dtype=np.float64)
         for i in range(warmup + repeats):
             comm.Barrier()
             start = time.perf_counter()
-            _, ops = self.iteration()
+            _, ops, forward_s = self.iteration()
             wall = time.perf_counter() - start
             if i >= warmup:
-                timings[i - warmup] = (wall, ops.compute_s, ops.comm_s)
+                timings[i - warmup] = (wall, ops.compute_s, ops.comm_s, forward_s)[: timings.shape[1]]
         return {}, [timings]
 
 

@@ -126,7 +126,7 @@ class TensorRTEngine(PooledEngine):
         self,
         workload: Workload,
         config: CPConfig,
-        shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        shards: Sequence[tuple[np.ndarray, ...]],
         timeout: float,
     ) -> tuple[list[np.ndarray], list[int]]:
         """Build (or load) and set up every rank's engine, then run once with rank r holding
