@@ -157,11 +157,11 @@ class TorchEngine(PooledEngine):
         return {"CPTUNE_TORCH_STORE": f"{host}:{self._store.port}",
                 "CPTUNE_TORCH_WORLD": f"world-{self._worlds}"}
 
-    def _ran(self, replies: dict, ranks: int) -> tuple[list[np.ndarray], list[int]]:
+    def _arrays(self, replies: dict, ranks: int) -> tuple[list[list[np.ndarray]], list[int]]:
         first = replies[0][0]
         self._ran_with = {key: str(first.get(key, "")) for key in ("kernel", "process_group")}
         self._ran_with |= {key: str(first[key]) for key in ("cudnn", "nccl") if key in first}
-        return super()._ran(replies, ranks)
+        return super()._arrays(replies, ranks)
 
     def describe(self) -> dict[str, str]:
         """The engine's software, and the kernels and process group the last run used (on a

@@ -20,6 +20,15 @@ head group larger than them, included) and one unpack per exchange; AllGather-KV
 copy out of the receive buffer; the Ring through ``batch_isend_irecv`` into its own two
 receive buffers, the next block in flight while the current one is attended to (NCCL runs it
 on its own stream on a GPU, gloo on its own threads on the CPU).
+
+The backward (``attend_grad``) runs the same calls, each by the backward of its forward kernel
+(``_kernels.fused_attention_grad``) given the layer's final output and log-sum-exp over all its
+keys, so a step over a subset of the keys (a Ring step) gets its exact share of dQ and the
+whole dK, dV of its keys; the pieces accumulate in float32, each row and key copied where a
+call first names it and added where a later one does, the rest zero. Its exchanges mirror the
+mpi engine's: Ulysses' dK/dV back in float32 where replicated KV heads are summed
+(``all_to_all_grad``), AllGather-KV's through ``reduce_scatter_tensor`` in float32, the Ring's
+travelling gradients in float32 by ``batch_isend_irecv``, one batch a step after the blocks'.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from cptune.calls import Call, attention_calls
-from cptune.engines.torch._kernels import fused_attention
+from cptune.engines.torch._kernels import fused_attention, fused_attention_grad
 from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
 from cptune.workload import Workload
 
@@ -137,6 +146,60 @@ def attend(q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarr
     return acc
 
 
+def _runs(flags: np.ndarray) -> list[tuple[int, int, bool]]:
+    """(start, stop, value) of each run of equal values of the boolean ``flags``."""
+    edges = [0, *(np.flatnonzero(np.diff(flags.astype(np.int8))) + 1).tolist(), len(flags)]
+    return [(start, stop, bool(flags[start])) for start, stop in zip(edges, edges[1:], strict=False)
+            if stop > start]
+
+
+def _accumulate(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], span: slice,
+                written: np.ndarray) -> None:
+    """Each (target, value) pair's value into its target's index range ``span`` along the
+    sequence axis (-2): copied where no earlier call wrote (``written``), added where one did."""
+    for start, stop, seen in _runs(written[span]):
+        at = slice(span.start + start, span.start + stop)
+        for target, value in pieces:
+            part = value[..., start:stop, :]
+            if seen:
+                target[..., at, :].add_(part)
+            else:
+                target[..., at, :].copy_(part)
+    written[span] = True
+
+
+def attend_grad(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Partial, q_pos: np.ndarray,
+                k_pos: np.ndarray, causal: bool, seq_len: int, scale: float | None = None,
+                dq_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``attend`` for queries at ``q_pos`` over the keys of ``kv`` ([2, batch,
+    kv_heads, seq, head_dim]) at ``k_pos``, given ``saved``, the layer's final output [batch,
+    heads, seq, head_dim] and float32 log-sum-exp [batch, heads, seq] over ALL its keys, and
+    ``dout`` = dL/dout: (dq float32 [batch, heads, seq, head_dim], this key subset's share of
+    dQ; dkv float32 like kv, the dK and dV of these keys), by the calls ``attention_calls``
+    plans, each call's pieces summed into its rows and keys; rows and keys no call names get 0.
+    ``dq_into`` (the same queries' share over other keys, float32): dq is added into it in
+    place and it is returned. Queries at ``seq_len`` or beyond must have ``dout`` 0 (the caller
+    pads with zeros): what they see then contributes nothing."""
+    calls = attention_calls(q_pos, k_pos, causal, seq_len)
+    k, v = kv[0], kv[1]
+    dq = activations(q.shape, torch.float32, q.device) if dq_into is None else dq_into
+    dkv = activations(kv.shape, torch.float32, kv.device)
+    # rows already holding a share (all of dq_into's) are added to, never overwritten or zeroed
+    rows_written = np.full(q.shape[-2], dq_into is not None, dtype=bool)
+    keys_written = np.zeros(k.shape[-2], dtype=bool)
+    for call in calls:
+        grad_q, grad_k, grad_v = fused_attention_grad(
+            q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :], saved.out[..., call.rows, :],
+            saved.lse[..., call.rows], dout[..., call.rows, :], call.causal, scale)
+        _accumulate([(dq, grad_q)], call.rows, rows_written)
+        _accumulate([(dkv[0], grad_k), (dkv[1], grad_v)], call.keys, keys_written)
+    for grad, written in ((dq, rows_written), (dkv, keys_written)):
+        for start, stop, seen in _runs(written):
+            if not seen:
+                grad[..., start:stop, :] = 0.0
+    return dq, dkv
+
+
 def pack(x: torch.Tensor, split_axis: int, members: int, wire: torch.dtype, repeat: int = 1) -> torch.Tensor:
     """``x`` cut into ``members`` chunks along ``split_axis``, chunk j first: the contiguous
     [members, ...] buffer an all-to-all sends, in ``wire`` dtype, in one copy (the cast
@@ -214,14 +277,60 @@ def joined_in_order(arrivals: Sequence[torch.Tensor], axis: int,
     return torch.cat([arrivals[m].narrow(axis, start, stop - start) for m, start, stop in pieces], dim=axis)
 
 
-def ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor) -> list[dist.Work]:
+#: ``reduce_scatter_tensor`` under the name newer PyTorch releases give it (as ``_all_gather_single``).
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def exchange_reduce_scatter(group: dist.ProcessGroup, x: torch.Tensor, axis: int,
+                            order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """The inverse of ``exchange_all_gather`` for a gradient: ``x`` holds every member's part
+    along ``axis`` (each whole in member order, or laid out as ``order`` joins its (member,
+    start, stop) ranges); each member gets the float32 sum of every member's values of its own
+    part, in its own index order, laid out as ``activations``. One copy into the send buffer
+    (the cast to float32 included), the parts end to end along its first dim as the collective
+    takes them."""
+    members = dist.get_world_size(group)
+    axis %= x.dim()
+    shape = list(x.shape)
+    shape[axis] //= members
+    received = activations(shape, torch.float32, x.device)
+    dense_received, as_part = dense(received)  # what the collective writes into, seen with x's dims
+    send = torch.empty((members, *dense_received.shape), dtype=torch.float32, device=x.device)
+    pieces = order if order is not None else [(m, 0, shape[axis]) for m in range(members)]
+    offset = 0
+    for member, start, stop in pieces:
+        as_part(send[member]).narrow(axis, start, stop - start).copy_(x.narrow(axis, offset, stop - start))
+        offset += stop - start
+    _reduce_scatter_single(dense_received, send.flatten(0, 1), group=group)
+    return as_part(dense_received)
+
+
+def ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor,
+              tag: int = 0) -> list[dist.Work]:
     """Start passing ``send`` to the next member of ``group`` and taking ``receive`` from the
-    previous one: the Ring's stream step (wait on what it returns)."""
+    previous one: the Ring's stream step (wait on what it returns). ``tag``: the K/V blocks'
+    0, the gradients travelling beside them ``GRAD_TAG`` (gloo matches by it; NCCL by order,
+    the same on every rank)."""
     members, me = dist.get_world_size(group), dist.get_rank(group)
     return dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (me + 1) % members), group),
-        dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, (me - 1) % members), group),
+        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (me + 1) % members), group, tag),
+        dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, (me - 1) % members), group, tag),
     ])
+
+
+#: The tag of the Ring's travelling gradients (K/V blocks go with the default, 0).
+GRAD_TAG = 1
+
+
+def fold_runs(x: torch.Tensor, axis: int, fold: int) -> torch.Tensor:
+    """Each run of ``fold`` consecutive slices of ``axis`` summed into one, in float32, laid
+    out as ``activations``."""
+    axis %= x.dim()
+    shape = list(x.shape)
+    shape[axis] //= fold
+    out = activations(shape, torch.float32, x.device)
+    torch.sum(x.unflatten(axis, (shape[axis], fold)), dim=axis + 1, dtype=torch.float32, out=out)
+    return out
 
 
 class _Clock:
@@ -295,6 +404,18 @@ class TorchOps:
         self.clock.stop("compute", started)
         return part
 
+    def attention_grad(self, q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Partial,
+                       q_pos: np.ndarray, k_pos: np.ndarray,
+                       dq_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dq, dkv) of ``attention`` over these keys given the layer's final output and
+        log-sum-exp, dq added into ``dq_into`` in place where given (``attend_grad``), timed
+        as compute."""
+        started = self.clock.start()
+        grads = attend_grad(q, kv, dout, saved, q_pos, k_pos, self.workload.causal, self.workload.seq_len,
+                            self.scale, dq_into)
+        self.clock.stop("compute", started)
+        return grads
+
     def all_to_all(self, x: torch.Tensor, group: Group, split_axis: int, concat_axis: int,
                    repeat: int = 1) -> torch.Tensor:
         if self._members(group) == 1:
@@ -304,12 +425,37 @@ class TorchOps:
         self.clock.stop("comm", started)
         return out
 
+    def all_to_all_grad(self, x: torch.Tensor, group: Group, split_axis: int, concat_axis: int,
+                        fold: int) -> torch.Tensor:
+        """The inverse of ``all_to_all(..., repeat=fold)``: ``fold`` > 1, exchanged in float32
+        and each run of ``fold`` slices of ``concat_axis`` summed (timed as compute); else
+        ``all_to_all`` as it is (in the wire dtype, as the mpi engine)."""
+        if self._members(group) == 1 or fold == 1:
+            return self.all_to_all(x, group, split_axis, concat_axis)
+        started = self.clock.start()
+        out = exchange_all_to_all(self._shared(group), x, split_axis, concat_axis, torch.float32)
+        self.clock.stop("comm", started)
+        started = self.clock.start()
+        out = fold_runs(out, concat_axis, fold)
+        self.clock.stop("compute", started)
+        return out
+
     def all_gather(self, x: torch.Tensor, group: Group, axis: int,
                    order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
         if self._members(group) == 1:
             return x
         started = self.clock.start()
         out = exchange_all_gather(self._shared(group), x, axis, self.wire, order)
+        self.clock.stop("comm", started)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, group: Group, axis: int,
+                       order: Sequence[tuple[int, int, int]] | None = None) -> torch.Tensor:
+        """The inverse of ``all_gather`` for a gradient (``exchange_reduce_scatter``), float32."""
+        if self._members(group) == 1:
+            return x
+        started = self.clock.start()
+        out = exchange_reduce_scatter(self._shared(group), x, axis, order)
         self.clock.stop("comm", started)
         return out
 
@@ -335,3 +481,37 @@ class TorchOps:
                 request.wait()
             self.clock.stop("comm", started)
             current = incoming
+
+    def kv_grad_stream(self, kv: torch.Tensor, group: Group,
+                       visit: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``kv_stream``'s order, each block's float32 gradient beside it, one hop behind: at
+        step t the gradient of member (me - t)'s block arrives from me - 1 while this rank
+        works on the block, gets this rank's share and goes on to me + 1 (at step 0 this
+        rank's own block's gradient starts with its share); after the last step each gradient
+        is one hop from its owner, and this rank's own arrives from me - 1. Two float32
+        buffers, one sent while the other receives; waits timed as communication."""
+        pg = self.groups[group]
+        if pg is None:
+            return visit(0, kv)
+        stream = self.kv_stream(kv, group)
+        member, block = next(stream)  # this rank's own block: its gradient starts here
+        send, as_kv = dense(visit(member, block).to(torch.float32))
+        receive = torch.empty_like(send)
+        # one batch a step (NCCL gives it one request: the receive cannot be waited for alone),
+        # after the blocks' batch of the step, in the same order on every rank
+        in_flight = ring_step(pg, send, receive, GRAD_TAG)
+        for member, block in stream:
+            share = visit(member, block)
+            self._wait(in_flight)  # last step's gradient arrived, and the buffer sent is free
+            as_kv(receive).add_(share)
+            send, receive = receive, send
+            in_flight = ring_step(pg, send, receive, GRAD_TAG)
+        self._wait(in_flight)
+        return as_kv(receive)
+
+    def _wait(self, requests: Sequence[dist.Work]) -> None:
+        """Wait for ``requests``, the time counted as communication."""
+        started = self.clock.start()
+        for request in requests:
+            request.wait()
+        self.clock.stop("comm", started)

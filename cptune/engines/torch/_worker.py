@@ -13,8 +13,10 @@ driver, the others serving from their own cptune (``serve_launched``; the driver
 "run" receives a configuration and this rank's shard, runs the strategy once on ``TorchOps``
 and returns its output shard; "time" repeats it: each iteration starts at a barrier of its
 ranks (after the device is idle), wall time by CUDA events on a GPU, the compute and
-communication split from ``TorchOps``' clock. "time_collective" and "time_attention" are
-the calibration ops.
+communication split from ``TorchOps``' clock. A training workload's "run" (``TrainTask``)
+also gets the output's gradient, runs the forward and the backward and returns the output
+and the gradients of Q, K and V; its "time" adds the forward's wall time. "time_collective"
+and "time_attention" are the calibration ops.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from cptune.engines.torch._ops import (
     strategy_inputs,
 )
 from cptune.layout import SequenceLayout, context_group_members, head_group_members
-from cptune.strategies import run_strategy
+from cptune.strategies import Saved, run_backward, run_forward, run_strategy
 from cptune.strategies.primitives import HEADS, SEQ
 from cptune.workload import Workload
 
@@ -157,7 +159,8 @@ class TorchRank(RankServer):
         op = header["op"]
         if op == "run":
             torch.set_num_threads(int(header["threads"]))
-            self.task = RankTask(self, header, arrays)
+            task = TrainTask if Workload(**header["workload"]).training else RankTask
+            self.task = task(self, header, arrays)
             return self.task.run_once()
         if op == "time":
             if self.task is None:
@@ -268,15 +271,20 @@ class RankTask:
         else:
             baseline = rss_bytes("VmRSS")
             measured = reset_peak_rss()
-        out, _ = self.iteration()
+        outputs = self.outputs()
         self.rank.sync()
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
         else:
             peak = self.input_bytes + (max(0, rss_bytes("VmHWM") - baseline) if measured else 0)
-        shard = out.transpose(1, 2).float().cpu().numpy()
+        shards = [out.transpose(1, 2).float().cpu().numpy() for out in outputs]
         return {"peak_bytes": int(peak), "kernel": CHOOSER.take_used(), "process_group": self.rank.backend,
-                **software()}, [shard]
+                **software()}, shards
+
+    def outputs(self) -> list[torch.Tensor]:
+        """One run's tensors to return, [batch, heads, seq, head_dim] each: the output."""
+        out, _ = self.iteration()
+        return [out]
 
     def time(self, warmup: int, repeats: int) -> protocol.Message:
         """Per timed iteration: wall, compute and communication seconds on this rank; every
@@ -299,6 +307,85 @@ class RankTask:
                 wall = time.perf_counter() - start
             if i >= warmup:
                 timings[i - warmup] = (wall, *ops.clock.totals())
+        return {}, [timings]
+
+
+def held_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the storage behind ``tensors``, each storage once (views share theirs)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+class TrainTask(RankTask):
+    """One configuration's training run on this rank: the forward (``run_forward``, keeping
+    what the backward needs) and the backward (``run_backward``) from the output's gradient,
+    the run's fourth array (zero on padding rows)."""
+
+    def __init__(self, rank: TorchRank, header: dict, arrays: list[np.ndarray]) -> None:
+        super().__init__(rank, header, arrays[:3])
+        dout = torch.from_numpy(arrays[3]).to(rank.device, TORCH_DTYPES[self.workload.dtype])
+        # [batch, heads, seq, head_dim] as q: a view on CUDA, one copy elsewhere (strategy_inputs)
+        self.dout = dout.transpose(1, 2) if rank.device.type == "cuda" else dout.transpose(1, 2).contiguous()
+        self.input_bytes += self.dout.nbytes
+        self.held_bytes = self.input_bytes
+
+    def forward(self, ops: TorchOps) -> tuple[torch.Tensor, Saved]:
+        """The forward: this rank's output shard in the workload's dtype, and what the backward needs."""
+        out, saved = run_forward(ops, self.layout, self.rank.rank, self.q, self.kv)
+        return out.to(TORCH_DTYPES[self.workload.dtype]), saved
+
+    def backward(self, ops: TorchOps, saved: Saved) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backward: this rank's shards of dQ and of dK/dV (packed as K/V)."""
+        return run_backward(ops, self.layout, self.rank.rank, saved, self.dout)
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The output, dQ, dK and dV; the peak ``run_once`` reads covers the forward's saved
+        tensors, held through the backward (``held_bytes``: at least them)."""
+        ops = TorchOps(self.workload, self.groups, self.rank.device)
+        out, saved = self.forward(ops)
+        dq, dkv = self.backward(ops, saved)
+        self.held_bytes = held_bytes([self.q, self.kv, self.dout, saved.q, saved.kv, *saved.result,
+                                      out, dq, dkv])
+        return [out, dq, dkv[0], dkv[1]]
+
+    def run_once(self) -> protocol.Message:
+        """``RankTask.run_once`` for the forward and the backward; on the CPU, whose resident
+        growth misses what the allocator had at hand, the peak is at least the inputs, the
+        forward's saved tensors and the gradients, all held at the backward's end."""
+        header, shards = super().run_once()
+        if self.rank.device.type != "cuda":
+            header["peak_bytes"] = max(int(header["peak_bytes"]), self.held_bytes)
+        return header, shards
+
+    def time(self, warmup: int, repeats: int) -> protocol.Message:
+        """Per timed iteration: wall (forward and backward), compute and communication
+        seconds on this rank, and the forward's wall time; every iteration starts at a
+        barrier, its wall times end when this rank's device is done with each part."""
+        timings = np.zeros((repeats, 4), dtype=np.float64)
+        cuda = self.rank.device.type == "cuda"
+        for i in range(warmup + repeats):
+            self.rank.barrier(self.config.ranks)
+            ops = TorchOps(self.workload, self.groups, self.rank.device)
+            if cuda:
+                begin, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                begin.record()
+            else:
+                start = time.perf_counter()
+            _, saved = self.forward(ops)
+            if cuda:
+                middle.record()
+            else:
+                forward = time.perf_counter() - start
+            self.backward(ops, saved)
+            if cuda:
+                end.record()
+                end.synchronize()
+                wall, forward = begin.elapsed_time(end) / 1e3, begin.elapsed_time(middle) / 1e3
+            else:
+                wall = time.perf_counter() - start
+            del saved
+            if i >= warmup:
+                timings[i - warmup] = (wall, *ops.clock.totals(), forward)
         return {}, [timings]
 
 
