@@ -22,9 +22,13 @@ SCORE_BLOCK_ROWS = 128
 #: on engines with point-to-point, and "broadcast" (one per step, the step's source as root)
 #: on engines without it (TensorRT has no point-to-point layer): each engine says which
 #: (``cptune.engines.EngineSpec.stream``).
-COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p", "broadcast")
+COLLECTIVES: tuple[str, ...] = ("all_to_all", "all_gather", "p2p", "broadcast", "reduce_scatter")
 #: The kinds of the Ring's stream step: each step moves one block (bus-bandwidth factor 1).
 STREAM_KINDS: tuple[str, ...] = ("p2p", "broadcast")
+#: The backward's FLOPs per forward FLOP of a fused attention kernel (FlashAttention-2's
+#: and the numpy kernel's): the backward recomputes Q K^T and runs four more GEMMs (dV, dP,
+#: dQ, dK) where the forward runs two: 10 * head_dim per visible pair against 4.
+BACKWARD_FLOPS_RATIO = 2.5
 
 
 def collectives_with(stream: str) -> tuple[str, ...]:
@@ -61,7 +65,8 @@ class AnalyticCost:
 
     padded_seq_len: int
     #: Attention FLOPs of the busiest rank: 4 * head_dim per visible (query, key) pair and
-    #: head (2 for QK^T, 2 for PV); softmax and masked pairs are not counted.
+    #: head (2 for QK^T, 2 for PV); softmax and masked pairs are not counted. A training
+    #: workload's include its backward's (``backward_flops``).
     flops: int
     #: Bytes each rank sends, by collective kind, in the workload's wire dtype.
     bytes_sent: dict[str, int]
@@ -77,6 +82,9 @@ class AnalyticCost:
     memory_bytes: dict[str, int]
     #: Kernels the busiest rank launches, by what they do (KERNELS); collectives not counted.
     kernels: dict[str, int]
+    #: A training workload's backward FLOPs (``BACKWARD_FLOPS_RATIO`` times the forward's);
+    #: 0 for a forward one.
+    backward_flops: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -143,8 +151,54 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> 
     - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
+
+    A training workload adds its backward (gradients summed across ranks travel in fp32):
+    - FLOPs: ``BACKWARD_FLOPS_RATIO`` times the forward's.
+    - all-to-all (u > 1): dO in and dQ out (as Q), dK/dV out (as K/V, in fp32 where
+      replicated KV heads are summed): 3 more steps.
+    - all-gather (AllGather-KV): K/V gathered again; reduce-scatter: each rank's fp32 dK/dV
+      of the c - 1 other blocks, in one step.
+    - p2p (Ring): the K/V blocks again (c - 1 steps) and each block's fp32 gradient, c steps
+      (the last brings it home).
+    - peak: the output's gradient, the saved output (fp32) and log-sum-exp, dQ in fp32 and
+      the fp32 dK/dV buffers (the Ring's two in flight; AllGather-KV's whole sequence).
+    The memory-bound steps and kernels stay the forward's (not counted for the backward).
     """
     return _analytic_cost(workload, config, stream)  # one cache entry however stream is passed
+
+
+def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPConfig, stream: str,
+                  workload: Workload, rank_tokens: int, kv_sent: int, rep: int, kv_block: int) -> None:
+    """The backward's exchanges added to a training workload's counts (see ``analytic_cost``)."""
+    u, c = config.head_group, config.context_degree
+    b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
+    if u > 1:
+        kv_width = w if rep == 1 else FP32_BYTES
+        bytes_sent["all_to_all"] += (u - 1) * b * rank_tokens * (2 * h * w + 2 * kv_sent * kv_width) * d // u
+        steps["all_to_all"] += 3  # dO in; dQ and packed dK/dV out
+    grad_block = kv_block // w * FP32_BYTES
+    if c > 1 and config.strategy == "allgather_kv":
+        bytes_sent["all_gather"] += (c - 1) * kv_block
+        steps["all_gather"] += 1
+        bytes_sent["reduce_scatter"] = (c - 1) * grad_block
+        steps["reduce_scatter"] = 1
+    elif c > 1 and config.strategy == "ring":
+        bytes_sent[stream] += (c - 1) * kv_block + c * grad_block
+        steps[stream] += (c - 1) + c
+
+
+def _backward_peak(config: CPConfig, workload: Workload, block_tokens: int, local_heads: int, kv_block: int,
+                   rank_tokens: int) -> int:
+    """What a training run holds beyond the forward's peak (see ``analytic_cost``)."""
+    b, d, w = workload.batch, workload.head_dim, workload.wire_dtype.itemsize
+    c = config.context_degree
+    per_head_rows = b * block_tokens * local_heads
+    dout = b * rank_tokens * workload.heads * d * w
+    saved = per_head_rows * (d + 1) * FP32_BYTES  # the output and its log-sum-exp
+    dq = per_head_rows * d * FP32_BYTES
+    grad_block = kv_block // w * FP32_BYTES
+    dkv = (c * grad_block if config.strategy == "allgather_kv" else 2 * grad_block) + grad_block
+    return dout + saved + dq + dkv
 
 
 @functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
@@ -200,9 +254,15 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str) -> Analyti
         kernels["merge"] = (c - 1) * MERGE_KERNELS
         kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
 
+    backward_flops = 0
+    if workload.training:
+        backward_flops = int(BACKWARD_FLOPS_RATIO * flops)
+        _add_backward(bytes_sent, steps, config, stream, workload, rank_tokens, kv_sent, rep, kv_block)
+        peak += _backward_peak(config, workload, block_tokens, local_heads, kv_block, rank_tokens)
     return AnalyticCost(
         padded_seq_len=s,
-        flops=flops,
+        flops=flops + backward_flops,
+        backward_flops=backward_flops,
         bytes_sent=bytes_sent,
         comm_steps=steps,
         peak_bytes=peak,

@@ -464,3 +464,41 @@ def test_the_busiest_block_is_found_among_a_few_blocks():
                     layout = SequenceLayout(workload, config)
                     every = max(_visible_pairs(layout, g) for g in range(config.context_degree))
                     assert busiest_block_pairs(layout) == every, (seq_len, causal, ranks, u)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("config", [CPConfig("ulysses", 4), CPConfig("allgather_kv", 4), CPConfig("ring", 4),
+                                    CPConfig("ring", 4, 2)], ids=lambda c: c.label)
+def test_a_training_step_counts_the_backward_beside_the_forward(config):
+    forward = Workload(4096, 8, 64, kv_heads=2, dtype="bf16", causal=True)
+    cost, trained = analytic_cost(forward, config), analytic_cost(forward.in_mode("train"), config)
+    assert trained.backward_flops == 2.5 * cost.flops and trained.flops == cost.flops + trained.backward_flops
+    assert trained.peak_bytes > cost.peak_bytes
+    s, u, c, b, d, w = 4096, config.head_group, config.context_degree, 1, 64, 2
+    kv_heads = 2 * (u // 2 if u > 2 else 1)  # KV heads sent: replicated for a head group above 2
+    grad_block = 2 * b * (s // c) * (kv_heads // u if u > 1 else 2) * d * 4  # fp32 dK/dV of one block
+    kv_block = grad_block // 4 * w
+    extra = {kind: trained.bytes_sent[kind] - cost.bytes_sent[kind] for kind in COLLECTIVES}
+    if config.strategy == "ulysses":  # dO in and dQ out as Q; dK/dV out in fp32 (two copies summed)
+        assert extra["all_to_all"] == (u - 1) * b * (s // 4) * (2 * 8 * w + 2 * kv_heads * 4) * d // u
+        assert trained.comm_steps["all_to_all"] == 6
+    elif config.strategy == "allgather_kv":  # K/V gathered again, fp32 gradients reduce-scattered
+        assert extra["all_gather"] == cost.bytes_sent["all_gather"] == (c - 1) * kv_block
+        assert extra["reduce_scatter"] == (c - 1) * grad_block and trained.comm_steps["reduce_scatter"] == 1
+    else:  # the blocks again, and each block's gradient home: c - 1 and c steps
+        assert extra["p2p"] == (c - 1) * kv_block + c * grad_block
+        assert trained.comm_steps["p2p"] == cost.comm_steps["p2p"] + 2 * c - 1
+
+
+def test_recommend_and_export_refuse_a_training_step_the_cost_model_does_not_predict(cptune_here, tmp_path):
+    from conftest import assert_refused
+
+    flags = ["--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--causal", "--mode", "train",
+             "--hardware", "h100-sxm-8"]
+    assert_refused(cptune_here("recommend", "--seq-len", "32768", *flags),
+                   "the cost model predicts the forward alone so far", "cptune search --mode train")
+    assert_refused(cptune_here("export", "--seq-lens", "4096,8192", *flags, "--out", tmp_path / "p.json"),
+                   "the cost model predicts the forward alone so far")
+    assert not (tmp_path / "p.json").exists()

@@ -322,7 +322,8 @@ def training_set(store: Store, include_oversubscribed: bool = False) -> Training
         if (calibration := store.calibration(fingerprint)) is not None
     }
     oversubscribed = None if include_oversubscribed else False  # None: no filter
-    rows = store.results(status="ok", excluded=False, disturbed=False, oversubscribed=oversubscribed)
+    rows = store.results(status="ok", excluded=False, disturbed=False, oversubscribed=oversubscribed,
+                         mode="forward")  # the prior it learns from predicts the forward alone
     estimates = combine(rows)
     kept = [e for e in estimates.values() if e.hardware in profiles]
     return TrainingSet(

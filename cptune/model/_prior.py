@@ -52,10 +52,27 @@ from cptune.calibration import Calibration
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
 from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
+from cptune.errors import CPTuneError
 from cptune.hardware import TIERS, Hardware, HardwareDescription, tier_of
 from cptune.kernels import check_kernel, computed_pairs
 from cptune.layout import Groups, SequenceLayout, rank_groups
 from cptune.workload import Workload
+
+
+class UnpredictedModeError(CPTuneError, ValueError):
+    """The prior was asked for a workload mode it does not predict (training, so far)."""
+
+
+def check_predicted(workload: Workload) -> None:
+    """``UnpredictedModeError`` for a training workload: the prior and the cost model count
+    and learn the forward alone so far (``cptune.cost`` counts the backward's terms; no
+    calibration times its kernel or its reduce-scatter yet), and a forward's figure is not a
+    training step's."""
+    if workload.training:
+        raise UnpredictedModeError(
+            f"the cost model predicts the forward alone so far, not a training step ({workload.describe()}): "
+            f"measure it with cptune search --mode train, and see each configuration's estimate with "
+            f"cptune results --mode train --combined")
 
 #: How the published benchmarks' Ring implementations (ring-flash-attn, used by yunchang and
 #: xDiT) stream K/V: NCCL send/recv. A described hardware's prior streams so.
@@ -380,6 +397,7 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     (see the module docstring). A description's figures may be numpy arrays of variants
     (``HardwareDescription.spread``, how its ranges are evaluated at once), so every step is
     elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``."""
+    check_predicted(workload)
     cost = analytic_cost(workload, config, profile.stream)
     n, u, c = config.ranks, config.head_group, config.context_degree
     one_per_step = cost.kernels["attention"]

@@ -50,6 +50,7 @@ from cptune.model._prior import (
     Profile,
     StoredHost,
     Tie,
+    check_predicted,
     prior_ties,
     tier_split,
 )
@@ -473,6 +474,7 @@ def recommend(
     calibrated cluster read for that many nodes sharing ``ranks`` (a size it never ran;
     ``CalibratedProfile.resized``). On hardware of several nodes the recommendation says which
     tier decides (``TierDecision``)."""
+    check_predicted(workload)
     advisor = _advisor(db)
     profile = advisor.profile(hardware, backend, figures, nccl_path)
     if nodes is not None:

@@ -269,6 +269,8 @@ class WorkloadSearch:
 
     def _why_not_guided(self) -> str | None:
         """Why the cost model cannot order this search (None when it can)."""
+        if self.workload.training:
+            return "the cost model predicts the forward alone so far, not a training step"
         calibration = self.store.calibration(self.hardware.fingerprint)
         if calibration is None:
             return "this hardware has no calibration, so there is no cost model to order by"
