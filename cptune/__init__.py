@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import AnalyticCost, analytic_cost
+from cptune.engines import Trained
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
 from cptune.execute import compute, compute_gradients, measure, measure_all
 from cptune.feasibility import enumerate_configs, feasibility
@@ -66,6 +67,7 @@ __all__ = [
     "PlanError",
     "PlanMismatchError",
     "Recommendation",
+    "Trained",
     "Workload",
     "analytic_cost",
     "calibrate_host",
