@@ -2,7 +2,8 @@
 
 ``ContextParallelAttention`` runs one configuration, or a plan's per sequence length, on the
 caller's ``torch.distributed`` ranks: each rank passes its local q, k, v shards and gets its
-local output. ``shard_sequence`` and ``unshard_sequence`` cut a full sequence into the shards
+local output, and in training the gradients of its shards (autograd runs the strategy's
+backward). ``shard_sequence`` and ``unshard_sequence`` cut a full sequence into the shards
 a configuration's layout names and put it back together (the module's ``shard`` and
 ``unshard`` do the same for its own rank and length).
 """

@@ -4,12 +4,18 @@ It runs exactly what the torch engine measured (``run_strategy`` on ``TorchOps``
 caller's ranks: each rank passes its local shards of q, k and v in the layout the chosen
 configuration names and gets its local output back. The head and context process groups
 every configuration it may run needs are made once, at construction.
+
+It trains: where q, k or v require gradients, the forward keeps what the backward needs
+(``run_forward``) and autograd runs the strategy's backward (``run_backward`` on the same
+``TorchOps``: the exchanges in reverse), which hands each rank the gradients of its own q, k
+and v shards. The backward is collective over the configuration's ranks, as the forward is.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,9 +23,9 @@ import torch.distributed as dist
 from cptune.config import CPConfig
 from cptune.engines.torch import TORCH_DTYPES, TorchOps, model_output, strategy_inputs
 from cptune.feasibility import check_feasible
-from cptune.layout import context_group_members, head_group_members, rank_groups
+from cptune.layout import SequenceLayout, context_group_members, head_group_members, rank_groups
 from cptune.plans import Plan, PlanMismatchError
-from cptune.strategies import run_strategy
+from cptune.strategies import Partial, Saved, run_backward, run_forward, run_strategy
 from cptune.torch._lengths import SameLength
 from cptune.torch._sequence import sequence_layout, shard_length, shard_sequence, unshard_sequence
 from cptune.workload import AttentionShape, Workload
@@ -44,8 +50,18 @@ class ContextParallelAttention(torch.nn.Module):
     Construction is collective over the whole world, as ``torch.distributed.new_group`` is:
     every process builds it with the same ``choice`` and shape, each passing its own group
     (e.g. its context-parallel group in data x context parallelism). The module holds no
-    parameters: build one and call it from every layer. It computes forward only: its
-    exchanges carry no gradients.
+    parameters: build one and call it from every layer.
+
+    It trains: where q, k or v require gradients (outside ``torch.no_grad()``), autograd
+    gives each rank the gradients of its own shards, those of the unsharded layer. The
+    backward is collective like the forward: every rank of the configuration must
+    backpropagate through every call (a rank whose loss does not depend on a call's output
+    still has to, e.g. by a loss over its tokens that may be empty), in the same order. The
+    outputs at padding positions (``positions`` from ``seq_len`` on) are placeholders that
+    ``unshard`` drops: no gradient flows back through them (the backward takes theirs as
+    zero), so a loss over the local shard should leave them out. The parameters a rank's
+    loss reaches get its share of their gradient: sum it over the group (``all_reduce``,
+    as data parallelism does) for the gradient of the loss over the whole sequence.
     """
 
     def __init__(self, choice: CPConfig | Plan, shape: AttentionShape | Workload | None = None,
@@ -130,19 +146,24 @@ class ContextParallelAttention(torch.nn.Module):
         check_feasible(workload, config)  # the one reason left: fewer tokens than ranks
         local = shard_length(workload, config, self.rank)
         self._check_shards(q, k, v, local, seq_len, config)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if local == 0:
+            if training:  # an empty output whose (empty) gradients still reach q, k and v
+                idle: torch.Tensor = _NoPart.apply(q, k, v)
+                return idle
             return q.new_empty((q.shape[0], 0, *q.shape[2:]))
         ops = TorchOps(workload, self._groups[config], q.device, self.scale, timed=False)
+        layout = sequence_layout(workload, config)
+        if training:
+            output: torch.Tensor = _Attention.apply(q, k, v, ops, layout, self.rank)
+            return output
         heads_q, kv = strategy_inputs(q, k, v)
-        out = run_strategy(ops, sequence_layout(workload, config), self.rank, heads_q, kv)
+        out = run_strategy(ops, layout, self.rank, heads_q, kv)
         return model_output(out, q.dtype)
 
     def _check_shards(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local: int, seq_len: int,
                       config: CPConfig) -> None:
-        """Refuse shards that are not this rank's, in the wrong dtype, or that want gradients."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise RuntimeError("ContextParallelAttention computes forward only (its exchanges carry no "
-                               "gradients): call it under torch.no_grad() or torch.inference_mode()")
+        """Refuse shards that are not this rank's, or in the wrong dtype."""
         batch = q.shape[0] if q.dim() else 0
         for name, tensor, heads in (("q", q, self.shape.heads), ("k", k, self.shape.kv_heads),
                                     ("v", v, self.shape.kv_heads)):
@@ -159,6 +180,62 @@ class ContextParallelAttention(torch.nn.Module):
         choice = (f"plan of {len(self.plan.buckets)} buckets up to {self.plan.max_seq_len} tokens"
                   if self.plan is not None else self.configs[0].describe())
         return f"{self.shape.describe()}; {choice}; rank {self.rank} of {self.group_size}"
+
+
+class _Attention(torch.autograd.Function):
+    """One rank's attention with its backward: ``run_forward`` keeping ``Saved`` (Q and K/V as
+    the context strategy held them, its output and log-sum-exp), then ``run_backward`` on the
+    same ``TorchOps`` from the output's gradient, zero on padding rows."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: TorchOps,
+                layout: SequenceLayout, rank: int) -> torch.Tensor:
+        heads_q, kv = strategy_inputs(q, k, v)
+        out, saved = run_forward(ops, layout, rank, heads_q, kv)
+        ctx.save_for_backward(saved.q, saved.kv, saved.result.out, saved.result.lse)
+        ctx.ops, ctx.layout, ctx.rank = ops, layout, rank  # the backward runs the same exchanges
+        return model_output(out, q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved_q, saved_kv, out, lse = ctx.saved_tensors
+        ops: TorchOps = ctx.ops
+        layout: SequenceLayout = ctx.layout
+        rank: int = ctx.rank
+        dtype = dout.dtype
+        dq, dkv = run_backward(ops, layout, rank, Saved(saved_q, saved_kv, Partial(out, lse)),
+                               _strategy_grad(dout, layout, rank))
+        dk, dv = model_output(dkv[0], dtype), model_output(dkv[1], dtype)
+        return model_output(dq, dtype), dk, dv, None, None, None
+
+
+class _NoPart(torch.autograd.Function):
+    """The output of a rank that takes no part (its shards are empty), joined to q, k and v:
+    their gradients are empty, so the layers that made them get zero gradients, as on the
+    ranks that take part (a sum of gradients over the group then finds the same parameters
+    on every rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.kv_shape = k.shape
+        return q.new_empty(q.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        empty_kv = dout.new_zeros(ctx.kv_shape)
+        return dout.new_zeros(dout.shape), empty_kv, empty_kv.clone()
+
+
+def _strategy_grad(dout: torch.Tensor, layout: SequenceLayout, rank: int) -> torch.Tensor:
+    """The output's gradient [batch, local_seq, heads, head_dim] as the strategies take it,
+    [batch, heads, local_seq, head_dim] laid out as ``strategy_inputs`` lays q out (a view of
+    sequence-major memory on CUDA, heads-major elsewhere), zero on padding rows: the
+    backward's kernels require it (a padding query attends to keys a real one never sees)."""
+    padding = torch.from_numpy(layout.rank_positions(rank) >= layout.workload.seq_len)
+    if bool(padding.any()):
+        dout = dout.masked_fill(padding.to(dout.device)[None, :, None, None], 0.0)
+    heads = dout.contiguous().transpose(1, 2)  # contiguous: autograd may hand an expanded gradient
+    return heads if dout.device.type == "cuda" else heads.contiguous()
 
 
 def _attention_shape(choice: CPConfig | Plan, shape: AttentionShape | Workload | None) -> AttentionShape:
