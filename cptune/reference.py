@@ -6,6 +6,8 @@ there cannot hide in here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from cptune.workload import Workload
@@ -44,24 +46,33 @@ def make_output_gradient(workload: Workload, seed: int = 0) -> np.ndarray:
     return rng.standard_normal(shape, dtype=np.float32).astype(workload.wire_dtype)
 
 
-def reference_attention(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """softmax(Q K^T / sqrt(d) [+ causal mask]) V in float64, [batch, seq, heads, head_dim]."""
+def _score_blocks(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray
+                  ) -> Iterator[tuple[int, int, slice, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Every (batch b, query head h, query rows) block in float64: its Q rows, K and V of the
+    head's KV head and softmax(Q K^T / sqrt(d) [+ causal mask]) over whole rows."""
     wl = workload
-    out = np.empty((wl.batch, wl.seq_len, wl.heads, wl.head_dim), dtype=np.float64)
     scale = 1.0 / np.sqrt(wl.head_dim)
     keys = np.arange(wl.seq_len)
     for b in range(wl.batch):
         for h in range(wl.heads):
-            kv_head = h // wl.group_size
-            kh = k[b, :, kv_head].astype(np.float64)
-            vh = v[b, :, kv_head].astype(np.float64)
+            kh = k[b, :, h // wl.group_size].astype(np.float64)
+            vh = v[b, :, h // wl.group_size].astype(np.float64)
             for start in range(0, wl.seq_len, _QUERY_BLOCK):
-                stop = min(start + _QUERY_BLOCK, wl.seq_len)
-                scores = (q[b, start:stop, h].astype(np.float64) @ kh.T) * scale
+                rows = slice(start, min(start + _QUERY_BLOCK, wl.seq_len))
+                qh = q[b, rows, h].astype(np.float64)
+                scores = (qh @ kh.T) * scale
                 if wl.causal:
-                    scores[keys[None, :] > np.arange(start, stop)[:, None]] = -np.inf
-                scores = np.exp(scores - scores.max(axis=1, keepdims=True))
-                out[b, start:stop, h] = (scores @ vh) / scores.sum(axis=1, keepdims=True)
+                    scores[keys[None, :] > np.arange(rows.start, rows.stop)[:, None]] = -np.inf
+                p = np.exp(scores - scores.max(axis=1, keepdims=True))
+                yield b, h, rows, qh, kh, vh, p / p.sum(axis=1, keepdims=True)
+
+
+def reference_attention(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """softmax(Q K^T / sqrt(d) [+ causal mask]) V in float64, [batch, seq, heads, head_dim]."""
+    wl = workload
+    out = np.empty((wl.batch, wl.seq_len, wl.heads, wl.head_dim), dtype=np.float64)
+    for b, h, rows, _, _, vh, p in _score_blocks(workload, q, k, v):
+        out[b, rows, h] = p @ vh
     return out
 
 
@@ -76,26 +87,13 @@ def reference_gradients(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.
     dk = np.zeros((wl.batch, wl.seq_len, wl.kv_heads, wl.head_dim), dtype=np.float64)
     dv = np.zeros_like(dk)
     scale = 1.0 / np.sqrt(wl.head_dim)
-    keys = np.arange(wl.seq_len)
-    for b in range(wl.batch):
-        for h in range(wl.heads):
-            kv_head = h // wl.group_size
-            kh = k[b, :, kv_head].astype(np.float64)
-            vh = v[b, :, kv_head].astype(np.float64)
-            for start in range(0, wl.seq_len, _QUERY_BLOCK):
-                stop = min(start + _QUERY_BLOCK, wl.seq_len)
-                qh = q[b, start:stop, h].astype(np.float64)
-                scores = (qh @ kh.T) * scale
-                if wl.causal:
-                    scores[keys[None, :] > np.arange(start, stop)[:, None]] = -np.inf
-                p = np.exp(scores - scores.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                do = dout[b, start:stop, h].astype(np.float64)
-                dp = do @ vh.T
-                ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))  # the softmax's Jacobian, row by row
-                dq[b, start:stop, h] = ds @ kh * scale
-                dk[b, :, kv_head] += ds.T @ qh * scale
-                dv[b, :, kv_head] += p.T @ do
+    for b, h, rows, qh, kh, vh, p in _score_blocks(workload, q, k, v):
+        do = dout[b, rows, h].astype(np.float64)
+        dp = do @ vh.T
+        ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))  # the softmax's Jacobian, row by row
+        dq[b, rows, h] = ds @ kh * scale
+        dk[b, :, h // wl.group_size] += ds.T @ qh * scale
+        dv[b, :, h // wl.group_size] += p.T @ do
     return dq, dk, dv
 
 

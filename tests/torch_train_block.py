@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch_block import Attention, full_attention  # the script's own folder: tests/
 
 from cptune.feasibility import enumerate_configs
 from cptune.torch import ContextParallelAttention
@@ -40,8 +39,6 @@ HEADS, KV_HEADS, HEAD_DIM, BATCH = 4, 2, 8, 2
 #: Not a multiple of 4 (nor of 8, the zigzag granularity on 4 ranks): every layout pads.
 SEQ_LEN = 30
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class Block(torch.nn.Module):
@@ -74,15 +71,6 @@ class Block(torch.nn.Module):
         v = self.v(h).view(batch, tokens, self.kv_heads, self.head_dim)
         x = x + self.o(attention(q, k, v, seq_len).reshape(batch, tokens, self.heads * self.head_dim))
         return x + self.mlp(self.norm2(x))
-
-
-def full_attention(causal: bool) -> Attention:
-    """Attention over the whole sequence ([batch, seq, heads, head_dim] in and out)."""
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
-        groups = q.shape[2] // k.shape[2]
-        k, v = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (k, v))
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=causal).transpose(1, 2)
-    return attend
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
