@@ -3,9 +3,11 @@
 1. **Multi-rank correctness on one GPU**: every configuration on 2 and 4 ranks sharing the GPU,
    over gloo with CUDA tensors (NCCL refuses two ranks on one GPU), MHA, GQA and MQA, causal
    and not, fp32 and bf16, each run twice on the same tensors and checked against the float64
-   reference (``benchmarks/torch_ranks.py``; the Ring's send/recv and the all-gather through
-   host copies, which gloo takes where it may not take CUDA tensors). A correctness run: its
-   exchange times are gloo's, not NCCL's, and nothing is stored.
+   reference, then trained one step (its output and gradients of Q, K and V against the
+   float64 reference: the first run of the CUDA backward kernels) (``benchmarks/torch_ranks.py``;
+   the Ring's send/recv, the all-gather and the reduce-scatter through host copies, which gloo
+   takes where it may not take CUDA tensors). A correctness run: its exchange times are gloo's,
+   not NCCL's, and nothing is stored.
 2. **Each rank's local work against its ideal**, at the per-rank shapes of the shipped 8-GPU
    description's configurations (h200-sxm-8 on an H200, else h100-sxm-8: every strategy and
    hybrid of 8 ranks; bf16, 32 heads x 128 (MHA, and GQA with 4 KV heads, which Ulysses-8
@@ -284,8 +286,8 @@ def expected_s(workload: Workload, done: Sequence[Row], repeats: int) -> float:
 def correctness(device: str, smoke: bool, say: Callable[[str], None]) -> list[str]:
     """Every configuration on each of ``WORLDS`` ranks sharing this device over gloo
     (``torch_ranks.py``); one line per world and what failed."""
-    args = ["--device", device] + (["--stage"] if smoke else ["--seq-len", "1000", "--heads", "8",
-                                                               "--head-dim", "64", "--dtypes", "fp32,bf16"])
+    shapes = ["--seq-len", "1000", "--heads", "8", "--head-dim", "64", "--dtypes", "fp32,bf16"]
+    args = ["--device", device, "--train", *(["--stage"] if smoke else shapes)]
     tolerance = REAL_BF16_TOLERANCE
     problems = []
     for world in WORLDS:
@@ -349,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"#   {command('gpu_check.py', argv)}")
     say()
     say("1. correctness: every configuration on ranks sharing the device over gloo, run twice on the same "
-        "tensors, against the float64 reference")
+        "tensors, then trained one step (output and gradients), against the float64 reference")
     say(f"{'ranks':>5}  {'workload':<50}{'config':<24}{'rel. error':>10}{'calls':>6}")
     problems = correctness(device.type, args.smoke, say)
     say(f"{len(problems)} problem(s)" + (": " + "; ".join(problems) if problems else ""))

@@ -13,7 +13,8 @@ padding) runs twice on the same input tensors, as the engine's timed iterations 
 checked run, and each run's output is compared with the float64 reference. The fused kernel
 calls are counted for each attention step (one ``TorchOps.attention``). Rank 0 prints one
 JSON line: {"world": N, "device": ..., "cases": [{"config", "workload", "errors": [first run,
-second run] (the largest relative error on any rank), "calls": [[calls per step] for each
+second run, with ``--train`` a training step's output and gradients] (the largest relative
+error on any rank), "calls": [[calls per step] for each
 rank], "failed": null or the error}]}.
 """
 
@@ -33,8 +34,14 @@ from cptune.engines.torch import _ops
 from cptune.engines.torch._worker import group_members, local_device
 from cptune.feasibility import enumerate_configs
 from cptune.layout import SequenceLayout, context_group_members, head_group_members
-from cptune.reference import make_inputs, reference_attention, relative_error
-from cptune.strategies import run_strategy
+from cptune.reference import (
+    make_inputs,
+    make_output_gradient,
+    reference_attention,
+    reference_gradients,
+    relative_error,
+)
+from cptune.strategies import run_backward, run_forward, run_strategy
 from cptune.workload import Workload
 
 
@@ -72,19 +79,26 @@ def staging_through_the_host() -> None:
     """Run the Ring's send/recv and AllGather-KV's all-gather on host copies of the GPU
     tensors (gloo's point-to-point and all-gather-into-tensor may not take CUDA tensors); the
     all-to-all takes them as they are. The copies are the harness's, not the engine's."""
-    ring_step, gather = _ops.ring_step, _ops._all_gather_single
+    ring_step, gather, scatter = _ops.ring_step, _ops._all_gather_single, _ops._reduce_scatter_single
 
-    def staged_ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor) -> list:
+    def staged_ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor,
+                         tag: int = 0) -> list:
         arrived = torch.empty(receive.shape, dtype=receive.dtype)
-        return [_Staged(ring_step(group, send.cpu(), arrived), arrived, receive)]
+        return [_Staged(ring_step(group, send.cpu(), arrived, tag), arrived, receive)]
 
     def staged_gather(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
         arrived = torch.empty(received.shape, dtype=received.dtype)
         gather(arrived, send.cpu(), group=group)
         received.copy_(arrived)
 
+    def staged_scatter(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+        arrived = torch.empty(received.shape, dtype=received.dtype)
+        scatter(arrived, send.cpu(), group=group)
+        received.copy_(arrived)
+
     _ops.ring_step = staged_ring_step  # type: ignore[assignment]
     _ops._all_gather_single = staged_gather  # type: ignore[assignment]
+    _ops._reduce_scatter_single = staged_scatter  # type: ignore[assignment]
 
 
 def workloads(seq_len: int, heads: int, head_dim: int, dtypes: Sequence[str]) -> list[Workload]:
@@ -94,17 +108,20 @@ def workloads(seq_len: int, heads: int, head_dim: int, dtypes: Sequence[str]) ->
             for dtype in dtypes for causal in (False, True) for kv_heads in (heads, max(1, heads // 2), 1)]
 
 
-def run_case(workload: Workload, config: CPConfig, inputs: tuple[np.ndarray, ...], reference: np.ndarray,
-             groups: dict, device: torch.device, steps: list[int]) -> tuple[list[float], list[int]]:
+def run_case(workload: Workload, config: CPConfig, inputs: tuple[np.ndarray, ...],
+             references: tuple[np.ndarray, ...], groups: dict, device: torch.device,
+             steps: list[int]) -> tuple[list[float], list[int]]:
     """``config`` twice on the same tensors: each run's relative error on this rank, and the
-    calls of each step of the last run."""
+    calls of each step of the last run; given the output's gradient (a 4th input, and the
+    reference gradients after the reference output), a training step after them: its largest
+    relative error of the output and dQ, dK, dV on this rank."""
     rank = dist.get_rank()
     layout = SequenceLayout(workload, config)
     positions = layout.rank_positions(rank)
     real = positions < workload.seq_len
     taken = np.minimum(positions, workload.seq_len - 1)  # padding rows: any token, masked
     dtype = _ops.TORCH_DTYPES[workload.dtype]
-    q, k, v = (torch.from_numpy(x[:, taken]).to(device, dtype) for x in inputs)
+    q, k, v, *dout = (torch.from_numpy(x[:, taken]).to(device, dtype) for x in inputs)
     heads_q, kv = _ops.strategy_inputs(q, k, v)
     members = {"heads": head_group_members(rank, config.head_group),
                "context": context_group_members(rank, config.head_group, config.ranks)}
@@ -114,8 +131,17 @@ def run_case(workload: Workload, config: CPConfig, inputs: tuple[np.ndarray, ...
         del steps[:]
         ops = _ops.TorchOps(workload, ops_groups, device)
         out = _ops.model_output(run_strategy(ops, layout, rank, heads_q, kv), torch.float32).cpu().numpy()
-        errors.append(relative_error(out[:, real], reference[:, positions[real]]))
-    return errors, list(steps)
+        errors.append(relative_error(out[:, real], references[0][:, positions[real]]))
+    calls = list(steps)
+    if dout:
+        ops = _ops.TorchOps(workload, ops_groups, device)
+        out, saved = run_forward(ops, layout, rank, heads_q, kv)
+        grad = dout[0].masked_fill(torch.from_numpy(~real).to(device)[None, :, None, None], 0.0)  # padding: 0
+        dq, dkv = run_backward(ops, layout, rank, saved, grad.transpose(1, 2).contiguous())
+        trained = [_ops.model_output(x, torch.float32).cpu().numpy() for x in (out, dq, dkv[0], dkv[1])]
+        errors.append(max(relative_error(x[:, real], expected[:, positions[real]])
+                          for x, expected in zip(trained, references, strict=True)))
+    return errors, calls
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -127,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=8)
     parser.add_argument("--dtypes", default="fp32", help="comma-separated (default fp32)")
+    parser.add_argument("--train", action="store_true", help="also a training step of each configuration: "
+                        "its output and gradients of Q, K and V against the float64 reference")
     parser.add_argument("--stage", action="store_true", help="send/recv and all-gather through host copies "
                         "(always with --device cuda; on the CPU: to try the staging itself)")
     args = parser.parse_args(argv)
@@ -140,16 +168,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps = counting()
     cases = []
     for workload in workloads(args.seq_len, args.heads, args.head_dim, args.dtypes.split(",")):
-        inputs = make_inputs(workload)
-        reference = reference_attention(workload, *inputs)
+        inputs: tuple[np.ndarray, ...] = make_inputs(workload)
+        references: tuple[np.ndarray, ...] = (reference_attention(workload, *inputs),)
+        if args.train:
+            dout = make_output_gradient(workload)
+            references += reference_gradients(workload, *inputs, dout)
+            inputs += (dout,)
         for config in enumerate_configs(workload, world):
             if config.ranks != world:
                 continue
             case: dict = {"config": config.label, "workload": workload.describe(), "failed": None}
             try:
-                errors, calls = run_case(workload, config, inputs, reference, groups, device, steps)
+                errors, calls = run_case(workload, config, inputs, references, groups, device, steps)
             except Exception as error:  # noqa: BLE001 - reported, the next configuration runs
-                errors, calls, case["failed"] = [float("nan")] * 2, [], f"{type(error).__name__}: {error}"
+                errors, calls = [float("nan")] * (3 if args.train else 2), []
+                case["failed"] = f"{type(error).__name__}: {error}"
             case["errors"] = [max(e.item() for e in _gathered([x])) for x in errors]
             case["calls"] = _gathered_lists(calls, world)
             cases.append(case)

@@ -196,10 +196,7 @@ class WorkerPool:
             env[protocol.TOKEN_VARIABLE] = self.token
             env[protocol.DRIVER_MACHINE_VARIABLE] = machine_id()
             placement = ["-hosts", cluster.hydra_hosts(), *mpiexec_arguments()]
-        # the driver stops every rank on any failure, after it has seen which rank went first:
-        # hydra's own clean-up would kill the survivors at once, and on a cluster those on the
-        # driver's node could be seen gone before the lost node's ranks
-        command = [mpiexec, "-disable-auto-cleanup", *placement, "-n", str(size), *worker,
+        command = [mpiexec, *placement, "-n", str(size), *worker,
                    "--socket", address, "--driver-pid", str(os.getpid())]
         self._start(command, env, listener, start_timeout)
 
