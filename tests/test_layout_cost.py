@@ -502,3 +502,7 @@ def test_recommend_and_export_refuse_a_training_step_the_cost_model_does_not_pre
     assert_refused(cptune_here("export", "--seq-lens", "4096,8192", *flags, "--out", tmp_path / "p.json"),
                    "the cost model predicts the forward alone so far")
     assert not (tmp_path / "p.json").exists()
+    graphs = cptune_here("export-graph", "--seq-len", "64", "--heads", "4", "--head-dim", "8", "--mode",
+                         "train", "--strategy", "ring", "--ranks", "2", "--out", tmp_path / "g")  # inference
+    assert_refused(graphs, "unrecognized arguments: --mode train", prefix="cptune export-graph: error: ")
+    assert not (tmp_path / "g").exists()

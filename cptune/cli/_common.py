@@ -207,12 +207,14 @@ def add_workload_flags(
     required: bool = False,
     defaults: dict[str, int] | None = None,
     with_strategies: bool = False,
+    with_mode: bool = True,
 ) -> None:
     """The flags that describe one attention layer, in a group of their own: ``--seq-lens``
     (several; with ``lengths``) or ``--seq-len``, ``--heads``, ``--kv-heads``, ``--head-dim``,
     ``--batch``, ``--dtype``, ``--causal``, ``--mode``; ``required``: the length, heads and head_dim must
     be given; ``defaults`` for those (``cptune measure``'s demo shape); ``with_strategies``:
-    also ``--strategies``."""
+    also ``--strategies``; ``with_mode``: ``--mode`` (not where only the forward exists: the
+    exported inference graphs)."""
     d = defaults or {}
 
     def shown(name: str, what: str) -> str:
@@ -234,8 +236,9 @@ def add_workload_flags(
     group.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
                        help="activation dtype (default bf16)")
     group.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
-    group.add_argument("--mode", choices=MODES, default=None,
-                       help="forward (inference, the default) or train: the forward and the backward")
+    if with_mode:
+        group.add_argument("--mode", choices=MODES, default=None,
+                           help="forward (inference, the default) or train: the forward and the backward")
     if with_strategies:
         group.add_argument("--strategies", type=strategies, default=None,
                            help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
@@ -331,7 +334,8 @@ def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
     """The workload the flags describe at ``seq_len`` tokens; a bad shape as a ``UsageError``."""
     try:
         return Workload(seq_len=seq_len, heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
-                        batch=args.batch, dtype=args.dtype, causal=args.causal, mode=args.mode or "forward")
+                        batch=args.batch, dtype=args.dtype, causal=args.causal,
+                        mode=getattr(args, "mode", None) or "forward")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

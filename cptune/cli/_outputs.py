@@ -104,7 +104,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             "TensorRT engines from these files."
         ),
     )
-    add_workload_flags(graph, required=True)
+    add_workload_flags(graph, required=True, with_mode=False)  # inference graphs
     graph.add_argument("--strategy", choices=STRATEGIES, required=True, help="context strategy")
     graph.add_argument("--ranks", type=positive, required=True, help="ranks (one graph each)")
     graph.add_argument("--head-group", type=positive, default=None,
