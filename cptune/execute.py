@@ -67,19 +67,20 @@ def rank_memory_limit(engine: Engine) -> Callable[[int], int | None]:
     return host_memory_limit if engine.device == "cpu" else lambda ranks: None
 
 
-def _check_arrays(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+def _check_arrays(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                  dout: np.ndarray | None = None) -> None:
+    """``ValueError`` naming the first of q, k, v (and ``dout``, shaped as q) whose shape is
+    not the workload's."""
     wl = workload
-    expected = {
-        "q": (wl.batch, wl.seq_len, wl.heads, wl.head_dim),
-        "k": (wl.batch, wl.seq_len, wl.kv_heads, wl.head_dim),
-        "v": (wl.batch, wl.seq_len, wl.kv_heads, wl.head_dim),
-    }
-    for name, array in (("q", q), ("k", k), ("v", v)):
+    queries = (wl.batch, wl.seq_len, wl.heads, wl.head_dim)
+    keys = (wl.batch, wl.seq_len, wl.kv_heads, wl.head_dim)
+    given = [("q", q, queries), ("k", k, keys), ("v", v, keys)]
+    for name, array, expected in [*given, *([("dout", dout, queries)] if dout is not None else [])]:
         shape = np.shape(array)
-        if shape != expected[name]:
+        if shape != expected:
             raise ValueError(
-                f"{name} has shape {shape}, but the workload needs {expected[name]} "
-                f"([batch, seq_len, {'heads' if name == 'q' else 'kv_heads'}, head_dim])"
+                f"{name} has shape {shape}, but the workload needs {expected} "
+                f"([batch, seq_len, {'kv_heads' if expected is keys else 'heads'}, head_dim])"
             )
 
 
@@ -110,7 +111,7 @@ def _gather(layout: SequenceLayout, outputs: Sequence[np.ndarray]) -> np.ndarray
 
 def _gather_trained(layout: SequenceLayout, shards: Sequence[Trained]) -> Trained:
     """A training run's ranks' shards, each tensor put together in token order."""
-    return Trained(*(_gather(layout, [shard[i] for shard in shards]) for i in range(len(Trained._fields))))
+    return Trained(*(_gather(layout, tensor) for tensor in zip(*shards, strict=True)))
 
 
 def compute(
@@ -153,8 +154,7 @@ def compute_gradients(
     ``UntrainedEngineError`` for an engine that runs the forward alone."""
     workload = workload.in_mode("train")
     check_feasible(workload, config)
-    _check_arrays(workload, q, k, v)
-    _check_arrays(workload, dout, k, v)
+    _check_arrays(workload, q, k, v, dout)
     engine = get_engine(backend)
     check_trains(engine.spec, workload)
     layout = SequenceLayout(workload, config)
