@@ -3,6 +3,7 @@ bounded time, with no process left behind: also when the caller itself is killed
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 import cptune
 from conftest import TESTS, assert_pool_gone, pool_processes, processes_left
 from cptune import CPConfig, EngineError, Workload
+from cptune.engines._pool import _closed
 from cptune.engines.mpi import MPIEngine
 from cptune.reference import make_inputs
 
@@ -134,3 +136,26 @@ def test_killed_caller_leaves_no_ranks_behind(tmp_path):
     caller.send_signal(signal.SIGKILL)
     caller.wait()
     assert processes_left(pool_dir, within=15) == []
+
+
+def test_a_rank_that_died_after_sending_is_seen_gone_with_its_data_unread():
+    """A node's ranks killed after their replies were sent: the driver must see them gone
+    (and name their node) although those replies are still in its socket, unread."""
+    for pair in (socket.socketpair(), _tcp_pair()):
+        ours, theirs = pair
+        try:
+            assert not _closed(ours)
+            theirs.sendall(b"a reply, unread")
+            assert not _closed(ours)
+            theirs.close()
+            assert _closed(ours)
+        finally:
+            ours.close()
+            theirs.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        theirs = socket.create_connection(server.getsockname())
+        ours, _ = server.accept()
+    return ours, theirs

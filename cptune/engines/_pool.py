@@ -24,6 +24,7 @@ import hmac
 import itertools
 import os
 import secrets
+import select
 import selectors
 import shlex
 import shutil
@@ -452,8 +453,14 @@ class WorkerPool:
 
 
 def _closed(sock: socket.socket) -> bool:
-    """Whether the peer of ``sock`` has closed it (or reset it)."""
-    try:
+    """Whether the peer of ``sock`` has closed it (or reset it), also where what it sent
+    before it died is still unread (a rank killed after its reply): Linux's POLLRDHUP says
+    so, where a peek would return the data and hide the end."""
+    if hasattr(select, "POLLRDHUP"):
+        poller = select.poll()
+        poller.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
+    try:  # elsewhere the end shows once the data before it is read
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
         return False
