@@ -423,10 +423,10 @@ def test_rank_0_refusing_ends_every_launched_rank():
 @pytest.mark.slow
 def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_here):
     """calibrate, search, fit, recommend, export and report with --backend torch: the rows
-    record the engine, this host is the torch engine's view of it, the report names it; then
-    search and export for frameworks. The commands that start ranks run as a user runs them
+    record the engine, this host is the torch engine's view of it, the report names it; the
+    plan in frameworks' terms. The commands that start ranks run as a user runs them
     (a process each); those that only read, in this one (each process would pay PyTorch's
-    import again)."""
+    import again). The search is of what xDiT runs, so --for's filter runs on real ranks too."""
     import importlib.util
     import json
 
@@ -436,12 +436,14 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     shape = ["--heads", "4", "--head-dim", "16"]
     calibrated = cptune("calibrate", "--backend", "torch", "--db", db, "--repeats", "1", "--rounds", "1")
     assert calibrated.returncode == 0, calibrated.stderr
-    searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
-                      "--ranks", "1,2", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0")
+    # only what xDiT runs: no AllGather-KV
+    searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96", "--ranks", "1,2",
+                      "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0", "--for", "xdit")
     assert searched.returncode == 0, searched.stderr
     assert "gloo over TCP loopback" in searched.stdout and "calibrating" not in searched.stdout
     rows = json.loads(cptune_here("results", "--db", db, "--json").stdout)
-    assert len(rows) == 8 and {row["engine"] for row in rows} == {"torch"}
+    assert len(rows) == 6 and {row["engine"] for row in rows} == {"torch"}
+    assert {row["strategy"] for row in rows if row["ranks"] == 2} == {"ring", "ulysses"}
     assert cptune_here("fit", "--db", db).returncode == 0
     picked = cptune_here("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
     assert picked.returncode == 0, picked.stderr
@@ -456,8 +458,7 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     assert reported.returncode == 0, reported.stderr
     assert "(engine: torch)" in (tmp_path / "report" / "report.html").read_text()
 
-    # the plan in frameworks' terms, fed to the real packages where they install; then a search
-    # of only what xDiT runs (no AllGather-KV)
+    # the plan in frameworks' terms, fed to the real packages where they install
     from test_frameworks import _package_takes
 
     from cptune.frameworks import for_framework
@@ -471,12 +472,6 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
         if importlib.util.find_spec(name):
             for settings in all_settings:
                 _package_takes(name, settings, 2)
-    framed = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "128", "--ranks", "2",
-                    "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0", "--for", "xdit")
-    assert framed.returncode == 0, framed.stderr
-    listed = json.loads(cptune_here("results", "--db", db, "--json").stdout)
-    at_128 = [r for r in listed if r["seq_len"] == 128]
-    assert {r["strategy"] for r in at_128} == {"ring", "ulysses"}
 
 
 # -- the kernel choice and the plans a deployment reuses -------------------------------------
