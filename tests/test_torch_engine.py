@@ -437,8 +437,9 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     calibrated = cptune("calibrate", "--backend", "torch", "--db", db, "--repeats", "1", "--rounds", "1")
     assert calibrated.returncode == 0, calibrated.stderr
     # only what xDiT runs: no AllGather-KV
-    searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96", "--ranks", "1,2",
-                      "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0", "--for", "xdit")
+    searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
+                      "--ranks", "1,2", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0",
+                      "--for", "xdit")
     assert searched.returncode == 0, searched.stderr
     assert "gloo over TCP loopback" in searched.stdout and "calibrating" not in searched.stdout
     rows = json.loads(cptune_here("results", "--db", db, "--json").stdout)
