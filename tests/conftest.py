@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import STRATEGIES, CPConfig
+from cptune.cost import BACKWARD_FLOPS_RATIO
 from cptune.engines import ENGINES
 from cptune.engines._pool import PooledEngine
 from cptune.engines.mpi import MPIEngine
@@ -226,6 +228,10 @@ def assert_pool_gone(pool_dir: Path, pids: list[int]) -> None:
     assert not pool_dir.exists()
 
 
+#: ``make_calibration``'s backward rate over its forward's.
+BACKWARD_SPEED = 0.8
+
+
 def make_calibration(max_ranks: int = 4) -> Calibration:
     """A hand-built calibration of 1..``max_ranks`` ranks: no MPI run needed."""
     fits = tuple(
@@ -238,7 +244,10 @@ def make_calibration(max_ranks: int = 4) -> Calibration:
                     seconds=4 * 4 * 512 * 2048 * d / (20e9 / n**0.5))
         for n in range(1, max_ranks + 1) for d in (64, 128)
     )
-    return Calibration("mpi", fits, compute, "2025-01-01T00:00:00+00:00")
+    # the backward at BACKWARD_SPEED of the forward's rate on the same shapes
+    backward = tuple(dataclasses.replace(rate, seconds=rate.seconds * BACKWARD_FLOPS_RATIO / BACKWARD_SPEED)
+                     for rate in compute)
+    return Calibration("mpi", fits, compute, "2025-01-01T00:00:00+00:00", backward=backward)
 
 
 def measurement(workload: Workload, config: CPConfig, ms: float) -> Measurement:

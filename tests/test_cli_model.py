@@ -83,6 +83,12 @@ def test_the_shipped_attention_shapes_and_steps_calibrate_on_a_rank(tmp_path, mo
     assert shapes == {(q, 4 * q, d, causal)
                       for q in (512, 1024, 2048) for d in (64, 128) for causal in (False, True)}
     assert all(r.ranks == 1 and r.seconds > 0 for r in calibration.compute) and len(calibration.steps) == 3
+    # the numpy backward, on the smallest shape of each head_dim and mask, read against the forward
+    assert {(r.seq_q, r.head_dim, r.causal) for r in calibration.backward} == {
+        (512, d, causal) for d in (64, 128) for causal in (False, True)}
+    assert all(0.05 < calibration.backward_speed(1, d, causal) < 5
+               for d in (64, 128) for causal in (False, True))
+    assert "backward" in result.stdout
 
 
 @pytest.mark.slow
@@ -119,6 +125,11 @@ def test_calibrate_then_recommend_from_the_prior(tmp_path):
     data = json.loads(result.stdout)
     assert data["source"] == "prior" and data["fingerprint"] == this_host().fingerprint
     assert {c["ranks"] for c in data["candidates"]} == {1, 2}
+    # a training step, from the same calibration's backward: costlier than the forward
+    result = cptune("recommend", "--heads", "4", "--head-dim", "16", "--seq-len", "256", "--json", "--db", db,
+                    "--mode", "train")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["latency_ms"] > 2 * data["latency_ms"]
 
 
 def test_fit_shows_the_baselines_the_coverage_and_the_verdict_recommend_follows(cptune_here, tmp_path):

@@ -644,3 +644,27 @@ def test_correction_decision_refuses_an_order_only_when_worse_beyond_its_noise(t
     assert verdict.correction.tie_regret == verdict.prior.tie_regret == 1.0
     assert verdict.correction.workload_error > verdict.prior.workload_error  # a point estimate says worse
     assert verdict.applied is applied, verdict.reason
+
+
+def test_the_model_learns_from_training_steps_where_the_calibration_timed_the_backward(tmp_path):
+    """A training step's measurements are cases beside the forward's (its mode a feature and
+    part of its shape); on a host whose calibration predates the backward's timing they are
+    left for recommend to compare as measured, not fitted."""
+    from conftest import add_measurements, make_calibration, measurement
+    from cptune.hardware import this_host
+
+    forward = Workload(seq_len=1024, heads=4, head_dim=32)
+    train = forward.in_mode("train")
+    config = CPConfig("ring", 2)
+    db = str(tmp_path / "t.db")
+    add_measurements(db, measurement(forward, config, 2.0), measurement(train, config, 7.0))
+    for calibration, fitted in ((make_calibration(2), {forward, train}),
+                                (replace(make_calibration(2), backward=()), {forward})):
+        with Store(db) as store:
+            store.add_calibration(this_host(), calibration)
+            data = training_set(store)
+        assert {case.workload for case in data.cases} == fitted
+        assert {e.workload for e in data.unfitted} == {forward, train} - fitted
+    cases = [Case(w, config, CalibratedProfile(this_host(), make_calibration(2))) for w in (forward, train)]
+    table = features(cases, [case.prior() for case in cases])
+    assert table[0].tolist() != table[1].tolist()

@@ -492,16 +492,31 @@ def test_a_training_step_counts_the_backward_beside_the_forward(config):
         assert trained.comm_steps["p2p"] == cost.comm_steps["p2p"] + 2 * c - 1
 
 
-def test_recommend_and_export_refuse_a_training_step_the_cost_model_does_not_predict(cptune_here, tmp_path):
+def test_recommend_and_export_answer_for_a_training_step_where_the_backward_speed_is_known(
+        cptune_here, tmp_path):
+    """A training step costs more than its forward on a description that gives the backward's
+    speed, and the plan says it was tuned for training; a description without that figure is
+    refused in one line, with no plan written; export-graph writes inference graphs only."""
+    import json
+
     from conftest import assert_refused
 
-    flags = ["--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--causal", "--mode", "train",
-             "--hardware", "h100-sxm-8"]
-    assert_refused(cptune_here("recommend", "--seq-len", "32768", *flags),
-                   "the cost model predicts the forward alone so far", "cptune search --mode train")
-    assert_refused(cptune_here("export", "--seq-lens", "4096,8192", *flags, "--out", tmp_path / "p.json"),
-                   "the cost model predicts the forward alone so far")
-    assert not (tmp_path / "p.json").exists()
+    layer = ["--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--causal"]
+    at_32k = ["recommend", "--seq-len", "32768", *layer, "--json"]
+    train = json.loads(cptune_here(*at_32k, "--mode", "train", "--hardware", "h100-sxm-8").stdout)
+    forward = json.loads(cptune_here(*at_32k, "--hardware", "h100-sxm-8").stdout)
+    assert train["workload"]["mode"] == "train" and train["latency_ms"] > 2.5 * forward["latency_ms"]
+    plan = tmp_path / "p.json"
+    exported = cptune_here("export", "--seq-lens", "4096,8192", *layer, "--mode", "train", "--hardware",
+                           "h100-sxm-8", "--out", plan)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(plan.read_text())["shape"]["mode"] == "train"
+    assert_refused(cptune_here(*at_32k, "--mode", "train", "--hardware", "a100-sxm-8"),
+                   "gives no attention backward speed", "[device] backward_speed")
+    refused = cptune_here("export", "--seq-lens", "4096", *layer, "--mode", "train",
+                          "--hardware", "a100-sxm-8", "--out", tmp_path / "q.json")
+    assert_refused(refused, "gives no attention backward speed")
+    assert not (tmp_path / "q.json").exists()
     graphs = cptune_here("export-graph", "--seq-len", "64", "--heads", "4", "--head-dim", "8", "--mode",
                          "train", "--strategy", "ring", "--ranks", "2", "--out", tmp_path / "g")  # inference
     assert_refused(graphs, "unrecognized arguments: --mode train", prefix="cptune export-graph: error: ")

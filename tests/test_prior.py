@@ -17,7 +17,7 @@ from cptune.calibration import (
     group_sizes,
 )
 from cptune.config import CPConfig
-from cptune.cost import analytic_cost
+from cptune.cost import BACKWARD_FLOPS_RATIO, analytic_cost
 from cptune.engines import ENGINES
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
@@ -30,7 +30,7 @@ from cptune.model import (
     prior_ties,
     prior_time,
 )
-from cptune.model._prior import FigureSwing, Tie, decide, figure_swings, prior_range
+from cptune.model._prior import FigureSwing, Tie, UnpredictedModeError, decide, figure_swings, prior_range
 from cptune.workload import Workload
 
 HOST = Hardware(host="prior-test", cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
@@ -762,3 +762,52 @@ def test_one_evaluation_over_every_figure_range_is_each_range_alone(name):
                     assert getattr(swing, f"at_{end}_s") == pytest.approx(
                         prior_time(workload, config, alone).total_s, rel=1e-12), (config, swing.figure, end)
             assert (fast.low_s, fast.high_s) == prior_range(fast.total_s, fast.swings)
+
+
+# -- a training step ---------------------------------------------------------------------------
+
+
+def trained(calibration: Calibration, speed: float) -> Calibration:
+    """``calibration`` with its backward timed on every forward shape at ``speed`` of the
+    forward's FLOP rate (the backward's FLOPs: BACKWARD_FLOPS_RATIO times the forward's)."""
+    backward = tuple(dataclasses.replace(rate, seconds=rate.seconds * BACKWARD_FLOPS_RATIO / speed)
+                     for rate in calibration.compute)
+    return dataclasses.replace(calibration, backward=backward)
+
+
+@pytest.mark.parametrize("config", [CPConfig("ulysses", 4, 4), CPConfig("allgather_kv", 4),
+                                    CPConfig("ring", 4), CPConfig("ring", 4, 2)], ids=lambda c: c.label)
+def test_a_training_step_is_its_forward_then_the_backward_at_the_calibrated_speed(config):
+    """The backward's attention runs at the calibrated share of the forward's rate, and each
+    strategy's backward exchanges add to its forward's: Ulysses' all-to-alls (dO in, dQ and
+    dK/dV out), AllGather-KV's gather again and reduce-scatter of dK/dV, the Ring's K/V and
+    gradient blocks behind the backward of the block in hand."""
+    host = CalibratedProfile(HOST, trained(make_calibration(), 0.5))
+    train = Workload(seq_len=4096, heads=8, head_dim=64, kv_heads=4, causal=True, mode="train")
+    forward, step = prior_time(train.in_mode("forward"), config, host), prior_time(train, config, host)
+    assert step.compute_s == pytest.approx(forward.compute_s * (1 + BACKWARD_FLOPS_RATIO / 0.5))
+    assert step.memory_s == forward.memory_s and step.overhead_s == forward.overhead_s  # the forward's
+    if config.head_group > 1:
+        # dO in and dQ out as Q and O, dK/dV as K/V (no KV head replicated here): the forward's again
+        assert step.all_to_all_s == pytest.approx(2 * forward.all_to_all_s)
+    if config.strategy == "allgather_kv":
+        assert step.all_gather_s > 2 * forward.all_gather_s  # gathered again, gradients in fp32
+    if config.strategy == "ring":
+        assert step.ring_exposed_s > forward.ring_exposed_s  # the last gradient goes home exposed
+    faster = CalibratedProfile(HOST, trained(make_calibration(), 1.0))
+    assert prior_time(train, config, faster).total_s < step.total_s
+
+
+def test_a_training_step_is_not_predicted_where_the_backward_speed_is_not_known():
+    """A calibration stored before the backward was timed, and a description without its
+    backward speed, refuse a training step in one line saying what to do; the forward runs."""
+    train = Workload(seq_len=4096, heads=8, head_dim=64, mode="train")
+    with pytest.raises(UnpredictedModeError, match="did not time the mpi engine's backward: run cptune"):
+        prior_time(train, CPConfig("ring", 2), profile())
+    a100 = DescribedProfile(load_description("a100-sxm-8"))
+    with pytest.raises(UnpredictedModeError, match=r"no attention backward speed.*\[device\] backward_speed"):
+        prior_time(train, CPConfig("ring", 8), a100)
+    assert prior_time(train.in_mode("forward"), CPConfig("ring", 8), a100).total_s > 0
+    h100 = DescribedProfile(load_description("h100-sxm-8"))
+    swings = {swing.figure for swing in figure_swings(train, CPConfig("ring", 8), h100)}
+    assert "device.backward_speed" in swings  # its range is part of the interval

@@ -19,7 +19,9 @@ about a minute:
   inner dimension) and the mask, so each is timed at three sizes, both head_dims and with
   and without a causal mask; the prior interpolates between them, each rank count's rate
   against one rank's read as one line in log work per call over all shapes
-  (``Calibration.pooled_compute``: shape by shape that ratio is noisy);
+  (``Calibration.pooled_compute``: shape by shape that ratio is noisy); where the engine
+  trains, its backward too on the smallest shapes, read as a share of the forward's rate
+  (``Calibration.backward_speed``);
 - where the engine's spec says so (``times_steps``: the mpi engine's numpy kernel), the work over
   a query block that a Ring step repeats beyond one call over all keys: preparing the query
   block (cast from each wire dtype, scaled, row norms) and merging the block's output into
@@ -191,6 +193,16 @@ def _collective_fit(kind: str, ranks: int, group: int, tier: str, seconds: np.nd
     )
 
 
+def backward_shapes(shapes: tuple[dict[str, int], ...]) -> tuple[dict[str, int], ...]:
+    """The backward's shapes, timed per rank count where the engine trains
+    (``EngineSpec.trains``): the smallest of ``shapes`` of each head_dim and mask, "backward"
+    set. What the prior reads is the backward's rate against the forward's on the same shape
+    (``Calibration.backward_speed``); the smallest keep the time calibration adds to about
+    that of the forward's largest shape."""
+    smallest = min(shape["seq_q"] for shape in shapes)
+    return tuple({**shape, "backward": 1} for shape in shapes if shape["seq_q"] == smallest)
+
+
 def _round_order(max_ranks: int, round_index: int) -> list[int]:
     """The rank counts in the order round ``round_index`` times them: ascending, then
     descending, and so on, so that neither end always goes first."""
@@ -227,6 +239,7 @@ def calibrate(
     guarded = guard_enabled() if guard is None else guard
     patience_s()  # a bad CPTUNE_GUARD_PATIENCE is refused before anything runs
     spec = engine.spec
+    shapes = ATTENTION_SHAPES + (backward_shapes(ATTENTION_SHAPES) if spec.trains else ())
     attention: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     step_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in range(1, max_ranks + 1)}
     per_node = ranks_per_node(engine)
@@ -240,8 +253,7 @@ def calibrate(
             prefix = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
             for ranks in _round_order(max_ranks, round_index):
                 report(f"{prefix}attention on {ranks} rank(s)")
-                time_it = functools.partial(engine.time_attention, ranks, ATTENTION_SHAPES, warmup, repeats,
-                                            _TIMEOUT_S)
+                time_it = functools.partial(engine.time_attention, ranks, shapes, warmup, repeats, _TIMEOUT_S)
                 timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
                 attention[ranks].append(np.median(timings, axis=1))
                 if spec.times_steps:
@@ -258,11 +270,12 @@ def calibrate(
                     seconds = _collective_times(engine, kind, ranks, group, layout, warmup, repeats, guarded,
                                                 report)
                     collective_times[(kind, ranks, group, layout)].append(seconds)
-    compute = [
-        ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
-                    head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"]))
+    rates = [
+        (s.get("backward", 0),
+         ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],
+                     head_dim=s["head_dim"], seconds=float(t), causal=bool(s["causal"])))
         for ranks, times in attention.items()
-        for s, t in zip(ATTENTION_SHAPES, np.median(times, axis=0), strict=True)
+        for s, t in zip(shapes, np.median(times, axis=0), strict=True)
     ]
     steps = [
         StepCost(ranks=ranks, kind=str(s["kind"]), wire=str(s["wire"]), seconds=float(t),
@@ -275,7 +288,8 @@ def calibrate(
     return Calibration(
         engine=engine.name,
         collectives=tuple(collectives),
-        compute=tuple(compute),
+        compute=tuple(rate for backward, rate in rates if not backward),
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         steps=tuple(steps),
+        backward=tuple(rate for backward, rate in rates if backward),
     )

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from cptune.cost import BACKWARD_FLOPS_RATIO
 from cptune.engines import EngineSpec, engine_spec
 from cptune.kernels import computed_pairs
 
@@ -106,6 +107,9 @@ class Calibration:
     #: Empty for a fused kernel (its steps are not timed yet) and for calibrations stored
     #: before steps were timed: the prior then counts those steps as 0 s.
     steps: tuple[StepCost, ...] = ()
+    #: The kernel's backward on some of ``compute``'s shapes (``seconds`` of one backward
+    #: call); empty for an engine that does not train and for calibrations stored before.
+    backward: tuple[ComputeRate, ...] = ()
 
     @property
     def max_ranks(self) -> int:
@@ -195,6 +199,28 @@ class Calibration:
         log_flops = np.log(work[order])
         return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
 
+    def backward_speed(self, ranks: int, head_dim: int, causal: bool = False) -> float:
+        """The backward kernel's FLOP rate (``BACKWARD_FLOPS_RATIO`` times a shape's forward
+        FLOPs) as a share of the forward's on the same shape, both timed by this calibration
+        on the rank count nearest ``ranks``: the geometric mean over the timed shapes with the
+        head_dim nearest ``head_dim`` and the same mask (when any). A ratio measured at one
+        size carries over to others as the forward's rate moves: the backward runs the
+        forward's blocks, with more GEMMs in each. ``ValueError`` when the backward was not
+        timed (an engine that does not train, a calibration stored before it was)."""
+        if not self.backward:
+            raise ValueError(f"the calibration of {self.measured_at} did not time the {self.engine} engine's "
+                             f"backward: run cptune calibrate again to predict training steps")
+        forward = {(r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal): r.seconds
+                   for r in self.compute}
+        nearest_ranks = min({r.ranks for r in self.backward}, key=lambda n: (abs(n - ranks), n))
+        at_ranks = [r for r in self.backward if r.ranks == nearest_ranks]
+        nearest = min(abs(np.log(r.head_dim / head_dim)) for r in at_ranks)
+        points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
+        points = [r for r in points if r.causal == causal] or points
+        ratios = [forward[(r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal)]
+                  * BACKWARD_FLOPS_RATIO / r.seconds for r in points]
+        return float(np.exp(np.mean(np.log(ratios))))
+
     def step_seconds(self, kind: str, ranks: int, wire: str) -> float:
         """Seconds per element of step ``kind`` in ``wire`` dtype at the calibrated rank count
         nearest ``ranks``; 0 when the calibration did not time it."""
@@ -218,6 +244,7 @@ class Calibration:
             compute=tuple(ComputeRate(**c) for c in data["compute"]),
             measured_at=data["measured_at"],
             steps=tuple(StepCost(**step) for step in data.get("steps", ())),
+            backward=tuple(ComputeRate(**c) for c in data.get("backward", ())),
         )
 
 

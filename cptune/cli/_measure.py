@@ -31,6 +31,7 @@ from cptune.cli._common import (
 )
 from cptune.cli._search import LiveSearch
 from cptune.config import STRATEGIES, CPConfig
+from cptune.cost import BACKWARD_FLOPS_RATIO
 from cptune.errors import EngineError
 from cptune.execute import measure_all
 from cptune.measurement import Measurement
@@ -168,13 +169,17 @@ def _calibration_tables(calibration: Calibration) -> list[Table]:
         tier = (("across nodes" if f.tier == "network" else "in a node"),) if across else ()
         comms.add_row(f.kind, str(f.ranks), str(f.group), *tier, f"{f.latency_s * 1e6:.1f}",
                       f"{f.bandwidth / 1e9:.2f}", f"{f.bus_bandwidth / 1e9:.2f}")
-    compute = table("attention compute rate", "every rank computing at once on its share of the cores")
-    for column in ("ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank", "GFLOP/s total"):
-        compute.add_column(column, justify="left" if column == "mask" else "right", no_wrap=True)
-    for r in calibration.compute:
+    compute = table("attention compute rate", "every rank computing at once on its share of the cores; "
+                    f"the backward's FLOPs counted as {BACKWARD_FLOPS_RATIO:g}x the forward's")
+    columns = ("pass", "ranks", "head_dim", "mask", "GFLOP per call", "GFLOP/s per rank", "GFLOP/s total")
+    for column in columns:
+        compute.add_column(column, justify="left" if column in ("pass", "mask") else "right", no_wrap=True)
+    passes = [("forward", 1.0, r) for r in calibration.compute]
+    passes += [("backward", BACKWARD_FLOPS_RATIO, r) for r in calibration.backward]
+    for name, ratio, r in passes:
         mask = "causal" if r.causal else "full"
-        compute.add_row(str(r.ranks), str(r.head_dim), mask, f"{r.flops / 1e9:.2f}",
-                        f"{r.flops_per_s / 1e9:.1f}", f"{r.flops_per_s * r.ranks / 1e9:.1f}")
+        compute.add_row(name, str(r.ranks), str(r.head_dim), mask, f"{ratio * r.flops / 1e9:.2f}",
+                        f"{ratio * r.flops_per_s / 1e9:.1f}", f"{ratio * r.flops_per_s * r.ranks / 1e9:.1f}")
     if not calibration.steps:
         return [comms, compute]
     steps = table("the kernel's memory-bound steps (the work each Ring step repeats)",

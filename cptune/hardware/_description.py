@@ -29,6 +29,8 @@ should cite where it comes from in a comment)::
     attention_call_us = 27      # optional: fixed cost of one attention call however little its
                                 # work (default launch_us): t = this + FLOPs / rate
     overlap_slowdown = 0.1      # share of its speed compute loses while communication runs beside it
+    backward_speed = 0.85       # optional: the attention backward's FLOP rate over the forward's
+                                # (backward FLOPs: 2.5x the forward's); without it no training step
 
     [links.node]                # required: links between the ranks of one node
     name = "NVLink 4 through NVSwitch"
@@ -102,7 +104,8 @@ _UNITS = {
     "matmul_tflops": ("TFLOP/s", 1e12), "softmax_tops": ("1e12 exponentials/s", 1e12),
     "memory_gbps": ("GB/s", 1e9), "launch_us": ("microseconds", 1e-6),
     "attention_call_us": ("microseconds", 1e-6),
-    "overlap_slowdown": ("fraction (0 to 1)", 1.0), "bandwidth_gbps": ("GB/s", 1e9),
+    "overlap_slowdown": ("fraction (0 to 1)", 1.0), "backward_speed": ("ratio to the forward's rate", 1.0),
+    "bandwidth_gbps": ("GB/s", 1e9),
     "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9),
 }
 

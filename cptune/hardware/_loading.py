@@ -26,7 +26,7 @@ from cptune.hardware._description import (
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("description", "ranks_per_node", "nodes", "device", "links")
 DEVICE_KEYS = ("name", "memory_gib", "matmul_tflops", "softmax_tops", "memory_gbps", "launch_us",
-               "attention_call_us", "overlap_slowdown")
+               "attention_call_us", "overlap_slowdown", "backward_speed")
 LINKS_KEYS = ("node", "domains", "network")
 LINK_KEYS = ("name", "bandwidth_gbps", "latency_us", "through_cpu")
 DOMAIN_KEYS = ("name", "ranks", "bandwidth_gbps", "latency_us", "uplink_gbps", "through_cpu")
@@ -54,6 +54,7 @@ _EXAMPLES = {
     "device.launch_us": "launch_us = { value = 10, low = 5, high = 20 }",
     "device.attention_call_us": "attention_call_us = { value = 27, low = 20, high = 35 }",
     "device.overlap_slowdown": "overlap_slowdown = { value = 0.1, low = 0.05, high = 0.3 }",
+    "device.backward_speed": "backward_speed = { value = 0.85, low = 0.75, high = 0.95 }",
     "links": _NODE_EXAMPLE,
     "links.node": _NODE_EXAMPLE,
     "links.domains": _DOMAIN_EXAMPLE,
@@ -151,6 +152,9 @@ def _load(file: str, name: str) -> HardwareDescription:
     # an attention call is at least one launched kernel
     figures["device.attention_call_us"] = (figures["device.launch_us"] if raw is None
                                            else _figure(r, raw, "device.attention_call_us"))
+    raw = r.value(device, "backward_speed", "device", required=False)
+    if raw is not None:  # without it the description predicts no training step
+        figures["device.backward_speed"] = _figure(r, raw, "device.backward_speed")
     if figures["device.overlap_slowdown"].high >= 1:
         raise r.fail("device.overlap_slowdown", "out of range: a share of compute speed must be below 1"
                      f"{r.example('device.overlap_slowdown')}")

@@ -56,6 +56,8 @@ from cptune.model._prior import (
     CalibratedProfile,
     PriorTime,
     Profile,
+    UnpredictedModeError,
+    check_predicts,
     described_prior,
     prior_range,
     prior_time,
@@ -100,7 +102,7 @@ def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
         total = prior.total_s
         rows.append([
             np.log2(w.seq_len), np.log2(w.heads), np.log2(w.kv_heads), np.log2(w.head_dim),
-            float(w.causal), w.wire_dtype.itemsize, np.log2(w.batch),
+            float(w.causal), w.wire_dtype.itemsize, np.log2(w.batch), float(w.training),
             np.log2(c.ranks), np.log2(c.head_group), np.log2(c.context_degree),
             *(float(c.strategy == s) for s in STRATEGIES),
             np.log(total), prior.compute_s / total, prior.all_to_all_s / total,
@@ -311,10 +313,22 @@ class TrainingSet:
         return np.array([(e.hardware, e.workload, e.config) in top for e in self.estimates], dtype=bool)
 
 
+def _predicts(workload: Workload, profile: CalibratedProfile) -> bool:
+    """Whether the prior predicts ``workload`` on ``profile`` (a training step needs the
+    backward's speed, which calibrations stored before it was timed lack)."""
+    try:
+        check_predicts(workload, profile)
+    except UnpredictedModeError:
+        return False
+    return True
+
+
 def training_set(store: Store, include_oversubscribed: bool = False) -> TrainingSet:
-    """Read ``store`` into cases and their combined measured latencies. Failed, disturbed
-    and excluded visits count for nothing; oversubscribed ones are left out unless
-    ``include_oversubscribed`` (they are also left out of the noise the intervals pool)."""
+    """Read ``store`` into cases and their combined measured latencies, forward and training
+    steps alike (a shape's mode is part of its key, and a feature). Failed, disturbed and
+    excluded visits count for nothing; oversubscribed ones are left out unless
+    ``include_oversubscribed`` (they are also left out of the noise the intervals pool);
+    training steps on a host whose calibration did not time the backward are left out."""
     hardware = store.hardware()
     profiles = {
         fingerprint: CalibratedProfile(host, calibration)
@@ -322,15 +336,16 @@ def training_set(store: Store, include_oversubscribed: bool = False) -> Training
         if (calibration := store.calibration(fingerprint)) is not None
     }
     oversubscribed = None if include_oversubscribed else False  # None: no filter
-    rows = store.results(status="ok", excluded=False, disturbed=False, oversubscribed=oversubscribed,
-                         mode="forward")  # the prior it learns from predicts the forward alone
+    rows = store.results(status="ok", excluded=False, disturbed=False, oversubscribed=oversubscribed)
     estimates = combine(rows)
-    kept = [e for e in estimates.values() if e.hardware in profiles]
+    kept = [e for e in estimates.values()
+            if e.hardware in profiles and _predicts(e.workload, profiles[e.hardware])]
+    fitted = {id(e) for e in kept}
     return TrainingSet(
         cases=[Case(e.workload, e.config, profiles[e.hardware]) for e in kept],
         latencies_s=np.array([e.median_ms for e in kept], dtype=float) / 1e3,
         estimates=kept,
         profiles=profiles,
         uncalibrated=frozenset(e.hardware for e in estimates.values()) - set(profiles),
-        unfitted=tuple(e for e in estimates.values() if e.hardware not in profiles),
+        unfitted=tuple(e for e in estimates.values() if id(e) not in fitted),
     )

@@ -51,7 +51,7 @@ import numpy as np
 from cptune.calibration import Calibration
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
-from cptune.cost import FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
+from cptune.cost import BACKWARD_FLOPS_RATIO, COLLECTIVES, FP32_BYTES, MERGE_FP32_PASSES, analytic_cost
 from cptune.errors import CPTuneError
 from cptune.hardware import TIERS, Hardware, HardwareDescription, tier_of
 from cptune.kernels import check_kernel, computed_pairs
@@ -60,19 +60,16 @@ from cptune.workload import Workload
 
 
 class UnpredictedModeError(CPTuneError, ValueError):
-    """The prior was asked for a workload mode it does not predict (training, so far)."""
+    """The hardware's rates do not predict a training step: its calibration did not time the
+    backward, or its description gives no backward speed."""
 
 
-def check_predicted(workload: Workload) -> None:
-    """``UnpredictedModeError`` for a training workload: the prior and the cost model count
-    and learn the forward alone so far (``cptune.cost`` counts the backward's terms; no
-    calibration times its kernel or its reduce-scatter yet), and a forward's figure is not a
-    training step's."""
+def check_predicts(workload: Workload, profile: Profile) -> None:
+    """``UnpredictedModeError`` before anything is weighed, where ``profile`` cannot predict
+    ``workload`` (a training step on hardware whose backward speed is not known)."""
     if workload.training:
-        raise UnpredictedModeError(
-            f"the cost model predicts the forward alone so far, not a training step ({workload.describe()}): "
-            f"measure it with cptune search --mode train, and see each configuration's estimate with "
-            f"cptune results --mode train --combined")
+        profile.backward_speed(workload, 1)
+
 
 #: How the published benchmarks' Ring implementations (ring-flash-attn, used by yunchang and
 #: xDiT) stream K/V: NCCL send/recv. A described hardware's prior streams so.
@@ -142,6 +139,10 @@ class Profile(Protocol):
     def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
         """Seconds of ``calls`` calls of collective ``kind`` in which each rank of ``groups``
         (all running at once, ``ranks`` ranks in all) sends ``nbytes`` in total."""
+
+    def backward_speed(self, workload: Workload, ranks: int) -> float:
+        """The attention backward's FLOP rate as a share of the forward's (its FLOPs counted
+        as ``BACKWARD_FLOPS_RATIO`` times the forward's); ``ValueError`` where not known."""
 
 
 @dataclass(frozen=True)
@@ -250,8 +251,16 @@ class CalibratedProfile(StoredHost):
     def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
         """At the rates of the calibrated groups of this size whose traffic crossed the same
         tier as ``groups`` (``cptune.hardware.tier_of``)."""
+        if kind == "reduce_scatter":  # not timed: all-gather's bytes to the same peers, reversed
+            kind = "all_gather"
         fit = self.calibration.collective(kind, ranks, len(groups[0]), tier_of(groups, self.ranks_per_node))
         return calls * fit.latency_s + nbytes / fit.bandwidth
+
+    def backward_speed(self, workload: Workload, ranks: int) -> float:
+        try:
+            return self.calibration.backward_speed(ranks, workload.head_dim, workload.causal)
+        except ValueError as exc:
+            raise UnpredictedModeError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -326,6 +335,12 @@ class DescribedProfile:
         latency, per_byte = self.description.exchange(kind, groups)
         return calls * latency + nbytes * per_byte
 
+    def backward_speed(self, workload: Workload, ranks: int) -> float:
+        if "device.backward_speed" not in self.description.figures:
+            raise UnpredictedModeError(f"{self.description.source} gives no attention backward speed, so it "
+                                       f"predicts no training step; add it under [device] backward_speed")
+        return self.description.figure("device.backward_speed")
+
 
 @dataclass(frozen=True)
 class PriorTime:
@@ -355,6 +370,10 @@ class PriorTime:
     def comm_s(self) -> float:
         """Communication not hidden behind compute."""
         return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+
+    def __add__(self, other: PriorTime) -> PriorTime:
+        """Both one after the other (a training step: the forward, then the backward)."""
+        return PriorTime(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
 
 #: Longest padded sequence whose numpy-kernel work ``computed_flops`` counts block by block
@@ -396,8 +415,15 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     """The physical prior of ``config`` on ``workload`` on ``profile``'s hardware and engine
     (see the module docstring). A description's figures may be numpy arrays of variants
     (``HardwareDescription.spread``, how its ranges are evaluated at once), so every step is
-    elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``."""
-    check_predicted(workload)
+    elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``. A training step is its
+    forward followed by its backward (``_backward_time``)."""
+    if workload.training:
+        forward = _forward_time(workload.in_mode("forward"), config, profile)
+        return forward + _backward_time(workload, config, profile)
+    return _forward_time(workload, config, profile)
+
+
+def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
     cost = analytic_cost(workload, config, profile.stream)
     n, u, c = config.ranks, config.head_group, config.context_degree
     one_per_step = cost.kernels["attention"]
@@ -438,6 +464,47 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
                      overhead_s=launch * kernels)
+
+
+def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
+    """The backward of a training ``workload`` (see the module docstring): the exchanges
+    ``analytic_cost`` adds to its forward's, and the attention backward at the forward's
+    rate times the hardware's ``backward_speed``."""
+    forward = workload.in_mode("forward")
+    train = analytic_cost(workload, config, profile.stream)
+    alone = analytic_cost(forward, config, profile.stream)
+    sent = {kind: train.bytes_sent[kind] - alone.bytes_sent[kind] for kind in COLLECTIVES}
+    steps = {kind: train.comm_steps[kind] - alone.comm_steps[kind] for kind in COLLECTIVES}
+    n, c = config.ranks, config.context_degree
+    calls = (busiest_calls(SequenceLayout(forward, config)) if profile.position_calls
+             else alone.kernels["attention"])
+    forward_flops = computed_flops(forward, config, profile.attention_kernel)
+    forward_work = forward_flops if profile.charges_ring_steps else forward_flops / calls
+    rate = profile.attention_rate(forward, n, forward_work) * profile.backward_speed(forward, n)
+    compute = BACKWARD_FLOPS_RATIO * forward_flops / rate + calls * profile.attention_call_s
+    heads, context = rank_groups(config)
+    all_to_all = 0.0
+    if steps["all_to_all"]:
+        all_to_all = profile.collective_time("all_to_all", n, heads, sent["all_to_all"], steps["all_to_all"])
+    all_gather = 0.0
+    for kind in ("all_gather", "reduce_scatter"):
+        if steps[kind]:
+            all_gather += profile.collective_time(kind, n, context, sent[kind], steps[kind])
+    ring_exposed = 0.0
+    if steps["p2p"]:
+        kv_block = alone.bytes_sent["p2p"] / (c - 1)
+        grad_block = (sent["p2p"] - (c - 1) * kv_block) / c
+        # each of c - 1 steps brings the next K/V block and passes the gradient of the one in
+        # hand on, behind the backward of the block in hand; the last gradient goes home after
+        step = profile.collective_time("p2p", n, context, kv_block + grad_block, 2)
+        home = profile.collective_time("p2p", n, context, grad_block, 1)
+        block = compute / c
+        busy = block + profile.overlap_slowdown * np.minimum(block, step)
+        ring_exposed = (c - 1) * np.maximum(busy, step) + block + home - compute
+    elif steps["broadcast"]:
+        raise ValueError("the backward's Ring is modelled on point-to-point streams only: no engine without "
+                         "them trains")
+    return PriorTime(compute, all_to_all, all_gather, ring_exposed)
 
 
 def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[str, float]:

@@ -50,7 +50,7 @@ from cptune.model._prior import (
     Profile,
     StoredHost,
     Tie,
-    check_predicted,
+    check_predicts,
     prior_ties,
     tier_split,
 )
@@ -474,7 +474,6 @@ def recommend(
     calibrated cluster read for that many nodes sharing ``ranks`` (a size it never ran;
     ``CalibratedProfile.resized``). On hardware of several nodes the recommendation says which
     tier decides (``TierDecision``)."""
-    check_predicted(workload)
     advisor = _advisor(db)
     profile = advisor.profile(hardware, backend, figures, nccl_path)
     if nodes is not None:
@@ -513,6 +512,7 @@ def recommend(
     unpredicted: tuple[CPConfig, ...] = ()
     if to_predict:
         if not isinstance(profile, MeasuredHost):
+            check_predicts(workload, profile)
             candidates += predicted(advisor.model, workload, to_predict, profile)
         elif measured:
             unpredicted = tuple(to_predict)

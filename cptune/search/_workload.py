@@ -269,11 +269,11 @@ class WorkloadSearch:
 
     def _why_not_guided(self) -> str | None:
         """Why the cost model cannot order this search (None when it can)."""
-        if self.workload.training:
-            return "the cost model predicts the forward alone so far, not a training step"
         calibration = self.store.calibration(self.hardware.fingerprint)
         if calibration is None:
             return "this hardware has no calibration, so there is no cost model to order by"
+        if self.workload.training and not calibration.backward:
+            return "its calibration did not time the backward (cptune calibrate again times it)"
         if (most := max(c.ranks for c in self.configs)) > calibration.max_ranks:
             return f"its calibration covers up to {calibration.max_ranks} ranks, the search {most}"
         return None

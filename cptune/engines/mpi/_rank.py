@@ -339,7 +339,8 @@ def _collective(kind: str, comm: MPI.Comm, chunk: int) -> Callable[[], object]:
 
 
 def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]:
-    """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal); causal
+    """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal), or its
+    backward where ``shape["backward"]`` (from the forward's output and log-sum-exp); causal
     queries sit at the last seq_q key positions, a diagonal block."""
     rng = np.random.default_rng(0)
     h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
@@ -347,7 +348,12 @@ def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]
     q = rng.standard_normal((1, h, sq, d), dtype=np.float32)
     kv = rng.standard_normal((2, 1, h, sk, d), dtype=np.float32)
     q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
-    return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
+    if not shape.get("backward"):
+        return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
+    out, lse = kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
+    dout = rng.standard_normal(out.shape, dtype=np.float32)
+    return lambda: kernels.attention_grad(q, kv, out, lse, dout, q_pos, k_pos, causal=causal, seq_len=sk,
+                                          threads=threads)
 
 
 def _step_case(step: dict[str, Any], threads: int) -> Callable[[], object]:

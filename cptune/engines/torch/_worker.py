@@ -52,6 +52,7 @@ from cptune.engines.torch._ops import (
     TORCH_DTYPES,
     TorchOps,
     attend,
+    attend_grad,
     exchange_all_gather,
     exchange_all_to_all,
     ring_step,
@@ -220,7 +221,8 @@ class TorchRank(RankServer):
 
     def _attention(self, shape: dict[str, int]) -> Callable[[], object]:
         """The kernel on random inputs of ``shape`` (heads, seq_q, seq_k, head_dim, causal) as
-        ``TorchOps`` runs it; causal queries sit at the last seq_q key positions. float32 on
+        ``TorchOps`` runs it, or its backward where ``shape["backward"]``; causal queries sit
+        at the last seq_q key positions. float32 on
         the CPU, bfloat16 on a GPU (what each serves in)."""
         h, sq, sk, d = shape["heads"], shape["seq_q"], shape["seq_k"], shape["head_dim"]
         causal = bool(shape.get("causal", False))
@@ -229,7 +231,11 @@ class TorchRank(RankServer):
         q = torch.randn((1, h, sq, d), generator=generator, device=self.device).to(dtype)
         kv = torch.randn((2, 1, h, sk, d), generator=generator, device=self.device).to(dtype)
         q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
-        return lambda: attend(q, kv, q_pos, k_pos, causal, sk)
+        if not shape.get("backward"):
+            return lambda: attend(q, kv, q_pos, k_pos, causal, sk)
+        saved = attend(q, kv, q_pos, k_pos, causal, sk)
+        dout = torch.randn(saved.out.shape, generator=generator, device=self.device).to(dtype)
+        return lambda: attend_grad(q, kv, dout, saved, q_pos, k_pos, causal, sk)
 
     def close(self) -> None:
         if dist.is_initialized():
