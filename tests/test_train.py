@@ -99,3 +99,31 @@ def test_an_engine_that_runs_the_forward_alone_refuses_to_train():
                                  backend="onnx")
     assert str(refusal.value) == ("the onnx engine runs the forward alone (inference), not --mode train: "
                                   "use a backend that trains ('mpi', 'torch')")
+
+
+def test_the_command_line_trains_end_to_end(tmp_path, cptune_here):
+    """search --mode train calibrates first (the backward too), then results, fit, recommend
+    for an unmeasured length, export and report of a training step: the ones that start ranks
+    as a user runs them, those that only read in this process."""
+    import json
+
+    from conftest import cptune
+
+    db = str(tmp_path / "t.db")
+    shape = ["--heads", "4", "--head-dim", "16", "--mode", "train"]
+    searched = cptune("search", "--db", db, *shape, "--seq-lens", "64,96", "--ranks", "1,2", "--rounds", "1",
+                      "--race-rounds", "0", "--confirm-rounds", "0")
+    assert searched.returncode == 0, searched.stderr
+    rows = json.loads(cptune_here("results", "--db", db, "--json").stdout)
+    assert len(rows) == 8 and {row["mode"] for row in rows} == {"train"}
+    assert all(0 < row["forward_ms"] < row["median_ms"] for row in rows)
+    assert cptune_here("fit", "--db", db).returncode == 0
+    picked = cptune_here("recommend", "--db", db, *shape, "--seq-len", "128", "--json")
+    assert picked.returncode == 0, picked.stderr
+    assert json.loads(picked.stdout)["workload"]["mode"] == "train"
+    plan = tmp_path / "plan.json"
+    exported = cptune_here("export", "--db", db, *shape, "--seq-lens", "64,96", "-o", plan)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(plan.read_text())["shape"]["mode"] == "train"
+    reported = cptune_here("report", "--db", db, "-o", tmp_path / "report")
+    assert reported.returncode == 0, reported.stderr

@@ -201,21 +201,23 @@ class Calibration:
 
     def backward_speed(self, ranks: int, head_dim: int, causal: bool = False) -> float:
         """The backward kernel's FLOP rate (``BACKWARD_FLOPS_RATIO`` times a shape's forward
-        FLOPs) as a share of the forward's on the same shape, both timed by this calibration
-        on the rank count nearest ``ranks``: the geometric mean over the timed shapes with the
-        head_dim nearest ``head_dim`` and the same mask (when any). A ratio measured at one
-        size carries over to others as the forward's rate moves: the backward runs the
-        forward's blocks, with more GEMMs in each. ``ValueError`` when the backward was not
-        timed (an engine that does not train, a calibration stored before it was)."""
+        FLOPs) as a share of the forward's on the same shape and rank count, both timed by this
+        calibration: the geometric mean over the timed shapes with the head_dim nearest
+        ``head_dim`` and the same mask (when any), on every rank count. Pooled over rank counts
+        (``ranks`` is accepted for the interface): what ranks computing at once cost each other
+        is in the forward's rate at that count already, and one shape's ratio on one count is
+        noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one calibration of a 2-core host),
+        which would move every 1-rank against 2-rank comparison of a training step by as much.
+        A ratio measured at one size carries over to others as the forward's rate moves: the
+        backward runs the forward's blocks, with more GEMMs in each. ``ValueError`` when the
+        backward was not timed (an engine that does not train, a calibration stored before)."""
         if not self.backward:
             raise ValueError(f"the calibration of {self.measured_at} did not time the {self.engine} engine's "
                              f"backward: run cptune calibrate again to predict training steps")
         forward = {(r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal): r.seconds
                    for r in self.compute}
-        nearest_ranks = min({r.ranks for r in self.backward}, key=lambda n: (abs(n - ranks), n))
-        at_ranks = [r for r in self.backward if r.ranks == nearest_ranks]
-        nearest = min(abs(np.log(r.head_dim / head_dim)) for r in at_ranks)
-        points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
+        nearest = min(abs(np.log(r.head_dim / head_dim)) for r in self.backward)
+        points = [r for r in self.backward if abs(np.log(r.head_dim / head_dim)) == nearest]
         points = [r for r in points if r.causal == causal] or points
         ratios = [forward[(r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal)]
                   * BACKWARD_FLOPS_RATIO / r.seconds for r in points]

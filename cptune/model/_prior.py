@@ -35,6 +35,17 @@ ranks, hardware that is only calibrated or only described.
                   included: c steps, the one beyond c - 1 hides behind nothing; the profile
                   says which: a calibration's engine spec, ``Profile.stream``)
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
+
+A training step is that of its forward, then its backward's (``_backward_time``; the
+memory-bound steps and launches stay the forward's, as ``analytic_cost`` counts them):
+    compute     = BACKWARD_FLOPS_RATIO x the forward's FLOPs / (its rate x the hardware's
+                  ``backward_speed``) + attention calls x the fixed cost of one call
+    exchanges   = those ``analytic_cost`` adds: Ulysses' 3 more all-to-alls, AllGather-KV's
+                  gather again and reduce-scatter (a calibrated host reads it at its
+                  all-gather's rates: the same bytes to the same peers), the Ring's
+                  (c - 1) * max(block + slowdown * min(block, step), step) + block + home,
+                  a step bringing the next K/V block and passing a gradient on, home the
+                  last gradient's way back
 """
 
 from __future__ import annotations
@@ -479,8 +490,10 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     calls = (busiest_calls(SequenceLayout(forward, config)) if profile.position_calls
              else alone.kernels["attention"])
     forward_flops = computed_flops(forward, config, profile.attention_kernel)
-    forward_work = forward_flops if profile.charges_ring_steps else forward_flops / calls
-    rate = profile.attention_rate(forward, n, forward_work) * profile.backward_speed(forward, n)
+    # each call at the rate of its own work: no step of the backward's Ring is charged apart
+    # (a calibrated host's merges and query re-reads are the forward's), so what each of its
+    # calls repeats is in the rate of a call that size
+    rate = profile.attention_rate(forward, n, forward_flops / calls) * profile.backward_speed(forward, n)
     compute = BACKWARD_FLOPS_RATIO * forward_flops / rate + calls * profile.attention_call_s
     heads, context = rank_groups(config)
     all_to_all = 0.0
