@@ -165,7 +165,8 @@ def test_two_writers_on_one_new_database(postgres_url):
 
 @pytest.mark.slow
 def test_two_searches_share_one_database(postgres_url, password, tmp_path):
-    runs = [subprocess.Popen([*CLI, "search", "--db", postgres_url, "--seq-lens", seq_lens, *TINY],
+    race = ["--race-rounds", "2"]
+    runs = [subprocess.Popen([*CLI, "search", "--db", postgres_url, "--seq-lens", seq_lens, *TINY, *race],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "CPTUNE_LOCK": str(tmp_path / f"host-{seq_lens}.lock")})
             for seq_lens in ("64,96", "80,112")]  # at once, as two hosts: a lock each
@@ -177,8 +178,8 @@ def test_two_searches_share_one_database(postgres_url, password, tmp_path):
     assert all(r.status == "ok" and r.median_ms > 0 for r in rows)
     assert {r.workload.seq_len for r in rows} == {64, 80, 96, 112}
     visits = Counter((r.workload, r.config) for r in rows if r.clean)  # each its rounds, at most the cap
-    rounds = WorkloadSearch.rounds  # the defaults; the cap: the race's and a second sitting's
-    cap = WorkloadSearch.rounds + WorkloadSearch.race_rounds + WorkloadSearch.confirm_rounds
+    rounds = WorkloadSearch.rounds  # the default; the cap: a race of 2 and a second sitting
+    cap = WorkloadSearch.rounds + 2 + WorkloadSearch.confirm_rounds
     assert len(visits) == 16 and all(rounds <= n <= cap for n in visits.values()), visits
     # the studies both searches kept beside the rows: one per length, a trial per row
     studies = optuna.get_all_study_summaries(database_url(postgres_url))

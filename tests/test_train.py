@@ -102,14 +102,18 @@ def test_an_engine_that_runs_the_forward_alone_refuses_to_train():
 
 
 def test_the_command_line_trains_end_to_end(tmp_path, cptune_here):
-    """search --mode train calibrates first (the backward too), then results, fit, recommend
-    for an unmeasured length, export and report of a training step: the ones that start ranks
-    as a user runs them, those that only read in this process."""
+    """search --mode train (guided by the calibration's backward), then results, fit, recommend
+    for an unmeasured length, export and report of a training step: the one that starts ranks
+    as a user runs it, those that only read in this process."""
     import json
 
-    from conftest import cptune
+    from conftest import cptune, make_calibration
+    from cptune.hardware import this_host
+    from cptune.store import Store
 
     db = str(tmp_path / "t.db")
+    with Store(db) as store:  # a calibration with a backward (calibrate's own: tests/test_cli_model.py)
+        store.add_calibration(this_host(), make_calibration(2))
     shape = ["--heads", "4", "--head-dim", "16", "--mode", "train"]
     searched = cptune("search", "--db", db, *shape, "--seq-lens", "64,96", "--ranks", "1,2", "--rounds", "1",
                       "--race-rounds", "0", "--confirm-rounds", "0")
