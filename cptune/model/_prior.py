@@ -153,7 +153,8 @@ class Profile(Protocol):
 
     def backward_speed(self, workload: Workload, ranks: int) -> float:
         """The attention backward's FLOP rate as a share of the forward's (its FLOPs counted
-        as ``BACKWARD_FLOPS_RATIO`` times the forward's); ``ValueError`` where not known."""
+        as ``BACKWARD_FLOPS_RATIO`` times the forward's); ``UnpredictedModeError`` where not
+        known."""
 
 
 @dataclass(frozen=True)
