@@ -199,14 +199,13 @@ class Calibration:
         log_flops = np.log(work[order])
         return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
 
-    def backward_speed(self, ranks: int, head_dim: int, causal: bool = False) -> float:
+    def backward_speed(self, head_dim: int, causal: bool = False) -> float:
         """The backward kernel's FLOP rate (``BACKWARD_FLOPS_RATIO`` times a shape's forward
         FLOPs) as a share of the forward's on the same shape and rank count, both timed by this
         calibration: the geometric mean over the timed shapes with the head_dim nearest
-        ``head_dim`` and the same mask (when any), on every rank count. Pooled over rank counts
-        (``ranks`` is accepted for the interface): what ranks computing at once cost each other
-        is in the forward's rate at that count already, and one shape's ratio on one count is
-        noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one calibration of a 2-core host),
+        ``head_dim`` and the same mask (when any), pooled over every rank count: what ranks
+        computing at once cost each other is in the forward's rate at that count already, and
+        one shape's ratio on one count is noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one calibration of a 2-core host),
         which would move every 1-rank against 2-rank comparison of a training step by as much.
         A ratio measured at one size carries over to others as the forward's rate moves: the
         backward runs the forward's blocks, with more GEMMs in each. ``ValueError`` when the
