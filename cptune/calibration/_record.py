@@ -205,8 +205,9 @@ class Calibration:
         calibration: the geometric mean over the timed shapes with the head_dim nearest
         ``head_dim`` and the same mask (when any), pooled over every rank count: what ranks
         computing at once cost each other is in the forward's rate at that count already, and
-        one shape's ratio on one count is noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one calibration of a 2-core host),
-        which would move every 1-rank against 2-rank comparison of a training step by as much.
+        one shape's ratio on one count is noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one
+        calibration of a 2-core host), which would move every 1-rank against 2-rank comparison
+        of a training step by as much.
         A ratio measured at one size carries over to others as the forward's rate moves: the
         backward runs the forward's blocks, with more GEMMs in each. ``ValueError`` when the
         backward was not timed (an engine that does not train, a calibration stored before)."""
