@@ -59,7 +59,7 @@ def watch_load(set_to: Setter) -> None:
 
 
 def quick_calibration(set_to: Setter) -> None:
-    """Calibrations time the real shapes' structure (three sizes, both head_dims, with and
+    """Calibrations time the real shapes' structure (sizes 4x apart, both head_dims, with and
     without a causal mask; messages 4x apart) at a 64th of their work and a fraction of their
     bytes."""
     set_to("cptune.calibration._calibrate.MESSAGE_SIZES", tuple(2**e for e in range(10, 19, 2)))

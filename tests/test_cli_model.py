@@ -81,13 +81,13 @@ def test_the_shipped_attention_shapes_and_steps_calibrate_on_a_rank(tmp_path, mo
     assert calibration is not None and calibration.collectives == ()
     shapes = {(r.seq_q, r.seq_k, r.head_dim, r.causal) for r in calibration.compute}
     assert shapes == {(q, 4 * q, d, causal)
-                      for q in (512, 1024, 2048) for d in (64, 128) for causal in (False, True)}
+                      for q in (128, 256, 512, 1024, 2048) for d in (64, 128) for causal in (False, True)}
     assert all(r.ranks == 1 and r.seconds > 0 for r in calibration.compute) and len(calibration.steps) == 3
-    # the numpy backward, on the smallest shape of each head_dim and mask, read against the forward
+    # the numpy backward, on the three smaller sizes of each head_dim and mask, read against the forward
     assert {(r.seq_q, r.head_dim, r.causal) for r in calibration.backward} == {
-        (512, d, causal) for d in (64, 128) for causal in (False, True)}
-    assert all(0.05 < calibration.backward_speed(d, causal) < 5
-               for d in (64, 128) for causal in (False, True))
+        (q, d, causal) for q in (128, 256, 512) for d in (64, 128) for causal in (False, True)}
+    assert all(0.05 < calibration.backward_speed(d, causal, flops) < 5
+               for d in (64, 128) for causal in (False, True) for flops in (None, 1e7, 1e8, 1e9, 1e10))
     assert "backward" in result.stdout
 
 

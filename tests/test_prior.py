@@ -798,6 +798,36 @@ def test_a_training_step_is_its_forward_then_the_backward_at_the_calibrated_spee
     assert prior_time(train, config, faster).total_s < step.total_s
 
 
+def test_the_backward_speed_moves_with_the_work_per_call_pooled_over_rank_counts():
+    """A call's fixed costs weigh in the forward's time and the backward's alike, so the
+    calibrated ratio is read size by size (each size's pooled over rank counts), interpolated
+    in log work per call and held beyond the timed sizes; a training step's backward reads it
+    at its own calls' work."""
+    small = {"heads": 4, "seq_q": 128, "seq_k": 512, "head_dim": 64}
+    large = {**small, "seq_q": 512, "seq_k": 2048}  # 16x the work
+    compute, backward = [], []
+    for shape, speeds in ((small, (1.5, 2.4)), (large, (0.9, 1.6))):  # on 1 and 2 ranks
+        for ranks, speed in zip((1, 2), speeds, strict=True):
+            rate = ComputeRate(ranks=ranks, seconds=0.01, **shape)
+            compute.append(rate)
+            backward.append(dataclasses.replace(rate, seconds=0.01 * BACKWARD_FLOPS_RATIO / speed))
+    calibration = Calibration("mpi", (), tuple(compute), "2025-01-01T00:00:00+00:00",
+                              backward=tuple(backward))
+    small_work = 4 * 64 * 4 * 128 * 512
+    at_small, at_large = math.sqrt(1.5 * 2.4), math.sqrt(0.9 * 1.6)
+    for work, speed in ((small_work, at_small), (small_work / 10, at_small), (16 * small_work, at_large),
+                        (160 * small_work, at_large), (4 * small_work, math.sqrt(at_small * at_large))):
+        assert calibration.backward_speed(64, False, work) == pytest.approx(speed), work
+    assert calibration.backward_speed(64) == pytest.approx(math.sqrt(at_small * at_large))
+
+    host = CalibratedProfile(HOST, calibration)
+    train = Workload(seq_len=256, heads=4, head_dim=64, mode="train")  # one call of the small shape's work
+    local = CPConfig("ring", 1)
+    forward, step = prior_time(train.in_mode("forward"), local, host), prior_time(train, local, host)
+    backward_s = BACKWARD_FLOPS_RATIO * forward.compute_s / at_small
+    assert step.compute_s - forward.compute_s == pytest.approx(backward_s)
+
+
 def test_a_training_step_is_not_predicted_where_the_backward_speed_is_not_known():
     """A calibration stored before the backward was timed, and a description without its
     backward speed, refuse a training step in one line saying what to do; the forward runs."""

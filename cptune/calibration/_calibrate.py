@@ -16,12 +16,12 @@ about a minute:
 - the attention kernel on a few shapes, every rank computing at once on its share of the
   cores, so a rank count's rate includes the contention between its ranks. The rate
   depends on the work per call (small blocks pay fixed costs), the head_dim (the GEMMs'
-  inner dimension) and the mask, so each is timed at three sizes, both head_dims and with
+  inner dimension) and the mask, so each is timed at five sizes, both head_dims and with
   and without a causal mask; the prior interpolates between them, each rank count's rate
   against one rank's read as one line in log work per call over all shapes
   (``Calibration.pooled_compute``: shape by shape that ratio is noisy); where the engine
-  trains, its backward too on the smallest shapes, read as a share of the forward's rate
-  (``Calibration.backward_speed``);
+  trains, its backward too on the smaller sizes, read as a share of the forward's rate
+  that moves with the work per call (``Calibration.backward_speed``);
 - where the engine's spec says so (``times_steps``: the mpi engine's numpy kernel), the work over
   a query block that a Ring step repeats beyond one call over all keys: preparing the query
   block (cast from each wire dtype, scaled, row norms) and merging the block's output into
@@ -53,16 +53,20 @@ from cptune.layout import RankGroups
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
-#: Attention shapes timed per rank count: a few heads' query block against its keys, at three
-#: sizes (factors 4 of work apart), head_dim 64 and 128, without and with a causal mask. The
-#: largest (about 30 GFLOP) reaches the work of a whole layer on one rank at a few thousand
-#: tokens: beyond the largest shape the rate is held, and two sizes held it from 2048 tokens
-#: on one rank but 3072 on two, which skewed one rank against two between those lengths.
+#: Attention shapes timed per rank count: a few heads' query block against its keys, at five
+#: sizes (factors 4 of work apart, 67 MFLOP to 17 GFLOP at d64), head_dim 64 and 128, without
+#: and with a causal mask. The largest (about 30 GFLOP) reaches the work of a whole layer on
+#: one rank at a few thousand tokens: beyond the largest shape the rate is held, and two sizes
+#: held it from 2048 tokens on one rank but 3072 on two, which skewed one rank against two
+#: between those lengths. The smallest reach a training step's calls at a few hundred tokens
+#: per rank, where a call's fixed costs halve the rate (25 against 55 GFLOP/s at d64 on one
+#: rank of this project's 2-core host); held from 1 GFLOP down, the prior missed 512-token
+#: training steps by 1.4-2.1x, by configuration.
 ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
     {"heads": 4, "seq_q": seq_q, "seq_k": 4 * seq_q, "head_dim": head_dim, "causal": causal}
     for head_dim in (64, 128)
     for causal in (0, 1)
-    for seq_q in (512, 1024, 2048)
+    for seq_q in (128, 256, 512, 1024, 2048)
 )
 #: Memory-bound steps timed per rank count (where ``EngineSpec.times_steps``) on a 4-head x
 #: 1024-row x d128 block (half a million elements): preparing a query block from each wire
@@ -195,12 +199,14 @@ def _collective_fit(kind: str, ranks: int, group: int, tier: str, seconds: np.nd
 
 def backward_shapes(shapes: tuple[dict[str, int], ...]) -> tuple[dict[str, int], ...]:
     """The backward's shapes, timed per rank count where the engine trains
-    (``EngineSpec.trains``): the smallest of ``shapes`` of each head_dim and mask, "backward"
-    set. What the prior reads is the backward's rate against the forward's on the same shape
-    (``Calibration.backward_speed``); the smallest keep the time calibration adds to about
-    that of the forward's largest shape."""
-    smallest = min(shape["seq_q"] for shape in shapes)
-    return tuple({**shape, "backward": 1} for shape in shapes if shape["seq_q"] == smallest)
+    (``EngineSpec.trains``): those of ``shapes`` in the smaller half of their sizes, the middle
+    one included, "backward" set. What the prior reads is the backward's rate against the
+    forward's on the same shape, size by size (``Calibration.backward_speed``): it moves where
+    a call's fixed costs weigh and is steady beyond; the smaller sizes keep the time
+    calibration adds to about that of the forward's largest shape."""
+    sizes = sorted({shape["seq_q"] for shape in shapes})
+    timed = sizes[: len(sizes) // 2 + 1]
+    return tuple({**shape, "backward": 1} for shape in shapes if shape["seq_q"] in timed)
 
 
 def _round_order(max_ranks: int, round_index: int) -> list[int]:

@@ -199,18 +199,22 @@ class Calibration:
         log_flops = np.log(work[order])
         return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
 
-    def backward_speed(self, head_dim: int, causal: bool = False) -> float:
+    def backward_speed(self, head_dim: int, causal: bool = False, flops: float | None = None) -> float:
         """The backward kernel's FLOP rate (``BACKWARD_FLOPS_RATIO`` times a shape's forward
         FLOPs) as a share of the forward's on the same shape and rank count, both timed by this
-        calibration: the geometric mean over the timed shapes with the head_dim nearest
-        ``head_dim`` and the same mask (when any), pooled over every rank count: what ranks
-        computing at once cost each other is in the forward's rate at that count already, and
-        one shape's ratio on one count is noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one
+        calibration, from the timed shapes with the head_dim nearest ``head_dim`` and the same
+        mask (when any): each size's ratio pooled over every rank count (geometric mean), then
+        interpolated in log forward work per call ``flops`` (held beyond the timed sizes), or
+        their geometric mean when ``flops`` is None. Pooled, because what ranks computing at
+        once cost each other is in the forward's rate at that count already, and one shape's
+        ratio on one count is noisy (0.92 to 1.18 for d128 on 1 and 2 ranks of one
         calibration of a 2-core host), which would move every 1-rank against 2-rank comparison
-        of a training step by as much.
-        A ratio measured at one size carries over to others as the forward's rate moves: the
-        backward runs the forward's blocks, with more GEMMs in each. ``ValueError`` when the
-        backward was not timed (an engine that does not train, a calibration stored before)."""
+        of a training step by as much. By size, because a call's fixed costs weigh in the
+        forward's time and the backward's alike, not 2.5 times as much in the backward's: on
+        this project's 2-core host the ratio measured about 1.2 at 512 x 2048 x d64 and 2.1 at
+        128 x 512, where those costs are most of the call.
+        ``ValueError`` when the backward was not timed (an engine that does not train, a
+        calibration stored before)."""
         if not self.backward:
             raise ValueError(f"the calibration of {self.measured_at} did not time the {self.engine} engine's "
                              f"backward: run cptune calibrate again to predict training steps")
@@ -219,9 +223,16 @@ class Calibration:
         nearest = min(abs(np.log(r.head_dim / head_dim)) for r in self.backward)
         points = [r for r in self.backward if abs(np.log(r.head_dim / head_dim)) == nearest]
         points = [r for r in points if r.causal == causal] or points
-        ratios = [forward[(r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal)]
-                  * BACKWARD_FLOPS_RATIO / r.seconds for r in points]
-        return float(np.exp(np.mean(np.log(ratios))))
+        log_ratios: dict[float, list[float]] = {}
+        for r in points:
+            shape = (r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal)
+            ratio = forward[shape] * BACKWARD_FLOPS_RATIO / r.seconds
+            log_ratios.setdefault(float(r.computed_flops(self.kernel)), []).append(float(np.log(ratio)))
+        work = sorted(log_ratios)
+        by_size = [float(np.mean(log_ratios[w])) for w in work]
+        if flops is None:
+            return float(np.exp(np.mean(by_size)))
+        return float(np.exp(np.interp(np.log(flops), np.log(work), by_size)))
 
     def step_seconds(self, kind: str, ranks: int, wire: str) -> float:
         """Seconds per element of step ``kind`` in ``wire`` dtype at the calibrated rank count

@@ -151,10 +151,10 @@ class Profile(Protocol):
         """Seconds of ``calls`` calls of collective ``kind`` in which each rank of ``groups``
         (all running at once, ``ranks`` ranks in all) sends ``nbytes`` in total."""
 
-    def backward_speed(self, workload: Workload) -> float:
+    def backward_speed(self, workload: Workload, flops: float | None = None) -> float:
         """The attention backward's FLOP rate as a share of the forward's (its FLOPs counted
-        as ``BACKWARD_FLOPS_RATIO`` times the forward's); ``UnpredictedModeError`` where not
-        known."""
+        as ``BACKWARD_FLOPS_RATIO`` times the forward's), for calls of ``flops`` forward FLOPs
+        each where it depends on their size; ``UnpredictedModeError`` where not known."""
 
 
 @dataclass(frozen=True)
@@ -268,9 +268,9 @@ class CalibratedProfile(StoredHost):
         fit = self.calibration.collective(kind, ranks, len(groups[0]), tier_of(groups, self.ranks_per_node))
         return calls * fit.latency_s + nbytes / fit.bandwidth
 
-    def backward_speed(self, workload: Workload) -> float:
+    def backward_speed(self, workload: Workload, flops: float | None = None) -> float:
         try:
-            return self.calibration.backward_speed(workload.head_dim, workload.causal)
+            return self.calibration.backward_speed(workload.head_dim, workload.causal, flops)
         except ValueError as exc:
             raise UnpredictedModeError(str(exc)) from None
 
@@ -347,7 +347,7 @@ class DescribedProfile:
         latency, per_byte = self.description.exchange(kind, groups)
         return calls * latency + nbytes * per_byte
 
-    def backward_speed(self, workload: Workload) -> float:
+    def backward_speed(self, workload: Workload, flops: float | None = None) -> float:
         if "device.backward_speed" not in self.description.figures:
             raise UnpredictedModeError(f"{self.description.source} gives no attention backward speed, so it "
                                        f"predicts no training step; add it under [device] backward_speed")
@@ -494,7 +494,8 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     # each call at the rate of its own work: no step of the backward's Ring is charged apart
     # (a calibrated host's merges and query re-reads are the forward's), so what each of its
     # calls repeats is in the rate of a call that size
-    rate = profile.attention_rate(forward, n, forward_flops / calls) * profile.backward_speed(forward)
+    per_call = forward_flops / calls
+    rate = profile.attention_rate(forward, n, per_call) * profile.backward_speed(forward, per_call)
     compute = BACKWARD_FLOPS_RATIO * forward_flops / rate + calls * profile.attention_call_s
     heads, context = rank_groups(config)
     all_to_all = 0.0
