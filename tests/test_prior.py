@@ -250,6 +250,9 @@ class Recording:
     def memory_time(self, step, nbytes, workload, ranks):
         return self.inner.memory_time(step, nbytes, workload, ranks)
 
+    def ring_call_s(self, workload, ranks):
+        return self.inner.ring_call_s(workload, ranks)
+
     charges_ring_steps = property(lambda self: self.inner.charges_ring_steps)
     launch_s = property(lambda self: self.inner.launch_s)
     attention_call_s = property(lambda self: self.inner.attention_call_s)
@@ -655,11 +658,31 @@ def test_ring_compute_is_rated_at_the_work_of_one_block():
     assert prior_time(workload, ring, p).compute_s == pytest.approx(flops / ring_rate)
     assert prior_time(workload, ulysses, p).compute_s == pytest.approx(flops / ulysses_rate)
     # where the calibration times what each Ring step repeats, those costs are charged as
-    # steps, and the calls together are rated as one call over all keys: not counted twice
+    # steps, and the calls together are rated as one call over all keys: not counted twice;
+    # that rate holds one call's fixed cost, and each of the 3 others adds its own
     timed = CalibratedProfile(HOST, with_steps(p.calibration))
     assert timed.charges_ring_steps and not p.charges_ring_steps
-    assert prior_time(workload, ring, timed).compute_s == pytest.approx(flops / ulysses_rate)
+    call_s = timed.calibration.call_seconds(4, 64)
+    assert prior_time(workload, ring, timed).compute_s == pytest.approx(flops / ulysses_rate + 3 * call_s)
     assert prior_time(workload, ring, timed).memory_s > 0
+    assert prior_time(workload, ulysses, timed).compute_s == pytest.approx(flops / ulysses_rate)
+
+
+def test_a_calls_fixed_cost_is_the_latency_of_its_time_against_its_work():
+    """Two sizes lie on time = a + work / rate: 1 GFLOP/s on a call of w FLOPs and 4 GFLOP/s
+    on one of 16w give a = 0.8 w / 1 GFLOP/s; the causal shapes, at half those rates, the
+    line through their own two points. On each rank count; a head_dim or rank count not timed
+    reads the nearest."""
+    calibration = sized_calibration(max_ranks=2)
+    small = min(r.computed_flops("numpy") for r in calibration.compute if not r.causal)
+    (w1, t1), (w2, t2) = sorted((r.computed_flops("numpy"), r.seconds) for r in calibration.compute
+                                if r.causal and r.ranks == 1)
+    for ranks in (1, 2, 8):
+        assert calibration.call_seconds(ranks, 64) == pytest.approx(0.8 * small / 1e9)
+        causal_call_s = calibration.call_seconds(ranks, 128, causal=True)
+        assert causal_call_s == pytest.approx(t1 - w1 * (t2 - t1) / (w2 - w1))
+    described = DescribedProfile(load_description("h100-sxm-8"))
+    assert described.ring_call_s(W, 8) == 0.0  # its attention_call_s counts every call
 
 
 def test_step_costs_round_trip_and_answer_for_the_nearest_rank_count():

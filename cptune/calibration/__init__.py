@@ -14,10 +14,15 @@ from cptune.calibration._calibrate import (
     STEP_SHAPES,
     CalibrationDisturbedError,
     calibrate,
-    fit_latency_bandwidth,
     group_sizes,
 )
-from cptune.calibration._record import Calibration, CollectiveFit, ComputeRate, StepCost
+from cptune.calibration._record import (
+    Calibration,
+    CollectiveFit,
+    ComputeRate,
+    StepCost,
+    fit_latency_bandwidth,
+)
 
 __all__ = [
     "ATTENTION_SHAPES",

@@ -41,7 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from cptune.calibration._record import Calibration, CollectiveFit, ComputeRate, StepCost
+from cptune.calibration._record import (
+    Calibration,
+    CollectiveFit,
+    ComputeRate,
+    StepCost,
+    fit_latency_bandwidth,
+)
 from cptune.cost import STREAM_KINDS
 from cptune.engines import Engine, get_engine, ranks_per_node, untimed
 from cptune.errors import CPTuneError
@@ -88,19 +94,6 @@ ROUNDS = 3
 REPEATS = 5
 
 Progress = Callable[[str], None]
-
-
-def fit_latency_bandwidth(sizes: np.ndarray, times: np.ndarray) -> tuple[float, float]:
-    """Non-negative (latency, bandwidth) minimising the relative error of
-    ``latency + size / bandwidth`` against ``times``: small messages weigh as much as large.
-    Timings that do not grow with size give the bandwidth seen at the largest size."""
-    from scipy.optimize import nnls  # half a second to import: only a calibration pays it
-
-    weights = 1.0 / times
-    (latency, inverse_bandwidth), _ = nnls(np.column_stack([weights, sizes * weights]), np.ones_like(times))
-    if inverse_bandwidth <= 0:
-        return float(latency), float(sizes[-1] / times[-1])
-    return float(latency), float(1.0 / inverse_bandwidth)
 
 
 def group_sizes(ranks: int) -> list[int]:

@@ -11,7 +11,8 @@ ranks, hardware that is only calibrated or only described.
                   included: ``computed_flops``) / attention rate per rank (at the work per
                   kernel call and head_dim: small blocks and small head_dims run slower;
                   the Ring's calls together count as one call where the profile charges
-                  what each of its steps repeats, ``charges_ring_steps``)
+                  what each of its steps repeats, ``charges_ring_steps``, each call beyond
+                  the first adding its fixed cost, ``ring_call_s``)
                   + attention calls x the fixed cost of one call however little its work
                   (one per step, or the fused calls ``cptune.calls`` plans where the profile's
                   engine cuts them by position, ``position_calls``)
@@ -118,6 +119,12 @@ class Profile(Protocol):
     def attention_call_s(self) -> float:
         """Seconds one attention call costs however little its work (0 when inside measured
         rates)."""
+
+    def ring_call_s(self, workload: Workload, ranks: int) -> float:
+        """Where ``charges_ring_steps`` rates the Ring's calls together as one call and the
+        rate holds one call's fixed cost (a calibrated host's, measured a call at a time), the
+        fixed cost each call beyond the first adds; 0 where the calls are rated one by one or
+        ``attention_call_s`` counts every call's."""
 
     @property
     def overlap_slowdown(self) -> float:
@@ -268,6 +275,11 @@ class CalibratedProfile(StoredHost):
         fit = self.calibration.collective(kind, ranks, len(groups[0]), tier_of(groups, self.ranks_per_node))
         return calls * fit.latency_s + nbytes / fit.bandwidth
 
+    def ring_call_s(self, workload: Workload, ranks: int) -> float:
+        if not self.charges_ring_steps:
+            return 0.0
+        return self.calibration.call_seconds(ranks, workload.head_dim, workload.causal)
+
     def backward_speed(self, workload: Workload, flops: float | None = None) -> float:
         try:
             return self.calibration.backward_speed(workload.head_dim, workload.causal, flops)
@@ -306,6 +318,9 @@ class DescribedProfile:
     @property
     def attention_call_s(self) -> float:
         return self.description.figure("device.attention_call_us")
+
+    def ring_call_s(self, workload: Workload, ranks: int) -> float:
+        return 0.0  # every call's is attention_call_s
 
     @property
     def overlap_slowdown(self) -> float:
@@ -442,7 +457,8 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
-    compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
+    compute = (flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
+               + (calls - 1) * profile.ring_call_s(workload, n))
     memory = {step: profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0
               for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
