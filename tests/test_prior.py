@@ -681,6 +681,7 @@ def test_a_calls_fixed_cost_is_the_latency_of_its_time_against_its_work():
         assert calibration.call_seconds(ranks, 64) == pytest.approx(0.8 * small / 1e9)
         causal_call_s = calibration.call_seconds(ranks, 128, causal=True)
         assert causal_call_s == pytest.approx(t1 - w1 * (t2 - t1) / (w2 - w1))
+    assert make_calibration().call_seconds(2, 64) == 0.0  # one size: no line to fit
     described = DescribedProfile(load_description("h100-sxm-8"))
     assert described.ring_call_s(W, 8) == 0.0  # its attention_call_s counts every call
 

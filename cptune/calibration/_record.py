@@ -258,7 +258,9 @@ class Calibration:
         for key, rates in points.items():
             rates.sort(key=lambda r: r.computed_flops(self.kernel))
             work = np.array([r.computed_flops(self.kernel) for r in rates], dtype=float)
-            fitted[key] = fit_latency_bandwidth(work, np.array([r.seconds for r in rates]))[0]
+            # one size says nothing of how time grows with work: no fixed cost to tell apart
+            fitted[key] = (fit_latency_bandwidth(work, np.array([r.seconds for r in rates]))[0]
+                           if len(set(work)) > 1 else 0.0)
         return fitted
 
     def backward_speed(self, head_dim: int, causal: bool = False, flops: float | None = None) -> float:
