@@ -67,7 +67,7 @@ MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
 #: between those lengths. The smallest reach a training step's calls at a few hundred tokens
 #: per rank, where a call's fixed costs halve the rate (25 against 55 GFLOP/s at d64 on one
 #: rank of this project's 2-core host); held from 1 GFLOP down, the prior missed 512-token
-#: training steps by 1.4-2.1x, by configuration.
+#: training steps by 1.3-1.9x, by configuration.
 ATTENTION_SHAPES: tuple[dict[str, int], ...] = tuple(
     {"heads": 4, "seq_q": seq_q, "seq_k": 4 * seq_q, "head_dim": head_dim, "causal": causal}
     for head_dim in (64, 128)
