@@ -457,8 +457,9 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
-    compute = (flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
-               + (calls - 1) * profile.ring_call_s(workload, n))
+    compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
+    if calls > 1:  # the lookup is the prior's hot path; one call adds nothing
+        compute += (calls - 1) * profile.ring_call_s(workload, n)
     memory = {step: profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0
               for step, nbytes in cost.memory_bytes.items()}
     launch = profile.launch_s
