@@ -646,6 +646,25 @@ def test_attention_rate_uses_the_shapes_with_the_same_mask():
     assert dense_only.attention_rate(1, 64, causal=True) == pytest.approx(RATES[64])
 
 
+def test_every_rate_of_a_shape_is_read_at_the_same_calibrated_head_dim_and_mask():
+    """The forward's rate, a call's fixed cost and the backward's speed all read the head_dim
+    nearest in ratio, the smaller where two are equally near (d64 between d32 and d128), and
+    the same mask where it was timed, else the one that was."""
+    calibration = make_calibration(max_ranks=1, rates={32: 2e9, 128: 8e9})
+    speed = {32: 0.5, 128: 2.0}
+    calibration = dataclasses.replace(calibration, backward=tuple(
+        dataclasses.replace(rate, seconds=rate.seconds * BACKWARD_FLOPS_RATIO / speed[rate.head_dim])
+        for rate in calibration.compute))
+    assert calibration.attention_rate(1, 64) == pytest.approx(2e9)
+    assert calibration.attention_rate(1, 90) == pytest.approx(8e9)  # nearer 128 than 32 in ratio
+    assert calibration.backward_speed(64) == pytest.approx(0.5)
+    assert calibration.backward_speed(90) == pytest.approx(2.0)
+    # only unmasked shapes were timed: a causal question reads them
+    assert calibration.attention_rate(1, 64, causal=True) == calibration.attention_rate(1, 64)
+    assert calibration.backward_speed(64, causal=True) == calibration.backward_speed(64)
+    assert calibration.call_seconds(1, 64, causal=True) == calibration.call_seconds(1, 64) == 0.0  # one size
+
+
 def test_ring_compute_is_rated_at_the_work_of_one_block():
     p = CalibratedProfile(HOST, sized_calibration(max_ranks=4))
     workload = Workload(seq_len=768, heads=8, head_dim=64)

@@ -119,6 +119,15 @@ class StepCost:
         return self.seconds / self.elements
 
 
+def _nearest_dim_and_mask(timed: set[tuple[int, bool]], head_dim: int, causal: bool) -> tuple[int, bool]:
+    """Of the (head_dim, mask) pairs ``timed``, the one a shape's rates are read at: the
+    head_dim nearest ``head_dim`` in ratio (the smaller on a tie), then ``causal`` where that
+    head_dim was timed with it, else the mask it was timed with (unmasked first)."""
+    nearest = min({d for d, _ in timed}, key=lambda d: (abs(np.log(d / head_dim)), d))
+    masks = {m for d, m in timed if d == nearest}
+    return nearest, causal if causal in masks else min(masks)
+
+
 @functools.lru_cache(maxsize=64)  # a calibration's few shapes, asked on every prior
 def _numpy_diagonal_pairs(seq_q: int, seq_k: int) -> int:
     """Pairs per head the numpy kernel computes for ``seq_q`` causal queries on the last
@@ -216,18 +225,12 @@ class Calibration:
         when ``flops`` is None. FLOPs here are the ones the engine's kernel executes
         (``ComputeRate.computed_flops``), masked pairs it computes included, so the rate
         carries over to shapes that waste more or less."""
-        nearest_ranks = min({r.ranks for r in self.compute}, key=lambda n: (abs(n - ranks), n))
-        at_ranks = [r for r in self.pooled_compute if r.ranks == nearest_ranks]
-        nearest = min({abs(np.log(r.head_dim / head_dim)) for r in at_ranks})
-        points = [r for r in at_ranks if abs(np.log(r.head_dim / head_dim)) == nearest]
-        points = [r for r in points if r.causal == causal] or points
+        points = self._pooled_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
         work = np.array([r.computed_flops(self.kernel) for r in points], dtype=float)
         log_rates = np.log(work / [r.seconds for r in points])
         if flops is None:
             return float(np.exp(np.mean(log_rates)))
-        order = np.argsort(work)
-        log_flops = np.log(work[order])
-        return float(np.exp(np.interp(np.log(flops), log_flops, log_rates[order])))
+        return float(np.exp(np.interp(np.log(flops), np.log(work), log_rates)))
 
     def call_seconds(self, ranks: int, head_dim: int, causal: bool = False) -> float:
         """Seconds one attention call costs however little its work, at the calibrated rank
@@ -240,23 +243,28 @@ class Calibration:
         return self._call_seconds[self._nearest_compute_key(ranks, head_dim, causal)]
 
     def _nearest_compute_key(self, ranks: int, head_dim: int, causal: bool) -> tuple[int, int, bool]:
-        """The calibrated (rank count, head_dim, mask) nearest these, as ``attention_rate``
-        reads them: the rank count first, then the head_dim in ratio, then the mask where timed."""
-        keys = {(r.ranks, r.head_dim, r.causal) for r in self.compute}
+        """The calibrated (rank count, head_dim, mask) the rates of these are read at: the
+        nearest rank count (fewer on a tie), then the head_dim nearest in ratio (smaller on a
+        tie), then the same mask where it was timed."""
+        keys = self._pooled_by_key.keys()
         nearest_ranks = min({n for n, _, _ in keys}, key=lambda n: (abs(n - ranks), n))
-        dims = {d for n, d, _ in keys if n == nearest_ranks}
-        nearest_dim = min(dims, key=lambda d: (abs(np.log(d / head_dim)), d))
-        masks = {m for n, d, m in keys if n == nearest_ranks and d == nearest_dim}
-        return nearest_ranks, nearest_dim, causal if causal in masks else min(masks)
+        return (nearest_ranks, *_nearest_dim_and_mask({(d, m) for n, d, m in keys if n == nearest_ranks},
+                                                      head_dim, causal))
 
     @functools.cached_property
-    def _call_seconds(self) -> dict[tuple[int, int, bool], float]:
+    def _pooled_by_key(self) -> dict[tuple[int, int, bool], list[ComputeRate]]:
+        """The pooled attention rates by (rank count, head_dim, mask), fewest FLOPs first."""
         points: dict[tuple[int, int, bool], list[ComputeRate]] = {}
         for rate in self.pooled_compute:
             points.setdefault((rate.ranks, rate.head_dim, rate.causal), []).append(rate)
-        fitted = {}
-        for key, rates in points.items():
+        for rates in points.values():
             rates.sort(key=lambda r: r.computed_flops(self.kernel))
+        return points
+
+    @functools.cached_property
+    def _call_seconds(self) -> dict[tuple[int, int, bool], float]:
+        fitted = {}
+        for key, rates in self._pooled_by_key.items():
             work = np.array([r.computed_flops(self.kernel) for r in rates], dtype=float)
             # one size says nothing of how time grows with work: no fixed cost to tell apart
             fitted[key] = (fit_latency_bandwidth(work, np.array([r.seconds for r in rates]))[0]
@@ -284,9 +292,8 @@ class Calibration:
                              f"backward: run cptune calibrate again to predict training steps")
         forward = {(r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal): r.seconds
                    for r in self.compute}
-        nearest = min(abs(np.log(r.head_dim / head_dim)) for r in self.backward)
-        points = [r for r in self.backward if abs(np.log(r.head_dim / head_dim)) == nearest]
-        points = [r for r in points if r.causal == causal] or points
+        key = _nearest_dim_and_mask({(r.head_dim, r.causal) for r in self.backward}, head_dim, causal)
+        points = [r for r in self.backward if (r.head_dim, r.causal) == key]
         log_ratios: dict[float, list[float]] = {}
         for r in points:
             shape = (r.ranks, r.heads, r.seq_q, r.seq_k, r.head_dim, r.causal)
