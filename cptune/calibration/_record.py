@@ -225,9 +225,8 @@ class Calibration:
         when ``flops`` is None. FLOPs here are the ones the engine's kernel executes
         (``ComputeRate.computed_flops``), masked pairs it computes included, so the rate
         carries over to shapes that waste more or less."""
-        points = self._pooled_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
-        work = np.array([r.computed_flops(self.kernel) for r in points], dtype=float)
-        log_rates = np.log(work / [r.seconds for r in points])
+        work, seconds = self._pooled_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
+        log_rates = np.log(work / seconds)
         if flops is None:
             return float(np.exp(np.mean(log_rates)))
         return float(np.exp(np.interp(np.log(flops), np.log(work), log_rates)))
@@ -252,24 +251,22 @@ class Calibration:
                                                       head_dim, causal))
 
     @functools.cached_property
-    def _pooled_by_key(self) -> dict[tuple[int, int, bool], list[ComputeRate]]:
-        """The pooled attention rates by (rank count, head_dim, mask), fewest FLOPs first."""
-        points: dict[tuple[int, int, bool], list[ComputeRate]] = {}
+    def _pooled_by_key(self) -> dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]]:
+        """The pooled attention rates by (rank count, head_dim, mask): each size's FLOPs the
+        kernel executes, ascending, and its seconds - worked out once, read on every prior."""
+        points: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
         for rate in self.pooled_compute:
-            points.setdefault((rate.ranks, rate.head_dim, rate.causal), []).append(rate)
-        for rates in points.values():
-            rates.sort(key=lambda r: r.computed_flops(self.kernel))
-        return points
+            points.setdefault((rate.ranks, rate.head_dim, rate.causal), []).append(
+                (float(rate.computed_flops(self.kernel)), rate.seconds))
+        ordered = {key: sorted(sizes, key=lambda size: size[0]) for key, sizes in points.items()}
+        return {key: (np.array([w for w, _ in sizes]), np.array([t for _, t in sizes]))
+                for key, sizes in ordered.items()}
 
     @functools.cached_property
     def _call_seconds(self) -> dict[tuple[int, int, bool], float]:
-        fitted = {}
-        for key, rates in self._pooled_by_key.items():
-            work = np.array([r.computed_flops(self.kernel) for r in rates], dtype=float)
-            # one size says nothing of how time grows with work: no fixed cost to tell apart
-            fitted[key] = (fit_latency_bandwidth(work, np.array([r.seconds for r in rates]))[0]
-                           if len(set(work)) > 1 else 0.0)
-        return fitted
+        # one size says nothing of how time grows with work: no fixed cost to tell apart
+        return {key: fit_latency_bandwidth(work, seconds)[0] if len(set(work)) > 1 else 0.0
+                for key, (work, seconds) in self._pooled_by_key.items()}
 
     def backward_speed(self, head_dim: int, causal: bool = False, flops: float | None = None) -> float:
         """The backward kernel's FLOP rate (``BACKWARD_FLOPS_RATIO`` times a shape's forward
