@@ -58,7 +58,7 @@ def main() -> None:
                           for c in configs])
         chosen = min(configs, key=lambda c: predicted[c].latency_ms)
         regret = measured[chosen].median_ms / truth.min()
-        as_ties = 1.0 if chosen in (verdict.leader.config, *verdict.tied) else regret
+        as_ties = 1.0 if chosen in verdict.contenders else regret
         print(f"spearman {spearmanr(guess, truth).statistic:.2f}; pick {chosen.label} on {chosen.ranks} "
               f"(regret {regret:.3f}, ties as ties {as_ties:.3f}); measured inside the interval: "
               f"{inside:.0%}; MAPE {np.mean(np.abs(guess - truth) / truth) * 100:.0f}%")

@@ -117,9 +117,8 @@ def judge_verdict(workload: Workload, picker: list[Result], judge_rows: list[Res
     (_, verdict), (other, other_verdict) = _judged(picker), _judged(judge_rows)
     leader, other_leader = verdict.leader.config, other_verdict.leader.config
     if verdict.winner is None:
-        tied = (leader, *verdict.tied)
         return Judged(workload.describe(), leader.describe(), other_leader.describe(), None,
-                      tuple(c.describe() for c in tied), other_leader in tied)
+                      tuple(c.describe() for c in verdict.contenders), other_leader in verdict.contenders)
     regret = other[leader].median_ms / other_verdict.leader.median_ms
     return Judged(workload.describe(), leader.describe(), other_leader.describe(), regret)
 
@@ -128,7 +127,7 @@ def fit_regret(picker: list[Result], judge_rows: list[Result]) -> float:
     """The picking run's leader judged as ``cptune fit`` judges a pick (ties as ties)."""
     (_, verdict), (other, other_verdict) = _judged(picker), _judged(judge_rows)
     pick, other_leader = verdict.leader.config, other_verdict.leader
-    if pick == other_leader.config or pick in other_verdict.tied:
+    if pick in other_verdict.contenders:
         return 1.0
     return other[pick].median_ms / other_leader.median_ms
 

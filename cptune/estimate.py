@@ -299,6 +299,12 @@ class Verdict:
         return tuple(c.other for c in self.comparisons if not c.separated)
 
     @property
+    def contenders(self) -> tuple[CPConfig, ...]:
+        """The leader and the configurations tied with it: any of them is the fastest within
+        the noise of the hardware, so a pick among them is as good as the leader."""
+        return (self.leader.config, *self.tied)
+
+    @property
     def winner(self) -> CPConfig | None:
         """The leader when it is separated from every other configuration; None for a tie."""
         return None if self.tied else self.leader.config

@@ -62,6 +62,7 @@ def test_pairing_by_round_cancels_drift_the_means_cannot():
             for r in (row(ULYSSES, 10 * d, f"r{i}"), row(RING, 10.5 * d, f"r{i}"))]
     paired = judge(combine(rows).values())
     assert paired.leader.config == ULYSSES and paired.winner == ULYSSES
+    assert paired.contenders == (ULYSSES,)
     assert paired.comparisons[0].paired_rounds == 5
     assert paired.comparisons[0].ratio == pytest.approx(1.05)
     assert "faster than" in paired.describe() and "by 5.0%" in paired.describe()
@@ -80,6 +81,7 @@ def test_a_clear_gap_separates_and_a_tie_lists_everyone_tied():
     verdict = judge(combine(rows).values())
     assert verdict.leader.config == LOCAL
     assert verdict.tied == (RING,)
+    assert verdict.contenders == (LOCAL, RING)  # a pick among these is as good as the leader
     by_config = {c.other: c for c in verdict.comparisons}
     assert by_config[ULYSSES].separated and by_config[ULYSSES].ratio == pytest.approx(2.0, rel=1e-6)
     text = verdict.describe()

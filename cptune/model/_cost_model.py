@@ -309,7 +309,7 @@ class TrainingSet:
         A pick among these is as good as the leader within the noise of that hardware."""
         top = {(hardware, workload, config)
                for (hardware, workload), verdict in judge_each(self.estimates).items()
-               for config in (verdict.leader.config, *verdict.tied)}
+               for config in verdict.contenders}
         return np.array([(e.hardware, e.workload, e.config) in top for e in self.estimates], dtype=bool)
 
 
