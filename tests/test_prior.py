@@ -30,7 +30,8 @@ from cptune.model import (
     prior_ties,
     prior_time,
 )
-from cptune.model._prior import FigureSwing, Tie, UnpredictedModeError, decide, figure_swings, prior_range
+from cptune.model._profiles import UnpredictedModeError
+from cptune.model._ties import FigureSwing, Tie, decide, figure_swings, prior_range
 from cptune.workload import Workload
 
 HOST = Hardware(host="prior-test", cpu_model="test cpu", cpu_count=4, gpu_model=None, gpu_count=0,
@@ -786,7 +787,7 @@ def test_one_evaluation_over_every_figure_range_is_each_range_alone(name):
     reference (the prior at each end of each figure's range, one at a time) for every feasible
     configuration: its total bit for bit, its swings to rounding."""
     from cptune.feasibility import candidate_configs, feasibility
-    from cptune.model._prior import described_prior
+    from cptune.model._ties import described_prior
 
     description = load_description(name)
     profile = DescribedProfile(description)

@@ -14,8 +14,8 @@ from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import candidate_configs
 from cptune.hardware import builtin_descriptions, load_description, this_host
 from cptune.model import STRUCTURE, DescribedProfile, prior_time, recommend, training_set
-from cptune.model._prior import figure_swings, prior_range
 from cptune.model._recommend import SOURCES
+from cptune.model._ties import figure_swings, prior_range
 from cptune.store import Store
 from cptune.workload import Workload
 

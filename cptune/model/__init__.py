@@ -18,18 +18,8 @@ from cptune.model._evaluation import (
     held_out_predictions,
     load_training,
 )
-from cptune.model._prior import (
-    STRUCTURAL_ERROR,
-    STRUCTURE,
-    CalibratedProfile,
-    DescribedProfile,
-    Profile,
-    Tie,
-    computed_flops,
-    prior_ties,
-    prior_time,
-    tier_split,
-)
+from cptune.model._prior import computed_flops, prior_time, tier_split
+from cptune.model._profiles import CalibratedProfile, DescribedProfile, Profile
 from cptune.model._recommend import (
     Candidate,
     MeasuredHost,
@@ -41,6 +31,7 @@ from cptune.model._recommend import (
     predicted,
     recommend,
 )
+from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURE, Tie, prior_ties
 
 __all__ = [
     "CalibratedProfile",

@@ -52,16 +52,9 @@ from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.estimate import Estimate, combine, judge_each
-from cptune.model._prior import (
-    CalibratedProfile,
-    PriorTime,
-    Profile,
-    UnpredictedModeError,
-    check_predicts,
-    described_prior,
-    prior_range,
-    prior_time,
-)
+from cptune.model._prior import PriorTime, prior_time
+from cptune.model._profiles import CalibratedProfile, Profile, UnpredictedModeError, check_predicts
+from cptune.model._ties import described_prior, prior_range
 from cptune.store import Result, Store
 from cptune.workload import AttentionShape, Workload
 

@@ -44,16 +44,9 @@ from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
 from cptune.model._evaluation import CorrectionDecision, fit_advised
-from cptune.model._prior import (
-    CalibratedProfile,
-    DescribedProfile,
-    Profile,
-    StoredHost,
-    Tie,
-    check_predicts,
-    prior_ties,
-    tier_split,
-)
+from cptune.model._prior import tier_split
+from cptune.model._profiles import CalibratedProfile, DescribedProfile, Profile, StoredHost, check_predicts
+from cptune.model._ties import Tie, prior_ties
 from cptune.store import Store, StoreError, database_url, display_url, missing_database
 from cptune.workload import Workload
 
