@@ -17,6 +17,7 @@ from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.feasibility import candidate_configs, feasibility
 from cptune.hardware import load_description, this_host
+from cptune.model import recommend
 from cptune.plans import PlanError, PlanMismatchError, load_plan, plan_schema
 from cptune.plans._plan import digest
 from cptune.plans.export import bucket_bounds, export_plan
@@ -272,6 +273,34 @@ def test_a_bucket_lists_the_tied_alternatives_and_round_trips(tmp_path):
     jsonschema.validate(data, plan_schema(), cls=jsonschema.Draft202012Validator)
     assert data["buckets"][0]["tied"] == [{"strategy": "allgather_kv", "ranks": 4, "head_group": 1}]
     assert load_plan(path).buckets == plan.buckets
+
+
+def test_the_pick_is_the_paired_leader_and_its_ties_are_its_own(tmp_path):
+    """The lowest median need not lead: Ulysses on 2 ranks runs 0.90-1.02x of Ring on 2 in the
+    three rounds they share, while Ring's three visits alone in quiet rounds pull its median
+    below Ulysses'. The pick is the verdict's leader (Ulysses), and what it lists as tied is
+    relative to it (Ring), never the pick itself - the plan loads back."""
+    ring, ulysses = CPConfig("ring", 2), CPConfig("ulysses", 2)
+    path = str(tmp_path / "paired.db")
+    with Store(path) as store:
+        store.add_calibration(this_host(), make_calibration())
+        for i, config in enumerate(c for c in candidate_configs(4) if not feasibility(at(SHORT), c)):
+            for r in range(3) if config not in (ring, ulysses) else ():
+                store.add_measurement(this_host(), measurement(at(SHORT), config, 40.0 + i),
+                                      round_id=f"shared{r}")
+        for r, (ring_ms, ulysses_ms) in enumerate(((20.0, 18.0), (20.0, 19.4), (20.0, 20.4))):
+            store.add_measurement(this_host(), measurement(at(SHORT), ring, ring_ms), round_id=f"shared{r}")
+            store.add_measurement(this_host(), measurement(at(SHORT), ulysses, ulysses_ms),
+                                  round_id=f"shared{r}")
+        for r in range(3):
+            store.add_measurement(this_host(), measurement(at(SHORT), ring, 10.0), round_id=f"alone{r}")
+    pick = recommend(at(SHORT), db=path)
+    assert min(pick.candidates, key=lambda c: c.latency_ms).config == ring  # the lowest median
+    assert pick.verdict is not None and pick.verdict.leader.config == ulysses
+    assert (pick.config, pick.tied, pick.contenders) == (ulysses, (ring,), pick.verdict.contenders)
+    plan = export_plan([at(SHORT)], db=path)
+    assert [b.contenders for b in plan.buckets] == [(ulysses, ring)]
+    assert load_plan(plan.write(tmp_path / "paired.json")).buckets == plan.buckets
 
 
 def test_a_plan_without_tied_alternatives_still_loads(plan_file, tmp_path):

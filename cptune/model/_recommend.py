@@ -120,7 +120,9 @@ class TierDecision:
 @dataclass(frozen=True)
 class Recommendation:
     """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
-    hardware ``fingerprint`` names; ``infeasible`` gives each excluded config's reasons;
+    hardware ``fingerprint`` names (a measured pick is the measured verdict's leader, which the
+    rounds it shares with the others may put ahead of a lower median); ``infeasible`` gives each
+    excluded config's reasons;
     ``correction`` whether the learned correction changed any prediction here, and why."""
 
     workload: Workload
@@ -176,6 +178,12 @@ class Recommendation:
         if self.verdict is not None:
             return self.verdict.tied
         return tuple(t.other for t in self.ties)
+
+    @property
+    def contenders(self) -> tuple[CPConfig, ...]:
+        """The pick and the configurations tied with it, the pick first: any of them runs at no
+        cost the evidence can see (what a plan's bucket lists, ``cptune.plans.Bucket``)."""
+        return (self.config, *self.tied)
 
     @property
     def path_decides(self) -> bool:
@@ -512,6 +520,11 @@ def recommend(
         else:
             raise _unmeasured(workload, ranks, profile, advisor, backend)
     candidates.sort(key=lambda c: c.latency_ms)
+    verdict = judge(measured) if candidates[0].source == "measured" else None
+    if verdict is not None:  # the rounds the verdict pairs outrank medians: its leader is the pick
+        leader = next(c for c in candidates if c.config == verdict.leader.config)
+        candidates.remove(leader)
+        candidates.insert(0, leader)
     correction = advisor.decision
     if correction.applied and not any(c.source == "model" for c in candidates):
         # fitted and worth applying, but on other hardware: it changed none of these candidates
@@ -522,7 +535,7 @@ def recommend(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
         candidates=tuple(candidates), infeasible=infeasible, correction=correction,
         ties=() if isinstance(profile, MeasuredHost) else _ties(workload, profile, candidates),
-        verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
+        verdict=verdict, unpredicted=unpredicted,
         path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
         tiers=None if isinstance(profile, MeasuredHost) else _tier_decision(workload, profile, candidates),
     )

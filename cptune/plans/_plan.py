@@ -99,6 +99,17 @@ class Bucket:
     #: (``cptune.model.TierDecision``), in words; None on one node.
     decided_by: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.config in self.tied or len(set(self.tied)) < len(self.tied):
+            raise ValueError(f"a bucket lists each configuration tied with its pick once, never the pick "
+                             f"itself: {self.config.label} tied with {[c.label for c in self.tied]}")
+
+    @property
+    def contenders(self) -> tuple[CPConfig, ...]:
+        """The pick and the configurations tied with it, the pick first
+        (``Recommendation.contenders``)."""
+        return (self.config, *self.tied)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "min_seq_len": self.min_seq_len, "max_seq_len": self.max_seq_len, "seq_len": self.seq_len,

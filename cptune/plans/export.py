@@ -77,7 +77,7 @@ def export_plan(
         buckets.append(Bucket(low, high, seq_len, pick.config, pick.latency_ms, pick.interval_ms,
                               pick.source, evidence, pick.tied, ranked, decided_by))
     # every listed configuration, tied alternatives too, can run within the launch
-    used = max(c.ranks for b in buckets for c in (b.config, *b.tied))
+    used = max(c.ranks for b in buckets for c in b.contenders)
     if isinstance(profile, DescribedProfile):
         description = profile.description
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
