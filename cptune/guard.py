@@ -379,6 +379,38 @@ class HostReader:
     sleep: Callable[[float], None] = time.sleep
 
 
+def host_load(ranks: int, process_ids: Callable[[], Sequence[int]], reader: HostReader | None = None
+              ) -> str | None:
+    """One look of ``QUIET_LOOK_S`` at the host: None when other processes leave its cores
+    free for a run of ``ranks`` ranks (judged as ``foreign_load`` judges a run), else their
+    load in words, the busiest of them named ("other processes use 1.0 of 2 cores: pid ...")."""
+    reader = reader or HostReader()
+    ours = {os.getpid(), *process_ids()}
+    cpu_before, processes_before = reader.cpu(ours), reader.processes()
+    reader.sleep(QUIET_LOOK_S)
+    cpu_after, processes_after = reader.cpu(ours), reader.processes()
+    foreign = foreign_cores(cpu_before, cpu_after, idle_cores(ranks))
+    if foreign is None:
+        return None
+    who = busiest(processes_before, processes_after, cpu_after.wall_s - cpu_before.wall_s, ours)
+    return f"other processes use {foreign:.1f} of {cpu_after.cpus} cores" + (
+        f": {', '.join(b.describe() for b in who)}" if who else "")
+
+
+def busy_notice(ranks: int, process_ids: Callable[[], Sequence[int]], reader: HostReader | None = None
+                ) -> str | None:
+    """Where the host is busy now for a run of ``ranks`` ranks (``host_load``), one line saying
+    so and what the guard will do; None on a quiet host."""
+    load = host_load(ranks, process_ids, reader)
+    if load is None:
+        return None
+    allowed = max(0.0, idle_cores(ranks)) + FOREIGN_MARGIN_CORES
+    return (f"the host is busy ({load}): a timing counts when other processes use at most {allowed:.2f} "
+            f"of {available_cores()} cores beside it, so each disturbed one waits up to {patience_s():.0f} s "
+            f"for that (CPTUNE_GUARD_PATIENCE) and runs again; what runs clean is kept, and a rerun goes on "
+            f"from it (CPTUNE_GUARD=off measures anyway, marked disturbed)")
+
+
 def wait_for_quiet(ranks: int, process_ids: Callable[[], Sequence[int]], patience: float,
                    what: str, reader: HostReader | None = None, line: WaitLine | None = None) -> str | None:
     """Wait until other processes leave this host's cores free for a run of ``ranks`` ranks
@@ -391,16 +423,9 @@ def wait_for_quiet(ranks: int, process_ids: Callable[[], Sequence[int]], patienc
     deadline = reader.clock() + patience
     try:
         while True:
-            ours = {os.getpid(), *process_ids()}
-            cpu_before, processes_before = reader.cpu(ours), reader.processes()
-            reader.sleep(QUIET_LOOK_S)
-            cpu_after, processes_after = reader.cpu(ours), reader.processes()
-            foreign = foreign_cores(cpu_before, cpu_after, idle_cores(ranks))
-            if foreign is None:
+            load = host_load(ranks, process_ids, reader)
+            if load is None:
                 return None
-            who = busiest(processes_before, processes_after, cpu_after.wall_s - cpu_before.wall_s, ours)
-            load = f"other processes use {foreign:.1f} of {cpu_after.cpus} cores" + (
-                f": {', '.join(b.describe() for b in who)}" if who else "")
             left = deadline - reader.clock()
             if left <= 0:
                 return f"the host stayed busy for {patience:.0f} s ({load})"

@@ -18,7 +18,7 @@ import pytest
 import cptune
 from conftest import assert_refused, make_calibration
 from cptune import CPConfig, Workload, guard
-from cptune.calibration import CalibrationDisturbedError, calibrate
+from cptune.calibration import CalibrationDisturbedError, CalibrationPieces, calibrate
 from cptune.calibration import _calibrate as calibration_module
 from cptune.cli import main
 from cptune.cost import STREAM_KINDS
@@ -459,6 +459,81 @@ def test_calibration_rounds_take_the_median_so_one_burst_does_not_set_a_rate():
         calibrate(2, backend=engine, rounds=0)
 
 
+class DisturbedFrom:
+    """A Watch that finds foreign load from its ``first``-th look on (counting from 1)."""
+
+    looks, first = 0, 1
+
+    def __init__(self, process_ids, nodes=None) -> None:
+        pass
+
+    def host_disturbance(self, ranks: int) -> str | None:
+        DisturbedFrom.looks += 1
+        disturbed = DisturbedFrom.looks >= self.first
+        return "other processes used 1.0 of 2 cores during the run" if disturbed else None
+
+
+def test_a_calibration_a_busy_host_stops_keeps_each_clean_step_and_the_next_times_only_the_rest(monkeypatch):
+    """Two ranks in three rounds: 3 x 5 steps (attention on 1 and 2 ranks, the three collectives
+    on 2). The host turns busy at the tenth step and stays so: nine steps are kept as they
+    finish, the stop says 9 of 15; the next calibration times the other six alone and comes
+    out as one never stopped."""
+    whole = calibrate(2, backend=BurstEngine(burst=0), guard=False, rounds=3)
+    monkeypatch.setattr(calibration_module, "Watch", DisturbedFrom)
+    monkeypatch.setattr(calibration_module, "wait_for_quiet", lambda *args: "the host stayed busy for 1 s")
+    DisturbedFrom.looks, DisturbedFrom.first = 0, 10
+    kept: dict[str, tuple[float, ...]] = {}
+    pieces = CalibrationPieces(keep=kept.__setitem__)
+    with pytest.raises(CalibrationDisturbedError) as stopped:
+        calibrate(2, backend=BurstEngine(burst=0), rounds=3, pieces=pieces)
+    assert (stopped.value.kept, stopped.value.total, len(kept)) == (9, 15, 9)
+    assert pieces.done == kept and all(len(seconds) > 0 for seconds in kept.values())
+    DisturbedFrom.looks, DisturbedFrom.first = 0, 10**9
+    engine, said = BurstEngine(burst=0), []
+    again = calibrate(2, backend=engine, rounds=3, pieces=CalibrationPieces(dict(kept)), progress=said.append)
+    assert DisturbedFrom.looks == 6  # only the steps not kept were timed
+    assert said[0] == "going on from 9 of 15 steps a stopped calibration timed clean"
+    assert (again.compute, again.collectives) == (whole.compute, whole.collectives)
+
+
+def test_steps_timed_another_way_are_not_gone_on_from(monkeypatch):
+    """A piece's key holds what its step times and how: a calibration with other repeats times
+    every step itself."""
+    monkeypatch.setattr(calibration_module, "Watch", DisturbedFrom)
+    DisturbedFrom.looks, DisturbedFrom.first = 0, 10**9
+    kept: dict[str, tuple[float, ...]] = {}
+    calibrate(1, backend=CountingEngine(), repeats=3, rounds=1,
+              pieces=CalibrationPieces(keep=kept.__setitem__))
+    engine = CountingEngine()
+    calibrate(1, backend=engine, repeats=4, rounds=1, pieces=CalibrationPieces(dict(kept)))
+    assert len(kept) == 1 and engine.attention_calls == 1
+
+
+def test_a_store_keeps_calibration_pieces_until_the_calibration_is_stored(tmp_path):
+    db = str(tmp_path / "pieces.db")
+    host = this_host()
+    with Store(db) as store:
+        store.add_calibration_piece(host, "mpi", "abc/0/attention on 1 rank(s)", (0.5, 0.25))
+        store.add_calibration_piece(host, "mpi", "abc/0/attention on 1 rank(s)", (9.0,))  # kept already
+        store.add_calibration_piece(host, "torch", "abc/0/attention on 1 rank(s)", (1.0,))
+        assert store.calibration_pieces(host.fingerprint, "mpi") == {
+            "abc/0/attention on 1 rank(s)": (0.5, 0.25)}
+        store.add_calibration(host, make_calibration())  # an mpi calibration: the mpi pieces are done
+        assert store.calibration_pieces(host.fingerprint, "mpi") == {}
+        assert store.calibration_pieces(host.fingerprint, "torch") == {"abc/0/attention on 1 rank(s)": (1.0,)}
+
+
+@pytest.mark.skipif(available_cores() < 2, reason="a stranger's core and ours need two")
+def test_a_busy_host_is_said_at_the_start_with_what_the_guard_will_do():
+    notice = guard.busy_notice(available_cores(), lambda: [], FakeHost(busy=lambda look: True).reader())
+    assert notice is not None and notice.startswith(
+        f"the host is busy (other processes use 1.0 of {available_cores()} cores: pid 4242 stress (100% of a "
+        f"core)): a timing counts when other processes use at most 0.25 of {available_cores()} cores")
+    assert f"waits up to {guard.PATIENCE_S:.0f} s" in notice and "a rerun goes on from it" in notice
+    quiet = FakeHost(busy=lambda look: False).reader()
+    assert guard.busy_notice(available_cores(), lambda: [], quiet) is None
+
+
 @pytest.mark.slow
 def test_a_calibration_beside_a_competing_process_is_refused_not_stored(monkeypatch, tmp_path, capsys):
     """Real ranks, every core busy with another process: calibrate times the attention again
@@ -479,9 +554,14 @@ def test_a_calibration_beside_a_competing_process_is_refused_not_stored(monkeypa
     *guard_said, refusal = capsys.readouterr().err.strip().splitlines()
     assert refusal.startswith("cptune: error: attention on 1 rank(s) was disturbed")
     assert "CPTUNE_GUARD=off" in refusal
-    # before it, on stderr too: the step timed again, then the wait for quiet
-    assert "disturbed by other load" in guard_said[0] and guard_said[0].endswith("once the host is quiet")
-    assert all("waiting for the host to quiet down" in line for line in guard_said[1:])
+    assert refusal.endswith(f"0 of the calibration's 6 steps ran clean and are kept in "
+                            f"sqlite:///{db}: the same command, once the host is quieter, goes on from them")
+    # before it, on stderr too: that the host is busy and what cptune will do, the step timed
+    # again, then the wait for quiet
+    notice, retimed, *waits = guard_said
+    assert notice.startswith("the host is busy (other processes use") and "a rerun goes on from it" in notice
+    assert "disturbed by other load" in retimed and retimed.endswith("once the host is quiet")
+    assert waits and all("waiting for the host to quiet down" in line for line in waits)
     with Store(db) as store:
         assert store.calibration(this_host().fingerprint) is None
 
@@ -634,7 +714,7 @@ def test_a_calibration_step_timed_again_is_said_on_stderr_unwrapped(monkeypatch,
             "run; a reference kernel ran 2.6x slower after the run than is typical): timing it again once "
             "the host is quiet")
 
-    def calibrating(max_ranks, backend, repeats, progress, rounds):
+    def calibrating(max_ranks, backend, repeats, progress, rounds, pieces):
         progress(step)
         return make_calibration(max_ranks)
 

@@ -35,7 +35,10 @@ rounds: a burst of load the contention guard cannot see slows one round, not the
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -56,6 +59,7 @@ from cptune.guard import enabled as guard_enabled
 from cptune.hardware import tier_of
 from cptune.hostlock import measuring
 from cptune.layout import RankGroups
+from cptune.version import __version__
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -89,6 +93,9 @@ GUARD_RETRIES = 3
 #: How a progress message about a step timed again begins after the step's name: the CLI
 #: shows those beyond its spinner.
 RETIMED = "disturbed by other load"
+#: How the progress message begins that says a calibration goes on from the steps a stopped
+#: one timed clean: the CLI shows it as a line of its own.
+RESUMING = "going on from"
 #: Rounds a calibration is timed in, and timed calls per step in each round (``calibrate``).
 ROUNDS = 3
 REPEATS = 5
@@ -107,17 +114,37 @@ def _per_peer(kind: str, group: int, sent: int) -> int:
 
 
 class CalibrationDisturbedError(CPTuneError):
-    """Other load on the host disturbed a calibration step every time it was timed."""
+    """Other load on the host disturbed a calibration step every time it was timed. ``kept``
+    of the calibration's ``total`` steps were timed clean before it (those given to
+    ``calibrate`` included): kept where its ``CalibrationPieces`` keeps them, they spare the
+    next calibration their time."""
+
+    def __init__(self, message: str, kept: int = 0, total: int = 0) -> None:
+        super().__init__(message)
+        self.kept = kept
+        self.total = total
+
+
+@dataclass
+class CalibrationPieces:
+    """The steps of a calibration timed clean so far, by key (``calibrate`` makes the keys: the
+    round, the step, and a digest of what the step times and how, so a step timed another way
+    is never taken for it): a calibration given these times only the others, and calls
+    ``keep`` with each step it times clean (where the caller stores it), so one that a busy
+    host stopped is gone on from by the next instead of started over."""
+
+    done: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    keep: Callable[[str, tuple[float, ...]], None] = lambda key, seconds: None
 
 
 def _guarded(
     engine: Engine, ranks: int, what: str, time_it: Callable[[], np.ndarray], guarded: bool, report: Progress
-) -> np.ndarray:
-    """``time_it()``'s timings of ``what`` on ``ranks`` ranks. The contention guard
-    (``cptune.guard``, the host's evidence: foreign load, the reference kernel) watches each
-    timing: a rate measured under someone else's job misleads every prior read from it (one
-    that ran beside other jobs here read 9 of its 24 attention rates at 0.52-0.84x this
-    host's usual). ``guarded``: a disturbed step waits for the host to quiet down
+) -> tuple[np.ndarray, bool]:
+    """``time_it()``'s timings of ``what`` on ``ranks`` ranks, and whether they ran clean. The
+    contention guard (``cptune.guard``, the host's evidence: foreign load, the reference
+    kernel) watches each timing: a rate measured under someone else's job misleads every prior
+    read from it (one that ran beside other jobs here read 9 of its 24 attention rates at
+    0.52-0.84x this host's usual). ``guarded``: a disturbed step waits for the host to quiet down
     (``wait_for_quiet``, up to ``patience_s``) and is timed again, up to ``GUARD_RETRIES``
     times; ``CalibrationDisturbedError`` when the host stays busy or the step disturbed.
     Unguarded, a disturbed timing is kept, and said so."""
@@ -126,10 +153,10 @@ def _guarded(
         timings = time_it()
         reason = watch.host_disturbance(ranks)
         if reason is None:
-            return timings
+            return timings, True
         if not guarded:
             report(f"{what} {RETIMED} ({reason}): kept, as CPTUNE_GUARD=off asks")
-            return timings
+            return timings, False
         if attempt > GUARD_RETRIES:
             break
         report(f"{what} {RETIMED} ({reason}): timing it again once the host is quiet")
@@ -148,18 +175,12 @@ def _chunks(kind: str, group: int) -> list[int]:
     return [_per_peer(kind, group, size) for size in MESSAGE_SIZES]
 
 
-def _collective_times(
-    engine: Engine, kind: str, ranks: int, group: int, layout: tuple[str, str], warmup: int, repeats: int,
-    guarded: bool, report: Progress,
-) -> np.ndarray:
-    """Median seconds per call of ``kind`` at each of ``MESSAGE_SIZES`` (one round's timing),
-    its groups laid out ``along`` to cross ``tier`` (``layout``)."""
+def _collective_timer(engine: Engine, kind: str, ranks: int, group: int, layout: tuple[str, str], warmup: int,
+                      repeats: int) -> Callable[[], np.ndarray]:
+    """What times ``kind`` at each of ``MESSAGE_SIZES``, its groups laid out ``along`` (of ``layout``)."""
     chunks = _chunks(kind, group)
-    along, tier = layout
-    time_it = functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats,
-                                _TIMEOUT_S, along=along)
-    timings = _guarded(engine, ranks, _collective_name(kind, ranks, group, tier), time_it, guarded, report)
-    return np.median(timings, axis=1)
+    return functools.partial(engine.time_collective, kind, ranks, group, chunks, warmup, repeats, _TIMEOUT_S,
+                             along=layout[0])
 
 
 def _collective_name(kind: str, ranks: int, group: int, tier: str) -> str:
@@ -209,6 +230,39 @@ def _round_order(max_ranks: int, round_index: int) -> list[int]:
     return counts if round_index % 2 == 0 else counts[::-1]
 
 
+#: One step of a calibration: its rank count, its name (in progress lines and its key), what
+#: times it, and the list its rounds' times go into.
+_Step = tuple[int, str, Callable[[], np.ndarray], list[np.ndarray]]
+
+
+def _steps(engine: Engine, max_ranks: int, shapes: tuple[dict[str, int], ...],
+           attention: dict[int, list[np.ndarray]], step_times: dict[int, list[np.ndarray]],
+           collective_times: dict[tuple[str, int, int, tuple[str, str]], list[np.ndarray]], warmup: int,
+           repeats: int) -> Iterator[_Step]:
+    """Every step one round of a calibration times, rank count by rank count."""
+    for ranks in range(1, max_ranks + 1):
+        yield (ranks, f"attention on {ranks} rank(s)",
+               functools.partial(engine.time_attention, ranks, shapes, warmup, repeats, _TIMEOUT_S),
+               attention[ranks])
+        if engine.spec.times_steps:
+            yield (ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
+                   functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats, _TIMEOUT_S),
+                   step_times[ranks])
+        for (kind, n, group, layout), into in collective_times.items():
+            if n == ranks:
+                yield (ranks, _collective_name(kind, ranks, group, layout[1]),
+                       _collective_timer(engine, kind, ranks, group, layout, warmup, repeats), into)
+
+
+def _plan_digest(engine: str, shapes: tuple[dict[str, int], ...], times_steps: bool, warmup: int,
+                 repeats: int) -> str:
+    """What every step of a calibration times and how, as a short digest: a step timed by
+    another version, engine, shape list, message sizes or repeat count has another key."""
+    plan = {"engine": engine, "version": __version__, "shapes": shapes, "messages": MESSAGE_SIZES,
+            "steps": STEP_SHAPES if times_steps else (), "warmup": warmup, "repeats": repeats}
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def calibrate(
     max_ranks: int,
     backend: str | Engine = "mpi",
@@ -217,6 +271,7 @@ def calibrate(
     progress: Progress | None = None,
     guard: bool | None = None,
     rounds: int = ROUNDS,
+    pieces: CalibrationPieces | None = None,
 ) -> Calibration:
     """Measure the collectives and the attention rate on 1..``max_ranks`` ranks, in
     ``rounds`` rounds that each time every step once (``repeats`` timed calls after
@@ -226,7 +281,9 @@ def calibrate(
     0.53-0.59x those of three others that hour, and the guard saw nothing. With ``guard``
     (None: on unless ``$CPTUNE_GUARD`` is "off") a step the contention guard saw disturbed is
     timed again once the host is quiet (``_guarded``); ``CalibrationDisturbedError`` when it
-    stays disturbed. Holds the host lock (``cptune.hostlock``) while it times."""
+    stays disturbed. ``pieces``: the steps a stopped calibration timed clean, which are not
+    timed again, and where each step timed clean now is kept (``CalibrationPieces``). Holds
+    the host lock (``cptune.hostlock``) while it times."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     if rounds < 1:
@@ -247,28 +304,36 @@ def calibrate(
         for ranks in range(1, max_ranks + 1) for group in group_sizes(ranks)
         for layout in layouts(ranks, group, per_node) for kind in spec.collectives
     }
+    timed = list(_steps(engine, max_ranks, shapes, attention, step_times, collective_times, warmup, repeats))
+    plan = _plan_digest(engine.name, shapes, spec.times_steps, warmup, repeats)
+    pieces = pieces or CalibrationPieces()
+    total = rounds * len(timed)
+    keys = [f"{plan}/{round_index}/{what}" for round_index in range(rounds) for _, what, _, _ in timed]
+    if resumed := sum(key in pieces.done for key in keys):
+        report(f"{RESUMING} {resumed} of {total} steps a stopped calibration timed clean")
+    kept = resumed
     with measuring():  # one measuring process per host (cptune.hostlock)
         for round_index in range(rounds):
             prefix = f"round {round_index + 1} of {rounds}: " if rounds > 1 else ""
             for ranks in _round_order(max_ranks, round_index):
-                report(f"{prefix}attention on {ranks} rank(s)")
-                time_it = functools.partial(engine.time_attention, ranks, shapes, warmup, repeats, _TIMEOUT_S)
-                timings = _guarded(engine, ranks, f"attention on {ranks} rank(s)", time_it, guarded, report)
-                attention[ranks].append(np.median(timings, axis=1))
-                if spec.times_steps:
-                    report(f"{prefix}the kernel's memory-bound steps on {ranks} rank(s)")
-                    time_it = functools.partial(engine.time_steps, ranks, STEP_SHAPES, warmup, repeats,
-                                                _TIMEOUT_S)
-                    timings = _guarded(engine, ranks, f"the kernel's memory-bound steps on {ranks} rank(s)",
-                                       time_it, guarded, report)
-                    step_times[ranks].append(np.median(timings, axis=1))
-                for kind, n, group, layout in collective_times:
+                for n, what, time_it, into in timed:
+                    key = f"{plan}/{round_index}/{what}"
                     if n != ranks:
                         continue
-                    report(f"{prefix}{_collective_name(kind, ranks, group, layout[1])}")
-                    seconds = _collective_times(engine, kind, ranks, group, layout, warmup, repeats, guarded,
-                                                report)
-                    collective_times[(kind, ranks, group, layout)].append(seconds)
+                    if key in pieces.done:  # a round's place does not matter: a step's time is their median
+                        into.append(np.asarray(pieces.done[key]))
+                        continue
+                    report(f"{prefix}{what}")
+                    try:
+                        timings, clean = _guarded(engine, ranks, what, time_it, guarded, report)
+                    except CalibrationDisturbedError as exc:
+                        raise CalibrationDisturbedError(str(exc), kept, total) from None
+                    seconds = tuple(float(t) for t in np.median(timings, axis=1))
+                    if clean:
+                        pieces.done[key] = seconds
+                        pieces.keep(key, seconds)
+                        kept += 1
+                    into.append(np.asarray(seconds))
     rates = [
         (s.get("backward", 0),
          ComputeRate(ranks=ranks, heads=s["heads"], seq_q=s["seq_q"], seq_k=s["seq_k"],

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cptune.calibration import RETIMED
+from cptune.calibration import RESUMING, RETIMED
 from cptune.cli._common import (
     CTRL_C,
     DB_HELP,
@@ -216,6 +216,9 @@ class LiveSearch:
             f"{run.confirm_rounds} in a second sitting for each winner; results in {run.url}, "
             f"{run.order} order")
 
+    def host_busy(self, notice: str) -> None:
+        warn((notice, "yellow"))
+
     def calibrating(self, hardware: Hardware, ranks: int, url: str, first_run: bool) -> None:
         if first_run:
             say(self.console, f"this hardware has no calibration yet: calibrating 1..{ranks} ranks first "
@@ -231,6 +234,8 @@ class LiveSearch:
             self._status.update(f"calibrating: {step}")
         if RETIMED in step:  # a step timed again (or kept): said beyond the spinner, on stderr, unwrapped
             warn((step, "yellow"))
+        elif step.startswith(RESUMING):
+            say(self.console, step)
 
     def calibrated(self) -> None:
         if self._status is not None:

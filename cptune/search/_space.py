@@ -19,7 +19,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cptune.calibration import REPEATS, ROUNDS, Calibration, calibrate
+from cptune.calibration import (
+    REPEATS,
+    ROUNDS,
+    Calibration,
+    CalibrationDisturbedError,
+    CalibrationPieces,
+    calibrate,
+)
 from cptune.config import CPConfig
 from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, ranks_per_node, untimed
 from cptune.errors import CPTuneError
@@ -27,14 +34,14 @@ from cptune.estimate import Verdict
 from cptune.execute import rank_memory_limit
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.frameworks import FrameworkError, check_engine, get_framework
+from cptune.guard import busy_notice, patience_s
 from cptune.guard import enabled as guard_enabled
-from cptune.guard import patience_s
 from cptune.hardware import Hardware, heads_span_nodes
 from cptune.hostlock import measuring
 from cptune.search._visits import Visit
 from cptune.search._workload import WorkloadSearch
 from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
-from cptune.store import Store, new_database
+from cptune.store import Store, display_url, new_database
 from cptune.workload import Workload
 
 
@@ -48,6 +55,10 @@ class SearchProgress:
 
     def started(self, run: SpaceSearch) -> None:
         """The search is set up: space, hardware and database known, nothing run yet."""
+
+    def host_busy(self, notice: str) -> None:
+        """Other processes take the cores a run needs as the work begins: ``notice`` says so in
+        one line, and what the contention guard will do (``cptune.guard.busy_notice``)."""
 
     def calibrating(self, hardware: Hardware, ranks: int, url: str, first_run: bool) -> None:
         """A calibration of 1..``ranks`` ranks begins (``first_run``: the one a search runs
@@ -232,12 +243,12 @@ def search_space(
             confirm_rounds=space.measure.confirm_rounds if confirm_rounds is None else confirm_rounds,
         )
         told.started(run)
+        _tell_busy(engine, min(max(counts), cores), told)
         studies = store.optuna_storage()
         if calibrate_first and store.calibration(hardware.fingerprint) is None:
             ranks = min(max(counts), cores)  # oversubscribed rank counts would time the sharing
             told.calibrating(hardware, ranks, store.url, first_run=True)
-            run.calibration = calibrate(ranks, backend=engine, progress=told.calibration_step)
-            store.add_calibration(hardware, run.calibration)
+            run.calibration = _calibrated(store, hardware, engine, ranks, told)
         if engine.spec.probes:
             run.node = _node_verdict(store, engine, hardware, max(counts), told)
         pending = []  # searches whose winner a second sitting confirms
@@ -423,8 +434,34 @@ def calibrate_host(
     told = progress or SearchProgress()
     with _measuring_into(db, share) as store:
         hardware = engine.hardware()
+        _tell_busy(engine, min(max_ranks, cores), told)
         told.calibrating(hardware, max_ranks, store.url, first_run=False)
-        calibration = calibrate(max_ranks, backend=engine, repeats=repeats,
-                                progress=told.calibration_step, rounds=rounds)
-        store.add_calibration(hardware, calibration)
+        calibration = _calibrated(store, hardware, engine, max_ranks, told, repeats=repeats, rounds=rounds)
     return hardware, calibration
+
+
+def _tell_busy(engine: Engine, ranks: int, told: SearchProgress) -> None:
+    """Tell ``told`` where the host is busy for ``ranks`` ranks as the work begins, the guard on."""
+    if guard_enabled() and (notice := busy_notice(ranks, engine.process_ids)) is not None:
+        told.host_busy(notice)
+
+
+def _calibrated(store: Store, hardware: Hardware, engine: Engine, ranks: int, told: SearchProgress,
+                repeats: int = REPEATS, rounds: int = ROUNDS) -> Calibration:
+    """``calibrate`` on 1..``ranks`` ranks, stored in
+    ``store``: going on from the steps a calibration a busy host stopped kept there, and keeping
+    each step timed clean as it goes (``CalibrationPieces``), so that a stop loses none of them."""
+    def keep(key: str, seconds: tuple[float, ...]) -> None:
+        store.add_calibration_piece(hardware, engine.name, key, seconds)
+
+    pieces = CalibrationPieces(store.calibration_pieces(hardware.fingerprint, engine.name), keep)
+    try:
+        calibration = calibrate(ranks, backend=engine, repeats=repeats, progress=told.calibration_step,
+                                rounds=rounds, pieces=pieces)
+    except CalibrationDisturbedError as exc:
+        raise CalibrationDisturbedError(
+            f"{exc}. {exc.kept} of the calibration's {exc.total} steps ran clean and are kept in "
+            f"{display_url(store.url)}: the same command, once the host is quieter, goes on from them",
+            exc.kept, exc.total) from None
+    store.add_calibration(hardware, calibration)
+    return calibration

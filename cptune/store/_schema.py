@@ -150,6 +150,24 @@ class CalibrationRow(Base):
 
 
 
+class CalibrationPieceRow(Base):
+    """One step of a calibration that has not finished, timed clean (``CalibrationPieces``):
+    kept so that a calibration a busy host stopped is gone on from, not started over; the
+    calibration's own row replaces a hardware's and engine's pieces once it is stored."""
+
+    __tablename__ = "calibration_pieces"
+    __table_args__ = (UniqueConstraint("hardware_id", "engine", "key", name="uq_calibration_piece"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    hardware_id: Mapped[int] = mapped_column(ForeignKey("hardware.id"))
+    engine: Mapped[str] = mapped_column(String(32))
+    #: ``calibrate``'s key: what the step times and how (a digest), its round, its name.
+    key: Mapped[str] = mapped_column(String(255))
+    #: The step's seconds, one per shape or message size.
+    seconds: Mapped[list[float]] = mapped_column(JSON)
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class NodeCheckRow(Base):
     """What a node's probes found (``cptune doctor``, or a search's first run there): one
     verdict per hardware and engine, the latest replacing the one before."""

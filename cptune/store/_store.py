@@ -39,7 +39,7 @@ from __future__ import annotations
 import errno
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -52,6 +52,7 @@ from sqlalchemy import (
     StaticPool,
     column,
     create_engine,
+    delete,
     func,
     inspect,
     select,
@@ -84,6 +85,7 @@ from cptune.store._opening import (
 from cptune.store._result import STATUSES, Result
 from cptune.store._schema import (
     VERSION_TABLE,
+    CalibrationPieceRow,
     CalibrationRow,
     HardwareRow,
     MeasurementRow,
@@ -166,7 +168,7 @@ def _alembic() -> tuple[Config, ScriptDirectory]:
 #: The newest schema revision cptune's migrations (db/versions) make; tests/test_store.py holds
 #: it to Alembic's head. A database already at it is opened without loading Alembic (0.4 s of
 #: every command).
-HEAD_REVISION = "0008"
+HEAD_REVISION = "0009"
 
 
 def _revision(connection: Connection) -> str | None:
@@ -566,16 +568,43 @@ class Store:
             return row.id
 
     def add_calibration(self, hardware: Hardware, calibration: Calibration) -> int:
-        """Keep a calibration of ``hardware``; returns its id."""
+        """Keep a calibration of ``hardware``; returns its id. The pieces a stopped calibration
+        of the same hardware and engine kept (``add_calibration_piece``) go with it: it is done."""
         with self._writing() as session:
+            hardware_id = self._hardware_row(session, hardware).id
             row = CalibrationRow(
-                hardware_id=self._hardware_row(session, hardware).id, engine=calibration.engine,
+                hardware_id=hardware_id, engine=calibration.engine,
                 data=calibration.to_dict(), cptune_version=__version__,
                 measured_at=_utc(datetime.fromisoformat(calibration.measured_at)),
             )
             session.add(row)
+            done = delete(CalibrationPieceRow).filter_by(hardware_id=hardware_id, engine=calibration.engine)
+            session.execute(done)
             session.flush()
             return row.id
+
+    def add_calibration_piece(self, hardware: Hardware, engine: str, key: str,
+                              seconds: Sequence[float]) -> None:
+        """Keep one step of a calibration of ``hardware`` by ``engine`` that is under way, timed
+        clean (``cptune.calibration.CalibrationPieces``); a piece kept already under ``key`` stays."""
+        with self._writing() as session:
+            hardware_id = self._hardware_row(session, hardware).id
+            kept = select(CalibrationPieceRow.id).filter_by(hardware_id=hardware_id, engine=engine, key=key)
+            if session.scalar(kept) is None:
+                session.add(CalibrationPieceRow(hardware_id=hardware_id, engine=engine, key=key,
+                                                seconds=[float(t) for t in seconds],
+                                                measured_at=datetime.now(UTC)))
+
+    def calibration_pieces(self, fingerprint: str, engine: str) -> dict[str, tuple[float, ...]]:
+        """The steps a stopped calibration of the hardware ``fingerprint`` by ``engine`` timed
+        clean, by key (empty when none is under way); a damaged one is left out, to be timed again."""
+        query = (select(CalibrationPieceRow.key, CalibrationPieceRow.seconds)
+                 .join(HardwareRow, CalibrationPieceRow.hardware_id == HardwareRow.id)
+                 .where(HardwareRow.fingerprint == fingerprint, CalibrationPieceRow.engine == engine))
+        with self.session() as session:
+            rows = session.execute(query).all()
+        return {key: tuple(float(t) for t in seconds) for key, seconds in rows
+                if isinstance(seconds, list) and all(isinstance(t, (int, float)) for t in seconds)}
 
     def calibration(self, fingerprint: str) -> Calibration | None:
         """The latest calibration of the hardware with ``fingerprint``, if any."""
