@@ -239,7 +239,7 @@ def run_case(workload: Workload, config: CPConfig, timer: Timer, ideal: Ideal, r
             kv = joined_in_order(arrivals, SEQ, layout.gather_order)
         result: Partial | None = None
         for k_pos in steps:
-            result = attend(q, kv, q_pos, k_pos, workload.causal, workload.seq_len, into=result)
+            result = attend(q, kv, q_pos, k_pos, workload.mask, into=result)
         assert result is not None
         out = result.out
         if u > 1:
@@ -249,7 +249,7 @@ def run_case(workload: Workload, config: CPConfig, timer: Timer, ideal: Ideal, r
     local_s = timer(local)
 
     attention_s, moved, written = 0.0, 0, set()
-    plans = [attention_calls(q_pos, k_pos, workload.causal, workload.seq_len) for k_pos in steps]
+    plans = [attention_calls(q_pos, k_pos, workload.mask) for k_pos in steps]
     for plan in plans:
         for call in plan:
             rows, keys = call.rows.stop - call.rows.start, call.keys.stop - call.keys.start

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
 from cptune.errors import InfeasibleConfigError
-from cptune.layout import kv_replication
+from cptune.layout import kv_replication, layout_choices, layout_refusal
 from cptune.workload import Workload
 
 __all__ = ["candidate_configs", "check_feasible", "closest_to_fitting", "enumerate_configs", "feasibility",
@@ -68,6 +68,16 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"Ulysses needs kv_heads % head_group == 0 (each rank gets whole KV heads) or "
             f"head_group % kv_heads == 0 (KV heads replicated head_group / kv_heads times)"
         )
+    if (refusal := layout_refusal(workload, config)) is not None:
+        reasons.append(refusal)
+    elif config.layout == "replicated_text" and u > 1:
+        reasons.append("layout replicated_text: the text tokens each rank holds are not split by heads for "
+                       "Ulysses yet; replicate the text with head_group 1, or deal it out with the image "
+                       "(the default layout)")
+    elif config.layout == "replicated_text" and workload.training:
+        reasons.append("layout replicated_text: the backward of replicated text tokens (their K/V gradients "
+                       "summed over ranks, their queries' counted once) is not written yet; train with the "
+                       "text dealt out with the image (the default layout)")
     if workload.seq_len < n:
         reasons.append(
             f"seq_len {workload.seq_len} is shorter than {n} ranks: every rank needs at least "
@@ -135,5 +145,8 @@ def enumerate_configs(
     memory_limit: int | None = None,
 ) -> list[CPConfig]:
     """Every feasible configuration on 1..max_ranks ranks, each distinct computation once
-    (see ``candidate_configs``)."""
-    return [c for c in candidate_configs(max_ranks, strategies) if not feasibility(workload, c, memory_limit)]
+    (see ``candidate_configs``), in each layout the workload's mask offers
+    (``cptune.layout.layout_choices``: the default first)."""
+    return [laid for c in candidate_configs(max_ranks, strategies)
+            for laid in (c.with_layout(layout) for layout in layout_choices(workload, c))
+            if not feasibility(workload, laid, memory_limit)]

@@ -49,7 +49,7 @@ def make_output_gradient(workload: Workload, seed: int = 0) -> np.ndarray:
 def _score_blocks(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarray
                   ) -> Iterator[tuple[int, int, slice, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Every (batch b, query head h, query rows) block in float64: its Q rows, K and V of the
-    head's KV head and softmax(Q K^T / sqrt(d) [+ causal mask]) over whole rows."""
+    head's KV head and softmax(Q K^T / sqrt(d) [+ the workload's mask]) over whole rows."""
     wl = workload
     scale = 1.0 / np.sqrt(wl.head_dim)
     keys = np.arange(wl.seq_len)
@@ -61,7 +61,10 @@ def _score_blocks(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarra
                 rows = slice(start, min(start + _QUERY_BLOCK, wl.seq_len))
                 qh = q[b, rows, h].astype(np.float64)
                 scores = (qh @ kh.T) * scale
-                if wl.causal:
+                if wl.masked:  # the mask's rule, checked apart against its definitions (tests/test_masks.py)
+                    queries = np.arange(rows.start, rows.stop)
+                    scores[~wl.mask.visible(queries[:, None], keys[None, :])] = -np.inf
+                elif wl.causal:
                     scores[keys[None, :] > np.arange(rows.start, rows.stop)[:, None]] = -np.inf
                 p = np.exp(scores - scores.max(axis=1, keepdims=True))
                 yield b, h, rows, qh, kh, vh, p / p.sum(axis=1, keepdims=True)

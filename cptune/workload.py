@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from cptune.masks import Documents, Mask, check_mask, check_window
 
 #: Workload dtypes and the numpy dtype each travels as between ranks. numpy has no
 #: bfloat16, so bf16 travels as float16: same width, so the bytes on the wire are real.
@@ -45,13 +49,30 @@ def check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be at most {MAX_INT_TEXT}, got {value!r}")
 
 
+def _check_layer(heads: int, head_dim: int, kv_heads: int, batch: int, dtype: str, causal: object) -> None:
+    """``ValueError`` naming the field for a bad layer shape (everything but the length and mask)."""
+    for name, value in dict(heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch).items():
+        check_positive_int(name, value)
+    if heads % kv_heads:
+        raise ValueError(
+            f"kv_heads: {heads} query heads cannot share {kv_heads} KV heads "
+            f"evenly (heads must be a multiple of kv_heads)"
+        )
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(WIRE_DTYPES)}, got {dtype!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+
+
 @dataclass(frozen=True, init=False)
 class Workload:
     """One attention layer: ``batch`` sequences of ``seq_len`` tokens, ``heads`` query
     heads of ``head_dim`` and ``kv_heads`` key/value heads (None: as many as query heads;
     fewer means GQA, one means MQA), run in ``mode`` (``MODES``: a training layer is a
-    workload of its own). Validated on construction: a bad value raises ``ValueError``
-    naming the field."""
+    workload of its own), under a mask (``cptune.masks``): ``causal``, a sliding ``window``
+    (left, right) with ``sinks``, packed ``documents`` (their lengths, or one length for all),
+    or ``text`` tokens of joint text and image attention. Validated on construction: a bad
+    value raises ``ValueError`` naming the field and the fix."""
 
     seq_len: int
     heads: int
@@ -61,6 +82,10 @@ class Workload:
     dtype: str
     causal: bool
     mode: str
+    window: tuple[int, ...]
+    sinks: int
+    documents: Documents
+    text: int
 
     def __init__(
         self,
@@ -72,25 +97,41 @@ class Workload:
         dtype: str = "bf16",
         causal: bool = False,
         mode: str = "forward",
+        window: Sequence[int] | None = None,
+        sinks: int = 0,
+        documents: Documents | int | Sequence[int] | None = None,
+        text: int = 0,
     ) -> None:
         kv_heads = heads if kv_heads is None else kv_heads
+        check_positive_int("seq_len", seq_len)
+        _check_layer(heads, head_dim, kv_heads, batch, dtype, causal)
+        checked_window, checked_documents = check_window(window), Documents.of(documents)
+        check_mask(int(seq_len), bool(causal), checked_window, sinks, checked_documents, text)
         sizes = dict(seq_len=seq_len, heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch)
-        for name, value in sizes.items():
-            check_positive_int(name, value)
-        if heads % kv_heads:
-            raise ValueError(
-                f"kv_heads: {heads} query heads cannot share {kv_heads} KV heads "
-                f"evenly (heads must be a multiple of kv_heads)"
-            )
-        if dtype not in WIRE_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(WIRE_DTYPES)}, got {dtype!r}")
-        if not isinstance(causal, (bool, np.bool_)):
-            raise ValueError(f"causal must be True or False, got {causal!r}")
         for name, value in sizes.items():
             object.__setattr__(self, name, int(value))
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "causal", bool(causal))
         object.__setattr__(self, "mode", check_mode(mode))
+        object.__setattr__(self, "window", checked_window)
+        object.__setattr__(self, "sinks", int(sinks))
+        object.__setattr__(self, "documents", checked_documents)
+        object.__setattr__(self, "text", int(text))
+
+    @property
+    def mask(self) -> Mask:
+        """The mask as a rule over token positions (``cptune.masks.Mask``)."""
+        return _mask(self.seq_len, self.causal, self.window, self.sinks, self.documents)
+
+    @property
+    def document_lengths(self) -> tuple[int, ...]:
+        """The packed documents' lengths (one document, the whole sequence, when none are packed)."""
+        return self.documents.lengths_at(self.seq_len)
+
+    @property
+    def masked(self) -> bool:
+        """Whether the mask holds more than full or causal attention (a window, documents, text)."""
+        return bool(self.window or self.documents or self.text)
 
     @property
     def training(self) -> bool:
@@ -115,7 +156,7 @@ class Workload:
     def shape(self) -> AttentionShape:
         """This layer without its sequence length."""
         return AttentionShape(self.heads, self.kv_heads, self.head_dim, self.batch, self.dtype, self.causal,
-                              self.mode)
+                              self.mode, self.window, self.sinks, self.documents, self.text)
 
     def describe(self) -> str:
         return f"seq {self.seq_len} x {self.shape.describe()}"
@@ -129,25 +170,19 @@ class Workload:
         words += ["--head-dim", str(self.head_dim)]
         words += ["--batch", str(self.batch)] if self.batch != 1 else []
         return [*words, "--dtype", self.dtype, *(["--causal"] if self.causal else []),
-                *(["--mode", self.mode] if self.training else [])]
+                *(["--mode", self.mode] if self.training else []), *self.shape.mask_flags()]
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "seq_len": self.seq_len,
-            "heads": self.heads,
-            "head_dim": self.head_dim,
-            "kv_heads": self.kv_heads,
-            "batch": self.batch,
-            "dtype": self.dtype,
-            "causal": self.causal,
-            "mode": self.mode,
-        }
+        """Plain JSON, the mask's parts only where set (so a plain workload reads as before
+        masks existed); ``Workload(**to_dict())`` is the same workload."""
+        return {"seq_len": self.seq_len, **self.shape.to_dict()}
 
 
 @dataclass(frozen=True, order=True)
 class AttentionShape:
     """One attention layer without its sequence length: what a plan is tuned for and a
-    report draws, over several lengths. Validated as ``Workload`` validates it."""
+    report draws, over several lengths. Validated as ``Workload`` validates it (what depends
+    on the length, such as documents given by their lengths, when ``at`` a length)."""
 
     heads: int
     kv_heads: int
@@ -156,22 +191,69 @@ class AttentionShape:
     dtype: str
     causal: bool
     mode: str = "forward"
+    window: tuple[int, ...] = ()
+    sinks: int = 0
+    documents: Documents = Documents()
+    text: int = 0
 
-    def __post_init__(self) -> None:
-        self.at(1)  # raises ValueError naming the bad field
+    def __post_init__(self) -> None:  # raises ValueError naming the bad field
+        _check_layer(self.heads, self.head_dim, self.kv_heads, self.batch, self.dtype, self.causal)
+        check_mode(self.mode)
+        object.__setattr__(self, "window", check_window(self.window))
+        object.__setattr__(self, "documents", Documents.of(self.documents))
+        check_mask(None, self.causal, self.window, self.sinks, self.documents, self.text)
 
     def at(self, seq_len: int) -> Workload:
         """This layer at ``seq_len`` tokens."""
         return Workload(seq_len=seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-                        batch=self.batch, dtype=self.dtype, causal=self.causal, mode=self.mode)
+                        batch=self.batch, dtype=self.dtype, causal=self.causal, mode=self.mode,
+                        window=self.window, sinks=self.sinks, documents=self.documents, text=self.text)
+
+    def describe_mask(self) -> str:
+        """The mask in words, "" for full attention: "causal", "causal, window 4096+4 sinks,
+        documents of 2048", "joint, 512 text tokens"."""
+        parts = ["causal"] if self.causal else []
+        if self.window:
+            left, right = self.window
+            reach = f"{left}" if right == 0 else f"[{left}, {right}]"
+            parts.append(f"window {reach}" + (f"+{self.sinks} sinks" if self.sinks else ""))
+        if self.documents:
+            parts.append(self.documents.describe())
+        if self.text:
+            parts.append(f"joint, {self.text} text tokens")
+        return ", ".join(parts)
 
     def describe(self) -> str:
         """E.g. "16/4kv heads x d128, batch 1, bf16 causal", "..., bf16 causal, train"."""
         kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
-        mask = " causal" if self.causal else ""
+        mask = f" {self.describe_mask()}" if self.describe_mask() else ""
         train = ", train" if self.mode == "train" else ""
         return f"{self.heads}{kv} heads x d{self.head_dim}, batch {self.batch}, {self.dtype}{mask}{train}"
 
+    def mask_flags(self) -> list[str]:
+        """The command line's flags for the mask's parts beyond ``--causal`` (none for a plain layer)."""
+        words = ["--window", f"{self.window[0]},{self.window[1]}"] if self.window else []
+        words += ["--sinks", str(self.sinks)] if self.sinks else []
+        if self.documents:
+            words += ["--documents", str(self.documents.every) if self.documents.every
+                      else ",".join(map(str, self.documents.lengths))]
+        return words + (["--text", str(self.text)] if self.text else [])
+
     def to_dict(self) -> dict[str, object]:
+        """Plain JSON, the mask's parts only where set."""
+        mask: dict[str, object] = {}
+        if self.window:
+            mask["window"] = list(self.window)
+        if self.sinks:
+            mask["sinks"] = self.sinks
+        if self.documents:
+            mask["documents"] = self.documents.to_json()
+        if self.text:
+            mask["text"] = self.text
         return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "batch": self.batch, "dtype": self.dtype, "causal": self.causal, "mode": self.mode}
+                "batch": self.batch, "dtype": self.dtype, "causal": self.causal, "mode": self.mode, **mask}
+
+
+@functools.lru_cache(maxsize=256)
+def _mask(seq_len: int, causal: bool, window: tuple[int, ...], sinks: int, documents: Documents) -> Mask:
+    return Mask(seq_len, causal, window, sinks, documents.lengths_at(seq_len))

@@ -6,6 +6,7 @@ import pytest
 
 from cptune import kernels as work
 from cptune.engines.mpi import _kernels as kernels
+from cptune.masks import Mask
 
 
 def reference_forward(q, kv, q_pos, k_pos, causal, seq_len):
@@ -84,7 +85,7 @@ def check(q, kv, dout, q_pos, k_pos, *, causal, seq_len, threads=1, tolerance=2e
     out, lse = reference_forward(q, kv, q_pos, k_pos, causal, seq_len)
     out, lse = out.astype(q.dtype), lse.astype(np.float32)
     dq, dkv = kernels.attention_grad(q, kv, out, lse, dout, q_pos, k_pos,
-                                     causal=causal, seq_len=seq_len, threads=threads)
+                                     mask=Mask(seq_len, causal), threads=threads)
     assert dq.dtype == np.float32 and dkv.dtype == np.float32
     assert dq.shape == q.shape and dkv.shape == kv.shape
     ref_dq, ref_dkv = reference_grad(q, kv, out, lse, dout, q_pos, k_pos, causal, seq_len)
@@ -127,9 +128,9 @@ def test_zigzag_key_subsets_sum_to_the_whole(small_blocks, causal, seq_len):
     assert np.all(dkv[:, :, :, k_pos >= seq_len] == 0)
     first, second = np.arange(32), np.arange(32, 64)
     dq_first, dkv_first = kernels.attention_grad(q, kv[:, :, :, first], out, lse, dout, q_pos, k_pos[first],
-                                                 causal=causal, seq_len=seq_len)
+                                                 mask=Mask(seq_len, causal))
     dq_second, dkv_second = kernels.attention_grad(q, kv[:, :, :, second], out, lse, dout, q_pos,
-                                                   k_pos[second], causal=causal, seq_len=seq_len, threads=2)
+                                                   k_pos[second], mask=Mask(seq_len, causal), threads=2)
     assert relative(dq_first + dq_second, dq.astype(np.float64)) <= 2e-6
     assert relative(dkv_first, dkv[:, :, :, first].astype(np.float64)) <= 2e-6
     assert relative(dkv_second, dkv[:, :, :, second].astype(np.float64)) <= 2e-6
@@ -157,8 +158,8 @@ def test_kernel_forward_output_feeds_the_backward(small_blocks):
     """With out and lse from the kernel's own forward (float32), as a layer would save them."""
     q, kv, dout = inputs(5, 1, 4, 2, 80, 80, 16, np.float32)
     positions = np.arange(80)
-    out, lse = kernels.attention(q, kv, positions, positions, causal=True, seq_len=80)
-    dq, dkv = kernels.attention_grad(q, kv, out, lse, dout, positions, positions, causal=True, seq_len=80)
+    out, lse = kernels.attention(q, kv, positions, positions, mask=Mask(80, True))
+    dq, dkv = kernels.attention_grad(q, kv, out, lse, dout, positions, positions, mask=Mask(80, True))
     ref_out, ref_lse = reference_forward(q, kv, positions, positions, True, 80)
     ref_dq, ref_dkv = reference_grad(q, kv, ref_out, ref_lse, dout, positions, positions, True, 80)
     assert relative(dq, ref_dq) <= 2e-5 and relative(dkv, ref_dkv) <= 2e-5

@@ -7,6 +7,7 @@ from cptune import Workload
 from cptune import kernels as work
 from cptune.engines.mpi import _kernels as kernels
 from cptune.layout import position_runs
+from cptune.masks import Mask
 from cptune.reference import make_inputs, reference_attention, relative_error
 
 
@@ -15,7 +16,7 @@ def run(workload, q, k, v, **options):
     positions = np.arange(workload.seq_len)
     kv = np.stack([k, v]).transpose(0, 1, 3, 2, 4)
     out, lse = kernels.attention(q.transpose(0, 2, 1, 3), kv, positions, positions,
-                                 causal=workload.causal, seq_len=workload.seq_len, **options)
+                                 mask=workload.mask, **options)
     return out.transpose(0, 2, 1, 3), lse
 
 
@@ -66,7 +67,7 @@ def test_rows_that_see_no_key():
     q = rng.standard_normal((1, 1, 4, 8), dtype=np.float32)
     kv = rng.standard_normal((2, 1, 1, 4, 8), dtype=np.float32)
     q_pos, k_pos = np.arange(0, 4), np.arange(2, 6)  # queries 0, 1 see none of keys 2..5
-    out, lse = kernels.attention(q, kv, q_pos, k_pos, causal=True, seq_len=10)
+    out, lse = kernels.attention(q, kv, q_pos, k_pos, mask=Mask(10, True))
     assert np.all(out[..., :2, :] == 0) and np.all(np.isneginf(lse[..., :2]))
     assert np.all(np.isfinite(lse[..., 2:]))
     empty = (np.zeros_like(out), np.full_like(lse, -np.inf))
@@ -81,9 +82,9 @@ def test_padding_keys_are_ignored():
     q = rng.standard_normal((1, 2, 6, 8), dtype=np.float32)
     kv = rng.standard_normal((2, 1, 2, 8, 8), dtype=np.float32)
     q_pos, k_pos = np.arange(6), np.arange(8)
-    clean, _ = kernels.attention(q, kv[..., :6, :], q_pos, k_pos[:6], causal=False, seq_len=6)
+    clean, _ = kernels.attention(q, kv[..., :6, :], q_pos, k_pos[:6], mask=Mask(6, False))
     kv[..., 6:, :] = 1e4
-    padded, _ = kernels.attention(q, kv, q_pos, k_pos, causal=False, seq_len=6)
+    padded, _ = kernels.attention(q, kv, q_pos, k_pos, mask=Mask(6, False))
     np.testing.assert_allclose(padded, clean, rtol=1e-6)
 
 
@@ -95,7 +96,7 @@ def planned_pairs(q_pos, k_pos, causal, seq_len):
     """(query, key) pairs the kernel's plan computes, block by block, chunk by chunk."""
     total = 0
     for chunk in work.chunk_slices(len(k_pos)):
-        for i, j, segments in kernels._plan(q_pos, k_pos[chunk], causal, seq_len):
+        for i, j, segments in kernels._plan(q_pos, k_pos[chunk], Mask(seq_len, causal)):
             total += (j - i) * sum(stop - first for first, stop, _ in segments)
     return total
 

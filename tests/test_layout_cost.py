@@ -257,7 +257,7 @@ def test_numpy_kernel_work_is_what_its_plan_computes_on_the_strategys_calls(stra
     def planned(q_pos, k_pos, workload):
         return sum((j - i) * sum(b - a for a, b, _ in segments)
                    for chunk in work.chunk_slices(len(k_pos))
-                   for i, j, segments in kernels._plan(q_pos, k_pos[chunk], True, workload.seq_len))
+                   for i, j, segments in kernels._plan(q_pos, k_pos[chunk], workload.mask))
 
     workload = Workload(seq_len=5000, heads=4, head_dim=8, kv_heads=2, causal=True)
     for n, u in [(1, 1), (2, 1), (4, 1), (4, 2), (3, 3)]:

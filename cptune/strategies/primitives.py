@@ -50,10 +50,11 @@ class Primitives(Protocol):
 
     def attention(self, q: Tensor, kv: Tensor, q_pos: np.ndarray, k_pos: np.ndarray,
                   into: Partial | None = None) -> Partial:
-        """Attention of queries at ``q_pos`` over keys at ``k_pos`` (causal and padding
-        masks by position), GQA heads mapped by group; merged (online softmax) with ``into``,
-        an earlier result of the same queries over other keys, where given. The engine may
-        update ``into`` in place and fuse the merge with the attention."""
+        """Attention of queries at ``q_pos`` over keys at ``k_pos`` (the workload's mask and
+        padding by position), GQA heads mapped by group; merged (online softmax) with
+        ``into``, an earlier result of the same queries over other keys, where given. The
+        engine may update ``into`` in place and fuse the merge with the attention, and makes
+        no kernel call where no query sees a key (``cptune.calls.any_seen``)."""
 
     def all_to_all(self, x: Tensor, group: Group, split_axis: int, concat_axis: int,
                    repeat: int = 1) -> Tensor:
@@ -68,11 +69,18 @@ class Primitives(Protocol):
         ``order``, its (member, start, stop) index ranges along ``axis`` in that order (the
         layout's ``gather_order``: every position in increasing order)."""
 
-    def kv_stream(self, kv: Tensor, group: Group) -> Iterator[tuple[int, Tensor]]:
-        """Yield ``(member, kv block of that member)`` once for each member of ``group``, in
-        the engine's order (the MPI engine: this rank's own first, then round the ring; a
-        graph: member order, the same on every rank); the engine may move the next block
-        while the caller works on the current one."""
+    def kv_stream(self, kv: Tensor, group: Group, steps: int | None = None) -> Iterator[tuple[int, Tensor]]:
+        """Yield ``(member, kv block of that member)`` for this rank's own block and the
+        ``steps`` members before it round the ring (None: every member), once each, in the
+        engine's order (the MPI engine: this rank's own first, then round the ring, stopping
+        after ``steps``; a graph: every member in member order, the same on every rank); the
+        engine may move the next block while the caller works on the current one."""
+
+    def narrow(self, x: Tensor, axis: int, start: int, stop: int) -> Tensor:
+        """The index range [start, stop) of ``x`` along ``axis`` (a view where the engine has them)."""
+
+    def concat(self, parts: Sequence[Tensor], axis: int) -> Tensor:
+        """``parts`` joined along ``axis``."""
 
 
 class TrainingPrimitives(Primitives, Protocol):
@@ -99,10 +107,11 @@ class TrainingPrimitives(Primitives, Protocol):
         ``axis`` (in member order, or laid out as ``order`` joins them); the members' ``x``
         are summed in float32 and each gets its own part back, in its own order."""
 
-    def kv_grad_stream(self, kv: Tensor, group: Group,
-                       visit: Callable[[int, Tensor], Tensor]) -> Tensor:
+    def kv_grad_stream(self, kv: Tensor, group: Group, visit: Callable[[int, Tensor], Tensor],
+                       steps: int | None = None) -> Tensor:
         """The Ring's backward exchange: each member's K/V block passes by as in
-        ``kv_stream`` and ``visit(member, block)`` returns this rank's gradient of it
-        ([2, ...] like the block, float32); each block's gradient travels beside it, summed
-        on every rank it passes, and arrives at its owner once all have added theirs. Returns
-        the gradient of this rank's own block."""
+        ``kv_stream`` (``steps`` as there) and ``visit(member, block)`` returns this rank's
+        gradient of it ([2, ...] like the block, float32); each block's gradient travels
+        beside it, summed on every rank it passes, and arrives at its owner once all have
+        added theirs (straight back from the last, where ``steps`` stops short of the whole
+        ring). Returns the gradient of this rank's own block."""

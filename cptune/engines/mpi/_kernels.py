@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cptune.calls import Segment, kernel_blocks
 from cptune.kernels import chunk_slices, rows_per_block
 from cptune.layout import position_runs
-
-Segment = tuple[int, int, bool]  # key index range [start, stop) and whether it needs a mask
+from cptune.masks import Mask
 
 #: Largest score bound for which exp is taken without subtracting the row max: e^50 times
 #: a million keys times |v| <= 1e6 stays far below float32's 3.4e38.
@@ -40,10 +40,12 @@ _LARGEST_UNSHIFTED_VALUE = 1e6
 _SMALLEST_UNSHIFTED_SUM = 1e-30
 
 
-def _plan(
-    q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, seq_len: int
-) -> list[tuple[int, int, list[Segment]]]:
-    """For each query row block: the key segments it must attend to."""
+def _plan(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> list[tuple[int, int, list[Segment]]]:
+    """For each query row block: the key segments it must attend to (a window's or
+    documents': ``cptune.calls.kernel_blocks``)."""
+    if not mask.plain:
+        return kernel_blocks(q_pos, k_pos, mask)
+    causal, seq_len = mask.causal, mask.seq_len
     key_runs = []
     for start, stop in position_runs(k_pos):
         first = int(k_pos[start])
@@ -73,14 +75,13 @@ def attention(
     q_pos: np.ndarray,
     k_pos: np.ndarray,
     *,
-    causal: bool,
-    seq_len: int,
+    mask: Mask,
     threads: int = 1,
     poll: Callable[[], object] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention of ``q`` [B, H, sq, D] over ``kv`` [2, B, K, sk, D] -> (out [B, H, sq, D],
-    lse [B, H, sq]), both float32. Keys at positions >= ``seq_len`` are padding and masked;
-    rows that see no key get out 0 and lse -inf.
+    lse [B, H, sq]), both float32, under ``mask``. Keys at positions >= its ``seq_len`` are
+    padding and masked; rows that see no key get out 0 and lse -inf.
 
     ``threads`` > 1 spreads the heads over that many threads, each running single-threaded
     BLAS (the caller limits BLAS to one thread): softmax passes then use every core too,
@@ -90,9 +91,8 @@ def attention(
     scaled_q, query_norms = prepare_query(q, threads)
     result = None
     for chunk in chunk_slices(len(k_pos)):
-        part = _attention_chunk(
-            scaled_q, query_norms, kv[..., chunk, :], q_pos, k_pos[chunk], causal, seq_len, threads, poll
-        )
+        keys = kv[..., chunk, :]
+        part = _attention_chunk(scaled_q, query_norms, keys, q_pos, k_pos[chunk], mask, threads, poll)
         result = merge(result, part, threads)
     assert result is not None
     return result
@@ -155,8 +155,7 @@ def _attention_chunk(
     kv: np.ndarray,
     q_pos: np.ndarray,
     k_pos: np.ndarray,
-    causal: bool,
-    seq_len: int,
+    mask: Mask,
     threads: int,
     poll: Callable[[], object] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -165,7 +164,7 @@ def _attention_chunk(
     group = heads // kv.shape[2]
     out = np.zeros((batch, heads, sq, dim), dtype=np.float32)
     lse = np.full((batch, heads, sq), -np.inf, dtype=np.float32)
-    plan = _plan(q_pos, k_pos, causal, seq_len)
+    plan = _plan(q_pos, k_pos, mask)
     widest = max((sum(b - a for a, b, _ in segs) * (j - i) for i, j, segs in plan), default=0)
     keys, values, key_norms, values_small = _prepare_keys(kv, threads)
 
@@ -177,7 +176,7 @@ def _attention_chunk(
             for i, j, segments in plan:
                 if segments:
                     block = Block(head_q[i:j], head_keys, head_values, q_pos[i:j], k_pos, segments, buffer,
-                                  out[b, head, i:j], lse[b, head, i:j])
+                                  out[b, head, i:j], lse[b, head, i:j], mask)
                     bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _ in segments)
                     unshifted_safe = values_small and bound <= _UNSHIFTED_EXP_LIMIT
                     if not (unshifted_safe and _attend_unshifted(block)):
@@ -231,6 +230,14 @@ class Block(NamedTuple):
     buffer: np.ndarray  # scratch for the scores
     out: np.ndarray  # [rows, D], written
     lse: np.ndarray  # [rows], written
+    mask: Mask
+
+
+def _hidden(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """Which (query, key) pairs of a masked segment the mask hides ([rows, keys])."""
+    if mask.plain:  # causal: a key after the query (padding queries see every real key before them)
+        return k_pos[None, :] > q_pos[:, None]
+    return ~mask.visible(q_pos[:, None], k_pos[None, :])
 
 
 def _scores(block: Block) -> list[np.ndarray]:
@@ -243,7 +250,7 @@ def _scores(block: Block) -> list[np.ndarray]:
         offset += s.size
         np.matmul(block.q, block.keys[start:stop].T, out=s)
         if masked:
-            np.putmask(s, block.k_pos[None, start:stop] > block.q_pos[:, None], -np.inf)
+            np.putmask(s, _hidden(block.mask, block.q_pos, block.k_pos[start:stop]), -np.inf)
         scores.append(s)
     return scores
 
@@ -324,8 +331,7 @@ def attention_grad(
     q_pos: np.ndarray,
     k_pos: np.ndarray,
     *,
-    causal: bool,
-    seq_len: int,
+    mask: Mask,
     threads: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Gradients of attention of ``q`` [B, H, sq, D] over the keys of ``kv`` [2, B, K, sk, D]
@@ -346,7 +352,7 @@ def attention_grad(
     group = heads // max(kv_heads, 1)
     scaled_q, grad_out, delta, safe_lse = _prepare_grad_rows(q, out, lse, dout, threads)
     kv32 = cast(kv, np.dtype(np.float32), threads)
-    chunks = [(c, k_pos[c], _plan(q_pos, k_pos[c], causal, seq_len)) for c in chunk_slices(sk)]
+    chunks = [(c, k_pos[c], _plan(q_pos, k_pos[c], mask)) for c in chunk_slices(sk)]
     blocks = [(j - i, b - a) for _, _, plan in chunks for i, j, segments in plan for a, b, _ in segments]
     widest = max((rows * keys for rows, keys in blocks), default=0)
     most_rows = max((rows for rows, _ in blocks), default=0)
@@ -383,7 +389,7 @@ def attention_grad(
                         _grad_block(
                             _GradBlock(scaled_q[b, head, i:j], grad_out[b, head, i:j], safe_lse[b, head, i:j],
                                        delta[b, head, i:j], keys, values, q_pos[i:j], chunk_pos, segments,
-                                       dq[b, head, i:j], target[0, chunk], target[1, chunk]),
+                                       dq[b, head, i:j], target[0, chunk], target[1, chunk], mask),
                             scratch,
                         )
             dq[b, head] *= scale
@@ -436,6 +442,7 @@ class _GradBlock(NamedTuple):
     dq: np.ndarray  # [rows, D], accumulated (unscaled)
     dk: np.ndarray  # [keys, D], accumulated
     dv: np.ndarray  # [keys, D], accumulated
+    mask: Mask
 
 
 class _GradScratch(NamedTuple):
@@ -459,7 +466,7 @@ def _grad_block(block: _GradBlock, scratch: _GradScratch) -> None:
         key_part, row_part = scratch.key_part[: stop - start], scratch.row_part[:rows]
         np.matmul(block.q, keys.T, out=p)
         if masked:
-            np.putmask(p, block.k_pos[None, start:stop] > block.q_pos[:, None], -np.inf)
+            np.putmask(p, _hidden(block.mask, block.q_pos, block.k_pos[start:stop]), -np.inf)
         np.subtract(p, block.lse[:, None], out=p)
         np.exp(p, out=p)  # P = exp(S - lse) <= 1
         np.matmul(p.T, block.dout, out=key_part)  # dV += P^T dout

@@ -15,11 +15,13 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
+from cptune.calls import any_seen
 from cptune.config import CPConfig
 from cptune.engines import _protocol as protocol
 from cptune.engines._worker import time_each
 from cptune.engines.mpi import _kernels as kernels
 from cptune.layout import SequenceLayout
+from cptune.masks import Mask
 from cptune.strategies import run_backward, run_forward
 from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
 from cptune.workload import Workload
@@ -116,11 +118,16 @@ class MpiOps:
 
     def attention(self, q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
                   into: Partial | None = None) -> Partial:
+        if not any_seen(q_pos, k_pos, self.workload.mask):  # no kernel call: nothing here is seen
+            if into is not None:
+                return into
+            batch, heads, rows, dim = q.shape
+            return Partial(np.zeros((batch, heads, rows, dim), np.float32),
+                           np.full((batch, heads, rows), -np.inf, np.float32))
         start = time.perf_counter()
         out, lse = kernels.attention(
             q, kv, q_pos, k_pos,
-            causal=self.workload.causal,
-            seq_len=self.workload.seq_len,
+            mask=self.workload.mask,
             threads=self.threads,
             poll=self._poll if self._in_flight else None,
         )
@@ -132,10 +139,13 @@ class MpiOps:
     def attention_grad(self, q: np.ndarray, kv: np.ndarray, dout: np.ndarray, saved: Partial,
                        q_pos: np.ndarray, k_pos: np.ndarray,
                        dq_into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if not any_seen(q_pos, k_pos, self.workload.mask):  # no kernel call: these keys add nothing
+            dq = np.zeros(q.shape, np.float32) if dq_into is None else dq_into
+            return dq, np.zeros(kv.shape, np.float32)
         start = time.perf_counter()
         dq, dkv = kernels.attention_grad(
             q, kv, saved.out, saved.lse, dout, q_pos, k_pos,
-            causal=self.workload.causal, seq_len=self.workload.seq_len, threads=self.threads,
+            mask=self.workload.mask, threads=self.threads,
         )
         if dq_into is not None:
             dq = np.add(dq_into, dq, out=dq_into)
@@ -191,16 +201,27 @@ class MpiOps:
         self.comm_s += time.perf_counter() - start
         return out
 
-    def kv_stream(self, kv: np.ndarray, group: Group) -> Iterator[tuple[int, np.ndarray]]:
+    def narrow(self, x: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        return x[tuple(index)]
+
+    def concat(self, parts: Sequence[np.ndarray], axis: int) -> np.ndarray:
+        return np.concatenate(parts, axis=axis)
+
+    def kv_stream(self, kv: np.ndarray, group: Group,
+                  steps: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take
-        the next from me - 1 while the caller attends to it (progressed by ``_poll``)."""
+        the next from me - 1 while the caller attends to it (progressed by ``_poll``), for
+        ``steps`` steps after this rank's own block (None: round the whole ring)."""
         comm = self.comms[group]
         n, me = comm.Get_size(), comm.Get_rank()
+        last = n - 1 if steps is None else min(steps, n - 1)
         current = np.ascontiguousarray(kv, dtype=self.wire)
         # the blocks arrive in buffers of the Ring's own, never in the caller's K/V
-        buffers = [np.empty_like(current) for _ in range(min(2, n - 1))]
-        for step in range(n):
-            if step < n - 1:
+        buffers = [np.empty_like(current) for _ in range(min(2, last))]
+        for step in range(last + 1):
+            if step < last:
                 incoming = buffers[step % 2]
                 self._in_flight = [
                     comm.Irecv([incoming, MPI.BYTE], source=(me - 1) % n),
@@ -215,20 +236,22 @@ class MpiOps:
                 current = incoming
 
 
-    def kv_grad_stream(self, kv: np.ndarray, group: Group,
-                       visit: Callable[[int, np.ndarray], np.ndarray]) -> np.ndarray:
+    def kv_grad_stream(self, kv: np.ndarray, group: Group, visit: Callable[[int, np.ndarray], np.ndarray],
+                       steps: int | None = None) -> np.ndarray:
         """``kv_stream``'s order, each block's float32 gradient beside it: at step t the
         gradient of member (me - t)'s block arrives from me - 1 while this rank works on the
         block, gets this rank's share and goes on to me + 1; after the last step each
-        gradient is one hop from its owner, and this rank's own arrives from me - 1."""
+        gradient goes straight to its owner (one hop on where the stream went round the
+        whole ring), and this rank's own arrives from the rank as far ahead."""
         comm = self.comms[group]
         n, me = comm.Get_size(), comm.Get_rank()
-        if n == 1:
+        last = n - 1 if steps is None else min(steps, n - 1)
+        if last == 0:  # no other block: this rank's own gradient is all there is
             return visit(me, kv)
         receive = np.empty(kv.shape, np.float32)
         sending: list[MPI.Request] = []
         arriving: list[MPI.Request] = []
-        for step, (member, block) in enumerate(self.kv_stream(kv, group)):
+        for step, (member, block) in enumerate(self.kv_stream(kv, group, last)):
             share = np.ascontiguousarray(visit(member, block), dtype=np.float32)
             if step == 0:  # this rank's own block: its gradient starts here
                 send = share
@@ -237,8 +260,9 @@ class MpiOps:
                 np.add(receive, share, out=receive)
                 self._wait(sending)  # the buffer sent last step is free to receive into
                 send, receive = receive, send
-            sending = [comm.Isend([send, MPI.FLOAT], dest=(me + 1) % n, tag=_GRAD_TAG)]
-            arriving = [comm.Irecv([receive, MPI.FLOAT], source=(me - 1) % n, tag=_GRAD_TAG)]
+            ahead, behind = (last, -last) if step == last else (-1, 1)  # the last: home to its owner
+            sending = [comm.Isend([send, MPI.FLOAT], dest=(me - ahead) % n, tag=_GRAD_TAG)]
+            arriving = [comm.Irecv([receive, MPI.FLOAT], source=(me - behind) % n, tag=_GRAD_TAG)]
         self._wait([*sending, *arriving])
         return receive
 
@@ -347,12 +371,12 @@ def _attention_case(shape: dict[str, int], threads: int) -> Callable[[], object]
     causal = bool(shape.get("causal", False))
     q = rng.standard_normal((1, h, sq, d), dtype=np.float32)
     kv = rng.standard_normal((2, 1, h, sk, d), dtype=np.float32)
-    q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
+    q_pos, k_pos, mask = np.arange(sk - sq, sk), np.arange(sk), Mask(sk, causal)
     if not shape.get("backward"):
-        return lambda: kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
-    out, lse = kernels.attention(q, kv, q_pos, k_pos, causal=causal, seq_len=sk, threads=threads)
+        return lambda: kernels.attention(q, kv, q_pos, k_pos, mask=mask, threads=threads)
+    out, lse = kernels.attention(q, kv, q_pos, k_pos, mask=mask, threads=threads)
     dout = rng.standard_normal(out.shape, dtype=np.float32)
-    return lambda: kernels.attention_grad(q, kv, out, lse, dout, q_pos, k_pos, causal=causal, seq_len=sk,
+    return lambda: kernels.attention_grad(q, kv, out, lse, dout, q_pos, k_pos, mask=mask,
                                           threads=threads)
 
 

@@ -183,9 +183,24 @@ class OnnxOps:
             "Reshape", [moved.name, self.g.ints(out_shape)], "a2a_out", tuple(out_shape), x.dtype
         )
 
-    def kv_stream(self, kv: Tensor, group: Group) -> Iterator[tuple[int, Tensor]]:
+    def narrow(self, x: Tensor, axis: int, start: int, stop: int) -> Sym:
+        x = self.wire(x)
+        axis %= len(x.shape)
+        shape = tuple(stop - start if a == axis else size for a, size in enumerate(x.shape))
+        return self.g.node("Slice", [x.name, self.g.ints([start]), self.g.ints([stop]), self.g.ints([axis])],
+                           "narrowed", shape, x.dtype)
+
+    def concat(self, parts: Sequence[Tensor], axis: int) -> Sym:
+        syms = [self.wire(part) for part in parts]
+        axis %= len(syms[0].shape)
+        shape = tuple(sum(p.shape[axis] for p in syms) if a == axis else size
+                      for a, size in enumerate(syms[0].shape))
+        return self.g.node("Concat", [p.name for p in syms], "joined", shape, syms[0].dtype, axis=axis)
+
+    def kv_stream(self, kv: Tensor, group: Group, steps: int | None = None) -> Iterator[tuple[int, Tensor]]:
         """One broadcast per member, in member order, rooted at that member, and the blocks
-        yielded in member order: the same nodes on every rank (see the module docstring).
+        yielded in member order: the same nodes on every rank (see the module docstring); every
+        member's, whatever ``steps`` (a broadcast reaches every rank alike).
         Each step's input is this rank's block where it is the root, else the previous
         step's output (a ``Where`` on the rank input ``ring_member``), so the steps stay in
         order on every rank."""

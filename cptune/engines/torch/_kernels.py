@@ -88,18 +88,29 @@ def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, _rows(lse, q.shape[-2])
 
 
-def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked(scores: torch.Tensor, causal: bool, visible: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` with the square causal mask, or the pairs ``visible`` [rows, keys] hides, at -inf."""
+    if visible is not None:
+        return scores.masked_fill(~visible, float("-inf"))
+    if causal:
+        return scores.masked_fill(
+            torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    return scores
+
+
+def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
+             visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and log-sum-exp in float32 with plain tensor ops (no fused kernel): the
-    fallback, and what the probe checks the fused kernels against."""
+    fallback, what the probe checks the fused kernels against, and the calls a mask applies
+    by position (``visible``: [rows, keys], True where a query sees a key; a row that sees
+    none gets output 0 and log-sum-exp -inf)."""
     groups = q.shape[HEADS] // k.shape[HEADS]
     k, v = k.repeat_interleave(groups, dim=HEADS).float(), v.repeat_interleave(groups, dim=HEADS).float()
     scores = q.float() @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if causal:
-        scores = scores.masked_fill(
-            torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = _masked(scores, causal, visible)
     lse = torch.logsumexp(scores, dim=-1)
-    return (torch.exp(scores - lse[..., None]) @ v).to(q.dtype), lse
+    shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # a row that sees nothing: all 0
+    return (torch.exp(scores - shift[..., None]) @ v).to(q.dtype), lse
 
 
 #: q, k, v (a call's), out and float32 lse [batch, heads, rows] (the layer's, over all its keys),
@@ -222,8 +233,8 @@ def _by_kv_head(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def explicit_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  dout: torch.Tensor, causal: bool,
-                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  dout: torch.Tensor, causal: bool, scale: float | None = None,
+                  visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of one call in float32 with plain tensor ops: P = exp(scale q k^T [square
     causal mask] - lse), D = rowsum(dout * out), dV = P^T dout, dS = P (dout V^T - D),
     dQ = scale dS K, dK = scale dS^T q, a KV head's dK and dV summed over its query heads. With
@@ -236,11 +247,9 @@ def explicit_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     q32, dout32 = q.float(), dout.float()
     k32 = k.float().repeat_interleave(groups, dim=HEADS)
     v32 = v.float().repeat_interleave(groups, dim=HEADS)
-    scores = q32 @ k32.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(
-            torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    p = torch.exp(scores - lse.float().unsqueeze(-1))
+    scores = _masked(q32 @ k32.transpose(-1, -2) * scale, causal, visible)
+    lse = lse.float()
+    p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
     delta = (dout32 * out.float()).sum(-1, keepdim=True)
     dv = p.transpose(-1, -2) @ dout32
     ds = p * (dout32 @ v32.transpose(-1, -2) - delta)

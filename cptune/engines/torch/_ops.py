@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from cptune.calls import Call, attention_calls
-from cptune.engines.torch._kernels import fused_attention, fused_attention_grad
+from cptune.engines.torch._kernels import explicit, explicit_grad, fused_attention, fused_attention_grad
+from cptune.masks import Mask
 from cptune.strategies.primitives import HEADS, SEQ, Group, Partial
 from cptune.workload import Workload
 
@@ -112,30 +113,45 @@ def merge_into(acc: Partial, rows: slice, out: torch.Tensor, lse: torch.Tensor) 
     is 16-bit); the log-sum-exp -inf of a row that saw nothing yet takes the call as it is."""
     acc_out, acc_lse = acc.out[..., rows, :], acc.lse[..., rows]
     total = torch.logaddexp(acc_lse, lse)
-    share = torch.exp(lse - total).unsqueeze(-1)
+    share = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)  # a row neither saw anything: 0
     if out.dtype == acc_out.dtype:
         acc_out.lerp_(out, share)
     else:
-        acc_out.mul_(torch.exp(acc_lse - total).unsqueeze(-1)).addcmul_(out, share)
+        acc_out.mul_(torch.exp(acc_lse - total).nan_to_num_(0.0).unsqueeze(-1)).addcmul_(out, share)
     acc_lse.copy_(total)
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
-           seq_len: int, scale: float | None = None, into: Partial | None = None) -> Partial:
+def _visible(call: Call, q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask, device: torch.device
+             ) -> torch.Tensor:
+    """Which of a masked call's queries see which of its keys ([rows, keys], on ``device``)."""
+    return torch.from_numpy(mask.visible(q_pos[call.rows][:, None], k_pos[call.keys][None, :])).to(device)
+
+
+def _call_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, q_pos: np.ndarray,
+                    k_pos: np.ndarray, mask: Mask, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call: by the fused kernel, or where the mask applies by position (``Call.masked``:
+    a window's far edge, a share of the work ``cptune.calls`` keeps small) with plain tensor ops."""
+    if call.masked:
+        return explicit(q, k, v, False, scale, _visible(call, q_pos, k_pos, mask, q.device))
+    return fused_attention(q, k, v, call.causal, scale)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask,
+           scale: float | None = None, into: Partial | None = None) -> Partial:
     """Attention of queries at ``q_pos`` over the keys of ``kv`` ([2, batch, kv_heads, seq,
-    head_dim]) at ``k_pos``, by the fused calls ``attention_calls`` plans, merged into
-    ``into`` (a partial over other keys, updated in place) where given. One call over every
-    row returns the kernel's own output; several accumulate in float32."""
-    calls = attention_calls(q_pos, k_pos, causal, seq_len)
+    head_dim]) at ``k_pos`` under ``mask``, by the fused calls ``attention_calls`` plans, merged
+    into ``into`` (a partial over other keys, updated in place) where given. One call over
+    every row returns the kernel's own output; several accumulate in float32."""
+    calls = attention_calls(q_pos, k_pos, mask)
     k, v = kv[0], kv[1]
-    if into is None and len(calls) == 1 and calls[0].rows == slice(0, q.shape[-2]):
+    if into is None and len(calls) == 1 and calls[0].rows == slice(0, q.shape[-2]) and not calls[0].masked:
         call = calls[0]
         return Partial(*fused_attention(q, k[..., call.keys, :], v[..., call.keys, :], call.causal, scale))
     acc = accumulator(q, calls) if into is None else in_float32(into)
     written: set[tuple[int, int]] = set()  # rows a call of this step wrote (a call's rows: all or none)
     for call in calls:
-        out, lse = fused_attention(q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :],
-                                   call.causal, scale)
+        out, lse = _call_attention(q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :], call,
+                                   q_pos, k_pos, mask, scale)
         span = (call.rows.start, call.rows.stop)
         if into is None and span not in written:  # the rows' first call: a copy, not a merge
             written.add(span)
@@ -169,7 +185,7 @@ def _accumulate(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], span: slice
 
 
 def attend_grad(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Partial, q_pos: np.ndarray,
-                k_pos: np.ndarray, causal: bool, seq_len: int, scale: float | None = None,
+                k_pos: np.ndarray, mask: Mask, scale: float | None = None,
                 dq_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``attend`` for queries at ``q_pos`` over the keys of ``kv`` ([2, batch,
     kv_heads, seq, head_dim]) at ``k_pos``, given ``saved``, the layer's final output [batch,
@@ -180,7 +196,7 @@ def attend_grad(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Pa
     ``dq_into`` (the same queries' share over other keys, float32): dq is added into it in
     place and it is returned. Queries at ``seq_len`` or beyond must have ``dout`` 0 (the caller
     pads with zeros): what they see then contributes nothing."""
-    calls = attention_calls(q_pos, k_pos, causal, seq_len)
+    calls = attention_calls(q_pos, k_pos, mask)
     k, v = kv[0], kv[1]
     dq = activations(q.shape, torch.float32, q.device) if dq_into is None else dq_into
     dkv = activations(kv.shape, torch.float32, kv.device)
@@ -188,9 +204,13 @@ def attend_grad(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Pa
     rows_written = np.full(q.shape[-2], dq_into is not None, dtype=bool)
     keys_written = np.zeros(k.shape[-2], dtype=bool)
     for call in calls:
-        grad_q, grad_k, grad_v = fused_attention_grad(
-            q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :], saved.out[..., call.rows, :],
-            saved.lse[..., call.rows], dout[..., call.rows, :], call.causal, scale)
+        pieces = (q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :],
+                  saved.out[..., call.rows, :], saved.lse[..., call.rows], dout[..., call.rows, :])
+        if call.masked:
+            grad_q, grad_k, grad_v = explicit_grad(*pieces, False, scale,
+                                                   _visible(call, q_pos, k_pos, mask, q.device))
+        else:
+            grad_q, grad_k, grad_v = fused_attention_grad(*pieces, call.causal, scale)
         _accumulate([(dq, grad_q)], call.rows, rows_written)
         _accumulate([(dkv[0], grad_k), (dkv[1], grad_v)], call.keys, keys_written)
     for grad, written in ((dq, rows_written), (dkv, keys_written)):
@@ -306,15 +326,16 @@ def exchange_reduce_scatter(group: dist.ProcessGroup, x: torch.Tensor, axis: int
 
 
 def ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor,
-              tag: int = 0) -> list[dist.Work]:
-    """Start passing ``send`` to the next member of ``group`` and taking ``receive`` from the
-    previous one: the Ring's stream step (wait on what it returns). ``tag``: the K/V blocks'
-    0, the gradients travelling beside them ``GRAD_TAG`` (gloo matches by it; NCCL by order,
-    the same on every rank)."""
+              tag: int = 0, shift: int = 1) -> list[dist.Work]:
+    """Start passing ``send`` to the member ``shift`` ahead in ``group`` and taking ``receive``
+    from the one as far behind: the Ring's stream step (shift 1; a gradient's way home after
+    a stream that stopped short of the whole ring: minus the steps it went). Wait on what it
+    returns. ``tag``: the K/V blocks' 0, the gradients travelling beside them ``GRAD_TAG``
+    (gloo matches by it; NCCL by order, the same on every rank)."""
     members, me = dist.get_world_size(group), dist.get_rank(group)
     return dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (me + 1) % members), group, tag),
-        dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, (me - 1) % members), group, tag),
+        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (me + shift) % members), group, tag),
+        dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, (me - shift) % members), group, tag),
     ])
 
 
@@ -400,7 +421,7 @@ class TorchOps:
     def attention(self, q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray,
                   into: Partial | None = None) -> Partial:
         started = self.clock.start()
-        part = attend(q, kv, q_pos, k_pos, self.workload.causal, self.workload.seq_len, self.scale, into)
+        part = attend(q, kv, q_pos, k_pos, self.workload.mask, self.scale, into)
         self.clock.stop("compute", started)
         return part
 
@@ -411,8 +432,7 @@ class TorchOps:
         log-sum-exp, dq added into ``dq_into`` in place where given (``attend_grad``), timed
         as compute."""
         started = self.clock.start()
-        grads = attend_grad(q, kv, dout, saved, q_pos, k_pos, self.workload.causal, self.workload.seq_len,
-                            self.scale, dq_into)
+        grads = attend_grad(q, kv, dout, saved, q_pos, k_pos, self.workload.mask, self.scale, dq_into)
         self.clock.stop("compute", started)
         return grads
 
@@ -459,18 +479,27 @@ class TorchOps:
         self.clock.stop("comm", started)
         return out
 
-    def kv_stream(self, kv: torch.Tensor, group: Group) -> Iterator[tuple[int, torch.Tensor]]:
+    def narrow(self, x: torch.Tensor, axis: int, start: int, stop: int) -> torch.Tensor:
+        return x.narrow(axis, start, stop - start)
+
+    def concat(self, parts: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+        return torch.cat(list(parts), dim=axis)
+
+    def kv_stream(self, kv: torch.Tensor, group: Group,
+                  steps: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take
-        the next from me - 1 while the caller attends to it."""
+        the next from me - 1 while the caller attends to it, for ``steps`` steps after this
+        rank's own block (None: round the whole ring)."""
         pg = self.groups[group]
         members = self._members(group)
         me = 0 if pg is None else dist.get_rank(pg)
+        last = members - 1 if steps is None else min(steps, members - 1)
         current, as_kv = dense(kv.to(self.wire))
         # the blocks arrive in buffers of the Ring's own, never in the caller's K/V: two where
         # a block is passed on while the next arrives
-        buffers = [torch.empty_like(current) for _ in range(min(2, members - 1))]
-        for step in range(members):
-            if step == members - 1:  # the last block: nothing more to pass on
+        buffers = [torch.empty_like(current) for _ in range(min(2, last))]
+        for step in range(last + 1):
+            if step == last:  # the last block: nothing more to pass on
                 yield (me - step) % members, as_kv(current)
                 break
             incoming = buffers[step % 2]
@@ -483,29 +512,33 @@ class TorchOps:
             current = incoming
 
     def kv_grad_stream(self, kv: torch.Tensor, group: Group,
-                       visit: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                       visit: Callable[[int, torch.Tensor], torch.Tensor],
+                       steps: int | None = None) -> torch.Tensor:
         """``kv_stream``'s order, each block's float32 gradient beside it, one hop behind: at
         step t the gradient of member (me - t)'s block arrives from me - 1 while this rank
         works on the block, gets this rank's share and goes on to me + 1 (at step 0 this
         rank's own block's gradient starts with its share); after the last step each gradient
-        is one hop from its owner, and this rank's own arrives from me - 1. Two float32
-        buffers, one sent while the other receives; waits timed as communication."""
+        goes straight to its owner (one hop on where the stream went round the whole ring),
+        and this rank's own arrives from the rank as far ahead. Two float32 buffers, one sent
+        while the other receives; waits timed as communication."""
         pg = self.groups[group]
-        if pg is None:
-            return visit(0, kv)
-        stream = self.kv_stream(kv, group)
+        members = self._members(group)
+        last = members - 1 if steps is None else min(steps, members - 1)
+        if pg is None or last == 0:  # no other block: this rank's own gradient is all there is
+            return visit(0 if pg is None else dist.get_rank(pg), kv)
+        stream = self.kv_stream(kv, group, last)
         member, block = next(stream)  # this rank's own block: its gradient starts here
         send, as_kv = dense(visit(member, block).to(torch.float32))
         receive = torch.empty_like(send)
         # one batch a step (NCCL gives it one request: the receive cannot be waited for alone),
         # after the blocks' batch of the step, in the same order on every rank
         in_flight = ring_step(pg, send, receive, GRAD_TAG)
-        for member, block in stream:
+        for step, (member, block) in enumerate(stream, start=1):
             share = visit(member, block)
             self._wait(in_flight)  # last step's gradient arrived, and the buffer sent is free
             as_kv(receive).add_(share)
             send, receive = receive, send
-            in_flight = ring_step(pg, send, receive, GRAD_TAG)
+            in_flight = ring_step(pg, send, receive, GRAD_TAG, 1 if step < last else -last)
         self._wait(in_flight)
         return as_kv(receive)
 

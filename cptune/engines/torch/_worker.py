@@ -59,6 +59,7 @@ from cptune.engines.torch._ops import (
     strategy_inputs,
 )
 from cptune.layout import SequenceLayout, context_group_members, head_group_members
+from cptune.masks import Mask
 from cptune.strategies import Saved, run_backward, run_forward, run_strategy
 from cptune.strategies.primitives import HEADS, SEQ
 from cptune.workload import Workload
@@ -230,12 +231,12 @@ class TorchRank(RankServer):
         generator = torch.Generator(device=self.device).manual_seed(0)
         q = torch.randn((1, h, sq, d), generator=generator, device=self.device).to(dtype)
         kv = torch.randn((2, 1, h, sk, d), generator=generator, device=self.device).to(dtype)
-        q_pos, k_pos = np.arange(sk - sq, sk), np.arange(sk)
+        q_pos, k_pos, mask = np.arange(sk - sq, sk), np.arange(sk), Mask(sk, causal)
         if not shape.get("backward"):
-            return lambda: attend(q, kv, q_pos, k_pos, causal, sk)
-        saved = attend(q, kv, q_pos, k_pos, causal, sk)
+            return lambda: attend(q, kv, q_pos, k_pos, mask)
+        saved = attend(q, kv, q_pos, k_pos, mask)
         dout = torch.randn(saved.out.shape, generator=generator, device=self.device).to(dtype)
-        return lambda: attend_grad(q, kv, dout, saved, q_pos, k_pos, causal, sk)
+        return lambda: attend_grad(q, kv, dout, saved, q_pos, k_pos, mask)
 
     def close(self) -> None:
         if dist.is_initialized():
