@@ -26,6 +26,7 @@ from cptune.engines.torch._kernels import (  # noqa: E402
     run_grad,
 )
 from cptune.engines.torch._ops import TorchOps, attend, attend_grad  # noqa: E402
+from cptune.masks import Mask  # noqa: E402
 from cptune.strategies.primitives import Partial  # noqa: E402
 
 SEQ = 64
@@ -92,7 +93,7 @@ class Layer:
     def grad(self, keys: np.ndarray, saved: Partial | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``attend_grad`` over the keys at index (= position) ``keys``."""
         return attend_grad(self.q, self.kv[..., keys, :], self.dout, saved or self.saved(), self.q_pos,
-                           self.k_pos[keys], self.causal, self.seq_len)
+                           self.k_pos[keys], Mask(self.seq_len, self.causal))
 
     def expected_share(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The float64 (dQ share, dK, dV) of the keys at index ``keys``."""
@@ -141,7 +142,7 @@ def test_key_subsets_shares_sum_to_the_full_gradient(split, causal):
         total += dq
         torch.testing.assert_close(dkv, full_dkv[..., torch.as_tensor(keys), :], rtol=1e-5, atol=1e-6)
         added, _ = attend_grad(layer.q, layer.kv[..., keys, :], layer.dout, layer.saved(), layer.q_pos,
-                               keys, causal, SEQ, dq_into=into)
+                               keys, Mask(SEQ, causal), dq_into=into)
         assert added is into
     torch.testing.assert_close(total, full_dq, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(into, total, rtol=1e-6, atol=1e-7)
@@ -167,7 +168,7 @@ def test_the_forwards_output_in_float32_or_the_models_dtype_gives_the_same_gradi
     accumulator (several), with its log-sum-exp."""
     layer = Layer(zigzag(0), kv_heads=2, causal=True, dtype=torch.bfloat16, seed=3)
     keys = np.arange(SEQ)
-    part = attend(layer.q, layer.kv, layer.q_pos, layer.k_pos, True, SEQ)
+    part = attend(layer.q, layer.kv, layer.q_pos, layer.k_pos, Mask(SEQ, True))
     assert relative(part.lse, layer.lse) < 1e-4
     for saved in (part, layer.saved(torch.float32), layer.saved(torch.bfloat16)):
         assert_close(layer.grad(keys, saved), (layer.dq, layer.dk, layer.dv), torch.bfloat16)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 import cptune  # noqa: E402
 from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases, torchrun_summary  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
-from cptune.calls import attention_calls, busiest_calls  # noqa: E402
+from cptune.calls import Call, attention_calls, busiest_calls  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
 from cptune.engines.torch import TorchEngine  # noqa: E402
 from cptune.engines.torch._kernels import explicit, fused_attention  # noqa: E402
@@ -24,6 +24,7 @@ from cptune.engines.torch._ops import accumulator, attend, merge_into  # noqa: E
 from cptune.engines.torch._worker import group_members  # noqa: E402
 from cptune.feasibility import enumerate_configs  # noqa: E402
 from cptune.layout import SequenceLayout, position_runs  # noqa: E402
+from cptune.masks import Mask  # noqa: E402
 from cptune.reference import make_inputs, relative_error  # noqa: E402
 from cptune.strategies import run_strategy  # noqa: E402
 from cptune.strategies.primitives import Partial  # noqa: E402
@@ -66,7 +67,7 @@ def test_attention_by_calls_matches_the_masked_reference(positions, causal, kv_h
     generator = torch.Generator().manual_seed(0)
     q = torch.randn((2, 4, len(q_pos), 16), generator=generator)
     kv = torch.randn((2, 2, kv_heads, len(k_pos), 16), generator=generator)
-    out, lse = attend(q, kv, q_pos, k_pos, causal, seq_len=60)
+    out, lse = attend(q, kv, q_pos, k_pos, Mask(60, causal))
     ref_out, ref_lse = dense_reference(q, kv[0], kv[1], q_pos, k_pos, causal, 60)
     real = torch.as_tensor(q_pos < 60)
     assert torch.allclose(out.double()[..., real, :], ref_out[..., real, :], atol=1e-5)
@@ -79,15 +80,16 @@ def test_calls_need_no_mask_tensor_and_skip_the_future():
     """A zigzag block over its own keys is one square causal call; over keys all in its
     future, none; padding keys are left out of an unmasked call; gathered keys in position
     order take the keys before each query chunk, then its square diagonal."""
-    own = attention_calls(ZIGZAG[0], ZIGZAG[0], True, 64)
-    assert own == ((slice(0, 32), slice(0, 32), True),)
-    assert attention_calls(ZIGZAG[1][:8], np.r_[48:64], True, 64) == ()
-    assert attention_calls(np.r_[0:8], np.r_[0:64], False, 60) == ((slice(0, 8), slice(0, 60), False),)
-    gathered = attention_calls(ZIGZAG[0], np.r_[0:64], True, 64)
-    assert gathered == ((slice(0, 16), slice(0, 16), True),
-                        (slice(16, 32), slice(0, 48), False), (slice(16, 32), slice(48, 64), True))
-    other = attention_calls(ZIGZAG[1], ZIGZAG[0], True, 64)  # a later block: every query sees chunk 0
-    assert other == ((slice(0, 32), slice(0, 16), False),)
+    own = attention_calls(ZIGZAG[0], ZIGZAG[0], Mask(64, True))
+    assert own == (Call(slice(0, 32), slice(0, 32), True),)
+    assert attention_calls(ZIGZAG[1][:8], np.r_[48:64], Mask(64, True)) == ()
+    unmasked = attention_calls(np.r_[0:8], np.r_[0:64], Mask(60, False))
+    assert unmasked == (Call(slice(0, 8), slice(0, 60), False),)
+    gathered = attention_calls(ZIGZAG[0], np.r_[0:64], Mask(64, True))
+    assert gathered == (Call(slice(0, 16), slice(0, 16), True),
+                        Call(slice(16, 32), slice(0, 48), False), Call(slice(16, 32), slice(48, 64), True))
+    other = attention_calls(ZIGZAG[1], ZIGZAG[0], Mask(64, True))  # a later block: every query sees chunk 0
+    assert other == (Call(slice(0, 32), slice(0, 16), False),)
 
 
 class PlanOnly:
@@ -107,11 +109,14 @@ class PlanOnly:
     def all_gather(self, x, group, axis, order=None):
         return x
 
-    def kv_stream(self, kv, group):
+    def kv_stream(self, kv, group, steps=None):
         members = self.layout.context_group_ranks(self.rank)
         me = members.index(self.rank)
-        for step in range(len(members)):
+        for step in range(len(members) if steps is None else steps + 1):
             yield (me - step) % len(members), kv
+
+    def narrow(self, x, axis, start, stop):
+        return x
 
 
 def call_bound(workload: Workload, config: CPConfig, q_pos: np.ndarray) -> int:
@@ -140,12 +145,12 @@ def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal,
                 for rank in range(ranks):
                     ops = PlanOnly(layout, rank)
                     run_strategy(ops, layout, rank, None, None)
-                    assert len(ops.steps) == (config.context_degree if config.strategy == "ring" else 1)
+                    assert len(ops.steps) == (layout.reach + 1 if config.strategy == "ring" else 1)
                     for q_pos, k_pos in ops.steps:
-                        calls = attention_calls(q_pos, k_pos, causal, seq_len)
+                        calls = attention_calls(q_pos, k_pos, Mask(seq_len, causal))
                         assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
                         most = max(most, len(calls))
-                    mine = sum(len(attention_calls(q, k, causal, seq_len)) for q, k in ops.steps)
+                    mine = sum(len(attention_calls(q, k, Mask(seq_len, causal))) for q, k in ops.steps)
                     busiest = max(busiest, mine)
                 assert busiest_calls(layout) == busiest, config.label  # what the prior counts
     assert most == (4 if causal else 1)
@@ -531,9 +536,9 @@ def test_a_layouts_plans_are_made_once_and_dropped_with_it():
     workload = Workload(seq_len=64, heads=4, head_dim=8, causal=True)
     layout = SequenceLayout(workload, CPConfig("allgather_kv", 2))
     q_pos, k_pos = layout.block_positions(1), layout.gathered_positions
-    first = attention_calls(q_pos, k_pos, True, 64)
-    assert attention_calls(q_pos, k_pos, True, 64) is first  # kept, no pass over the positions
-    assert attention_calls(q_pos.copy(), k_pos.copy(), True, 64) == first  # writable arrays: planned anew
+    first = attention_calls(q_pos, k_pos, Mask(64, True))
+    assert attention_calls(q_pos, k_pos, Mask(64, True)) is first  # kept, no pass over the positions
+    assert attention_calls(q_pos.copy(), k_pos.copy(), Mask(64, True)) == first  # writable: planned anew
     kept = len(calls._BY_ARRAYS)
     del layout, q_pos, k_pos
     import gc
