@@ -175,7 +175,8 @@ class Workload:
     def to_dict(self) -> dict[str, object]:
         """Plain JSON, the mask's parts only where set (so a plain workload reads as before
         masks existed); ``Workload(**to_dict())`` is the same workload."""
-        return {"seq_len": self.seq_len, **self.shape.to_dict()}
+        shape = self.shape.to_dict()
+        return {"seq_len": self.seq_len, "heads": self.heads, "head_dim": self.head_dim, **shape}
 
 
 @dataclass(frozen=True, order=True)
