@@ -311,14 +311,24 @@ def test_a_measurement_records_the_engine_its_kernel_and_its_split():
 
 
 @pytest.mark.slow
-def test_calibration_ops_time_each_collective_and_shape():
-    engine = get_engine("torch")
-    for kind in ENGINES["torch"].collectives:
-        timings = engine.time_collective(kind, 2, 2, [1024, 65536], warmup=1, repeats=2, timeout=120)
-        assert timings.shape == (2, 2) and np.all(timings > 0)
-    shapes = [{"heads": 2, "seq_q": 64, "seq_k": 256, "head_dim": 32, "causal": c} for c in (0, 1)]
-    timings = engine.time_attention(2, shapes, warmup=1, repeats=2, timeout=120)
-    assert timings.shape == (2, 2) and np.all(timings > 0)
+def test_calibration_ops_time_each_collective_and_shape_and_say_which_kernel_they_timed():
+    """What a calibration keeps of the engine (``describe``, its facts) names the kernels its
+    attention timings ran, forward and backward, and the process group; a collective's
+    timing runs no kernel."""
+    engine = TorchEngine()  # a pool of its own: nothing ran on it before
+    try:
+        for kind in ENGINES["torch"].collectives:
+            timings = engine.time_collective(kind, 2, 2, [1024, 65536], warmup=1, repeats=2, timeout=120)
+            assert timings.shape == (2, 2) and np.all(timings > 0)
+        assert "kernel" not in engine.describe()
+        shapes = [{"heads": 2, "seq_q": 64, "seq_k": 256, "head_dim": 32, "causal": c} for c in (0, 1)]
+        timings = engine.time_attention(2, [*shapes, {**shapes[1], "backward": 1}], warmup=1, repeats=2,
+                                        timeout=120)
+        assert timings.shape == (3, 2) and np.all(timings > 0)
+        ran = engine.describe()
+        assert (ran["kernel"], ran["process_group"]) == ("flash_for_cpu, flash_for_cpu backward", "gloo")
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ from cptune.guard import enabled as guard_enabled
 from cptune.hardware import tier_of
 from cptune.hostlock import measuring
 from cptune.layout import RankGroups
+from cptune.measurement import describe_host
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
 MESSAGE_SIZES: tuple[int, ...] = tuple(2**e for e in range(10, 25, 2))
@@ -291,4 +292,5 @@ def calibrate(
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         steps=tuple(steps),
         backward=tuple(rate for backward, rate in rates if backward),
+        facts=describe_host() | engine.describe(),
     )
