@@ -13,10 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 import cptune  # noqa: E402
 from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases, torchrun_summary  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
 from cptune.calls import attention_calls, busiest_calls  # noqa: E402
+from cptune.cost import analytic_cost  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
 from cptune.engines.torch import TorchEngine  # noqa: E402
 from cptune.engines.torch._kernels import explicit, fused_attention  # noqa: E402
@@ -149,6 +152,106 @@ def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal,
                     busiest = max(busiest, mine)
                 assert busiest_calls(layout) == busiest, config.label  # what the prior counts
     assert most == (4 if causal else 1)
+
+
+class Traffic(TorchDispatchMode):
+    """Bytes every PyTorch op run under it reads and writes, and how many kernels it runs, the
+    attention kernel itself, views, allocations and scalars (a fill's value) left out: what the
+    engine's merges move through memory. An elementwise kernel reads each input once and writes
+    its output once (an in-place one reads and writes ``self``; ``copy_`` and ``fill_`` only
+    write it)."""
+
+    #: Per op: None (no traffic of its own), else (whether in place, whether it reads ``self``).
+    KINDS: dict = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes, self.kernels = 0, 0
+
+    @classmethod
+    def kind(cls, func) -> tuple[bool, bool] | None:
+        if func not in cls.KINDS:
+            schema, name = func._schema, func.__name__
+            first = schema.arguments[0].alias_info if schema.arguments else None
+            in_place = first is not None and first.is_write
+            viewed = bool(schema.returns) and schema.returns[0].alias_info is not None and not in_place
+            untracked = viewed or name.startswith("empty") or "attention" in name
+            cls.KINDS[func] = None if untracked else (in_place, name.split(".")[0] not in ("copy_", "fill_"))
+        return cls.KINDS[func]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (kind := self.kind(func)) is None:
+            return out
+        in_place, reads_self = kind
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor) and a.dim()]
+        read = tensors if reads_self or not in_place else tensors[1:]
+        written = [args[0]] if in_place else [o for o in (out if isinstance(out, tuple) else (out,))
+                                              if isinstance(o, torch.Tensor)]
+        self.bytes += sum(t.numel() * t.element_size() for t in (*read, *written))
+        self.kernels += 1
+        return out
+
+
+class TracedOps(PlanOnly):
+    """``PlanOnly`` that runs each step's attention as ``TorchOps`` does (``attend``, its merges
+    included) on real tensors of the step's shapes, under ``traffic``; K/V blocks as they would
+    arrive (no exchange)."""
+
+    def __init__(self, layout: SequenceLayout, rank: int, traffic: Traffic) -> None:
+        super().__init__(layout, rank)
+        self.traffic = traffic
+
+    def attention(self, q, kv, q_pos, k_pos, into=None):
+        workload = self.layout.workload
+        with self.traffic:
+            return attend(q, kv, q_pos, k_pos, workload.causal, workload.seq_len, into=into)
+
+    def all_gather(self, x, group, axis, order=None):
+        return torch.zeros((*x.shape[:-2], self.layout.padded_len, x.shape[-1]), dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_merges_the_prior_counts_are_the_traffic_the_engines_code_moves(causal, dtype):
+    """Every configuration on 1-8 ranks, every rank, at a length with blocks of padding only
+    and one without: the bytes and kernels of the merges ``analytic_cost`` counts where
+    attention runs as fused calls (``position_calls``) are those of the busiest rank as the
+    torch engine's ``attend`` runs it - its merges, its copies into the float32 accumulator,
+    and the result's cast back to the wire dtype (a pass of its own; inside the pack of
+    Ulysses' exchange back, which then reads float32) - op by op."""
+    from cptune.engines.torch._ops import TORCH_DTYPES, pack
+    from cptune.strategies import CONTEXT_STRATEGIES
+    from cptune.strategies.primitives import SEQ
+
+    wire = TORCH_DTYPES[dtype]
+    for seq_len in (120, 9):
+        for ranks in range(1, 9):
+            workload = Workload(seq_len=seq_len, heads=8, head_dim=16, dtype=dtype, causal=causal)
+            for config in enumerate_configs(workload, ranks):
+                if config.ranks != ranks:
+                    continue
+                layout = SequenceLayout(workload, config)
+                u, rows = config.head_group, layout.padded_len // config.context_degree
+                q = torch.randn((1, 8 // u, rows, 16)).to(wire)
+                kv = torch.randn((2, 1, 8 // u, rows, 16)).to(wire)
+                moved, launched = 0, 0
+                for rank in range(ranks):
+                    traffic = Traffic()
+                    strategy = CONTEXT_STRATEGIES[config.strategy]
+                    out = strategy.attend(TracedOps(layout, rank, traffic), layout, rank, q, kv).out
+                    with traffic:  # back to the wire dtype, as the engine hands the output on
+                        pack(out, SEQ, u, wire) if u > 1 else out.to(wire)
+                    if u > 1:  # the pack's own copy is a permute: only its wider read counts here
+                        as_wire, narrow = Traffic(), out.to(wire)
+                        with as_wire:
+                            pack(narrow, SEQ, u, wire)
+                        traffic.bytes -= as_wire.bytes
+                        traffic.kernels -= as_wire.kernels
+                    moved, launched = max(moved, traffic.bytes), max(launched, traffic.kernels)
+                cost = analytic_cost(workload, config, position_calls=True)
+                assert (cost.memory_bytes["merge"], cost.kernels["merge"]) == (moved, launched), \
+                    (config.label, seq_len)
 
 
 def test_merging_two_halves_in_place_equals_attending_to_both():

@@ -171,6 +171,8 @@ class CalibratedProfile(StoredHost):
     def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
         wire = workload.wire_dtype
         if step == "merge":
+            if self.position_calls:
+                return 0.0  # that engine's merges (``_fused_merges``) are not timed apart: in its rates
             elements = nbytes / (MERGE_FP32_PASSES * FP32_BYTES + wire.itemsize)
             return elements * self.calibration.step_seconds("merge", ranks, "float32")
         if step == "requery":
