@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,16 @@ class PlanOnly:
             yield (me - step) % len(members), kv
 
 
+def every_layout(lengths: tuple[int, ...], **shape) -> Iterator[SequenceLayout]:
+    """The layout of every configuration on 1-8 ranks (each count's own) of each length's workload."""
+    for seq_len in lengths:
+        for ranks in range(1, 9):
+            workload = Workload(seq_len=seq_len, **shape)
+            for config in enumerate_configs(workload, ranks):
+                if config.ranks == ranks:
+                    yield SequenceLayout(workload, config)
+
+
 def call_bound(workload: Workload, config: CPConfig, q_pos: np.ndarray) -> int:
     """At most one fused call per query run and step; two for AllGather-KV's causal query
     chunks (the keys before a chunk, then its square diagonal)."""
@@ -132,25 +143,19 @@ def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal,
     never more than ``call_bound``, so the count does not grow with the ranks; the busiest
     rank's total is the prior's closed form (``busiest_calls``)."""
     most = 0
-    for seq_len in (840, 837, 9):
-        for ranks in range(1, 9):
-            workload = Workload(seq_len=seq_len, heads=8, head_dim=16, kv_heads=kv_heads, causal=causal)
-            for config in enumerate_configs(workload, ranks):
-                if config.ranks != ranks:
-                    continue
-                layout = SequenceLayout(workload, config)
-                busiest = 0
-                for rank in range(ranks):
-                    ops = PlanOnly(layout, rank)
-                    run_strategy(ops, layout, rank, None, None)
-                    assert len(ops.steps) == (config.context_degree if config.strategy == "ring" else 1)
-                    for q_pos, k_pos in ops.steps:
-                        calls = attention_calls(q_pos, k_pos, causal, seq_len)
-                        assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
-                        most = max(most, len(calls))
-                    mine = sum(len(attention_calls(q, k, causal, seq_len)) for q, k in ops.steps)
-                    busiest = max(busiest, mine)
-                assert busiest_calls(layout) == busiest, config.label  # what the prior counts
+    for layout in every_layout((840, 837, 9), heads=8, head_dim=16, kv_heads=kv_heads, causal=causal):
+        workload, config, busiest = layout.workload, layout.config, 0
+        for rank in range(config.ranks):
+            ops = PlanOnly(layout, rank)
+            run_strategy(ops, layout, rank, None, None)
+            assert len(ops.steps) == (config.context_degree if config.strategy == "ring" else 1)
+            for q_pos, k_pos in ops.steps:
+                calls = attention_calls(q_pos, k_pos, causal, workload.seq_len)
+                assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
+                most = max(most, len(calls))
+            mine = sum(len(attention_calls(q, k, causal, workload.seq_len)) for q, k in ops.steps)
+            busiest = max(busiest, mine)
+        assert busiest_calls(layout) == busiest, config.label  # what the prior counts
     assert most == (4 if causal else 1)
 
 
@@ -225,33 +230,28 @@ def test_the_merges_the_prior_counts_are_the_traffic_the_engines_code_moves(caus
     from cptune.strategies.primitives import SEQ
 
     wire = TORCH_DTYPES[dtype]
-    for seq_len in (120, 9):
-        for ranks in range(1, 9):
-            workload = Workload(seq_len=seq_len, heads=8, head_dim=16, dtype=dtype, causal=causal)
-            for config in enumerate_configs(workload, ranks):
-                if config.ranks != ranks:
-                    continue
-                layout = SequenceLayout(workload, config)
-                u, rows = config.head_group, layout.padded_len // config.context_degree
-                q = torch.randn((1, 8 // u, rows, 16)).to(wire)
-                kv = torch.randn((2, 1, 8 // u, rows, 16)).to(wire)
-                moved, launched = 0, 0
-                for rank in range(ranks):
-                    traffic = Traffic()
-                    strategy = CONTEXT_STRATEGIES[config.strategy]
-                    out = strategy.attend(TracedOps(layout, rank, traffic), layout, rank, q, kv).out
-                    with traffic:  # back to the wire dtype, as the engine hands the output on
-                        pack(out, SEQ, u, wire) if u > 1 else out.to(wire)
-                    if u > 1:  # the pack's own copy is a permute: only its wider read counts here
-                        as_wire, narrow = Traffic(), out.to(wire)
-                        with as_wire:
-                            pack(narrow, SEQ, u, wire)
-                        traffic.bytes -= as_wire.bytes
-                        traffic.kernels -= as_wire.kernels
-                    moved, launched = max(moved, traffic.bytes), max(launched, traffic.kernels)
-                cost = analytic_cost(workload, config, position_calls=True)
-                assert (cost.memory_bytes["merge"], cost.kernels["merge"]) == (moved, launched), \
-                    (config.label, seq_len)
+    for layout in every_layout((120, 9), heads=8, head_dim=16, dtype=dtype, causal=causal):
+        config = layout.config
+        u, rows = config.head_group, layout.padded_len // config.context_degree
+        q = torch.randn((1, 8 // u, rows, 16)).to(wire)
+        kv = torch.randn((2, 1, 8 // u, rows, 16)).to(wire)
+        moved, launched = 0, 0
+        for rank in range(config.ranks):
+            traffic = Traffic()
+            strategy = CONTEXT_STRATEGIES[config.strategy]
+            out = strategy.attend(TracedOps(layout, rank, traffic), layout, rank, q, kv).out
+            with traffic:  # back to the wire dtype, as the engine hands the output on
+                pack(out, SEQ, u, wire) if u > 1 else out.to(wire)
+            if u > 1:  # the pack's own copy is a permute: only its wider read counts here
+                as_wire, narrow = Traffic(), out.to(wire)
+                with as_wire:
+                    pack(narrow, SEQ, u, wire)
+                traffic.bytes -= as_wire.bytes
+                traffic.kernels -= as_wire.kernels
+            moved, launched = max(moved, traffic.bytes), max(launched, traffic.kernels)
+        cost = analytic_cost(layout.workload, config, position_calls=True)
+        assert (cost.memory_bytes["merge"], cost.kernels["merge"]) == (moved, launched), \
+            (config.label, layout.workload.seq_len)
 
 
 def test_merging_two_halves_in_place_equals_attending_to_both():
