@@ -227,7 +227,9 @@ def calibrate(
     0.53-0.59x those of three others that hour, and the guard saw nothing. With ``guard``
     (None: on unless ``$CPTUNE_GUARD`` is "off") a step the contention guard saw disturbed is
     timed again once the host is quiet (``_guarded``); ``CalibrationDisturbedError`` when it
-    stays disturbed. Holds the host lock (``cptune.hostlock``) while it times."""
+    stays disturbed. Holds the host lock (``cptune.hostlock``) while it times. The calibration
+    keeps what its timings ran with (``Calibration.facts``: the host's facts and the engine's
+    ``describe``, the kernel its last attention timing ran among them)."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     if rounds < 1:
