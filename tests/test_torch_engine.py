@@ -554,6 +554,9 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     with Store(db) as store:  # the fused backward timed too, for the prior of a training step
         calibration = store.calibration(TorchEngine().hardware().fingerprint)
     assert calibration is not None and calibration.backward_speed(16) > 0
+    # ... and the kernel its rates describe, forward and backward (issue 59)
+    assert calibration.timed_kernels == "flash_for_cpu, flash_for_cpu backward"
+    assert calibration.facts["process_group"] == "gloo"
     # only what xDiT runs: no AllGather-KV
     searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
                       "--ranks", "1,2", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0",
@@ -562,11 +565,14 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     assert "gloo over TCP loopback" in searched.stdout and "calibrating" not in searched.stdout
     rows = json.loads(cptune_here("results", "--db", db, "--json").stdout)
     assert len(rows) == 6 and {row["engine"] for row in rows} == {"torch"}
+    assert {(row["kernel"], row["facts"]["process_group"]) for row in rows} == {("flash_for_cpu", "gloo")}
     assert {row["strategy"] for row in rows if row["ranks"] == 2} == {"ring", "ulysses"}
     assert cptune_here("fit", "--db", db).returncode == 0
     picked = cptune_here("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
     assert picked.returncode == 0, picked.stderr
-    assert json.loads(picked.stdout)["fingerprint"] == TorchEngine().hardware().fingerprint
+    pick = json.loads(picked.stdout)
+    assert pick["fingerprint"] == TorchEngine().hardware().fingerprint
+    assert "attention timed with flash_for_cpu, flash_for_cpu backward" in pick["hardware"]
     # the plan, and the same plan as diffusers takes it (--ranks 2: every bucket runs context parallel)
     plan = tmp_path / "plan.json"
     exported = cptune_here("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
