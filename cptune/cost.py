@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from cptune.config import CPConfig
 from cptune.layout import SequenceLayout, kv_replication
@@ -50,13 +51,81 @@ MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge", "requery")
 #: their own (a requery is the attention call's own read) and the Ring's sends and receives
 #: (launched by the rank every step, unlike a collective's one call).
 KERNELS: tuple[str, ...] = ("attention", "permute", "replicate", "merge", "stream")
-#: The Ring's merge of one block's output into the running output, as the online-softmax
-#: update of ring-flash-attn (used by yunchang and xDiT) runs it eagerly: cast the block's
-#: output to fp32 (read w, write 4 bytes per element), out - block (read 8, write 4), scale by
-#: sigmoid(lse difference) (read 4, write 4), subtract from out (read 8, write 4), and the same
-#: on the log-sum-exp: 6 kernels, 36 + w bytes per output element.
+#: The Ring's merge of one block's output into the running output on an engine that merges
+#: block by block (the mpi engine's numpy merge, a TensorRT graph's), counted as the
+#: online-softmax update of ring-flash-attn (used by yunchang and xDiT) runs it eagerly: cast the
+#: block's output to fp32 (read w, write 4 bytes per element), out - block (read 8, write 4),
+#: scale by sigmoid(lse difference) (read 4, write 4), subtract from out (read 8, write 4), and
+#: the same on the log-sum-exp: 6 kernels, 36 + w bytes per output element. A calibration prices
+#: it per element (``StepCost``), so only the element count reaches the prior there.
 MERGE_KERNELS = 6
 MERGE_FP32_PASSES = 9
+
+
+class _FusedMerge(NamedTuple):
+    """One merge of a call's partial into a float32 accumulator on an engine that runs the
+    fused calls ``cptune.calls`` plans (the torch engine's ``merge_into``, which ``cptune.torch``
+    deploys): bytes per output element and per row of each head (its log-sum-exp), kernels."""
+
+    element_bytes: int
+    row_bytes: int
+    kernels: int
+
+
+def _fused_merge(wire_bytes: int) -> _FusedMerge:
+    """``_FusedMerge`` of a call whose output is ``wire_bytes`` wide, as ``merge_into`` runs it.
+    Per output element: one pass where the output is float32 (lerp: read the accumulator and
+    the output, write the accumulator: 12 bytes), two where it is 16-bit (scale the accumulator,
+    8; add the output's share, 8 + w). Per row: the total log-sum-exp (logaddexp: read 8, write
+    4), the call's share (subtract, exp: 20), the accumulator's where 16-bit (20 more), each share
+    read by the pass it weighs (4 each), the total copied into the accumulator (8): 44 or 68
+    bytes; 5 or 8 kernels."""
+    if wire_bytes == FP32_BYTES:
+        return _FusedMerge(3 * FP32_BYTES, 44, 5)
+    return _FusedMerge(4 * FP32_BYTES + wire_bytes, 68, 8)
+
+
+def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
+                  local_heads: int) -> tuple[int, int]:
+    """Bytes and kernels of the busiest rank's merges where attention runs as the fused calls
+    ``cptune.calls`` plans (``analytic_cost``'s ``position_calls``), as the torch engine's
+    ``attend`` makes them. A step of one call over every row is the kernel's own output: one
+    rank, Ulysses and unmasked AllGather-KV merge nothing. Otherwise the result accumulates in
+    float32 and is cast back to the wire dtype at the end (w != 4): by a pass of its own, or
+    inside the pack of Ulysses' exchange back, which then reads 4 bytes an element, not w.
+    - Ring: its own block's output copied to float32 at the second step (w != 4), then each
+      other block's call merged in (``_fused_merge``): rank c - 1 merges all its rows each time
+      (causal: the others' queries of their first chunk see none of a later block). Unmasked,
+      blocks of padding only have no call: a rank holding such a block starts from 0 and -inf
+      (one write each) and merges every block with a real key.
+    - causal AllGather-KV (zigzag): per query chunk the keys before it, then its square
+      diagonal. Each chunk's first call is copied into the accumulator (output and log-sum-exp,
+      two kernels); a diagonal after keys before it is merged: over all the rows of every rank
+      but the first (whose first chunk has no keys before it), in two merges on a rank of two
+      non-adjacent chunks (c > 2: four calls), in one on the last (its chunks adjoin)."""
+    c, w = config.context_degree, workload.wire_dtype.itemsize
+    if c == 1 or (config.strategy == "allgather_kv" and not workload.causal):
+        return 0, 0
+    outputs = workload.batch * block_tokens * local_heads  # rows of the rank's block, every head
+
+    def passes(element_bytes: int, row_bytes: int) -> int:
+        return outputs * (element_bytes * workload.head_dim + row_bytes)
+
+    merge, wide = _fused_merge(w), w == FP32_BYTES
+    cast_back = 0 if wide else passes(FP32_BYTES - w if config.head_group > 1 else FP32_BYTES + w, 0)
+    cast_kernels = 0 if wide or config.head_group > 1 else 1
+    if config.strategy == "allgather_kv":
+        first_calls = passes(FP32_BYTES + w, 2 * FP32_BYTES)  # each chunk's first call, copied in
+        kernels = 2 * 2 + (2 if c > 2 else 1) * merge.kernels
+        return first_calls + passes(merge.element_bytes, merge.row_bytes) + cast_back, kernels + cast_kernels
+    real = c if workload.causal else min(c, -(-workload.seq_len // block_tokens))  # blocks with a real key
+    merged = passes(merge.element_bytes, merge.row_bytes)
+    if real == c:
+        to_fp32 = 0 if wide else passes(FP32_BYTES + w, 0)
+        kernels = (0 if wide else 1) + (c - 1) * merge.kernels
+        return to_fp32 + (c - 1) * merged + cast_back, kernels + cast_kernels
+    zeroed = passes(FP32_BYTES, FP32_BYTES)
+    return zeroed + real * merged + cast_back, 2 + real * merge.kernels + cast_kernels
 
 
 @dataclass(frozen=True)
@@ -78,7 +147,8 @@ class AnalyticCost:
     kv_replication: int
     #: Bytes the busiest rank moves through device memory in memory-bound steps, by step
     #: (MEMORY_STEPS): the permutes around each all-to-all, the K/V replication for GQA, the
-    #: Ring's merges of partial outputs and its re-reads of the query block.
+    #: merges of partial outputs (the Ring's; with ``position_calls`` causal AllGather-KV's
+    #: too) and the Ring's re-reads of the query block.
     memory_bytes: dict[str, int]
     #: Kernels the busiest rank launches, by what they do (KERNELS); collectives not counted.
     kernels: dict[str, int]
@@ -123,9 +193,12 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     return max(_visible_pairs(layout, g) for g in near if 0 <= g < c)
 
 
-def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> AnalyticCost:
+def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
+                  position_calls: bool = False) -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
-    made of ``stream`` (``STREAM_KINDS``; see ``AnalyticCost``: engines differ only there).
+    made of ``stream`` (``STREAM_KINDS``) and, with ``position_calls``, attention run as the
+    fused calls ``cptune.calls`` plans and merged as the torch engine merges them (see
+    ``AnalyticCost``: engines differ only in these).
 
     With N ranks, head group u, context degree c = N / u, padded length S, batch B, heads H,
     KV heads K (K' = K * replication after Ulysses), head_dim D and wire width w bytes:
@@ -144,10 +217,14 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> 
       each Ring step after the first merges the block's output into the fp32 running output
       (MERGE_FP32_PASSES * 4 + w bytes per output element of the block) and reads its query
       block again ("requery": w bytes per element; the numpy kernel converts it to scaled
-      fp32 each call), work one call over all keys does once.
+      fp32 each call), work one call over all keys does once. With ``position_calls`` the
+      merges are the torch engine's instead (``_fused_merges``): the Ring's and causal
+      AllGather-KV's, per call and row they touch, their copies into the fp32 accumulator and
+      its cast back.
     - kernels: one attention call (c for the Ring, block by block), a permute before and
-      after each of the 3 all-to-alls, one replication, MERGE_KERNELS per Ring merge and a
-      send and a receive per p2p step (one call per broadcast step).
+      after each of the 3 all-to-alls, one replication, MERGE_KERNELS per Ring merge (with
+      ``position_calls``: the torch engine's merges' kernels) and a send and a receive per p2p
+      step (one call per broadcast step).
     - peak: inputs and output in wire dtype, Ulysses receive buffers, the K/V held during
       attention (all c blocks for AllGather-KV, current + incoming for Ring), fp32 output
       accumulators (two for Ring's merge) and one fp32 score block of SCORE_BLOCK_ROWS rows.
@@ -164,7 +241,7 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p") -> 
       the fp32 dK/dV buffers (the Ring's two in flight; AllGather-KV's whole sequence).
     The memory-bound steps and kernels stay the forward's (not counted for the backward).
     """
-    return _analytic_cost(workload, config, stream)  # one cache entry however stream is passed
+    return _analytic_cost(workload, config, stream, position_calls)  # one cache entry however passed
 
 
 def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPConfig, stream: str,
@@ -202,7 +279,7 @@ def _backward_peak(config: CPConfig, workload: Workload, block_tokens: int, loca
 
 
 @functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
-def _analytic_cost(workload: Workload, config: CPConfig, stream: str) -> AnalyticCost:
+def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
     layout = SequenceLayout(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
     s = layout.padded_len
@@ -253,6 +330,8 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str) -> Analyti
         memory["requery"] = (c - 1) * b * block_tokens * local_heads * d * w
         kernels["merge"] = (c - 1) * MERGE_KERNELS
         kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
+    if position_calls:
+        memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads)
 
     backward_flops = 0
     if workload.training:

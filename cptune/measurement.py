@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +19,18 @@ from cptune.workload import Workload
 
 #: How a run of a configuration ends: "ok", or the kind of the ``EngineError`` that ended it.
 STATUSES: tuple[str, ...] = ("ok", *EngineError.KINDS)
+#: The facts of a run (``Measurement.host``, a calibration's ``facts``) that say what it ran,
+#: with the words each is shown after: the attention kernel(s) (the torch engine's, on a GPU
+#: those its probe chose), the process group, and on a GPU the cuDNN and NCCL versions.
+RUN_FACTS: tuple[tuple[str, str], ...] = (
+    ("kernel", ""), ("process_group", "process group "), ("cudnn", "cuDNN "), ("nccl", "NCCL "),
+)
+
+
+def ran_with(facts: Mapping[str, str]) -> str:
+    """What a run ran, in one line ("flash_for_cpu; process group gloo"): its ``RUN_FACTS``
+    that ``facts`` holds; "" where none (a row stored before they were kept)."""
+    return "; ".join(f"{words}{facts[key]}" for key, words in RUN_FACTS if facts.get(key))
 
 
 @dataclass(frozen=True)

@@ -353,6 +353,9 @@ class CountingEngine:
         self.attention_calls += 1
         return np.full((len(shapes), repeats), 1.0 if self.attention_calls == 1 else 0.5)
 
+    def describe(self):
+        return {"engine": self.name, "kernel": "stand-in"}
+
     def node_readings(self):
         return {}
 
@@ -383,6 +386,8 @@ def test_a_disturbed_calibration_step_waits_for_quiet_is_timed_again_and_only_th
     engine, said = CountingEngine(), []
     calibration = calibrate(1, backend=engine, repeats=3, progress=said.append, rounds=1)
     assert engine.attention_calls == 2
+    assert calibration.timed_kernels == "stand-in"  # what the engine said its timings ran
+    assert calibration.facts["cores"] == str(available_cores())  # and the host's facts beside
     assert waits == [(1, guard.PATIENCE_S, "calibrating attention on 1 rank(s)")]  # quiet before again
     assert {rate.seconds for rate in calibration.compute} == {0.5}
     assert any("attention on 1 rank(s) disturbed by other load (other processes used" in s
@@ -434,6 +439,9 @@ class BurstEngine:
     def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout, along="heads"):
         return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
                          for chunk in chunks])
+
+    def describe(self):
+        return {"engine": self.name}
 
     def node_readings(self):
         return {}

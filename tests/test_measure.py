@@ -39,6 +39,7 @@ def test_measurement_fields(config):
     assert 0 <= m.max_error <= TOLERANCE["bf16"]
     assert m.engine == "mpi" and m.host["mpi_library"].startswith("MPICH")
     assert m.host["allocator"] == "steady"  # every CI host here runs glibc
+    assert m.host["kernel"] == "numpy"  # what a stored row shows it ran (cptune results)
     assert json.loads(json.dumps(m.to_dict()))["config"] == config.to_dict()
 
 

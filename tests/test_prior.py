@@ -381,9 +381,17 @@ def test_ring_steps_pay_merges_and_the_slowdown_beside_their_transfer_and_hide_l
     a100 = load_description("a100-sxm-8")
     workload = Workload(seq_len=32768, heads=32, head_dim=32, batch=2, causal=True)
     config = CPConfig("ring", 8)
-    cost = analytic_cost(workload, config)
-    assert cost.kernels == {"attention": 8, "permute": 0, "replicate": 0, "merge": 7 * 6, "stream": 7 * 2}
-    assert cost.memory_bytes["merge"] == 7 * 2 * (32768 // 8) * 32 * 32 * (9 * 4 + 2)
+    # an engine merging block by block (ring-flash-attn's count; a calibration prices it per element)
+    blockwise = analytic_cost(workload, config)
+    assert blockwise.kernels["merge"] == 7 * 6
+    assert blockwise.memory_bytes["merge"] == 7 * 2 * (32768 // 8) * 32 * 32 * (9 * 4 + 2)
+    # what a described GPU's plan deploys (cptune.torch): the first block's output copied to
+    # float32, 7 merges of two passes over 16-bit outputs, the result cast back to bf16
+    cost = analytic_cost(workload, config, position_calls=True)
+    assert cost.kernels == {"attention": 8, "permute": 0, "replicate": 0, "merge": 1 + 7 * 8 + 1,
+                            "stream": 7 * 2}
+    rows = 2 * (32768 // 8) * 32  # the rank's block, every head
+    assert cost.memory_bytes["merge"] == rows * (6 * 32 + 7 * (18 * 32 + 68) + 6 * 32)
     assert cost.memory_bytes["requery"] == 7 * 2 * (32768 // 8) * 32 * 32 * 2
     quiet = a100.with_figure("device.launch_us", 1e-9).with_figure("device.overlap_slowdown", 1e-12)
     t_quiet = prior_time(workload, config, DescribedProfile(quiet))
@@ -403,10 +411,53 @@ def test_ring_steps_pay_merges_and_the_slowdown_beside_their_transfer_and_hide_l
     # a host slower at launching than the device is at computing sets the pace of each step
     slow_host = DescribedProfile(a100.with_figure("device.launch_us", 1e-3))
     t_host = prior_time(workload, config, slow_host)
-    per_step = (8 + 7 * 6 + 7 * 2 - 1) / 7 * 1e-3
+    per_step = (8 + (1 + 7 * 8 + 1) + 7 * 2 - 1) / 7 * 1e-3
     ring = 7 * per_step + max(block, 1e-3)
     assert t_host.total_s == pytest.approx(ring, rel=1e-9)
     assert t_host.ring_exposed_s > 0.5 * t_host.total_s
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeMerges(DescribedProfile):
+    """A described GPU whose merges move no traffic: what the prior was before it counted them."""
+
+    def memory_time(self, step, nbytes, workload, ranks):
+        return 0.0 if step == "merge" else super().memory_time(step, nbytes, workload, ranks)
+
+
+def test_the_engines_merge_passes_cost_the_pick_the_traffic_they_move_at_memory_bandwidth():
+    """On a described GPU, whose plans deploy cptune.torch, the prior counts the merges the
+    torch engine's attention makes (issue 59; ``tests/test_torch_engine.py`` checks the count op
+    by op): each is device-memory traffic at the description's memory_gbps, launched inside the
+    Ring's steps. 32K causal tokens of 4 heads on 8 H100s: the pick, 4-way Ulysses x 2-way Ring,
+    merges one other block into its 16K rows (16-bit outputs: two passes), having copied its own
+    block's output to float32, and its result leaves in the pack of Ulysses' exchange back,
+    reading float32: that is what its cost rises by. The pure Ring merges 7 blocks of 4K rows
+    of 4 heads; causal AllGather-KV copies its query chunks' first calls in and merges their
+    diagonals."""
+    h100 = load_description("h100-sxm-8")
+    gbps = h100.figure("device.memory_gbps")
+    workload = Workload(seq_len=32768, heads=4, head_dim=128, causal=True)  # bf16, batch 1
+    priced, free = DescribedProfile(h100), FreeMerges(h100)
+    configs = [c for c in enumerate_configs(workload, 8) if c.ranks == 8]
+    pick = min(configs, key=lambda c: prior_time(workload, c, priced).total_s)
+    assert pick == CPConfig("ring", 8, 4)  # u4 x ring2
+    d = 128
+    merge, to_fp32 = 18 * d + 68, 6 * d  # per row of a head: 2 passes and the log-sum-exp; the copy
+    expected = {
+        pick: 16384 * 1 * (to_fp32 + merge + 2 * d),  # cast back inside the pack: 4 bytes read, not 2
+        CPConfig("allgather_kv", 8): 4096 * 4 * ((6 * d + 8) + merge + 6 * d),  # cast: a pass of its own
+        CPConfig("ulysses", 4): 0,  # one call over every row: the kernel's own output
+    }
+    for config, merged in expected.items():
+        assert analytic_cost(workload, config, position_calls=True).memory_bytes["merge"] == merged
+        added = prior_time(workload, config, priced).total_s - prior_time(workload, config, free).total_s
+        assert added == pytest.approx(merged / gbps, rel=1e-9, abs=1e-15), config.label
+    # the pure Ring: 7 merges; its small steps are paced by their launches, which hide them
+    ring = CPConfig("ring", 8)
+    assert analytic_cost(workload, ring, position_calls=True).memory_bytes["merge"] == \
+        4096 * 4 * (to_fp32 + 7 * merge + 6 * d)
+    assert prior_time(workload, ring, priced).total_s == prior_time(workload, ring, free).total_s
 
 
 def test_ulysses_pays_its_permutes_and_gqa_replication_through_memory():

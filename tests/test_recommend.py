@@ -312,7 +312,7 @@ def test_a_figure_measured_on_the_machine_closes_its_range_and_moves_the_pick(db
     """Issue 32: a tie names the figure that decides it; given that figure as measured (here the
     L20's all-to-all through the CPUs at host-memory speed, as nccl-tests reports busbw), its range
     closes, it decides no tie any more, and the prior's pick follows it."""
-    workload = Workload(seq_len=8192, heads=32, kv_heads=8, head_dim=128, causal=True)
+    workload = Workload(seq_len=32768, heads=32, head_dim=32, batch=2, causal=True)
     socket, node = "links.domains[1].bandwidth_gbps.all_to_all", "links.node.bandwidth_gbps.all_to_all"
     unsure = recommend(workload, hardware="l20-pcie-8", ranks=8, db=db)
     given = recommend(workload, hardware="l20-pcie-8", ranks=8, db=db, figures={socket: 17, node: 14})

@@ -455,6 +455,34 @@ def test_the_kernels_timed_steps_are_shown_where_the_calibration_has_them(data, 
     assert "the kernel's steps" in text and "1.250" in text
 
 
+def test_what_the_measurements_and_the_calibration_ran_with_is_shown(tmp_path):
+    """Each hardware names what its measurements ran with (kernel, process group), with how
+    many ran so, and what its calibration's attention rates were timed with."""
+    path = str(tmp_path / "ran.db")
+    host, torch_run = this_host(), {"kernel": "flash_for_cpu", "process_group": "gloo", "torch": "2.13.0"}
+    with Store(path) as store:
+        store.add_calibration(host, dataclasses.replace(make_calibration(2), facts=torch_run))
+        for seq_len in (1024, 2048):
+            workload = Workload(seq_len, **SHAPE)
+            for k, config in enumerate(enumerate_configs(workload, 2)):
+                ran = dataclasses.replace(measurement(workload, config, seq_len / 512 * (1 + 0.3 * k)),
+                                          host=torch_run if k else {})  # the first: stored without facts
+                store.add_measurement(host, ran)
+    data = gather(path)
+    (hardware,) = data.hardware
+    runs = 2 * (len(enumerate_configs(Workload(1024, **SHAPE), 2)) - 1)
+    assert hardware.ran_with == (("flash_for_cpu; process group gloo", runs),)
+    assert hardware.calibration_ran_with() == "flash_for_cpu; process group gloo"
+    page = write_report(data, tmp_path / "out")[-1].read_text()
+    assert f"the measurements ran with flash_for_cpu; process group gloo ({runs} runs)" in page
+    assert "timed with flash_for_cpu; process group gloo" in page
+    console = Console(width=200, record=True)
+    for table in text_tables(data):
+        console.print(table)
+    text = " ".join(console.export_text().split())
+    assert "ran with:" in text and "timed with flash_for_cpu; process group gloo" in text
+
+
 def png_size(png: bytes) -> tuple[int, int]:
     assert png.startswith(PNG)
     return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")

@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import io
+import json
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 import cptune
-from conftest import measurement, migrated
+from conftest import make_calibration, measurement, migrated
 from cptune import CPConfig, Workload
 from cptune.cli import main
 from cptune.engines import NodeVerdict, ProbeResult
@@ -425,3 +426,113 @@ def test_migrations_from_0005_keep_its_rows_one_node_each(tmp_path):
         upgraded.add_node_verdict(GPU_NODE, "tensorrt", SUBGROUPS_FAIL)  # the stored hardware row
         assert upgraded.node_verdict(GPU_NODE.fingerprint, "tensorrt") == SUBGROUPS_FAIL
         assert list(upgraded.hardware()) == [GPU_NODE.fingerprint]
+
+
+# --------------------------------------------------------------------------- what a run ran with
+
+#: What a torch run on a GPU reports beside its timings (``Measurement.host``), as it is kept.
+GPU_RUN = {"hostname": "g1", "engine": "torch", "torch": "2.13.0", "kernel": "cuda_cudnn, cuda_flash",
+           "process_group": "nccl", "cudnn": "91002", "nccl": "2.27.3"}
+
+
+def test_a_measurement_keeps_what_it_ran_with_and_results_json_shows_the_kernel_per_row(tmp_path, capsys):
+    db = str(tmp_path / "r.db")
+    ran = dataclasses.replace(measurement(WORKLOAD, CPConfig("ring", 2), 2.0), host=GPU_RUN)
+    with Store(db) as store:
+        store.add_measurement(GPU_NODE, ran)
+        store.add_failure(GPU_NODE, WORKLOAD, CPConfig("ulysses", 2), "crash", "rank 1 died", "torch")
+        kept, failed = store.results()
+    assert kept.facts == GPU_RUN and kept.kernel == "cuda_cudnn, cuda_flash"
+    assert kept.ran_with == "cuda_cudnn, cuda_flash; process group nccl; cuDNN 91002; NCCL 2.27.3"
+    assert failed.facts == {} and failed.kernel is None  # a failure ran nothing to report
+    assert main(["results", "--db", db, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["kernel"] for row in rows] == ["cuda_cudnn, cuda_flash", None]
+    assert rows[0]["facts"] == GPU_RUN and rows[1]["facts"] == {}
+    assert main(["results", "--db", db, "--csv"]) == 0
+    ok, _ = csv.DictReader(io.StringIO(capsys.readouterr().out))
+    assert ok["kernel"] == "cuda_cudnn, cuda_flash" and json.loads(ok["facts"]) == GPU_RUN  # JSON in a cell
+    assert main(["results", "--db", db]) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    assert "ran with" in table and "process group nccl" in table and "NCCL 2.27.3" in table
+
+
+def test_facts_are_kept_as_bounded_json_whatever_a_run_reports(store):
+    """A run reporting too many facts, or a value too long, keeps the first ``MAX_FACTS``, each
+    cut; values that are not strings are dropped; the column is plain JSON; a row whose column
+    holds something else (damaged, or written by another program) reads as no facts."""
+    from cptune.store._facts import MAX_FACTS, MAX_VALUE_CHARS
+
+    host = {f"fact{i:03d}": f"value {i}" for i in range(3 * MAX_FACTS)}
+    host = {"kernel": "k" * 10_000, "count": 3, **host}
+    row_id = store.add_measurement(HARDWARE, dataclasses.replace(
+        measurement(WORKLOAD, CPConfig("ring", 2), 1.0), host=host))
+    (result,) = store.results()
+    assert len(result.facts) == MAX_FACTS and "count" not in result.facts
+    assert len(result.kernel) == MAX_VALUE_CHARS and result.kernel.endswith("…")
+    with store.engine.begin() as connection:
+        (raw,) = connection.exec_driver_sql(f"SELECT facts FROM measurements WHERE id = {row_id}").one()
+        assert json.loads(raw) == dict(result.facts)  # JSON, never a pickle
+        assert len(raw.encode()) < 16 * 1024
+        connection.exec_driver_sql(f"UPDATE measurements SET facts = '[1, 2]' WHERE id = {row_id}")
+    (damaged,) = store.results()
+    assert damaged.facts == {} and damaged.median_ms == 1.0
+
+
+def test_a_calibration_keeps_what_it_was_timed_with_in_a_column_of_its_own(store):
+    """Its facts go to the calibrations' facts column, not into its data; read back, the prior
+    that reads it says which kernel its rates describe."""
+    from cptune.model import CalibratedProfile
+
+    timed = dataclasses.replace(make_calibration(2), facts=GPU_RUN)
+    store.add_calibration(GPU_NODE, timed)
+    back = store.calibration(GPU_NODE.fingerprint)
+    assert back == timed and back.timed_kernels == "cuda_cudnn, cuda_flash"
+    with store.engine.begin() as connection:
+        data, facts = connection.exec_driver_sql("SELECT data, facts FROM calibrations").one()
+    assert "facts" not in json.loads(data) and json.loads(facts) == GPU_RUN
+    assert "attention timed with cuda_cudnn, cuda_flash" in CalibratedProfile(GPU_NODE, back).describe()
+
+
+def test_migration_0010_reads_older_rows_as_having_no_facts_and_keeps_them(tmp_path):
+    """A database of revision 0009: read as it is (a reader's copy migrated in memory) and
+    upgraded by a writer, its rows and calibration have no facts and keep everything else;
+    rows stored after the upgrade keep theirs; taken back to 0009 the older rows are kept."""
+    path = tmp_path / "old.db"
+    engine = migrated(path, "0009")
+    stored = make_calibration(2).to_dict()
+    del stored["facts"]  # what a cptune of revision 0008 stored
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO hardware (id, fingerprint, host, cpu_model, cpu_count, gpu_count, interconnect, "
+            f"created_at, nodes) VALUES (1, '{GPU_NODE.fingerprint}', 'g1', 'cpu', 2, 0, 'shm', "
+            "'2026-01-01 00:00:00', 1)")
+        connection.exec_driver_sql(
+            "INSERT INTO workloads (id, seq_len, heads, kv_heads, head_dim, batch, dtype, causal, mode) "
+            "VALUES (1, 64, 4, 4, 16, 1, 'bf16', 0, 'forward')")
+        connection.exec_driver_sql(
+            "INSERT INTO measurements (id, hardware_id, workload_id, strategy, ranks, head_group, status, "
+            "median_ms, engine, cptune_version, measured_at, oversubscribed, excluded) VALUES "
+            "(1, 1, 1, 'ring', 2, 1, 'ok', 1.5, 'torch', '0.1.0', '2026-01-01 00:00:00', 0, 0)")
+        connection.exec_driver_sql(
+            "INSERT INTO calibrations (id, hardware_id, engine, data, cptune_version, measured_at) VALUES "
+            "(1, 1, 'mpi', ?, '0.1.0', '2026-01-01 00:00:00')", (json.dumps(stored),))
+    engine.dispose()
+    with Store(str(path), reading=True) as reader:
+        (old,) = reader.results()
+        assert (old.median_ms, old.facts, old.kernel) == (1.5, {}, None)
+        assert reader.calibration(GPU_NODE.fingerprint) == make_calibration(2)  # no facts
+    with Store(str(path)) as writer:
+        writer.add_measurement(GPU_NODE, dataclasses.replace(
+            measurement(Workload(seq_len=64, heads=4, head_dim=16, dtype="bf16"), CPConfig("ring", 2), 1.0),
+            host=GPU_RUN))
+        assert [r.kernel for r in writer.results()] == [None, "cuda_cudnn, cuda_flash"]
+        with writer.engine.connect() as connection:
+            context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+            assert context.get_current_revision() == HEAD_REVISION == "0010"
+    back = migrated(path, "0009", down=True)
+    with back.connect() as connection:
+        assert connection.exec_driver_sql("SELECT count(*) FROM measurements").scalar() == 2
+        columns = {row[1] for row in connection.exec_driver_sql("PRAGMA table_info(calibrations)")}
+        assert "facts" not in columns and "data" in columns
+    back.dispose()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 import cptune  # noqa: E402
 from conftest import EVERY_CONFIG, assert_pool_gone, reference_cases, torchrun_summary  # noqa: E402
 from cptune import CPConfig, EngineError, Workload  # noqa: E402
 from cptune.calls import Call, attention_calls, busiest_calls  # noqa: E402
+from cptune.cost import analytic_cost  # noqa: E402
 from cptune.engines import ENGINES, BackendUnavailableError, get_engine  # noqa: E402
 from cptune.engines.torch import TorchEngine  # noqa: E402
 from cptune.engines.torch._kernels import explicit, fused_attention  # noqa: E402
@@ -119,6 +123,16 @@ class PlanOnly:
         return x
 
 
+def every_layout(lengths: tuple[int, ...], **shape) -> Iterator[SequenceLayout]:
+    """The layout of every configuration on 1-8 ranks (each count's own) of each length's workload."""
+    for seq_len in lengths:
+        for ranks in range(1, 9):
+            workload = Workload(seq_len=seq_len, **shape)
+            for config in enumerate_configs(workload, ranks):
+                if config.ranks == ranks:
+                    yield SequenceLayout(workload, config)
+
+
 def call_bound(workload: Workload, config: CPConfig, q_pos: np.ndarray) -> int:
     """At most one fused call per query run and step; two for AllGather-KV's causal query
     chunks (the keys before a chunk, then its square diagonal)."""
@@ -134,26 +148,115 @@ def test_every_configuration_makes_one_fused_call_per_query_run_and_step(causal,
     never more than ``call_bound``, so the count does not grow with the ranks; the busiest
     rank's total is the prior's closed form (``busiest_calls``)."""
     most = 0
-    for seq_len in (840, 837, 9):
-        for ranks in range(1, 9):
-            workload = Workload(seq_len=seq_len, heads=8, head_dim=16, kv_heads=kv_heads, causal=causal)
-            for config in enumerate_configs(workload, ranks):
-                if config.ranks != ranks:
-                    continue
-                layout = SequenceLayout(workload, config)
-                busiest = 0
-                for rank in range(ranks):
-                    ops = PlanOnly(layout, rank)
-                    run_strategy(ops, layout, rank, None, None)
-                    assert len(ops.steps) == (layout.reach + 1 if config.strategy == "ring" else 1)
-                    for q_pos, k_pos in ops.steps:
-                        calls = attention_calls(q_pos, k_pos, Mask(seq_len, causal))
-                        assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
-                        most = max(most, len(calls))
-                    mine = sum(len(attention_calls(q, k, Mask(seq_len, causal))) for q, k in ops.steps)
-                    busiest = max(busiest, mine)
-                assert busiest_calls(layout) == busiest, config.label  # what the prior counts
+    for layout in every_layout((840, 837, 9), heads=8, head_dim=16, kv_heads=kv_heads, causal=causal):
+        workload, config, busiest = layout.workload, layout.config, 0
+        for rank in range(config.ranks):
+            ops = PlanOnly(layout, rank)
+            run_strategy(ops, layout, rank, None, None)
+            assert len(ops.steps) == (layout.reach + 1 if config.strategy == "ring" else 1)
+            for q_pos, k_pos in ops.steps:
+                calls = attention_calls(q_pos, k_pos, workload.mask)
+                assert len(calls) <= call_bound(workload, config, q_pos), (config.label, rank, calls)
+                most = max(most, len(calls))
+            mine = sum(len(attention_calls(q, k, workload.mask)) for q, k in ops.steps)
+            busiest = max(busiest, mine)
+        assert busiest_calls(layout) == busiest, config.label  # what the prior counts
     assert most == (4 if causal else 1)
+
+
+class Traffic(TorchDispatchMode):
+    """Bytes every PyTorch op run under it reads and writes, and how many kernels it runs, the
+    attention kernel itself, views, allocations and scalars (a fill's value) left out: what the
+    engine's merges move through memory. An elementwise kernel reads each input once and writes
+    its output once (an in-place one reads and writes ``self``; ``copy_`` and ``fill_`` only
+    write it)."""
+
+    #: Per op: None (no traffic of its own), else (whether in place, whether it reads ``self``).
+    KINDS: dict = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes, self.kernels = 0, 0
+
+    @classmethod
+    def kind(cls, func) -> tuple[bool, bool] | None:
+        if func not in cls.KINDS:
+            schema, name = func._schema, func.__name__
+            first = schema.arguments[0].alias_info if schema.arguments else None
+            in_place = first is not None and first.is_write
+            viewed = bool(schema.returns) and schema.returns[0].alias_info is not None and not in_place
+            untracked = viewed or name.startswith("empty") or "attention" in name
+            cls.KINDS[func] = None if untracked else (in_place, name.split(".")[0] not in ("copy_", "fill_"))
+        return cls.KINDS[func]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (kind := self.kind(func)) is None:
+            return out
+        in_place, reads_self = kind
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor) and a.dim()]
+        read = tensors if reads_self or not in_place else tensors[1:]
+        written = [args[0]] if in_place else [o for o in (out if isinstance(out, tuple) else (out,))
+                                              if isinstance(o, torch.Tensor)]
+        self.bytes += sum(t.numel() * t.element_size() for t in (*read, *written))
+        self.kernels += 1
+        return out
+
+
+class TracedOps(PlanOnly):
+    """``PlanOnly`` that runs each step's attention as ``TorchOps`` does (``attend``, its merges
+    included) on real tensors of the step's shapes, under ``traffic``; K/V blocks as they would
+    arrive (no exchange)."""
+
+    def __init__(self, layout: SequenceLayout, rank: int, traffic: Traffic) -> None:
+        super().__init__(layout, rank)
+        self.traffic = traffic
+
+    def attention(self, q, kv, q_pos, k_pos, into=None):
+        workload = self.layout.workload
+        with self.traffic:
+            return attend(q, kv, q_pos, k_pos, workload.mask, into=into)
+
+    def all_gather(self, x, group, axis, order=None):
+        return torch.zeros((*x.shape[:-2], self.layout.padded_len, x.shape[-1]), dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_merges_the_prior_counts_are_the_traffic_the_engines_code_moves(causal, dtype):
+    """Every configuration on 1-8 ranks, every rank, at a length with blocks of padding only
+    and one without: the bytes and kernels of the merges ``analytic_cost`` counts where
+    attention runs as fused calls (``position_calls``) are those of the busiest rank as the
+    torch engine's ``attend`` runs it - its merges, its copies into the float32 accumulator,
+    and the result's cast back to the wire dtype (a pass of its own; inside the pack of
+    Ulysses' exchange back, which then reads float32) - op by op."""
+    from cptune.engines.torch._ops import TORCH_DTYPES, pack
+    from cptune.strategies import CONTEXT_STRATEGIES
+    from cptune.strategies.primitives import SEQ
+
+    wire = TORCH_DTYPES[dtype]
+    for layout in every_layout((120, 9), heads=8, head_dim=16, dtype=dtype, causal=causal):
+        config = layout.config
+        u, rows = config.head_group, layout.padded_len // config.context_degree
+        q = torch.randn((1, 8 // u, rows, 16)).to(wire)
+        kv = torch.randn((2, 1, 8 // u, rows, 16)).to(wire)
+        moved, launched = 0, 0
+        for rank in range(config.ranks):
+            traffic = Traffic()
+            strategy = CONTEXT_STRATEGIES[config.strategy]
+            out = strategy.attend(TracedOps(layout, rank, traffic), layout, rank, q, kv).out
+            with traffic:  # back to the wire dtype, as the engine hands the output on
+                pack(out, SEQ, u, wire) if u > 1 else out.to(wire)
+            if u > 1:  # the pack's own copy is a permute: only its wider read counts here
+                as_wire, narrow = Traffic(), out.to(wire)
+                with as_wire:
+                    pack(narrow, SEQ, u, wire)
+                traffic.bytes -= as_wire.bytes
+                traffic.kernels -= as_wire.kernels
+            moved, launched = max(moved, traffic.bytes), max(launched, traffic.kernels)
+        cost = analytic_cost(layout.workload, config, position_calls=True)
+        assert (cost.memory_bytes["merge"], cost.kernels["merge"]) == (moved, launched), \
+            (config.label, layout.workload.seq_len)
 
 
 def test_merging_two_halves_in_place_equals_attending_to_both():
@@ -316,14 +419,24 @@ def test_a_measurement_records_the_engine_its_kernel_and_its_split():
 
 
 @pytest.mark.slow
-def test_calibration_ops_time_each_collective_and_shape():
-    engine = get_engine("torch")
-    for kind in ENGINES["torch"].collectives:
-        timings = engine.time_collective(kind, 2, 2, [1024, 65536], warmup=1, repeats=2, timeout=120)
-        assert timings.shape == (2, 2) and np.all(timings > 0)
-    shapes = [{"heads": 2, "seq_q": 64, "seq_k": 256, "head_dim": 32, "causal": c} for c in (0, 1)]
-    timings = engine.time_attention(2, shapes, warmup=1, repeats=2, timeout=120)
-    assert timings.shape == (2, 2) and np.all(timings > 0)
+def test_calibration_ops_time_each_collective_and_shape_and_say_which_kernel_they_timed():
+    """What a calibration keeps of the engine (``describe``, its facts) names the kernels its
+    attention timings ran, forward and backward, and the process group; a collective's
+    timing runs no kernel."""
+    engine = TorchEngine()  # a pool of its own: nothing ran on it before
+    try:
+        for kind in ENGINES["torch"].collectives:
+            timings = engine.time_collective(kind, 2, 2, [1024, 65536], warmup=1, repeats=2, timeout=120)
+            assert timings.shape == (2, 2) and np.all(timings > 0)
+        assert "kernel" not in engine.describe()
+        shapes = [{"heads": 2, "seq_q": 64, "seq_k": 256, "head_dim": 32, "causal": c} for c in (0, 1)]
+        timings = engine.time_attention(2, [*shapes, {**shapes[1], "backward": 1}], warmup=1, repeats=2,
+                                        timeout=120)
+        assert timings.shape == (3, 2) and np.all(timings > 0)
+        ran = engine.describe()
+        assert (ran["kernel"], ran["process_group"]) == ("flash_for_cpu, flash_for_cpu backward", "gloo")
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow
@@ -446,6 +559,9 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     with Store(db) as store:  # the fused backward timed too, for the prior of a training step
         calibration = store.calibration(TorchEngine().hardware().fingerprint)
     assert calibration is not None and calibration.backward_speed(16) > 0
+    # ... and the kernel its rates describe, forward and backward (issue 59)
+    assert calibration.timed_kernels == "flash_for_cpu, flash_for_cpu backward"
+    assert calibration.facts["process_group"] == "gloo"
     # only what xDiT runs: no AllGather-KV
     searched = cptune("search", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",
                       "--ranks", "1,2", "--rounds", "1", "--race-rounds", "0", "--confirm-rounds", "0",
@@ -454,11 +570,14 @@ def test_the_command_line_runs_end_to_end_on_the_torch_engine(tmp_path, cptune_h
     assert "gloo over TCP loopback" in searched.stdout and "calibrating" not in searched.stdout
     rows = json.loads(cptune_here("results", "--db", db, "--json").stdout)
     assert len(rows) == 6 and {row["engine"] for row in rows} == {"torch"}
+    assert {(row["kernel"], row["facts"]["process_group"]) for row in rows} == {("flash_for_cpu", "gloo")}
     assert {row["strategy"] for row in rows if row["ranks"] == 2} == {"ring", "ulysses"}
     assert cptune_here("fit", "--db", db).returncode == 0
     picked = cptune_here("recommend", "--backend", "torch", "--db", db, *shape, "--seq-len", "96", "--json")
     assert picked.returncode == 0, picked.stderr
-    assert json.loads(picked.stdout)["fingerprint"] == TorchEngine().hardware().fingerprint
+    pick = json.loads(picked.stdout)
+    assert pick["fingerprint"] == TorchEngine().hardware().fingerprint
+    assert "attention timed with flash_for_cpu, flash_for_cpu backward" in pick["hardware"]
     # the plan, and the same plan as diffusers takes it (--ranks 2: every bucket runs context parallel)
     plan = tmp_path / "plan.json"
     exported = cptune_here("export", "--backend", "torch", "--db", db, *shape, "--seq-lens", "64,96",

@@ -59,6 +59,7 @@ from cptune.guard import enabled as guard_enabled
 from cptune.hardware import tier_of
 from cptune.hostlock import measuring
 from cptune.layout import RankGroups
+from cptune.measurement import describe_host
 from cptune.version import __version__
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
@@ -283,7 +284,9 @@ def calibrate(
     timed again once the host is quiet (``_guarded``); ``CalibrationDisturbedError`` when it
     stays disturbed. ``pieces``: the steps a stopped calibration timed clean, which are not
     timed again, and where each step timed clean now is kept (``CalibrationPieces``). Holds
-    the host lock (``cptune.hostlock``) while it times."""
+    the host lock (``cptune.hostlock``) while it times. The calibration keeps what its
+    timings ran with (``Calibration.facts``: the host's facts and the engine's ``describe``,
+    the kernel its last attention timing ran among them)."""
     if max_ranks < 1:
         raise ValueError(f"max_ranks must be at least 1, got {max_ranks}")
     if rounds < 1:
@@ -356,4 +359,5 @@ def calibrate(
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         steps=tuple(steps),
         backward=tuple(rate for backward, rate in rates if backward),
+        facts=describe_host() | engine.describe(),
     )

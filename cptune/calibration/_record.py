@@ -8,7 +8,7 @@ by its ``EngineSpec``.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -149,6 +149,11 @@ class Calibration:
     #: The kernel's backward on some of ``compute``'s shapes (``seconds`` of one backward
     #: call); empty for an engine that does not train and for calibrations stored before.
     backward: tuple[ComputeRate, ...] = ()
+    #: What its timings ran with, as a measurement's host facts (``Measurement.host``): the
+    #: host, the engine's software, and where the engine reports them the kernel(s) its
+    #: attention was timed with (on a GPU, those the torch engine's probe chose), the process
+    #: group, cuDNN and NCCL; empty for calibrations stored before they were kept.
+    facts: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def max_ranks(self) -> int:
@@ -163,6 +168,13 @@ class Calibration:
     def kernel(self) -> str:
         """The attention kernel the calibrated engine runs (``cptune.kernels.ATTENTION_KERNELS``)."""
         return self.spec.kernel
+
+    @property
+    def timed_kernels(self) -> str:
+        """The kernel(s) its attention rates were timed with, as the engine named them (the
+        torch engine's: on a GPU those its probe chose per shape); "" where not recorded. The
+        rates describe those kernels: a prior read from them predicts the same ones."""
+        return self.facts.get("kernel", "")
 
     def collective(self, kind: str, ranks: int, group: int, tier: str = "node") -> CollectiveFit:
         """The fit for ``kind`` in groups of ``group`` among ``ranks`` ranks whose traffic
@@ -326,6 +338,7 @@ class Calibration:
             measured_at=data["measured_at"],
             steps=tuple(StepCost(**step) for step in data.get("steps", ())),
             backward=tuple(ComputeRate(**c) for c in data.get("backward", ())),
+            facts=dict(data.get("facts") or {}),
         )
 
 

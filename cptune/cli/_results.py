@@ -92,17 +92,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.csv:
         writer = csv.DictWriter(sys.stdout, fieldnames=RESULT_COLUMNS, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(r.to_dict() for r in rows)
+        for row in (r.to_dict() for r in rows):
+            writer.writerow(row | {"facts": json.dumps(row["facts"])})  # one cell: the facts as JSON
         return 0
     modes = any(r.workload.training for r in rows)  # a column where training runs are listed
+    ran = any(r.ran_with for r in rows)  # ... and where any row recorded what it ran with
     listing = table(f"{len(rows)} stored result(s)",
                    "median ms per iteration of the slowest rank; round: the interleaved rounds of each "
                    "workload numbered in the order they ran (--json gives their ids)"
-                   + ("; mode: forward, or train (forward and backward)" if modes else ""))
+                   + ("; mode: forward, or train (forward and backward)" if modes else "")
+                   + ("; ran with: the attention kernel(s), the process group and on a GPU the cuDNN and "
+                      "NCCL versions (--json: every fact kept)" if ran else ""))
     for column in ("id", "seq_len", "heads", *(("mode",) if modes else ()), "config", "ranks", "round",
-                   "status", "median ms", "hardware"):
-        listing.add_column(column, justify="left" if column in ("config", "status", "hardware") else "right",
-                           no_wrap=column != "hardware")
+                   "status", "median ms", *(("ran with",) if ran else ()), "hardware"):
+        left = column in ("config", "status", "ran with", "hardware")
+        listing.add_column(column, justify="left" if left else "right",
+                           no_wrap=column not in ("ran with", "hardware"))
     for r in rows:
         median = f"{r.median_ms:.2f}" if r.median_ms is not None else "-"
         heads = f"{r.workload.heads}/{r.workload.kv_heads}"
@@ -113,7 +118,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 status.append(f", {mark}", style="yellow")
         listing.add_row(str(r.id), str(r.workload.seq_len), heads, *((r.workload.mode,) if modes else ()),
                         r.config.label, str(r.config.ranks),
-                        str(numbers.get(r.id, "-")), status, median, Text(r.hardware))
+                        str(numbers.get(r.id, "-")), status, median,
+                        *((Text(r.ran_with or "-"),) if ran else ()), Text(r.hardware))
     console.print(listing)
     if count := sum(r.oversubscribed or r.excluded or bool(r.disturbed) for r in rows):
         say(console, f"{count} marked: oversub. = oversubscribed, run on more ranks than the host's cores; "

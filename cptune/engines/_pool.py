@@ -602,7 +602,12 @@ class PooledEngine:
         for ``time``."""
         self._timed_ranks = ranks
         ordered = [replies[r] for r in range(ranks)]
+        self._reported(ordered[0][0])
         return [list(arrays) for _, arrays in ordered], [int(h.get("peak_bytes", 0)) for h, _ in ordered]
+
+    def _reported(self, header: dict) -> None:
+        """What the first rank's reply to a run or a calibration op says it ran with (its
+        header); an engine that records it for ``describe`` keeps it here, others ignore it."""
 
     def _ran(self, replies: dict[int, protocol.Message], ranks: int) -> tuple[list[np.ndarray], list[int]]:
         """Each rank's output shard and peak bytes from a run's ``replies`` (``_arrays``)."""
@@ -674,6 +679,7 @@ class PooledEngine:
         self._pool_for(ranks)
         request = {**header, "engine": self.name}
         replies = self._request({r: (request, []) for r in range(ranks)}, timeout, what, caller_set=False)
+        self._reported(replies[0][0])
         return np.max([replies[r][1][0] for r in range(ranks)], axis=0)
 
     def time_steps(

@@ -18,10 +18,14 @@ ranks, hardware that is only calibrated or only described.
                   engine cuts them by position, ``position_calls``)
                   (a described GPU's ``attention_call_us``, from a microbenchmark of the
                   kernel; a calibrated host's rate at the work per call already holds it)
-    memory      = bytes of the memory-bound steps (permutes, GQA replication, the Ring's
-                  merges and query re-reads) / device-memory bandwidth; on a calibrated
+    memory      = bytes of the memory-bound steps (permutes, GQA replication, the merges,
+                  the Ring's query re-reads) / device-memory bandwidth; on a calibrated
                   host, the Ring's merges and query preparations at their measured cost per
-                  element (the others are not calibrated and count 0)
+                  element (the others are not calibrated and count 0). Where the profile's
+                  engine runs the fused calls ``cptune.calls`` plans (``position_calls``), the
+                  merges are the passes that engine makes (``analytic_cost``): each call's
+                  partial merged into a float32 accumulator (the Ring's steps, causal
+                  AllGather-KV's diagonals), the copies into it and the cast back
     overhead    = kernels launched outside the Ring's steps x the fixed cost of one launch
     all-to-all  = 3 calls (Q, K/V, O) x latency + bytes sent x time per byte  (head groups)
     all-gather  = latency + bytes sent x time per byte                          (context groups)
@@ -149,7 +153,7 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
 
 
 def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
-    cost = analytic_cost(workload, config, profile.stream)
+    cost = analytic_cost(workload, config, profile.stream, profile.position_calls)
     n, u, c = config.ranks, config.head_group, config.context_degree
     one_per_step = cost.kernels["attention"]
     calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
@@ -198,8 +202,8 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     ``analytic_cost`` adds to its forward's, and the attention backward at the forward's
     rate times the hardware's ``backward_speed``."""
     forward = workload.in_mode("forward")
-    train = analytic_cost(workload, config, profile.stream)
-    alone = analytic_cost(forward, config, profile.stream)
+    train = analytic_cost(workload, config, profile.stream, profile.position_calls)
+    alone = analytic_cost(forward, config, profile.stream, profile.position_calls)
     sent = {kind: train.bytes_sent[kind] - alone.bytes_sent[kind] for kind in COLLECTIVES}
     steps = {kind: train.comm_steps[kind] - alone.comm_steps[kind] for kind in COLLECTIVES}
     n, c = config.ranks, config.context_degree

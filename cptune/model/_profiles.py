@@ -171,6 +171,8 @@ class CalibratedProfile(StoredHost):
     def memory_time(self, step: str, nbytes: float, workload: Workload, ranks: int) -> float:
         wire = workload.wire_dtype
         if step == "merge":
+            if self.position_calls:
+                return 0.0  # that engine's merges (``_fused_merges``) are not timed apart: in its rates
             elements = nbytes / (MERGE_FP32_PASSES * FP32_BYTES + wire.itemsize)
             return elements * self.calibration.step_seconds("merge", ranks, "float32")
         if step == "requery":
@@ -209,9 +211,13 @@ class CalibratedProfile(StoredHost):
         return self.calibration.spec.position_calls
 
     def describe(self) -> str:
+        """The host, when it was calibrated and the kernel(s) its attention was timed with (the
+        rates this prior reads describe those), and the shape it is read for."""
         read_as = "" if self.shape is None else (f", read for {self.shape[0]} nodes x {self.shape[1]} ranks "
                                                   f"from its tiers")
-        return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at}{read_as})"
+        timed = self.calibration.timed_kernels
+        kernels = f", attention timed with {timed}" if timed else ""
+        return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at}{kernels}{read_as})"
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
         return self.calibration.attention_rate(ranks, workload.head_dim, workload.causal, flops)

@@ -18,7 +18,7 @@ import numpy as np
 
 from cptune.calibration import Calibration
 from cptune.config import LOCAL, CPConfig
-from cptune.measurement import format_ms
+from cptune.measurement import format_ms, ran_with
 from cptune.workload import AttentionShape, Workload
 
 
@@ -329,6 +329,18 @@ class HardwareReport:
     notes: tuple[str, ...]
     #: The stored calibration the prior stands on (collective fits, attention rates).
     calibration: Calibration | None = None
+    #: What its measurements shown ran with (``Result.ran_with``: kernel, process group, on a
+    #: GPU cuDNN and NCCL) and how many ran so; none where no row recorded it.
+    ran_with: tuple[tuple[str, int], ...] = ()
+
+    def ran_with_text(self) -> str:
+        """``ran_with`` in one line: "flash_for_cpu; process group gloo (24 runs)", ... ; "" if none."""
+        return ", ".join(f"{line} ({count} run{'s' if count != 1 else ''})" for line, count in self.ran_with)
+
+    def calibration_ran_with(self) -> str:
+        """What the calibration's timings ran with (``cptune.measurement.ran_with``): the
+        kernel(s) its attention rates describe among it; "" where not recorded."""
+        return "" if self.calibration is None else ran_with(self.calibration.facts)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ predictions against the measurements. What it returns is ``_data``'s ``ReportDat
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from itertools import pairwise
@@ -275,10 +275,13 @@ def gather(db: str | None = None, hardware: str | None = None) -> ReportData:
                                       tuple(sorted({s for s, _ in measured})),
                                       _breakdown(shape_estimates)))
         profile = training.profiles.get(fp)
-        engines = ", ".join(sorted({v.engine for e in estimates if e.hardware == fp for v in e.visits}))
+        visits = [v for e in estimates if e.hardware == fp for v in e.visits]
+        engines = ", ".join(sorted({v.engine for v in visits}))
         description = f"{described[fp].describe()} (engine: {engines})"
+        ran_with = Counter(v.ran_with for v in visits if v.ran_with)
         sections.append(HardwareReport(fp, description, calibrated, tuple(shapes),
                                        accuracy.get(fp), tuple(dict.fromkeys(notes)),
-                                       profile.calibration if profile else None))
+                                       profile.calibration if profile else None,
+                                       tuple(sorted(ran_with.items()))))
     return ReportData(url, datetime.now(UTC).isoformat(timespec="seconds"), __version__, tuple(sections),
                       len(fingerprints) > 1)

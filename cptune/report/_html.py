@@ -204,6 +204,8 @@ def _calibration_section(hardware: HardwareReport) -> list[str]:
     collectives, compute, steps = calibration_rows(hardware.calibration)
     section = [
         f"<h3>Calibration ({escape(hardware.calibration.measured_at)})</h3>",
+        *([f'<p class="meta">timed with {escape(timed)}</p>'] if (timed := hardware.calibration_ran_with())
+          else []),
         _plain_table(COLLECTIVE_COLUMNS, collectives,
                      "each collective in groups of that size while that many ranks run: time = latency + "
                      "bytes sent per rank / fit bandwidth; bus: nccl-tests' bus bandwidth at the largest "
@@ -253,6 +255,8 @@ def _hardware_section(hardware: HardwareReport, out: _Output) -> str:
     parts = [f"<h2>{escape(hardware.description)}</h2>",
              f'<p class="meta">fingerprint <code>{escape(hardware.fingerprint)}</code>, '
              f"{'calibrated' if hardware.calibrated else 'not calibrated'}</p>"]
+    if ran := hardware.ran_with_text():
+        parts.append(f'<p class="meta">the measurements ran with {escape(ran)}</p>')
     parts += [f'<p class="note">{escape(note)}</p>' for note in hardware.notes]
     for shape in hardware.shapes:
         parts.append(f"<h3>{escape(shape.shape.describe())}</h3>")

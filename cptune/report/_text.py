@@ -147,13 +147,25 @@ def _calibration(hardware: HardwareReport) -> list[Table]:
               "time = latency + bytes sent per rank / fit bandwidth, in groups of that size while that many "
               "ranks run; bus: nccl-tests' bus bandwidth at the largest message",
               COLLECTIVE_COLUMNS, collectives),
-        _rows(f"calibration, attention rate: {where}", "per rank, with that many ranks computing at once",
+        _rows(f"calibration, attention rate: {where}", "per rank, with that many ranks computing at once"
+              + (f"; timed with {timed}" if (timed := hardware.calibration_ran_with()) else ""),
               COMPUTE_COLUMNS, compute, names=0),
     ]
     if steps:
         tables.append(_rows(f"calibration, the kernel's steps: {where}", STEP_CAPTION, STEP_COLUMNS, steps,
                             names=2))
     return tables
+
+
+def _ran_with(hardware: HardwareReport) -> Table:
+    table = _table(f"ran with: {hardware.description} [{hardware.fingerprint[:8]}]",
+                   "what the measurements shown ran with, as each recorded it: the attention kernel(s), the "
+                   "process group, on a GPU the cuDNN and NCCL versions")
+    table.add_column("ran with")
+    table.add_column("runs", justify="right")
+    for line, count in hardware.ran_with:
+        table.add_row(escape(line), str(count))
+    return table
 
 
 def _notes(hardware: HardwareReport) -> Table:
@@ -167,7 +179,8 @@ def _notes(hardware: HardwareReport) -> Table:
 def text_tables(data: ReportData) -> list[Table]:
     """For each hardware and shape: latency, speedup (when a 1-rank run exists), strategy
     map, the verdicts on its measured cells and compute / communication / memory; then the
-    hardware's prediction accuracy, its calibration and notes, when there are any."""
+    hardware's prediction accuracy, what its measurements ran with, its calibration and notes,
+    when there are any."""
     tables = []
     for hardware in data.hardware:
         for shape in hardware.shapes:
@@ -180,6 +193,8 @@ def text_tables(data: ReportData) -> list[Table]:
             tables.append(_breakdown(hardware, shape))
         if hardware.accuracy is not None:
             tables.append(_accuracy(hardware))
+        if hardware.ran_with:
+            tables.append(_ran_with(hardware))
         if hardware.calibration is not None:
             tables += _calibration(hardware)
         if hardware.notes:

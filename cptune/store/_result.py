@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from cptune.config import CPConfig
 from cptune.hardware import heads_span_nodes
-from cptune.measurement import STATUSES
+from cptune.measurement import STATUSES, ran_with
 from cptune.workload import Workload
 
 __all__ = ["RESULT_COLUMNS", "STATUSES", "Result"]
@@ -18,7 +19,7 @@ RESULT_COLUMNS = (
     "strategy", "ranks", "head_group", "status", "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms",
     "forward_ms", "peak_bytes",
     "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
-    "heads_span_nodes",
+    "heads_span_nodes", "kernel", "facts",
 )
 
 
@@ -51,6 +52,20 @@ class Result:
     ranks_per_node: int | None = None
     #: A training run's forward alone (ms); None for a forward run.
     forward_ms: float | None = None
+    #: What it ran with (``Measurement.host``, as the store keeps it): none for a failure and
+    #: for rows stored before these were kept.
+    facts: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    @property
+    def kernel(self) -> str | None:
+        """The attention kernel(s) it ran (on a GPU, those the torch engine's probe chose);
+        None where not recorded."""
+        return self.facts.get("kernel") or None
+
+    @property
+    def ran_with(self) -> str:
+        """Its kernel, process group and GPU software in one line (``cptune.measurement.ran_with``)."""
+        return ran_with(self.facts)
 
     @property
     def heads_span_nodes(self) -> bool:
@@ -72,6 +87,7 @@ class Result:
             "max_error": self.max_error, "error": self.error, "engine": self.engine,
             "measured_at": self.measured_at, "oversubscribed": self.oversubscribed, "excluded": self.excluded,
             "round_id": self.round_id, "disturbed": self.disturbed, "heads_span_nodes": self.heads_span_nodes,
+            "kernel": self.kernel, "facts": dict(self.facts),
         }
 
 

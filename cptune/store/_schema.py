@@ -126,6 +126,9 @@ class MeasurementRow(Base):
     round_id: Mapped[str | None] = mapped_column(String(64))
     #: Why the contention guard judged this run disturbed by other load; None: it ran clean.
     disturbed: Mapped[str | None] = mapped_column(Text)
+    #: What it ran with (``Measurement.host``, bounded: ``_facts``): the kernel, the process
+    #: group, the engine's software; None for a failure and for rows stored before revision 0010.
+    facts: Mapped[dict | None] = mapped_column(JSON)
 
     hardware: Mapped[HardwareRow] = relationship()
     workload: Mapped[WorkloadRow] = relationship()
@@ -146,8 +149,9 @@ class CalibrationRow(Base):
     data: Mapped[dict] = mapped_column(JSON)
     cptune_version: Mapped[str] = mapped_column(String(32))
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
+    #: What its timings ran with (``Calibration.facts``, bounded: ``_facts``), the kernel its
+    #: attention was timed with among them; None for calibrations stored before revision 0010.
+    facts: Mapped[dict | None] = mapped_column(JSON)
 
 
 class CalibrationPieceRow(Base):

@@ -69,6 +69,7 @@ from cptune.engines import NodeVerdict
 from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
+from cptune.store._facts import bounded_facts
 from cptune.store._opening import (
     BUSY_TIMEOUT_MS,
     CHECK_OR_CREATE,
@@ -168,7 +169,7 @@ def _alembic() -> tuple[Config, ScriptDirectory]:
 #: The newest schema revision cptune's migrations (db/versions) make; tests/test_store.py holds
 #: it to Alembic's head. A database already at it is opened without loading Alembic (0.4 s of
 #: every command).
-HEAD_REVISION = "0009"
+HEAD_REVISION = "0010"
 
 
 def _revision(connection: Connection) -> str | None:
@@ -543,6 +544,7 @@ class Store:
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
                 measured_at=_utc(datetime.fromisoformat(m.measured_at)), oversubscribed=m.oversubscribed,
                 round_id=round_id, disturbed=m.disturbed, forward_ms=m.forward_ms,
+                facts=bounded_facts(m.host),
             )
             session.add(row)
             session.flush()
@@ -568,13 +570,16 @@ class Store:
             return row.id
 
     def add_calibration(self, hardware: Hardware, calibration: Calibration) -> int:
-        """Keep a calibration of ``hardware``; returns its id. The pieces a stopped calibration
-        of the same hardware and engine kept (``add_calibration_piece``) go with it: it is done."""
+        """Keep a calibration of ``hardware``, its facts in a column of their own; returns its id.
+        The pieces a stopped calibration of the same hardware and engine kept
+        (``add_calibration_piece``) go with it: it is done."""
+        data = calibration.to_dict()
+        facts = bounded_facts(data.pop("facts"))
         with self._writing() as session:
             hardware_id = self._hardware_row(session, hardware).id
             row = CalibrationRow(
                 hardware_id=hardware_id, engine=calibration.engine,
-                data=calibration.to_dict(), cptune_version=__version__,
+                data=data, facts=facts, cptune_version=__version__,
                 measured_at=_utc(datetime.fromisoformat(calibration.measured_at)),
             )
             session.add(row)
@@ -607,12 +612,18 @@ class Store:
                 if isinstance(seconds, list) and all(isinstance(t, (int, float)) for t in seconds)}
 
     def calibration(self, fingerprint: str) -> Calibration | None:
-        """The latest calibration of the hardware with ``fingerprint``, if any."""
+        """The latest calibration of the hardware with ``fingerprint``, if any, with its facts
+        (none for one stored before they were kept)."""
         query = (
-            select(CalibrationRow.data).join(HardwareRow, CalibrationRow.hardware_id == HardwareRow.id)
+            select(CalibrationRow.data, CalibrationRow.facts)
+            .join(HardwareRow, CalibrationRow.hardware_id == HardwareRow.id)
             .where(HardwareRow.fingerprint == fingerprint).order_by(CalibrationRow.id.desc()).limit(1)
         )
-        return self._parsed(query, Calibration.from_dict, f"calibration of {fingerprint}",
+
+        def parse(data: dict, facts: object) -> Calibration:
+            return Calibration.from_dict({**data, "facts": bounded_facts(facts)})
+
+        return self._parsed(query, parse, f"calibration of {fingerprint}",
                             "run cptune calibrate again to store a fresh one")
 
     def add_node_verdict(self, hardware: Hardware, engine: str, verdict: NodeVerdict) -> None:
@@ -645,15 +656,16 @@ class Store:
         return self._parsed(query, NodeVerdict.from_dict, f"node check of {fingerprint} ({engine})",
                             f"run cptune doctor --backend {engine} --db ... again to store a fresh one")
 
-    def _parsed(self, query: Select, parse: Callable[[dict], T], what: str, fix: str) -> T | None:
-        """The JSON ``query`` finds, as ``parse`` reads it; None when nothing is stored, a
-        ``StoreError`` naming ``what`` was damaged and the ``fix`` when it cannot be read."""
+    def _parsed(self, query: Select, parse: Callable[..., T], what: str, fix: str) -> T | None:
+        """The JSON ``query`` finds (its first row's columns), as ``parse`` reads it; None when
+        nothing is stored, a ``StoreError`` naming ``what`` was damaged and the ``fix`` when it
+        cannot be read."""
         with self.session() as session:
-            data = session.scalar(query)
-        if data is None:
+            row = session.execute(query).first()
+        if row is None or row[0] is None:
             return None
         try:
-            return parse(data)
+            return parse(*row)
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreError(f"the stored {what} in {self.url} is damaged ({exc!r}); {fix}") from None
 
@@ -730,5 +742,5 @@ def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
         max_error=m.max_error, error=m.error, engine=m.engine,
         measured_at=_utc(m.measured_at).isoformat(timespec="seconds"),
         oversubscribed=m.oversubscribed, excluded=m.excluded, round_id=m.round_id, disturbed=m.disturbed,
-        ranks_per_node=h.ranks_per_node,
+        ranks_per_node=h.ranks_per_node, facts=bounded_facts(m.facts),
     )

@@ -31,8 +31,10 @@ class MPIEngine(PooledEngine):
         return self._time_slowest(ranks, header, timeout, f"step calibration on {ranks} ranks")
 
     def describe(self) -> dict[str, str]:
-        """The engine's software, for the record of a measurement."""
+        """The engine's software and its kernel (cptune's numpy kernel, the spec's), for the
+        record of a measurement."""
         import mpi4py
 
-        info = {"engine": self.name, "mpi4py": mpi4py.__version__, "numpy": np.__version__}
+        info = {"engine": self.name, "kernel": self.spec.kernel, "mpi4py": mpi4py.__version__,
+                "numpy": np.__version__}
         return info | self._pool_software()

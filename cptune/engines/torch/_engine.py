@@ -16,12 +16,10 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
-import numpy as np
-
 from cptune.engines import ENGINES, BackendUnavailableError
 from cptune.engines._pool import PooledEngine, WorkerPool, driver_host, on_cluster
 from cptune.hardware import Cluster, Hardware, list_gpus, this_gpu_node, this_host
-from cptune.measurement import available_cores
+from cptune.measurement import RUN_FACTS, available_cores
 from cptune.reference import REAL_BF16_TOLERANCE
 
 INSTALL_HINT = "pip install 'cptune[torch]'"
@@ -157,15 +155,14 @@ class TorchEngine(PooledEngine):
         return {"CPTUNE_TORCH_STORE": f"{host}:{self._store.port}",
                 "CPTUNE_TORCH_WORLD": f"world-{self._worlds}"}
 
-    def _arrays(self, replies: dict, ranks: int) -> tuple[list[list[np.ndarray]], list[int]]:
-        first = replies[0][0]
-        self._ran_with = {key: str(first.get(key, "")) for key in ("kernel", "process_group")}
-        self._ran_with |= {key: str(first[key]) for key in ("cudnn", "nccl") if key in first}
-        return super()._arrays(replies, ranks)
+    def _reported(self, header: dict) -> None:
+        """Keep the kernels, process group and GPU software the last run, or the last timing
+        of attention for calibration, ran with (``RUN_FACTS``; a collective's timing names none)."""
+        self._ran_with |= {key: str(header[key]) for key, _ in RUN_FACTS if key in header}
 
     def describe(self) -> dict[str, str]:
-        """The engine's software, and the kernels and process group the last run used (on a
-        GPU with the cuDNN and NCCL versions)."""
+        """The engine's software, and the kernels and process group the last run or attention
+        timing used (on a GPU with the cuDNN and NCCL versions)."""
         version, gpus = self._torch
         info = {"engine": self.name, "torch": version, "device": f"{gpus} GPUs" if gpus else "cpu"}
         return info | self._pool_software() | self._ran_with

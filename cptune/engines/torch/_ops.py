@@ -113,11 +113,11 @@ def merge_into(acc: Partial, rows: slice, out: torch.Tensor, lse: torch.Tensor) 
     is 16-bit); the log-sum-exp -inf of a row that saw nothing yet takes the call as it is."""
     acc_out, acc_lse = acc.out[..., rows, :], acc.lse[..., rows]
     total = torch.logaddexp(acc_lse, lse)
-    share = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)  # a row neither saw anything: 0
+    share = torch.exp(lse - total).unsqueeze(-1)
     if out.dtype == acc_out.dtype:
         acc_out.lerp_(out, share)
     else:
-        acc_out.mul_(torch.exp(acc_lse - total).nan_to_num_(0.0).unsqueeze(-1)).addcmul_(out, share)
+        acc_out.mul_(torch.exp(acc_lse - total).unsqueeze(-1)).addcmul_(out, share)
     acc_lse.copy_(total)
 
 

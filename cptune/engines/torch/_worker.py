@@ -16,7 +16,9 @@ ranks (after the device is idle), wall time by CUDA events on a GPU, the compute
 communication split from ``TorchOps``' clock. A training workload's "run" (``TrainTask``)
 also gets the output's gradient, runs the forward and the backward and returns the output
 and the gradients of Q, K and V; its "time" adds the forward's wall time. "time_collective"
-and "time_attention" are the calibration ops.
+and "time_attention" are the calibration ops. A run's and an attention timing's reply name
+what they ran with (``TorchRank.ran_with``): the kernels, the process group, on a GPU cuDNN and
+NCCL.
 """
 
 from __future__ import annotations
@@ -142,6 +144,12 @@ class TorchRank(RankServer):
     def hello_facts(self) -> dict[str, str]:
         return {"mpi_library": f"torch.distributed {self.backend}"}
 
+    def ran_with(self) -> dict[str, str]:
+        """The kernels that ran since the chooser was last asked (on a GPU, those its probe
+        chose), this world's process group and on a GPU the cuDNN and NCCL versions: what a
+        run's or an attention timing's reply tells the driver."""
+        return {"kernel": CHOOSER.take_used(), "process_group": self.backend, **software()}
+
     def group(self, members: Sequence[int]) -> dist.ProcessGroup | None:
         """The process group of ``members`` (None: this rank alone)."""
         return None if len(members) == 1 else self.groups[tuple(members)]
@@ -172,8 +180,10 @@ class TorchRank(RankServer):
             return {}, [self.time_each(header["ranks"], self._collectives(header), header)]
         if op == "time_attention":
             torch.set_num_threads(int(header["threads"]))
+            CHOOSER.take_used()
             cases = [self._attention(shape) for shape in header["shapes"]]
-            return {}, [self.time_each(header["ranks"], cases, header)]
+            timings = self.time_each(header["ranks"], cases, header)
+            return self.ran_with(), [timings]
         raise RuntimeError(f"unknown op {op!r}")
 
     def time_each(self, ranks: int, cases: Sequence[Callable[[], object]], header: dict) -> np.ndarray:
@@ -285,8 +295,7 @@ class RankTask:
         else:
             peak = self.input_bytes + (max(0, rss_bytes("VmHWM") - baseline) if measured else 0)
         shards = [out.transpose(1, 2).float().cpu().numpy() for out in outputs]
-        return {"peak_bytes": int(peak), "kernel": CHOOSER.take_used(), "process_group": self.rank.backend,
-                **software()}, shards
+        return {"peak_bytes": int(peak), **self.rank.ran_with()}, shards
 
     def outputs(self) -> list[torch.Tensor]:
         """One run's tensors to return, [batch, heads, seq, head_dim] each: the output."""
