@@ -56,18 +56,6 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"for {u}-way Ulysses across groups name the context strategy: "
             f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
         )
-    if workload.heads % u:
-        fits = _head_groups_that_fit(workload.heads, min(n, workload.heads))
-        reasons.append(
-            f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
-            f"(heads % head_group must be 0; head groups that fit: {fits})"
-        )
-    elif workload.kv_heads % u and u % workload.kv_heads:
-        reasons.append(
-            f"{workload.kv_heads} KV heads and a head group of {u} do not divide each other: "
-            f"Ulysses needs kv_heads % head_group == 0 (each rank gets whole KV heads) or "
-            f"head_group % kv_heads == 0 (KV heads replicated head_group / kv_heads times)"
-        )
     if (refusal := layout_refusal(workload, config)) is not None:
         reasons.append(refusal)
     elif config.layout == "replicated_text" and u > 1:
