@@ -121,6 +121,33 @@ def test_infeasible_configs_come_with_their_reasons(db):
     assert all(r for r in rec.infeasible.values())
 
 
+def test_a_large_cluster_lists_what_runs_and_counts_why_the_rest_cannot(db, tmp_path, cptune_here):
+    """Issue 57: on 1,024 H100s a 64/8-head layer has some 15 thousand combinations, most of whose
+    head groups cannot split the heads. They are counted by reason, not listed one by one: every
+    combination is a candidate, a listed configuration or one of a reason's count."""
+    from cptune.feasibility import LISTED_INFEASIBLE
+
+    text = builtin_descriptions()["h100-sxm-2x8-ib"].read_text().replace("\nnodes = 2\n", "\nnodes = 128\n")
+    (cluster := tmp_path / "h100-128x8.toml").write_text(text)
+    workload = Workload(seq_len=8192 * 1024, heads=64, kv_heads=8, head_dim=128, causal=True)
+    rec = recommend(workload, hardware=str(cluster), db=db)
+    every = candidate_configs(1024)
+    assert len(rec.infeasible) == LISTED_INFEASIBLE < rec.infeasible_count
+    assert len(rec.candidates) + rec.infeasible_count == len(every)
+    assert {c.config for c in rec.candidates} | set(rec.infeasible) <= set(every)
+    heads = next(e for e in rec.excluded if "Ulysses limit" in e.reason)
+    assert heads.count > 5000 and workload.heads % heads.first.head_group
+    data = rec.to_dict()
+    assert data["infeasible_count"] == rec.infeasible_count and len(data["infeasible"]) == LISTED_INFEASIBLE
+    assert sum(e["count"] for e in data["excluded"]) == rec.infeasible_count - LISTED_INFEASIBLE
+    shown = cptune_here("recommend", "--hardware", cluster, "--heads", "64", "--kv-heads", "8", "--head-dim",
+                        "128", "--causal", "--seq-len", workload.seq_len, "--db", db)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    like = f"like {heads.first.label} on {heads.first.ranks}: Ulysses limit"
+    assert f"+ {heads.count:,} more cannot run, {like}" in text
+
+
 def test_a_workload_no_config_can_run_raises(db):
     with pytest.raises(InfeasibleConfigError) as caught:
         recommend(Workload(seq_len=1, heads=8, head_dim=64), ranks=2, db=db)

@@ -39,7 +39,7 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import get_engine
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.estimate import Estimate, Verdict, judge
-from cptune.feasibility import candidate_configs, feasibility
+from cptune.feasibility import ConfigSplit, Excluded, split_configs
 from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
@@ -120,7 +120,9 @@ class TierDecision:
 @dataclass(frozen=True)
 class Recommendation:
     """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
-    hardware ``fingerprint`` names; ``infeasible`` gives each excluded config's reasons;
+    hardware ``fingerprint`` names; ``infeasible`` gives the reasons of each configuration that
+    cannot run, up to ``cptune.feasibility.LISTED_INFEASIBLE`` of them, and ``excluded`` counts
+    the rest by why (on a large cluster most cannot split the heads: they are never built);
     ``correction`` whether the learned correction changed any prediction here, and why."""
 
     workload: Workload
@@ -142,6 +144,13 @@ class Recommendation:
     path_figures: tuple[str, ...] = ()
     #: On hardware of several nodes, which part of the prior's time decides the pick.
     tiers: TierDecision | None = None
+    #: The configurations that cannot run beyond those ``infeasible`` lists, counted by reason.
+    excluded: tuple[Excluded, ...] = ()
+
+    @property
+    def infeasible_count(self) -> int:
+        """Every configuration that cannot run: listed in ``infeasible`` or counted in ``excluded``."""
+        return len(self.infeasible) + sum(e.count for e in self.excluded)
 
     @property
     def best(self) -> Candidate:
@@ -217,6 +226,8 @@ class Recommendation:
             "infeasible": [
                 {**c.to_dict(), "label": c.label, "reasons": r} for c, r in self.infeasible.items()
             ],
+            "infeasible_count": self.infeasible_count,
+            "excluded": [e.to_dict() for e in self.excluded],
             "ties": [
                 {**t.other.to_dict(), "label": t.other.label, "figure": t.figure, "end": t.end}
                 for t in self.ties
@@ -481,16 +492,11 @@ def recommend(
             f"weighs every count up to {MAX_ANY_RANKS:,}; name the count to weigh with --ranks "
             f"(e.g. --ranks {MAX_ANY_RANKS})"
         )
-    configs = candidate_configs(ranks or profile.max_ranks, tuple(strategies), min_ranks=ranks or 1)
-    reasons = {c: feasibility(workload, c, profile.memory_limit(c.ranks)) for c in configs}
-    feasible = [c for c in configs if not reasons[c]]
-    infeasible = {c: r for c, r in reasons.items() if r}
+    split = split_configs(workload, ranks or profile.max_ranks, tuple(strategies), profile.memory_limit,
+                          min_ranks=ranks or 1)
+    feasible, infeasible = split.feasible, split.infeasible
     if not feasible:
-        listed = " | ".join(f"{c.label} on {c.ranks}: {'; '.join(r)}" for c, r in infeasible.items())
-        raise InfeasibleConfigError(
-            f"no configuration can run {workload.describe()} on {profile.describe()}: {listed}",
-            [reason for r in infeasible.values() for reason in r],
-        )
+        raise _nothing_runs(workload, profile, split)
     candidates = []
     to_predict = []
     measured = []
@@ -520,11 +526,30 @@ def recommend(
             f"no candidate here (there: {correction.reason})"))
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
-        candidates=tuple(candidates), infeasible=infeasible, correction=correction,
+        candidates=tuple(candidates), infeasible=infeasible, excluded=split.excluded, correction=correction,
         ties=() if isinstance(profile, MeasuredHost) else _ties(workload, profile, candidates),
         verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
         path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
         tiers=None if isinstance(profile, MeasuredHost) else _tier_decision(workload, profile, candidates),
+    )
+
+
+#: How many configurations that cannot run the refusal of a workload none can run names.
+NAMED_INFEASIBLE = 10
+
+
+def _nothing_runs(workload: Workload, profile: Profile | MeasuredHost, split: ConfigSplit
+                  ) -> InfeasibleConfigError:
+    """The refusal of a workload no configuration can run: the first few that cannot, each
+    with its reasons, and how many more cannot and why."""
+    named = list(split.infeasible.items())[:NAMED_INFEASIBLE]
+    listed = [f"{c.label} on {c.ranks}: {'; '.join(r)}" for c, r in named]
+    if more := len(split.infeasible) - len(named):
+        listed.append(f"{more:,} more listed with --json")
+    listed += [e.describe() for e in split.excluded]
+    return InfeasibleConfigError(
+        f"no configuration can run {workload.describe()} on {profile.describe()}: {' | '.join(listed)}",
+        [*(reason for r in split.infeasible.values() for reason in r), *(e.reason for e in split.excluded)],
     )
 
 
