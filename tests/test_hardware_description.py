@@ -562,3 +562,67 @@ def test_every_shipped_figure_has_its_source_written_above_it(name):
     uncited = [line for above, line in zip(lines, lines[1:], strict=False)
                if figure.match(line) and not above.startswith("#")]
     assert uncited == []
+
+
+# --------------------------------------------------------------------------- a mesh: a link per pair of GPUs
+
+MESH = BASE.replace('name = "fast"\nbandwidth_gbps = 200\n',
+                    'name = "Infinity Fabric mesh"\nmesh = true\nbandwidth_gbps = 48\naggregate_gbps = 318\n')
+
+
+@pytest.mark.parametrize(("along", "ranks", "head_group", "links"), [
+    ("heads", 4, 4, 3), ("heads", 4, 2, 1), ("context", 4, 1, 3), ("context", 4, 2, 1)])
+def test_a_mesh_moves_a_pair_over_its_link_and_a_collective_over_as_many_as_it_has_peers(
+        tmp_path, along, ranks, head_group, links):
+    """Issue 57: on a mesh (MI300X: eight GPUs, a link per pair, no switch) a send/recv reaches one
+    link's bandwidth however many ranks run, while an all-to-all, and RCCL's ring all-gather and
+    reduce-scatter laid over every link, reach one link per peer in the node - up to what a rank
+    sends over all its links. A switched node gives every collective its one bandwidth."""
+    from cptune.layout import RankGroups
+
+    mesh = load_description(write(tmp_path, MESH.replace("ranks_per_node = 4", "ranks_per_node = 8")))
+    switched = load_description(write(tmp_path, BASE, name="switched.toml"))
+    assert mesh.node_link.mesh and not switched.node_link.mesh
+    groups = RankGroups(along, ranks, head_group)
+    assert mesh.exchange("p2p", groups) == pytest.approx((10e-6, 1 / 48e9))
+    for kind in ("all_to_all", "all_gather", "reduce_scatter"):
+        assert mesh.exchange(kind, groups) == pytest.approx((10e-6, 1 / (links * 48e9)))
+        assert switched.exchange(kind, groups) == pytest.approx((10e-6, 1 / 200e9))
+    everyone = RankGroups("heads", 8, 8)
+    assert mesh.exchange("all_to_all", everyone)[1] == pytest.approx(1 / 318e9)  # 7 links would be 336
+    assert mesh.exchange("all_gather", RankGroups("context", 8, 1))[1] == pytest.approx(1 / 318e9)
+
+
+def test_mesh_clusters_groups_by_rule_move_what_their_listed_flows_move(tmp_path):
+    """Across nodes of meshes each configuration's groups given by rule price as the same groups
+    listed, every collective kind (the nodes' flows inside a mesh, the network's between)."""
+    from cptune.layout import RankGroups
+
+    machine = load_description(write(tmp_path, MESH.replace("nodes = 2", "nodes = 3")))
+    for ranks in range(2, machine.max_ranks + 1):
+        for u in [d for d in range(1, ranks + 1) if ranks % d == 0]:
+            for along in ("heads", "context"):
+                groups = RankGroups(along, ranks, u)
+                for kind in ("all_to_all", "all_gather", "p2p", "reduce_scatter"):
+                    assert machine.exchange(kind, groups) == pytest.approx(
+                        machine.exchange(kind, tuple(groups)), rel=1e-12), (ranks, u, along, kind)
+
+
+@pytest.mark.parametrize(("old", "new", "key", "fragment"), [
+    ("aggregate_gbps = 318\n", "", "links.node.aggregate_gbps", "missing required key"),
+    ("mesh = true\n", "", "links.node.aggregate_gbps", "given but the node is no mesh"),
+    ("mesh = true\n", "mesh = true\nthrough_cpu = true\n", "links.node.mesh", "not through a CPU"),
+    ("mesh = true\n", "mesh = 1\n", "links.node.mesh", "expected a boolean"),
+    ("[links.network]", '[[links.domains]]\nname = "switch"\nranks = 2\nbandwidth_gbps = 20\nlatency_us = 5\n'
+     "[links.network]", "links.node.mesh", "remove [[links.domains]] or mesh"),
+])
+def test_a_mesh_is_refused_without_its_aggregate_or_beside_switches(tmp_path, old, new, key, fragment):
+    path = write(tmp_path, replaced_once(MESH, old, new))
+    message = refusal(path)
+    assert message.startswith(f"{path}: {key}: ") and fragment in message, message
+
+
+def test_a_switched_description_keeps_its_fingerprint_beside_the_mesh_field():
+    """A mesh is a new kind of node; a description without one hashes as it did before (so plans
+    and results named by it keep naming it)."""
+    assert load_description("h100-sxm-2x8-ib").fingerprint == "described:ad70c2ceb93d"  # as before meshes
