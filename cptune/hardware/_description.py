@@ -401,10 +401,13 @@ class HardwareDescription:
         Who sends how much over which tier (``traffic``) depends on the topology alone, so it is
         worked out once per collective and layout, whatever the figures; the price of each
         (collective, groups) once per description, since many configurations share them."""
-        key = (kind, canonical_groups(self.topology, kind, groups))
-        if (priced := self._exchanges.get(key)) is None:
-            priced = self._exchanges[key] = self._price(kind, traffic(self.topology, kind, key[1]))
-        return priced
+        asked = self._exchanges.get((kind, groups))
+        if asked is None:  # first asked: priced once per canonical groups, which configurations share
+            same = canonical_groups(self.topology, kind, groups)
+            if (asked := self._exchanges.get((kind, same))) is None:
+                asked = self._exchanges[kind, same] = self._price(kind, traffic(self.topology, kind, same))
+            self._exchanges[kind, groups] = asked
+        return asked
 
     def _price(self, kind: str, load: Traffic | None) -> tuple[float, float]:
         """``exchange`` of the traffic ``load`` of collective ``kind``, at this description's figures."""
@@ -427,7 +430,8 @@ class HardwareDescription:
 
     @functools.cached_property
     def _exchanges(self) -> dict[tuple[str, Groups], tuple[float, float]]:
-        """``exchange`` by collective and canonical groups, worked out once per description."""
+        """``exchange`` by collective and groups as asked and as canonical, worked out once per
+        description."""
         return {}
 
     @functools.cached_property
