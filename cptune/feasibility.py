@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.cost import analytic_cost
+from cptune.cost import peak_bytes
 from cptune.errors import InfeasibleConfigError
 from cptune.layout import kv_replication
 from cptune.workload import Workload
 
 __all__ = ["LISTED_INFEASIBLE", "MAX_CONFIGS", "ConfigSplit", "Excluded", "candidate_configs",
-           "check_feasible", "closest_to_fitting", "enumerate_configs", "feasibility", "format_bytes",
-           "head_groups_that_fit", "kv_replication", "split_configs"]
+           "check_feasible", "closest_to_fitting", "enumerate_configs", "feasibility", "fits_memory",
+           "format_bytes", "head_groups_that_fit", "kv_replication", "split_configs"]
 
 
 def format_bytes(n: float) -> str:
@@ -77,21 +77,25 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"seq_len {workload.seq_len} is shorter than {n} ranks: every rank needs at least "
             f"one token; use at most {workload.seq_len} rank{'s' if workload.seq_len != 1 else ''}"
         )
-    if memory_limit is not None and not reasons:
-        need = analytic_cost(workload, config).peak_bytes
-        if need > memory_limit:
-            reasons.append(
-                f"needs about {format_bytes(need)} per rank, over the limit of "
-                f"{format_bytes(memory_limit)}; use more ranks or a shorter sequence"
-            )
+    if not reasons and not fits_memory(workload, config, memory_limit):
+        assert memory_limit is not None
+        need = format_bytes(peak_bytes(workload, config))
+        reasons.append(f"needs about {need} per rank, over the limit of {format_bytes(memory_limit)}; use "
+                       f"more ranks or a shorter sequence")
     return reasons
+
+
+def fits_memory(workload: Workload, config: CPConfig, memory_limit: int | None) -> bool:
+    """Whether ``config``'s analytic peak activation memory per rank fits ``memory_limit`` bytes
+    (None: no limit)."""
+    return memory_limit is None or peak_bytes(workload, config) <= memory_limit
 
 
 def closest_to_fitting(workload: Workload, configs: Sequence[CPConfig],
                        memory_limit: Callable[[int], int | None]) -> str:
     """Why none of ``configs`` (each runnable but for memory) fits in ``memory_limit(ranks)``
     bytes per rank, in words: the one that needs the least memory in all, and its reason."""
-    closest = min(configs, key=lambda c: analytic_cost(workload, c).peak_bytes * c.ranks)
+    closest = min(configs, key=lambda c: peak_bytes(workload, c) * c.ranks)
     reason = feasibility(workload, closest, memory_limit(closest.ranks))
     return f"the closest, {closest.describe()}, {reason[0] if reason else 'fits'}"
 
@@ -218,14 +222,15 @@ def _kind(workload: Workload, config: CPConfig) -> str:
     return "seq_len" if workload.seq_len < config.ranks else "memory"
 
 
-def _divisor_counts(lo: int, hi: int) -> list[int]:
-    """How many divisors each of lo..hi has: one by one for a few, else by a sieve."""
-    if hi - lo < 64:
-        return [len(_divisors(n)) for n in range(lo, hi + 1)]
-    counts = np.zeros(hi + 1, dtype=np.int64)
-    for k in range(1, hi + 1):
-        counts[-(-lo // k) * k::k] += 1  # the multiples of k from lo on
-    return [int(count) for count in counts[lo:]]
+def _divisor_counts(ranks: Sequence[int]) -> list[int]:
+    """How many divisors each of the ascending ``ranks`` has: one by one for a few, else by a
+    sieve up to the largest."""
+    if len(ranks) < 64:
+        return [len(_divisors(n)) for n in ranks]
+    counts = np.zeros(ranks[-1] + 1, dtype=np.int64)
+    for k in range(1, ranks[-1] + 1):
+        counts[k::k] += 1
+    return [int(counts[n]) for n in ranks]
 
 
 @functools.lru_cache(maxsize=1024)  # of gcd(n, heads): the same few divisors of the heads
@@ -233,20 +238,24 @@ def _divisor_count(n: int) -> int:
     return len(_divisors(n))
 
 
-def split_configs(workload: Workload, max_ranks: int, strategies: tuple[str, ...] = STRATEGIES,
-                  memory_limit: Callable[[int], int | None] | None = None, min_ranks: int = 1,
+def split_configs(workload: Workload, ranks: Sequence[int], strategies: tuple[str, ...] = STRATEGIES,
+                  memory_limit: Callable[[int], int | None] | None = None,
                   listed: int = LISTED_INFEASIBLE) -> ConfigSplit:
-    """Every configuration of ``candidate_configs`` on min_ranks..max_ranks ranks, split into
-    those ``workload`` can run (within ``memory_limit(ranks)`` bytes per rank, when given) and
-    those it cannot (``ConfigSplit``). Its cost follows the configurations that can run: once
-    ``listed`` that cannot are listed, only those whose head group fits (``head_groups_that_fit``)
-    are built and checked, and the others counted in closed form (of n's divisors, those that
-    divide the heads are the divisors of gcd(n, heads)). ``ValueError`` beyond ``MAX_CONFIGS``."""
-    if not 1 <= min_ranks <= max_ranks:
-        raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks} and {max_ranks}")
+    """Every configuration of ``candidate_configs`` on each of the rank counts ``ranks``
+    (ascending), split into those ``workload`` can run (within ``memory_limit(ranks)`` bytes per
+    rank, when given) and those it cannot (``ConfigSplit``). Its cost follows the configurations
+    that can run: once ``listed`` that cannot are listed, only those whose head group fits
+    (``head_groups_that_fit``) are built and checked, and the others counted in closed form (of
+    n's divisors, those that divide the heads are the divisors of gcd(n, heads)). ``ValueError``
+    beyond ``MAX_CONFIGS``."""
+    if not ranks or ranks[0] < 1:
+        raise ValueError(f"need rank counts of at least 1, got {ranks!r}")
     strategies = _checked(strategies)
+    min_ranks, max_ranks = ranks[0], ranks[-1]
     fits = head_groups_that_fit(workload, max_ranks)
-    _check_size(workload, min_ranks, max_ranks, strategies, fits, max_ranks - min_ranks + 1)
+    _check_size(workload, min_ranks, max_ranks, strategies, fits, len(ranks))
+    if not isinstance(ranks, range) and any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)):
+        raise ValueError(f"need ascending rank counts, got {list(ranks)}")
     context = sum(s != "ulysses" for s in strategies)
     ulysses = "ulysses" in strategies
     feasible: list[CPConfig] = []
@@ -261,8 +270,8 @@ def split_configs(workload: Workload, max_ranks: int, strategies: tuple[str, ...
                 c for c in _configs_of(n, strategies, _divisors(n)) if _kind(workload, c) == kind))
             counted[kind] = (before + how_many, earliest)
 
-    divisor_counts: list[int] = []
-    for n in range(min_ranks, max_ranks + 1):
+    divisor_counts: dict[int, int] = {}
+    for index, n in enumerate(ranks):
         limit = None if memory_limit is None else memory_limit(n)
         if n == 1 or len(infeasible) < listed:  # every configuration of n, each checked
             for config in _configs_of(n, strategies, _divisors(n)):
@@ -273,8 +282,9 @@ def split_configs(workload: Workload, max_ranks: int, strategies: tuple[str, ...
                 else:
                     count(_kind(workload, config), 1, n, config)
             continue
-        divisor_counts = divisor_counts or _divisor_counts(n, max_ranks)
-        head_groups = divisor_counts[n - max_ranks - 1] - 1  # those of a context strategy: below n
+        if not divisor_counts:  # those of the rank counts left
+            divisor_counts = dict(zip(ranks[index:], _divisor_counts(ranks[index:]), strict=True))
+        head_groups = divisor_counts[n] - 1  # those of a context strategy: below n
         whole = workload.heads % n == 0  # a head group of all n ranks splits the heads
         splitting = _divisor_count(math.gcd(n, workload.heads)) - whole  # below n, splitting the heads
         configs = _configs_of(n, strategies, fits)  # those whose head group fits
@@ -284,8 +294,8 @@ def split_configs(workload: Workload, max_ranks: int, strategies: tuple[str, ...
         if n > workload.seq_len:
             count("seq_len", len(configs), n)
             continue
-        for config in configs:
-            if not feasibility(workload, config, limit):
+        for config in configs:  # whose head group fits on ranks that hold a token each
+            if fits_memory(workload, config, limit):
                 feasible.append(config)
             else:
                 count("memory", 1, n, config)

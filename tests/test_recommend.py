@@ -122,21 +122,23 @@ def test_infeasible_configs_come_with_their_reasons(db):
 
 
 def test_a_large_cluster_lists_what_runs_and_counts_why_the_rest_cannot(db, tmp_path, cptune_here):
-    """Issue 57: on 1,024 H100s a 64/8-head layer has some 15 thousand combinations, most of whose
-    head groups cannot split the heads. They are counted by reason, not listed one by one: every
-    combination is a candidate, a listed configuration or one of a reason's count."""
+    """Issue 57: on 1,024 H100s a 64/8-head layer has thousands of combinations on whole nodes,
+    most of whose head groups cannot split the heads. They are counted by reason, not listed one
+    by one: every combination is a candidate, a listed configuration or one of a reason's count."""
     from cptune.feasibility import LISTED_INFEASIBLE
 
     text = builtin_descriptions()["h100-sxm-2x8-ib"].read_text().replace("\nnodes = 2\n", "\nnodes = 128\n")
     (cluster := tmp_path / "h100-128x8.toml").write_text(text)
     workload = Workload(seq_len=8192 * 1024, heads=64, kv_heads=8, head_dim=128, causal=True)
     rec = recommend(workload, hardware=str(cluster), db=db)
-    every = candidate_configs(1024)
+    weighed = [*range(1, 9), *range(16, 1025, 8)]  # beyond one node, whole nodes
+    every = [c for n in weighed for c in candidate_configs(n, min_ranks=n)]
+    assert rec.whole_nodes == 8 and {c.config.ranks for c in rec.candidates} <= set(weighed)
     assert len(rec.infeasible) == LISTED_INFEASIBLE < rec.infeasible_count
     assert len(rec.candidates) + rec.infeasible_count == len(every)
     assert {c.config for c in rec.candidates} | set(rec.infeasible) <= set(every)
     heads = next(e for e in rec.excluded if "Ulysses limit" in e.reason)
-    assert heads.count > 5000 and workload.heads % heads.first.head_group
+    assert heads.count > 1000 and workload.heads % heads.first.head_group
     data = rec.to_dict()
     assert data["infeasible_count"] == rec.infeasible_count and len(data["infeasible"]) == LISTED_INFEASIBLE
     assert sum(e["count"] for e in data["excluded"]) == rec.infeasible_count - LISTED_INFEASIBLE
@@ -146,6 +148,7 @@ def test_a_large_cluster_lists_what_runs_and_counts_why_the_rest_cannot(db, tmp_
     text = " ".join(shown.stdout.split())
     like = f"like {heads.first.label} on {heads.first.ranks}: Ulysses limit"
     assert f"+ {heads.count:,} more cannot run, {like}" in text
+    assert "beyond one node, whole nodes of 8 ranks were weighed; --ranks N weighs any other count" in text
 
 
 def test_a_workload_no_config_can_run_raises(db):

@@ -442,7 +442,7 @@ def test_split_builds_what_can_run_and_counts_the_rest_as_listing_every_combinat
         reasons = {c: feasibility(workload, c, None if memory_limit is None else limit) for c in every}
         cannot = [c for c in every if reasons[c]]
         for listed in (0, 3, 1000):
-            split = split_configs(workload, hi, strategies, memory_limit, min_ranks=lo, listed=listed)
+            split = split_configs(workload, range(lo, hi + 1), strategies, memory_limit, listed=listed)
             assert list(split.feasible) == [c for c in every if not reasons[c]]
             assert list(split.infeasible) == cannot[:len(split.infeasible)]
             assert all(split.infeasible[c] == reasons[c] for c in split.infeasible)

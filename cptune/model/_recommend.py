@@ -146,6 +146,9 @@ class Recommendation:
     tiers: TierDecision | None = None
     #: The configurations that cannot run beyond those ``infeasible`` lists, counted by reason.
     excluded: tuple[Excluded, ...] = ()
+    #: Ranks per node where, beyond one node, only whole nodes were weighed (``weighed_ranks``:
+    #: no rank count given, on hardware of several nodes); None where every count was.
+    whole_nodes: int | None = None
 
     @property
     def infeasible_count(self) -> int:
@@ -228,6 +231,7 @@ class Recommendation:
             ],
             "infeasible_count": self.infeasible_count,
             "excluded": [e.to_dict() for e in self.excluded],
+            "whole_nodes": self.whole_nodes,
             "ties": [
                 {**t.other.to_dict(), "label": t.other.label, "figure": t.figure, "end": t.end}
                 for t in self.ties
@@ -464,7 +468,8 @@ def recommend(
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
-    ``ranks``: exactly this many ranks, or None for any count up to the hardware's.
+    ``ranks``: exactly this many ranks, or None for any count up to the hardware's (beyond one
+    node in whole nodes, on hardware of several: ``weighed_ranks``).
     ``hardware``: None for this host (needs a calibration), a stored fingerprint, a shipped
     description name (e.g. "h100-sxm-8") or a description file. ``db``: a SQLAlchemy URL or
     a file path (default: $CPTUNE_DB or ./cptune.db). ``strategies``: the context strategies
@@ -492,8 +497,8 @@ def recommend(
             f"weighs every count up to {MAX_ANY_RANKS:,}; name the count to weigh with --ranks "
             f"(e.g. --ranks {MAX_ANY_RANKS})"
         )
-    split = split_configs(workload, ranks or profile.max_ranks, tuple(strategies), profile.memory_limit,
-                          min_ranks=ranks or 1)
+    counts = weighed_ranks(profile, ranks)
+    split = split_configs(workload, counts, tuple(strategies), profile.memory_limit)
     feasible, infeasible = split.feasible, split.infeasible
     if not feasible:
         raise _nothing_runs(workload, profile, split)
@@ -531,7 +536,24 @@ def recommend(
         verdict=judge(measured) if candidates[0].source == "measured" else None, unpredicted=unpredicted,
         path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
         tiers=None if isinstance(profile, MeasuredHost) else _tier_decision(workload, profile, candidates),
+        whole_nodes=profile.ranks_per_node if ranks is None and len(counts) < profile.max_ranks else None,
     )
+
+
+def weighed_ranks(profile: Profile | MeasuredHost, ranks: int | None) -> Sequence[int]:
+    """The rank counts ``recommend`` weighs: ``ranks`` alone when given; else every count up to
+    the hardware's, in whole nodes beyond the first on hardware of several nodes (a job spanning
+    nodes takes whole nodes; weighing every count, each pick on 16 to 256 GPUs of six workloads,
+    forward and training, was on whole nodes anyway: ``benchmarks/recommend_scaling.py``). The
+    cost follows them: on
+    8,192 GPUs in nodes of 8, 1,031 counts rather than 8,192. Any other count is there for
+    ``ranks``."""
+    if ranks is not None:
+        return (ranks,)
+    node = profile.ranks_per_node
+    if node is None or node >= profile.max_ranks:
+        return range(1, profile.max_ranks + 1)
+    return [*range(1, node + 1), *range(2 * node, profile.max_ranks + 1, node)]
 
 
 #: How many configurations that cannot run the refusal of a workload none can run names.
