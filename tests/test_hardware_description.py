@@ -9,6 +9,7 @@ from importlib import resources
 import pytest
 
 from conftest import refusal_of, replaced_once, write_toml
+from cptune.config import CPConfig
 from cptune.errors import CPTuneError
 from cptune.hardware import (
     Figure,
@@ -18,6 +19,7 @@ from cptune.hardware import (
     builtin_descriptions,
     load_description,
 )
+from cptune.workload import Workload
 
 SHIPPED = {"a100-pcie-4": 4, "a100-sxm-8": 8, "a800-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8,
            "h20-8": 8, "h200-sxm-2x8-ib": 16, "h200-sxm-8": 8, "h800-sxm-8": 8, "l20-pcie-8": 8,
@@ -558,7 +560,7 @@ def test_every_shipped_figure_has_its_source_written_above_it(name):
     text = (resources.files("cptune.hardware") / "descriptions" / f"{name}.toml").read_text()
     lines = text.splitlines()
     figure = re.compile(r"^(memory_gib|matmul_tflops|softmax_tops|memory_gbps|launch_us|attention_call_us"
-                        r"|overlap_slowdown|bandwidth_gbps|latency_us|uplink_gbps)\s*=")
+                        r"|overlap_slowdown|backward_speed|bandwidth_gbps|latency_us|uplink_gbps|aggregate_gbps)\s*=")
     uncited = [line for above, line in zip(lines, lines[1:], strict=False)
                if figure.match(line) and not above.startswith("#")]
     assert uncited == []
@@ -626,3 +628,20 @@ def test_a_switched_description_keeps_its_fingerprint_beside_the_mesh_field():
     """A mesh is a new kind of node; a description without one hashes as it did before (so plans
     and results named by it keep naming it)."""
     assert load_description("h100-sxm-2x8-ib").fingerprint == "described:ad70c2ceb93d"  # as before meshes
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_shipped_description_predicts_a_training_step(name):
+    """Issue 57: a100-sxm-8 and five others gave no backward speed, so recommend refused every
+    training layer on them. Each now gives one, with the range its source allows."""
+    from cptune.model import DescribedProfile, prior_time
+    from cptune.model._profiles import check_predicts
+
+    description = load_description(name)
+    speed = description.figures["device.backward_speed"]
+    assert 0.5 <= speed.low <= speed.value <= speed.high <= 1.0 and speed.uncertain
+    profile = DescribedProfile(description)
+    training = Workload(seq_len=8192, heads=32, kv_heads=8, head_dim=128, causal=True, mode="train")
+    check_predicts(training, profile)
+    step = prior_time(training, CPConfig("ring", 2), profile).total_s
+    assert step > prior_time(training.in_mode("forward"), CPConfig("ring", 2), profile).total_s * 2
