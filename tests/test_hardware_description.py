@@ -21,9 +21,10 @@ from cptune.hardware import (
 )
 from cptune.workload import Workload
 
-SHIPPED = {"a100-pcie-4": 4, "a100-sxm-8": 8, "a800-sxm-8": 8, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8,
-           "h20-8": 8, "h200-sxm-2x8-ib": 16, "h200-sxm-8": 8, "h800-sxm-8": 8, "l20-pcie-8": 8,
-           "l40s-pcie-8": 8}
+SHIPPED = {"a100-pcie-4": 4, "a100-sxm-8": 8, "a800-sxm-8": 8, "b200-hgx-8": 8, "b300-hgx-8": 8,
+           "gb200-nvl72": 72, "gb200-nvl72-4x-ib": 288, "h100-sxm-2x8-ib": 16, "h100-sxm-8": 8, "h20-8": 8,
+           "h200-sxm-2x8-ib": 16, "h200-sxm-8": 8, "h800-sxm-8": 8, "l20-pcie-8": 8, "l40s-pcie-8": 8,
+           "mi300x-8": 8, "mi325x-8": 8, "rtx-pro-6000-pcie-8": 8}
 
 BASE = """\
 description = "test machine"
@@ -73,9 +74,9 @@ def test_shipped_description_loads(name):
     assert description.description and description.device
     assert description.memory_bytes is not None and description.memory_bytes >= 48 * 2**30
     assert description.matmul_flops("fp16") == description.matmul_flops("bf16")
-    assert 5e13 <= description.matmul_flops("bf16") <= 1e15  # a TFLOP/s figure, scaled once
+    assert 5e13 <= description.matmul_flops("bf16") <= 5e15  # a TFLOP/s figure, scaled once
     assert description.matmul_flops("fp32") < description.matmul_flops("bf16")
-    assert 1e12 < description.figure("device.softmax_tops") < 1e13
+    assert 1e12 < description.figure("device.softmax_tops") < 5e13
     assert 5e11 < description.figure("device.memory_gbps") < 1e13  # GB/s, scaled to bytes/s
     assert 1e-6 < description.figure("device.launch_us") < 1e-4
     assert 0 < description.figure("device.overlap_slowdown") < 1
@@ -111,7 +112,8 @@ def test_shipped_figures_are_read_in_their_units():
 
 
 @pytest.mark.parametrize(("cluster", "node"),
-                         [("h100-sxm-2x8-ib", "h100-sxm-8"), ("h200-sxm-2x8-ib", "h200-sxm-8")])
+                         [("h100-sxm-2x8-ib", "h100-sxm-8"), ("h200-sxm-2x8-ib", "h200-sxm-8"),
+                          ("gb200-nvl72-4x-ib", "gb200-nvl72")])
 def test_a_cluster_s_nodes_are_its_single_node_description(cluster, node):
     single = load_description(node).figures
     assert all(load_description(cluster).figures[key] == figure for key, figure in single.items())
@@ -135,7 +137,7 @@ def test_a_per_kind_bandwidth_table_serves_every_other_kind_its_default():
     assert a100.bandwidth(link, "broadcast") == a100.bandwidth(link, "p2p")  # any new kind
 
 
-@pytest.mark.parametrize("name", ["l20-pcie-8", "l40s-pcie-8", "a100-pcie-4"])
+@pytest.mark.parametrize("name", ["l20-pcie-8", "l40s-pcie-8", "a100-pcie-4", "rtx-pro-6000-pcie-8"])
 def test_all_to_all_through_a_cpu_spans_both_of_nccls_paths(name):
     """Through a CPU, NCCL stages through host memory (all-to-all as fast as all-reduce, 18 GB/s
     busbw) or, 2.15-2.22 on AMD CPUs, goes peer to peer (all-to-all among more than two GPUs
@@ -550,7 +552,12 @@ def test_cptune_hardware_lists_every_shipped_description_with_its_gpu_ranks_and_
         assert name in text and summary["gpu"] in text
     assert "InfiniBand NDR 400 Gb/s" in text and "46 GB/s (40-48)" in text and "360 GB/s (290-370)" in text
     assert socket["through_cpu"] and not data["l20-pcie-8"]["links"][0]["through_cpu"]
-    assert text.count("through a CPU: all-to-all by NCCL's path (--nccl-path)") == 5  # 2 L20, 2 L40S, 1 A100
+    assert text.count("through a CPU: all-to-all by NCCL's path (--nccl-path)") == 7  # L20, L40S, RTX PRO: 2
+    mesh = data["mi300x-8"]["links"][0]
+    assert mesh["mesh"] and mesh["aggregate_gbps"]["default"]["value"] == pytest.approx(318)
+    assert "a link per pair of GPUs, 46.5 GB/s (40-48) each; all links at once 318 GB/s (280-336)" in text
+    assert not any(link["mesh"] for name, summary in data.items() if not name.startswith("mi3")
+                   for link in summary["links"])
 
 
 @pytest.mark.parametrize("name", sorted(builtin_descriptions()))
