@@ -268,7 +268,8 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str) -> Analyti
     rep, kv_sent, local_heads = z.rep, z.kv_sent, z.local_heads
     rank_tokens, block_tokens, kv_block = z.rank_tokens, z.block_tokens, z.kv_block
 
-    flops = 4 * b * d * local_heads * _busiest_pairs(workload.in_mode("forward"), n, u)
+    forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
+    flops = 4 * b * d * local_heads * _busiest_pairs(forward, n, u)
 
     bytes_sent = dict.fromkeys(COLLECTIVES, 0)
     steps = dict.fromkeys(COLLECTIVES, 0)
