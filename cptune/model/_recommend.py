@@ -51,8 +51,9 @@ from cptune.store import Store, StoreError, database_url, display_url, missing_d
 from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
-#: The most ranks ``recommend`` weighs every count up to when not given one: beyond, it takes
-#: over about 10 seconds (``benchmarks/recommend_scaling.py``).
+#: The most ranks ``recommend`` weighs every count up to when not given one (whole nodes beyond
+#: the first, ``weighed_ranks``): 8,192 GPUs take about 2 s (``benchmarks/recommend_scaling.py``),
+#: and the configurations grow with the ranks.
 MAX_ANY_RANKS = 16_384
 
 
