@@ -610,3 +610,15 @@ def test_a_tie_names_the_one_search_that_settles_it(cptune_here):
     no_tie = json.loads(cptune_here("recommend", *flags[:-1], "--seq-len", "1048576", "--ranks", "1",
                                     "--json").stdout)
     assert not no_tie["ties"] and no_tie["settle"] is None
+
+
+@pytest.mark.parametrize("name", sorted(builtin_descriptions()))
+def test_every_shipped_description_answers_forward_and_training(db, name):
+    """Issue 57: `recommend --hardware NAME` answers a Llama-3.1-8B-shaped layer forward and in
+    training on every shipped description, from the prior, with an interval round each latency."""
+    layer = Workload(seq_len=32768, heads=32, kv_heads=8, head_dim=128, causal=True)
+    for workload in (layer, layer.in_mode("train")):
+        rec = recommend(workload, hardware=name, db=db)
+        assert rec.source == "prior" and rec.workload.mode == workload.mode
+        assert all(c.low_ms <= c.latency_ms <= c.high_ms for c in rec.candidates)
+    assert rec.latency_ms > recommend(layer, ranks=rec.config.ranks, hardware=name, db=db).latency_ms
