@@ -278,25 +278,81 @@ def _backward_peak(config: CPConfig, workload: Workload, block_tokens: int, loca
     return dout + saved + dq + dkv
 
 
-@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
-def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
+class _Sizes(NamedTuple):
+    """What one rank of a configuration holds and sends, in tokens, heads and bytes: the
+    quantities every count of ``analytic_cost`` (and ``peak_bytes``) is made of."""
+
+    layout: SequenceLayout
+    rep: int
+    kv_sent: int
+    local_heads: int
+    rank_tokens: int
+    block_tokens: int
+    kv_block: int
+
+
+def _sizes(workload: Workload, config: CPConfig) -> _Sizes:
     layout = SequenceLayout(workload, config)
-    n, u, c = config.ranks, config.head_group, config.context_degree
+    u, c = config.head_group, config.context_degree
     s = layout.padded_len
-    b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
+    b, d, w = workload.batch, workload.head_dim, workload.wire_dtype.itemsize
     rep = kv_replication(workload, u) if u > 1 else 1
     kv_sent = workload.kv_heads * rep
-    local_heads, local_kv_heads = h // u, kv_sent // u if u > 1 else workload.kv_heads
+    local_kv_heads = kv_sent // u if u > 1 else workload.kv_heads
+    block_tokens = s // c
+    return _Sizes(layout, rep, kv_sent, workload.heads // u, s // config.ranks, block_tokens,
+                  2 * b * block_tokens * local_kv_heads * d * w)
 
-    flops = 4 * b * d * local_heads * busiest_block_pairs(layout)
 
-    rank_tokens, block_tokens = s // n, s // c
+def _peak(workload: Workload, config: CPConfig, z: _Sizes) -> int:
+    """``AnalyticCost.peak_bytes`` of ``config`` (sizes ``z``): see ``analytic_cost``."""
+    b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
+    u, c = config.head_group, config.context_degree
+    inputs = b * z.rank_tokens * (h + 2 * workload.kv_heads) * d * w
+    output = b * z.rank_tokens * h * d * w
+    exchanged = b * z.block_tokens * z.local_heads * d * w + z.kv_block if u > 1 else 0
+    ring = config.strategy == "ring" and c > 1
+    held_kv = (2 if ring else c) * z.kv_block
+    accumulators = (2 if ring else 1) * b * z.block_tokens * z.local_heads * d * FP32_BYTES
+    score_keys = z.block_tokens if ring else z.layout.padded_len
+    scores = min(SCORE_BLOCK_ROWS, z.block_tokens) * score_keys * FP32_BYTES
+    peak = inputs + output + exchanged + held_kv + accumulators + scores
+    if workload.training:
+        peak += _backward_peak(config, workload, z.block_tokens, z.local_heads, z.kv_block, z.rank_tokens)
+    return peak
+
+
+@functools.lru_cache(maxsize=65536)  # pure, small: what feasibility checks of every configuration it builds
+def peak_bytes(workload: Workload, config: CPConfig) -> int:
+    """``analytic_cost(workload, config).peak_bytes``, without counting the rest: what a memory
+    limit is checked against, for configurations that may never be costed."""
+    return _peak(workload, config, _sizes(workload, config))
+
+
+@functools.lru_cache(maxsize=65536)  # a Ring's and an AllGather-KV's of one head group share it
+def _busiest_pairs(workload: Workload, ranks: int, head_group: int, layout: str | None) -> int:
+    """``busiest_block_pairs`` of the layout every strategy of ``ranks``, ``head_group`` and
+    ``layout`` shares."""
+    return busiest_block_pairs(SequenceLayout(workload, CPConfig("ring", ranks, head_group, layout)))
+
+
+@functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
+def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
+    z = _sizes(workload, config)
+    n, u, c = config.ranks, config.head_group, config.context_degree
+    s = z.layout.padded_len
+    b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
+    rep, kv_sent, local_heads = z.rep, z.kv_sent, z.local_heads
+    rank_tokens, block_tokens, kv_block = z.rank_tokens, z.block_tokens, z.kv_block
+
+    forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
+    flops = 4 * b * d * local_heads * _busiest_pairs(forward, n, u, config.layout)
+
     bytes_sent = dict.fromkeys(COLLECTIVES, 0)
     steps = dict.fromkeys(COLLECTIVES, 0)
     if u > 1:
         bytes_sent["all_to_all"] = (u - 1) * b * rank_tokens * (2 * h + 2 * kv_sent) * d * w // u
         steps["all_to_all"] = 3  # Q, packed K/V, O
-    kv_block = 2 * b * block_tokens * local_kv_heads * d * w
     if c > 1 and config.strategy == "allgather_kv":
         bytes_sent["all_gather"] = (c - 1) * kv_block
         steps["all_gather"] = 1
@@ -306,15 +362,8 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         bytes_sent[stream] = stream_steps * kv_block
         steps[stream] = stream_steps
 
-    inputs = b * rank_tokens * (h + 2 * workload.kv_heads) * d * w
-    output = b * rank_tokens * h * d * w
-    exchanged = b * block_tokens * local_heads * d * w + kv_block if u > 1 else 0
     ring = config.strategy == "ring" and c > 1
-    held_kv = (2 if ring else c) * kv_block
-    accumulators = (2 if ring else 1) * b * block_tokens * local_heads * d * FP32_BYTES
-    score_keys = block_tokens if ring else s
-    scores = min(SCORE_BLOCK_ROWS, block_tokens) * score_keys * FP32_BYTES
-    peak = inputs + output + exchanged + held_kv + accumulators + scores
+    peak = _peak(workload, config, z)
 
     memory = dict.fromkeys(MEMORY_STEPS, 0)
     kernels = dict.fromkeys(KERNELS, 0)
@@ -337,7 +386,6 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
     if workload.training:
         backward_flops = int(BACKWARD_FLOPS_RATIO * flops)
         _add_backward(bytes_sent, steps, config, stream, workload, rank_tokens, kv_sent, rep, kv_block)
-        peak += _backward_peak(config, workload, block_tokens, local_heads, kv_block, rank_tokens)
     return AnalyticCost(
         padded_seq_len=s,
         flops=flops + backward_flops,

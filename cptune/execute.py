@@ -26,7 +26,7 @@ from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_con
 from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
 from cptune.hostlock import measuring
-from cptune.layout import SequenceLayout, heads_padded, real_heads
+from cptune.layout import SequenceLayout
 from cptune.measurement import (
     Measurement,
     TimingSummary,
@@ -84,56 +84,34 @@ def _check_arrays(workload: Workload, q: np.ndarray, k: np.ndarray, v: np.ndarra
             )
 
 
-def _heads_of(array: np.ndarray, workload: Workload) -> int:
-    """0 for an array of query heads (q, an output or its gradient), 1 for one of KV heads."""
-    return 0 if array.shape[2] == workload.heads else 1
-
-
-def _scatter(workload: Workload, layout: SequenceLayout,
-             *arrays: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+def _scatter(layout: SequenceLayout, *arrays: np.ndarray) -> list[tuple[np.ndarray, ...]]:
     """Each rank's tokens of each of ``arrays`` (q, k, v; and a training run's output
     gradient), in the wire dtype, padded at the end to the layout's length (with zeros: a
-    padding row's output gradient is zero, so it adds nothing to any gradient), with the
-    dummy heads ``layout``'s workload runs besides ``workload``'s (``cptune.layout.padded_heads``:
-    zeros, whose output gradient is zero too)."""
-    run = layout.workload
-    pad = layout.padded_len - run.seq_len
-    where = real_heads(workload, layout.head_group)
-    counts = (run.heads, run.kv_heads)
+    padding row's output gradient is zero, so it adds nothing to any gradient)."""
+    wl = layout.workload
+    pad = layout.padded_len - wl.seq_len
 
     def prepared(x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=run.wire_dtype)
-        kind = _heads_of(x, workload)
-        if counts[kind] != x.shape[2]:
-            heads = np.zeros((*x.shape[:2], counts[kind], x.shape[3]), dtype=x.dtype)
-            heads[:, :, where[kind]] = x
-            x = heads
+        x = np.asarray(x, dtype=wl.wire_dtype)
         return np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
 
     padded = [prepared(x) for x in arrays]
     return [tuple(x[:, layout.rank_positions(rank)] for x in padded) for rank in range(layout.ranks)]
 
 
-def _gather(workload: Workload, layout: SequenceLayout, outputs: Sequence[np.ndarray]) -> np.ndarray:
+def _gather(layout: SequenceLayout, outputs: Sequence[np.ndarray]) -> np.ndarray:
     """The ranks' shards of one tensor ([batch, seq shard, heads, head_dim]) in token order,
-    float32, without the padding or the dummy heads."""
-    run = layout.workload
-    full = np.empty((run.batch, layout.padded_len, *outputs[0].shape[2:]), dtype=np.float32)
+    float32, without the padding."""
+    wl = layout.workload
+    full = np.empty((wl.batch, layout.padded_len, *outputs[0].shape[2:]), dtype=np.float32)
     for rank, out in enumerate(outputs):
         full[:, layout.rank_positions(rank)] = out
-    kind = 0 if full.shape[2] == run.heads else 1
-    return full[:, : run.seq_len, real_heads(workload, layout.head_group)[kind]]
+    return full[:, : wl.seq_len]
 
 
-def _gather_trained(workload: Workload, layout: SequenceLayout, shards: Sequence[Trained]) -> Trained:
+def _gather_trained(layout: SequenceLayout, shards: Sequence[Trained]) -> Trained:
     """A training run's ranks' shards, each tensor put together in token order."""
-    return Trained(*(_gather(workload, layout, tensor) for tensor in zip(*shards, strict=True)))
-
-
-def _run_layout(workload: Workload, config: CPConfig) -> SequenceLayout:
-    """The layout ``config``'s ranks run ``workload`` in: its heads padded where the head
-    group does not split them (``cptune.layout.heads_padded``)."""
-    return SequenceLayout(heads_padded(workload, config.head_group), config)
+    return Trained(*(_gather(layout, tensor) for tensor in zip(*shards, strict=True)))
 
 
 def compute(
@@ -153,10 +131,10 @@ def compute(
     check_feasible(workload, config)
     _check_arrays(workload, q, k, v)
     engine = get_engine(backend)
-    layout = _run_layout(workload.in_mode("forward"), config)
+    layout = SequenceLayout(workload, config)
     timeout = timeout or default_timeout(workload, config)
-    outputs, _ = engine.run(layout.workload, config, _scatter(workload, layout, q, k, v), timeout)
-    return _gather(workload, layout, outputs)
+    outputs, _ = engine.run(workload.in_mode("forward"), config, _scatter(layout, q, k, v), timeout)
+    return _gather(layout, outputs)
 
 
 def compute_gradients(
@@ -179,10 +157,10 @@ def compute_gradients(
     _check_arrays(workload, q, k, v, dout)
     engine = get_engine(backend)
     check_trains(engine.spec, workload)
-    layout = _run_layout(workload, config)
+    layout = SequenceLayout(workload, config)
     timeout = timeout or default_timeout(workload, config)
-    shards, _ = engine.run_train(layout.workload, config, _scatter(workload, layout, q, k, v, dout), timeout)
-    return _gather_trained(workload, layout, shards)
+    shards, _ = engine.run_train(workload, config, _scatter(layout, q, k, v, dout), timeout)
+    return _gather_trained(layout, shards)
 
 
 @lru_cache(maxsize=1)
@@ -380,17 +358,16 @@ def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int
     "wrong_output" naming what was wrong when an error exceeds the engine's tolerance (a
     wrong configuration is never timed)."""
     check_trains(engine.spec, workload)
-    layout = _run_layout(workload, config)
+    layout = SequenceLayout(workload, config)
     inputs, references = _reference_case(workload, seed)
     timeout = timeout or default_timeout(workload, config)
     results: Sequence[np.ndarray]
     if workload.training:
-        shards, peaks = engine.run_train(layout.workload, config, _scatter(workload, layout, *inputs),
-                                         timeout)
-        results = _gather_trained(workload, layout, shards)
+        shards, peaks = engine.run_train(workload, config, _scatter(layout, *inputs), timeout)
+        results = _gather_trained(layout, shards)
     else:
-        outputs, peaks = engine.run(layout.workload, config, _scatter(workload, layout, *inputs), timeout)
-        results = [_gather(workload, layout, outputs)]
+        outputs, peaks = engine.run(workload, config, _scatter(layout, *inputs), timeout)
+        results = [_gather(layout, outputs)]
     tolerance = engine.tolerance[workload.dtype]
     errors = {name: relative_error(result, reference)
               for name, result, reference in zip(Trained._fields, results, references, strict=False)}

@@ -5,15 +5,19 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
-from cptune.cost import analytic_cost
+from cptune.cost import peak_bytes
 from cptune.errors import InfeasibleConfigError
 from cptune.layout import kv_replication, layout_choices, layout_refusal
 from cptune.workload import Workload
 
-__all__ = ["candidate_configs", "check_feasible", "closest_to_fitting", "enumerate_configs", "feasibility",
-           "format_bytes", "kv_replication"]
+__all__ = ["LISTED_INFEASIBLE", "MAX_CONFIGS", "ConfigSplit", "Excluded", "candidate_configs",
+           "check_feasible", "closest_to_fitting", "enumerate_configs", "feasibility", "fits_memory",
+           "format_bytes", "head_groups_that_fit", "kv_replication", "split_configs"]
 
 
 def format_bytes(n: float) -> str:
@@ -56,6 +60,18 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"for {u}-way Ulysses across groups name the context strategy: "
             f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
         )
+    if workload.heads % u:
+        fits = _head_groups_that_fit(workload.heads, min(n, workload.heads))
+        reasons.append(
+            f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
+            f"(heads % head_group must be 0; head groups that fit: {fits})"
+        )
+    elif workload.kv_heads % u and u % workload.kv_heads:
+        reasons.append(
+            f"{workload.kv_heads} KV heads and a head group of {u} do not divide each other: "
+            f"Ulysses needs kv_heads % head_group == 0 (each rank gets whole KV heads) or "
+            f"head_group % kv_heads == 0 (KV heads replicated head_group / kv_heads times)"
+        )
     if (refusal := layout_refusal(workload, config)) is not None:
         reasons.append(refusal)
     elif config.layout == "replicated_text" and u > 1:
@@ -71,21 +87,25 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"seq_len {workload.seq_len} is shorter than {n} ranks: every rank needs at least "
             f"one token; use at most {workload.seq_len} rank{'s' if workload.seq_len != 1 else ''}"
         )
-    if memory_limit is not None and not reasons:
-        need = analytic_cost(workload, config).peak_bytes
-        if need > memory_limit:
-            reasons.append(
-                f"needs about {format_bytes(need)} per rank, over the limit of "
-                f"{format_bytes(memory_limit)}; use more ranks or a shorter sequence"
-            )
+    if not reasons and not fits_memory(workload, config, memory_limit):
+        assert memory_limit is not None
+        need = format_bytes(peak_bytes(workload, config))
+        reasons.append(f"needs about {need} per rank, over the limit of {format_bytes(memory_limit)}; use "
+                       f"more ranks or a shorter sequence")
     return reasons
+
+
+def fits_memory(workload: Workload, config: CPConfig, memory_limit: int | None) -> bool:
+    """Whether ``config``'s analytic peak activation memory per rank fits ``memory_limit`` bytes
+    (None: no limit)."""
+    return memory_limit is None or peak_bytes(workload, config) <= memory_limit
 
 
 def closest_to_fitting(workload: Workload, configs: Sequence[CPConfig],
                        memory_limit: Callable[[int], int | None]) -> str:
     """Why none of ``configs`` (each runnable but for memory) fits in ``memory_limit(ranks)``
     bytes per rank, in words: the one that needs the least memory in all, and its reason."""
-    closest = min(configs, key=lambda c: analytic_cost(workload, c).peak_bytes * c.ranks)
+    closest = min(configs, key=lambda c: peak_bytes(workload, c) * c.ranks)
     reason = feasibility(workload, closest, memory_limit(closest.ranks))
     return f"the closest, {closest.describe()}, {reason[0] if reason else 'fits'}"
 
@@ -100,30 +120,201 @@ def check_feasible(workload: Workload, config: CPConfig, memory_limit: int | Non
         )
 
 
-def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES,
-                      min_ranks: int = 1) -> list[CPConfig]:
-    """Every distinct configuration on min_ranks..max_ranks ranks, feasible or not: one rank
-    is plain local attention (listed once, as "ring" when allowed), and a context strategy
-    whose head group spans all ranks is pure Ulysses (listed as "ulysses")."""
-    if not 1 <= min_ranks <= max_ranks:
-        raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks} and {max_ranks}")
-    strategies = tuple(dict.fromkeys(strategies))  # each name once, in the order given
+def _checked(strategies: tuple[str, ...]) -> tuple[str, ...]:
+    """``strategies``, each once in the order given; ``ValueError`` naming the allowed ones
+    when none or an unknown one is given."""
+    strategies = tuple(dict.fromkeys(strategies))
     unknown = set(strategies) - set(STRATEGIES)
     if unknown or not strategies:
         raise ValueError(
             f"strategies must name some of {', '.join(STRATEGIES)}, got {list(strategies) or 'none'}"
         )
-    one_rank = "ring" if "ring" in strategies else strategies[0]
+    return strategies
+
+
+def _configs_of(n: int, strategies: tuple[str, ...], head_groups: Sequence[int]) -> list[CPConfig]:
+    """The distinct configurations on exactly ``n`` ranks whose head group is one of
+    ``head_groups`` (ascending): one rank is plain local attention (listed once, as "ring" when
+    allowed), and a context strategy whose head group spans all ranks is pure Ulysses (listed
+    as "ulysses")."""
+    if n == 1:
+        return [CPConfig("ring" if "ring" in strategies else strategies[0], 1)]
     configs = []
-    for n in range(min_ranks, max_ranks + 1):
-        for strategy in strategies:
-            if n == 1:
-                configs += [CPConfig(strategy, 1)] if strategy == one_rank else []
-            elif strategy == "ulysses":
-                configs.append(CPConfig("ulysses", n))
-            else:
-                configs += [CPConfig(strategy, n, u) for u in _divisors(n) if u < n]
+    for strategy in strategies:
+        if strategy == "ulysses":
+            configs += [CPConfig("ulysses", n)] if n in head_groups else []
+        else:
+            configs += [CPConfig(strategy, n, u) for u in head_groups if u < n and n % u == 0]
     return configs
+
+
+def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES,
+                      min_ranks: int = 1) -> list[CPConfig]:
+    """Every distinct configuration on min_ranks..max_ranks ranks, feasible or not (as
+    ``_configs_of`` lists them): every combination, for a few ranks. ``split_configs`` and
+    ``enumerate_configs`` build only those a workload can run."""
+    if not 1 <= min_ranks <= max_ranks:
+        raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks} and {max_ranks}")
+    strategies = _checked(strategies)
+    return [c for n in range(min_ranks, max_ranks + 1) for c in _configs_of(n, strategies, _divisors(n))]
+
+
+def head_groups_that_fit(workload: Workload, limit: int) -> tuple[int, ...]:
+    """The head groups up to ``limit``, ascending, that split ``workload``'s heads and KV heads
+    as Ulysses needs (``feasibility``): whole heads on each rank, and whole or replicated KV
+    heads. Found by trying each up to ``limit`` or each divisor of the heads, whichever is fewer."""
+    heads, kv = workload.heads, workload.kv_heads
+    tried = range(1, limit + 1) if limit <= math.isqrt(heads) else (d for d in _divisors(heads) if d <= limit)
+    return tuple(u for u in tried if heads % u == 0 and (kv % u == 0 or u % kv == 0))
+
+
+#: The most configurations, and the most rank counts, ``enumerate_configs`` and
+#: ``split_configs`` weigh at once: more than any recommendation weighs (every count up to
+#: 16,384 ranks of a 24-head model: about 82 thousand), and built in about a second.
+MAX_CONFIGS = 250_000
+#: How many configurations that cannot run ``split_configs`` lists one by one with their
+#: reasons; the rest it counts by reason (``Excluded``).
+LISTED_INFEASIBLE = 1000
+
+
+def _check_size(workload: Workload, min_ranks: int, max_ranks: int, strategies: tuple[str, ...],
+                fits: tuple[int, ...], counts: int) -> None:
+    """``ValueError`` in one line when the ``counts`` rank counts looked at, or the
+    configurations on min_ranks..max_ranks whose head group fits on no more ranks than tokens
+    (those the enumeration builds), are more than ``MAX_CONFIGS``."""
+    top = min(max_ranks, workload.seq_len)
+    context = sum(s != "ulysses" for s in strategies)
+    built = len(fits) + context * sum(max(0, top // u - (min_ranks - 1) // u) for u in fits if u <= top)
+    if counts > MAX_CONFIGS or built > MAX_CONFIGS:
+        raise ValueError(
+            f"{min_ranks:,}..{max_ranks:,} ranks give {workload.describe()} {max(counts, built):,} or more "
+            f"configurations to weigh, more than the {MAX_CONFIGS:,} cptune weighs at once: name fewer ranks"
+        )
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """Configurations that cannot run for one reason, counted rather than listed: how many,
+    the first of them and its first reason (``feasibility``'s)."""
+
+    count: int
+    first: CPConfig
+    reason: str
+
+    def describe(self) -> str:
+        """E.g. "118,012 more cannot run, like ring on 3: Ulysses limit: ..."."""
+        return f"{self.count:,} more cannot run, like {self.first.label} on {self.first.ranks}: {self.reason}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"count": self.count, "first": {**self.first.to_dict(), "label": self.first.label},
+                "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ConfigSplit:
+    """The configurations on a range of rank counts: those a workload can run, in
+    ``candidate_configs``' order; the first that cannot (up to ``LISTED_INFEASIBLE``), each
+    with every reason; and the rest that cannot, counted by why (``Excluded``, most first)."""
+
+    feasible: tuple[CPConfig, ...]
+    infeasible: dict[CPConfig, list[str]]
+    excluded: tuple[Excluded, ...]
+
+
+def _kind(workload: Workload, config: CPConfig) -> str:
+    """Why ``config`` (a head group dividing its ranks) cannot run, as ``feasibility``'s first
+    reason: "heads", "kv_heads", "seq_len" or "memory"."""
+    u = config.head_group
+    if workload.heads % u:
+        return "heads"
+    if workload.kv_heads % u and u % workload.kv_heads:
+        return "kv_heads"
+    return "seq_len" if workload.seq_len < config.ranks else "memory"
+
+
+def _divisor_counts(ranks: Sequence[int]) -> list[int]:
+    """How many divisors each of the ascending ``ranks`` has: one by one for a few, else by a
+    sieve up to the largest."""
+    if len(ranks) < 64:
+        return [len(_divisors(n)) for n in ranks]
+    counts = np.zeros(ranks[-1] + 1, dtype=np.int64)
+    for k in range(1, ranks[-1] + 1):
+        counts[k::k] += 1
+    return [int(counts[n]) for n in ranks]
+
+
+@functools.lru_cache(maxsize=1024)  # of gcd(n, heads): the same few divisors of the heads
+def _divisor_count(n: int) -> int:
+    return len(_divisors(n))
+
+
+def split_configs(workload: Workload, ranks: Sequence[int], strategies: tuple[str, ...] = STRATEGIES,
+                  memory_limit: Callable[[int], int | None] | None = None,
+                  listed: int = LISTED_INFEASIBLE) -> ConfigSplit:
+    """Every configuration of ``candidate_configs`` on each of the rank counts ``ranks``
+    (ascending), split into those ``workload`` can run (within ``memory_limit(ranks)`` bytes per
+    rank, when given) and those it cannot (``ConfigSplit``). Its cost follows the configurations
+    that can run: once ``listed`` that cannot are listed, only those whose head group fits
+    (``head_groups_that_fit``) are built and checked, and the others counted in closed form (of
+    n's divisors, those that divide the heads are the divisors of gcd(n, heads)). ``ValueError``
+    beyond ``MAX_CONFIGS``."""
+    if not ranks or ranks[0] < 1:
+        raise ValueError(f"need rank counts of at least 1, got {ranks!r}")
+    strategies = _checked(strategies)
+    min_ranks, max_ranks = ranks[0], ranks[-1]
+    fits = head_groups_that_fit(workload, max_ranks)
+    _check_size(workload, min_ranks, max_ranks, strategies, fits, len(ranks))
+    if not isinstance(ranks, range) and any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)):
+        raise ValueError(f"need ascending rank counts, got {list(ranks)}")
+    context = sum(s != "ulysses" for s in strategies)
+    ulysses = "ulysses" in strategies
+    feasible: list[CPConfig] = []
+    infeasible: dict[CPConfig, list[str]] = {}
+    counted: dict[str, tuple[int, CPConfig]] = {}  # by kind: how many, the first
+
+    def count(kind: str, how_many: int, n: int, first: CPConfig | None = None) -> None:
+        """Count ``how_many`` more of ``kind`` on ``n`` ranks, ``first`` (else n's first of the
+        kind) the first of them when they are the kind's first."""
+        if how_many:
+            before, earliest = counted.get(kind) or (0, first or next(
+                c for c in _configs_of(n, strategies, _divisors(n)) if _kind(workload, c) == kind))
+            counted[kind] = (before + how_many, earliest)
+
+    divisor_counts: dict[int, int] = {}
+    for index, n in enumerate(ranks):
+        limit = None if memory_limit is None else memory_limit(n)
+        if n == 1 or len(infeasible) < listed:  # every configuration of n, each checked
+            every = _configs_of(n, strategies, _divisors(n))
+            for config in (laid for c in every for laid in _laid(workload, c)):
+                if not (reasons := feasibility(workload, config, limit)):
+                    feasible.append(config)
+                elif len(infeasible) < listed:
+                    infeasible[config] = reasons
+                else:
+                    count(_kind(workload, config), 1, n, config)
+            continue
+        if not divisor_counts:  # those of the rank counts left
+            divisor_counts = dict(zip(ranks[index:], _divisor_counts(ranks[index:]), strict=True))
+        head_groups = divisor_counts[n] - 1  # those of a context strategy: below n
+        whole = workload.heads % n == 0  # a head group of all n ranks splits the heads
+        splitting = _divisor_count(math.gcd(n, workload.heads)) - whole  # below n, splitting the heads
+        configs = _configs_of(n, strategies, fits)  # those whose head group fits
+        fitting = len(configs) - (ulysses and n in fits)  # of a context strategy
+        count("heads", context * (head_groups - splitting) + (ulysses and not whole), n)
+        count("kv_heads", (context * splitting - fitting) + (ulysses and whole and n not in fits), n)
+        if n > workload.seq_len:
+            count("seq_len", len(configs), n)
+            continue
+        for config in configs:  # whose head group fits on ranks that hold a token each
+            if not fits_memory(workload, config, limit):
+                count("memory", 1, n, config)
+                continue
+            feasible.append(config)
+            feasible += [c for c in _laid(workload, config)[1:] if not feasibility(workload, c, limit)]
+    excluded = sorted((Excluded(how_many, first, feasibility(
+        workload, first, None if memory_limit is None else memory_limit(first.ranks))[0])
+        for how_many, first in counted.values()), key=lambda e: -e.count)
+    return ConfigSplit(tuple(feasible), infeasible, tuple(excluded))
 
 
 def enumerate_configs(
@@ -134,7 +325,21 @@ def enumerate_configs(
 ) -> list[CPConfig]:
     """Every feasible configuration on 1..max_ranks ranks, each distinct computation once
     (see ``candidate_configs``), in each layout the workload's mask offers
-    (``cptune.layout.layout_choices``: the default first)."""
-    return [laid for c in candidate_configs(max_ranks, strategies)
-            for laid in (c.with_layout(layout) for layout in layout_choices(workload, c))
+    (``cptune.layout.layout_choices``: the default first). Only those whose head group fits,
+    on no more ranks than tokens, are built: the cost follows what can run, whatever
+    ``max_ranks``; ``ValueError`` in one line beyond ``MAX_CONFIGS``."""
+    if max_ranks < 1:
+        raise ValueError(f"need max_ranks >= 1, got {max_ranks}")
+    strategies = _checked(strategies)
+    top = min(max_ranks, workload.seq_len)
+    fits = head_groups_that_fit(workload, top)
+    ranks = range(1, top + 1) if any(s != "ulysses" for s in strategies) else sorted({1, *fits})
+    _check_size(workload, 1, max_ranks, strategies, fits, len(ranks))
+    return [laid for n in ranks for c in _configs_of(n, strategies, fits) for laid in _laid(workload, c)
             if not feasibility(workload, laid, memory_limit)]
+
+
+def _laid(workload: Workload, config: CPConfig) -> list[CPConfig]:
+    """``config`` in each layout ``workload``'s mask offers (``layout_choices``), the default first."""
+    choices = layout_choices(workload, config)
+    return [config] if choices == (None,) else [config.with_layout(layout) for layout in choices]

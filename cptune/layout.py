@@ -30,7 +30,6 @@ out by arithmetic (``block_ranges``: any length costs the same); the others hold
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -120,42 +119,6 @@ def kv_replication(workload: Workload, head_group: int) -> int:
     if workload.kv_heads % head_group == 0:
         return 1
     return head_group // workload.kv_heads
-
-
-def padded_heads(workload: Workload, head_group: int) -> tuple[int, int]:
-    """(query heads, KV heads) a head group of ``head_group`` ranks runs ``workload`` with:
-    as they are where Ulysses splits them (KV heads the group divides, or dividing the group
-    with the query heads it divides), else with dummy heads added, the fewest in all, each KV
-    head keeping its query heads together (diffusers' ``ulysses_anything`` pads the same way:
-    14 heads over 4 ranks run as 16). A dummy head's query, key and value are zero and its
-    output is dropped: it costs the work and traffic of a head, and changes nothing else."""
-    heads, kv, u = workload.heads, workload.kv_heads, head_group
-    group = heads // kv
-    if u == 1 or kv % u == 0:
-        return heads, kv
-    options = []
-    for padded_kv in [d for d in range(kv, u + 1) if u % d == 0] + [-(-kv // u) * u]:
-        copies = u // padded_kv if u % padded_kv == 0 else 1
-        padded_group = -(-group // copies) * copies
-        options.append((padded_kv * padded_group, padded_kv))
-    return min(options)
-
-
-def heads_padded(workload: Workload, head_group: int) -> Workload:
-    """``workload`` as a head group of ``head_group`` ranks runs it (``padded_heads``)."""
-    heads, kv = padded_heads(workload, head_group)
-    if (heads, kv) == (workload.heads, workload.kv_heads):
-        return workload
-    return dataclasses.replace(workload, heads=heads, kv_heads=kv)
-
-
-def real_heads(workload: Workload, head_group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``workload``'s query heads and KV heads sit among those its head group runs
-    (``padded_heads``): KV head i's query heads first among its padded group's."""
-    heads, kv = padded_heads(workload, head_group)
-    group, padded_group = workload.heads // workload.kv_heads, heads // kv
-    queries = np.array([i * padded_group + j for i in range(workload.kv_heads) for j in range(group)])
-    return queries, np.arange(workload.kv_heads)
 
 
 def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:

@@ -121,6 +121,36 @@ def test_infeasible_configs_come_with_their_reasons(db):
     assert all(r for r in rec.infeasible.values())
 
 
+def test_a_large_cluster_lists_what_runs_and_counts_why_the_rest_cannot(db, tmp_path, cptune_here):
+    """Issue 57: on 1,024 H100s a 64/8-head layer has thousands of combinations on whole nodes,
+    most of whose head groups cannot split the heads. They are counted by reason, not listed one
+    by one: every combination is a candidate, a listed configuration or one of a reason's count."""
+    from cptune.feasibility import LISTED_INFEASIBLE
+
+    text = builtin_descriptions()["h100-sxm-2x8-ib"].read_text().replace("\nnodes = 2\n", "\nnodes = 128\n")
+    (cluster := tmp_path / "h100-128x8.toml").write_text(text)
+    workload = Workload(seq_len=8192 * 1024, heads=64, kv_heads=8, head_dim=128, causal=True)
+    rec = recommend(workload, hardware=str(cluster), db=db)
+    weighed = [*range(1, 9), *range(16, 1025, 8)]  # beyond one node, whole nodes
+    every = [c for n in weighed for c in candidate_configs(n, min_ranks=n)]
+    assert rec.whole_nodes == 8 and {c.config.ranks for c in rec.candidates} <= set(weighed)
+    assert len(rec.infeasible) == LISTED_INFEASIBLE < rec.infeasible_count
+    assert len(rec.candidates) + rec.infeasible_count == len(every)
+    assert {c.config for c in rec.candidates} | set(rec.infeasible) <= set(every)
+    heads = next(e for e in rec.excluded if "Ulysses limit" in e.reason)
+    assert heads.count > 1000 and workload.heads % heads.first.head_group
+    data = rec.to_dict()
+    assert data["infeasible_count"] == rec.infeasible_count and len(data["infeasible"]) == LISTED_INFEASIBLE
+    assert sum(e["count"] for e in data["excluded"]) == rec.infeasible_count - LISTED_INFEASIBLE
+    shown = cptune_here("recommend", "--hardware", cluster, "--heads", "64", "--kv-heads", "8", "--head-dim",
+                        "128", "--causal", "--seq-len", workload.seq_len, "--db", db)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    like = f"like {heads.first.label} on {heads.first.ranks}: Ulysses limit"
+    assert f"+ {heads.count:,} more cannot run, {like}" in text
+    assert "beyond one node, whole nodes of 8 ranks were weighed; --ranks N weighs any other count" in text
+
+
 def test_a_workload_no_config_can_run_raises(db):
     with pytest.raises(InfeasibleConfigError) as caught:
         recommend(Workload(seq_len=1, heads=8, head_dim=64), ranks=2, db=db)
@@ -580,3 +610,15 @@ def test_a_tie_names_the_one_search_that_settles_it(cptune_here):
     no_tie = json.loads(cptune_here("recommend", *flags[:-1], "--seq-len", "1048576", "--ranks", "1",
                                     "--json").stdout)
     assert not no_tie["ties"] and no_tie["settle"] is None
+
+
+@pytest.mark.parametrize("name", sorted(builtin_descriptions()))
+def test_every_shipped_description_answers_forward_and_training(db, name):
+    """Issue 57: `recommend --hardware NAME` answers a Llama-3.1-8B-shaped layer forward and in
+    training on every shipped description, from the prior, with an interval round each latency."""
+    layer = Workload(seq_len=32768, heads=32, kv_heads=8, head_dim=128, causal=True)
+    for workload in (layer, layer.in_mode("train")):
+        rec = recommend(workload, hardware=name, db=db)
+        assert rec.source == "prior" and rec.workload.mode == workload.mode
+        assert all(c.low_ms <= c.latency_ms <= c.high_ms for c in rec.candidates)
+    assert rec.latency_ms > recommend(layer, ranks=rec.config.ranks, hardware=name, db=db).latency_ms

@@ -409,3 +409,67 @@ def test_one_rank_is_local_attention_whatever_the_strategy():
         assert CPConfig(strategy, 1).label == "local"
         assert CPConfig(strategy, 1).describe() == "local attention on 1 rank"
     assert CPConfig("ring", 2).label == "ring" and CPConfig("ulysses", 4, 2).label == "ulysses"
+
+
+# --------------------------------------------------------------------------- split_configs
+
+
+def _kind_of(workload, config):
+    """Why ``config`` cannot run, by the first of ``feasibility``'s reasons (brute force)."""
+    first = feasibility(workload, config)[0] if feasibility(workload, config) else "memory"
+    return ("heads" if first.startswith("Ulysses limit") else "kv_heads" if "KV heads" in first
+            else "seq_len" if first.startswith("seq_len") else "memory")
+
+
+SPLIT_WORKLOADS = [*ENUM_WORKLOADS, Workload(100, 64, 16, kv_heads=8), Workload(37, 720, 8, kv_heads=48)]
+
+
+@pytest.mark.parametrize("workload", SPLIT_WORKLOADS, ids=lambda w: w.describe())
+@pytest.mark.parametrize("strategies", [STRATEGIES, ("ring",), ("ulysses",), ("ulysses", "allgather_kv")])
+@pytest.mark.parametrize(("lo", "hi"), [(1, 8), (1, 130), (3, 97), (64, 64)])
+def test_split_builds_what_can_run_and_counts_the_rest_as_listing_every_combination_does(
+        workload, strategies, lo, hi):
+    """Issue 57: the cost follows the configurations that can run. Past the listed ones, those that
+    cannot are counted in closed form, never built: the same configurations can run, in the same
+    order, and every one that cannot is listed or counted under its first reason."""
+    from collections import Counter
+
+    from cptune.feasibility import candidate_configs, split_configs
+
+    limit = analytic_cost(workload, CPConfig("ring", 1)).peak_bytes // 3
+    for memory_limit in (None, lambda n: limit):
+        every = candidate_configs(hi, strategies, min_ranks=lo)
+        reasons = {c: feasibility(workload, c, None if memory_limit is None else limit) for c in every}
+        cannot = [c for c in every if reasons[c]]
+        for listed in (0, 3, 1000):
+            split = split_configs(workload, range(lo, hi + 1), strategies, memory_limit, listed=listed)
+            assert list(split.feasible) == [c for c in every if not reasons[c]]
+            assert list(split.infeasible) == cannot[:len(split.infeasible)]
+            assert all(split.infeasible[c] == reasons[c] for c in split.infeasible)
+            assert len(split.infeasible) == min(listed, len(cannot))
+            rest = cannot[len(split.infeasible):]
+            counted = Counter()
+            for excluded in split.excluded:
+                assert excluded.first in rest and excluded.reason == reasons[excluded.first][0]
+                counted[_kind_of(workload, excluded.first)] += excluded.count
+            assert counted == Counter(_kind_of(workload, c) for c in rest)
+
+
+def test_enumerating_a_trillion_ranks_answers_at_once_or_refuses_in_one_line():
+    """Issue 54: enumerate_configs(w, max_ranks=10**12) hung with memory growing. Only rank counts
+    that hold a token each are looked at, and only head groups that split the heads are built."""
+    import tracemalloc
+
+    from cptune.feasibility import MAX_CONFIGS
+
+    tracemalloc.start()
+    configs = enumerate_configs(Workload(4096, 64, 128, kv_heads=8), 10**12)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert max(c.ranks for c in configs) == 4096 and len(configs) < MAX_CONFIGS
+    assert peak < 64 * 2**20
+    refused = r"^1\.\.1,000,000,000,000 ranks give .* more than the 250,000 cptune weighs at once: name fewer"
+    with pytest.raises(ValueError, match=refused):
+        enumerate_configs(Workload(10**9, 64, 128, kv_heads=8), 10**12)
+    ulysses_only = enumerate_configs(Workload(10**9, 64, 128, kv_heads=8), 10**12, ("ulysses",))
+    assert [c.ranks for c in ulysses_only] == [1, 2, 4, 8, 16, 32, 64]

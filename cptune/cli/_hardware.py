@@ -33,14 +33,21 @@ def _figure(figure: dict[str, float], unit: str) -> str:
 
 
 def _link(link: dict) -> str:
-    """One tier's link in words: its name, bandwidth (other collective kinds after), latency,
-    and whether NCCL's path through a CPU decides its all-to-all."""
-    default, *others = link["bandwidth_gbps"].items()
-    kinds = "".join(f", {kind} {_figure(figure, 'GB/s')}" for kind, figure in others)
+    """One tier's link in words: its name, bandwidth (other collective kinds after; on a mesh,
+    one pair's link, then everything one rank sends over all its links), latency, and whether
+    NCCL's path through a CPU decides its all-to-all."""
+    def by_kind(table: dict) -> str:
+        default, *others = table.items()
+        return _figure(default[1], "GB/s") + "".join(f", {kind} {_figure(figure, 'GB/s')}"
+                                                      for kind, figure in others)
     shared = f" per {link['ranks']} ranks" if link["tier"] == "domain" else ""
+    bandwidth = by_kind(link["bandwidth_gbps"])
+    if link["mesh"]:
+        every = by_kind(link["aggregate_gbps"])
+        bandwidth = f"a link per pair of GPUs, {bandwidth} each; all links at once {every}"
     latency = _figure(link["latency_us"], "us")
     path = "; through a CPU: all-to-all by NCCL's path (--nccl-path)" if link["through_cpu"] else ""
-    return f"{link['name']}{shared}: {_figure(default[1], 'GB/s')}{kinds}, {latency}{path}"
+    return f"{link['name']}{shared}: {bandwidth}, {latency}{path}"
 
 
 def run(args: argparse.Namespace, console: Console) -> int:

@@ -214,6 +214,11 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
     if (hidden := len(pick.infeasible) - SHOWN_INFEASIBLE) > 0:
         say(console, (f"+ {hidden:,} more configurations cannot run: --json lists each with its reasons",
                       "dim"))
+    for excluded in pick.excluded:
+        say(console, (f"+ {excluded.describe()}", "dim"))
+    if pick.whole_nodes is not None:
+        say(console, (f"beyond one node, whole nodes of {pick.whole_nodes} ranks were weighed; --ranks N "
+                      f"weighs any other count", "dim"))
     if framed is not None:
         show_framework_choice(console, f"for {framed.framework.name} ({framed.framework.pinned}):",
                               framed.substitution, framed.spelling)

@@ -39,6 +39,11 @@ should cite where it comes from in a comment)::
                                 # of different top-level domains); or per collective kind:
                                 # { default = 20, all_to_all = 6 }
     latency_us = 12.5           # microseconds: one small-message collective call
+    mesh = false                # optional: true where every pair of the node's ranks has a link
+                                # of its own and no switch joins them (MI300X's Infinity Fabric):
+                                # bandwidth_gbps is then one pair's link, and
+    aggregate_gbps = 318        # (required with mesh) what one rank sends over all its links at
+                                # once, as busbw of a collective over every rank of the node
 
     [[links.domains]]           # optional, innermost first: groups of ranks inside a node
     name = "PCIe switch"        # (e.g. a PCIe switch, a CPU socket) that share a link out
@@ -60,7 +65,11 @@ Global rank ``r`` lives on node ``r // ranks_per_node`` and in domain ``r // ran
 size. A flow between two ranks crosses the outermost tier that separates them: ``links.node``
 for ranks of one node in different top-level domains (or anywhere in a node without domains),
 ``links.network`` across nodes. An exchange is limited by the slowest tier its traffic
-crosses and by the share crossing it (see ``HardwareDescription.exchange``).
+crosses and by the share crossing it (see ``HardwareDescription.exchange``). On a mesh node a
+rank's flows inside the node run side by side, each on its own pair's link: a send/recv (the
+Ring's stream) reaches one link's bandwidth, an all-to-all among g ranks g - 1 links', a ring
+collective (all-gather, reduce-scatter) as many links as its group has ranks in the node, less
+one (RCCL lays its channels' rings over them), all of them at most ``aggregate_gbps``.
 """
 
 from __future__ import annotations
@@ -77,7 +86,7 @@ from typing import Any
 import numpy as np
 
 from cptune._toml import suggest
-from cptune.hardware._traffic import Topology, Traffic, traffic
+from cptune.hardware._traffic import Topology, Traffic, canonical_groups, traffic
 from cptune.layout import Groups
 from cptune.workload import WIRE_DTYPES
 
@@ -106,7 +115,7 @@ _UNITS = {
     "attention_call_us": ("microseconds", 1e-6),
     "overlap_slowdown": ("fraction (0 to 1)", 1.0), "backward_speed": ("ratio to the forward's rate", 1.0),
     "bandwidth_gbps": ("GB/s", 1e9),
-    "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9),
+    "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9), "aggregate_gbps": ("GB/s", 1e9),
 }
 
 def _unit(key: str) -> tuple[str, float]:
@@ -158,6 +167,9 @@ class LinkTier:
     #: all-to-all depends on the path NCCL takes (``NCCL_PATHS``), and the tier's all-to-all figure
     #: spans both.
     through_cpu: bool = False
+    #: Whether every pair of ranks at this tier (a node's) has a link of its own, no switch
+    #: between them: its bandwidth is one pair's link, its aggregate everything a rank sends.
+    mesh: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,6 +243,8 @@ class HardwareDescription:
         # path and the figures it set are hashed: a description unchanged otherwise keeps its print.
         for tier in (*fields["domains"], fields["node_link"], fields["network_link"] or {}):
             tier.pop("through_cpu", None)
+            if not tier.get("mesh", True):  # a switched node's print stays what it was
+                tier.pop("mesh")
         if self.nccl_path is None:
             del fields["nccl_path"]
         fields["figures"] = {key: asdict(figure) for key, figure in sorted(self.figures.items())}
@@ -327,15 +341,17 @@ class HardwareDescription:
             return self.figure(key)
         return self.figure("device.matmul_tflops.bf16") if dtype == "fp16" else None
 
-    def bandwidth(self, tier: LinkTier, kind: str) -> float:
-        """Bytes/s of one flow of collective ``kind`` across ``tier``."""
-        key = f"{tier.key}.bandwidth_gbps"
+    def _by_kind(self, key: str, kind: str) -> float:
+        """Figure ``key`` (a table by collective kind) for ``kind``, or its default."""
         return self.figure(f"{key}.{kind}" if f"{key}.{kind}" in self.figures else f"{key}.{DEFAULT_KIND}")
+
+    def bandwidth(self, tier: LinkTier, kind: str) -> float:
+        """Bytes/s of one flow of collective ``kind`` across ``tier`` (on a mesh: over one pair's link)."""
+        return self._by_kind(f"{tier.key}.bandwidth_gbps", kind)
 
     def uplink(self, tier: LinkTier, kind: str) -> float:
         """Bytes/s everything one domain of the tier below sends across ``tier`` reaches."""
-        key = f"{tier.key}.uplink_gbps"
-        return self.figure(f"{key}.{kind}" if f"{key}.{kind}" in self.figures else f"{key}.{DEFAULT_KIND}")
+        return self._by_kind(f"{tier.key}.uplink_gbps", kind)
 
     def node_of(self, rank: int) -> int:
         """The node global rank ``rank`` lives on."""
@@ -373,54 +389,76 @@ class HardwareDescription:
             for index, level in enumerate(tiers) if level.has_uplink
         )
         return Topology(self.ranks_per_node, self.max_ranks, tuple(d.ranks for d in self.domains),
-                        len(self.domains), network, uplinks)
+                        len(self.domains), network, uplinks, mesh=self.node_link.mesh)
 
     def exchange(self, kind: str, groups: Groups) -> tuple[float, float]:
         """(latency s, seconds per byte each rank sends) of collective ``kind`` run by all
         ``groups`` at once. Each flow moves at the bandwidth of the outermost tier it crosses;
         a rank's flows share its link (their times add up), and everything one domain sends
-        out of itself shares that domain's uplink: the slowest of these limits the exchange.
+        out of itself shares that domain's uplink: the slowest of these limits the exchange. On
+        a mesh node a rank's flows inside it share no link: its time there is its busiest pair's
+        link's, or everything it sends there at the aggregate, whichever is longer.
         Who sends how much over which tier (``traffic``) depends on the topology alone, so it is
-        worked out once per collective and layout, whatever the figures."""
-        loads = self._loads
-        if (kind, groups) not in loads:
-            loads[kind, groups] = traffic(self.topology, kind, groups)
-        load = loads[kind, groups]
+        worked out once per collective and layout, whatever the figures; the price of each
+        (collective, groups) once per description, since many configurations share them."""
+        asked = self._exchanges.get((kind, groups))
+        if asked is None:  # first asked: priced once per canonical groups, which configurations share
+            same = canonical_groups(self.topology, kind, groups)
+            if (asked := self._exchanges.get((kind, same))) is None:
+                asked = self._exchanges[kind, same] = self._price(kind, traffic(self.topology, kind, same))
+            self._exchanges[kind, groups] = asked
+        return asked
+
+    def _price(self, kind: str, load: Traffic | None) -> tuple[float, float]:
+        """``exchange`` of the traffic ``load`` of collective ``kind``, at this description's figures."""
         if load is None:
             return 0.0, 0.0
-        per_byte, uplinks, latencies = self._rates(kind)  # per tier, or per tier and variant (``spread``)
-        per_rank = load.per_rank.reshape(load.per_rank.shape + (1,) * (per_byte.ndim - 1))
-        slowest = (per_rank * per_byte).sum(axis=1).max(axis=0)  # one order of sums either way
-        for index, peak in load.uplink_peaks:
-            slowest = np.maximum(slowest, peak / uplinks[index])
+        per_byte, uplinks, latencies, aggregates = self._rates(kind)  # per tier (and variant: ``spread``)
+        variants = (1,) * (per_byte.ndim - 1)
+        per_rank = load.per_rank.reshape(load.per_rank.shape + variants)
+        time = per_rank * per_byte  # [sender, tier(, variant)]
+        if load.pair_peak is not None:  # the mesh tier: the busiest pair's link, or all of them
+            tier = self.topology.node_tier
+            peak = load.pair_peak.reshape(load.pair_peak.shape + variants)
+            time[:, tier] = np.maximum(peak * per_byte[tier], per_rank[:, tier] / aggregates[tier])
+        slowest = time.sum(axis=1).max(axis=0)  # one order of sums either way
+        for index, peak_share in load.uplink_peaks:
+            slowest = np.maximum(slowest, peak_share / uplinks[index])
+        if isinstance(slowest, np.ndarray):
+            slowest.setflags(write=False)  # shared by every configuration that asks
         return latencies[load.outermost], slowest
 
     @functools.cached_property
-    def _loads(self) -> dict[tuple[str, Groups], Traffic | None]:
-        """``traffic`` by collective and groups, looked up once per description."""
+    def _exchanges(self) -> dict[tuple[str, Groups], tuple[float, float]]:
+        """``exchange`` by collective and groups as asked and as canonical, worked out once per
+        description."""
         return {}
 
     @functools.cached_property
-    def _rates_by_kind(self) -> dict[str, tuple[np.ndarray, dict[int, float], list[float]]]:
+    def _rates_by_kind(self) -> dict[str, tuple[np.ndarray, dict[int, float], list[float], dict[int, float]]]:
         return {}
 
-    def _rates(self, kind: str) -> tuple[np.ndarray, dict[int, float], list[float]]:
+    def _rates(self, kind: str) -> tuple[np.ndarray, dict[int, float], list[float], dict[int, float]]:
         """(seconds per byte of one flow across each tier, each tier's uplink bytes/s where it has
-        one, each tier's latency) for collective ``kind``: looked up once per description."""
+        one, each tier's latency, a mesh tier's aggregate bytes/s) for collective ``kind``: looked
+        up once per description."""
         rates = self._rates_by_kind
         if kind not in rates:
             tiers = self.tiers
             rates[kind] = (np.array([1.0 / self.bandwidth(tier, kind) for tier in tiers]),
                            {i: self.uplink(tier, kind) for i, tier in enumerate(tiers) if tier.has_uplink},
-                           [self.figure(f"{tier.key}.latency_us") for tier in tiers])
+                           [self.figure(f"{tier.key}.latency_us") for tier in tiers],
+                           {i: self._by_kind(f"{tier.key}.aggregate_gbps", kind)
+                            for i, tier in enumerate(tiers) if tier.mesh})
         return rates[kind]
 
     def summary(self) -> dict[str, Any]:
         """What ``cptune hardware`` lists: the name, GPU, ranks, ranks per node and nodes, and
         each tier's link, innermost first ("domain" inside a node, "node", "network" between
-        nodes), with its bandwidth and uplink in GB/s by collective kind ("default" for the kinds
-        the file does not list) and its latency in microseconds, each as value, low and high,
-        and whether its GPUs reach each other only through a CPU."""
+        nodes), with its bandwidth, uplink and (a mesh's) aggregate in GB/s by collective kind
+        ("default" for the kinds the file does not list) and its latency in microseconds, each as
+        value, low and high, whether its GPUs reach each other only through a CPU, and whether
+        every pair of them has a link of its own (a mesh)."""
         def in_file_units(key: str) -> dict[str, float]:
             unit = _unit(key)[1]
             figure = self.figures[key]
@@ -435,10 +473,11 @@ class HardwareDescription:
         for tier in self.tiers:
             where = "network" if tier is self.network_link else "node" if tier is self.node_link else "domain"
             links.append({"tier": where, "key": tier.key, "name": tier.name, "ranks": tier.ranks,
-                          "through_cpu": tier.through_cpu,
+                          "through_cpu": tier.through_cpu, "mesh": tier.mesh,
                           "bandwidth_gbps": by_kind(f"{tier.key}.bandwidth_gbps"),
                           "latency_us": in_file_units(f"{tier.key}.latency_us"),
-                          "uplink_gbps": by_kind(f"{tier.key}.uplink_gbps")})
+                          "uplink_gbps": by_kind(f"{tier.key}.uplink_gbps"),
+                          "aggregate_gbps": by_kind(f"{tier.key}.aggregate_gbps")})
         return {"name": self.name, "description": self.description, "gpu": self.device,
                 "ranks": self.max_ranks, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
                 "memory_gib": None if self.memory_bytes is None else self.memory_bytes / 2**30,

@@ -28,7 +28,7 @@ TOP_KEYS = ("description", "ranks_per_node", "nodes", "device", "links")
 DEVICE_KEYS = ("name", "memory_gib", "matmul_tflops", "softmax_tops", "memory_gbps", "launch_us",
                "attention_call_us", "overlap_slowdown", "backward_speed")
 LINKS_KEYS = ("node", "domains", "network")
-LINK_KEYS = ("name", "bandwidth_gbps", "latency_us", "through_cpu")
+LINK_KEYS = ("name", "bandwidth_gbps", "latency_us", "through_cpu", "mesh", "aggregate_gbps")
 DOMAIN_KEYS = ("name", "ranks", "bandwidth_gbps", "latency_us", "uplink_gbps", "through_cpu")
 NETWORK_KEYS = ("name", "bandwidth_gbps", "latency_us", "uplink_gbps")
 FIGURE_KEYS = ("value", "low", "high")
@@ -70,6 +70,8 @@ _EXAMPLES = {
     "links.domains.uplink_gbps": "uplink_gbps = 22",
     "links.domains.through_cpu": "through_cpu = true",
     "links.node.through_cpu": "through_cpu = true",
+    "links.node.mesh": "mesh = true",
+    "links.node.aggregate_gbps": "aggregate_gbps = { value = 318, low = 280, high = 336 }",
     "links.network.name": 'name = "InfiniBand NDR 400 Gb/s, one NIC per GPU"',
     "links.network.bandwidth_gbps": "bandwidth_gbps = 46",
     "links.network.latency_us": "latency_us = 46",
@@ -164,6 +166,9 @@ def _load(file: str, name: str) -> HardwareDescription:
     r.check_keys(links, LINKS_KEYS, "links")
     domains = _read_domains(r, links, ranks_per_node, figures)
     node_link = _read_tier(r, links, "node", ranks_per_node, figures, LINK_KEYS)
+    if node_link.mesh and domains:
+        raise r.fail("links.node.mesh", "a mesh joins every pair of the node's ranks by a link of its "
+                     "own, so no switch or socket groups them: remove [[links.domains]] or mesh")
     if nodes > 1 and "network" not in links:
         raise r.fail("links.network", f"missing required table: nodes = {nodes}, so groups of ranks "
                      f"cross nodes; add {_EXAMPLES['links.network']}")
@@ -251,12 +256,35 @@ def _read_tier(r: TableReader, table_of: dict[str, Any], tier: str, ranks: int, 
     has_uplink = f"{prefix}.uplink_gbps.{DEFAULT_KIND}" in figures
     raw = r.value(table, "through_cpu", prefix, required=False) if "through_cpu" in allowed else None
     through_cpu = raw is not None and r.boolean(raw, f"{prefix}.through_cpu")
+    mesh = _read_mesh(r, table, prefix, figures) if "mesh" in allowed else False
+    if mesh and through_cpu:
+        raise r.fail(f"{prefix}.mesh", "a mesh's GPUs reach each other over their own links, not through a "
+                     "CPU: remove through_cpu or mesh")
     if through_cpu and f"{prefix}.bandwidth_gbps.all_to_all" not in figures:
         raise r.fail(f"{prefix}.through_cpu", "all-to-all through a CPU runs as fast as the other "
                      "collectives or collapses, by the path NCCL takes: give it its own figure spanning "
                      "both, e.g. bandwidth_gbps = { default = 11, all_to_all = "
                      "{ value = 6, low = 2, high = 18 } }")
-    return LinkTier(name=name, key=prefix, ranks=ranks, has_uplink=has_uplink, through_cpu=through_cpu)
+    return LinkTier(name=name, key=prefix, ranks=ranks, has_uplink=has_uplink, through_cpu=through_cpu,
+                    mesh=mesh)
+
+
+def _read_mesh(r: TableReader, table: dict[str, Any], prefix: str, figures: dict[str, Figure]) -> bool:
+    """Whether the tier is a mesh (every pair of ranks on a link of its own), and its
+    ``aggregate_gbps``, which a mesh needs and nothing else takes."""
+    raw = r.value(table, "mesh", prefix, required=False)
+    mesh = raw is not None and r.boolean(raw, f"{prefix}.mesh")
+    raw = r.value(table, "aggregate_gbps", prefix, required=False)
+    if mesh and raw is None:
+        raise r.fail(f"{prefix}.aggregate_gbps", "missing required key: on a mesh bandwidth_gbps is one "
+                     "pair's link, and everything one rank sends over all its links at once needs its own "
+                     f"figure{r.example(f'{prefix}.aggregate_gbps')}")
+    if raw is not None and not mesh:
+        raise r.fail(f"{prefix}.aggregate_gbps", "given but the node is no mesh: it is what one rank "
+                     "sends over all its own links; add mesh = true, or remove aggregate_gbps")
+    if raw is not None:
+        _read_by_kind(r, raw, f"{prefix}.aggregate_gbps", figures)
+    return mesh
 
 
 def _read_domains(r: TableReader, links: dict[str, Any], ranks_per_node: int,

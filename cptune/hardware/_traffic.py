@@ -22,6 +22,13 @@ from cptune.layout import Groups, RankGroups
 #: other kind (the Ring's stream step, NCCL's ring all-gather, a broadcast chain) sends each
 #: rank's bytes to its neighbour in the group.
 ALL_TO_ALL_KINDS = frozenset({"all_to_all"})
+#: Collective kinds each of whose flows stays on the link between its own two ranks: an
+#: all-to-all's (a share to each peer, each over its own link) and a send/recv pair's (the
+#: Ring's stream). The others (all-gather, reduce-scatter, broadcast) run as rings over several
+#: channels; where every pair of a node's ranks has a link of its own (a mesh: MI300X's Infinity
+#: Fabric), RCCL lays its channels' rings over every link between the group's ranks there, so
+#: each rank's bytes spread over as many links as it has group members in its node, less one.
+ONE_LINK_KINDS = ALL_TO_ALL_KINDS | {"p2p"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,9 @@ class Topology:
     node_tier: int
     network_tier: int | None
     uplinks: tuple[tuple[int, int, bool], ...]
+    #: Whether every pair of a node's ranks has a link of its own (``links.node`` is a mesh):
+    #: then a flow inside a node moves over its pair's link, beside the rank's other flows.
+    mesh: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,9 @@ class Traffic:
     outermost: int
     per_rank: np.ndarray
     uplink_peaks: tuple[tuple[int, float], ...]
+    #: On a mesh node (``Topology.mesh``): per sending rank (rows as ``per_rank``), the largest
+    #: share of its bytes any one of its links inside the node carries; None elsewhere.
+    pair_peak: np.ndarray | None = None
 
 
 def traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
@@ -57,12 +70,20 @@ def traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
     groups given by rule (``RankGroups``) cost what a few nodes' flows cost, whatever the
     cluster's size: only a representative window of them is worked out
     (``_representative_flows``), and configurations whose windows match share one answer."""
-    if isinstance(groups, RankGroups):
-        if groups.ranks > topology.max_ranks:
-            raise ValueError(
-                f"rank must be an integer in 0..{topology.max_ranks - 1}, got {groups.ranks - 1}")
-        groups = _canonical(topology, kind, groups)
-    return _traffic(topology, kind, groups)
+    return _traffic(topology, kind, canonical_groups(topology, kind, groups))
+
+
+def canonical_groups(topology: Topology, kind: str, groups: Groups) -> Groups:
+    """``groups``, or where given by rule the groups on the fewest ranks that move what they
+    move (``_canonical``): what ``traffic`` works out, and what configurations share.
+    ``ValueError`` for groups of more ranks than the topology has."""
+    if not isinstance(groups, RankGroups):
+        return groups
+    if groups.ranks > topology.max_ranks:
+        raise ValueError(f"rank must be an integer in 0..{topology.max_ranks - 1}, got {groups.ranks - 1}")
+    if _spread_over(topology, kind) is not None:  # on a mesh a ring collective lists its flows
+        return groups
+    return _canonical(topology, kind, groups)
 
 
 def _canonical(topology: Topology, kind: str, groups: RankGroups) -> RankGroups:
@@ -85,10 +106,12 @@ def _canonical(topology: Topology, kind: str, groups: RankGroups) -> RankGroups:
 
 @functools.lru_cache(maxsize=65536)
 def _traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
-    if isinstance(groups, RankGroups):
+    node = _spread_over(topology, kind)
+    if isinstance(groups, RankGroups) and node is None:
         src, dst, share = _representative_flows(topology, kind, groups)
-    else:
-        src, dst, share = _flows(kind, groups)
+        links = np.ones(src.size)
+    else:  # every flow (a ring collective on a mesh: as many flows as ranks)
+        src, dst, share, links = _flows(kind, groups, node)
     if src.size == 0:
         return None
     ranks = np.concatenate([src, dst])
@@ -110,7 +133,18 @@ def _traffic(topology: Topology, kind: str, groups: Groups) -> Traffic | None:
         if leaving.any():
             _, domain = np.unique(src[leaving] // size, return_inverse=True)
             peaks.append((index, float(np.bincount(domain, weights=share[leaving]).max())))
-    return Traffic(int(tier.max()), per_rank.reshape(senders.size, tiers), tuple(peaks))
+    pair_peak = None
+    if topology.mesh:  # each flow inside a node on its pair's link: the busiest link of each sender
+        pair_peak = np.zeros(senders.size)
+        inside = tier == topology.node_tier
+        np.maximum.at(pair_peak, sender[inside], share[inside] / links[inside])
+    return Traffic(int(tier.max()), per_rank.reshape(senders.size, tiers), tuple(peaks), pair_peak)
+
+
+def _spread_over(topology: Topology, kind: str) -> int | None:
+    """The ranks per node where collective ``kind`` spreads each rank's bytes over its links
+    inside a node (a ring collective on a mesh, ``ONE_LINK_KINDS``), else None."""
+    return topology.ranks_per_node if topology.mesh and kind not in ONE_LINK_KINDS else None
 
 
 def _representative_flows(topology: Topology, kind: str,
@@ -131,9 +165,9 @@ def _representative_flows(topology: Topology, kind: str,
     node = topology.ranks_per_node
     if groups.along == "heads":
         window = min(groups.ranks, math.lcm(u, node))
-        return _flows(kind, RankGroups("heads", window, u))
+        return _flows(kind, RankGroups("heads", window, u))[:3]
     if kind in ALL_TO_ALL_KINDS or groups.size < 2:
-        return _flows(kind, groups)
+        return _flows(kind, groups)[:3]
     wrap_from = n - u
     first = np.arange(min(n, node))
     last = np.arange(max(min(n, node), wrap_from // node * node), n)
@@ -142,10 +176,14 @@ def _representative_flows(topology: Topology, kind: str,
     return src, dst, np.ones(src.size)
 
 
-def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sources, destinations, share of the source's bytes) of every flow of ``kind``: an
-    all-to-all sends an equal share to every other member, the others one whole share to
-    the next member round the group."""
+def _flows(kind: str, groups: Iterable[tuple[int, ...]], node: int | None = None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sources, destinations, share of the source's bytes, links of the source's node the
+    share spreads over) of every flow of ``kind``: an all-to-all sends an equal share to every
+    other member, the others one whole share to the next member round the group. Each flow
+    moves over one link, except where ``node`` is given (ranks per node of a mesh, for a kind
+    that runs as rings over several channels, ``ONE_LINK_KINDS``): there it spreads over as
+    many links as its source has group members in its node, less one."""
     by_size: dict[int, list[tuple[int, ...]]] = {}
     for group in groups:
         if len(group) >= 2:
@@ -157,10 +195,17 @@ def _flows(kind: str, groups: Iterable[tuple[int, ...]]) -> tuple[np.ndarray, np
             src = np.repeat(block, size, axis=1)  # each member once per member
             dst = np.tile(block, (1, size))
             keep = src != dst
-            parts.append((src[keep], dst[keep], np.full(int(keep.sum()), 1.0 / (size - 1))))
+            count = int(keep.sum())
+            parts.append((src[keep], dst[keep], np.full(count, 1.0 / (size - 1)), np.ones(count)))
         else:
-            parts.append((block.ravel(), np.roll(block, -1, axis=1).ravel(), np.ones(block.size)))
+            links = np.ones(block.size)
+            if node is not None:  # each member's fellow members in its node
+                rows = np.repeat(np.arange(len(members)), size)
+                _, where, counts = np.unique(rows * (block.max() // node + 1) + block.ravel() // node,
+                                             return_inverse=True, return_counts=True)
+                links = np.maximum(1, counts[where] - 1).astype(float)
+            parts.append((block.ravel(), np.roll(block, -1, axis=1).ravel(), np.ones(block.size), links))
     if not parts:
-        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0)
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0), np.empty(0)
     return tuple(np.concatenate(column) for column in zip(*parts, strict=True))  # type: ignore[return-value]
 

@@ -39,7 +39,7 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import get_engine
 from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.estimate import Estimate, Verdict, judge
-from cptune.feasibility import candidate_configs, feasibility
+from cptune.feasibility import ConfigSplit, Excluded, split_configs
 from cptune.hardware import Hardware, HardwareDescriptionError, load_description
 from cptune.measurement import host_memory_bytes
 from cptune.model._cost_model import Case, CostModel, training_set
@@ -51,8 +51,9 @@ from cptune.store import Store, StoreError, database_url, display_url, missing_d
 from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
-#: The most ranks ``recommend`` weighs every count up to when not given one: beyond, it takes
-#: over about 10 seconds (``benchmarks/recommend_scaling.py``).
+#: The most ranks ``recommend`` weighs every count up to when not given one (whole nodes beyond
+#: the first, ``weighed_ranks``): 8,192 GPUs take about 2 s (``benchmarks/recommend_scaling.py``),
+#: and the configurations grow with the ranks.
 MAX_ANY_RANKS = 16_384
 
 
@@ -121,8 +122,10 @@ class TierDecision:
 class Recommendation:
     """The pick (``config``) and every alternative, fastest first, for ``workload`` on the
     hardware ``fingerprint`` names (a measured pick is the measured verdict's leader, which the
-    rounds it shares with the others may put ahead of a lower median); ``infeasible`` gives each
-    excluded config's reasons;
+    rounds it shares with the others may put ahead of a lower median); ``infeasible`` gives the
+    reasons of each configuration that cannot run, up to ``cptune.feasibility.LISTED_INFEASIBLE``
+    of them, and ``excluded`` counts the rest by why (on a large cluster most cannot split the
+    heads: they are never built);
     ``correction`` whether the learned correction changed any prediction here, and why."""
 
     workload: Workload
@@ -144,6 +147,16 @@ class Recommendation:
     path_figures: tuple[str, ...] = ()
     #: On hardware of several nodes, which part of the prior's time decides the pick.
     tiers: TierDecision | None = None
+    #: The configurations that cannot run beyond those ``infeasible`` lists, counted by reason.
+    excluded: tuple[Excluded, ...] = ()
+    #: Ranks per node where, beyond one node, only whole nodes were weighed (``weighed_ranks``:
+    #: no rank count given, on hardware of several nodes); None where every count was.
+    whole_nodes: int | None = None
+
+    @property
+    def infeasible_count(self) -> int:
+        """Every configuration that cannot run: listed in ``infeasible`` or counted in ``excluded``."""
+        return len(self.infeasible) + sum(e.count for e in self.excluded)
 
     @property
     def best(self) -> Candidate:
@@ -225,6 +238,9 @@ class Recommendation:
             "infeasible": [
                 {**c.to_dict(), "label": c.label, "reasons": r} for c, r in self.infeasible.items()
             ],
+            "infeasible_count": self.infeasible_count,
+            "excluded": [e.to_dict() for e in self.excluded],
+            "whole_nodes": self.whole_nodes,
             "ties": [
                 {**t.other.to_dict(), "label": t.other.label, "figure": t.figure, "end": t.end}
                 for t in self.ties
@@ -461,7 +477,8 @@ def recommend(
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
-    ``ranks``: exactly this many ranks, or None for any count up to the hardware's.
+    ``ranks``: exactly this many ranks, or None for any count up to the hardware's (beyond one
+    node in whole nodes, on hardware of several: ``weighed_ranks``).
     ``hardware``: None for this host (needs a calibration), a stored fingerprint, a shipped
     description name (e.g. "h100-sxm-8") or a description file. ``db``: a SQLAlchemy URL or
     a file path (default: $CPTUNE_DB or ./cptune.db). ``strategies``: the context strategies
@@ -489,16 +506,11 @@ def recommend(
             f"weighs every count up to {MAX_ANY_RANKS:,}; name the count to weigh with --ranks "
             f"(e.g. --ranks {MAX_ANY_RANKS})"
         )
-    configs = candidate_configs(ranks or profile.max_ranks, tuple(strategies), min_ranks=ranks or 1)
-    reasons = {c: feasibility(workload, c, profile.memory_limit(c.ranks)) for c in configs}
-    feasible = [c for c in configs if not reasons[c]]
-    infeasible = {c: r for c, r in reasons.items() if r}
+    counts = weighed_ranks(profile, ranks)
+    split = split_configs(workload, counts, tuple(strategies), profile.memory_limit)
+    feasible, infeasible = split.feasible, split.infeasible
     if not feasible:
-        listed = " | ".join(f"{c.label} on {c.ranks}: {'; '.join(r)}" for c, r in infeasible.items())
-        raise InfeasibleConfigError(
-            f"no configuration can run {workload.describe()} on {profile.describe()}: {listed}",
-            [reason for r in infeasible.values() for reason in r],
-        )
+        raise _nothing_runs(workload, profile, split)
     candidates = []
     to_predict = []
     measured = []
@@ -533,11 +545,47 @@ def recommend(
             f"no candidate here (there: {correction.reason})"))
     return Recommendation(
         workload=workload, hardware=profile.describe(), fingerprint=profile.fingerprint,
-        candidates=tuple(candidates), infeasible=infeasible, correction=correction,
+        candidates=tuple(candidates), infeasible=infeasible, excluded=split.excluded, correction=correction,
         ties=() if isinstance(profile, MeasuredHost) else _ties(workload, profile, candidates),
         verdict=verdict, unpredicted=unpredicted,
         path_figures=profile.description.path_figures if isinstance(profile, DescribedProfile) else (),
         tiers=None if isinstance(profile, MeasuredHost) else _tier_decision(workload, profile, candidates),
+        whole_nodes=profile.ranks_per_node if ranks is None and len(counts) < profile.max_ranks else None,
+    )
+
+
+def weighed_ranks(profile: Profile | MeasuredHost, ranks: int | None) -> Sequence[int]:
+    """The rank counts ``recommend`` weighs: ``ranks`` alone when given; else every count up to
+    the hardware's, in whole nodes beyond the first on hardware of several nodes (a job spanning
+    nodes takes whole nodes; weighing every count, each pick on 16 to 256 GPUs of six workloads,
+    forward and training, was on whole nodes anyway: ``benchmarks/recommend_scaling.py``). The
+    cost follows them: on
+    8,192 GPUs in nodes of 8, 1,031 counts rather than 8,192. Any other count is there for
+    ``ranks``."""
+    if ranks is not None:
+        return (ranks,)
+    node = profile.ranks_per_node
+    if node is None or node >= profile.max_ranks:
+        return range(1, profile.max_ranks + 1)
+    return [*range(1, node + 1), *range(2 * node, profile.max_ranks + 1, node)]
+
+
+#: How many configurations that cannot run the refusal of a workload none can run names.
+NAMED_INFEASIBLE = 10
+
+
+def _nothing_runs(workload: Workload, profile: Profile | MeasuredHost, split: ConfigSplit
+                  ) -> InfeasibleConfigError:
+    """The refusal of a workload no configuration can run: the first few that cannot, each
+    with its reasons, and how many more cannot and why."""
+    named = list(split.infeasible.items())[:NAMED_INFEASIBLE]
+    listed = [f"{c.label} on {c.ranks}: {'; '.join(r)}" for c, r in named]
+    if more := len(split.infeasible) - len(named):
+        listed.append(f"{more:,} more listed with --json")
+    listed += [e.describe() for e in split.excluded]
+    return InfeasibleConfigError(
+        f"no configuration can run {workload.describe()} on {profile.describe()}: {' | '.join(listed)}",
+        [*(reason for r in split.infeasible.values() for reason in r), *(e.reason for e in split.excluded)],
     )
 
 
