@@ -15,6 +15,7 @@ import json
 import os
 import re
 import stat
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -411,6 +412,9 @@ def load_plan(path: str | Path, hardware: str | None = None, force: bool = False
         raise PlanError(f"{name}: line {line}: not valid JSON: {exc} (only Python reads it)") from None
     except RecursionError:
         raise PlanError(f"{name}: nested too deeply to be a plan written by cptune export") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise PlanError(f"{name}: holds a number of more than {sys.get_int_max_str_digits():,} digits, so it "
+                        f"is not a plan written by cptune export") from None
     _check_schema(data, locate)
     if data["digest"] != digest(data):
         raise locate.error(("digest",), "the content does not match its digest: the file was changed "
