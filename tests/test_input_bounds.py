@@ -6,9 +6,14 @@ byte as it was - never a traceback, a hang or memory that grows."""
 import hashlib
 import json
 
-from conftest import assert_refused
-from cptune.plans._plan import digest
+import pytest
 
+from conftest import add_measurements, assert_refused, measurement
+from cptune.config import CPConfig
+from cptune.plans._plan import digest
+from cptune.workload import Workload
+
+SMALL = Workload(seq_len=64, heads=4, head_dim=16)
 DESCRIBED = ["--hardware", "h100-sxm-8", "--heads", "24", "--head-dim", "128", "--seq-lens", "16896"]
 
 
@@ -27,3 +32,45 @@ def test_a_plan_of_more_ranks_than_any_machine_is_one_line_for_export_for(cptune
     result = cptune_here("export", "--for", "diffusers", "--plan", plan)
     assert_refused(result, str(plan), "buckets[0].config.ranks", "greater than the maximum of 1000000")
     assert sha256(plan) == before
+
+
+# --------------------------------------------------------------------------- a SQLite URL's query
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = tmp_path / "db.db"
+    add_measurements(str(path), measurement(SMALL, CPConfig("ring", 1), 3.0),
+                     measurement(SMALL, CPConfig("ring", 2), 2.0))
+    return path
+
+
+@pytest.mark.parametrize("query", ["mode=ro", "immutable=1", "mode=ro&uri=true"])
+def test_a_read_only_url_is_never_written(cptune_here, db, monkeypatch, query):
+    monkeypatch.chdir(db.parent)
+    before = sha256(db)
+    url = f"sqlite:///db.db?{query}"
+    assert_refused(cptune_here("results", "--db", url, "--exclude", "1"), "cannot write to database",
+                   f"open it without {query.partition('&')[0]} in the URL")
+    assert sha256(db) == before
+    shown = cptune_here("results", "--db", url, "--json")
+    assert shown.returncode == 0 and shown.stderr == "", shown.stderr  # read as it is, no warning
+    assert [row["id"] for row in json.loads(shown.stdout)] == [1, 2]
+    assert sha256(db) == before
+
+
+def test_a_query_argument_sqlite_does_not_take_is_refused(cptune_here, db, monkeypatch):
+    monkeypatch.chdir(db.parent)
+    before = sha256(db)
+    assert_refused(cptune_here("results", "--db", "sqlite:///db.db?mode=ro&foo=1", "--exclude", "1"),
+                   "SQLite takes no query argument foo", "remove it from the URL")
+    assert sha256(db) == before
+
+
+@pytest.mark.parametrize("command", [["results"], ["results", "--exclude", "1"]])
+def test_every_query_argument_reaches_sqlite_readers_and_writers_alike(cptune_here, db, monkeypatch, command):
+    """A VFS that does not exist: SQLite itself refuses it, so it was not dropped on the way."""
+    monkeypatch.chdir(db.parent)
+    before = sha256(db)
+    assert_refused(cptune_here(*command, "--db", "sqlite:///db.db?vfs=no-such-vfs"), "no such vfs")
+    assert sha256(db) == before

@@ -65,7 +65,6 @@ from cptune._shipped import shipped
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.engines import NodeVerdict
-from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
 from cptune.store._opening import (
@@ -91,6 +90,7 @@ from cptune.store._schema import (
     WorkloadRow,
 )
 from cptune.store._urls import (
+    StoreError,
     database_url,
     display_url,
     in_memory,
@@ -99,6 +99,7 @@ from cptune.store._urls import (
     read_only,
     redact,
     sqlite_file,
+    uri_arguments,
 )
 from cptune.version import __version__
 from cptune.workload import Workload
@@ -114,10 +115,6 @@ _OPTUNA_ATTEMPTS = 3
 _MIGRATION_LOCK = 0x637074756E65
 #: The commands whose ``--share-db`` passes ``Store(share=True)``: those that create cptune's tables.
 SHARING_COMMANDS = "cptune search, calibrate or doctor"
-
-
-class StoreError(CPTuneError):
-    """The database cannot be opened or used; the message says which and what to do."""
 
 
 class DiskFullError(StoreError):
@@ -291,7 +288,8 @@ class Store:
             opened_read_only = read_only(url)
             if path is not None and (problem := path_problem(path, create and not reading, opened_read_only)):
                 raise StoreError(problem)
-            opened = reading_url(path, opened_read_only) if reading and path is not None else url
+            opened = (reading_url(path, opened_read_only, uri_arguments(url)) if reading and path is not None
+                      else url)
             self.engine = create_engine(opened)
         except ImportError as exc:
             raise StoreError(f"cannot use database {self.url}: its driver {exc.name or exc} is not "
