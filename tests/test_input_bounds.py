@@ -5,6 +5,7 @@ byte as it was - never a traceback, a hang or memory that grows."""
 
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -74,3 +75,33 @@ def test_every_query_argument_reaches_sqlite_readers_and_writers_alike(cptune_he
     before = sha256(db)
     assert_refused(cptune_here(*command, "--db", "sqlite:///db.db?vfs=no-such-vfs"), "no such vfs")
     assert sha256(db) == before
+
+
+# --------------------------------------------------------------------------- rank counts
+
+
+HUGE = "1000000000000"  # 10^12: once enumerated 1..10^12, memory grew by the GB
+
+
+@pytest.mark.parametrize("hosts, reason", [
+    ("127.0.0.1:99999999999999999999,localhost:99999999999999999999", "more than any node runs"),
+    ("127.0.0.1:100000000000000000000,localhost:100000000000000000000", "more than any node runs"),
+    ("a:5000,b:5000", "5,000 ranks on each node, more than any node runs: give at most 4,096"),
+    ("a:\N{SUPERSCRIPT TWO}", "is not host or host:ranks"),
+])
+@pytest.mark.parametrize("command", ["measure", "search"])
+def test_hosts_counts_are_bounded_where_they_are_read(cptune_here, tmp_path, hosts, reason, command):
+    db = tmp_path / "o.db"
+    result = cptune_here(command, "--hosts", hosts, *(["--db", db] if command == "search" else []))
+    assert_refused(result, reason)
+    assert not db.exists()
+
+
+def test_a_hostfile_is_bounded_and_read_only_if_it_is_a_regular_file(cptune_here, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a:99999999999999999999\nb:99999999999999999999\n")
+    result = cptune_here("measure", "--hostfile", hostfile)
+    assert_refused(result, f"{hostfile}:1: 99999999999999999999 ranks")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # an open for reading would wait for a writer forever
+    assert_refused(cptune_here("measure", "--hostfile", fifo), "is a FIFO (named pipe), not a regular file")
