@@ -3,6 +3,7 @@ rank flags, search spaces, hardware descriptions, database URLs. Each is bounded
 before anything is enumerated or started: one line on stderr, exit 2, every named file byte for
 byte as it was - never a traceback, a hang or memory that grows."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 
 from conftest import add_measurements, assert_refused, measurement
 from cptune.config import CPConfig
+from cptune.measurement import available_cores
 from cptune.plans._plan import digest
 from cptune.workload import Workload
 
@@ -105,3 +107,55 @@ def test_a_hostfile_is_bounded_and_read_only_if_it_is_a_regular_file(cptune_here
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # an open for reading would wait for a writer forever
     assert_refused(cptune_here("measure", "--hostfile", fifo), "is a FIFO (named pipe), not a regular file")
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["measure", "--max-ranks", HUGE], f"--max-ranks {HUGE}: more ranks than this host's"),
+    (["measure", "--max-ranks", HUGE, "--oversubscribe"],
+     "1,000,000,000,000 ranks on one host, more than any node runs, --oversubscribe or not: use at most "
+     "4,096"),
+    (["measure", "--ranks", f"2,{HUGE}", "--oversubscribe"], "more than any node runs"),
+    (["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", HUGE, "--oversubscribe"],
+     "more than any node runs"),
+    (["search", "--max-ranks", HUGE], f"--max-ranks {HUGE}: more ranks than this host's"),
+    (["search", "--max-ranks", HUGE, "--oversubscribe"], "more than any node runs"),
+    (["calibrate", "--max-ranks", HUGE, "--oversubscribe"], "more than any node runs"),
+])
+def test_rank_counts_are_bounded_before_anything_is_enumerated(cptune_here, tmp_path, args, reason):
+    db = tmp_path / "o.db"
+    result = cptune_here(*args, *(["--db", db] if args[0] != "measure" else []))
+    assert_refused(result, reason)
+    assert not db.exists()
+
+
+def test_a_space_of_more_ranks_than_any_machine_is_refused_where_it_is_read(cptune_here, tmp_path):
+    space = tmp_path / "big.toml"
+    space.write_text(f'name = "big"\n[model]\nheads = 4\nhead_dim = 16\n[sweep]\nseq_lens = [64]\n'
+                     f"ranks = [1, {HUGE}]\n")
+    result = cptune_here("search", space, "--oversubscribe", "--db", tmp_path / "o.db")
+    assert_refused(result, f"{space}: sweep.ranks[1]: out of range", "at most 1,000,000")
+
+
+# --------------------------------------------------------------------------- measure and oversubscription
+
+
+def test_measure_refuses_more_ranks_than_cores_as_search_does(cptune_here, monkeypatch):
+    ran = []
+    monkeypatch.setattr("cptune.execute.measure", lambda workload, config, **_: ran.append(config))
+    for args in (["--max-ranks", str(available_cores() + 1)], ["--ranks", str(available_cores() + 1)]):
+        result = cptune_here("measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", *args)
+        assert_refused(result, f"more ranks than this host's {available_cores()} core", "--oversubscribe")
+    assert ran == []
+
+
+def test_measure_oversubscribed_marks_what_it_ran(cptune_here, monkeypatch):
+    too_many = available_cores() + 1
+    monkeypatch.setattr("cptune.execute.measure", lambda workload, config, **_: dataclasses.replace(
+        measurement(workload, config, 2.0), oversubscribed=config.ranks > available_cores()))
+    flags = ["measure", "--seq-len", "64", "--heads", "4", "--head-dim", "16", "--strategies", "ring",
+             "--ranks", f"1,{too_many}", "--head-group", "1", "--oversubscribe"]
+    shown = cptune_here(*flags)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{too_many} oversub." in shown.stdout and "1 oversub." not in shown.stdout
+    rows = json.loads(cptune_here(*flags, "--json").stdout)["results"]
+    assert {r["config"]["ranks"]: r["oversubscribed"] for r in rows} == {1: False, too_many: True}
