@@ -12,8 +12,10 @@ import pytest
 
 from conftest import add_measurements, assert_refused, measurement
 from cptune.config import CPConfig
+from cptune.hardware import builtin_descriptions
 from cptune.measurement import available_cores
 from cptune.plans._plan import digest
+from cptune.space import builtin_spaces
 from cptune.workload import Workload
 
 SMALL = Workload(seq_len=64, heads=4, head_dim=16)
@@ -159,3 +161,47 @@ def test_measure_oversubscribed_marks_what_it_ran(cptune_here, monkeypatch):
     assert f"{too_many} oversub." in shown.stdout and "1 oversub." not in shown.stdout
     rows = json.loads(cptune_here(*flags, "--json").stdout)["results"]
     assert {r["config"]["ranks"]: r["oversubscribed"] for r in rows} == {1: False, too_many: True}
+
+
+# --------------------------------------------------------------------------- hardware figures, TOML files
+
+
+RECOMMEND = ["recommend", "--heads", "24", "--head-dim", "128", "--seq-len", "16896"]
+
+
+def shipped_h100(tmp_path, old=None, new=None):
+    text = builtin_descriptions()["h100-sxm-8"].read_text()
+    if old is not None:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path / "h100.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("old, new, key", [
+    ("bandwidth_gbps = { value = 360, low = 290, high = 370 }", "bandwidth_gbps = 1e-300",
+     "links.node.bandwidth_gbps"),
+    ("memory_gib = 80", "memory_gib = 1e-300", "device.memory_gib"),
+    ("latency_us = { value = 12.5", "latency_us = { value = 1e300", "links.node.latency_us.value"),
+])
+def test_a_figure_beyond_any_hardware_is_refused_where_it_is_read(cptune_here, tmp_path, old, new, key):
+    described = shipped_h100(tmp_path, old, new)
+    before = sha256(described)
+    assert_refused(cptune_here(*RECOMMEND, "--hardware", described), f"{described}: {key}: out of range")
+    assert sha256(described) == before
+
+
+def test_a_figure_given_beyond_any_hardware_is_refused(cptune_here):
+    result = cptune_here(*RECOMMEND, "--hardware", "h100-sxm-8", "--figure",
+                         "links.node.bandwidth_gbps.default=1e-300")
+    assert_refused(result, "links.node.bandwidth_gbps.default: out of range: expected 0.001 to 1e+06 GB/s")
+
+
+def test_toml_files_may_begin_with_a_byte_order_mark(cptune_here, tmp_path):
+    described = shipped_h100(tmp_path)
+    described.write_bytes(b"\xef\xbb\xbf" + described.read_bytes())
+    space = tmp_path / "space.toml"
+    space.write_bytes(b"\xef\xbb\xbf" + builtin_spaces()["demo"].read_bytes())
+    done = cptune_here("export", space, "--hardware", described, "-o", tmp_path / "plan.json")
+    assert done.returncode == 0, done.stderr
