@@ -198,6 +198,27 @@ def damage(connection: Connection) -> str | None:
     return None if found == ["ok"] else " ".join(" ".join(found).split())
 
 
+#: Free bytes below which a disk counts as full when SQLite reports an I/O error there: a
+#: WAL database's shared-memory file alone takes 32 KiB.
+NO_ROOM_BYTES = 1 << 20
+
+
+def io_error(error: BaseException | None) -> bool:
+    """Whether ``error`` (or the driver's error it wraps) is SQLite's I/O error, of any kind
+    (its primary result code SQLITE_IOERR)."""
+    error = getattr(error, "orig", None) or error
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_IOERR
+
+
+def no_room(path: Path) -> bool:
+    """Whether the disk holding ``path`` has (next to) no space left for this user."""
+    try:
+        found = os.statvfs(path.absolute().parent)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < NO_ROOM_BYTES
+
+
 def corrupt(error: BaseException | None) -> bool:
     """Whether SQLite's ``error`` says the database file is damaged ("malformed")."""
     return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_CORRUPT

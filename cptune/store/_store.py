@@ -74,7 +74,9 @@ from cptune.store._opening import (
     damage,
     damaged,
     foreign_tables,
+    io_error,
     named_few,
+    no_room,
     path_problem,
     reading_url,
     sqlite_setup,
@@ -301,6 +303,7 @@ class Store:
                              f"a number, or a password with @ : / not %-encoded?); {usage}") from None
         self._opened_read_only = opened_read_only
         self._path = path
+        self._reading = reading
         #: Rows this store committed (measurements, failures, calibrations, node verdicts).
         self.written = 0
         #: Whether this (reading) store reads a copy in memory of an older database, migrated
@@ -417,7 +420,13 @@ class Store:
 
     def full_disk(self) -> DiskFullError:
         """The error for a write the full disk refused: which disk, what this store had
-        committed before (kept), and what to do."""
+        committed before (kept), and what to do; for a reader, that SQLite found no room to
+        read the file (a WAL database's shared-memory file goes beside it)."""
+        if self._path is not None and self._reading:
+            return DiskFullError(
+                f"the disk holding database {self._path} is full, and SQLite needs a little room beside "
+                f"the file to read it; nothing was changed: free space on {self._path.absolute().parent}, "
+                f"then run the same command again")
         if self._path is not None:
             where = f"the disk holding database {self._path} is full"
             free = f"free space on {self._path.absolute().parent}"
@@ -430,8 +439,10 @@ class Store:
 
     def _raise_if_full(self, error: BaseException) -> None:
         """Raise ``full_disk`` (the driver's error hidden) when ``error`` says the disk is
-        full (``disk_full``): opening, ``require_writable`` and ``session`` check this first."""
-        if disk_full(error):
+        full (``disk_full``), or is SQLite's I/O error on a disk with no room left (a reader's
+        shared-memory file that cannot grow: SQLITE_IOERR_SHMSIZE): opening,
+        ``require_writable`` and ``session`` check this first."""
+        if disk_full(error) or (self._path is not None and io_error(error) and no_room(self._path)):
             raise self.full_disk() from None
 
     def failed(self, error: BaseException, doing: str, after: str = "") -> StoreError:
