@@ -1,12 +1,14 @@
-"""Paths a user names: read only regular files, and only up to a bound; replace only regular files.
+"""Paths a user names: read only regular files, and only up to a bound; replace only regular files
+cptune wrote.
 
 A path on a command line may name anything: ``/dev/zero`` (endless), ``/dev/full``, a FIFO (an
 open for reading waits for a writer that never comes), a socket, a directory. Checking
 ``st_size`` first does not help: it is 0 for all of those. So a file is opened without
 blocking, checked through its descriptor to be a regular file (no race with a rename between
 the check and the read), and read up to a bound; what will be replaced is checked the same way
-before it is. ``FileRefused`` carries the reason in words a user reads, for each caller to put
-in its own one-line error.
+before it is, and its content must say cptune wrote it (``check_ours``): a path a user names as
+an output may be another program's file, or one of the command's own inputs. ``FileRefused``
+carries the reason in words a user reads, for each caller to put in its own one-line error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from cptune.errors import CPTuneError
@@ -52,10 +55,9 @@ def _refusal(path: str | Path, exc: OSError) -> FileRefused | None:
     return None
 
 
-def read_regular(path: str | Path, limit: int) -> bytes:
-    """The bytes of the regular file at ``path``; ``FileRefused`` for anything else (a device,
-    FIFO, socket or directory: one line saying which), for more than ``limit`` bytes, or for a
-    name too long; other ``OSError``s (missing, not permitted) as they are."""
+def _open_regular(path: str | Path) -> int:
+    """A descriptor of the regular file at ``path``, opened to read without blocking;
+    ``FileRefused`` for anything else or a name too long, other ``OSError``s as they are."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
@@ -64,6 +66,18 @@ def read_regular(path: str | Path, limit: int) -> bytes:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise FileRefused(path, f"is {kind_of(mode)}, not a regular file; name a file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | Path, limit: int) -> bytes:
+    """The bytes of the regular file at ``path``; ``FileRefused`` for anything else (a device,
+    FIFO, socket or directory: one line saying which), for more than ``limit`` bytes, or for a
+    name too long; other ``OSError``s (missing, not permitted) as they are."""
+    fd = _open_regular(path)
+    try:
         chunks, size = [], 0
         while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
             chunks.append(chunk)
@@ -74,6 +88,24 @@ def read_regular(path: str | Path, limit: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_head(path: str | Path, size: int) -> bytes:
+    """The first ``size`` bytes (or fewer) of the regular file at ``path``: enough to tell by
+    its content what a file is; ``FileRefused`` as ``read_regular``."""
+    fd = _open_regular(path)
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
+def same_file(first: str | Path, second: str | Path) -> bool:
+    """Whether ``first`` and ``second`` name one existing file (through links too)."""
+    try:
+        return os.path.samefile(first, second)
+    except (OSError, ValueError):
+        return False
 
 
 def existing_kind(path: str | Path) -> int | None:
@@ -100,14 +132,35 @@ def check_regular_or_absent(path: str | Path, how: str) -> None:
 
 
 
-def write_regular(path: Path, data: bytes, how: str) -> None:
-    """Write ``data`` to ``path``, a regular file or nothing (``check_regular_or_absent``): a
-    file of a folder cptune fills (a report's figures) that turned out a FIFO or a device is
-    refused, not written into."""
+#: How many leading bytes ``check_ours`` reads to tell whether cptune wrote a file.
+HEAD_BYTES = 4096
+
+
+def check_ours(path: str | Path, ours: Callable[[bytes], bool], how: str) -> None:
+    """``FileRefused`` unless ``path`` holds nothing or a regular file cptune wrote, told by its
+    content (``ours`` of its first ``HEAD_BYTES`` bytes): a file of a folder cptune fills that
+    turned out a FIFO, a device, a database or another program's file is left as it is.
+    ``how`` is the fix offered ("write the report elsewhere (cptune report -o DIR)")."""
     check_regular_or_absent(path, how)
+    if existing_kind(path) is None:
+        return
+    try:
+        head = read_head(path, HEAD_BYTES)
+    except FileNotFoundError:  # removed since: nothing there
+        return
+    if not ours(head):
+        raise FileRefused(path, f"exists and is not a file cptune wrote, so it is left as it is; {how}, or "
+                                f"move that file away first")
+
+
+def write_regular(path: Path, data: bytes, how: str, ours: Callable[[bytes], bool]) -> None:
+    """Write ``data`` to ``path``, where nothing is or a regular file cptune wrote
+    (``check_ours``)."""
+    check_ours(path, ours, how)
     path.write_bytes(data)
 
 
 __all__ = [
-    "FileRefused", "check_regular_or_absent", "existing_kind", "kind_of", "read_regular", "write_regular",
+    "HEAD_BYTES", "FileRefused", "check_ours", "check_regular_or_absent", "existing_kind", "kind_of",
+    "read_head", "read_regular", "same_file", "write_regular",
 ]

@@ -203,7 +203,7 @@ def read_toml(file: str, error: ErrorFactory, missing: Callable[[], str]) -> dic
     except OSError as exc:
         raise error(file, "(file)", f"cannot read it: {exc.strerror or exc}; check the path") from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (some editors write one) is no TOML
     except UnicodeDecodeError as exc:
         raise error(file, "(file)", f"not UTF-8 text ({exc.reason} at byte {exc.start}); "
                     "save the file as UTF-8") from None

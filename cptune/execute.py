@@ -25,6 +25,7 @@ from cptune.errors import EngineError, InfeasibleConfigError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
+from cptune.hardware import MAX_RANKS_PER_NODE
 from cptune.hostlock import measuring
 from cptune.layout import SequenceLayout
 from cptune.measurement import (
@@ -49,6 +50,27 @@ from cptune.workload import Workload
 #: Timed iterations of each configuration per pass of an interleaved round (``measure_round``):
 #: a pass of a round must be much shorter than the host's slow phases.
 ITERATIONS_PER_PASS = 2
+
+
+def rank_count_problem(asked: str, ranks: int, engine: Engine, oversubscribe: bool) -> str | None:
+    """Why ``ranks`` ranks (``asked``: what asks for them, in words, e.g. "--max-ranks 8") cannot
+    run on ``engine`` here, None when they can: on CPU ranks, more than this host's cores
+    without ``oversubscribe`` (ranks sharing a core time the sharing, not the strategy), or more
+    than any node runs (``MAX_RANKS_PER_NODE``) with it. Checked before any configuration is
+    enumerated, so a count of 10^12 is refused at once (a GPU engine's and a cluster's
+    ``preflight`` refuse more ranks than they hold)."""
+    cores = engine.capacity()
+    if ranks <= cores or engine.device != "cpu":
+        return None
+    if not oversubscribe:
+        return (f"{asked}: more ranks than this host's {cores} core{'s' if cores != 1 else ''}, and ranks "
+                f"sharing a core time the sharing, not the strategy. Use at most {cores} "
+                f"rank{'s' if cores != 1 else ''}, or add --oversubscribe to run them anyway (stored marked "
+                f"oversubscribed, left out of the model and the picks)")
+    if ranks > MAX_RANKS_PER_NODE:
+        return (f"{asked}: {ranks:,} ranks on one host, more than any node runs, --oversubscribe or not: use "
+                f"at most {MAX_RANKS_PER_NODE:,}")
+    return None
 
 
 def default_timeout(workload: Workload, config: CPConfig, iterations: int = 1) -> float:
@@ -221,18 +243,24 @@ def measure_all(
     on_config: Callable[[CPConfig, int, int], None] | None = None,
     ranks: Sequence[int] | None = None,
     head_group: int | None = None,
+    oversubscribe: bool = False,
 ) -> tuple[list[Measurement], list[tuple[CPConfig, EngineError]]]:
     """``measure`` every feasible configuration of ``workload`` on 1..``max_ranks`` ranks
     (default: the engine's capacity here, this host's cores or its GPUs), one after another:
     the measurements, and each configuration whose run failed with its ``EngineError``.
     ``ranks`` keeps only those rank counts (``max_ranks`` is then not used) and
     ``head_group`` only that Ulysses degree, so one configuration can be measured alone.
-    ``on_config(config, index, total)`` is told before each one runs. Holds the host lock
-    (``cptune.hostlock``) from the first configuration to the last."""
+    More ranks than this host's cores are refused (``InfeasibleConfigError``) unless
+    ``oversubscribe``; those measurements say they were ``oversubscribed``
+    (``rank_count_problem``). ``on_config(config, index, total)`` is told before each one
+    runs. Holds the host lock (``cptune.hostlock``) from the first configuration to the last."""
     guard_enabled()  # a bad CPTUNE_GUARD is refused before anything runs
     engine = _timed_engine(backend)
     largest = max(ranks) if ranks else max_ranks
     engine.preflight(largest or 1)
+    asked = f"--ranks {','.join(map(str, ranks))}" if ranks else f"--max-ranks {largest}"
+    if largest is not None and (problem := rank_count_problem(asked, largest, engine, oversubscribe)):
+        raise InfeasibleConfigError(problem, [problem])
     largest = largest or engine.capacity()
     configs = [c for c in enumerate_configs(workload, largest, tuple(strategies))
                if (not ranks or c.ranks in ranks) and (head_group is None or c.head_group == head_group)]

@@ -22,6 +22,7 @@ from cptune._shipped import shipped
 from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
 from cptune.config import STRATEGIES, CPConfig
 from cptune.feasibility import closest_to_fitting, enumerate_configs, feasibility
+from cptune.hardware import MAX_RANKS
 from cptune.workload import MODES, WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
@@ -261,13 +262,14 @@ def load_space(path: str | Path) -> SearchSpace:
 
 
 def _read_ranks(r: TableReader, raw: object) -> tuple[int, ...] | None:
-    """``"auto"`` (or absent) -> None; else a non-empty array of distinct positive ints."""
+    """``"auto"`` (or absent) -> None; else a non-empty array of distinct positive ints, each at
+    most ``MAX_RANKS`` (more than any machine built)."""
     if raw is None or raw == "auto":
         return None
     if isinstance(raw, str):
         raise r.fail("sweep.ranks", f'expected "auto" or an array of positive integers, {got(raw)}'
                      f"{r.example('sweep.ranks')}")
-    return r.array(raw, "sweep.ranks", lambda v, k: r.integer(v, k, 1))
+    return r.array(raw, "sweep.ranks", lambda v, k: r.integer(v, k, 1, MAX_RANKS))  # any machine's, at most
 
 
 def _timeout(r: TableReader, raw: object) -> float:

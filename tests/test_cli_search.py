@@ -341,3 +341,34 @@ def test_a_crashed_configuration_is_named_with_the_command_that_measures_it_and_
     second = cptune_here(*search)
     assert second.returncode == 0, second.stdout + second.stderr
     assert ring in ran and "left out" not in second.stdout
+
+
+def test_a_search_that_stopped_waiting_for_quiet_says_what_measures_again(tmp_path, monkeypatch, capsys):
+    """In process, with ``measure`` standing in and the guard on: the host stays busy through
+    the wait, Ring on 2 ranks is disturbed in every visit. What the line says measures it again
+    does; a plain rerun, which it does not promise anything of, measures nothing."""
+    from cptune import CPConfig
+    from cptune.cli import main
+
+    ring = CPConfig("ring", 2)
+    runs = []
+
+    def measure(workload, config, **_):
+        runs.append(config)
+        busy = "other processes used 1.9 of 2 cores" if config == ring else None
+        return dataclasses.replace(measurement(workload, config, 10.0 * config.ranks), disturbed=busy)
+
+    stand_in_measuring(monkeypatch, measure)
+    monkeypatch.setenv("CPTUNE_GUARD", "on")
+    monkeypatch.setattr("cptune.search._workload.wait_for_quiet", lambda *args, **kwargs: "1.9 of 2 cores")
+    monkeypatch.setattr("cptune.search._workload.time.sleep", lambda seconds: None)
+    search = ["search", "--db", str(tmp_path / "d.db"), *QUICK[:4], "--seq-lens", "64", "--ranks", "1,2",
+              "--strategies", "ring", "--no-calibrate", "--rounds", "1", "--race-rounds", "1"]
+    assert main(search) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "stopped waiting for quiet" in line]
+    assert "a rerun with --remeasure" in line, line
+    assert ring in runs
+    for rerun, measures_ring in ((search, False), ([*search, "--remeasure"], True)):
+        runs.clear()
+        assert main(rerun) == 0
+        assert (ring in runs) == measures_ring, (rerun, runs)

@@ -143,3 +143,37 @@ def test_no_space_for_the_ranks_folder_is_one_line_too(tmp_path, monkeypatch, cp
     assert result.stderr.splitlines() == [
         "cptune: error: no space left on the device (/tmp/cptune-pool-x): every finished measurement is "
         "stored; free space there, then run the same command again: it resumes where it stopped"]
+
+
+@pytest.mark.parametrize("command", [["results"], ["fit"], ["report", "--text"],
+                                     ["recommend", "--heads", "4", "--head-dim", "16", "--seq-len", "64"]])
+def test_a_reading_command_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch, cptune_here, command):
+    """A WAL database is read through a shared-memory file beside it; on a full disk SQLite
+    cannot make it and says "disk I/O error" (SQLITE_IOERR_SHMSIZE): as there, every connection
+    fails so, and the disk has no room left. The line says the disk is full, not that the file
+    may be damaged; the file keeps every byte."""
+    import os
+    from types import SimpleNamespace
+
+    db = tmp_path / "r.db"
+    with Store(str(db)) as store:
+        store.add_measurement(this_host(), measurement(SMALL, CPConfig("ring", 1), 1.0))
+    before = db.read_bytes()
+
+    def no_room_for_shared_memory(*args, **kwargs):
+        error = sqlite3.OperationalError("disk I/O error")
+        error.sqlite_errorcode = 4874  # SQLITE_IOERR_SHMSIZE
+        raise error
+
+    statvfs = os.statvfs
+    for module in (sqlite3, sqlite3.dbapi2):  # cptune's own probe, and SQLAlchemy's driver
+        monkeypatch.setattr(module, "connect", no_room_for_shared_memory)
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096)
+                        if str(path) == str(tmp_path) else statvfs(path))
+    result = cptune_here(*command, "--db", db)
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == (f"cptune: error: the disk holding database {db} is full, and SQLite needs a little "
+                    f"room beside the file to read it; nothing was changed: free space on {tmp_path}, then "
+                    f"run the same command again"), line
+    assert db.read_bytes() == before

@@ -223,6 +223,15 @@ BROKEN = {
     "resigned infeasible alternative": (
         lambda t, d: resigned(with_alternative(d, {"strategy": "ring", "ranks": 3, "head_group": 3})),
         ('"alternatives"', 1), "buckets[0].alternatives[0]: 3-way Ulysses"),
+    "resigned ranks beyond any machine": (
+        lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "config": {
+            "strategy": "ring", "ranks": 10**30, "head_group": 1}}, d["buckets"][1]]}),
+        f'"ranks": {10**30}', f"buckets[0].config.ranks: {10**30} is greater than the maximum of 1000000"),
+    "resigned launch beyond any machine": (
+        lambda t, d: resigned({**d, "launch": {**d["launch"], "ranks": 10**30}}),
+        f'"ranks": {10**30}', f"launch.ranks: {10**30} is greater than the maximum of 1000000"),
+    "a number too long to read": (lambda t, d: edit_value(t, '"seq_len": 1024', '"seq_len": 1' + "0" * 5000),
+                                  None, "holds a number of more than 4,300 digits"),
     "resigned wrong label": (
         lambda t, d: resigned({**d, "buckets": [{**d["buckets"][0], "label": "ulysses"}, d["buckets"][1]]}),
         '"label": "ulysses"', "must be 'ring'"),
@@ -258,6 +267,25 @@ def tied_db(tmp_path) -> str:
                 store.add_measurement(this_host(), measurement(at(SHORT), config, ms),
                                       round_id=f"r{round_index}")
     return path
+
+
+def test_the_schema_bounds_every_count_where_cptune_bounds_it():
+    """Rank counts at most what any machine built has (``cptune.hardware.MAX_RANKS``, as a
+    hardware description's), other integers at most what a database holds (``MAX_INT``): a
+    count read from a plan is bounded where it is read, before anything is built from it."""
+    from cptune.hardware import MAX_RANKS
+    from cptune.workload import MAX_INT
+
+    schema = plan_schema()
+    launch = schema["properties"]["launch"]["properties"]
+    counts = [schema["$defs"]["config"]["properties"][key] for key in ("ranks", "head_group")]
+    counts += [launch[key] for key in ("ranks", "nodes", "ranks_per_node")]
+    counts += list(launch["devices"]["items"]["properties"].values())[:3]
+    assert {count["maximum"] for count in counts} == {MAX_RANKS}
+    bucket = schema["properties"]["buckets"]["items"]["properties"]
+    others = [*schema["properties"]["shape"]["properties"].values(), bucket["measurement_ids"]["items"],
+              *(bucket[key] for key in ("min_seq_len", "max_seq_len", "seq_len"))]
+    assert {value["maximum"] for value in others if value.get("type") == "integer"} == {MAX_INT}
 
 
 def test_a_bucket_lists_the_tied_alternatives_and_round_trips(tmp_path):

@@ -64,6 +64,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     measure.add_argument("--timeout", type=seconds, default=None,
                      help="seconds before a configuration's run is stopped (default: scaled to its size)")
     measure.add_argument("--json", action="store_true", help="print results as JSON instead of a table")
+    measure.add_argument("--oversubscribe", action="store_true",
+                         help="allow more ranks than this host's cores: such runs time ranks waiting for a "
+                              "core (marked oversub. in the table, oversubscribed in the JSON)")
     add_backend(measure)
     add_hosts_flags(measure)
 
@@ -95,6 +98,8 @@ def _measurements_table(
     workload: Workload, results: list[Measurement], failures: list[tuple[CPConfig, EngineError]]
 ) -> Table:
     disturbed = "; * = disturbed by other load (why: below)" if any(m.disturbed for m in results) else ""
+    if any(m.oversubscribed for m in results):
+        disturbed += "; oversub. = more ranks than cores, timing the sharing (--oversubscribe)"
     train = workload.training
     shown = table(f"{workload.describe()} - fastest first",
                   f"ms per iteration{' (forward and backward; fwd: the forward alone)' if train else ''}, "
@@ -106,7 +111,8 @@ def _measurements_table(
         shown.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for m in sorted(results, key=lambda m: m.median_ms):
         shown.add_row(
-            m.config.label, str(m.config.ranks), f"{m.median_ms:.1f}{'*' if m.disturbed else ''}",
+            m.config.label, f"{m.config.ranks}{' oversub.' if m.oversubscribed else ''}",
+            f"{m.median_ms:.1f}{'*' if m.disturbed else ''}",
             *((_ms(m.forward_ms),) if train else ()), f"{m.spread_ms:.1f}", _ms(m.compute_ms), _ms(m.comm_ms),
             f"{m.peak_bytes / 2**20:.0f}", f"{m.max_error:.0e}",
         )
@@ -135,7 +141,7 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
         results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
                                         backend=engine_of(args), warmup=args.warmup, repeats=args.repeats,
                                         timeout=args.timeout, on_config=on_config, ranks=args.ranks,
-                                        head_group=args.head_group)
+                                        head_group=args.head_group, oversubscribe=args.oversubscribe)
     finally:
         if progress.live.is_started:
             progress.stop()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from cptune._files import same_file
 from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
@@ -52,9 +53,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help=f"search space file or built-in name (default {DEMO_SPACE})")
     export.add_argument("-o", "--output",
                         help="plan file to write (default plan.json; with --for, none unless named); a plan "
-                             "already there is replaced, any other file is refused unless --force")
+                             "cptune export wrote already there is replaced, any other file is left as it is")
     export.add_argument("--force", action="store_true",
-                        help="replace the -o file even if it is not a plan cptune export wrote")
+                        help="replace the -o file even if it is a plan edited since cptune export wrote it")
     export.add_argument("--hardware", help=HARDWARE_HELP)
     add_given_flags(export)
     add_host_backend(export)
@@ -126,6 +127,9 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
         if args.plan is None and args.hardware is None:
             check_engine(framework, args.backend)
     output = args.output or (None if args.framework else "plan.json")
+    if output is not None and args.plan is not None and same_file(output, args.plan):
+        raise UsageError(f"-o {output} is the --plan file this command reads, so it is left as it is: write "
+                         f"the plan elsewhere (cptune export -o PATH)")
     if output is not None:
         check_replaceable(output, args.force)  # before the work, not only at the write
     if args.plan is not None:

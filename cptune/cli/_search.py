@@ -321,8 +321,9 @@ class LiveSearch:
                               f"not counted, visited again")
         if search.stayed_busy is not None and not second:
             say(self.console, f"seq {seq_len}: stopped waiting for quiet: {search.stayed_busy}; its "
-                              f"disturbed visits are stored marked, and a rerun when the host is quiet adds "
-                              f"clean ones")
+                              f"disturbed visits are stored marked and count as runs, so a configuration "
+                              f"whose runs are used up is measured again only by a rerun with --remeasure, "
+                              f"when the host is quiet")
         if second or not unconfirmed:
             self.finished.add(seq_len)
             for left in search.left_out:  # once the length's search is over, never silently

@@ -16,7 +16,14 @@ from cptune.hardware._cluster import (
     read_hostfile,
     tier_of,
 )
-from cptune.hardware._description import NCCL_PATHS, Figure, HardwareDescription, LinkTier
+from cptune.hardware._description import (
+    MAX_RANKS,
+    MAX_RANKS_PER_NODE,
+    NCCL_PATHS,
+    Figure,
+    HardwareDescription,
+    LinkTier,
+)
 from cptune.hardware._host import (
     GpuInfo,
     Hardware,
@@ -47,6 +54,8 @@ __all__ = [
     "HardwareDescription",
     "HardwareDescriptionError",
     "LinkTier",
+    "MAX_RANKS",
+    "MAX_RANKS_PER_NODE",
     "NCCL_PATHS",
     "builtin_descriptions",
     "list_gpus",

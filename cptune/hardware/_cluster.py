@@ -16,8 +16,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from cptune._files import FileRefused, read_regular
 from cptune.config import CPConfig
 from cptune.errors import CPTuneError
+from cptune.hardware._description import MAX_RANKS, MAX_RANKS_PER_NODE
 from cptune.layout import Groups
 
 #: The link tiers a flow between two ranks may cross, innermost first.
@@ -46,6 +48,11 @@ class Cluster:
                                f"with all its ranks (host:ranks)")
         if self.ranks_per_node < 1:
             raise ClusterError(f"each node needs at least one rank, got {self.ranks_per_node}")
+        if self.ranks_per_node > MAX_RANKS_PER_NODE:
+            raise _too_many_per_node(f"{self.ranks_per_node:,}")
+        if self.size > MAX_RANKS:
+            raise ClusterError(f"{self.nodes:,} nodes x {self.ranks_per_node:,} ranks is {self.size:,} "
+                               f"ranks, more than any machine built: give at most {MAX_RANKS:,} in all")
 
     @property
     def nodes(self) -> int:
@@ -97,9 +104,17 @@ class Cluster:
 def _node(entry: str, where: str) -> tuple[str, int]:
     """(host, ranks) of one ``host[:ranks]`` entry."""
     host, colon, count = entry.strip().partition(":")
-    if not _HOST.fullmatch(host) or (colon and not count.strip().isdigit()):
+    count = count.strip()
+    if not _HOST.fullmatch(host) or (colon and not (count.isascii() and count.isdigit())):
         raise ClusterError(f"{where}: {entry.strip()!r} is not host or host:ranks (e.g. node1:8)")
+    if len(count) > len(str(MAX_RANKS_PER_NODE)):  # bounded before it is read as a number
+        raise _too_many_per_node(f"{where}: {count}")
     return host, int(count) if colon else 1
+
+
+def _too_many_per_node(ranks: str) -> ClusterError:
+    return ClusterError(f"{ranks} ranks on each node, more than any node runs: give at most "
+                        f"{MAX_RANKS_PER_NODE:,} (host:ranks)")
 
 
 def _cluster(nodes: list[tuple[str, int]], where: str) -> Cluster:
@@ -124,14 +139,11 @@ def read_hostfile(path: str | Path) -> Cluster:
     Only a regular file is read, and at most ``MAX_HOSTFILE_BYTES`` of it."""
     path = Path(path)
     try:
-        if not path.is_file():
-            raise ClusterError(f"hostfile {path} is not a regular file: give a file of host:ranks lines")
-        with path.open("rb") as file:
-            data = file.read(MAX_HOSTFILE_BYTES + 1)
+        data = read_regular(path, MAX_HOSTFILE_BYTES)
+    except FileRefused as refused:
+        raise ClusterError(f"hostfile {refused}") from None
     except OSError as exc:
         raise ClusterError(f"cannot read hostfile {path} ({exc.strerror})") from None
-    if len(data) > MAX_HOSTFILE_BYTES:
-        raise ClusterError(f"hostfile {path} is over {MAX_HOSTFILE_BYTES // 1024} KiB: is it a hostfile?")
     try:
         text = data.decode()
     except UnicodeDecodeError:

@@ -108,8 +108,9 @@ MAX_RANKS_PER_NODE = 4096
 #: The most ranks a description may have in all: more than any machine built.
 MAX_RANKS = 1_000_000
 
-#: Unit of each figure as written in the file, and its factor to SI units.
+#: Unit of each figure (and of the device's memory) as written in the file, and its factor to SI units.
 _UNITS = {
+    "memory_gib": ("GiB", 2**30),
     "matmul_tflops": ("TFLOP/s", 1e12), "softmax_tops": ("1e12 exponentials/s", 1e12),
     "memory_gbps": ("GB/s", 1e9), "launch_us": ("microseconds", 1e-6),
     "attention_call_us": ("microseconds", 1e-6),
@@ -118,9 +119,37 @@ _UNITS = {
     "latency_us": ("microseconds", 1e-6), "uplink_gbps": ("GB/s", 1e9), "aggregate_gbps": ("GB/s", 1e9),
 }
 
+#: The range each figure (and the memory) may take, in the file's units: orders of magnitude
+#: wider on each side than the shipped descriptions' ranges (9.75-959 TFLOP/s, 2-384 GB/s links,
+#: 5-60 us), so any real device or link lies within. Outside is a slip of the keyboard or of the
+#: units, and a bandwidth of 1e-300 GB/s printed latencies of hundreds of digits. (The overlap
+#: slowdown, a share, is bounded by its own check: above 0, below 1.)
+_RANGES = {
+    "memory_gib": (1e-3, 1e6), "matmul_tflops": (1e-3, 1e6), "softmax_tops": (1e-4, 1e4),
+    "memory_gbps": (1e-2, 1e6), "launch_us": (1e-3, 1e6), "attention_call_us": (1e-3, 1e6),
+    "backward_speed": (1e-2, 1e2), "bandwidth_gbps": (1e-3, 1e6),
+    "latency_us": (1e-3, 1e7), "uplink_gbps": (1e-3, 1e7),
+}
+
+
 def _unit(key: str) -> tuple[str, float]:
     """(unit in the file, factor to SI) of figure ``key``."""
-    return _UNITS[next(part for part in key.split(".") if part in _UNITS)]
+    return _UNITS[_kind(key)]
+
+
+def _kind(key: str) -> str:
+    """Which figure ``key`` is ("bandwidth_gbps" of "links.node.bandwidth_gbps.all_to_all")."""
+    return next(part for part in key.split(".") if part in _UNITS)
+
+
+def figure_range_problem(key: str, value: float) -> str | None:
+    """Why ``value`` (in the file's units) is outside figure ``key``'s range (``_RANGES``), in
+    words; None inside it."""
+    least, most = _RANGES.get(_kind(key), (0.0, math.inf))
+    if least <= value <= most:
+        return None
+    return (f"out of range: expected {least:g} to {most:g} {_unit(key)[0]} (any hardware lies within), got "
+            f"{value:g}: check the number and its units")
 
 
 def _size_problem(ranks_per_node: int, nodes: int) -> tuple[str, str] | None:
@@ -277,6 +306,8 @@ class HardwareDescription:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < ceiling:
                 bound = " below 1" if ceiling == 1.0 else ""
                 raise ValueError(f"{key} must be a positive number{bound} ({unit}), got {value!r}")
+            if problem := figure_range_problem(key, value):
+                raise ValueError(f"{key}: {problem}")
             figures[key] = Figure(value * scale, value * scale, value * scale)
         if "device.launch_us" in given and "device.attention_call_us" not in given \
                 and self.figures["device.attention_call_us"] == self.figures["device.launch_us"]:

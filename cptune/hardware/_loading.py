@@ -21,6 +21,7 @@ from cptune.hardware._description import (
     LinkTier,
     _size_problem,
     _unit,
+    figure_range_problem,
 )
 
 #: Allowed keys of each table, in the order the file format documents them.
@@ -146,7 +147,8 @@ def _load(file: str, name: str) -> HardwareDescription:
     r.check_keys(device, DEVICE_KEYS, "device")
     device_name = r.string(r.value(device, "name", "device", required=True), "device.name", non_empty=True)
     raw = r.value(device, "memory_gib", "device", required=False)
-    memory_bytes = None if raw is None else round(r.positive_number(raw, "device.memory_gib", "GiB") * 2**30)
+    memory_bytes = None if raw is None else round(
+        _in_range(r, r.positive_number(raw, "device.memory_gib", "GiB"), "device.memory_gib") * 2**30)
     _read_matmul(r, device, figures)
     for key in ("softmax_tops", "memory_gbps", "launch_us", "overlap_slowdown"):
         figures[f"device.{key}"] = _figure(r, r.value(device, key, "device", required=True), f"device.{key}")
@@ -191,17 +193,25 @@ def _figure(r: TableReader, raw: object, key: str) -> Figure:
     """A figure: a positive number, or a table ``{ value, low, high }`` with low <= value <= high."""
     unit, scale = _unit(key)
     if not isinstance(raw, dict):
-        value = r.positive_number(raw, key, unit) * scale
+        value = _in_range(r, r.positive_number(raw, key, unit), key) * scale
         return Figure(value, value, value)
     r.check_keys(raw, FIGURE_KEYS, key)
     value, low, high = (
-        r.positive_number(r.value(raw, part, key, required=True), f"{key}.{part}", unit) * scale
+        _in_range(r, r.positive_number(r.value(raw, part, key, required=True), f"{key}.{part}", unit),
+                  f"{key}.{part}") * scale
         for part in FIGURE_KEYS
     )
     if not low <= value <= high:
         raise r.fail(key, f"the range must hold the value: expected low <= value <= high, got low = "
                      f"{show(low / scale)}, value = {show(value / scale)}, high = {show(high / scale)}")
     return Figure(value, low, high)
+
+
+def _in_range(r: TableReader, value: float, key: str) -> float:
+    """``value`` (in the file's units) of figure ``key``, refused outside the figure's range."""
+    if problem := figure_range_problem(key, value):
+        raise r.fail(key, f"{problem}{r.example(key)}")
+    return value
 
 
 def _read_matmul(r: TableReader, device: dict[str, Any], figures: dict[str, Figure]) -> None:

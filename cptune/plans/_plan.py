@@ -15,6 +15,7 @@ import json
 import os
 import re
 import stat
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -320,11 +321,13 @@ def _new_file_mode() -> int:
 
 
 def check_replaceable(path: str | Path, force: bool = False) -> None:
-    """``PlanError`` when ``path`` holds something a plan must not replace: a directory, a
-    device, FIFO or socket (``force`` or not), or (unless ``force``) a file that is not a plan
-    cptune export wrote - not JSON, or JSON without a plan's ``schema_version`` and ``digest``.
-    A plan of any version, hardware or content is replaced (exporting again is how a plan is
-    updated); no file is fine."""
+    """``PlanError`` unless ``path`` holds nothing or a plan cptune export wrote, checked by its
+    content: a JSON object with a plan's ``schema_version`` and a ``digest`` that matches it. A
+    plan of any version, hardware or content is replaced (exporting again is how a plan is
+    updated); one edited since (its digest no longer matches) only with ``force``. Anything
+    else - a database, a search space, a hardware description, the host lock, another
+    program's file, a directory, a device, FIFO or socket - is never replaced, ``force`` or
+    not: what a user names as the output may be one of the command's own inputs."""
     target = Path(path)
     elsewhere = "write the plan elsewhere (cptune export -o PATH)"
     try:
@@ -337,20 +340,36 @@ def check_replaceable(path: str | Path, force: bool = False) -> None:
         raise PlanError(f"cannot write the plan to {refused}") from None
     except OSError as exc:
         raise PlanError(f"cannot write the plan to {target}: {exc.strerror or exc}; {elsewhere}") from None
-    if force or mode is None or _is_plan(target):
+    if mode is None:
         return
-    raise PlanError(f"{target} exists and is not a plan written by cptune export, so it is left as it "
-                    f"is: {elsewhere}, or replace the file with cptune export --force (force=True)")
+    kind = _plan_kind(target)
+    if kind == "plan" or (kind == "edited" and force):
+        return
+    if kind == "edited":
+        raise PlanError(f"{target} is a plan edited since cptune export wrote it (its digest no longer "
+                        f"matches), so it is left as it is: {elsewhere}, or replace it with cptune export "
+                        f"--force (force=True)")
+    forced = ", --force or not" if force else ""
+    raise PlanError(f"{target} exists and is not a plan written by cptune export, so it is left as it is"
+                    f"{forced} (cptune replaces only its own plans): {elsewhere}, or move that file away "
+                    f"first")
 
 
-def _is_plan(path: Path) -> bool:
-    """Whether ``path`` is a plan file cptune export wrote, whatever its version or content:
-    a small regular file holding a JSON object with a plan's ``schema_version`` and ``digest``."""
+def _plan_kind(path: Path) -> str | None:
+    """What the file at ``path`` is, by its content: "plan" (a plan cptune export wrote, whatever
+    its version: a small regular file holding a JSON object with a plan's ``schema_version``
+    and a ``digest`` that matches it), "edited" (such an object whose digest no longer
+    matches) or None (not a plan)."""
     try:
         data = json.loads(read_regular(path, MAX_PLAN_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and "schema_version" in data and "digest" in data
+        return None
+    if not (isinstance(data, dict) and "schema_version" in data and "digest" in data):
+        return None
+    try:
+        return "plan" if data["digest"] == digest(data) else "edited"
+    except RecursionError:  # nested deeper than it can be written back: not cptune's
+        return None
 
 
 def _readable(value: Any, indent: str = "") -> str:
@@ -404,6 +423,9 @@ def load_plan(path: str | Path, hardware: str | None = None, force: bool = False
         raise PlanError(f"{name}: line {line}: not valid JSON: {exc} (only Python reads it)") from None
     except RecursionError:
         raise PlanError(f"{name}: nested too deeply to be a plan written by cptune export") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise PlanError(f"{name}: holds a number of more than {sys.get_int_max_str_digits():,} digits, so it "
+                        f"is not a plan written by cptune export") from None
     _check_schema(data, locate)
     if data["digest"] != digest(data):
         raise locate.error(("digest",), "the content does not match its digest: the file was changed "

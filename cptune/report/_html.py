@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 
-from cptune._files import write_regular
+from cptune._files import check_ours, write_regular
 from cptune.measurement import format_ms
 from cptune.report._data import (
     BREAKDOWN_COLUMNS,
@@ -83,6 +83,19 @@ _CAPTIONS = {
 
 #: The fix offered when a file in the report's folder is something cptune never writes into.
 _ELSEWHERE = "write the report into another folder (cptune report -o DIR)"
+#: What begins the page ``write_report`` writes, by which it is told from other files.
+_PAGE_START = ('<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+               "<title>cptune report</title>\n")
+
+
+def _our_page(head: bytes) -> bool:
+    return head.startswith(_PAGE_START.encode())
+
+
+def _our_figure(head: bytes) -> bool:
+    """Whether a file beginning ``head`` is a figure a report drew: a PNG that Matplotlib wrote
+    (its Software text chunk follows the header)."""
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00Matplotlib" in head[:256]
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -244,7 +257,7 @@ class _Output:
         """Write ``png`` and return its HTML figure, the image embedded, with its caption."""
         name = file_name(self.data, hardware, shape, kind)
         path = self.out_dir / name
-        write_regular(path, png, _ELSEWHERE)
+        write_regular(path, png, _ELSEWHERE, _our_figure)
         self.written.append(path)
         source = base64.b64encode(png).decode("ascii")
         return (f'<figure><img src="data:image/png;base64,{source}" alt="{escape(name)}">'
@@ -283,16 +296,15 @@ def _hardware_section(hardware: HardwareReport, out: _Output) -> str:
 
 def write_report(data: ReportData, out_dir: Path) -> list[Path]:
     """Write every figure as a PNG into ``out_dir`` (created if needed) and ``report.html``,
-    which embeds them; returns the written paths, the HTML last."""
+    which embeds them; returns the written paths, the HTML last. A file already there is
+    replaced only if a report wrote it (``check_ours``): the page is checked before anything
+    is drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    html_path = out_dir / "report.html"
+    check_ours(html_path, _our_page, _ELSEWHERE)
     out = _Output(data, out_dir)
     sections = [_hardware_section(hardware, out) for hardware in data.hardware]
-    page = f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>cptune report</title>
-<style>{_CSS}</style>
+    page = f"""{_PAGE_START}<style>{_CSS}</style>
 </head>
 <body>
 <h1>cptune report</h1>
@@ -306,6 +318,5 @@ every figure of every report.</p>
 </body>
 </html>
 """
-    html_path = out_dir / "report.html"
-    write_regular(html_path, page.encode("utf-8"), _ELSEWHERE)
+    write_regular(html_path, page.encode("utf-8"), _ELSEWHERE, _our_page)
     return [*out.written, html_path]

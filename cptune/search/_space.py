@@ -31,7 +31,7 @@ from cptune.config import CPConfig
 from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, ranks_per_node, untimed
 from cptune.errors import CPTuneError
 from cptune.estimate import Verdict
-from cptune.execute import rank_memory_limit
+from cptune.execute import rank_count_problem, rank_memory_limit
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.frameworks import FrameworkError, check_engine, get_framework
 from cptune.guard import busy_notice, patience_s
@@ -158,26 +158,25 @@ def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, ov
     capacity; ``SearchSetupError`` when none is left or oversubscription is refused."""
     cores = engine.capacity()
     available = max_ranks or cores
+    if space.ranks is None:  # "auto", 1..available: bounded before they are listed
+        check_rank_count(f"--max-ranks {available}", available, engine, oversubscribe)
     counts = tuple(n for n in space.rank_counts(available) if max_ranks is None or n <= max_ranks)
     if not counts:
         raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
     engine.preflight(max(counts))  # on a cluster: the nodes hold them all
-    over = ", ".join(str(n) for n in counts if n > cores)
-    if over and engine.device == "cpu":  # a GPU engine's preflight refuses more ranks than GPUs
-        refuse_oversubscription(f"ranks {over} of {space.origin}", cores, oversubscribe)
+    over = [n for n in counts if n > cores]
+    if over:
+        check_rank_count(f"ranks {', '.join(map(str, over))} of {space.origin}", max(over), engine,
+                         oversubscribe)
     return dataclasses.replace(space, ranks=counts), available, cores
 
 
-def refuse_oversubscription(asked: str, cores: int, allowed: bool) -> None:
-    """``SearchSetupError`` for rank counts (``asked``, in words) above this host's
-    ``cores``, unless ``allowed``."""
-    if not allowed:
-        raise SearchSetupError(
-            f"{asked}: more ranks than this host's {cores} core{'s' if cores != 1 else ''}, and ranks "
-            f"sharing a core time the sharing, not the strategy. Use at most {cores} "
-            f"rank{'s' if cores != 1 else ''}, or add --oversubscribe to run them anyway (stored marked "
-            f"oversubscribed, left out of the model and the picks)"
-        )
+def check_rank_count(asked: str, ranks: int, engine: Engine, oversubscribe: bool) -> None:
+    """``SearchSetupError`` when ``ranks`` ranks (``asked``, in words) cannot run here as asked:
+    above this host's cores without ``oversubscribe``, or above any node's ranks
+    (``cptune.execute.rank_count_problem``)."""
+    if problem := rank_count_problem(asked, ranks, engine, oversubscribe):
+        raise SearchSetupError(problem)
 
 
 def search_space(
@@ -427,10 +426,8 @@ def calibrate_host(
     waits for it first."""
     engine = get_engine(backend)
     engine.preflight(max_ranks or 1)
-    cores = engine.capacity()
-    max_ranks = max_ranks or cores
-    if max_ranks > cores and engine.device == "cpu":  # a GPU engine's preflight refused this
-        refuse_oversubscription(f"--max-ranks {max_ranks}", cores, oversubscribe)
+    max_ranks = max_ranks or engine.capacity()
+    check_rank_count(f"--max-ranks {max_ranks}", max_ranks, engine, oversubscribe)
     told = progress or SearchProgress()
     with _measuring_into(db, share) as store:
         hardware = engine.hardware()

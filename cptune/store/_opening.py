@@ -19,14 +19,16 @@ import os
 import sqlite3
 import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from sqlalchemy import URL, Connection, Engine, event, inspect
 from sqlalchemy.exc import DBAPIError
 
 from cptune._files import kind_of
 from cptune.store._schema import VERSION_TABLE
+from cptune.store._urls import URI_ARGUMENTS
 
 #: How long a SQLite connection waits for another's write lock.
 BUSY_TIMEOUT_MS = 60_000
@@ -139,7 +141,7 @@ def path_problem(path: Path, create: bool, opened_read_only: str | None) -> str 
     return None
 
 
-def reading_url(path: Path, opened_read_only: str | None) -> URL:
+def reading_url(path: Path, opened_read_only: str | None, kept: Mapping[str, str]) -> URL:
     """The URL a command that only reads opens the SQLite file ``path`` by, so that nothing
     in it changes: read and write, never creating (``mode=rw``; ``query_only`` refuses any
     write, and SQLite's journal files come and go as for any reader) where the file and its
@@ -147,13 +149,15 @@ def reading_url(path: Path, opened_read_only: str | None) -> URL:
     else read-only (``mode=ro``); else, where even that cannot open it (a WAL database whose
     shared-memory file cannot be made: a read-only filesystem), as a file that nobody
     changes (``immutable=1``). The first that opens; the last when none does, to fail with
-    SQLite's own reason."""
+    SQLite's own reason. ``kept``: the user's other query arguments (``uri_arguments``), kept."""
     modes = [("mode", "rw")] if opened_read_only is None and writable(path) else []
     if not (opened_read_only or "").startswith("immutable"):
         modes.append(("mode", "ro"))
+    uri = {key: value for key, value in kept.items() if key in URI_ARGUMENTS}
     for key, value in [*modes, ("immutable", "1")]:
-        url = URL.create("sqlite", database=f"file:{quote(str(path))}", query={key: value, "uri": "true"})
-        if _opens(f"{url.database}?{key}={value}"):
+        url = URL.create("sqlite", database=f"file:{quote(str(path))}",
+                         query={**kept, key: value, "uri": "true"})
+        if _opens(f"{url.database}?{urlencode({**uri, key: value})}"):
             break
     return url
 
@@ -192,6 +196,27 @@ def damage(connection: Connection) -> str | None:
             raise  # not a database at all, locked, ...: the store says so
         return " ".join(str(exc.orig).split())
     return None if found == ["ok"] else " ".join(" ".join(found).split())
+
+
+#: Free bytes below which a disk counts as full when SQLite reports an I/O error there: a
+#: WAL database's shared-memory file alone takes 32 KiB.
+NO_ROOM_BYTES = 1 << 20
+
+
+def io_error(error: BaseException | None) -> bool:
+    """Whether ``error`` (or the driver's error it wraps) is SQLite's I/O error, of any kind
+    (its primary result code SQLITE_IOERR)."""
+    error = getattr(error, "orig", None) or error
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF == sqlite3.SQLITE_IOERR
+
+
+def no_room(path: Path) -> bool:
+    """Whether the disk holding ``path`` has (next to) no space left for this user."""
+    try:
+        found = os.statvfs(path.absolute().parent)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < NO_ROOM_BYTES
 
 
 def corrupt(error: BaseException | None) -> bool:

@@ -66,7 +66,6 @@ from cptune._shipped import shipped
 from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.engines import NodeVerdict
-from cptune.errors import CPTuneError
 from cptune.hardware import Hardware
 from cptune.measurement import Measurement
 from cptune.store._facts import bounded_facts
@@ -77,7 +76,9 @@ from cptune.store._opening import (
     damage,
     damaged,
     foreign_tables,
+    io_error,
     named_few,
+    no_room,
     path_problem,
     reading_url,
     sqlite_setup,
@@ -94,6 +95,7 @@ from cptune.store._schema import (
     WorkloadRow,
 )
 from cptune.store._urls import (
+    StoreError,
     database_url,
     display_url,
     in_memory,
@@ -102,6 +104,7 @@ from cptune.store._urls import (
     read_only,
     redact,
     sqlite_file,
+    uri_arguments,
 )
 from cptune.version import __version__
 from cptune.workload import Workload
@@ -117,10 +120,6 @@ _OPTUNA_ATTEMPTS = 3
 _MIGRATION_LOCK = 0x637074756E65
 #: The commands whose ``--share-db`` passes ``Store(share=True)``: those that create cptune's tables.
 SHARING_COMMANDS = "cptune search, calibrate or doctor"
-
-
-class StoreError(CPTuneError):
-    """The database cannot be opened or used; the message says which and what to do."""
 
 
 class DiskFullError(StoreError):
@@ -294,7 +293,8 @@ class Store:
             opened_read_only = read_only(url)
             if path is not None and (problem := path_problem(path, create and not reading, opened_read_only)):
                 raise StoreError(problem)
-            opened = reading_url(path, opened_read_only) if reading and path is not None else url
+            opened = (reading_url(path, opened_read_only, uri_arguments(url)) if reading and path is not None
+                      else url)
             self.engine = create_engine(opened)
         except ImportError as exc:
             raise StoreError(f"cannot use database {self.url}: its driver {exc.name or exc} is not "
@@ -306,6 +306,7 @@ class Store:
                              f"a number, or a password with @ : / not %-encoded?); {usage}") from None
         self._opened_read_only = opened_read_only
         self._path = path
+        self._reading = reading
         #: Rows this store committed (measurements, failures, calibrations, node verdicts).
         self.written = 0
         #: Whether this (reading) store reads a copy in memory of an older database, migrated
@@ -422,7 +423,13 @@ class Store:
 
     def full_disk(self) -> DiskFullError:
         """The error for a write the full disk refused: which disk, what this store had
-        committed before (kept), and what to do."""
+        committed before (kept), and what to do; for a reader, that SQLite found no room to
+        read the file (a WAL database's shared-memory file goes beside it)."""
+        if self._path is not None and self._reading:
+            return DiskFullError(
+                f"the disk holding database {self._path} is full, and SQLite needs a little room beside "
+                f"the file to read it; nothing was changed: free space on {self._path.absolute().parent}, "
+                f"then run the same command again")
         if self._path is not None:
             where = f"the disk holding database {self._path} is full"
             free = f"free space on {self._path.absolute().parent}"
@@ -435,8 +442,10 @@ class Store:
 
     def _raise_if_full(self, error: BaseException) -> None:
         """Raise ``full_disk`` (the driver's error hidden) when ``error`` says the disk is
-        full (``disk_full``): opening, ``require_writable`` and ``session`` check this first."""
-        if disk_full(error):
+        full (``disk_full``), or is SQLite's I/O error on a disk with no room left (a reader's
+        shared-memory file that cannot grow: SQLITE_IOERR_SHMSIZE): opening,
+        ``require_writable`` and ``session`` check this first."""
+        if disk_full(error) or (self._path is not None and io_error(error) and no_room(self._path)):
             raise self.full_disk() from None
 
     def failed(self, error: BaseException, doing: str, after: str = "") -> StoreError:

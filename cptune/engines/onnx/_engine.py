@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from cptune._files import write_regular
+from cptune._files import check_ours, write_regular
 from cptune.config import CPConfig
 from cptune.engines import ENGINES, untimed
 from cptune.engines._pool import PooledEngine
@@ -36,6 +36,18 @@ MANIFEST = "manifest.json"
 #: The fix offered when a file in the graphs' folder is something cptune never writes into.
 _ELSEWHERE = "write the graphs into another folder (cptune export-graph -o DIR)"
 _ONNX_TYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+#: What begins the manifest cptune writes (``export_graphs``), by which one is told from other files.
+_MANIFEST_START = b'{\n  "format": "cptune-onnx-graphs"'
+
+
+def _our_graph(head: bytes) -> bool:
+    """Whether a file beginning ``head`` is an ONNX graph cptune wrote: a ModelProto whose first
+    fields, serialised in order, are its IR version and the producer name "cptune"."""
+    return head[:1] == b"\x08" and b"\x12\x06cptune" in head[:16]
+
+
+def _our_manifest(head: bytes) -> bool:
+    return head.startswith(_MANIFEST_START)
 
 
 class OnnxEngine(PooledEngine):
@@ -102,8 +114,12 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
     same bytes on every rank but a hybrid's) and a JSON manifest (workload, configuration,
     opsets, each rank's tokens as [start, stop) runs, input/output shapes, the values of its
     rank inputs and the SHA-256 of its file) into ``directory``; returns the manifest's
-    path."""
+    path. A file already there is replaced only if cptune wrote it (``check_ours``), each
+    checked before the first is written."""
     directory.mkdir(parents=True, exist_ok=True)
+    for rank in range(config.ranks):
+        check_ours(directory / f"rank{rank}.onnx", _our_graph, _ELSEWHERE)
+    check_ours(directory / MANIFEST, _our_manifest, _ELSEWHERE)
     layout = SequenceLayout(workload, config)
     shapes = io_shapes(workload, config)
     dtype = _ONNX_TYPES[workload.dtype]
@@ -112,7 +128,7 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
         model, feeds = tensorrt_rank_graph(workload, config, rank)
         data = model.SerializeToString(deterministic=True)
         path = directory / f"rank{rank}.onnx"
-        write_regular(path, data, _ELSEWHERE)
+        write_regular(path, data, _ELSEWHERE, _our_graph)
         positions = layout.rank_positions(rank)
         ranks.append(
             {
@@ -145,5 +161,7 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
         "ranks": ranks,
     }
     out = directory / MANIFEST
-    write_regular(out, (json.dumps(manifest, indent=2) + "\n").encode(), _ELSEWHERE)
+    written = (json.dumps(manifest, indent=2) + "\n").encode()
+    assert _our_manifest(written)  # what tells the next export this file is its own
+    write_regular(out, written, _ELSEWHERE, _our_manifest)
     return out
