@@ -431,7 +431,7 @@ def calibrate_host(
     told = progress or SearchProgress()
     with _measuring_into(db, share) as store:
         hardware = engine.hardware()
-        _tell_busy(engine, min(max_ranks, cores), told)
+        _tell_busy(engine, min(max_ranks, engine.capacity()), told)
         told.calibrating(hardware, max_ranks, store.url, first_run=False)
         calibration = _calibrated(store, hardware, engine, max_ranks, told, repeats=repeats, rounds=rounds)
     return hardware, calibration
