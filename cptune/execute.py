@@ -20,7 +20,7 @@ import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
-from cptune.engines import Engine, Trained, check_trains, get_engine, ranks_per_node, untimed
+from cptune.engines import Engine, Trained, check_runs, get_engine, ranks_per_node, untimed
 from cptune.errors import EngineError, InfeasibleConfigError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
@@ -153,6 +153,7 @@ def compute(
     check_feasible(workload, config)
     _check_arrays(workload, q, k, v)
     engine = get_engine(backend)
+    check_runs(engine.spec, workload.in_mode("forward"))
     layout = SequenceLayout(workload, config)
     timeout = timeout or default_timeout(workload, config)
     outputs, _ = engine.run(workload.in_mode("forward"), config, _scatter(layout, q, k, v), timeout)
@@ -178,7 +179,7 @@ def compute_gradients(
     check_feasible(workload, config)
     _check_arrays(workload, q, k, v, dout)
     engine = get_engine(backend)
-    check_trains(engine.spec, workload)
+    check_runs(engine.spec, workload)
     layout = SequenceLayout(workload, config)
     timeout = timeout or default_timeout(workload, config)
     shards, _ = engine.run_train(workload, config, _scatter(layout, q, k, v, dout), timeout)
@@ -385,7 +386,7 @@ def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int
     reference: the largest relative error and peak bytes per rank; ``EngineError``
     "wrong_output" naming what was wrong when an error exceeds the engine's tolerance (a
     wrong configuration is never timed)."""
-    check_trains(engine.spec, workload)
+    check_runs(engine.spec, workload)
     layout = SequenceLayout(workload, config)
     inputs, references = _reference_case(workload, seed)
     timeout = timeout or default_timeout(workload, config)

@@ -145,3 +145,20 @@ def test_a_masked_workload_round_trips_through_json_and_flags_and_a_plain_one_re
                                     "mode"}
     assert masked.shape.at(96) == masked and plain.shape.at(96) == plain
     assert Mask(96, True) == plain.mask and hash(Mask(96, True)) == hash(plain.mask)
+
+
+def test_graph_engines_refuse_windows_and_documents_in_one_line(tmp_path):
+    """The onnx and TensorRT engines' graphs hold full and causal masks; a window or packed
+    documents is refused before anything runs, naming the engines that run it."""
+    from cptune import compute
+    from cptune.engines import UnmaskedEngineError
+    from cptune.engines.onnx import export_graphs
+    from cptune.reference import make_inputs
+
+    for fields in ({"causal": True, "window": [8, 0]}, {"causal": True, "documents": [32, 32]}):
+        workload = Workload(64, 2, 8, **fields)
+        with pytest.raises(UnmaskedEngineError, match="use a backend that runs it \\('mpi', 'torch'\\)"):
+            compute(workload, CPConfig("ring", 2), *make_inputs(workload), backend="onnx")
+        with pytest.raises(UnmaskedEngineError, match="tensorrt engine's graphs hold full and causal masks"):
+            export_graphs(workload, CPConfig("ring", 2), tmp_path / "graphs")
+    assert not (tmp_path / "graphs").exists()

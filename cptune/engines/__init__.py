@@ -80,6 +80,9 @@ class EngineSpec:
     spans_nodes: bool = False
     #: Whether it runs training workloads (``Engine.run_train``: the forward and the backward).
     trains: bool = False
+    #: Whether it runs masks cut by position beyond a causal one (windows, packed documents:
+    #: ``Workload.window``, ``documents``); joint text is full attention, which every engine runs.
+    masks: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -196,12 +199,23 @@ class UntrainedEngineError(CPTuneError, ValueError):
     """An engine that runs the forward alone was asked to train."""
 
 
-def check_trains(spec: EngineSpec, workload: Workload) -> None:
-    """``UntrainedEngineError`` where ``workload`` trains and the engine does not."""
+class UnmaskedEngineError(CPTuneError, ValueError):
+    """The engine runs full and causal masks only, not a window or packed documents."""
+
+
+def check_runs(spec: EngineSpec, workload: Workload) -> None:
+    """``UntrainedEngineError`` where ``workload`` trains and the engine does not;
+    ``UnmaskedEngineError`` where its mask has a window or documents and the engine runs
+    full and causal masks only."""
     if workload.training and not spec.trains:
         raise UntrainedEngineError(
             f"the {spec.name} engine runs the forward alone (inference), not --mode train: use a "
             f"backend that trains ({trainers()})")
+    if (workload.window or workload.documents) and not spec.masks:
+        masked = ", ".join(repr(s.name) for s in ENGINES.values() if s.masks)
+        raise UnmaskedEngineError(
+            f"the {spec.name} engine's graphs hold full and causal masks, not a "
+            f"{workload.shape.describe_mask()} mask: use a backend that runs it ({masked})")
 
 
 class BackendUnavailableError(CPTuneError):
@@ -240,7 +254,7 @@ register(EngineSpec(
     name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
     kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
     engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank", spans_nodes=True,
-    trains=True,
+    trains=True, masks=True,
 ))
 register(EngineSpec(
     name="onnx", summary="each rank's ONNX graph on ONNX's reference runtime (checks, does not time)",
@@ -257,7 +271,7 @@ register(EngineSpec(
                           "(pip install 'cptune[torch]')",
     kernel="fused", stream="p2p", timed=True, times_steps=False, device="any",
     engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker", position_calls=True,
-    spans_nodes=True, trains=True,
+    spans_nodes=True, trains=True, masks=True,
 ))
 
 

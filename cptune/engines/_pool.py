@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from cptune.config import CPConfig
-from cptune.engines import EngineSpec, NodeVerdict, Trained, check_trains
+from cptune.engines import EngineSpec, NodeVerdict, Trained, check_runs
 from cptune.engines import _protocol as protocol
 from cptune.errors import CPTuneError, EngineError
 from cptune.guard import CpuReading
@@ -646,7 +646,7 @@ class PooledEngine:
     ) -> tuple[list[Trained], list[int]]:
         """Run ``config``'s forward and backward once, rank r holding ``shards[r]`` (q, k, v
         and the output's gradient): each rank's output and gradients, and peak bytes."""
-        check_trains(self.spec, workload)
+        check_runs(self.spec, workload)
         what = f"{config.describe()}, forward and backward"
         arrays, peaks = self._run(workload, config, shards, timeout, what,
                                   threads=self._threads(config.ranks))

@@ -23,7 +23,7 @@ import onnx
 
 from cptune._files import check_ours, write_regular
 from cptune.config import CPConfig
-from cptune.engines import ENGINES, untimed
+from cptune.engines import ENGINES, check_runs, untimed
 from cptune.engines._pool import PooledEngine
 from cptune.engines.onnx._builder import OPSET
 from cptune.engines.onnx._dialect import DOMAIN, DOMAIN_VERSION
@@ -64,6 +64,7 @@ class OnnxEngine(PooledEngine):
     ) -> tuple[list[np.ndarray], list[int]]:
         """Run ``config``'s graphs once, rank r holding ``shards[r]``: each rank's output
         shard (float32) and 0 peak bytes (not measured)."""
+        check_runs(self.spec, workload)
         sent = []
         for rank, shard in enumerate(shards):
             model, feeds = tensorrt_rank_graph(workload, config, rank)
@@ -116,6 +117,7 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
     rank inputs and the SHA-256 of its file) into ``directory``; returns the manifest's
     path. A file already there is replaced only if cptune wrote it (``check_ours``), each
     checked before the first is written."""
+    check_runs(ENGINES["tensorrt"], workload)  # what the graphs are written for
     directory.mkdir(parents=True, exist_ok=True)
     for rank in range(config.ranks):
         check_ours(directory / f"rank{rank}.onnx", _our_graph, _ELSEWHERE)

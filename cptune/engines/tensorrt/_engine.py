@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from cptune.config import CPConfig
-from cptune.engines import ENGINES, PROBES, BackendUnavailableError, NodeVerdict, ProbeResult
+from cptune.engines import ENGINES, PROBES, BackendUnavailableError, NodeVerdict, ProbeResult, check_runs
 from cptune.engines._pool import PooledEngine, WorkerPool
 from cptune.engines.tensorrt._preflight import NodeProbe, preflight, probe_node
 from cptune.errors import EngineError
@@ -131,6 +131,7 @@ class TensorRTEngine(PooledEngine):
     ) -> tuple[list[np.ndarray], list[int]]:
         """Build (or load) and set up every rank's engine, then run once with rank r holding
         ``shards[r]``; returns each rank's output shard (float32) and device bytes held."""
+        check_runs(self.spec, workload)
         self._pool_for(config.ranks)
         prepare = {"op": "prepare", "workload": workload.to_dict(), "config": config.to_dict()}
         what = config.describe()
