@@ -218,12 +218,15 @@ def test_a_block_on_gloo_ranks_equals_the_block_unsharded_for_every_configuratio
 
 @pytest.mark.slow
 def test_ranks_passing_different_lengths_each_get_one_error_naming_every_rank_s_length(tmp_path):
-    """It used to hang (lengths in different buckets) or abort in gloo (in one bucket)."""
+    """It used to hang (lengths in different buckets) or abort in gloo (in one bucket); unshard
+    checks at every call, so a rank passing a length checked before (rank 0's 45) meets the
+    other's check, not its data (gloo aborted with SIGABRT)."""
     lines = torchrun_lines(2, TESTS / "torch_lengths.py", str(plan_for(2).write(tmp_path / "plan.json")))
     reports = sorted((json.loads(line) for line in lines if line.startswith("{")), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:
-        for case, lengths in (("same_bucket", (37, 38)), ("other_buckets", (20, 50)), ("unshard", (30, 31))):
+        for case, lengths in (("same_bucket", (37, 38)), ("other_buckets", (20, 50)), ("unshard", (30, 31)),
+                              ("unshard_checked", (45, 46))):
             assert report[case].startswith(f"the ranks passed different seq_len (rank 0 passed {lengths[0]}, "
                                            f"rank 1 passed {lengths[1]}): every rank of the group must pass "
                                            f"the same seq_len"), report[case]
