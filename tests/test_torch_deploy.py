@@ -10,20 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from conftest import torchrun_lines, torchrun_summary
-from cptune.config import CPConfig
-from cptune.errors import InfeasibleConfigError
-from cptune.feasibility import enumerate_configs
-from cptune.layout import SequenceLayout
-from cptune.plans import Bucket, Plan, PlanError, PlanHardware, PlanMismatchError
-from cptune.plans._plan import launch_for
-from cptune.torch import ContextParallelAttention, shard_sequence, unshard_sequence
-from cptune.version import __version__
-from cptune.workload import AttentionShape
+torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from conftest import torchrun_lines, torchrun_summary  # noqa: E402
+from cptune.config import CPConfig  # noqa: E402
+from cptune.errors import InfeasibleConfigError  # noqa: E402
+from cptune.feasibility import enumerate_configs  # noqa: E402
+from cptune.layout import SequenceLayout  # noqa: E402
+from cptune.plans import Bucket, Plan, PlanError, PlanHardware, PlanMismatchError  # noqa: E402
+from cptune.plans._plan import launch_for  # noqa: E402
+from cptune.torch import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
+from cptune.version import __version__  # noqa: E402
+from cptune.workload import AttentionShape  # noqa: E402
 
 TESTS = Path(__file__).parent
 SHAPE = AttentionShape(heads=4, kv_heads=2, head_dim=8, batch=2, dtype="fp32", causal=True)
