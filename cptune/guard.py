@@ -11,7 +11,10 @@ judged on its own (any one suffices):
   per second of the window. More than the cores the
   run leaves idle means other processes took cores our ranks wanted. Time a hypervisor
   stole from this machine counts as foreign too. Without ``/proc`` (not Linux) this
-  evidence is skipped.
+  evidence is skipped. On a cluster each other node's first rank reads its node's accounts,
+  and nodes whose readings count the same CPUs (one kernel, the same CPU numbers: containers
+  or namespaces of one machine, as the two-node testbed's) are judged as one, each one's
+  ranks ours on all of them: a node's own cluster is no foreign load there.
 - A reference kernel: a fixed pure-Python loop of about a millisecond, best of five (the
   first runs wake the core up from power saving), run in this process before and after the
   window. Twice as slow as is typical this session (the median of its times so far) means
@@ -37,6 +40,7 @@ the calibration keeps its timings, the search its marked visits.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -49,7 +53,7 @@ import numpy as np
 
 from cptune._waiting import WaitLine
 from cptune.errors import CPTuneError, EngineError
-from cptune.measurement import available_cores, oversubscribed, process_stat, threads_per_rank
+from cptune.measurement import available_cores, boot_id, oversubscribed, process_stat, threads_per_rank
 
 #: Foreign load (cores) tolerated beyond the cores a run leaves idle: daemons, kernel
 #: threads and interrupts of a quiet Linux host stay well under a quarter of a core.
@@ -135,12 +139,20 @@ def patience_s() -> float:
 class CpuReading:
     """The CPU accounts at one moment: idle seconds so far (idle and waiting for I/O) of
     ``cpus`` CPUs, ours (None: no /proc/stat), and CPU seconds so far of each thread of our
-    processes."""
+    processes. ``cpu_set`` says which CPUs they are of (the kernel's boot id and the CPU
+    numbers; "" where unknown): readings of one set, taken by processes in other namespaces
+    of one machine, count the same CPUs."""
 
     wall_s: float
     cpus: int
     idle_s: float | None
     ours_s: dict[Task, float]
+    cpu_set: str = ""
+
+    def ours_since(self, before: CpuReading) -> float:
+        """CPU seconds our processes used since ``before`` (a thread that started since counts
+        from zero; one that ended is lost)."""
+        return sum(seconds - before.ours_s.get(task, 0.0) for task, seconds in self.ours_s.items())
 
 
 def _idle_seconds(cpus: set[int]) -> tuple[int, float | None]:
@@ -179,32 +191,44 @@ def _thread_seconds(pids: Iterable[int]) -> dict[Task, float]:
 def read_cpu(pids: Iterable[int]) -> CpuReading:
     """The CPU accounts now of this process's CPUs and of ``pids`` (and this process)."""
     ours = _thread_seconds({os.getpid(), *pids})
-    cpus, idle = _idle_seconds(os.sched_getaffinity(0))
-    return CpuReading(wall_s=time.monotonic(), cpus=cpus, idle_s=idle, ours_s=ours)
+    affinity = os.sched_getaffinity(0)
+    cpus, idle = _idle_seconds(affinity)
+    return CpuReading(wall_s=time.monotonic(), cpus=cpus, idle_s=idle, ours_s=ours,
+                      cpu_set=_cpu_set(frozenset(affinity)))
 
 
-def foreign_cores(before: CpuReading, after: CpuReading, idle_cores: float) -> float | None:
+@functools.cache
+def _cpu_set(cpus: frozenset[int]) -> str:
+    """``CpuReading.cpu_set`` of ``cpus`` on this kernel ("" where its boot id is unknown)."""
+    boot = boot_id()
+    return f"{boot}:{','.join(map(str, sorted(cpus)))}" if boot else ""
+
+
+def foreign_cores(before: CpuReading, after: CpuReading, idle_cores: float,
+                  also_ours_s: float = 0.0) -> float | None:
     """The cores other processes used between two readings when that is more than
     ``idle_cores`` (the cores a run leaves idle, which others may use freely) allow, else
-    None (or when the readings cannot tell)."""
+    None (or when the readings cannot tell). ``also_ours_s``: CPU seconds our processes the
+    readings cannot see used on these CPUs meanwhile (another node's ranks on this machine)."""
     if before.idle_s is None or after.idle_s is None or before.cpus != after.cpus:
         return None
     wall, cpus = after.wall_s - before.wall_s, after.cpus
     if wall <= 0:
         return None
     busy = cpus * wall - (after.idle_s - before.idle_s)
-    # a thread that started in the window counts from zero; one that ended is lost (counted
-    # as foreign: the guard errs towards calling a run disturbed)
-    ours = sum(seconds - before.ours_s.get(task, 0.0) for task, seconds in after.ours_s.items())
-    foreign = (busy - ours) / wall
+    # a thread that ended in the window is lost (counted as foreign: the guard errs towards
+    # calling a run disturbed)
+    foreign = (busy - after.ours_since(before) - also_ours_s) / wall
     allowance = TICK_ALLOWANCE * _TICK_S * math.sqrt(cpus) / wall
     return None if foreign <= max(0.0, idle_cores) + FOREIGN_MARGIN_CORES + allowance else foreign
 
 
-def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float) -> str | None:
+def foreign_load(before: CpuReading, after: CpuReading, idle_cores: float,
+                 also_ours_s: float = 0.0) -> str | None:
     """Why the window between two readings was disturbed by other processes' CPU use, or
-    None. ``idle_cores``: the cores the run left idle, which others may use freely."""
-    foreign = foreign_cores(before, after, idle_cores)
+    None. ``idle_cores``: the cores the run left idle, which others may use freely;
+    ``also_ours_s`` as ``foreign_cores`` takes it."""
+    foreign = foreign_cores(before, after, idle_cores, also_ours_s)
     if foreign is None:
         return None
     return f"other processes used {foreign:.1f} of {after.cpus} cores during the run"
@@ -288,11 +312,14 @@ class Watch:
         time.sleep(max(0.0, self._before.wall_s + MIN_WINDOW_S - time.monotonic()))
         after = read_cpu(self._process_ids())
         nodes_after = self._read_nodes()
-        elsewhere = [f"on {node}, {reason}" for node, reading in nodes_after.items()
-                     if node in self._nodes_before
-                     and (reason := foreign_load(self._nodes_before[node], reading, 0.0)) is not None]
+        machines = _by_machine(self._nodes_before, nodes_after)
+        # nodes on this host's CPUs (namespaces or containers of this machine): their ranks are ours here
+        here = machines.pop(after.cpu_set, []) if after.cpu_set else []
+        elsewhere = [f"on {' and '.join(node for node, _, _ in nodes)}, {reason}"
+                     for nodes in machines.values()
+                     if (reason := foreign_load(nodes[0][1], nodes[0][2], 0.0, _ours_s(nodes[1:])))]
         return join_reasons(
-            foreign_load(self._before, after, idle_cores(ranks)),
+            foreign_load(self._before, after, idle_cores(ranks), _ours_s(here)),
             reference_slowdown(self._reference_before, reference_after, _REFERENCE.typical_s),
             *elsewhere,
             self._unread,
@@ -306,6 +333,26 @@ class Watch:
         except EngineError as error:
             self._unread = f"the other nodes' load could not be read ({str(error).splitlines()[0]})"
             return {}
+
+
+#: A node's name and its readings before and after a window.
+NodeWindow = tuple[str, CpuReading, CpuReading]
+
+
+def _by_machine(before: dict[str, CpuReading], after: dict[str, CpuReading]) -> dict[str, list[NodeWindow]]:
+    """Each node read both times, grouped by the CPUs its readings count (``cpu_set``; a node
+    whose CPUs are unknown, alone under its name): nodes of one group share a machine's CPUs,
+    so each one's ranks are the others' too, not foreign load."""
+    machines: dict[str, list[NodeWindow]] = {}
+    for node, reading in after.items():
+        if node in before:
+            machines.setdefault(reading.cpu_set or node, []).append((node, before[node], reading))
+    return machines
+
+
+def _ours_s(windows: Iterable[NodeWindow]) -> float:
+    """CPU seconds the processes of ``windows``' nodes used in them, as their readings count."""
+    return sum(after.ours_since(before) for _, before, after in windows)
 
 
 def idle_cores(ranks: int) -> float:

@@ -8,13 +8,14 @@ either measures. So every library call that starts ranks to time them (``search_
 stderr who holds it (``cptune._waiting.WaitLine``), instead of both failing.
 
 The lock is ``fcntl.flock`` on a file (``lock_path``: ``$CPTUNE_LOCK``, else
-``cptune-<uid>.lock`` in the temporary directory). The kernel drops it when its holder's
-process ends, however it ends, so a killed holder never blocks the next one. The holder
-writes its pid, command line and start time into the file for those who wait, and leaves
-them there. The file is only ever written when it is the lock's own: new, empty, or holding
-such a record; a ``$CPTUNE_LOCK`` naming anything else (a database, a device, a folder) is
-refused in one line and left as it is. Within one process the lock is re-entrant: a search
-that calibrates first takes it once.
+``/tmp/cptune-<uid>.lock``: one place per host whatever ``TMPDIR`` says, so processes
+started with different temporary directories, a cluster job's and a user's, still take
+turns). The kernel drops it when its holder's process ends, however it ends, so a killed
+holder never blocks the next one. The holder writes its pid, command line and start time
+into the file for those who wait, and leaves them there. The file is only ever written when
+it is the lock's own: new, empty, or holding such a record; a ``$CPTUNE_LOCK`` naming
+anything else (a database, a device, a folder) is refused in one line and left as it is.
+Within one process the lock is re-entrant: a search that calibrates first takes it once.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import shlex
 import stat
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +45,10 @@ from cptune.measurement import machine_id
 LOCK_ENV = "CPTUNE_LOCK"
 #: The most a holder's record takes (its command line included).
 MAX_RECORD_BYTES = 1 << 16
+#: Where the default lock file lives: a fixed folder, not the temporary directory, which
+#: ``TMPDIR`` moves (a cluster job's own, a user's), and with it the lock, so two measuring
+#: processes of one host would not see each other.
+LOCK_DIR = Path("/tmp")
 #: Seconds between tries of a lock another process holds.
 POLL_S = 0.5
 
@@ -74,13 +78,14 @@ def _duration(seconds: float) -> str:
 
 
 def lock_path() -> Path:
-    """The lock file: ``$CPTUNE_LOCK``, else ``cptune-<uid>.lock`` in the temporary directory."""
+    """The lock file: ``$CPTUNE_LOCK``, else ``cptune-<uid>.lock`` in ``LOCK_DIR`` (whatever
+    ``TMPDIR`` says)."""
     named = os.environ.get(LOCK_ENV)
     return Path(named) if named else _default_path()
 
 
 def _default_path() -> Path:
-    return Path(tempfile.gettempdir()) / f"cptune-{os.getuid()}.lock"
+    return LOCK_DIR / f"cptune-{os.getuid()}.lock"
 
 
 def read_holder(path: Path) -> Holder | None:

@@ -143,13 +143,22 @@ def oversubscribed(ranks: int, ranks_per_node: int | None = None) -> bool:
     return min(ranks, ranks_per_node or ranks) > available_cores()
 
 
+def boot_id() -> str:
+    """Which running kernel this process is on (its boot id, the same in every namespace and
+    container of one machine, so processes of one id share its CPUs); "" where unknown."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def machine_id() -> str:
     """Which kernel and process namespace this process runs in (its boot id and pid
     namespace): processes of one id can signal each other by pid, and share a host lock
     file; "" where unknown."""
+    boot = boot_id()
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}" if boot else ""
     except OSError:
         return ""
 

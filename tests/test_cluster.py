@@ -240,6 +240,72 @@ def test_the_guard_names_the_other_node_where_foreign_load_ran():
     assert "on node 2 (c), other processes used 1.2 of 2 cores" in reason and "node 1" not in reason
 
 
+class SteadyKernel:
+    """The guard's reference kernel as a stand-in that never finds the machine slower."""
+
+    typical_s = None
+
+    def time(self) -> float:
+        return 1e-3
+
+
+def shared_watch(monkeypatch, host: tuple, nodes: list[dict]) -> str | None:
+    """The host evidence of a ``Watch`` of a 4-rank run (no core left idle) whose readings are
+    given: ``host`` this host's two, ``nodes`` the other nodes' two."""
+    from cptune import guard
+
+    readings = iter(host)
+    monkeypatch.setattr(guard, "read_cpu", lambda pids: next(readings))
+    monkeypatch.setattr(guard, "_REFERENCE", SteadyKernel())
+    looks = iter(nodes)
+    return guard.Watch(lambda: [], lambda: next(looks)).host_disturbance(4)
+
+
+def cpus(wall_s: float, idle_s: float, ours_s: float, cpu_set: str, task: tuple[int, int] = (7, 7)):
+    from cptune.guard import CpuReading
+
+    return CpuReading(wall_s=wall_s, cpus=2, idle_s=idle_s, ours_s={task: ours_s}, cpu_set=cpu_set)
+
+
+def test_nodes_on_this_host_s_cpus_count_each_other_s_ranks_as_ours(monkeypatch):
+    """The two-node testbed (namespaces of one machine): both cores busy with the cluster's
+    ranks, half of them node 1's, is no foreign load on either node; what the ranks of
+    neither used still is. Before, each node counted the other's ranks as foreign: every run
+    of a testbed search was disturbed "on node 1"."""
+    here = "boot-a:0,1"
+    host = (cpus(0.0, 0.0, 0.0, here), cpus(1.0, 0.0, 1.0, here))  # both cores busy, one ours
+    node1 = [{"node 1 (b)": cpus(0.0, 0.0, 0.0, here, (3, 3))},
+             {"node 1 (b)": cpus(1.0, 0.0, 1.0, here, (3, 3))}]  # the other core node 1's ranks
+    assert shared_watch(monkeypatch, host, node1) is None
+    node1_idle = [{"node 1 (b)": cpus(0.0, 0.0, 0.0, here, (3, 3))},
+                  {"node 1 (b)": cpus(1.0, 0.0, 0.2, here, (3, 3))}]  # 0.8 cores of someone else's
+    assert shared_watch(monkeypatch, host, node1_idle) == "other processes used 0.8 of 2 cores during the run"
+
+
+def test_nodes_sharing_another_machine_are_judged_as_one_and_named_together(monkeypatch):
+    here, there = "boot-a:0,1", "boot-b:0,1"
+    host = (cpus(0.0, 0.0, 0.0, here), cpus(1.0, 0.0, 2.0, here))  # this host: all ours
+    nodes = [{"node 1 (b1)": cpus(wall, 0.0, ours, there, (3, 3)),
+              "node 2 (b2)": cpus(wall, 0.0, ours, there, (5, 5))} for wall, ours in ((0.0, 0.0), (1.0, 1.0))]
+    assert shared_watch(monkeypatch, host, nodes) is None  # each node's ranks: a core of the two they share
+    nodes[1]["node 2 (b2)"] = cpus(1.0, 0.0, 0.4, there, (5, 5))
+    assert shared_watch(monkeypatch, host, nodes) == \
+        "on node 1 (b1) and node 2 (b2), other processes used 0.6 of 2 cores during the run"
+    # a node whose CPUs are unknown (an older rank) is judged alone, as before
+    nodes = [{"node 1 (b1)": cpus(0.0, 0.0, 0.0, "", (3, 3))},
+             {"node 1 (b1)": cpus(1.0, 0.0, 1.0, "", (3, 3))}]
+    assert shared_watch(monkeypatch, host, nodes) == \
+        "on node 1 (b1), other processes used 1.0 of 2 cores during the run"
+
+
+def test_a_node_reading_says_which_cpus_it_counts_as_this_host_s_own_reading_does():
+    from cptune.engines._pool import _reading
+    from cptune.engines._worker import node_reading
+    from cptune.guard import read_cpu
+
+    assert _reading(node_reading()).cpu_set == read_cpu([]).cpu_set != ""
+
+
 def test_a_node_lost_as_the_guard_reads_it_marks_the_window_and_raises_nothing():
     from cptune.errors import EngineError
     from cptune.guard import Watch

@@ -5,7 +5,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,9 +66,19 @@ def release(holder: subprocess.Popen) -> None:
     holder.wait(timeout=30)
 
 
-def test_the_lock_file_is_the_environment_s_or_one_per_user_in_the_temporary_directory(monkeypatch, tmp_path):
+def test_the_lock_file_is_the_environment_s_or_one_per_user_in_one_place_whatever_tmpdir_says(
+        monkeypatch, tmp_path):
+    """Two processes started with different TMPDIRs (a job's own, a user's) still take turns: the
+    default file does not move with the temporary directory."""
     monkeypatch.delenv(LOCK_ENV, raising=False)
-    assert lock_path().name == f"cptune-{os.getuid()}.lock"
+    default = Path("/tmp") / f"cptune-{os.getuid()}.lock"
+    for tmpdir in (None, str(tmp_path)):
+        if tmpdir is None:
+            monkeypatch.delenv("TMPDIR", raising=False)
+        else:
+            monkeypatch.setenv("TMPDIR", tmpdir)
+        monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir reads TMPDIR again
+        assert lock_path() == default
     monkeypatch.setenv(LOCK_ENV, str(tmp_path / "x.lock"))
     assert lock_path() == tmp_path / "x.lock"
 

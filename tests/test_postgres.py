@@ -3,8 +3,9 @@ resume, and no password in anything the commands print or write.
 
 The server comes from $CPTUNE_TEST_POSTGRES_URL, a role with a password that may create
 databases (e.g. postgresql://cptune:secret@127.0.0.1:5432/postgres); each test makes a
-database of its own and drops it. .ci/run starts a server and sets the variable. Without it
-these tests skip, except in CI (CI=true), where a missing server is a failure.
+database of its own and drops it. .ci/run starts a server and sets the variable. Without it,
+or without the driver (psycopg, the postgres extra's; the test extra has it too), these tests
+skip, except in CI (CI=true), where a missing server or driver is a failure.
 """
 
 import csv
@@ -16,6 +17,7 @@ import sys
 import threading
 import uuid
 from collections import Counter
+from typing import NoReturn
 
 import optuna
 import pytest
@@ -41,17 +43,24 @@ def libpq(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip with ``reason``; in CI (CI=true), where every PostgreSQL test must run, fail with it."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture
 def postgres_url():
     """A URL (plain postgresql://, with the role's password) of a new, empty database whose
     server keeps time in a zone other than UTC; dropped after the test."""
     if not SERVER:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI=true but CPTUNE_TEST_POSTGRES_URL is not set: .ci/run starts a PostgreSQL "
-                        "server and sets it")
-        pytest.skip("no PostgreSQL server: set CPTUNE_TEST_POSTGRES_URL to a role that may create "
-                    "databases, e.g. postgresql://cptune:secret@127.0.0.1:5432/postgres")
-    import psycopg
+        skip_or_fail("no PostgreSQL server: set CPTUNE_TEST_POSTGRES_URL to a role that may create "
+                     "databases, e.g. postgresql://cptune:secret@127.0.0.1:5432/postgres")
+    try:
+        import psycopg
+    except ImportError:
+        skip_or_fail("psycopg is not installed: pip install '.[postgres]' (or '.[test]')")
 
     name = f"cptune_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(libpq(SERVER), autocommit=True) as admin:

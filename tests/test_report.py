@@ -9,6 +9,7 @@ import re
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import same_color
 from rich.console import Console
 
 from conftest import assert_refused, make_calibration, measurement
@@ -29,6 +30,8 @@ from cptune.report._data import (
     PredictionPoint,
     Series,
     ShapeReport,
+    SpeedupCurve,
+    SpeedupPoint,
     family,
     margin_text,
 )
@@ -36,6 +39,7 @@ from cptune.report._figures import (
     DPI,
     MAP_LABEL_PT,
     MAP_MAX_SIZE,
+    SIDESTEP,
     STRATEGY_COLORS,
     accuracy_plot,
     breakdown_figure,
@@ -812,8 +816,50 @@ def test_a_speedup_the_noise_cannot_tell_from_the_baseline_is_shown_tied_and_no_
         console.print(table)
     assert "tied (1.13x)" in console.export_text()
     speed = speedup_plot(data.hardware[0], shape).axes[0]
-    drawn = [line for line in speed.get_lines() if str(line.get_label()).startswith("seq_len")]
+    drawn = [line for line in speed.get_lines() if line.get_linestyle() == "-"]
     assert len(drawn) == 2 and list(drawn[0].get_xdata()) != list(drawn[1].get_xdata())  # side by side
-    hollow = [line for line in speed.get_lines() if line.get_markerfacecolor() == "white"
-              and len(line.get_xdata())]
+    hollow = [(x, y) for x, y, is_hollow, _ in drawn_markers(speed) if is_hollow]
     assert len(hollow) == 2  # each length's tied point, drawn hollow
+
+
+def speedup_shape(*speedups: tuple[int, float, bool], cores: int | None = 2) -> ShapeReport:
+    """A shape whose speedup curves are given: (seq_len, speedup on 2 ranks, tied) each."""
+    def curve(seq_len: int, speedup: float, tied: bool) -> SpeedupCurve:
+        efficiency = speedup if cores else speedup / 2
+        return SpeedupCurve(seq_len, 100.0, (
+            SpeedupPoint(1, "local", 100.0, 1.0, 1.0, (1,), cores or 1),
+            SpeedupPoint(2, "ring2", 100.0 / speedup, speedup, efficiency, (2,), cores or 2, tied)), cores)
+
+    lengths = tuple(seq_len for seq_len, _, _ in speedups)
+    return dataclasses.replace(synthetic_shape((1, 2), lengths), speedup=tuple(curve(*s) for s in speedups))
+
+
+def drawn_markers(axes) -> list[tuple[float, float, bool, float]]:
+    """(x, y, hollow, zorder) of every marker ``axes`` draws (legend handles hold no data)."""
+    return [(x, y, same_color(line.get_markerfacecolor(), "white"), line.get_zorder())
+            for line in axes.get_lines() if line.get_marker() not in ("None", "", " ", None)
+            for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)]
+
+
+@pytest.mark.parametrize("cores", [2, None])
+def test_the_speedup_axis_holds_the_ideal_from_zero_and_every_tied_point_is_drawn_hollow_on_top(cores):
+    """The demo on 2 cores: every length within 1% of the baseline, 2,048 tokens tied (1.01x).
+    The axis ran 1.000-1.008, a 0.8% tie drawn as a steep climb, and the tied point's filled
+    marker lay under the hollow one, where another length's filled marker could cover it."""
+    shape = speedup_shape((1024, 1.0025, False), (2048, 1.0076, True), (4096, 1.0051, False), cores=cores)
+    speed, efficiency = speedup_plot(HARDWARE, shape).axes[:2]
+    for axes, value in ((speed, "speedup"), (efficiency, "efficiency")):
+        bottom, top = axes.get_ylim()
+        ideals = [curve.ideal(n) if value == "speedup" else 1.0 for curve in shape.speedup for n in (1, 2)]
+        values = [getattr(p, value) for curve in shape.speedup for p in curve.points]
+        assert bottom == 0 and top >= max(ideals + values)  # the ideal in range, heights as ratios
+        if value == "speedup":  # within 1% of the baseline: flat beside it, not a climb
+            assert (max(values) - min(values)) / (top - bottom) < 0.02
+        markers = drawn_markers(axes)
+        for i, curve in enumerate(shape.speedup):
+            for point in curve.points:
+                x, y = point.ranks * 2 ** ((i - 1) * SIDESTEP), getattr(point, value)
+                at = [m for m in markers if (m[0], m[1]) == (pytest.approx(x), pytest.approx(y))]
+                assert [hollow for _, _, hollow, _ in at] == [point.tied], (curve.seq_len, point.ranks)
+        hollow = [z for *_, is_hollow, z in markers if is_hollow]
+        assert len(hollow) == 1 and min(hollow) > max(z for *_, is_hollow, z in markers if not is_hollow)

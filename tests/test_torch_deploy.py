@@ -10,20 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from conftest import torchrun_lines, torchrun_summary
-from cptune.config import CPConfig
-from cptune.errors import InfeasibleConfigError
-from cptune.feasibility import enumerate_configs
-from cptune.layout import SequenceLayout
-from cptune.plans import Bucket, Plan, PlanError, PlanHardware, PlanMismatchError
-from cptune.plans._plan import launch_for
-from cptune.torch import ContextParallelAttention, shard_sequence, unshard_sequence
-from cptune.version import __version__
-from cptune.workload import AttentionShape
+torch = pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from conftest import torchrun_lines, torchrun_summary  # noqa: E402
+from cptune.config import CPConfig  # noqa: E402
+from cptune.errors import InfeasibleConfigError  # noqa: E402
+from cptune.feasibility import enumerate_configs  # noqa: E402
+from cptune.layout import SequenceLayout  # noqa: E402
+from cptune.plans import Bucket, Plan, PlanError, PlanHardware, PlanMismatchError  # noqa: E402
+from cptune.plans._plan import launch_for  # noqa: E402
+from cptune.torch import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
+from cptune.version import __version__  # noqa: E402
+from cptune.workload import AttentionShape  # noqa: E402
 
 TESTS = Path(__file__).parent
 SHAPE = AttentionShape(heads=4, kv_heads=2, head_dim=8, batch=2, dtype="fp32", causal=True)
@@ -218,12 +220,15 @@ def test_a_block_on_gloo_ranks_equals_the_block_unsharded_for_every_configuratio
 
 @pytest.mark.slow
 def test_ranks_passing_different_lengths_each_get_one_error_naming_every_rank_s_length(tmp_path):
-    """It used to hang (lengths in different buckets) or abort in gloo (in one bucket)."""
+    """It used to hang (lengths in different buckets) or abort in gloo (in one bucket); unshard
+    checks at every call, so a rank passing a length checked before (rank 0's 45) meets the
+    other's check, not its data (gloo aborted with SIGABRT)."""
     lines = torchrun_lines(2, TESTS / "torch_lengths.py", str(plan_for(2).write(tmp_path / "plan.json")))
     reports = sorted((json.loads(line) for line in lines if line.startswith("{")), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:
-        for case, lengths in (("same_bucket", (37, 38)), ("other_buckets", (20, 50)), ("unshard", (30, 31))):
+        for case, lengths in (("same_bucket", (37, 38)), ("other_buckets", (20, 50)), ("unshard", (30, 31)),
+                              ("unshard_checked", (45, 46))):
             assert report[case].startswith(f"the ranks passed different seq_len (rank 0 passed {lengths[0]}, "
                                            f"rank 1 passed {lengths[1]}): every rank of the group must pass "
                                            f"the same seq_len"), report[case]

@@ -19,6 +19,7 @@ from two_nodes import TwoNodes, unavailable
 
 from conftest import CLI
 from cptune.store import Store
+from suite_cli import IGNORE_LOAD
 
 pytestmark = pytest.mark.slow  # ranks on two emulated nodes
 
@@ -36,10 +37,11 @@ def bed():
         yield testbed
 
 
-def cptune_on(bed: TwoNodes, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
+def cptune_on(bed: TwoNodes, *args: object, timeout: float = 300,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``cptune *args`` run on node0 of ``bed`` (the suite's CLI: guard evidence ignored,
-    quick calibrations), its output captured."""
-    return bed.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    quick calibrations, unless ``env`` says otherwise), its output captured."""
+    return bed.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def stored(db: Path) -> list[tuple[str, int, int, str, str | None]]:
@@ -84,6 +86,20 @@ def test_within_node_heads_leaves_out_head_groups_across_nodes(bed, tmp_path):
     assert "gloo over TCP (cpt0) across nodes" in done.stdout
     assert {(strategy, u, status) for strategy, _, u, status, _ in stored(db)} == {
         ("ring", 1, "ok"), ("ring", 2, "ok")}  # Ulysses over 4 ranks would span the nodes
+
+
+def test_the_guard_counts_both_nodes_ranks_on_the_one_machine_as_ours(bed):
+    """The guard's evidence watched (not the suite's ignored): the nodes share this machine's
+    CPUs, so node 0's ranks are no foreign load on node 1 nor node 1's on node 0. Before, every
+    configuration measured across the nodes was marked disturbed "on node 1" (and the
+    documented testbed search ended exit 2 in its calibration). Foreign load other processes
+    of this shared host put on it may still mark a run, as the host's own."""
+    done = cptune_on(bed, "measure", "--hosts", bed.hosts, *LAYER, "--seq-len", "256", "--ranks", "4",
+                     "--repeats", "3", "--json", env={IGNORE_LOAD: "", "CPTUNE_GUARD": "off"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)["results"]
+    assert len(rows) == 5 and all(r["config"]["ranks"] == 4 for r in rows)
+    assert [r["disturbed"] for r in rows if "node 1" in (r["disturbed"] or "")] == []
 
 
 def test_a_node_lost_mid_search_is_stored_as_its_failure_and_the_next_search_resumes(bed, tmp_path):

@@ -4,9 +4,10 @@
 27 to 64 Ulysses, on 2 ranks).
 
 Rank r passes 37 + r (one bucket), then 20 or 50 (two buckets), then unshards at 30 + r;
-each rank shards its inputs for the length it passed. Then both pass 45. Each rank prints one
-JSON line: {"rank", "same_bucket", "other_buckets", "unshard", "after"}, the first three the
-message of what the call raised ("not refused" if nothing), "after" the output's shape.
+each rank shards its inputs for the length it passed. Then both pass 45, and unshard at 45 + r
+(rank 0 at the length both just checked, rank 1 at a new one). Each rank prints one JSON line:
+{"rank", "same_bucket", "other_buckets", "unshard", "after", "unshard_checked"}, "after" the
+output's shape, the others the message of what the call raised ("not refused" if nothing).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
         "other_buckets": refusal(lambda: attend((20, 50)[rank])),
         "unshard": refusal(lambda: unshard(30 + rank)),
         "after": list(attend(45).shape),
+        "unshard_checked": refusal(lambda: unshard(45 + rank)),  # gloo aborted rank 1 (SIGABRT)
     }
     os.write(1, (json.dumps(report) + "\n").encode())  # one write: the two ranks share the pipe
     dist.destroy_process_group()

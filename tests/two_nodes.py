@@ -277,9 +277,10 @@ class TwoNodes:
         machine to what runs on node0 in what a process can see of the other's too: its
         processes in a pid namespace of their own (node0 cannot signal them by pid), its own
         host lock file (``$CPTUNE_LOCK``: another machine's temporary directory). Without, the
-        nodes share the pids and lock of the one machine they run on, so the contention guard
-        on node0 counts node1's ranks as its own (they share its cores) and sees only others'
-        load: what timing runs want."""
+        nodes share the pids and lock of the one machine they run on, and the contention guard
+        on node0 counts node1's ranks as its own from their pids. Either way it sees only
+        others' load: node1's readings count node0's CPUs, so the guard judges both nodes as
+        one (``cptune.guard``)."""
         inside = [_tool("ip"), "netns", "exec", self.namespaces[node]]
         if node == 1 and self.separate_pids:
             inside += [_tool("unshare"), "--pid", "--fork", "--kill-child", "--mount-proc",

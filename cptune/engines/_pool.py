@@ -488,7 +488,8 @@ def _reading(header: Mapping[str, Any]) -> CpuReading:
         pid, _, tid = task.partition(":")
         ours[(int(pid), int(tid))] = float(seconds)
     return CpuReading(wall_s=float(header["wall_s"]), cpus=int(header["cpus"]),
-                      idle_s=None if header["idle_s"] is None else float(header["idle_s"]), ours_s=ours)
+                      idle_s=None if header["idle_s"] is None else float(header["idle_s"]), ours_s=ours,
+                      cpu_set=str(header.get("cpu_set", "")))
 
 
 class PooledEngine:

@@ -148,8 +148,9 @@ def node_reading() -> dict[str, Any]:
     ranks = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
              if (stat := process_stat(pid)) is not None and len(stat[1]) > 1 and stat[1][1] == str(parent)]
     reading = read_cpu([parent, *ranks])
-    return {"wall_s": reading.wall_s, "cpus": reading.cpus, "idle_s": reading.idle_s,
-            "ours_s": {f"{pid}:{tid}": seconds for (pid, tid), seconds in reading.ours_s.items()}}
+    ours = {f"{pid}:{tid}": seconds for (pid, tid), seconds in reading.ours_s.items()}
+    return {"wall_s": reading.wall_s, "cpus": reading.cpus, "idle_s": reading.idle_s, "ours_s": ours,
+            "cpu_set": reading.cpu_set}
 
 
 def rank_side(engine: str) -> ModuleType:

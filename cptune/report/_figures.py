@@ -45,6 +45,8 @@ LOG_SPAN = 10.0
 LABELLED_COUNTS = 12
 #: Series at one rank count sit this far apart sideways (in octaves) so none hides another.
 SIDESTEP = 0.04
+#: The speedup figure's y axes run from 0 to this factor over the highest point or ideal.
+SPEEDUP_HEADROOM = 1.25
 #: Each sequence length's marker in the speedup figure, in turn.
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 #: The strategy map's largest size in inches (width, height), however many cells it has.
@@ -226,7 +228,8 @@ def speedup_figure(hardware: HardwareReport, shape: ShapeReport) -> bytes | None
     efficiency (speedup per processor against the baseline's), one line per sequence length;
     None when no length has a 1-rank measurement. The axes name the baseline: on a CPU host
     one rank already computes on every core as threads, so the ideal is 1x, drawn as such,
-    not the rank count."""
+    not the rank count. Both axes run from 0 past the ideal and the highest point, so a
+    speedup within the noise of 1x stays flat; points tied with the baseline are hollow."""
     if not shape.speedup:
         return None
     return _png(speedup_plot(hardware, shape))
@@ -242,27 +245,31 @@ def speedup_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
     ideal = "ideal: the same cores, 1x" if shared else "ideal: n GPUs, n x"
     (ideal_line,) = speed.plot(ranks, [first.ideal(n) for n in ranks], linestyle="--", color="0.5",
                                linewidth=1, label=ideal)
-    efficiency.axhline(1.0, linestyle="--", color="0.5", linewidth=1, label="ideal")
+    efficiency_ideal = efficiency.axhline(1.0, linestyle="--", color="0.5", linewidth=1, label="ideal")
     colors = {curve.seq_len: to_hex(colormaps["viridis"](i / max(1, len(shape.speedup) - 1) * 0.85))
               for i, curve in enumerate(shape.speedup)}
     count = len(shape.speedup)
+    lengths: list[Line2D] = []
     for i, curve in enumerate(shape.speedup):
         # lines that coincide (every length near 1x on a CPU host) must all show: each length a
-        # step sideways and a marker of its own; a point tied with the baseline hollow (its
-        # speedup is no speedup)
+        # step sideways and a marker of its own
         xs = [p.ranks * _sidestep(i, count) for p in curve.points]
-        marker = _MARKERS[i % len(_MARKERS)]
+        marker, color = _MARKERS[i % len(_MARKERS)], colors[curve.seq_len]
         for axes, ys in ((speed, [p.speedup for p in curve.points]),
                          (efficiency, [p.efficiency for p in curve.points])):
-            color = colors[curve.seq_len]
-            axes.plot(xs, ys, "-", marker=marker, color=color, label=f"seq_len {curve.seq_len}")
-            if tied := [(x, y) for x, y, p in zip(xs, ys, curve.points, strict=True) if p.tied]:
-                axes.plot(*zip(*tied, strict=True), linestyle="none", marker=marker, markerfacecolor="white",
-                          color=color)
-    for axes in (speed, efficiency):
+            axes.plot(xs, ys, "-", color=color, zorder=_LINE_Z)
+            _speedup_markers(axes, xs, ys, [p.tied for p in curve.points], marker, color)
+        lengths.append(Line2D([], [], marker=marker, color=color, label=f"seq_len {curve.seq_len}"))
+    points = [p for c in shape.speedup for p in c.points]
+    highest_speed = max([p.speedup for p in points] + [first.ideal(n) for n in ranks])
+    highest_efficiency = max([p.efficiency for p in points] + [1.0])
+    for axes, highest in ((speed, highest_speed), (efficiency, highest_efficiency)):
         _rank_axis(axes, ranks)
         axes.set_xlabel("ranks")
         axes.grid(alpha=0.3)
+        # from zero, as ratios compare, so a tie within a percent of the ideal stays flat beside
+        # it; the highest point or ideal below the top, clear of it and of the legend
+        axes.set_ylim(0, highest * SPEEDUP_HEADROOM)
     speed.set_ylabel(f"speedup vs {first.baseline} (x)")
     speed.set_title(f"T({first.baseline}) / T(n ranks), fastest measured of each", fontsize=9)
     if shared:
@@ -272,16 +279,31 @@ def speedup_plot(hardware: HardwareReport, shape: ShapeReport) -> Figure:
     else:
         efficiency.set_ylabel("parallel efficiency (speedup / ranks)")
         efficiency.set_title("efficiency: one GPU per rank", fontsize=9)
-    efficiency.set_ylim(bottom=0)
     handles = [ideal_line]
     if any(p.tied for curve in shape.speedup for p in curve.points):
-        handles += speed.plot([], [], linestyle="none", marker="o", color="0.3", markerfacecolor="white",
-                              label="hollow: tied with the baseline")
+        handles.append(Line2D([], [], linestyle="none", marker="o", color="0.3", markerfacecolor="white",
+                              label="hollow: tied with the baseline"))
     speed.legend(handles=handles, fontsize=8, loc="best")
-    efficiency.legend(fontsize=8, loc="best")
+    efficiency.legend(handles=[efficiency_ideal, *lengths], fontsize=8, loc="best")
     figure.suptitle(f"Speedup and efficiency: {shape.shape.describe()}\n{_hardware_title(hardware)}",
                     fontsize=11)
     return figure
+
+
+#: The speedup figure's lines under its filled markers, and those under its hollow ones: a
+#: tied point is never covered by another length's filled marker beside it.
+_LINE_Z, _FILLED_Z, _HOLLOW_Z = 2.0, 3.0, 4.0
+
+
+def _speedup_markers(axes: Axes, xs: Sequence[float], ys: Sequence[float], tied: Sequence[bool], marker: str,
+                     color: str) -> None:
+    """One marker per point of a speedup line: filled, or hollow where the point is tied with
+    the baseline (its speedup is no speedup), each drawn once, so a tied point shows no
+    filled marker under its hollow one."""
+    for hollow in (False, True):
+        if points := [(x, y) for x, y, t in zip(xs, ys, tied, strict=True) if t == hollow]:
+            axes.plot(*zip(*points, strict=True), linestyle="none", marker=marker, color=color,
+                      markerfacecolor="white" if hollow else color, zorder=_HOLLOW_Z if hollow else _FILLED_Z)
 
 
 def _map_words(cell: MapCell) -> str:

@@ -58,7 +58,9 @@ _CAPTIONS = {
              "is measured, none is predicted. On a CPU host one rank already computes on every core as "
              "threads and n ranks split the same cores between them, so the baseline is 1 rank using all "
              "the cores, the ideal speedup is 1x (not n) and efficiency is the speedup per core used; "
-             "with one GPU per rank the ideal is n and efficiency is speedup / ranks.",
+             "with one GPU per rank the ideal is n and efficiency is speedup / ranks. Both axes start at "
+             "0, so a speedup within the noise of 1x lies flat beside the ideal; a hollow point is one the "
+             "table calls tied with the baseline.",
     STRATEGY_MAP: "The fastest configuration on exactly that many ranks (the rank counts measured) at each "
                   "sequence length: filled squares are measured (every rival measured), labelled with the "
                   "verdict on their combined clean rounds: the winner and how much slower the runner-up is, "

@@ -122,8 +122,9 @@ class ContextParallelAttention(torch.nn.Module):
 
     def unshard(self, local: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The full sequence [batch, seq_len, ...] on every rank, from each rank's shard
-        ``local`` (``unshard_sequence`` after an all-gather: collective over the group)."""
-        self._same_length.check(seq_len)
+        ``local`` (``unshard_sequence`` after an all-gather: collective over the group). Every
+        call checks that every rank passed the same ``seq_len`` first (one small all-gather)."""
+        self._same_length.agree(seq_len)
         workload, config = self.shape.at(seq_len), self.config_for(seq_len)
         length, piece = shard_length(workload, config, self.rank), shard_length(workload, config, 0)
         if local.dim() < 2 or local.shape[1] != length:

@@ -5,7 +5,10 @@ run different exchanges: in different buckets they wait on each other forever (g
 30-minute default), in one bucket gloo aborts the process on mismatched sizes. One small
 all-gather of the lengths, at the first call with each length, turns that into the same
 ``ValueError`` on every rank, naming each rank's length. A length checked once costs nothing
-after (a model calls the module from every layer with the same length).
+after (a model calls the module from every layer with the same length). ``unshard`` checks at
+every call (``agree``): it runs once per sequence, beside a gather of the whole sequence, and
+a rank that skipped the check (its length checked before) would meet the others' check with
+its data, which gloo answers by aborting the process.
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ class SameLength:
     def check(self, seq_len: int) -> None:
         """Return when every rank passed ``seq_len`` (collective over the group at a length's
         first call); ``ValueError`` on every rank otherwise."""
-        if seq_len in self.agreed:
-            return
+        if seq_len not in self.agreed:
+            self.agree(seq_len)
+
+    def agree(self, seq_len: int) -> None:
+        """Return when every rank passed ``seq_len``, ``ValueError`` on every rank otherwise:
+        collective over the group at every call, so every rank meets the others' lengths
+        before any data, whatever it checked before."""
         nccl = dist.get_backend(self.group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         mine = torch.tensor([seq_len], dtype=torch.int64, device=device)
