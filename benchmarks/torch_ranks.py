@@ -82,9 +82,9 @@ def staging_through_the_host() -> None:
     ring_step, gather, scatter = _ops.ring_step, _ops._all_gather_single, _ops._reduce_scatter_single
 
     def staged_ring_step(group: dist.ProcessGroup, send: torch.Tensor, receive: torch.Tensor,
-                         tag: int = 0) -> list:
+                         tag: int = 0, shift: int = 1) -> list:
         arrived = torch.empty(receive.shape, dtype=receive.dtype)
-        return [_Staged(ring_step(group, send.cpu(), arrived, tag), arrived, receive)]
+        return [_Staged(ring_step(group, send.cpu(), arrived, tag, shift), arrived, receive)]
 
     def staged_gather(received: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
         arrived = torch.empty(received.shape, dtype=received.dtype)

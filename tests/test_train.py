@@ -108,6 +108,7 @@ def test_the_command_line_trains_end_to_end(tmp_path, cptune_here):
     import json
 
     from conftest import cptune, make_calibration
+    from cptune import load_plan
     from cptune.hardware import this_host
     from cptune.store import Store
 
@@ -129,6 +130,6 @@ def test_the_command_line_trains_end_to_end(tmp_path, cptune_here):
     exported = cptune_here("export", "--db", db, *shape, "--seq-lens", "64,96", "-o", plan)
     assert exported.returncode == 0, exported.stderr
     assert json.loads(plan.read_text())["shape"]["mode"] == "train"
-    assert [b.seq_len for b in cptune.load_plan(plan).buckets] == [64, 96]  # what export writes loads
+    assert [b.seq_len for b in load_plan(plan).buckets] == [64, 96]  # what export writes loads
     reported = cptune_here("report", "--db", db, "-o", tmp_path / "report")
     assert reported.returncode == 0, reported.stderr
