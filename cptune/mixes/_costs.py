@@ -1,0 +1,162 @@
+"""What each configuration costs at every length of a mix: the cost model's answers on a grid
+of lengths, read between them as a line in log length against log time.
+
+``mix_costs`` asks ``cptune.model.recommend`` at each length of the grid (the mix's own lengths
+when there are few, else lengths evenly spaced in ratio from its shortest to its longest): a
+configuration's time there is measured where the database holds it, the cost model's or the
+prior's elsewhere, exactly as ``recommend`` would answer for that length alone. Between grid
+lengths the time is interpolated in log-log (attention grows as a power of the length, so a
+straight line there is close), beyond the last length a configuration was answered at,
+extrapolated along its last segment. Memory is not interpolated: each configuration's longest
+sequence within a rank's memory is found from the analytic peak (``cptune.cost.peak_bytes``),
+so a plan never puts a sequence where it does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cptune.config import STRATEGIES, CPConfig
+from cptune.cost import peak_bytes
+from cptune.feasibility import format_bytes, split_configs
+from cptune.mixes._mix import LengthMix, MixError, geometric_grid
+from cptune.model import hardware_profile, recommend
+from cptune.workload import AttentionShape
+
+#: How many lengths ``mix_costs`` asks the cost model about at most: a mix with no more distinct
+#: lengths is answered at each of its own (measured ones read as measured).
+GRID_POINTS = 48
+
+
+@dataclass(frozen=True, eq=False)
+class MixCosts:
+    """Each configuration of ``shape`` on up to ``ranks`` ranks of one hardware: its time (ms per
+    sequence, the slowest rank's) at each ``grid`` length where ``recommend`` answered for it
+    (NaN elsewhere), where that came from, and the longest sequence it holds within a rank's
+    memory, alone on its ranks (``alone_max``) and with all ``ranks`` ranks busy at once
+    (``shared_max``; they differ on a host whose ranks share its memory)."""
+
+    shape: AttentionShape
+    ranks: int
+    hardware: str
+    fingerprint: str
+    configs: tuple[CPConfig, ...]
+    grid: np.ndarray
+    ms: np.ndarray
+    sources: np.ndarray
+    alone_max: np.ndarray
+    shared_max: np.ndarray
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each configuration's rank count."""
+        return np.array([c.ranks for c in self.configs], dtype=np.int64)
+
+    def times(self, lengths: np.ndarray | Sequence[int], shared: bool = True) -> np.ndarray:
+        """ms of every configuration (rows) for each length (columns); inf where a configuration
+        cannot run that length: fewer tokens than ranks, or over a rank's memory (``shared``:
+        with all ``ranks`` ranks busy). ``MixError`` for lengths outside the grid."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.size and (lengths.min() < self.grid[0] or lengths.max() > self.grid[-1]):
+            raise MixError(f"lengths {int(lengths.min()):,}-{int(lengths.max()):,} reach outside the "
+                           f"{int(self.grid[0]):,}-{int(self.grid[-1]):,} tokens these costs were read for; "
+                           f"read them for this mix (mix_costs)")
+        x = np.log(lengths.astype(np.float64))
+        out = np.full((len(self.configs), lengths.size), np.inf)
+        logs = np.log(self.grid.astype(np.float64))
+        limit = self.shared_max if shared else self.alone_max
+        for i, config in enumerate(self.configs):
+            known = np.isfinite(self.ms[i])
+            if not known.any():
+                continue
+            gx, gy = logs[known], np.log(self.ms[i, known])
+            if gx.size == 1:  # one length answered: attention's square from there
+                y = gy[0] + 2 * (x - gx[0])
+            else:
+                y = np.interp(x, gx, gy)
+                low, high = x < gx[0], x > gx[-1]
+                y[low] = gy[0] + (x[low] - gx[0]) * (gy[1] - gy[0]) / (gx[1] - gx[0])
+                y[high] = gy[-1] + (x[high] - gx[-1]) * (gy[-1] - gy[-2]) / (gx[-1] - gx[-2])
+            runs = (lengths >= config.ranks) & (lengths <= limit[i])
+            out[i, runs] = np.exp(y[runs])
+        return out
+
+
+def _longest_within(shape: AttentionShape, config: CPConfig, limit: int | None, ceiling: int) -> int:
+    """The longest sequence up to ``ceiling`` tokens whose analytic peak per rank under ``config``
+    fits ``limit`` bytes (0 when not even ``config.ranks`` tokens do): the peak grows with the length."""
+    if limit is None or peak_bytes(shape.at(ceiling), config) <= limit:
+        return ceiling
+    low, high = config.ranks - 1, ceiling  # fits at low (or low is below any length), not at high
+    if peak_bytes(shape.at(config.ranks), config) > limit:
+        return 0
+    low = config.ranks
+    while high - low > 1:
+        middle = (low + high) // 2
+        if peak_bytes(shape.at(middle), config) <= limit:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def check_fits(mix: LengthMix, shape: AttentionShape, ranks: int, memory_limit: int | None,
+               strategies: Sequence[str] = STRATEGIES, hardware: str = "these ranks") -> None:
+    """``MixError`` in one line when the mix's longest sequence fits no configuration of
+    ``shape`` on up to ``ranks`` ranks within ``memory_limit`` bytes per rank: the least memory
+    per rank any of them needs, and where."""
+    workload = shape.at(mix.longest)
+    split = split_configs(workload, range(1, ranks + 1), tuple(strategies))
+    if not split.feasible:
+        reason = next(iter(split.infeasible.values()), ["no configuration runs it"])[0]
+        raise MixError(f"no configuration on up to {ranks} ranks can run the longest sequence, "
+                       f"{workload.describe()}: {reason}")
+    if memory_limit is None:
+        return
+    least = min(split.feasible, key=lambda c: peak_bytes(workload, c))
+    need = peak_bytes(workload, least)
+    if need > memory_limit:
+        raise MixError(f"the longest sequence, {mix.longest:,} tokens, needs at least {format_bytes(need)} "
+                       f"per rank ({least.describe()}, the least of any configuration on up to {ranks} "
+                       f"ranks), over the {format_bytes(memory_limit)} per rank of {hardware}: use more "
+                       f"ranks, or leave sequences that long out of the mix")
+
+
+def mix_costs(shape: AttentionShape, mix: LengthMix, ranks: int | None = None, hardware: str | None = None,
+              db: str | None = None, strategies: Sequence[str] = STRATEGIES, backend: str = "mpi",
+              figures: Mapping[str, float] | None = None, nccl_path: str | None = None,
+              grid_points: int = GRID_POINTS) -> MixCosts:
+    """The costs of every configuration of ``shape`` on up to ``ranks`` ranks (None: the
+    hardware's) across ``mix``'s lengths, from ``recommend`` (same ``hardware``, ``db``,
+    ``strategies``, ``backend``, ``figures``, ``nccl_path``). ``MixError`` when the mix's longest
+    sequence fits no configuration's memory."""
+    if shape.batch != 1:
+        raise MixError(f"a length mix lists its sequences one by one: give the layer with batch 1, not "
+                       f"{shape.batch}")
+    profile = hardware_profile(hardware, db, backend, figures, nccl_path)
+    top = profile.max_ranks if ranks is None else ranks
+    if not 1 <= top <= profile.max_ranks:
+        raise MixError(f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {top}")
+    check_fits(mix, shape, top, profile.memory_limit(top), strategies, profile.describe())
+    grid = geometric_grid(mix.lengths.tolist(), grid_points)
+    answers: dict[CPConfig, dict[int, tuple[float, str]]] = {}
+    for j, length in enumerate(grid):
+        pick = recommend(shape.at(length), None, hardware, db,
+                         strategies, backend, figures, nccl_path)
+        for c in pick.candidates:
+            if c.config.ranks <= top:
+                answers.setdefault(c.config, {})[j] = (c.latency_ms, c.source)
+    configs = tuple(sorted(answers, key=lambda c: (c.ranks, c.strategy, c.head_group, c.layout or "")))
+    ms = np.full((len(configs), len(grid)), np.nan)
+    sources = np.full((len(configs), len(grid)), "", dtype=object)
+    for i, config in enumerate(configs):
+        for j, (latency, source) in answers[config].items():
+            ms[i, j], sources[i, j] = latency, source
+    ceiling = grid[-1]
+    alone = np.array([_longest_within(shape, c, profile.memory_limit(c.ranks), ceiling) for c in configs])
+    shared = np.array([_longest_within(shape, c, profile.memory_limit(top), ceiling) for c in configs])
+    return MixCosts(shape, top, profile.describe(), profile.fingerprint, configs, np.asarray(grid), ms,
+                    sources, alone, shared)
