@@ -3,6 +3,7 @@ static answer over a mix, and a plan per batch, fast and exact (against a MILP).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -85,3 +86,70 @@ def test_costs_are_the_recommendation_at_each_length_and_between() -> None:
     assert np.all((between > at) & (between < costs.times([16000])[:, 0]))
     with pytest.raises(MixError, match="outside"):
         costs.times([100])
+
+
+def test_the_static_answer_is_the_lowest_expected_time_over_the_mix() -> None:
+    from cptune.mixes import recommend_mix
+
+    mix = LengthMix.from_histogram({512: 60, 2048: 30, 8192: 8, 65536: 2})
+    answer = recommend_mix(SHAPE, mix, hardware="h100-sxm-8")
+    values, counts = mix.histogram()
+    config, time = answer.ranked[0]
+    ms = answer.costs.times(values, shared=False)[answer.costs.configs.index(config)]
+    assert time.mean_ms == pytest.approx(float(ms @ counts) / counts.sum())
+    assert time.p99_ms == pytest.approx(ms[-1]) and time.p90_ms == pytest.approx(ms[1])
+    assert [t.mean_ms for _, t in answer.ranked] == sorted(t.mean_ms for _, t in answer.ranked)
+    assert answer.plan.max_seq_len == 65536 and not answer.unheld
+    # each length in its bucket's pick, which at a tuned length is that length's fastest
+    assert answer.plan_time.mean_ms <= time.mean_ms * (1 + 1e-9)
+    assert set(answer.to_dict()) >= {"config", "time", "ranked", "plan"}
+
+
+def _random_batches(count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [np.minimum(rng.lognormal(7.5, 1.3, int(rng.integers(3, 9))).astype(int) + 64, 65536).tolist()
+            for _ in range(count)]
+
+
+#: The fast solver's makespan over the MILP's that these tests allow (the benchmark reports the spread).
+FAST_WITHIN = 1.10
+
+
+def test_the_fast_plan_is_near_the_exact_one_and_both_fit_in_memory() -> None:
+    from cptune.cost import peak_bytes
+    from cptune.mixes import exact_batch_plan, one_group_plan, plan_batch
+
+    limit = 3 * 2**30  # memory binds: the longest sequences need groups of several ranks
+    batches = _random_batches(6, seed=5)
+    costs = mix_costs(SHAPE, LengthMix.of([n for b in batches for n in b]), ranks=4, hardware="h100-sxm-8",
+                      memory_limit=limit)
+    assert costs.shared_max.min() < 65536
+    for batch in batches:
+        fast, exact = plan_batch(costs, batch), exact_batch_plan(costs, batch, time_limit_s=30)
+        assert exact.optimal
+        assert exact.makespan_ms <= fast.makespan_ms * (1 + 1e-6)
+        assert fast.makespan_ms <= FAST_WITHIN * exact.makespan_ms
+        with contextlib.suppress(MixError):  # unless no configuration of all ranks holds them all
+            assert fast.makespan_ms <= one_group_plan(costs, batch).makespan_ms * (1 + 1e-9)
+        for plan in (fast, exact):
+            placed = sorted(s for g in plan.groups for s in g.sequences)
+            assert placed == list(range(len(batch)))
+            assert sum(g.config.ranks for g in plan.groups) <= 4
+            assert plan.makespan_ms == pytest.approx(max(g.ms for g in plan.groups))
+            for group in plan.groups:
+                for s in group.sequences:
+                    assert peak_bytes(SHAPE.at(batch[s]), group.config) <= limit
+                    assert batch[s] >= group.config.ranks
+
+
+def test_a_batch_plan_splits_the_ranks_into_groups_of_any_size() -> None:
+    from cptune.mixes import one_group_plan, plan_batch
+
+    batch = [20000, 16000, 12000, 9000, 3000]
+    costs = mix_costs(SHAPE, LengthMix.of(batch), ranks=7, hardware="h100-sxm-8")
+    plan = plan_batch(costs, batch)
+    assert len(plan.groups) > 1 and plan.idle_ranks >= 0
+    assert plan.makespan_ms < 0.9 * one_group_plan(costs, batch).makespan_ms  # 7 ranks cannot split in halves
+    assert plan.to_dict()["makespan_ms"] == plan.makespan_ms
+    with pytest.raises(MixError, match="between 1 and the 7"):
+        plan_batch(costs, batch, ranks=8)

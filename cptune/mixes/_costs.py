@@ -55,6 +55,9 @@ class MixCosts:
         """Each configuration's rank count."""
         return np.array([c.ranks for c in self.configs], dtype=np.int64)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_dense", _dense(np.log(self.grid.astype(np.float64)), self.ms))
+
     def times(self, lengths: np.ndarray | Sequence[int], shared: bool = True) -> np.ndarray:
         """ms of every configuration (rows) for each length (columns); inf where a configuration
         cannot run that length: fewer tokens than ranks, or over a rank's memory (``shared``:
@@ -64,25 +67,41 @@ class MixCosts:
             raise MixError(f"lengths {int(lengths.min()):,}-{int(lengths.max()):,} reach outside the "
                            f"{int(self.grid[0]):,}-{int(self.grid[-1]):,} tokens these costs were read for; "
                            f"read them for this mix (mix_costs)")
+        dense: np.ndarray = self._dense  # type: ignore[attr-defined]
         x = np.log(lengths.astype(np.float64))
-        out = np.full((len(self.configs), lengths.size), np.inf)
-        logs = np.log(self.grid.astype(np.float64))
+        if self.grid.size == 1:
+            y = np.repeat(dense[:, :1], lengths.size, axis=1)
+        else:
+            logs = np.log(self.grid.astype(np.float64))
+            at = np.clip(np.searchsorted(logs, x), 1, logs.size - 1)
+            w = (x - logs[at - 1]) / (logs[at] - logs[at - 1])
+            y = dense[:, at - 1] * (1 - w) + dense[:, at] * w
         limit = self.shared_max if shared else self.alone_max
-        for i, config in enumerate(self.configs):
-            known = np.isfinite(self.ms[i])
-            if not known.any():
-                continue
-            gx, gy = logs[known], np.log(self.ms[i, known])
-            if gx.size == 1:  # one length answered: attention's square from there
-                y = gy[0] + 2 * (x - gx[0])
-            else:
-                y = np.interp(x, gx, gy)
-                low, high = x < gx[0], x > gx[-1]
-                y[low] = gy[0] + (x[low] - gx[0]) * (gy[1] - gy[0]) / (gx[1] - gx[0])
-                y[high] = gy[-1] + (x[high] - gx[-1]) * (gy[-1] - gy[-2]) / (gx[-1] - gx[-2])
-            runs = (lengths >= config.ranks) & (lengths <= limit[i])
-            out[i, runs] = np.exp(y[runs])
-        return out
+        runs = (lengths[None, :] >= self.sizes[:, None]) & (lengths[None, :] <= limit[:, None])
+        runs &= np.isfinite(y)
+        return np.where(runs, np.exp(np.where(runs, y, 0.0)), np.inf)
+
+
+def _dense(logs: np.ndarray, ms: np.ndarray) -> np.ndarray:
+    """log ms at every grid length (rows: configurations): where a configuration was answered,
+    its answer; between, the line through its answers either side; beyond its first or last,
+    its first or last segment extended (one answer alone: attention's square from it); NaN for
+    a configuration answered nowhere."""
+    dense = np.full(ms.shape, np.nan)
+    for i in range(ms.shape[0]):
+        known = np.isfinite(ms[i])
+        if not known.any():
+            continue
+        gx, gy = logs[known], np.log(ms[i, known])
+        if gx.size == 1:
+            dense[i] = gy[0] + 2 * (logs - gx[0])
+            continue
+        y = np.interp(logs, gx, gy)
+        low, high = logs < gx[0], logs > gx[-1]
+        y[low] = gy[0] + (logs[low] - gx[0]) * (gy[1] - gy[0]) / (gx[1] - gx[0])
+        y[high] = gy[-1] + (logs[high] - gx[-1]) * (gy[-1] - gy[-2]) / (gx[-1] - gx[-2])
+        dense[i] = y
+    return dense
 
 
 def _longest_within(shape: AttentionShape, config: CPConfig, limit: int | None, ceiling: int) -> int:
@@ -128,11 +147,12 @@ def check_fits(mix: LengthMix, shape: AttentionShape, ranks: int, memory_limit: 
 def mix_costs(shape: AttentionShape, mix: LengthMix, ranks: int | None = None, hardware: str | None = None,
               db: str | None = None, strategies: Sequence[str] = STRATEGIES, backend: str = "mpi",
               figures: Mapping[str, float] | None = None, nccl_path: str | None = None,
-              grid_points: int = GRID_POINTS) -> MixCosts:
+              grid_points: int = GRID_POINTS, memory_limit: int | None = None) -> MixCosts:
     """The costs of every configuration of ``shape`` on up to ``ranks`` ranks (None: the
     hardware's) across ``mix``'s lengths, from ``recommend`` (same ``hardware``, ``db``,
     ``strategies``, ``backend``, ``figures``, ``nccl_path``). ``MixError`` when the mix's longest
-    sequence fits no configuration's memory."""
+    sequence fits no configuration's memory. ``memory_limit``: bytes per rank the attention
+    may take, instead of the hardware's (what the rest of a model leaves it)."""
     if shape.batch != 1:
         raise MixError(f"a length mix lists its sequences one by one: give the layer with batch 1, not "
                        f"{shape.batch}")
@@ -140,7 +160,10 @@ def mix_costs(shape: AttentionShape, mix: LengthMix, ranks: int | None = None, h
     top = profile.max_ranks if ranks is None else ranks
     if not 1 <= top <= profile.max_ranks:
         raise MixError(f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {top}")
-    check_fits(mix, shape, top, profile.memory_limit(top), strategies, profile.describe())
+    def limit(ranks: int) -> int | None:
+        return profile.memory_limit(ranks) if memory_limit is None else memory_limit
+
+    check_fits(mix, shape, top, limit(top), strategies, profile.describe())
     grid = geometric_grid(mix.lengths.tolist(), grid_points)
     answers: dict[CPConfig, dict[int, tuple[float, str]]] = {}
     for j, length in enumerate(grid):
@@ -156,7 +179,7 @@ def mix_costs(shape: AttentionShape, mix: LengthMix, ranks: int | None = None, h
         for j, (latency, source) in answers[config].items():
             ms[i, j], sources[i, j] = latency, source
     ceiling = grid[-1]
-    alone = np.array([_longest_within(shape, c, profile.memory_limit(c.ranks), ceiling) for c in configs])
-    shared = np.array([_longest_within(shape, c, profile.memory_limit(top), ceiling) for c in configs])
+    alone = np.array([_longest_within(shape, c, limit(c.ranks), ceiling) for c in configs], dtype=np.int64)
+    shared = np.array([_longest_within(shape, c, limit(top), ceiling) for c in configs], dtype=np.int64)
     return MixCosts(shape, top, profile.describe(), profile.fingerprint, configs, np.asarray(grid), ms,
                     sources, alone, shared)

@@ -1,0 +1,481 @@
+"""A plan per batch: the ranks split into CP groups of any sizes the configurations allow, a
+configuration per group, and which sequences each group runs, for the lowest predicted makespan
+(the slowest group's time) with every sequence within a rank's memory.
+
+A group runs its sequences one after another, each as one attention call of its configuration
+(a forward, or a forward and backward in training): its time is their sum, and a rank's memory
+holds the largest of them (``MixCosts.shared_max``: all the batch's ranks are busy at once).
+
+The fast solver (``plan_batch``), meant to run every step:
+1. each sequence's time on a group of each size, its size's best configuration for it alone;
+2. bisection on the makespan T: each sequence takes the size that spends the fewest rank-seconds
+   on it within T, each size gets as many groups as its sequences' time fills at T (their sum
+   over T, rounded up), and the least T whose groups fit the ranks is kept; ranks left over
+   become more groups of the sizes whose groups are fullest;
+3. longest sequence first, each into the group (of any size that holds it) where it finishes
+   soonest;
+4. local search on the real objective (one configuration per group, the one best for the
+   group's sequences together): a sequence of the slowest group moved to, or swapped with one
+   of, another group while that lowers the makespan.
+The one group of all ranks and the equal groups of each size dividing the ranks are solved the
+same way from step 3, and the fastest plan of all is kept: never slower than the best single
+configuration on all ranks.
+
+The exact solver (``exact_batch_plan``) writes the same problem as a MILP for SciPy's HiGHS:
+one slot per configuration and copy, a binary per slot used and per sequence placed there,
+the makespan bounded by each slot's sum, the slots' ranks by the ranks. Small batches only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cptune.config import CPConfig
+from cptune.mixes._costs import MixCosts
+from cptune.mixes._mix import LengthMix, MixError
+
+#: Local-search steps (a move or a swap out of the slowest group) the fast solver takes at most
+#: on each partition it tries, and on the best of them.
+TRIAL_STEPS = 8
+SEARCH_STEPS = 64
+#: How many times at most the fast solver tries the partitions next to its best one.
+NEIGHBOUR_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class Group:
+    """A CP group: ``config`` (its rank count the group's size), the batch's sequences it runs
+    (indices into the batch) and their predicted time in all, ms."""
+
+    config: CPConfig
+    sequences: tuple[int, ...]
+    ms: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {**self.config.to_dict(), "label": self.config.label, "sequences": list(self.sequences),
+                "ms": self.ms}
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one batch runs on ``ranks`` ranks: ``groups`` side by side, the batch's predicted
+    ``makespan_ms`` the slowest one's; ``solver`` "fast", "exact" or "one group"; ``optimal``
+    whether the exact solver proved it (None for the others)."""
+
+    lengths: tuple[int, ...]
+    ranks: int
+    groups: tuple[Group, ...]
+    makespan_ms: float
+    solver: str
+    optimal: bool | None = None
+
+    @property
+    def idle_ranks(self) -> int:
+        return self.ranks - sum(g.config.ranks for g in self.groups)
+
+    def describe(self) -> str:
+        """E.g. "3 groups (ring on 4, local on 1, local on 1), makespan 12.3 ms"."""
+        shown = ", ".join(f"{g.config.label} on {g.config.ranks}" for g in self.groups)
+        idle = f", {self.idle_ranks} idle" if self.idle_ranks else ""
+        return f"{len(self.groups)} group{'s' if len(self.groups) != 1 else ''} ({shown}{idle}), " \
+               f"makespan {self.makespan_ms:.4g} ms"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"lengths": list(self.lengths), "ranks": self.ranks, "makespan_ms": self.makespan_ms,
+                "solver": self.solver, "optimal": self.optimal, "idle_ranks": self.idle_ranks,
+                "groups": [g.to_dict() for g in self.groups]}
+
+
+class _Problem:
+    """One batch's times (``t``: configurations x sequences, ms, inf where it cannot run) on
+    ``ranks`` ranks, without the configurations no plan needs: those needing more ranks, those
+    that run none of the batch, and those another of their size is never slower than."""
+
+    def __init__(self, costs: MixCosts, lengths: np.ndarray, ranks: int) -> None:
+        t = costs.times(lengths)
+        sizes = costs.sizes
+        keep = [i for i in range(len(costs.configs)) if sizes[i] <= ranks and np.isfinite(t[i]).any()]
+        kept: list[int] = []
+        for i in keep:
+            same = [j for j in keep if j != i and sizes[j] == sizes[i]]
+            if not any(np.all(t[j] <= t[i]) and (np.any(t[j] < t[i]) or j < i) for j in same):
+                kept.append(i)
+        self.configs = [costs.configs[i] for i in kept]
+        self.t = t[kept]
+        self.sizes = sizes[kept]
+        self.ranks = ranks
+        self.lengths = lengths
+        if not np.isfinite(self.t).any(axis=0).all():
+            s = int(np.argmin(np.isfinite(self.t).any(axis=0)))
+            raise MixError(f"sequence {s + 1} ({int(lengths[s]):,} tokens) fits no configuration on up to "
+                           f"{ranks} ranks within a rank's memory")
+
+    def group_time(self, size: int, members: Sequence[int]) -> tuple[float, int]:
+        """The best time of a group of ``size`` ranks running ``members``, and its configuration."""
+        rows = np.flatnonzero(self.sizes == size)
+        columns = np.asarray(members, dtype=np.int64)
+        sums = self.t[np.ix_(rows, columns)].sum(axis=1) if columns.size else np.zeros(rows.size)
+        best = int(np.argmin(sums))
+        return float(sums[best]), int(rows[best])
+
+    def plan(self, groups: Sequence[tuple[int, Sequence[int]]], solver: str, optimal: bool | None = None
+             ) -> BatchPlan:
+        """The plan of ``groups`` (size, members), each in its best configuration; empty groups
+        are left out (their ranks idle)."""
+        built = []
+        for size, members in groups:
+            if not len(members):
+                continue
+            ms, row = self.group_time(size, members)
+            built.append(Group(self.configs[row], tuple(sorted(int(m) for m in members)), ms))
+        built.sort(key=lambda g: (-g.config.ranks, -g.ms))
+        return BatchPlan(tuple(int(x) for x in self.lengths), self.ranks, tuple(built),
+                         max(g.ms for g in built), solver, optimal)
+
+
+def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """The group sizes, and each sequence's time on a group of each (its best configuration there)."""
+    sizes = np.unique(problem.sizes)
+    best = np.stack([problem.t[problem.sizes == g].min(axis=0) for g in sizes])
+    return sizes, best
+
+
+def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
+    """How many groups of each size, by bisection on the makespan (step 2); None when no
+    makespan's groups fit the ranks."""
+    n = best.shape[1]
+    columns = np.arange(n)
+    weighted = sizes[:, None] * best
+
+    def needed(limit: float) -> tuple[int, np.ndarray]:
+        work = np.where(best <= limit, weighted, np.inf)
+        choice = np.argmin(work, axis=0)
+        if not np.isfinite(work[choice, columns]).all():
+            return ranks + 1, np.zeros(sizes.size, dtype=np.int64)
+        loads = np.bincount(choice, weights=best[choice, columns], minlength=sizes.size)
+        counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
+        return int(sizes @ counts), counts
+
+    low = max(float(best.min(axis=0).max()), float(weighted.min(axis=0).sum()) / ranks)
+    high = low
+    for _ in range(60):
+        if needed(high)[0] <= ranks:
+            break
+        high *= 2
+    else:
+        return None
+    for _ in range(40):  # to a ratio of about 1e-6 between low and high
+        if high / low < 1 + 1e-6:
+            break
+        middle = math.sqrt(low * high)
+        if needed(middle)[0] <= ranks:
+            high = middle
+        else:
+            low = middle
+    used, counts = needed(high)
+    # the ranks left over: more groups of the sizes whose groups are fullest
+    work = np.where(best <= high, weighted, np.inf)
+    choice = np.argmin(work, axis=0)
+    loads = np.bincount(choice, weights=best[choice, columns], minlength=sizes.size)
+    spare = ranks - used
+    while True:
+        fits = np.flatnonzero((sizes <= spare) & (loads > 0))
+        if not fits.size:
+            break
+        fullest = fits[np.argmax(loads[fits] / np.maximum(counts[fits], 1))]
+        counts[fullest] += 1
+        spare -= int(sizes[fullest])
+    return counts
+
+
+def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> list[tuple[int, list[int]]] | None:
+    """Longest sequence first into the group where it finishes soonest (step 3): (size, members)
+    per group; None when some sequence fits no group."""
+    classes = [i for i in range(sizes.size) if counts[i] > 0]
+    if not classes:
+        return None
+    groups: list[tuple[int, list[int]]] = []
+    heaps: list[list[tuple[float, int]]] = []
+    for i in classes:
+        heaps.append([(0.0, len(groups) + c) for c in range(int(counts[i]))])
+        groups += [(int(sizes[i]), []) for _ in range(int(counts[i]))]
+    sub = best[classes]
+    order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
+    columns = sub[:, order].T.tolist()
+    span = range(len(classes))
+    for s, column in zip(order.tolist(), columns, strict=True):
+        k = min(span, key=lambda c: heaps[c][0][0] + column[c])
+        finish = heaps[k][0][0] + column[k]
+        if finish == math.inf:
+            return None
+        _, g = heapq.heapreplace(heaps[k], (finish, heaps[k][0][1]))
+        groups[g][1].append(s)
+    return groups
+
+
+class _Search:
+    """Local search on one configuration per group (step 4). Groups of one size share their
+    configurations, so each size's groups hold their per-configuration sums in one array."""
+
+    def __init__(self, problem: _Problem, groups: list[tuple[int, list[int]]]) -> None:
+        self.t = problem.t
+        self.size = np.array([g for g, _ in groups], dtype=np.int64)
+        self.rows = {g: np.flatnonzero(problem.sizes == g) for g in set(self.size.tolist())}
+        self.group_of = np.empty(problem.t.shape[1], dtype=np.int64)
+        for k, (_, members) in enumerate(groups):
+            self.group_of[members] = k
+        # per group: its configurations' sums over its sequences
+        self.sums = [self.t[np.ix_(self.rows[g], np.asarray(m, dtype=np.int64))].sum(axis=1) if m
+                     else np.zeros(self.rows[g].size) for g, m in groups]
+
+    def members(self, k: int) -> np.ndarray:
+        return np.flatnonzero(self.group_of == k)
+
+    def times(self) -> np.ndarray:
+        counts = np.bincount(self.group_of, minlength=len(self.sums))
+        return np.array([float(s.min()) if c else 0.0 for s, c in zip(self.sums, counts, strict=True)])
+
+    def _move(self, s: int, target: int) -> None:
+        source = int(self.group_of[s])
+        self.sums[source] = self.sums[source] - self.t[self.rows[int(self.size[source])], s]
+        self.sums[target] = self.sums[target] + self.t[self.rows[int(self.size[target])], s]
+        self.group_of[s] = target
+
+    def improve(self, budget: int) -> None:
+        """Moves and swaps out of the slowest group while one lowers the makespan, at most ``budget``."""
+        for _ in range(budget):
+            times = self.times()
+            k = int(np.argmax(times))
+            step = self._best_step(k, times)
+            if step is None:
+                return
+            s, j, other = step
+            self._move(s, j)
+            if other >= 0:
+                self._move(other, k)
+
+    def _best_step(self, k: int, times: np.ndarray) -> tuple[int, int, int] | None:
+        """(sequence of group k, group it goes to, sequence coming back or -1) lowering the
+        makespan most; None when none lowers it."""
+        t, n_groups = self.t, len(self.sums)
+        mine = self.members(k)
+        rows_k = self.rows[int(self.size[k])]
+        # group k's time with each of its sequences gone: (configurations, mine) -> mine
+        without = self.sums[k][:, None] - t[np.ix_(rows_k, mine)]
+        left = without.min(axis=0) if mine.size > 1 else np.zeros(mine.size)
+        order = np.argsort(-times)
+        top = [int(g) for g in order[:3]]
+
+        def rest(excluded: set[int]) -> float:
+            return next((float(times[g]) for g in top if g not in excluded), 0.0)
+
+        best_value, best = float(times[k]) * (1 - 1e-9), None
+        for g, rows in self.rows.items():  # moves, a size's groups at once
+            targets = [j for j in range(n_groups) if self.size[j] == g and j != k]
+            if not targets:
+                continue
+            stacked = np.stack([self.sums[j] for j in targets])  # (targets, configurations)
+            joined = (stacked[:, :, None] + t[np.ix_(rows, mine)][None]).min(axis=1)  # (targets, mine)
+            others = np.array([rest({k, j}) for j in targets])
+            value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
+            a, at = np.unravel_index(int(np.argmin(value)), value.shape)
+            if value[a, at] < best_value:
+                best_value, best = float(value[a, at]), (int(mine[at]), targets[a], -1)
+        if best is not None:
+            return best
+        outside = np.flatnonzero(self.group_of != k)
+        if not outside.size:
+            return None
+        # swaps: group k's time with s out and o in: (mine, outside)
+        incoming = (without[:, :, None] + t[np.ix_(rows_k, outside)][:, None, :]).min(axis=0)
+        owners = self.group_of[outside]
+        for j in np.unique(owners).tolist():
+            theirs = outside[owners == j]
+            rows_j = self.rows[int(self.size[j])]
+            # group j's time with o out and s in: (mine, theirs)
+            back = ((self.sums[j][:, None, None] + t[np.ix_(rows_j, mine)][:, :, None])
+                    - t[np.ix_(rows_j, theirs)][:, None, :]).min(axis=0)
+            value = np.maximum(np.maximum(incoming[:, owners == j], back), rest({k, j}))
+            a, b = np.unravel_index(int(np.argmin(value)), value.shape)
+            if value[a, b] < best_value:
+                best_value, best = float(value[a, b]), (int(mine[a]), j, int(theirs[b]))
+        return best
+
+
+def _solved(problem: _Problem, sizes: np.ndarray, best: np.ndarray, counts: np.ndarray, steps: int
+            ) -> list[tuple[int, list[int]]] | None:
+    groups = _assign(sizes, best, counts)
+    if groups is None:
+        return None
+    search = _Search(problem, groups)
+    search.improve(steps)
+    return [(int(search.size[k]), search.members(k).tolist()) for k in range(len(search.sums))]
+
+
+def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None) -> _Problem:
+    batch = lengths if isinstance(lengths, LengthMix) else LengthMix.of(lengths)
+    top = costs.ranks if ranks is None else ranks
+    if not 1 <= top <= costs.ranks:
+        raise MixError(f"ranks must be between 1 and the {costs.ranks} these costs were read for, got {top}")
+    return _Problem(costs, batch.lengths, top)
+
+
+def one_group_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None
+                   ) -> BatchPlan:
+    """Every sequence of the batch on one group of all ``ranks`` ranks (default: the costs'),
+    in the configuration best for them together: the single configuration users run today."""
+    problem = _problem(costs, lengths, ranks)
+    top = problem.ranks
+    if top not in set(problem.sizes.tolist()):
+        raise MixError(f"no configuration on all {top} ranks runs every sequence of the batch")
+    ms, _ = problem.group_time(top, range(problem.t.shape[1]))
+    if not math.isfinite(ms):
+        raise MixError(f"no single configuration on all {top} ranks holds every sequence of the batch")
+    return problem.plan([(top, list(range(problem.t.shape[1])))], "one group")
+
+
+def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
+    """Partitions next to ``plan``'s (counts per size), each changing its slowest group: grown
+    by the idle ranks or by ranks of another group (that one shrunk, or merged into it), or split
+    in two."""
+    index = {int(g): i for i, g in enumerate(sizes)}
+    have = [g.config.ranks for g in plan.groups]
+    slow = have[max(range(len(have)), key=lambda k: plan.groups[k].ms)]
+    found: list[list[int]] = []
+
+    def grown(by: int, rest: list[int]) -> None:
+        if slow + by in index:
+            found.append([slow + by, *rest])
+
+    others = list(have)
+    others.remove(slow)
+    idle = plan.idle_ranks
+    for by in range(1, idle + 1):
+        grown(by, others)
+    for k, size in enumerate(others):
+        rest = others[:k] + others[k + 1:]
+        grown(size, rest)  # merged
+        for by in range(1, size):
+            if size - by in index:
+                grown(by, [*rest, size - by])
+    for part in sizes.tolist():
+        if part < slow and slow - part in index:
+            found.append([part, slow - part, *others])
+    out = []
+    for partition in found:
+        counts = np.zeros(sizes.size, dtype=np.int64)
+        for g in partition:
+            counts[index[g]] += 1
+        out.append(counts)
+    return out
+
+
+def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
+               rounds: int = NEIGHBOUR_ROUNDS) -> BatchPlan:
+    """The fast solver's plan for the batch ``lengths`` on ``ranks`` ranks (default: all the
+    costs were read for); see the module docstring. ``rounds``: how many times at most the
+    partitions next to the best one are tried. ``MixError`` when a sequence fits nowhere."""
+    problem = _problem(costs, lengths, ranks)
+    sizes, best = _best_by_size(problem)
+    top = problem.ranks
+    tries = []
+    if (counts := _counts_for(sizes, best, top)) is not None:
+        tries.append(counts)
+    for i, g in enumerate(sizes):  # equal groups of each size dividing the ranks (one of all ranks too)
+        if top % int(g) == 0:
+            equal = np.zeros(sizes.size, dtype=np.int64)
+            equal[i] = top // int(g)
+            tries.append(equal)
+    seen: set[bytes] = set()
+
+    def solve(counts: np.ndarray, steps: int = TRIAL_STEPS) -> BatchPlan | None:
+        if steps == TRIAL_STEPS and counts.tobytes() in seen:
+            return None
+        seen.add(counts.tobytes())
+        groups = _solved(problem, sizes, best, counts, steps)
+        return None if groups is None else problem.plan(groups, "fast")
+
+    plans = [plan for counts in tries if (plan := solve(counts)) is not None]
+    if not plans:
+        raise MixError(f"no plan on {top} ranks holds every sequence of the batch")
+    chosen = min(plans, key=lambda p: p.makespan_ms)
+    for _ in range(rounds):
+        near = [plan for counts in _neighbours(chosen, sizes) if (plan := solve(counts)) is not None]
+        better = min(near, key=lambda p: p.makespan_ms, default=None)
+        if better is None or better.makespan_ms >= chosen.makespan_ms * (1 - 1e-9):
+            break
+        chosen = better
+    index = {int(g): i for i, g in enumerate(sizes)}
+    counts = np.bincount([index[g.config.ranks] for g in chosen.groups], minlength=sizes.size)
+    final = solve(counts, SEARCH_STEPS)
+    return chosen if final is None or final.makespan_ms >= chosen.makespan_ms else final
+
+
+def exact_batch_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
+                     time_limit_s: float = 60.0) -> BatchPlan:
+    """The plan of least predicted makespan, proved by a MILP (SciPy's HiGHS), for a small
+    batch; ``optimal`` False when ``time_limit_s`` ran out first (the best plan found then)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    problem = _problem(costs, lengths, ranks)
+    t, n, top = problem.t, problem.t.shape[1], problem.ranks
+    upper = plan_batch(costs, problem.lengths.tolist(), top).makespan_ms  # a bound the MILP starts from
+    slots = [(c, copy) for c in range(len(problem.configs))
+             for copy in range(min(top // int(problem.sizes[c]), int(np.isfinite(t[c]).sum())))]
+    q = len(slots)
+    # variables: x[s, slot] (s * q + slot), then y[slot], then the makespan
+    nx = n * q
+    total = nx + q + 1
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    low: list[float] = []
+    high: list[float] = []
+
+    def row(entries: list[tuple[int, float]], lo: float, hi: float) -> None:
+        r = len(low)
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        low.append(lo)
+        high.append(hi)
+
+    for s in range(n):  # each sequence in exactly one slot
+        row([(s * q + k, 1.0) for k in range(q)], 1, 1)
+    for k, (c, _) in enumerate(slots):
+        for s in range(n):  # a sequence only in a slot that is used
+            row([(s * q + k, 1.0), (nx + k, -1.0)], -np.inf, 0)
+        # the makespan bounds every slot's time
+        row([*((s * q + k, float(t[c, s])) for s in range(n) if math.isfinite(t[c, s])), (total - 1, -1.0)],
+            -np.inf, 0)
+    row([(nx + k, float(problem.sizes[c])) for k, (c, _) in enumerate(slots)], -np.inf, top)
+    for k in range(1, q):  # copies of one configuration used in order: no symmetric twins
+        if slots[k][0] == slots[k - 1][0]:
+            row([(nx + k, 1.0), (nx + k - 1, -1.0)], -np.inf, 0)
+    ub = np.ones(total)
+    for k, (c, _) in enumerate(slots):
+        for s in range(n):
+            if not t[c, s] <= upper * (1 + 1e-9):
+                ub[s * q + k] = 0
+    ub[-1] = upper * (1 + 1e-9)
+    lb = np.zeros(total)
+    objective = np.zeros(total)
+    objective[-1] = 1
+    integrality = np.ones(total)
+    integrality[-1] = 0
+    a = coo_array((vals, (rows, cols)), shape=(len(low), total)).tocsr()
+    result = milp(objective, constraints=LinearConstraint(a, low, high), integrality=integrality,
+                  bounds=Bounds(lb, ub), options={"time_limit": time_limit_s})
+    if result.x is None:
+        raise MixError(f"the MILP found no plan within {time_limit_s:g} s ({result.message})")
+    x = result.x[:nx].reshape(n, q) > 0.5
+    groups = [(int(problem.sizes[c]), [int(s) for s in np.flatnonzero(x[:, k])])
+              for k, (c, _) in enumerate(slots)]
+    return problem.plan(groups, "exact", optimal=result.status == 0)
