@@ -7,7 +7,10 @@ what could run; ``compute``, ``measure`` and ``measure_all`` run it for real on 
 (``calibrate_host`` calibrates this machine, as ``cptune calibrate`` does; ``check_host``
 probes a GPU node's runtime, as ``cptune doctor`` does); ``recommend``
 picks a configuration from measurements and the cost model; ``evaluate`` scores that model;
-``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s.
+``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s;
+for sequences of many lengths, ``recommend_mix`` answers a whole ``LengthMix`` (``read_mix``)
+and ``plan_batch`` splits the ranks into CP groups for one batch (``exact_batch_plan`` proves it
+on small ones; ``mix_costs`` is what both read).
 """
 
 from typing import TYPE_CHECKING
@@ -34,6 +37,12 @@ _LAZY = {
     "PlanMismatchError": "cptune.plans",
     "load_plan": "cptune.plans",
     "export_plan": "cptune.plans.export",
+    "LengthMix": "cptune.mixes",
+    "read_mix": "cptune.mixes",
+    "mix_costs": "cptune.mixes",
+    "recommend_mix": "cptune.mixes",
+    "plan_batch": "cptune.mixes",
+    "exact_batch_plan": "cptune.mixes",
     "search_space": "cptune.search",
     "calibrate_host": "cptune.search",
     "check_host": "cptune.search",
@@ -41,6 +50,7 @@ _LAZY = {
 
 
 if TYPE_CHECKING:  # a type checker reads the lazy names' own types, not __getattr__'s object
+    from cptune.mixes import LengthMix, exact_batch_plan, mix_costs, plan_batch, read_mix, recommend_mix
     from cptune.model import Recommendation, evaluate, recommend
     from cptune.plans import Plan, PlanError, PlanMismatchError, load_plan
     from cptune.plans.export import export_plan
@@ -62,6 +72,7 @@ __all__ = [
     "CPTuneError",
     "EngineError",
     "InfeasibleConfigError",
+    "LengthMix",
     "Measurement",
     "Plan",
     "PlanError",
@@ -76,11 +87,16 @@ __all__ = [
     "compute_gradients",
     "enumerate_configs",
     "evaluate",
+    "exact_batch_plan",
     "export_plan",
     "feasibility",
     "load_plan",
     "measure",
     "measure_all",
+    "mix_costs",
+    "plan_batch",
+    "read_mix",
     "recommend",
+    "recommend_mix",
     "search_space",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,3 +154,43 @@ def test_a_batch_plan_splits_the_ranks_into_groups_of_any_size() -> None:
     assert plan.to_dict()["makespan_ms"] == plan.makespan_ms
     with pytest.raises(MixError, match="between 1 and the 7"):
         plan_batch(costs, batch, ranks=8)
+
+
+FLAGS = ["recommend", "--hardware", "h100-sxm-8", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
+         "--causal", "--mode", "train"]
+
+
+def test_recommend_takes_a_mix_or_a_batch(cptune_here: Any, tmp_path: Path) -> None:
+    (tmp_path / "mix.txt").write_text("512\n512\n2048\n8192\n65536\n")
+    (tmp_path / "batch.json").write_text("[20000, 16000, 12000, 9000, 3000]")
+    static = cptune_here(*FLAGS, "--lengths", tmp_path / "mix.txt", "--json")
+    assert static.returncode == 0, static.stderr
+    data = json.loads(static.stdout)
+    assert data["ranked"][0]["mean_ms"] == data["time"]["mean_ms"] and data["plan"]["seq_lens"][-1] == 65536
+    text = cptune_here(*FLAGS, "--lengths", tmp_path / "mix.txt")
+    assert "pick:" in text.stdout and "bucketed plan:" in text.stdout and "cptune export" in text.stdout
+    batch = cptune_here(*FLAGS, "--batch-lengths", tmp_path / "batch.json", "--ranks", "7", "--exact",
+                        "--json")
+    assert batch.returncode == 0, batch.stderr
+    fast, exact = json.loads(batch.stdout)["plans"]
+    assert exact["optimal"] and exact["makespan_ms"] <= fast["makespan_ms"] * (1 + 1e-6)
+    assert sorted(s for g in fast["groups"] for s in g["sequences"]) == list(range(5))
+    assert not (tmp_path / "cptune.db").exists()
+
+
+@pytest.mark.parametrize(("words", "says"), [
+    (["--seq-len", "4", "--lengths", "{mix}"], "not --seq-len and --lengths"),
+    (["--exact", "--seq-len", "4"], "--exact solves a batch"),
+    (["--lengths", "{bad}"], "line 1"),
+    (["--batch-lengths", "{huge}"], "needs at least"),
+    (["--lengths", "{mix}", "--nodes", "2"], "--nodes takes --seq-len"),
+])
+def test_bad_mixes_are_refused_in_one_line(cptune_here: Any, tmp_path: Path, words: list[str],
+                                           says: str) -> None:
+    from conftest import assert_refused
+
+    (tmp_path / "mix.txt").write_text("512\n")
+    (tmp_path / "bad.txt").write_text("a lot\n")
+    (tmp_path / "huge.txt").write_text(f"{1 << 26}\n")
+    files = {"mix": tmp_path / "mix.txt", "bad": tmp_path / "bad.txt", "huge": tmp_path / "huge.txt"}
+    assert_refused(cptune_here(*FLAGS, *(w.format(**files) for w in words)), says)

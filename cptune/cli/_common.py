@@ -208,13 +208,15 @@ def add_workload_flags(
     defaults: dict[str, int] | None = None,
     with_strategies: bool = False,
     with_mode: bool = True,
+    length_optional: bool = False,
 ) -> None:
     """The flags that describe one attention layer, in a group of their own: ``--seq-lens``
     (several; with ``lengths``) or ``--seq-len``, ``--heads``, ``--kv-heads``, ``--head-dim``,
     ``--batch``, ``--dtype``, ``--causal``, ``--mode``; ``required``: the length, heads and head_dim must
     be given; ``defaults`` for those (``cptune measure``'s demo shape); ``with_strategies``:
     also ``--strategies``; ``with_mode``: ``--mode`` (not where only the forward exists: the
-    exported inference graphs)."""
+    exported inference graphs); ``length_optional``: ``--seq-len`` not required even so (the
+    command takes the lengths another way too)."""
     d = defaults or {}
 
     def shown(name: str, what: str) -> str:
@@ -224,7 +226,8 @@ def add_workload_flags(
     if lengths:
         group.add_argument("--seq-lens", type=seq_lens, help="sequence lengths, e.g. 1024,2048")
     else:
-        group.add_argument("--seq-len", type=positive, default=d.get("seq_len"), required=required,
+        group.add_argument("--seq-len", type=positive, default=d.get("seq_len"),
+                           required=required and not length_optional,
                            help=shown("seq_len", "tokens per sequence"))
     group.add_argument("--heads", type=positive, default=d.get("heads"), required=required,
                        help=shown("heads", "query heads"))

@@ -16,6 +16,7 @@ from cptune.cli._common import (
     DB_HELP,
     HARDWARE_HELP,
     NCCL_PATH_RULE,
+    UsageError,
     add_framework_flag,
     add_given_flags,
     add_host_backend,
@@ -31,6 +32,7 @@ from cptune.cli._common import (
 from cptune.measurement import format_ms
 
 if TYPE_CHECKING:
+    from cptune.mixes import BatchPlan
     from cptune.model import GroupScore, Tie
 
 #: What the recommend table and its notes show; --json holds everything.
@@ -66,9 +68,22 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             "elsewhere, and say why the others cannot run."
         ),
     )
-    add_workload_flags(rec, required=True)
+    add_workload_flags(rec, required=True, length_optional=True)
+    mixes = rec.add_argument_group("sequences of many lengths (docs/mixes.md), instead of --seq-len")
+    mixes.add_argument("--lengths", metavar="FILE",
+                       help="a length mix: one length a line, a JSON list or histogram {\"length\": count}, "
+                            "or a .npy array; the one configuration with the lowest expected time per "
+                            "sequence, its p90/p99, and a bucketed plan")
+    mixes.add_argument("--batch-lengths", metavar="FILE",
+                       help="one batch's lengths (the same forms): the ranks split into CP groups, a "
+                            "configuration each and the sequences each runs, for the least predicted "
+                            "makespan")
+    mixes.add_argument("--exact", action="store_true",
+                       help="with --batch-lengths: solve it exactly (a MILP; small batches only) as well as "
+                            "fast")
     rec.add_argument("--ranks", type=positive,
-                     help="exactly this many ranks (default: any up to the hardware's)")
+                     help="exactly this many ranks (default: any up to the hardware's; with "
+                          "--batch-lengths: the ranks the groups share)")
     rec.add_argument("--hardware", help=HARDWARE_HELP)
     rec.add_argument("--nodes", type=positive,
                      help="with a calibrated cluster's fingerprint: read it for this many nodes sharing "
@@ -145,6 +160,19 @@ def run_fit(args: argparse.Namespace, console: Console) -> int:
 def run_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.model import recommend
 
+    given = [flag for flag, value in (("--seq-len", args.seq_len), ("--lengths", args.lengths),
+                                      ("--batch-lengths", args.batch_lengths)) if value is not None]
+    if len(given) != 1:
+        raise UsageError(f"give one of --seq-len, --lengths FILE or --batch-lengths FILE, not "
+                         f"{' and '.join(given)}"
+                         if given else "give the sequence length: --seq-len N, --lengths FILE or "
+                                       "--batch-lengths FILE")
+    if args.exact and args.batch_lengths is None:
+        raise UsageError("--exact solves a batch: give --batch-lengths FILE")
+    if args.seq_len is None:
+        if args.framework or args.nodes:
+            raise UsageError(f"{'--for' if args.framework else '--nodes'} takes --seq-len, not {given[0]}")
+        return _mixes(args, console)
     workload = workload_of(args, args.seq_len)
     framed = None
     engine = args.backend if args.hardware is None else None  # whose ranks measured the hardware
@@ -238,3 +266,78 @@ def _what_decides(ties: Sequence[Tie]) -> str:
     counts = Counter("the prior's own error" if t.structural else t.figure for t in ties).most_common()
     first, *others = counts
     return ", ".join([f"{first[0]} decides {first[1]} of them", *(f"{figure} {n}" for figure, n in others)])
+
+
+def _mixes(args: argparse.Namespace, console: Console) -> int:
+    """``recommend --lengths`` (the static answer over a mix) or ``--batch-lengths`` (a plan per
+    batch)."""
+    from cptune.mixes import exact_batch_plan, mix_costs, plan_batch, read_mix, recommend_mix
+
+    mix = read_mix(args.lengths or args.batch_lengths)
+    shape = workload_of(args, mix.longest).shape
+    where = dict(hardware=args.hardware, db=args.db, backend=args.backend, figures=figures_of(args),
+                 nccl_path=args.nccl_path)
+    if args.lengths is None:
+        costs = mix_costs(shape, mix, args.ranks, **where)
+        plans = [plan_batch(costs, mix)] + ([exact_batch_plan(costs, mix)] if args.exact else [])
+        if args.json:
+            print(json.dumps({"hardware": costs.hardware, "plans": [p.to_dict() for p in plans]}, indent=2))
+        else:
+            for plan in plans:
+                _show_batch_plan(console, plan, mix.lengths.tolist(),
+                                 f"{shape.describe()}\non {costs.hardware}")
+        return 0
+    answer = recommend_mix(shape, mix, args.ranks, **where)
+    if args.json:
+        print(json.dumps(answer.to_dict(), indent=2))
+        return 0
+    ranked = table(f"{mix.describe()}, {shape.describe()}\non {answer.costs.hardware}",
+                   "ms per sequence, slowest rank, over the mix's sequences; each length measured where "
+                   "stored, else the cost model's or the prior's, read between the lengths asked")
+    for column in ("#", "config", "ranks", "mean ms", "p90 ms", "p99 ms", "measured"):
+        ranked.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
+    for i, (config, time) in enumerate(answer.ranked[:SHOWN_CANDIDATES], start=1):
+        ranked.add_row(str(i), config.label, str(config.ranks),
+                       *_tail(time.mean_ms, time.p90_ms, time.p99_ms), f"{time.measured_share:.0%}",
+                       style="bold green" if i == 1 else "")
+    console.print(ranked)
+    if answer.config is not None and answer.time is not None:
+        mean, p90, p99 = _tail(answer.time.mean_ms, answer.time.p90_ms, answer.time.p99_ms)
+        say(console, ("pick:", "bold"),
+            f" {answer.config.describe()}, {mean} ms a sequence on average (p90 {p90}, p99 {p99})")
+    else:
+        say(console, ("no single configuration holds every sequence:", "yellow"), " run the bucketed plan")
+    mean, p90, p99 = _tail(answer.plan_time.mean_ms, answer.plan_time.p90_ms, answer.plan_time.p99_ms)
+    buckets = ", ".join(f"{b.min_seq_len:,}-{b.max_seq_len:,}: {b.config.label} on {b.config.ranks}"
+                        for b in answer.plan.buckets)
+    say(console, ("bucketed plan:", "bold"),
+        f" {mean} ms a sequence on average (p90 {p90}, p99 {p99}); {buckets}")
+    words = shape.at(mix.longest).flags("--seq-lens")
+    words[1] = ",".join(str(b.seq_len) for b in answer.plan.buckets)
+    words += [*(["--ranks", str(args.ranks)] if args.ranks else []),
+              *(["--hardware", args.hardware] if args.hardware else [])]
+    say(console, ("to write it:", "dim"), f" cptune export {' '.join(words)} -o plan.json")
+    if answer.unheld:
+        say(console, ("over memory in its bucket's configuration:", "yellow"),
+            f" {', '.join(f'{n:,}' for n in answer.unheld[:10])} tokens; export more buckets near them")
+    return 0
+
+
+def _tail(*ms: float) -> list[str]:
+    return [format_ms(x) for x in ms]
+
+
+def _show_batch_plan(console: Console, plan: BatchPlan, lengths: list[int], title: str) -> None:
+    """A batch plan's groups, one row each, and its makespan."""
+    solver = f"{plan.solver} solver{', optimal' if plan.optimal else ''}"
+    shown = table(f"a batch of {len(lengths)} on {plan.ranks} ranks ({solver}), {title}",
+                  "each group runs its sequences one after another; ms predicted per group, the makespan "
+                  "the slowest group's")
+    for column in ("group", "config", "ranks", "ms", "sequences"):
+        shown.add_column(column, justify="left" if column in ("config", "sequences") else "right")
+    for i, group in enumerate(plan.groups, start=1):
+        listed = ", ".join(f"{lengths[s]:,}" for s in group.sequences[:8])
+        more = f" + {len(group.sequences) - 8} more" if len(group.sequences) > 8 else ""
+        shown.add_row(str(i), group.config.label, str(group.config.ranks), format_ms(group.ms), listed + more)
+    console.print(shown)
+    say(console, ("plan:", "bold"), f" {plan.describe()}")

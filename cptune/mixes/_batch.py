@@ -43,6 +43,9 @@ from cptune.mixes._mix import LengthMix, MixError
 #: on each partition it tries, and on the best of them.
 TRIAL_STEPS = 8
 SEARCH_STEPS = 64
+#: How many of the partitions tried at once (the first ones, then each round's neighbours) the
+#: fast solver searches locally: those whose first assignment has the least makespan.
+SCREENED = 3
 #: How many times at most the fast solver tries the partitions next to its best one.
 NEIGHBOUR_ROUNDS = 8
 
@@ -193,9 +196,11 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     return counts
 
 
-def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> list[tuple[int, list[int]]] | None:
-    """Longest sequence first into the group where it finishes soonest (step 3): (size, members)
-    per group; None when some sequence fits no group."""
+def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
+            ) -> tuple[float, list[tuple[int, list[int]]]] | None:
+    """Longest sequence first into the group where it finishes soonest (step 3): the makespan
+    so reached (each sequence at its size's best configuration for it) and (size, members) per
+    group; None when some sequence fits no group."""
     classes = [i for i in range(sizes.size) if counts[i] > 0]
     if not classes:
         return None
@@ -208,14 +213,19 @@ def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> list[tup
     order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
     columns = sub[:, order].T.tolist()
     span = range(len(classes))
+    makespan = 0.0
     for s, column in zip(order.tolist(), columns, strict=True):
-        k = min(span, key=lambda c: heaps[c][0][0] + column[c])
-        finish = heaps[k][0][0] + column[k]
+        k, finish = 0, math.inf
+        for c in span:
+            if (end := heaps[c][0][0] + column[c]) < finish:
+                k, finish = c, end
         if finish == math.inf:
             return None
-        _, g = heapq.heapreplace(heaps[k], (finish, heaps[k][0][1]))
+        g = heaps[k][0][1]
+        heapq.heapreplace(heaps[k], (finish, g))
         groups[g][1].append(s)
-    return groups
+        makespan = max(makespan, finish)
+    return makespan, groups
 
 
 class _Search:
@@ -229,9 +239,32 @@ class _Search:
         self.group_of = np.empty(problem.t.shape[1], dtype=np.int64)
         for k, (_, members) in enumerate(groups):
             self.group_of[members] = k
-        # per group: its configurations' sums over its sequences
-        self.sums = [self.t[np.ix_(self.rows[g], np.asarray(m, dtype=np.int64))].sum(axis=1) if m
-                     else np.zeros(self.rows[g].size) for g, m in groups]
+        # per group: its configurations' sums over its sequences, a size's groups at once
+        self.sums: list[np.ndarray] = [np.empty(0)] * len(groups)
+        for g, rows in self.rows.items():
+            mine = np.flatnonzero(self.size == g)
+            local = np.full(len(groups), -1, dtype=np.int64)
+            local[mine] = np.arange(mine.size)
+            placed = np.flatnonzero(local[self.group_of] >= 0)
+            table = np.stack([np.bincount(local[self.group_of[placed]], weights=self.t[r, placed],
+                                          minlength=mine.size) for r in rows], axis=1)
+            for a, group in enumerate(mine.tolist()):
+                self.sums[group] = table[a]
+
+    def plan(self, problem: _Problem, solver: str) -> BatchPlan:
+        """The plan the groups make now, each in the configuration best for its sequences."""
+        order = np.argsort(self.group_of, kind="stable")
+        bounds = np.searchsorted(self.group_of[order], np.arange(len(self.sums) + 1))
+        built = []
+        for k, sums in enumerate(self.sums):
+            members = order[bounds[k]:bounds[k + 1]]
+            if members.size:
+                best = int(np.argmin(sums))
+                built.append(Group(problem.configs[int(self.rows[int(self.size[k])][best])],
+                                   tuple(members.tolist()), float(sums[best])))
+        built.sort(key=lambda g: (-g.config.ranks, -g.ms))
+        return BatchPlan(tuple(problem.lengths.tolist()), problem.ranks, tuple(built),
+                         max(g.ms for g in built), solver)
 
     def members(self, k: int) -> np.ndarray:
         return np.flatnonzero(self.group_of == k)
@@ -305,16 +338,6 @@ class _Search:
             if value[a, b] < best_value:
                 best_value, best = float(value[a, b]), (int(mine[a]), j, int(theirs[b]))
         return best
-
-
-def _solved(problem: _Problem, sizes: np.ndarray, best: np.ndarray, counts: np.ndarray, steps: int
-            ) -> list[tuple[int, list[int]]] | None:
-    groups = _assign(sizes, best, counts)
-    if groups is None:
-        return None
-    search = _Search(problem, groups)
-    search.improve(steps)
-    return [(int(search.size[k]), search.members(k).tolist()) for k in range(len(search.sums))]
 
 
 def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None) -> _Problem:
@@ -393,27 +416,36 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
             tries.append(equal)
     seen: set[bytes] = set()
 
-    def solve(counts: np.ndarray, steps: int = TRIAL_STEPS) -> BatchPlan | None:
-        if steps == TRIAL_STEPS and counts.tobytes() in seen:
-            return None
-        seen.add(counts.tobytes())
-        groups = _solved(problem, sizes, best, counts, steps)
-        return None if groups is None else problem.plan(groups, "fast")
+    def screened(partitions: list[np.ndarray]) -> list[list[tuple[int, list[int]]]]:
+        """The groups of the ``SCREENED`` new partitions whose first assignment (step 3) has the
+        least makespan."""
+        found = []
+        for counts in partitions:
+            if counts.tobytes() not in seen:
+                seen.add(counts.tobytes())
+                if (assigned := _assign(sizes, best, counts)) is not None:
+                    found.append(assigned)
+        found.sort(key=lambda pair: pair[0])
+        return [groups for _, groups in found[:SCREENED]]
 
-    plans = [plan for counts in tries if (plan := solve(counts)) is not None]
+    def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[BatchPlan, _Search]:
+        search = _Search(problem, groups)
+        search.improve(steps)
+        return search.plan(problem, "fast"), search
+
+    plans = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
     if not plans:
         raise MixError(f"no plan on {top} ranks holds every sequence of the batch")
-    chosen = min(plans, key=lambda p: p.makespan_ms)
+    chosen, search = min(plans, key=lambda pair: pair[0].makespan_ms)
     for _ in range(rounds):
-        near = [plan for counts in _neighbours(chosen, sizes) if (plan := solve(counts)) is not None]
-        better = min(near, key=lambda p: p.makespan_ms, default=None)
-        if better is None or better.makespan_ms >= chosen.makespan_ms * (1 - 1e-9):
+        near = [polished(groups, TRIAL_STEPS) for groups in screened(_neighbours(chosen, sizes))]
+        better = min(near, key=lambda pair: pair[0].makespan_ms, default=None)
+        if better is None or better[0].makespan_ms >= chosen.makespan_ms * (1 - 1e-9):
             break
-        chosen = better
-    index = {int(g): i for i, g in enumerate(sizes)}
-    counts = np.bincount([index[g.config.ranks] for g in chosen.groups], minlength=sizes.size)
-    final = solve(counts, SEARCH_STEPS)
-    return chosen if final is None or final.makespan_ms >= chosen.makespan_ms else final
+        chosen, search = better
+    search.improve(SEARCH_STEPS)
+    final = search.plan(problem, "fast")
+    return final if final.makespan_ms < chosen.makespan_ms else chosen
 
 
 def exact_batch_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
