@@ -41,8 +41,14 @@ from cptune.mixes._mix import LengthMix, MixError
 
 #: Local-search steps (a move or a swap out of the slowest group) the fast solver takes at most
 #: on each partition it tries, and on the best of them.
-TRIAL_STEPS = 8
+TRIAL_STEPS = 16
 SEARCH_STEPS = 64
+#: How many of the least busy groups the slowest may take ranks from, in the partitions next to a plan.
+NEAREST = 4
+#: How many of the least busy groups the slowest may swap a sequence with, in one local-search step.
+SWAP_GROUPS = 16
+#: The most sequences a group may hold for the local search to trade two of them for one.
+PAIRED = 24
 #: How many of the partitions tried at once (the first ones, then each round's neighbours) the
 #: fast solver searches locally: those whose first assignment has the least makespan.
 SCREENED = 3
@@ -286,6 +292,8 @@ class _Search:
             k = int(np.argmax(times))
             step = self._best_step(k, times)
             if step is None:
+                if self.exchange():
+                    continue
                 return
             s, j, other = step
             self._move(s, j)
@@ -294,7 +302,9 @@ class _Search:
 
     def _best_step(self, k: int, times: np.ndarray) -> tuple[int, int, int] | None:
         """(sequence of group k, group it goes to, sequence coming back or -1) lowering the
-        makespan most; None when none lowers it."""
+        makespan most, or at the same makespan the sum of the squared group times (a plateau
+        where several groups are the slowest); None when none lowers either. (The makespan
+        never rises and the squares fall: the search cannot cycle.)"""
         t, n_groups = self.t, len(self.sums)
         mine = self.members(k)
         rows_k = self.rows[int(self.size[k])]
@@ -303,11 +313,24 @@ class _Search:
         left = without.min(axis=0) if mine.size > 1 else np.zeros(mine.size)
         order = np.argsort(-times)
         top = [int(g) for g in order[:3]]
+        current = float(times[k])
 
         def rest(excluded: set[int]) -> float:
             return next((float(times[g]) for g in top if g not in excluded), 0.0)
 
-        best_value, best = float(times[k]) * (1 - 1e-9), None
+        best_key: tuple[float, float] = (current * (1 + 1e-12), -current * current * 1e-9)
+        best: tuple[int, int, int] | None = None
+
+        def consider(value: np.ndarray, squares: np.ndarray) -> tuple[int, ...] | None:
+            """The entry of least (makespan, change in squares) if it beats ``best_key``."""
+            nonlocal best_key
+            flat = np.lexsort((squares.ravel(), value.ravel()))[0]
+            key = (float(value.ravel()[flat]), float(squares.ravel()[flat]))
+            if key[0] < best_key[0] * (1 - 1e-9) or (key[0] <= best_key[0] and key[1] < best_key[1]):
+                best_key = key
+                return tuple(int(i) for i in np.unravel_index(int(flat), value.shape))
+            return None
+
         for g, rows in self.rows.items():  # moves, a size's groups at once
             targets = [j for j in range(n_groups) if self.size[j] == g and j != k]
             if not targets:
@@ -316,28 +339,81 @@ class _Search:
             joined = (stacked[:, :, None] + t[np.ix_(rows, mine)][None]).min(axis=1)  # (targets, mine)
             others = np.array([rest({k, j}) for j in targets])
             value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
-            a, at = np.unravel_index(int(np.argmin(value)), value.shape)
-            if value[a, at] < best_value:
-                best_value, best = float(value[a, at]), (int(mine[at]), targets[a], -1)
-        if best is not None:
+            before = current ** 2 + times[targets] ** 2
+            if (at := consider(value, left[None, :] ** 2 + joined ** 2 - before[:, None])) is not None:
+                best = (int(mine[at[1]]), targets[at[0]], -1)
+        if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
         outside = np.flatnonzero(self.group_of != k)
         if not outside.size:
-            return None
+            return best
         # swaps: group k's time with s out and o in: (mine, outside)
         incoming = (without[:, :, None] + t[np.ix_(rows_k, outside)][:, None, :]).min(axis=0)
         owners = self.group_of[outside]
-        for j in np.unique(owners).tolist():
+        holding = set(owners.tolist())
+        for j in [int(g) for g in order[::-1] if g != k and int(g) in holding][:SWAP_GROUPS]:
             theirs = outside[owners == j]
             rows_j = self.rows[int(self.size[j])]
             # group j's time with o out and s in: (mine, theirs)
             back = ((self.sums[j][:, None, None] + t[np.ix_(rows_j, mine)][:, :, None])
                     - t[np.ix_(rows_j, theirs)][:, None, :]).min(axis=0)
-            value = np.maximum(np.maximum(incoming[:, owners == j], back), rest({k, j}))
-            a, b = np.unravel_index(int(np.argmin(value)), value.shape)
-            if value[a, b] < best_value:
-                best_value, best = float(value[a, b]), (int(mine[a]), j, int(theirs[b]))
+            into = incoming[:, owners == j]
+            value = np.maximum(np.maximum(into, back), rest({k, j}))
+            if (at := consider(value, into ** 2 + back ** 2 - current ** 2 - times[j] ** 2)) is not None:
+                best = (int(mine[at[0]]), j, int(theirs[at[1]]))
         return best
+
+    def exchange(self) -> bool:
+        """Two sequences of the slowest group for one of another, or one for two, where that
+        lowers the makespan (what single moves and swaps cannot reach); only between groups of
+        at most ``PAIRED`` sequences. Whether one was made."""
+        times = self.times()
+        k = int(np.argmax(times))
+        current = float(times[k])
+        mine = self.members(k)
+        if mine.size > PAIRED:
+            return False
+        order = np.argsort(times)
+        best: tuple[float, int, list[int], list[int]] | None = None
+        for j in [int(g) for g in order if g != k][:SWAP_GROUPS]:
+            theirs = self.members(j)
+            if not theirs.size or theirs.size > PAIRED:
+                continue
+            rest = max((float(times[g]) for g in range(len(times)) if g not in (k, j)), default=0.0)
+            for out_k, in_k in ((_pairs(mine), _singles(theirs)), (_singles(mine), _pairs(theirs))):
+                if not out_k or not in_k:
+                    continue
+                new_k = self._after(k, out_k, in_k)
+                new_j = self._after(j, in_k, out_k).T
+                value = np.maximum(np.maximum(new_k, new_j), rest)
+                a, b = np.unravel_index(int(np.argmin(value)), value.shape)
+                if value[a, b] < current * (1 - 1e-9) and (best is None or value[a, b] < best[0]):
+                    best = (float(value[a, b]), j, list(out_k[a]), list(in_k[b]))
+        if best is None:
+            return False
+        _, j, leaving, coming = best
+        for s in leaving:
+            self._move(s, j)
+        for s in coming:
+            self._move(s, k)
+        return True
+
+    def _after(self, k: int, leaving: list[tuple[int, ...]], coming: list[tuple[int, ...]]) -> np.ndarray:
+        """Group k's time with each bundle of ``leaving`` gone and each of ``coming`` in: (leaving,
+        coming)."""
+        t = self.t[self.rows[int(self.size[k])]]
+        out = np.stack([t[:, list(b)].sum(axis=1) for b in leaving], axis=1)  # (configurations, leaving)
+        into = np.stack([t[:, list(b)].sum(axis=1) for b in coming], axis=1)
+        return (self.sums[k][:, None, None] - out[:, :, None] + into[:, None, :]).min(axis=0)
+
+
+def _singles(members: np.ndarray) -> list[tuple[int, ...]]:
+    return [(int(s),) for s in members]
+
+
+def _pairs(members: np.ndarray) -> list[tuple[int, ...]]:
+    listed = members.tolist()
+    return [(a, b) for i, a in enumerate(listed) for b in listed[i + 1:]]
 
 
 def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None) -> _Problem:
@@ -364,8 +440,8 @@ def one_group_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: i
 
 def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
     """Partitions next to ``plan``'s (counts per size), each changing its slowest group: grown
-    by the idle ranks or by ranks of another group (that one shrunk, or merged into it), or split
-    in two."""
+    by the idle ranks or by ranks of one of the ``NEAREST`` least busy other groups (that one
+    shrunk, or merged into it), or split in two."""
     index = {int(g): i for i, g in enumerate(sizes)}
     have = [g.config.ranks for g in plan.groups]
     slow = have[max(range(len(have)), key=lambda k: plan.groups[k].ms)]
@@ -375,12 +451,15 @@ def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
         if slow + by in index:
             found.append([slow + by, *rest])
 
-    others = list(have)
-    others.remove(slow)
+    by_load = sorted(range(len(have)), key=lambda k: plan.groups[k].ms)
+    by_load.remove(max(range(len(have)), key=lambda k: plan.groups[k].ms))
+    others = [have[k] for k in by_load]  # least busy first
     idle = plan.idle_ranks
     for by in range(1, idle + 1):
         grown(by, others)
-    for k, size in enumerate(others):
+    for k, size in enumerate(others[:NEAREST]):
+        if size in others[:k]:
+            continue  # groups of one size give the same partitions
         rest = others[:k] + others[k + 1:]
         grown(size, rest)  # merged
         for by in range(1, size):
