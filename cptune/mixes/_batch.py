@@ -285,14 +285,15 @@ class _Search:
         self.sums[target] = self.sums[target] + self.t[self.rows[int(self.size[target])], s]
         self.group_of[s] = target
 
-    def improve(self, budget: int) -> None:
-        """Moves and swaps out of the slowest group while one lowers the makespan, at most ``budget``."""
+    def improve(self, budget: int, exchanges: bool = True) -> None:
+        """Moves and swaps out of the slowest group while one lowers the makespan (then, with
+        ``exchanges``, two-for-one trades), at most ``budget``."""
         for _ in range(budget):
             times = self.times()
             k = int(np.argmax(times))
             step = self._best_step(k, times)
             if step is None:
-                if self.exchange():
+                if exchanges and self.exchange():
                     continue
                 return
             s, j, other = step
@@ -402,8 +403,8 @@ class _Search:
         """Group k's time with each bundle of ``leaving`` gone and each of ``coming`` in: (leaving,
         coming)."""
         t = self.t[self.rows[int(self.size[k])]]
-        out = np.stack([t[:, list(b)].sum(axis=1) for b in leaving], axis=1)  # (configurations, leaving)
-        into = np.stack([t[:, list(b)].sum(axis=1) for b in coming], axis=1)
+        out = t[:, np.array(leaving)].sum(axis=2)  # (configurations, leaving)
+        into = t[:, np.array(coming)].sum(axis=2)
         return (self.sums[k][:, None, None] - out[:, :, None] + into[:, None, :]).min(axis=0)
 
 
@@ -509,7 +510,7 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
 
     def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[BatchPlan, _Search]:
         search = _Search(problem, groups)
-        search.improve(steps)
+        search.improve(steps, exchanges=False)
         return search.plan(problem, "fast"), search
 
     plans = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
