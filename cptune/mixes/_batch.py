@@ -106,15 +106,22 @@ class _Problem:
     that run none of the batch, and those another of their size is never slower than."""
 
     def __init__(self, costs: MixCosts, lengths: np.ndarray, ranks: int) -> None:
-        t = costs.times(lengths)
-        sizes = costs.sizes
-        keep = [i for i in range(len(costs.configs)) if sizes[i] <= ranks and np.isfinite(t[i]).any()]
+        rows = costs.undominated[costs.sizes[costs.undominated] <= ranks]
+        t = costs.times(lengths, rows=rows)
+        sizes = costs.sizes[rows]
         kept: list[int] = []
-        for i in keep:
-            same = [j for j in keep if j != i and sizes[j] == sizes[i]]
-            if not any(np.all(t[j] <= t[i]) and (np.any(t[j] < t[i]) or j < i) for j in same):
-                kept.append(i)
-        self.configs = [costs.configs[i] for i in kept]
+        for g in np.unique(sizes).tolist():
+            same = np.flatnonzero(sizes == g)
+            block = t[same]
+            # j beats i: never slower, and faster somewhere or first of equals
+            never = np.all(block[:, None, :] <= block[None, :, :], axis=2)
+            faster = np.any(block[:, None, :] < block[None, :, :], axis=2)
+            beats = never & (faster | np.tri(same.size, k=-1, dtype=bool).T)
+            np.fill_diagonal(beats, False)
+            kept += [int(same[i]) for i in range(same.size)
+                     if not beats[:, i].any() and np.isfinite(block[i]).any()]
+        kept.sort()
+        self.configs = [costs.configs[int(rows[i])] for i in kept]
         self.t = t[kept]
         self.sizes = sizes[kept]
         self.ranks = ranks

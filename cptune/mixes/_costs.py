@@ -15,7 +15,7 @@ so a plan never puts a sequence where it does not fit.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,18 +56,29 @@ class MixCosts:
         return np.array([c.ranks for c in self.configs], dtype=np.int64)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_dense", _dense(np.log(self.grid.astype(np.float64)), self.ms))
+        dense = _dense(np.log(self.grid.astype(np.float64)), self.ms)
+        object.__setattr__(self, "_dense", dense)
+        object.__setattr__(self, "undominated", _undominated(dense, self.sizes, self.shared_max))
 
-    def times(self, lengths: np.ndarray | Sequence[int], shared: bool = True) -> np.ndarray:
-        """ms of every configuration (rows) for each length (columns); inf where a configuration
-        cannot run that length: fewer tokens than ranks, or over a rank's memory (``shared``:
-        with all ``ranks`` ranks busy). ``MixError`` for lengths outside the grid."""
+    #: The configurations (indices) no other of the same size beats at every length with all
+    #: ranks busy: never slower at a grid length (so, read as lines between them, never slower
+    #: anywhere) and holding as long a sequence. A batch plan needs no others.
+    undominated: np.ndarray = field(init=False)
+
+    def times(self, lengths: np.ndarray | Sequence[int], shared: bool = True,
+              rows: np.ndarray | None = None) -> np.ndarray:
+        """ms of every configuration (rows; ``rows``: only those) for each length (columns); inf
+        where a configuration cannot run that length: fewer tokens than ranks, or over a rank's
+        memory (``shared``: with all ``ranks`` ranks busy). ``MixError`` for lengths outside the
+        grid."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.size and (lengths.min() < self.grid[0] or lengths.max() > self.grid[-1]):
             raise MixError(f"lengths {int(lengths.min()):,}-{int(lengths.max()):,} reach outside the "
                            f"{int(self.grid[0]):,}-{int(self.grid[-1]):,} tokens these costs were read for; "
                            f"read them for this mix (mix_costs)")
         dense: np.ndarray = self._dense  # type: ignore[attr-defined]
+        picked = np.arange(len(self.configs)) if rows is None else np.asarray(rows)
+        dense = dense[picked]
         x = np.log(lengths.astype(np.float64))
         if self.grid.size == 1:
             y = np.repeat(dense[:, :1], lengths.size, axis=1)
@@ -76,10 +87,27 @@ class MixCosts:
             at = np.clip(np.searchsorted(logs, x), 1, logs.size - 1)
             w = (x - logs[at - 1]) / (logs[at] - logs[at - 1])
             y = dense[:, at - 1] * (1 - w) + dense[:, at] * w
-        limit = self.shared_max if shared else self.alone_max
-        runs = (lengths[None, :] >= self.sizes[:, None]) & (lengths[None, :] <= limit[:, None])
+        limit = (self.shared_max if shared else self.alone_max)[picked]
+        sizes = self.sizes[picked]
+        runs = (lengths[None, :] >= sizes[:, None]) & (lengths[None, :] <= limit[:, None])
         runs &= np.isfinite(y)
         return np.where(runs, np.exp(np.where(runs, y, 0.0)), np.inf)
+
+
+def _undominated(dense: np.ndarray, sizes: np.ndarray, longest: np.ndarray) -> np.ndarray:
+    """``MixCosts.undominated``: of each size's configurations, those no other beats (never
+    slower at a grid length, holding as long a sequence; of equals, the first)."""
+    kept = []
+    answered = np.where(np.isfinite(dense), dense, np.inf)
+    for g in np.unique(sizes).tolist():
+        same = np.flatnonzero(sizes == g)
+        block, reach = answered[same], longest[same]
+        never = np.all(block[:, None, :] <= block[None, :, :], axis=2) & (reach[:, None] >= reach[None, :])
+        strictly = np.any(block[:, None, :] < block[None, :, :], axis=2) | (reach[:, None] > reach[None, :])
+        beats = never & (strictly | np.tri(same.size, k=-1, dtype=bool).T)
+        np.fill_diagonal(beats, False)
+        kept += [int(same[i]) for i in range(same.size) if not beats[:, i].any()]
+    return np.array(sorted(kept), dtype=np.int64)
 
 
 def _dense(logs: np.ndarray, ms: np.ndarray) -> np.ndarray:
