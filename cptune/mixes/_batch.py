@@ -332,8 +332,10 @@ class _Search:
         def consider(value: np.ndarray, squares: np.ndarray) -> tuple[int, ...] | None:
             """The entry of least (makespan, change in squares) if it beats ``best_key``."""
             nonlocal best_key
-            flat = np.lexsort((squares.ravel(), value.ravel()))[0]
-            key = (float(value.ravel()[flat]), float(squares.ravel()[flat]))
+            values, changes = value.ravel(), squares.ravel()
+            least = np.flatnonzero(values <= values.min())
+            flat = int(least[np.argmin(changes[least])])
+            key = (float(values[flat]), float(changes[flat]))
             if key[0] < best_key[0] * (1 - 1e-9) or (key[0] <= best_key[0] and key[1] < best_key[1]):
                 best_key = key
                 return tuple(int(i) for i in np.unravel_index(int(flat), value.shape))
