@@ -179,7 +179,9 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     """The most (query, key) pairs any context block's real queries attend to
     (``_visible_pairs``), from at most eight blocks whatever the context degree c.
 
-    Padding sits at the end, so without zigzag block 0 is the busiest. With zigzag block g
+    Padding sits at the end, so without zigzag block 0 is the busiest unmasked; under a causal
+    mask a contiguous block sees every key before it, so the last holding a real token is (a
+    ring without load balance: rank r computes r + 1 of c blocks). With zigzag block g
     holds chunks g and 2c - 1 - g of L positions; a chunk's pairs grow with its index up to
     the chunk i0 where the real tokens end, which holds some, and those after it hold none.
     Over the blocks whose second chunk is padding the pairs grow with g; over those whose two
@@ -187,14 +189,17 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     with g: the busiest is one of the blocks where these regions meet."""
     c = layout.context_degree
     if not layout.zigzag:
-        return _visible_pairs(layout, 0)
+        if not layout.workload.causal or layout.layout != "contiguous":
+            return _visible_pairs(layout, 0)
+        last_real = (layout.workload.seq_len - 1) // (layout.padded_len // c)
+        return _visible_pairs(layout, min(c - 1, last_real))
     ends = layout.workload.seq_len // (layout.padded_len // (2 * c))  # i0
     near = {0, c - 1, ends - 1, ends, ends + 1, 2 * c - 2 - ends, 2 * c - 1 - ends, 2 * c - ends}
     return max(_visible_pairs(layout, g) for g in near if 0 <= g < c)
 
 
 def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
-                  position_calls: bool = False) -> AnalyticCost:
+                  position_calls: bool = False, per_block_calls: bool = False) -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
     made of ``stream`` (``STREAM_KINDS``) and, with ``position_calls``, attention run as the
     fused calls ``cptune.calls`` plans and merged as the torch engine merges them (see
@@ -240,8 +245,16 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
     - peak: the output's gradient, the saved output (fp32) and log-sum-exp, dQ in fp32 and
       the fp32 dK/dV buffers (the Ring's two in flight; AllGather-KV's whole sequence).
     The memory-bound steps and kernels stay the forward's (not counted for the backward).
+
+    ``per_block_calls`` (AllGather-KV only, forward only) counts the gathered keys attended
+    block by block, as torch's ``_templated_ring_attention`` with its all-gather rotater (xDiT's
+    and SGLang's ring) and diffusers' ``ring_degree`` run them: the same all-gather, then one
+    call per K/V block the busiest rank sees (c; under a causal mask without load balance the
+    last rank of contiguous blocks sees all c), each after the first merged eagerly into a
+    float32 output (MERGE_FP32_PASSES * 4 + w bytes per output element, MERGE_KERNELS kernels:
+    the update ``_SDPAMerger`` and diffusers run).
     """
-    return _analytic_cost(workload, config, stream, position_calls)  # one cache entry however passed
+    return _analytic_cost(workload, config, stream, position_calls, per_block_calls)
 
 
 def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPConfig, stream: str,
@@ -337,7 +350,8 @@ def _busiest_pairs(workload: Workload, ranks: int, head_group: int, layout: str 
 
 
 @functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
-def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
+def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool,
+                   per_block_calls: bool = False) -> AnalyticCost:
     z = _sizes(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
     s = z.layout.padded_len
@@ -381,6 +395,12 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
     if position_calls:
         memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads)
+    if per_block_calls:
+        if config.strategy != "allgather_kv" or workload.training:
+            raise ValueError("per_block_calls counts a forward AllGather-KV's keys attended block by block")
+        kernels["attention"] = c
+        memory["merge"] = (c - 1) * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
+        kernels["merge"] = (c - 1) * MERGE_KERNELS
 
     backward_flops = 0
     if workload.training:

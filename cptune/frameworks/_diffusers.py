@@ -1,16 +1,17 @@
 """diffusers 0.42.1: ``ContextParallelConfig(ring_degree, ulysses_degree)``.
 
-Its ``ring_degree`` gathers K/V over the ring group in one all-gather and merges the pieces by
-their log-sum-exp (``rotate_method="allgather"``, the only one it runs; "alltoall" raises
-NotImplementedError): cptune's AllGather-KV, not Ring's send/recv steps
-(src/diffusers/models/attention_dispatch.py, ``TemplatedRingAttention``). The mesh is
+Its ``ring_degree`` gathers K/V over the ring group in one all-gather (``rotate_method="allgather"``,
+the only one it runs; "alltoall" raises NotImplementedError), then attends them block by block:
+``ring_degree`` calls, each merged into a float32 output by its log-sum-exp (``convert_to_fp32``;
+src/diffusers/models/attention_dispatch.py, ``TemplatedRingAttention``): cptune's AllGather-KV
+exchange with c calls where cptune makes one, not Ring's send/recv steps, priced so. The mesh is
 ``(ring, ulysses)``, row-major: a Ulysses group is consecutive ranks, as in cptune.
 """
 
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Spelling
+from cptune.frameworks._framework import Framework, Runs, Spelling
 from cptune.workload import AttentionShape
 
 
@@ -29,6 +30,14 @@ class Diffusers(Framework):
             return ("diffusers' ring_degree gathers K/V in one all-gather (rotate_method 'allgather'; "
                     "'alltoall' raises NotImplementedError): it runs AllGather-KV, not Ring")
         return None
+
+    def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
+        c = config.context_degree
+        if config.strategy != "allgather_kv" or c == 1:
+            return Runs(config)
+        what = (f"diffusers' ring_degree: one all-gather of the ring's K/V (TemplatedRingAttention), then "
+                f"{c} calls merged by log-sum-exp in float32")
+        return Runs(config, True, what)
 
     def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
         ring, ulysses = config.context_degree, config.head_group

@@ -40,6 +40,30 @@ class Spelling:
     needs: tuple[str, ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class Runs:
+    """What a framework runs for one of cptune's configurations, in terms cptune's counts price:
+    the configuration whose exchange and token layout it has (``config``), and whether it
+    attends the gathered keys block by block, c calls merged by log-sum-exp in float32
+    (``per_block_calls``, AllGather-KV's exchange only). ``what``: the framework's own
+    implementation in a sentence (empty where it runs cptune's configuration as cptune does)."""
+
+    config: CPConfig
+    per_block_calls: bool = False
+    what: str = ""
+
+    @property
+    def label(self) -> str:
+        """Short name: the configuration's label, with its calls where it attends block by block
+        (e.g. "ulysses2xallgather_kv4 in 4 calls")."""
+        calls = f" in {self.config.context_degree} calls" if self.per_block_calls else ""
+        return self.config.label + calls
+
+    def same_as(self, config: CPConfig) -> bool:
+        """Whether this is ``config`` as cptune runs and prices it."""
+        return self.config == config and not self.per_block_calls
+
+
 class Framework(ABC):
     """One framework: what it can run and how it spells a configuration."""
 
@@ -57,6 +81,11 @@ class Framework(ABC):
     @abstractmethod
     def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
         """``config`` (over more than one rank) in the framework's terms."""
+
+    def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
+        """What the framework runs for ``config`` (which it can run) at ``seq_len``: cptune's
+        configuration itself unless a framework says otherwise."""
+        return Runs(config)
 
     def refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
         """Why the framework cannot run ``config`` for ``shape``; None when it can. One rank
@@ -89,3 +118,19 @@ def flags(settings: Mapping[str, Any], spell_name: Mapping[str, str]) -> str:
         shown = " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
         parts.append(f"{spell_name[key]} {shown}")
     return " ".join(parts)
+
+
+def torch_ring(shape: AttentionShape, config: CPConfig, caller: str) -> Runs:
+    """What torch's ``_templated_ring_attention`` runs with load balance off and its default
+    rotater, the all-gather (``_cp_options``: ``enable_load_balance=False`` as ``caller`` sets
+    it, ``rotate_method=ALL_GATHER``; ``_AllGatherRotater``): one all-gather of the ring group's
+    K/V, then one attention call per block merged by log-sum-exp (``_SDPAMerger``, float32);
+    under a causal mask contiguous blocks, rank r computing r + 1 of them (``_is_causal_behavior``
+    skips the later ones)."""
+    c = config.context_degree
+    layout = "contiguous" if shape.causal else None
+    balance = (f"; causal without load balance: contiguous blocks, rank r computing r + 1 of {c}"
+               if shape.causal else "")
+    return Runs(CPConfig("allgather_kv", config.ranks, config.head_group, layout), True,
+                f"{caller} runs torch's _templated_ring_attention with load balance off and its all-gather "
+                f"rotater: one all-gather of the ring's K/V, then {c} calls merged by log-sum-exp{balance}")

@@ -1,14 +1,19 @@
 """SGLang diffusion (sglang 0.5.23): ``--sp-degree``, ``--ulysses-degree``, ``--ring-degree``
 and ``--kv-gather-degree`` (sglang/multimodal_gen/runtime/server_args/server_args.py).
 K/V-gather is AllGather-KV over the whole sequence-parallel group: non-causal, never with
-Ulysses or Ring, its degree the sp degree. Ring needs the fa or sage_attn backend. Groups:
+Ulysses or Ring, its degree the sp degree. Ring needs the fa or sage_attn backend; its
+``--ring-degree`` runs torch's ``_templated_ring_attention`` with load balance off
+(runtime/layers/usp.py sets ``_cp_options.enable_load_balance = False``) and the all-gather
+rotater (``torch_ring``), except on a tail-padded shard (a length the sp degree does not divide)
+of non-causal attention on the fa backend, where ``_ring_attention_varlen`` rotates K/V point to
+point: cptune's Ring. Groups:
 Ulysses ``sp_ranks[i*u:(i+1)*u]``, Ring ``sp_ranks[i::u]`` (consecutive Ulysses, as in cptune).
 """
 
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Spelling, flags, heads_refusal
+from cptune.frameworks._framework import Framework, Runs, Spelling, flags, heads_refusal, torch_ring
 from cptune.workload import AttentionShape
 
 _FLAGS = {"num_gpus": "--num-gpus", "sp_degree": "--sp-degree", "ulysses_degree": "--ulysses-degree",
@@ -29,6 +34,15 @@ class SGLang(Framework):
                 return "SGLang's K/V-gather does not support causal attention"
             return None
         return heads_refusal(shape, config.head_group, "SGLang")
+
+    def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
+        if config.strategy != "ring" or config.context_degree == 1:
+            return Runs(config)
+        if not shape.causal and seq_len % config.ranks:
+            what = (f"SGLang pads {seq_len} tokens to a multiple of {config.ranks} and rotates K/V point to "
+                    f"point on the padded shard (_ring_attention_varlen)")
+            return Runs(config, False, what)
+        return torch_ring(shape, config, "SGLang's --ring-degree")
 
     def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
         n = config.ranks
