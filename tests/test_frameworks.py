@@ -52,6 +52,11 @@ def _kv_unsplit(s: AttentionShape, c: CPConfig) -> bool:
     return s.kv_heads % c.head_group > 0
 
 
+def _te_odd_a2a(s: AttentionShape, c: CPConfig) -> bool:
+    """TransformerEngine's fused backend off for a2a with odd heads or KV heads (utils.py)."""
+    return c.head_group > 1 and (s.heads % 2 > 0 or s.kv_heads % 2 > 0)
+
+
 CANNOT = {
     "diffusers": lambda s, c: s.causal or s.kv_heads != s.heads
     or (c.strategy == "ring" and c.context_degree > 1),
@@ -60,8 +65,8 @@ CANNOT = {
     "sglang": lambda s, c: (_no_allgather(c) and (c.head_group > 1 or s.causal))
     or (c.strategy != "allgather_kv" and _kv_unsplit(s, c)),
     "vllm-omni": lambda s, c: _no_allgather(c) or _kv_unsplit(s, c),
-    "transformer-engine": lambda s, c: _ulysses_allgather(c) or _kv_unsplit(s, c),
-    "megatron": lambda s, c: _ulysses_allgather(c) or _kv_unsplit(s, c),
+    "transformer-engine": lambda s, c: _ulysses_allgather(c) or _te_odd_a2a(s, c) or _kv_unsplit(s, c),
+    "megatron": lambda s, c: _ulysses_allgather(c) or _te_odd_a2a(s, c) or _kv_unsplit(s, c),
 }
 
 
@@ -379,6 +384,88 @@ def test_diffusers_ring_degree_gathers_once_and_merges_each_block_in_float32():
     assert "out = out.to(torch.float32)" in source and "torch.nn.functional.sigmoid(lse - prev_lse)" in source
 
 
+# --------------------------------------------------------------------------- launch lines and lengths
+
+
+def _sixteen(name: str) -> CPConfig:
+    """A 16-rank configuration framework ``name`` runs for LLAMA (FLUX for those without causal)."""
+    shape = FLUX if name in ("diffusers", "xdit") else LLAMA
+    return next(c for c in configs(shape, 16) if c.ranks == 16 and FRAMEWORKS[name].refusal(shape, c) is None)
+
+
+@pytest.mark.parametrize("name", [n for n in FRAMEWORKS if n not in ("sglang", "vllm-omni")])
+def test_a_launch_across_two_nodes_is_one_torchrun_line_per_node_its_parser_takes(name):
+    run = pytest.importorskip("torch.distributed.run")
+    shape = FLUX if name in ("diffusers", "xdit") else LLAMA
+    config = _sixteen(name)
+    lines = FRAMEWORKS[name].spell(shape, config, 131072, per_node=8).launch.splitlines()
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        words = line.split()
+        assert words[0] == "torchrun"
+        args = run.get_args_parser().parse_args(words[1:])  # torch's own parser
+        assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("2", "8", node)
+        assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == "$MASTER_ADDR:29500"
+    one_node = FRAMEWORKS[name].spell(shape, config, 131072).launch
+    assert one_node.startswith("torchrun --nproc-per-node=16 ")
+
+
+def test_sglang_across_nodes_names_each_node_and_counts_gpus_over_all_of_them():
+    text = _source("sglang")
+    lines = FRAMEWORKS["sglang"].spell(LLAMA, _sixteen("sglang"), 131072, per_node=8).launch.splitlines()
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        assert f"--nnodes 2 --node-rank {node} --dist-init-addr $MASTER_ADDR:5000" in line
+        spelled = _flags(line.split("<model>")[1])  # what follows the model: the flags cptune spells
+        assert "--num-gpus 16 " in line and all(f'"{flag}",' in text for flag in spelled), spelled
+    assert "--num-gpus is" in text and "the total GPU count across all nodes" in text
+
+
+def test_vllm_omni_refuses_ranks_across_nodes_in_one_line():
+    assert "init_distributed_environment(world_size=world_size, rank=rank)" in _source("vllm-omni")
+    reason = FRAMEWORKS["vllm-omni"].placed_refusal(FLUX, CPConfig("ring", 16, 8), 16896, 8)
+    assert reason is not None and "no multi-node launch" in reason
+    assert FRAMEWORKS["vllm-omni"].placed_refusal(FLUX, CPConfig("ring", 8, 4), 16896, 8) is None
+    ranked = _ranked((CPConfig("ring", 16, 8), 1.0), (CPConfig("ulysses", 8), 1.4))
+    chosen = choose(FRAMEWORKS["vllm-omni"], FLUX, 16896, ranked, per_node=8).chosen
+    assert chosen.config == CPConfig("ulysses", 8)
+
+
+@pytest.mark.parametrize("name", ["diffusers", "yunchang", "transformer-engine"])
+def test_snippets_pin_each_rank_to_its_own_gpu(name):
+    code = FRAMEWORKS[name].spell(FLUX, CPConfig("ulysses", 8)).code.splitlines()
+    pinned = code.index('torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))')
+    assert "import os" in code[:pinned] and pinned < code.index('dist.init_process_group("nccl")')
+
+
+def test_transformer_engine_names_its_qkv_format_and_refuses_a2a_with_odd_heads():
+    te = _source("transformer-engine")
+    assert 'qkv_format: str = "sbhd",' in te and 'num_heads % 2 != 0 or num_gqa_groups % 2 != 0' in te
+    spelled = FRAMEWORKS["transformer-engine"].spell(LLAMA, CPConfig("ulysses", 8))
+    assert 'qkv_format="bshd"' in spelled.code and spelled.settings["qkv_format"] == "bshd"
+    odd = AttentionShape(heads=15, kv_heads=15, head_dim=128, batch=1, dtype="bf16", causal=True)
+    for name in ("transformer-engine", "megatron"):
+        assert "odd head count" in FRAMEWORKS[name].refusal(odd, CPConfig("ulysses", 5))
+        assert FRAMEWORKS[name].refusal(odd, CPConfig("ring", 5)) is None  # p2p: no a2a
+
+
+def test_a_tuned_length_a_framework_cannot_cut_is_refused_or_exported_its_way_round():
+    for name in ("transformer-engine", "megatron"):
+        reason = FRAMEWORKS[name].placed_refusal(LLAMA, CPConfig("ring", 8), 32760, None)
+        assert reason is not None and "not a multiple of 16" in reason and "32768" in reason
+        assert FRAMEWORKS[name].placed_refusal(LLAMA, CPConfig("ring", 4), 32760, None) is None
+        with pytest.raises(FrameworkError, match="not a multiple of 16"):
+            FRAMEWORKS[name].spell(LLAMA, CPConfig("ring", 8), 32760)
+    diffusers = FRAMEWORKS["diffusers"]
+    assert diffusers.spell(FLUX, CPConfig("ulysses", 6), 119000).settings["ulysses_anything"] is True
+    assert diffusers.spell(FLUX, CPConfig("allgather_kv", 6), 119000).settings["ring_anything"] is True
+    assert "ulysses_anything" not in diffusers.spell(FLUX, CPConfig("ulysses", 8), 119000).settings
+    assert "equal pieces" in diffusers.placed_refusal(FLUX, CPConfig("allgather_kv", 6, 2), 119000, None)
+    parallel = pytest.importorskip("diffusers.models._modeling_parallel")  # diffusers' own class takes it
+    for config in (CPConfig("ulysses", 6), CPConfig("allgather_kv", 6)):
+        parallel.ContextParallelConfig(**diffusers.spell(FLUX, config, 119000).settings)
+
+
 # --------------------------------------------------------------------------- the command line
 
 
@@ -391,7 +478,7 @@ def test_export_for_prints_settings_or_json_and_writes_no_plan_unless_asked(cptu
     shown = cptune_here("export", *H100_FLUX, "--seq-lens", "4608,16896", "--for", "xdit")
     assert shown.returncode == 0, shown.stderr
     assert "xdit (xfuser 0.7.0)" in shown.stdout and "--ulysses_degree" in shown.stdout
-    assert "torchrun --nproc_per_node=8" in shown.stdout and not (tmp_path / "plan.json").exists()
+    assert "torchrun --nproc-per-node=8" in shown.stdout and not (tmp_path / "plan.json").exists()
     data = json.loads(cptune_here("export", *H100_FLUX, "--seq-lens", "4608,16896", "--for", "diffusers",
                                   "--json", "-o", "p.json").stdout)
     assert [b["settings"]["ulysses_degree"] * b["settings"]["ring_degree"] for b in data["buckets"]] == [8, 8]

@@ -75,14 +75,16 @@ class Substitution:
 
 def choose(
     framework: Framework, shape: AttentionShape, seq_len: int, ranked: Sequence[Alternative],
-    tied: Collection[CPConfig] = (), price: Pricer | None = None,
+    tied: Collection[CPConfig] = (), price: Pricer | None = None, per_node: int | None = None,
 ) -> Substitution:
     """The fastest of ``ranked`` (cptune's pick first, then every alternative, fastest first)
     as ``framework`` runs it for ``shape`` at ``seq_len``; ``tied``: the configurations the
     evidence cannot tell from the pick. Where the framework runs a configuration otherwise
     than cptune (``Framework.runs``), it is priced as run: by the ranking where that holds
     what runs, else by ``price`` (the prior's latency of what runs, and whether it is tied with
-    the pick); without ``price`` such a configuration is passed over. ``FrameworkError`` when
+    the pick); without ``price`` such a configuration is passed over. ``per_node``: ranks per
+    node (None: one node), for what the framework cannot start across nodes or cut at this
+    length (``Framework.placed_refusal``). ``FrameworkError`` when
     it runs none, naming the frameworks that run the pick."""
     pick = ranked[0]
     by_config = {option.config: option for option in ranked}
@@ -91,6 +93,8 @@ def choose(
     seen: set[tuple[CPConfig, bool]] = set()
     for option in ranked:
         reason = framework.refusal(shape, option.config)
+        if reason is None and option.config.ranks > 1:
+            reason = framework.placed_refusal(shape, option.config, seq_len, per_node)
         if reason is not None:
             refused.append((option, reason))
             continue

@@ -122,9 +122,11 @@ def for_recommendation(recommendation: Recommendation, name: str, engine: str | 
     ranked = [Alternative(c.config, c.latency_ms, (c.low_ms, c.high_ms), c.source)
               for c in recommendation.candidates]
     workload = recommendation.workload
+    per_node = None if profile is None else profile.ranks_per_node
     substitution = choose(framework, workload.shape, workload.seq_len, ranked, recommendation.tied,
-                          pricer(workload, recommendation.config, profile))
-    return FrameworkPick(framework, substitution, framework.spell(workload.shape, substitution.chosen.config))
+                          pricer(workload, recommendation.config, profile), per_node)
+    spelling = framework.spell(workload.shape, substitution.chosen.config, workload.seq_len, per_node)
+    return FrameworkPick(framework, substitution, spelling)
 
 
 def for_framework(plan: Plan, name: str, profile: Profile | MeasuredHost | None = None) -> FrameworkPlan:
@@ -138,13 +140,14 @@ def for_framework(plan: Plan, name: str, profile: Profile | MeasuredHost | None 
     if plan.hardware.kind == "host":
         check_engine(framework, plan.hardware.engine, plan.hardware.description)
     profile = profile if profile is not None else plan_profile(plan)
+    per_node = plan.launch.ranks_per_node if plan.launch.nodes > 1 else None
     buckets = []
     for bucket in plan.buckets:
         pick = Alternative(bucket.config, bucket.latency_ms, bucket.interval_ms, bucket.source)
         ranked = [pick, *(bucket.alternatives or _tied_as_ranked(bucket))]
         substitution = choose(framework, plan.shape, bucket.seq_len, ranked, bucket.tied,
-                              pricer(plan.shape.at(bucket.seq_len), bucket.config, profile))
-        spelling = framework.spell(plan.shape, substitution.chosen.config)
+                              pricer(plan.shape.at(bucket.seq_len), bucket.config, profile), per_node)
+        spelling = framework.spell(plan.shape, substitution.chosen.config, bucket.seq_len, per_node)
         buckets.append(FrameworkBucket(bucket, substitution, spelling))
     return FrameworkPlan(framework, plan, tuple(buckets))
 

@@ -13,7 +13,15 @@ Ulysses ``sp_ranks[i*u:(i+1)*u]``, Ring ``sp_ranks[i::u]`` (consecutive Ulysses,
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Runs, Spelling, flags, heads_refusal, torch_ring
+from cptune.frameworks._framework import (
+    Framework,
+    Runs,
+    Spelling,
+    flags,
+    heads_refusal,
+    nodes_of,
+    torch_ring,
+)
 from cptune.workload import AttentionShape
 
 _FLAGS = {"num_gpus": "--num-gpus", "sp_degree": "--sp-degree", "ulysses_degree": "--ulysses-degree",
@@ -44,7 +52,8 @@ class SGLang(Framework):
             return Runs(config, False, what)
         return torch_ring(shape, config, "SGLang's --ring-degree")
 
-    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+    def spell_context(self, shape: AttentionShape, config: CPConfig, seq_len: int | None,
+                      per_node: int | None) -> Spelling:
         n = config.ranks
         settings: dict[str, object] = {"num_gpus": n, "sp_degree": n}
         if config.strategy == "allgather_kv":
@@ -54,4 +63,11 @@ class SGLang(Framework):
             if config.context_degree > 1:
                 settings["attention_backend"] = "fa"
         line = flags(settings, _FLAGS)
-        return Spelling(settings, line, f"sglang generate --model-path <model> {line}")
+        nodes, _ = nodes_of(n, per_node)
+        if nodes == 1:
+            return Spelling(settings, line, f"sglang generate --model-path <model> {line}")
+        # --num-gpus is the total over the nodes; each node runs num_gpus // nnodes workers
+        launch = "\n".join(f"sglang generate --model-path <model> {line} --nnodes {nodes} --node-rank {k} "
+                           f"--dist-init-addr $MASTER_ADDR:5000" for k in range(nodes))
+        return Spelling(settings, line, launch,
+                        ("MASTER_ADDR: the first node's address, reachable from every node",))

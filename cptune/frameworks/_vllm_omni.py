@@ -10,7 +10,7 @@ of c blocks (cptune's Ring with contiguous blocks, priced so). Groups: Ulysses
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Runs, Spelling, flags
+from cptune.frameworks._framework import Framework, Runs, Spelling, flags, nodes_of
 from cptune.frameworks._yunchang import usp_refusal
 from cptune.workload import AttentionShape
 
@@ -32,7 +32,15 @@ class VLLMOmni(Framework):
                     f"vLLM-Omni's ring_flash_attn: contiguous shards without load balance, rank r computing "
                     f"r + 1 of {config.context_degree} blocks")
 
-    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+    def placed_refusal(self, shape: AttentionShape, config: CPConfig, seq_len: int,
+                       per_node: int | None) -> str | None:
+        if nodes_of(config.ranks, per_node)[0] > 1:
+            return (f"vLLM-Omni 0.20.0 has no multi-node launch for diffusion: its DiffusionWorker starts "
+                    f"all {config.ranks} ranks on one node of {per_node} (init_distributed_environment, env://)")
+        return None
+
+    def spell_context(self, shape: AttentionShape, config: CPConfig, seq_len: int | None,
+                      per_node: int | None) -> Spelling:
         settings = {"ulysses_degree": config.head_group, "ring_degree": config.context_degree}
         line = flags(settings, _FLAGS)
         return Spelling(settings, line, f"vllm serve <model> --omni {line}")

@@ -10,7 +10,7 @@ all-gather of the ring's K/V, then ``ring_degree`` calls merged by log-sum-exp (
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Runs, Spelling, flags, torch_ring
+from cptune.frameworks._framework import Framework, Runs, Spelling, flags, torch_ring, torchrun
 from cptune.frameworks._yunchang import usp_refusal
 from cptune.workload import AttentionShape
 
@@ -33,9 +33,10 @@ class XDiT(Framework):
             return Runs(config)
         return torch_ring(shape, config, "xDiT's --ring_degree")
 
-    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+    def spell_context(self, shape: AttentionShape, config: CPConfig, seq_len: int | None,
+                      per_node: int | None) -> Spelling:
         settings = {"ulysses_degree": config.head_group, "ring_degree": config.context_degree}
         line = flags(settings, _FLAGS)
-        return Spelling(settings, line, f"torchrun --nproc_per_node={config.ranks} <your xDiT script> {line}",
+        return Spelling(settings, line, torchrun(config.ranks, per_node, f"<your xDiT script> {line}"),
                         ("--tensor_parallel_degree 1, and data, CFG and PipeFusion degrees of 1 on these "
                          "ranks (xfuser passes yunchang contiguous sequence-parallel blocks)",))
