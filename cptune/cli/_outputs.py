@@ -28,7 +28,7 @@ from cptune.cli._common import (
 )
 from cptune.cli._search import space_of
 from cptune.config import STRATEGIES, CPConfig
-from cptune.errors import InfeasibleConfigError
+from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import check_feasible
 from cptune.measurement import format_ms
 from cptune.space import DEMO_SPACE, find_space
@@ -148,7 +148,10 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
             profile = hardware_profile(args.hardware, args.db, args.backend, figures_of(args), args.nccl_path,
                                        args.nodes, args.plan_ranks)
         elif plan.hardware.kind == "host":
-            profile = hardware_profile(None, args.db, plan.hardware.engine or args.backend)
+            try:  # this host's calibration; without one, what a framework runs otherwise is passed over
+                profile = hardware_profile(None, args.db, plan.hardware.engine or args.backend)
+            except CPTuneError:
+                profile = None
         return _export_for(args, console, plan, output, profile)
     assert output is not None
     path = plan.write(output, force=args.force)
