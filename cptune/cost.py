@@ -199,7 +199,7 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
 
 
 def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
-                  position_calls: bool = False, per_block_calls: bool = False) -> AnalyticCost:
+                  position_calls: bool = False) -> AnalyticCost:
     """Count the physical work of ``config`` on ``workload`` with the Ring's stream step
     made of ``stream`` (``STREAM_KINDS``) and, with ``position_calls``, attention run as the
     fused calls ``cptune.calls`` plans and merged as the torch engine merges them (see
@@ -245,16 +245,8 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
     - peak: the output's gradient, the saved output (fp32) and log-sum-exp, dQ in fp32 and
       the fp32 dK/dV buffers (the Ring's two in flight; AllGather-KV's whole sequence).
     The memory-bound steps and kernels stay the forward's (not counted for the backward).
-
-    ``per_block_calls`` (AllGather-KV only, forward only) counts the gathered keys attended
-    block by block, as torch's ``_templated_ring_attention`` with its all-gather rotater (xDiT's
-    and SGLang's ring) and diffusers' ``ring_degree`` run them: the same all-gather, then one
-    call per K/V block the busiest rank sees (c; under a causal mask without load balance the
-    last rank of contiguous blocks sees all c), each after the first merged eagerly into a
-    float32 output (MERGE_FP32_PASSES * 4 + w bytes per output element, MERGE_KERNELS kernels:
-    the update ``_SDPAMerger`` and diffusers run).
     """
-    return _analytic_cost(workload, config, stream, position_calls, per_block_calls)
+    return _analytic_cost(workload, config, stream, position_calls)  # one cache entry however passed
 
 
 def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPConfig, stream: str,
@@ -350,8 +342,7 @@ def _busiest_pairs(workload: Workload, ranks: int, head_group: int, layout: str 
 
 
 @functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
-def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool,
-                   per_block_calls: bool = False) -> AnalyticCost:
+def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
     z = _sizes(workload, config)
     n, u, c = config.ranks, config.head_group, config.context_degree
     s = z.layout.padded_len
@@ -395,12 +386,6 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
     if position_calls:
         memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads)
-    if per_block_calls:
-        if config.strategy != "allgather_kv" or workload.training:
-            raise ValueError("per_block_calls counts a forward AllGather-KV's keys attended block by block")
-        kernels["attention"] = c
-        memory["merge"] = (c - 1) * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
-        kernels["merge"] = (c - 1) * MERGE_KERNELS
 
     backward_flops = 0
     if workload.training:
@@ -417,3 +402,31 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         memory_bytes=memory,
         kernels=kernels,
     )
+
+
+class BlockCalls(NamedTuple):
+    """The busiest rank's attention calls and merges where AllGather-KV's gathered keys are
+    attended block by block (``block_calls``)."""
+
+    calls: int
+    #: Bytes through device memory of the merges, and their kernels.
+    merge_bytes: int
+    merge_kernels: int
+
+
+def block_calls(workload: Workload, config: CPConfig) -> BlockCalls:
+    """AllGather-KV's gathered keys attended block by block, as torch's
+    ``_templated_ring_attention`` with its all-gather rotater (xDiT's and SGLang's ring) and
+    diffusers' ``ring_degree`` run them: after the same all-gather, one call per K/V block the
+    busiest rank sees (c; under a causal mask without load balance the last of c contiguous
+    blocks sees all c), each after the first merged eagerly into a float32 output as
+    ``_SDPAMerger`` and diffusers do (the update ring-flash-attn runs: MERGE_FP32_PASSES * 4 + w
+    bytes per output element, MERGE_KERNELS kernels). What ``analytic_cost`` counts otherwise
+    (FLOPs, the all-gather, the rest) is the same. Forward AllGather-KV only."""
+    if config.strategy != "allgather_kv" or workload.training:
+        raise ValueError("block_calls counts a forward AllGather-KV's keys attended block by block")
+    z = _sizes(workload, config)
+    c = config.context_degree
+    elements = workload.batch * z.block_tokens * z.local_heads * workload.head_dim
+    per_element = MERGE_FP32_PASSES * FP32_BYTES + workload.wire_dtype.itemsize
+    return BlockCalls(c, (c - 1) * elements * per_element, (c - 1) * MERGE_KERNELS)

@@ -12,11 +12,11 @@ import pytest
 
 from conftest import TESTS, assert_refused, torchrun_summary
 from cptune.config import STRATEGIES, CPConfig
-from cptune.cost import MERGE_FP32_PASSES, MERGE_KERNELS, analytic_cost
+from cptune.cost import MERGE_FP32_PASSES, MERGE_KERNELS, analytic_cost, block_calls
 from cptune.feasibility import enumerate_configs
 from cptune.frameworks import FRAMEWORKS, FrameworkError, choose, for_framework, get_framework, pricer
 from cptune.layout import rank_groups
-from cptune.model import hardware_profile, price_as_run, prior_time
+from cptune.model import hardware_profile, price_as_run, prior_as_run, prior_time
 from cptune.plans import Alternative, Bucket, Plan, load_plan
 from cptune.plans.export import export_plan
 from cptune.workload import AttentionShape
@@ -362,15 +362,16 @@ def test_a_causal_ring_without_load_balance_is_priced_with_its_last_rank_doing_a
 def test_an_all_gather_ring_runs_c_calls_and_c_minus_1_float32_merges():
     w, gathered = WAN.at(32760), CPConfig("allgather_kv", 8, 2)
     one = analytic_cost(w, gathered, position_calls=True)
-    blocks = analytic_cost(w, gathered, position_calls=True, per_block_calls=True)
     assert one.kernels["attention"] == 1 and one.memory_bytes["merge"] == 0
-    assert blocks.kernels["attention"] == 4 and blocks.kernels["merge"] == 3 * MERGE_KERNELS
     rows = 32760 // 4 * 20  # a block's queries, on each of 40 / 2 heads
-    assert blocks.memory_bytes["merge"] == 3 * rows * 128 * (MERGE_FP32_PASSES * 4 + 2)
-    assert blocks.bytes_sent == one.bytes_sent and blocks.flops == one.flops
+    assert block_calls(w, gathered) == (4, 3 * rows * 128 * (MERGE_FP32_PASSES * 4 + 2), 3 * MERGE_KERNELS)
     profile = hardware_profile("l40s-pcie-8")
-    blocked = prior_time(w, gathered, profile, per_block_calls=True)
-    assert blocked.total_s > prior_time(w, gathered, profile).total_s
+    once, blocked = prior_time(w, gathered, profile), prior_as_run(w, gathered, profile, True)
+    assert blocked.all_gather_s == once.all_gather_s and blocked.all_to_all_s == once.all_to_all_s
+    extra = 3 * profile.attention_call_s + profile.launch_s * (3 + 3 * MERGE_KERNELS)
+    assert blocked.compute_s + blocked.overhead_s == pytest.approx(once.compute_s + once.overhead_s + extra)
+    assert blocked.memory_s == pytest.approx(once.memory_s + block_calls(w, gathered).merge_bytes
+                                             / profile.description.figure("device.memory_gbps"))
     assert FRAMEWORKS["diffusers"].runs(WAN, CPConfig("allgather_kv", 8), 32760).per_block_calls
     assert not FRAMEWORKS["transformer-engine"].runs(WAN, CPConfig("allgather_kv", 8), 32760).per_block_calls
     with pytest.raises(FrameworkError, match="not priced as run"):  # no profile: passed over, never mispriced

@@ -8,7 +8,7 @@ configuration from the best evidence (``_recommend``). Imported on first use by 
 it brings scikit-learn and SQLAlchemy, which the ranks never need.
 """
 
-from cptune.model._as_run import PricedAsRun, price_as_run
+from cptune.model._as_run import PricedAsRun, price_as_run, prior_as_run
 from cptune.model._cost_model import Case, CostModel, TrainingSet, training_set
 from cptune.model._evaluation import (
     CorrectionDecision,
@@ -63,6 +63,7 @@ __all__ = [
     "prior_ties",
     "STRUCTURAL_ERROR",
     "STRUCTURE",
+    "prior_as_run",
     "prior_time",
     "recommend",
     "tier_split",

@@ -140,30 +140,23 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
 
 
-def prior_time(workload: Workload, config: CPConfig, profile: Profile,
-               per_block_calls: bool = False) -> PriorTime:
+def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
     """The physical prior of ``config`` on ``workload`` on ``profile``'s hardware and engine
     (see the module docstring). A description's figures may be numpy arrays of variants
     (``HardwareDescription.spread``, how its ranges are evaluated at once), so every step is
     elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``. A training step is its
-    forward followed by its backward (``_backward_time``). ``per_block_calls``: AllGather-KV's
-    gathered keys attended block by block, c calls merged (``analytic_cost``), as torch's
-    all-gather ring and diffusers' ``ring_degree`` run it: one call each, none cut by position."""
-    if per_block_calls:
-        return _forward_time(workload, config, profile, per_block_calls)
+    forward followed by its backward (``_backward_time``)."""
     if workload.training:
         forward = _forward_time(workload.in_mode("forward"), config, profile)
         return forward + _backward_time(workload, config, profile)
     return _forward_time(workload, config, profile)
 
 
-def _forward_time(workload: Workload, config: CPConfig, profile: Profile,
-                  per_block_calls: bool = False) -> PriorTime:
-    cost = analytic_cost(workload, config, profile.stream, profile.position_calls, per_block_calls)
+def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
+    cost = analytic_cost(workload, config, profile.stream, profile.position_calls)
     n, u, c = config.ranks, config.head_group, config.context_degree
     one_per_step = cost.kernels["attention"]
-    by_position = profile.position_calls and not per_block_calls
-    calls = busiest_calls(SequenceLayout(workload, config)) if by_position else one_per_step
+    calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
     compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s

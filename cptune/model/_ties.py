@@ -48,24 +48,23 @@ class DescribedPrior:
     outside_compute: float
 
 
-def described_prior(workload: Workload, config: CPConfig, profile: Profile,
-                    per_block_calls: bool = False) -> DescribedPrior | None:
+def described_prior(workload: Workload, config: CPConfig, profile: Profile) -> DescribedPrior | None:
     """``DescribedPrior`` of ``config`` on a described profile (None on a calibrated host),
     worked out once per configuration and description: what a recommendation's intervals
-    and ties read. ``per_block_calls``: as ``prior_time``'s."""
+    and ties read."""
     if not isinstance(profile, DescribedProfile):
         return None
-    return _described_prior(workload, config, profile.description, per_block_calls)
+    return _described_prior(workload, config, profile.description)
 
 
 @functools.lru_cache(maxsize=65536)  # pure; intervals and ties ask for the same configurations
 def _described_prior(workload: Workload, config: CPConfig,
-                     description: HardwareDescription, per_block_calls: bool = False) -> DescribedPrior:
+                     description: HardwareDescription) -> DescribedPrior:
     """One evaluation of the prior over every figure at each end of its range and at its
     value (``HardwareDescription.spread``: numpy arrays of variants, each variant the same
     arithmetic as alone)."""
     keys, spread = _spread(description)
-    prior = prior_time(workload, config, spread, per_block_calls)
+    prior = prior_time(workload, config, spread)
     totals: list[float] = np.asarray(prior.total_s).tolist()  # arrays over the variants
     swings = tuple(FigureSwing(key, totals[2 * i], totals[2 * i + 1]) for i, key in enumerate(keys))
     return DescribedPrior(totals[-1], swings, *prior_range(totals[-1], swings),
