@@ -128,6 +128,34 @@ def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
     return zeroed + real * merged + cast_back, 2 + real * merge.kernels + cast_kernels
 
 
+class BlockCalls(NamedTuple):
+    """The busiest rank's attention calls and merges where AllGather-KV's gathered keys are
+    attended block by block (``block_calls``)."""
+
+    calls: int
+    #: Bytes through device memory of the merges, and their kernels.
+    merge_bytes: int
+    merge_kernels: int
+
+
+def block_calls(workload: Workload, config: CPConfig) -> BlockCalls:
+    """AllGather-KV's gathered keys attended block by block, as torch's
+    ``_templated_ring_attention`` with its all-gather rotater (xDiT's and SGLang's ring) and
+    diffusers' ``ring_degree`` run them: after the same all-gather, one call per K/V block the
+    busiest rank sees (c; under a causal mask without load balance the last of c contiguous
+    blocks sees all c), each after the first merged eagerly into a float32 output as
+    ``_SDPAMerger`` and diffusers do (the update ring-flash-attn runs: MERGE_FP32_PASSES * 4 + w
+    bytes per output element, MERGE_KERNELS kernels). What ``analytic_cost`` counts otherwise
+    (FLOPs, the all-gather, the rest) is the same. Forward AllGather-KV only."""
+    if config.strategy != "allgather_kv" or workload.training:
+        raise ValueError("block_calls counts a forward AllGather-KV's keys attended block by block")
+    z = _sizes(workload, config)
+    c = config.context_degree
+    elements = workload.batch * z.block_tokens * z.local_heads * workload.head_dim
+    per_element = MERGE_FP32_PASSES * FP32_BYTES + workload.wire_dtype.itemsize
+    return BlockCalls(c, (c - 1) * elements * per_element, (c - 1) * MERGE_KERNELS)
+
+
 @dataclass(frozen=True)
 class AnalyticCost:
     """Per-rank physical terms of one (workload, config) pair."""
@@ -402,31 +430,3 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         memory_bytes=memory,
         kernels=kernels,
     )
-
-
-class BlockCalls(NamedTuple):
-    """The busiest rank's attention calls and merges where AllGather-KV's gathered keys are
-    attended block by block (``block_calls``)."""
-
-    calls: int
-    #: Bytes through device memory of the merges, and their kernels.
-    merge_bytes: int
-    merge_kernels: int
-
-
-def block_calls(workload: Workload, config: CPConfig) -> BlockCalls:
-    """AllGather-KV's gathered keys attended block by block, as torch's
-    ``_templated_ring_attention`` with its all-gather rotater (xDiT's and SGLang's ring) and
-    diffusers' ``ring_degree`` run them: after the same all-gather, one call per K/V block the
-    busiest rank sees (c; under a causal mask without load balance the last of c contiguous
-    blocks sees all c), each after the first merged eagerly into a float32 output as
-    ``_SDPAMerger`` and diffusers do (the update ring-flash-attn runs: MERGE_FP32_PASSES * 4 + w
-    bytes per output element, MERGE_KERNELS kernels). What ``analytic_cost`` counts otherwise
-    (FLOPs, the all-gather, the rest) is the same. Forward AllGather-KV only."""
-    if config.strategy != "allgather_kv" or workload.training:
-        raise ValueError("block_calls counts a forward AllGather-KV's keys attended block by block")
-    z = _sizes(workload, config)
-    c = config.context_degree
-    elements = workload.batch * z.block_tokens * z.local_heads * workload.head_dim
-    per_element = MERGE_FP32_PASSES * FP32_BYTES + workload.wire_dtype.itemsize
-    return BlockCalls(c, (c - 1) * elements * per_element, (c - 1) * MERGE_KERNELS)
