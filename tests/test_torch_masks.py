@@ -135,3 +135,34 @@ def test_on_gloo_ranks_every_strategy_and_layout_gives_the_unsharded_masked_laye
     assert "flash-attn's -1" in refusals["flash_window"]
     assert "layout replicated_text" in refusals["text_layout"]
     assert all(said != "not refused" for said in refusals.values()), refusals
+
+
+def doc_example(doc: str, after: str) -> str:
+    """The first python block of ``docs/<doc>`` after the line ``after``."""
+    text = (TESTS.parent / "docs" / doc).read_text()
+    return text[text.index(after):].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_masked_examples_in_the_docs_run_and_print_what_they_say(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from conftest import torchrun_lines
+
+    script = tmp_path / "masked.py"
+    script.write_text(doc_example("torch.md", "### Masks"))
+    printed = "\n".join(torchrun_lines(2, script))  # the ranks' lines may come interleaved
+    said = re.findall(r"rank (\d): 600 of 1200 tokens here; output off by (\S+), dq by (\d\S+\d)", printed)
+    assert sorted(rank for rank, _, _ in said) == ["0", "1"], printed
+    assert all(float(output) < 1e-5 and float(dq) < 1e-4 for _, output, dq in said), said
+
+    compute = tmp_path / "compute.py"
+    compute.write_text(doc_example("masks.md", "## The masked call"))
+    lines = subprocess.run([sys.executable, str(compute)], capture_output=True, text=True, check=True,
+                           timeout=240).stdout.splitlines()
+    assert [line.split(": off by")[0] for line in lines] == [
+        "Ring on 2 ranks, per-document zigzag",
+        "2-way Ulysses x 2-way AllGather-KV on 4 ranks, whole documents"]
+    assert all(float(line.split("off by ")[1]) < 2e-5 for line in lines), lines
