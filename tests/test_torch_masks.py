@@ -129,6 +129,12 @@ def test_on_gloo_ranks_every_strategy_and_layout_gives_the_unsharded_masked_laye
     assert trained == {"causal-documents", "full-documents", "causal-window-sinks", "window",
                        "causal-window-sinks-documents", "text"}
     assert not any(c["train"] for c in cases if c["config"].endswith("replicated_text"))
+    plan = summary["plan"]
+    assert [(c["config"], c["layout"]) for c in plan] == [
+        ("ring+doc_whole", "doc_whole"), ("allgather_kv+striped", "striped"),
+        ("ring+doc_whole", "contiguous")]  # one document: a window's default layout
+    for case in plan:
+        assert max(case["errors"]) < TOLERANCE and case["control"] > 100 * TOLERANCE, case
     refusals = summary["refusals"]
     assert refusals["short_cu_seqlens"].startswith("ValueError: cu_seqlens ends at 40, but the sequence "
                                                    "holds 42")

@@ -24,7 +24,11 @@ import torch.distributed as dist
 from cptune.config import CPConfig
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.layout import runnable_layouts
+from cptune.plans import Bucket, Plan, PlanHardware
+from cptune.plans._plan import launch_for
 from cptune.torch import ContextParallelAttention
+from cptune.torch._sequence import sequence_layout
+from cptune.version import __version__
 from cptune.workload import AttentionShape
 
 HEADS, HEAD_DIM, BATCH = 4, 8, 2
@@ -73,44 +77,53 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected).abs().max() / expected.abs().max())
 
 
-def perturbed(causal: bool, window: tuple[int, int] | None, sinks: int, cu_seqlens: list[int] | None,
-              text: int) -> torch.Tensor:
+def perturbed(seq_len: int, causal: bool, window: tuple[int, int] | None, sinks: int,
+              cu_seqlens: list[int] | None, text: int) -> torch.Tensor:
     """The mask one token off: the first document boundary moved, the window one narrower,
     one sink fewer, or the text seeing only the text."""
     if cu_seqlens is not None and window is None:
-        return dense_mask(SEQ_LEN, causal, window, sinks, [0, cu_seqlens[1] + 1, *cu_seqlens[2:]])
+        return dense_mask(seq_len, causal, window, sinks, [0, cu_seqlens[1] + 1, *cu_seqlens[2:]])
     if sinks:
-        return dense_mask(SEQ_LEN, causal, window, sinks - 1, cu_seqlens)
+        return dense_mask(seq_len, causal, window, sinks - 1, cu_seqlens)
     if window is not None:
-        return dense_mask(SEQ_LEN, causal, (window[0] - 1, window[1]), sinks, cu_seqlens)
-    seen = dense_mask(SEQ_LEN, causal, window, sinks, cu_seqlens)
+        return dense_mask(seq_len, causal, (window[0] - 1, window[1]), sinks, cu_seqlens)
+    seen = dense_mask(seq_len, causal, window, sinks, cu_seqlens)
     seen[:text, text:] = False
     return seen
 
 
-def run_case(cp: ContextParallelAttention, name: str, seed: int, train: bool) -> dict[str, object]:
+def run_case(cp: ContextParallelAttention, name: str, seed: int, train: bool,
+             seq_len: int = SEQ_LEN) -> dict[str, object]:
     causal, window, sinks, cu_seqlens, text = MASKS[name]
+    return run_mask(cp, (causal, window, sinks, cu_seqlens, text), seed, train, seq_len)
+
+
+def run_mask(cp: ContextParallelAttention, mask: tuple, seed: int, train: bool,
+             seq_len: int) -> dict[str, object]:
+    """``cp`` on a random batch under ``mask`` (as ``MASKS`` holds them), sharded, run and
+    unsharded: the errors of the output (and the gradients) against the reference."""
+    causal, window, sinks, cu_seqlens, text = mask
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(BATCH, SEQ_LEN, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64)
-    k, v = torch.randn(2, BATCH, SEQ_LEN, cp.shape.kv_heads, HEAD_DIM, generator=generator,
+    q = torch.randn(BATCH, seq_len, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64)
+    k, v = torch.randn(2, BATCH, seq_len, cp.shape.kv_heads, HEAD_DIM, generator=generator,
                        dtype=torch.float64)
     dout = torch.randn(q.shape, generator=generator, dtype=torch.float64)
     bounds = torch.tensor(cu_seqlens, dtype=torch.int32) if cu_seqlens else None  # as flash-attn gives them
 
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = reference(*exact, dense_mask(SEQ_LEN, causal, window, sinks, cu_seqlens))
+    expected = reference(*exact, dense_mask(seq_len, causal, window, sinks, cu_seqlens))
     (expected * dout).sum().backward()
-    control = reference(q, k, v, perturbed(causal, window, sinks, cu_seqlens, text))
+    control = reference(q, k, v, perturbed(seq_len, causal, window, sinks, cu_seqlens, text))
 
     local = [cp.shard(t.float(), bounds).requires_grad_(train) for t in (q, k, v)]
     with torch.set_grad_enabled(train):
-        out = cp(*local, SEQ_LEN, bounds)
+        out = cp(*local, seq_len, bounds)
     if train:
         out.backward(cp.shard(dout.float(), bounds))
-    got = [cp.unshard(out.detach(), SEQ_LEN, bounds)]
+    got = [cp.unshard(out.detach(), seq_len, bounds)]
     wanted = [expected.detach()]
     if train:
-        got += [cp.unshard(t.grad, SEQ_LEN, bounds) for t in local]  # type: ignore[arg-type]
+        got += [cp.unshard(t.grad, seq_len, bounds) for t in local]  # type: ignore[arg-type]
         wanted += [t.grad for t in exact]  # type: ignore[misc]
     return {"errors": [relative_error(g, w) for g, w in zip(got, wanted, strict=True)],
             "control": relative_error(got[0], control)}
@@ -138,6 +151,30 @@ def every_case(world: int) -> list[dict[str, object]]:
                     cp = ContextParallelAttention(laid, shape)
                     case = {"case": f"{name} {kv_heads}kv", "config": laid.label, "train": train}
                     cases.append(case | run_case(cp, name, len(cases), train))
+    return cases
+
+
+def plan_cases(world: int) -> list[dict[str, object]]:
+    """A plan whose buckets name layouts (whole documents up to 30 tokens, striped beyond) for
+    a causal window with sinks, run with documents at a length in each bucket and with one
+    document (whole documents then deal out as the default layout)."""
+    shape = AttentionShape(HEADS, 2, HEAD_DIM, BATCH, "fp32", True, window=(6, 0), sinks=2)
+    buckets = [(30, CPConfig("ring", world, layout="doc_whole")),
+               (64, CPConfig("allgather_kv", world, layout="striped"))]
+    made, start = [], 1
+    for stop, config in buckets:
+        made.append(Bucket(start, stop, stop, config, 1.0, (0.9, 1.1), "model", ()))
+        start = stop + 1
+    hardware = PlanHardware(fingerprint="0123456789abcdef", description="a test host", kind="host", name=None)
+    plan = Plan(hardware, shape, tuple(made), launch_for(world, world, False), __version__,
+                "2026-01-01T00:00:00+00:00")
+    cp = ContextParallelAttention(plan)
+    cases = []
+    for seq_len, cu_seqlens in ((30, [0, 10, 30]), (42, [0, 5, 23, 42]), (30, None)):
+        mask = (True, (6, 0), 2, cu_seqlens, 0)
+        layout = sequence_layout(cp.workload(seq_len, cu_seqlens), cp.config_for(seq_len)).layout
+        cases.append({"case": f"plan {seq_len} {len(cu_seqlens or [0, 1]) - 1} documents", "layout": layout,
+                      "config": cp.config_for(seq_len).label} | run_mask(cp, mask, seq_len, True, seq_len))
     return cases
 
 
@@ -170,7 +207,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    summary = {"world": world, "cases": every_case(world), "refusals": refusals()}
+    summary = {"world": world, "cases": every_case(world), "plan": plan_cases(world), "refusals": refusals()}
     if dist.get_rank() == 0:
         print(json.dumps(summary))
     dist.destroy_process_group()
