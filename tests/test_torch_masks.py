@@ -140,6 +140,9 @@ def test_on_gloo_ranks_every_strategy_and_layout_gives_the_unsharded_masked_laye
                                                    "holds 42")
     assert "flash-attn's -1" in refusals["flash_window"]
     assert "layout replicated_text" in refusals["text_layout"]
+    for call in ("different_cu_seqlens", "different_cu_seqlens_unshard"):
+        expected = "ValueError: the ranks passed different cu_seqlens (documents: rank 0 passed 2, rank 1"
+        assert refusals[call].startswith(expected), refusals[call]
     assert all(said != "not refused" for said in refusals.values()), refusals
 
 

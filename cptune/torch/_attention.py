@@ -162,9 +162,8 @@ class ContextParallelAttention(torch.nn.Module):
         ``local`` (``unshard_sequence`` after an all-gather: collective over the group), the
         documents ``cu_seqlens`` bounds as ``shard`` was given them. Every call checks that
         every rank passed the same ``seq_len`` and documents first (one small all-gather)."""
-        workload = self.workload(seq_len, cu_seqlens)
-        self._same_length.agree(seq_len, workload.document_lengths)
-        config = self.config_for(seq_len)
+        self._same_length.agree(seq_len, _bounds(cu_seqlens))  # before anything one rank may refuse
+        workload, config = self.workload(seq_len, cu_seqlens), self.config_for(seq_len)
         length, piece = shard_length(workload, config, self.rank), shard_length(workload, config, 0)
         if local.dim() < 2 or local.shape[1] != length:
             raise ValueError(f"local must be [batch, {length}, ...]: rank {self.rank}'s shard of {seq_len} "
@@ -185,8 +184,8 @@ class ContextParallelAttention(torch.nn.Module):
         (cumulative lengths from 0 to ``seq_len``; the same for every sequence of the batch),
         each query seeing its own document's keys only. Every rank of the group calls it with
         the same ``seq_len`` and ``cu_seqlens`` (checked at their first call)."""
+        self._same_length.check(seq_len, _bounds(cu_seqlens))  # before anything one rank may refuse
         workload, config = self.workload(seq_len, cu_seqlens), self.config_for(seq_len)
-        self._same_length.check(seq_len, workload.document_lengths)
         groups = self._groups.get(config)
         config = call_config(workload, config)
         check_feasible(workload, config)  # what depends on the length: fewer tokens than ranks, the layout
@@ -227,6 +226,14 @@ class ContextParallelAttention(torch.nn.Module):
         choice = (f"plan of {len(self.plan.buckets)} buckets up to {self.plan.max_seq_len} tokens"
                   if self.plan is not None else self.configs[0].describe())
         return f"{self.shape.describe()}; {choice}; rank {self.rank} of {self.group_size}"
+
+
+def _bounds(cu_seqlens: CuSeqlens | None) -> tuple[object, ...]:
+    """``cu_seqlens`` as the values given (unchecked: what the ranks compare before any of them
+    may refuse them); empty for none."""
+    if cu_seqlens is None:
+        return ()
+    return tuple(cu_seqlens.tolist()) if isinstance(cu_seqlens, torch.Tensor) else tuple(cu_seqlens)
 
 
 def document_lengths(cu_seqlens: CuSeqlens, seq_len: int) -> Documents:

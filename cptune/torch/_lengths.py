@@ -28,22 +28,24 @@ class SameLength:
     def __init__(self, group: dist.ProcessGroup, layout_ranks: list[int]) -> None:
         self.group = group
         self.layout_ranks = layout_ranks
-        self.agreed: set[tuple[int, tuple[int, ...]]] = set()
+        self.agreed: set[tuple[int, tuple[object, ...]]] = set()
 
-    def check(self, seq_len: int, documents: tuple[int, ...] = ()) -> None:
-        """Return when every rank passed ``seq_len`` and ``documents`` (their lengths),
-        collective over the group at a pair's first call; ``ValueError`` on every rank otherwise."""
-        if (seq_len, documents) not in self.agreed:
-            self.agree(seq_len, documents)
+    def check(self, seq_len: int, bounds: tuple[object, ...] = ()) -> None:
+        """Return when every rank passed ``seq_len`` and the document boundaries ``bounds``
+        (``cu_seqlens`` as given, empty for none), collective over the group at a pair's first
+        call; ``ValueError`` on every rank otherwise."""
+        if (seq_len, bounds) not in self.agreed:
+            self.agree(seq_len, bounds)
 
-    def agree(self, seq_len: int, documents: tuple[int, ...] = ()) -> None:
-        """Return when every rank passed ``seq_len`` and ``documents``, ``ValueError`` on every
+    def agree(self, seq_len: int, bounds: tuple[object, ...] = ()) -> None:
+        """Return when every rank passed ``seq_len`` and ``bounds``, ``ValueError`` on every
         rank otherwise: collective over the group at every call, so every rank meets the
         others' lengths before any data, whatever it checked before."""
         nccl = dist.get_backend(self.group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        digest = int.from_bytes(hashlib.sha256(repr(documents).encode()).digest()[:7], "big")
-        mine = torch.tensor([seq_len, len(documents), digest], dtype=torch.int64, device=device)
+        digest = int.from_bytes(hashlib.sha256(repr(bounds).encode()).digest()[:7], "big")
+        documents = max(len(bounds) - 1, 0)
+        mine = torch.tensor([seq_len, documents, digest], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in self.layout_ranks]
         dist.all_gather(gathered, mine, group=self.group)
         passed = [gathered[g].tolist() for g in self.layout_ranks]
@@ -55,4 +57,4 @@ class SameLength:
             said = ", ".join(f"rank {rank} passed {count}" for rank, (_, count, _) in enumerate(passed))
             raise ValueError(f"the ranks passed different cu_seqlens (documents: {said}): every rank of "
                              f"the group must pass the same boundaries, the whole sequence's documents")
-        self.agreed.add((seq_len, documents))
+        self.agreed.add((seq_len, bounds))
