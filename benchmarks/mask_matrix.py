@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from _provenance import command, commit
 
 import cptune
 from cptune.config import STRATEGIES, CPConfig
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         get_engine(engine).close()
     lines = [f"# benchmarks/mask_matrix.py ({'slice' if args.slice else 'full matrix'}): {len(cases)} cases "
              f"in {seconds:.0f} s on this host, engines {', '.join(engines)}",
+             f"# code {commit()}: {command('mask_matrix.py', argv if argv is not None else sys.argv[1:])}",
              f"# seq {SEQ_LEN}, {HEADS} heads x d{HEAD_DIM} (kv {', '.join(map(str, HEAD_KINDS.values()))}), "
              f"fp32, batch 1; {len(MASKS)} masks; {len(CONFIGS)} configurations on 1-4 ranks, every layout",
              "", "engine  mode     ran  refused  failed"]
