@@ -242,8 +242,9 @@ def document_lengths(cu_seqlens: CuSeqlens, seq_len: int) -> Documents:
     ``ValueError`` naming the fix for boundaries that do not cut this sequence into documents."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor of document boundaries, got "
-                             f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor of document boundaries, one set for "
+                             f"every sequence of the batch (a THD batch is batch 1), got {cu_seqlens.dtype} "
+                             f"of shape {list(cu_seqlens.shape)}")
         bounds = [int(b) for b in cu_seqlens.tolist()]
     else:
         bounds = list(cu_seqlens)
