@@ -6,6 +6,8 @@ helpers."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,7 @@ pytest.importorskip("torch")  # the cptune[torch] extra; CI installs it
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from conftest import torchrun_summary  # noqa: E402
+from conftest import torchrun_lines  # noqa: E402
 from cptune.config import CPConfig  # noqa: E402
 from cptune.layout import SequenceLayout  # noqa: E402
 from cptune.torch import ContextParallelAttention, shard_sequence, unshard_sequence  # noqa: E402
@@ -112,8 +114,13 @@ def test_the_mask_is_refused_in_one_line_with_the_fix(one_rank):
 
 
 @pytest.mark.slow
-def test_on_gloo_ranks_every_strategy_and_layout_gives_the_unsharded_masked_layer():
-    summary = torchrun_summary(2, TESTS / "torch_masks.py", timeout=300)
+def test_on_gloo_ranks_every_strategy_and_layout_gives_the_unsharded_masked_layer(tmp_path):
+    """And docs/torch.md's masked example, run after it on the same ranks, prints what the
+    docs say."""
+    example = tmp_path / "masked.py"
+    example.write_text(doc_example("torch.md", "### Masks"))
+    printed = torchrun_lines(2, TESTS / "torch_masks.py", str(example), timeout=300)
+    summary = json.loads(next(line for line in printed if line.startswith("{")))
     assert summary["world"] == 2
     cases = summary["cases"]
     for case in cases:
@@ -145,6 +152,11 @@ def test_on_gloo_ranks_every_strategy_and_layout_gives_the_unsharded_masked_laye
         assert refusals[call].startswith(expected), refusals[call]
     assert all(said != "not refused" for said in refusals.values()), refusals
 
+    said = re.findall(r"rank (\d): 600 of 1200 tokens here; output off by (\S+), dq by (\d\S+\d)",
+                      "\n".join(printed))  # the ranks' lines may come interleaved
+    assert sorted(rank for rank, _, _ in said) == ["0", "1"], printed
+    assert all(float(output) < 1e-5 and float(dq) < 1e-4 for _, output, dq in said), said
+
 
 def doc_example(doc: str, after: str) -> str:
     """The first python block of ``docs/<doc>`` after the line ``after``."""
@@ -153,24 +165,9 @@ def doc_example(doc: str, after: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_masked_examples_in_the_docs_run_and_print_what_they_say(tmp_path):
-    import re
-    import subprocess
-    import sys
-
-    from conftest import torchrun_lines
-
-    script = tmp_path / "masked.py"
-    script.write_text(doc_example("torch.md", "### Masks"))
-    printed = "\n".join(torchrun_lines(2, script))  # the ranks' lines may come interleaved
-    said = re.findall(r"rank (\d): 600 of 1200 tokens here; output off by (\S+), dq by (\d\S+\d)", printed)
-    assert sorted(rank for rank, _, _ in said) == ["0", "1"], printed
-    assert all(float(output) < 1e-5 and float(dq) < 1e-4 for _, output, dq in said), said
-
-    compute = tmp_path / "compute.py"
-    compute.write_text(doc_example("masks.md", "## The masked call"))
-    lines = subprocess.run([sys.executable, str(compute)], capture_output=True, text=True, check=True,
-                           timeout=240).stdout.splitlines()
+def test_the_masked_call_in_masks_md_runs_and_prints_what_it_says(capsys):
+    exec(compile(doc_example("masks.md", "## The masked call"), "masks.md", "exec"), {"__name__": "__main__"})
+    lines = capsys.readouterr().out.splitlines()
     assert [line.split(": off by")[0] for line in lines] == [
         "Ring on 2 ranks, per-document zigzag",
         "2-way Ulysses x 2-way AllGather-KV on 4 ranks, whole documents"]

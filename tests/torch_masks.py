@@ -1,6 +1,7 @@
 """``ContextParallelAttention`` under masks on gloo ranks, against unsharded masked attention
 (tests/test_torch_masks.py launches it with ``python -m torch.distributed.run --standalone
---nproc-per-node 2 torch_masks.py``).
+--nproc-per-node 2 torch_masks.py [EXAMPLE]``; EXAMPLE, a script run after it on the same
+ranks: docs/torch.md's masked example).
 
 Every case builds the module for one configuration on all ranks (every strategy and head
 group, in every layout that deals its mask out), cuts the full sequence with ``shard`` (the
@@ -16,7 +17,9 @@ against the reference of a mask perturbed by one token (what a wrong mask would 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -213,8 +216,11 @@ def main() -> None:
     world = dist.get_world_size()
     summary = {"world": world, "cases": every_case(world), "plan": plan_cases(world), "refusals": refusals()}
     if dist.get_rank() == 0:
-        print(json.dumps(summary))
+        print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
+    if len(sys.argv) > 1:  # a script of its own next (docs/torch.md's example), on the same ranks
+        example = Path(sys.argv[1])
+        exec(compile(example.read_text(), str(example), "exec"), {"__name__": "__main__"})
 
 
 if __name__ == "__main__":
