@@ -31,7 +31,7 @@ from cptune.model._recommend import (
     predicted,
     recommend,
 )
-from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURE, Tie, prior_ties
+from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURAL_ERROR_TRAIN, STRUCTURE, Tie, prior_ties
 
 __all__ = [
     "CalibratedProfile",
@@ -59,6 +59,7 @@ __all__ = [
     "predicted",
     "prior_ties",
     "STRUCTURAL_ERROR",
+    "STRUCTURAL_ERROR_TRAIN",
     "STRUCTURE",
     "prior_time",
     "recommend",
