@@ -7,6 +7,7 @@ differ (padding, causal blocks) the busiest rank's figure is reported.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -411,17 +412,28 @@ def _busiest_pairs(workload: Workload, ranks: int, head_group: int, layout: str 
     return busiest_block_pairs(SequenceLayout(workload, CPConfig("ring", ranks, head_group, layout)))
 
 
+def attention_flops(workload: Workload, config: CPConfig) -> int:
+    """``analytic_cost(workload, config).flops`` of the forward (a training workload's forward
+    alone), without counting the rest: what the prior's compute needs of a fused kernel."""
+    forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
+    u = config.head_group
+    pairs = _busiest_pairs(forward, config.ranks, u, config.layout)
+    return 4 * workload.batch * workload.head_dim * (workload.heads // u) * pairs
+
+
 @functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
 def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
+    if workload.training:  # its forward's counts (the prior asks for them too), and the backward's
+        return _with_backward(workload, config, stream, _analytic_cost(workload.in_mode("forward"), config,
+                                                                       stream, position_calls))
     z = _sizes(workload, config)
-    n, u, c = config.ranks, config.head_group, config.context_degree
+    u, c = config.head_group, config.context_degree
     s = z.layout.padded_len
     b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
     rep, kv_sent, local_heads = z.rep, z.kv_sent, z.local_heads
     rank_tokens, block_tokens, kv_block = z.rank_tokens, z.block_tokens, z.kv_block
 
-    forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
-    flops = 4 * b * d * local_heads * _busiest_pairs(forward, n, u, config.layout)
+    flops = attention_flops(workload, config)
 
     bytes_sent = dict.fromkeys(COLLECTIVES, 0)
     steps = dict.fromkeys(COLLECTIVES, 0)
@@ -457,24 +469,28 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
     if position_calls:
         memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads)
 
-    backward_flops = 0
-    backward = _BackwardSteps({}, {}, 0, 0)
-    if workload.training:
-        backward_flops = int(BACKWARD_FLOPS_RATIO * flops)
-        _add_backward(bytes_sent, steps, config, stream, workload, rank_tokens, kv_sent, rep, kv_block)
-        backward = _backward_steps(workload, config, z)
     return AnalyticCost(
         padded_seq_len=s,
-        flops=flops + backward_flops,
-        backward_flops=backward_flops,
+        flops=flops,
         bytes_sent=bytes_sent,
         comm_steps=steps,
         peak_bytes=peak,
         kv_replication=rep,
         memory_bytes=memory,
         kernels=kernels,
-        backward_memory_bytes=backward.memory,
-        backward_kernels=backward.kernels,
-        backward_ring_bytes=backward.ring_bytes,
-        backward_ring_kernels=backward.ring_kernels,
     )
+
+
+def _with_backward(workload: Workload, config: CPConfig, stream: str, forward: AnalyticCost) -> AnalyticCost:
+    """A training ``workload``'s counts: its ``forward``'s with the backward's added (see
+    ``analytic_cost``)."""
+    z = _sizes(workload, config)
+    bytes_sent, steps = dict(forward.bytes_sent), dict(forward.comm_steps)
+    _add_backward(bytes_sent, steps, config, stream, workload, z.rank_tokens, z.kv_sent, z.rep, z.kv_block)
+    backward = _backward_steps(workload, config, z)
+    backward_flops = int(BACKWARD_FLOPS_RATIO * forward.flops)
+    return dataclasses.replace(
+        forward, flops=forward.flops + backward_flops, backward_flops=backward_flops, bytes_sent=bytes_sent,
+        comm_steps=steps, peak_bytes=_peak(workload, config, z), backward_memory_bytes=backward.memory,
+        backward_kernels=backward.kernels, backward_ring_bytes=backward.ring_bytes,
+        backward_ring_kernels=backward.ring_kernels)

@@ -69,6 +69,7 @@ from cptune.cost import (
     COLLECTIVES,
     GRAD_ACCUMULATE_KERNELS,
     analytic_cost,
+    attention_flops,
 )
 from cptune.hardware import TIERS, tier_of
 from cptune.kernels import check_kernel, computed_pairs
@@ -128,10 +129,11 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
     0.1% and the useful FLOPs stand for it."""
     check_kernel(kernel)
-    cost = analytic_cost(workload, config)
-    if kernel == "fused" or not workload.causal or cost.padded_seq_len > EXACT_KERNEL_WORK_TOKENS:
-        return cost.flops
+    if kernel == "fused" or not workload.causal:
+        return attention_flops(workload, config)
     layout = SequenceLayout(workload, config)
+    if layout.padded_len > EXACT_KERNEL_WORK_TOKENS:
+        return attention_flops(workload, config)
 
     def runs(group: int) -> list[tuple[int, int]]:
         return [(start, stop - start) for start, stop in layout.block_ranges(group)]
