@@ -260,7 +260,8 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
       (the last brings it home).
     - peak: the output's gradient, the saved output (fp32) and log-sum-exp, dQ in fp32 and
       the fp32 dK/dV buffers (the Ring's two in flight; AllGather-KV's whole sequence).
-    The memory-bound steps and kernels stay the forward's (not counted for the backward).
+    - memory-bound steps and kernels beyond the attention calls' own: ``backward_memory_bytes``,
+      ``backward_kernels`` and, of them, what each Ring step repeats (``_backward_steps``).
     """
     return _analytic_cost(workload, config, stream, position_calls)  # one cache entry however passed
 

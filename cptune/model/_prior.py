@@ -41,16 +41,23 @@ ranks, hardware that is only calibrated or only described.
                   says which: a calibration's engine spec, ``Profile.stream``)
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 
-A training step is that of its forward, then its backward's (``_backward_time``; the
-memory-bound steps and launches stay the forward's, as ``analytic_cost`` counts them):
+A training step is that of its forward, then its backward's (``_backward_time``):
     compute     = BACKWARD_FLOPS_RATIO x the forward's FLOPs / (its rate x the hardware's
                   ``backward_speed``) + attention calls x the fixed cost of one call
-    exchanges   = those ``analytic_cost`` adds: Ulysses' 3 more all-to-alls, AllGather-KV's
-                  gather again and reduce-scatter (a calibrated host reads it at its
-                  all-gather's rates: the same bytes to the same peers), the Ring's
-                  (c - 1) * max(block + slowdown * min(block, step), step) + block + home,
-                  a step bringing the next K/V block and passing a gradient on, home the
-                  last gradient's way back
+    memory      = the backward's own memory-bound steps (``analytic_cost``'s
+                  ``backward_memory_bytes``: Ulysses' permutes back, the float32 fold of
+                  replicated KV heads, the gradients' float32 accumulations and casts back)
+    overhead    = its kernels outside the Ring's steps x the fixed cost of one launch
+                  (``backward_kernels``, and per call FlashAttention's two kernels around its
+                  backward and the engine's three accumulations)
+    exchanges   = those ``analytic_cost`` adds, which wait: Ulysses' 3 more all-to-alls,
+                  AllGather-KV's gather again and reduce-scatter (a calibrated host reads it at
+                  its all-gather's rates: the same bytes to the same peers); and the Ring's,
+                  which overlap: (c - 1) * max(busy, step) + max(work, launches) + home, busy =
+                  max(work + slowdown * min(block, step), launches), work = block + its
+                  accumulations, launches = the step's kernels x the fixed cost of one launch,
+                  a step bringing the next K/V block and passing a gradient on, home the last
+                  gradient's way back
 """
 
 from __future__ import annotations
