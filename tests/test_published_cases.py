@@ -109,7 +109,8 @@ def test_paths_rescore_only_the_cases_whose_gpus_a_cpu_joins_once_per_path():
     assert any(len({row["pick"] for row in rows if row["id"] == case.id}) == 2 for case in pcie)
 
 
-_train_spec = importlib.util.spec_from_file_location("published_train", ROOT / "benchmarks" / "published_train.py")
+_train_spec = importlib.util.spec_from_file_location("published_train",
+                                                   ROOT / "benchmarks" / "published_train.py")
 published_train = importlib.util.module_from_spec(_train_spec)
 sys.modules["published_train"] = published_train
 _train_spec.loader.exec_module(published_train)
