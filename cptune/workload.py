@@ -117,6 +117,12 @@ class Workload:
         object.__setattr__(self, "sinks", int(sinks))
         object.__setattr__(self, "documents", checked_documents)
         object.__setattr__(self, "text", int(text))
+        # hashed once: every cache of the prior is keyed by the workload
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self.__dict__["_hash"]  # type: ignore[no-any-return]
 
     @property
     def mask(self) -> Mask:
@@ -139,8 +145,9 @@ class Workload:
         return self.mode == "train"
 
     def in_mode(self, mode: str) -> Workload:
-        """This layer run in ``mode``."""
-        return dataclasses.replace(self, mode=mode)
+        """This layer run in ``mode`` (itself where it runs so already; the prior asks for a
+        training layer's forward once per configuration it weighs, so each is made once)."""
+        return self if mode == self.mode else _in_mode(self, mode)
 
     @property
     def wire_dtype(self) -> np.dtype:
@@ -258,3 +265,8 @@ class AttentionShape:
 @functools.lru_cache(maxsize=256)
 def _mask(seq_len: int, causal: bool, window: tuple[int, ...], sinks: int, documents: Documents) -> Mask:
     return Mask(seq_len, causal, window, sinks, documents.lengths_at(seq_len))
+
+
+@functools.lru_cache(maxsize=256)  # pure: a validated copy, what the prior asks for per configuration
+def _in_mode(workload: Workload, mode: str) -> Workload:
+    return dataclasses.replace(workload, mode=mode)

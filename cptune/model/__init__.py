@@ -32,7 +32,7 @@ from cptune.model._recommend import (
     predicted,
     recommend,
 )
-from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURE, Tie, prior_ties
+from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURAL_ERROR_TRAIN, STRUCTURE, Tie, prior_ties
 
 __all__ = [
     "CalibratedProfile",
@@ -62,6 +62,7 @@ __all__ = [
     "price_as_run",
     "prior_ties",
     "STRUCTURAL_ERROR",
+    "STRUCTURAL_ERROR_TRAIN",
     "STRUCTURE",
     "prior_as_run",
     "prior_time",
