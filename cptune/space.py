@@ -35,8 +35,8 @@ ORDERS: tuple[str, ...] = ("guided", "exhaustive")
 
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
-MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode", "window", "sinks", "documents",
-              "text")
+MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode", "window", "sinks",
+              "documents", "text")
 #: The mask's keys of ``[model]`` (``cptune.masks``), each a field of ``AttentionShape``.
 MASK_KEYS = ("window", "sinks", "documents", "text")
 SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials", "within_node_heads")

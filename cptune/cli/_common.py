@@ -272,11 +272,11 @@ def add_workload_flags(
                        help="attention sinks beside --window: the first N tokens of each document seen by "
                             "every query")
     group.add_argument("--documents", type=documents, default=None, metavar="LENGTHS",
-                       help="packed documents: their lengths (2048,4096,... summing to the length), N (N tokens "
-                            "each, the last the rest) or @FILE (one length a line, or a JSON list)")
+                       help="packed documents: their lengths (2048,4096,... summing to the length), N (N "
+                            "tokens each, the last the rest) or @FILE (one length a line, or a JSON list)")
     group.add_argument("--text", type=non_negative, default=0, metavar="N",
-                       help="joint text and image attention (MMDiT: FLUX, SD3): N text tokens before the image "
-                            "tokens")
+                       help="joint text and image attention (MMDiT: FLUX, SD3): N text tokens before the "
+                            "image tokens")
     if with_mode:
         group.add_argument("--mode", choices=MODES, default=None,
                            help="forward (inference, the default) or train: the forward and the backward")

@@ -23,9 +23,9 @@ from cptune.cli._common import (
     add_framework_flag,
     add_hosts_flags,
     add_workload_flags,
-    mask_given,
     count,
     engine_of,
+    mask_given,
     non_negative,
     positive,
     positive_list,
@@ -133,7 +133,8 @@ def space_of(args: argparse.Namespace) -> SearchSpace | str:
     file or built-in name (default: the demo), run in ``--mode`` where given;
     ``--within-node-heads`` restricts either."""
     flags_given = any(getattr(args, name, None) is not None for name in (
-        "heads", "head_dim", "seq_lens", "kv_heads", "strategies", "ranks")) or args.causal or mask_given(args)
+        "heads", "head_dim", "seq_lens", "kv_heads", "strategies", "ranks")) or args.causal
+    flags_given = flags_given or mask_given(args)
     if args.space and flags_given:
         raise UsageError("give either a search space or workload flags (--heads, --seq-lens, ...), not both")
     space = _space_from_flags(args) if flags_given else args.space or DEMO_SPACE

@@ -260,7 +260,8 @@ class WorkloadSearch:
         best: dict[int, Estimate] = {}
         for (_, workload, config), estimate in combine(rows).items():
             seq = workload.seq_len
-            if seq == self.workload.seq_len or config not in self.configs:
+            other = workload.shape != self.workload.shape  # the same layer under another mask
+            if seq == self.workload.seq_len or config not in self.configs or other:
                 continue
             if seq not in best or estimate.median_ms < best[seq].median_ms:
                 best[seq] = estimate
