@@ -572,7 +572,8 @@ def test_migration_0011_reads_older_rows_as_plain_and_default_laid_out_and_keeps
         writer.add_measurement(HARDWARE, measurement(packed, CPConfig("ring", 2, layout="doc_whole"), 0.5))
         writer.add_measurement(HARDWARE, measurement(packed, CPConfig("ring", 2, layout="zigzag"), 0.7))
         writer.add_measurement(HARDWARE, measurement(windowed, CPConfig("ring", 2), 0.4))
-        writer.add_failure(HARDWARE, joint, CPConfig("ring", 2, layout="replicated_text"), "error", "x", "mpi")
+        writer.add_failure(HARDWARE, joint, CPConfig("ring", 2, layout="replicated_text"), "error", "x",
+                           "mpi")
         found = writer.results()
         assert [(r.workload, r.config) for r in found] == [
             (plain, CPConfig("ring", 2)), (plain, CPConfig("ring", 2)),

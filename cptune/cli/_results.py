@@ -102,17 +102,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
                    "median ms per iteration of the slowest rank; round: the interleaved rounds of each "
                    "workload numbered in the order they ran (--json gives their ids)"
                    + ("; mode: forward, or train (forward and backward)" if modes else "")
-                   + ("; mask: causal, a window's keys before,after each query (+ sinks), packed documents "
-                      "(docs NxLENGTH), joint text tokens; config +layout: how the tokens are dealt out"
-                      if any(r.workload.masked for r in rows) else "")
+                   + ("; under each config +layout (how its tokens are dealt out): the workload's mask "
+                      "(a window's keys before,after each query + sinks, packed documents NxLENGTH, joint "
+                      "text tokens)" if masks else "")
                    + ("; ran with: the attention kernel(s), the process group and on a GPU the cuDNN and "
                       "NCCL versions (--json: every fact kept)" if ran else ""))
-    for column in ("id", "seq_len", "heads", *(("mode",) if modes else ()), *(("mask",) if masks else ()),
-                   "config", "ranks", "round",
+    labels = max((len(r.config.label) for r in rows), default=0)  # a wrapped config cell's least width
+    for column in ("id", "seq_len", "heads", *(("mode",) if modes else ()), "config", "ranks", "round",
                    "status", "median ms", *(("ran with",) if ran else ()), "hardware"):
-        left = column in ("mask", "config", "status", "ran with", "hardware")
+        left = column in ("config", "status", "ran with", "hardware")
         listing.add_column(column, justify="left" if left else "right",
-                           no_wrap=column not in ("ran with", "hardware"))
+                           no_wrap=column not in ("ran with", "hardware", *(("config",) if masks else ())),
+                           min_width=labels if column == "config" else None)
     for r in rows:
         median = f"{r.median_ms:.2f}" if r.median_ms is not None else "-"
         heads = f"{r.workload.heads}/{r.workload.kv_heads}"
@@ -122,8 +123,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             if marked:
                 status.append(f", {mark}", style="yellow")
         listing.add_row(str(r.id), str(r.workload.seq_len), heads, *((r.workload.mode,) if modes else ()),
-                        *((r.workload.shape.mask_label(),) if masks else ()), r.config.label,
-                        str(r.config.ranks),
+                        _config_cell(r, masks), str(r.config.ranks),
                         str(numbers.get(r.id, "-")), status, median,
                         *((Text(r.ran_with or "-"),) if ran else ()), Text(r.hardware))
     console.print(listing)
@@ -140,6 +140,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         say(console, "each configuration's rounds combined, with its 95% interval, and each workload's "
                       "verdict: cptune results --combined")
     return 0
+
+
+def _config_cell(result: Result, masks: bool) -> Text:
+    """A row's configuration, and where the listing holds masked workloads its mask below it
+    (a line of its own: the table keeps to 80 columns)."""
+    cell = Text(result.config.label)
+    if masks:
+        cell.append(f"\n{result.workload.shape.mask_label()}", style="dim")
+    return cell
 
 
 def _cells(row: dict[str, object]) -> dict[str, object]:

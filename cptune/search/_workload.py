@@ -401,7 +401,7 @@ class WorkloadSearch:
                                     study_name=study_name(self.workload, self.hardware))
         for config, (status, median, _) in known.items():
             study.add_trial(optuna.trial.create_trial(
-                params=params_of(config), distributions=distributions(tree, config),
+                params=params_of(config, tree), distributions=distributions(tree, config),
                 value=median if status == "ok" else None,
                 state=TrialState.COMPLETE if status == "ok" else TrialState.FAIL,
             ))
@@ -414,7 +414,7 @@ class WorkloadSearch:
             budget = max(0, (self.trials or 0) - len(known))
             for config in self._warm_starts():
                 if config in pending:
-                    study.enqueue_trial(params_of(config))
+                    study.enqueue_trial(params_of(config, tree))
         self._explore_left = budget
         if budget == 0:
             return
