@@ -10,6 +10,7 @@ import pytest
 from conftest import assert_refused, candidate, measurement, replay, stand_in_measuring
 from cptune import CPConfig, Workload, enumerate_configs
 from cptune.cli._common import documents, window
+from cptune.config import LAYOUTS
 from cptune.hardware import this_host
 from cptune.layout import layout_choices
 from cptune.masks import MAX_DOCUMENTS, read_documents
@@ -79,6 +80,17 @@ def test_a_bad_mask_is_one_line_and_exit_2_before_anything_runs(cptune_here, arg
 ])
 def test_a_bad_mask_flag_is_argparses_one_line(cptune_here, args, fragment):
     assert_refused(cptune_here(*args), fragment, prefix=f"cptune {args[0]}: error: ")
+
+
+def test_a_left_out_configuration_is_measured_alone_in_its_layout(cptune_here):
+    from cptune.cli import build_parser
+    from cptune.search import measure_command
+
+    command = measure_command(PACKED, CPConfig("ring", 2, layout="doc_whole"))
+    assert "--documents 16,32,48" in command and command.endswith("--layout doc_whole")
+    args = build_parser().parse_args(command.split()[1:])
+    assert (args.layout, args.documents, args.strategies, args.ranks) == ("doc_whole", (16, 32, 48),
+                                                                           ("ring",), (2,))
 
 
 def test_measure_refuses_a_layout_the_mask_cannot_use_before_anything_runs(cptune_here):
@@ -201,3 +213,64 @@ def test_a_results_listing_shows_the_mask_and_the_layout(cptune_here, tmp_path):
     assert (rows[1]["window"], rows[1]["sinks"], rows[1]["layout"]) == ([8, 0], 2, None)
     table = cptune_here("results", "--db", db, "--csv").stdout.splitlines()
     assert '"[16, 32, 48]"' in table[1] and "doc_whole" in table[1]
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_a_plan_carries_the_mask_and_each_buckets_layout_and_loads_back(tmp_path):
+    import jsonschema
+
+    from conftest import make_calibration
+    from cptune.plans import PlanMismatchError, load_plan, plan_schema
+    from cptune.plans.export import export_plan
+
+    db = str(tmp_path / "p.db")
+    fastest = CPConfig("ring", 2, layout="doc_whole")
+    with Store(db) as store:
+        store.add_calibration(this_host(), make_calibration(2))
+        for i, config in enumerate(enumerate_configs(PACKED, 2)):
+            ms = 1.0 if config == fastest else 5.0 + i
+            store.add_measurement(this_host(), measurement(PACKED, config, ms))
+    plan = export_plan([PACKED], db=db)
+    assert plan.shape == PACKED.shape and plan.buckets[0].config == fastest
+    path = plan.write(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, plan_schema(), cls=jsonschema.Draft202012Validator)
+    assert data["shape"]["documents"] == [16, 32, 48]
+    assert data["buckets"][0]["config"]["layout"] == "doc_whole"
+    assert data["buckets"][0]["label"] == "ring+doc_whole"
+    loaded = load_plan(path)
+    assert loaded.shape == PACKED.shape and loaded.select(PACKED) == fastest
+    with pytest.raises(PlanMismatchError, match="documents"):
+        loaded.select(Workload(seq_len=96, heads=4, head_dim=16, dtype="fp32", causal=True))
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda d: d["shape"].update(window=[4, 1, 2]), "window"),
+    (lambda d: d["shape"].update(sinks=-1), "sinks"),
+    (lambda d: d["shape"].update(documents=[]), "documents"),
+    (lambda d: d["buckets"][0]["config"].update(layout="diagonal"), "layout"),
+])
+def test_the_plan_schema_bounds_the_mask_and_the_layout(edit, fragment):
+    import jsonschema
+
+    from cptune.plans import plan_schema
+
+    schema = plan_schema()
+    shape = schema["properties"]["shape"]["properties"]
+    assert set(shape) >= {"window", "sinks", "documents", "text"}
+    assert shape["documents"]["oneOf"][0]["maxItems"] == MAX_DOCUMENTS
+    assert schema["$defs"]["config"]["properties"]["layout"]["enum"] == list(LAYOUTS)
+    data = {"shape": {"heads": 4, "kv_heads": 4, "head_dim": 16, "batch": 1, "dtype": "bf16",
+                      "causal": False},
+            "buckets": [{"config": {"strategy": "ring", "ranks": 2, "head_group": 1}}]}
+    edit(data)
+    part = {"type": "object", "properties": {
+        "shape": schema["properties"]["shape"],
+        "buckets": {"type": "array", "items": {"type": "object",
+                                               "properties": {"config": schema["$defs"]["config"]}}}},
+        "$defs": schema["$defs"]}
+    with pytest.raises(jsonschema.ValidationError) as refused:
+        jsonschema.validate(data, part, cls=jsonschema.Draft202012Validator)
+    assert fragment in str(list(refused.value.absolute_path)) + refused.value.message
