@@ -274,3 +274,17 @@ def test_the_plan_schema_bounds_the_mask_and_the_layout(edit, fragment):
     with pytest.raises(jsonschema.ValidationError) as refused:
         jsonschema.validate(data, part, cls=jsonschema.Draft202012Validator)
     assert fragment in str(list(refused.value.absolute_path)) + refused.value.message
+
+
+def test_a_report_draws_each_mask_and_layout_apart():
+    from cptune.report._data import family, slug
+
+    shapes = [Workload(96, 4, 16, causal=True).shape, PACKED.shape,
+              Workload(96, 4, 16, causal=True, documents=(48, 32, 16)).shape,
+              Workload(96, 4, 16, causal=True, window=(8, 0), sinks=2).shape,
+              Workload(96, 4, 16, text=8).shape,
+              Workload(96, 4, 16, causal=True, mode="train").shape]
+    names = [slug(shape) for shape in shapes]
+    assert names[0] == "4x16-bf16-causal" and len(set(names)) == len(names)
+    assert all(name.replace("-", "").replace("x", "").isalnum() for name in names)  # a file name's part
+    assert family(CPConfig("ring", 2, layout="doc_whole")) == "ring+doc_whole" != family(CPConfig("ring", 2))

@@ -7,7 +7,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from rich import box
 from rich.console import Console
@@ -381,7 +381,7 @@ def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
         raise UsageError(str(exc)) from None
 
 
-def mask_of(args: argparse.Namespace) -> dict[str, object]:
+def mask_of(args: argparse.Namespace) -> dict[str, Any]:
     """The mask's parts the flags give (``--window``, ``--sinks``, ``--documents``, ``--text``),
     as ``Workload``'s keyword arguments."""
     return {"window": args.window, "sinks": args.sinks, "documents": args.documents, "text": args.text}
