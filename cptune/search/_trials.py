@@ -99,11 +99,11 @@ def view_trial(row: Result) -> FrozenTrial:
     return optuna.trial.create_trial(
         state=TrialState.COMPLETE if ok else TrialState.FAIL,
         value=row.median_ms if ok else None,
-        params=config.to_dict() | {"layout": _layout_name(config.layout)},
+        params=config.to_dict(),  # a layout only where it is not the workload's default
         distributions={"strategy": CategoricalDistribution(STRATEGIES),
                        "ranks": IntDistribution(1, config.ranks),
                        "head_group": IntDistribution(1, config.ranks),
-                       "layout": CategoricalDistribution((DEFAULT_LAYOUT, *LAYOUTS))},
+                       **({"layout": CategoricalDistribution(LAYOUTS)} if config.layout else {})},
         user_attrs={"measurement_id": row.id, "label": config.label, "status": row.status,
                     "p10_ms": row.p10_ms, "p90_ms": row.p90_ms, "error": row.error,
                     "oversubscribed": row.oversubscribed, "excluded": row.excluded,
