@@ -177,6 +177,18 @@ def test_a_search_of_a_packed_workload_stores_each_layout_and_resumes(tmp_path, 
         assert {view_trial(row).params.get("layout") for row in stored} == offered
 
 
+@pytest.mark.slow
+def test_a_packed_workload_searched_on_real_ranks_stores_each_layouts_clean_run(tmp_path):
+    """Two configurations that differ only in their layout, on two mpi ranks: each checked
+    against the reference with the mask and stored under its own layout."""
+    configs = [CPConfig("ring", 2), CPConfig("ring", 2, layout="doc_whole")]
+    with Store(str(tmp_path / "real.db")) as store:
+        visits = WorkloadSearch(PACKED, configs, store, this_host(), warmup=0, repeats=1, rounds=1,
+                                race_rounds=0).run()
+        assert {v.config for v in visits} == set(configs) and all(v.status == "ok" for v in visits)
+        assert {r.config for r in store.results(workload=PACKED) if r.clean} == set(configs)
+
+
 # --------------------------------------------------------------------------- the model's features
 
 
