@@ -128,6 +128,34 @@ def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
     return zeroed + real * merged + cast_back, 2 + real * merge.kernels + cast_kernels
 
 
+class BlockCalls(NamedTuple):
+    """The busiest rank's attention calls and merges where AllGather-KV's gathered keys are
+    attended block by block (``block_calls``)."""
+
+    calls: int
+    #: Bytes through device memory of the merges, and their kernels.
+    merge_bytes: int
+    merge_kernels: int
+
+
+def block_calls(workload: Workload, config: CPConfig) -> BlockCalls:
+    """AllGather-KV's gathered keys attended block by block, as torch's
+    ``_templated_ring_attention`` with its all-gather rotater (xDiT's and SGLang's ring) and
+    diffusers' ``ring_degree`` run them: after the same all-gather, one call per K/V block the
+    busiest rank sees (c; under a causal mask without load balance the last of c contiguous
+    blocks sees all c), each after the first merged eagerly into a float32 output as
+    ``_SDPAMerger`` and diffusers do (the update ring-flash-attn runs: MERGE_FP32_PASSES * 4 + w
+    bytes per output element, MERGE_KERNELS kernels). What ``analytic_cost`` counts otherwise
+    (FLOPs, the all-gather, the rest) is the same. Forward AllGather-KV only."""
+    if config.strategy != "allgather_kv" or workload.training:
+        raise ValueError("block_calls counts a forward AllGather-KV's keys attended block by block")
+    z = _sizes(workload, config)
+    c = config.context_degree
+    elements = workload.batch * z.block_tokens * z.local_heads * workload.head_dim
+    per_element = MERGE_FP32_PASSES * FP32_BYTES + workload.wire_dtype.itemsize
+    return BlockCalls(c, (c - 1) * elements * per_element, (c - 1) * MERGE_KERNELS)
+
+
 @dataclass(frozen=True)
 class AnalyticCost:
     """Per-rank physical terms of one (workload, config) pair."""
@@ -179,7 +207,9 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     """The most (query, key) pairs any context block's real queries attend to
     (``_visible_pairs``), from at most eight blocks whatever the context degree c.
 
-    Padding sits at the end, so without zigzag block 0 is the busiest. With zigzag block g
+    Padding sits at the end, so without zigzag block 0 is the busiest unmasked; under a causal
+    mask a contiguous block sees every key before it, so the last holding a real token is (a
+    ring without load balance: rank r computes r + 1 of c blocks). With zigzag block g
     holds chunks g and 2c - 1 - g of L positions; a chunk's pairs grow with its index up to
     the chunk i0 where the real tokens end, which holds some, and those after it hold none.
     Over the blocks whose second chunk is padding the pairs grow with g; over those whose two
@@ -187,7 +217,10 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     with g: the busiest is one of the blocks where these regions meet."""
     c = layout.context_degree
     if not layout.zigzag:
-        return _visible_pairs(layout, 0)
+        if not layout.workload.causal or layout.layout != "contiguous":
+            return _visible_pairs(layout, 0)
+        last_real = (layout.workload.seq_len - 1) // (layout.padded_len // c)
+        return _visible_pairs(layout, min(c - 1, last_real))
     ends = layout.workload.seq_len // (layout.padded_len // (2 * c))  # i0
     near = {0, c - 1, ends - 1, ends, ends + 1, 2 * c - 2 - ends, 2 * c - 1 - ends, 2 * c - ends}
     return max(_visible_pairs(layout, g) for g in near if 0 <= g < c)

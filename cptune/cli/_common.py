@@ -83,11 +83,14 @@ def show_framework_choice(
 ) -> None:
     """One length's answer for a framework: what runs and at what cost, its settings as the
     framework takes them (indented, to copy), the launch line and what the user must also do."""
-    cost = "yellow" if substitution.chosen.config != substitution.pick.config else "bold green"
-    say(console, (heading, "bold"), " ", (substitution.describe(), cost))
+    kept = substitution.chosen.config == substitution.pick.config and substitution.as_cptune_runs
+    say(console, (heading, "bold"), " ", (substitution.describe(), "bold green" if kept else "yellow"))
     for line in spelling.code.splitlines():
         say(console, f"    {line}")
-    say(console, ("  launch:", "dim"), f" {spelling.launch}")
+    launches = spelling.launch.splitlines()  # one per node on several
+    for node, line in enumerate(launches):
+        label = "  launch:" if len(launches) == 1 else f"  launch on node {node}:"
+        say(console, (label, "dim"), f" {line}")
     for need in spelling.needs:
         say(console, ("  needs:", "dim"), f" {need}")
 

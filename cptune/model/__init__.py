@@ -8,6 +8,7 @@ configuration from the best evidence (``_recommend``). Imported on first use by 
 it brings scikit-learn and SQLAlchemy, which the ranks never need.
 """
 
+from cptune.model._as_run import PricedAsRun, price_as_run, prior_as_run
 from cptune.model._cost_model import Case, CostModel, TrainingSet, training_set
 from cptune.model._evaluation import (
     CorrectionDecision,
@@ -42,6 +43,7 @@ __all__ = [
     "DescribedProfile",
     "GroupScore",
     "MeasuredHost",
+    "PricedAsRun",
     "Profile",
     "Recommendation",
     "Tie",
@@ -57,9 +59,11 @@ __all__ = [
     "load_training",
     "predict_for",
     "predicted",
+    "price_as_run",
     "prior_ties",
     "STRUCTURAL_ERROR",
     "STRUCTURE",
+    "prior_as_run",
     "prior_time",
     "recommend",
     "tier_split",
