@@ -97,6 +97,9 @@ def test_measure_refuses_a_layout_the_mask_cannot_use_before_anything_runs(cptun
     result = cptune_here("measure", "--seq-len", "64", "--ranks", "2", "--strategies", "ring",
                          "--layout", "doc_whole")
     assert_refused(result, "layout doc_whole", "packs none (--documents)")
+    graph = cptune_here("export-graph", "--seq-len", "64", "--heads", "4", "--head-dim", "16",
+                        "--strategy", "ring", "--ranks", "2", "--layout", "doc_whole", "-o", "unwritten")
+    assert_refused(graph, "whole documents cannot run", "layouts that fit: contiguous, zigzag, striped")
 
 
 def test_the_flags_of_a_masked_workload_read_back_as_it(cptune_here):
