@@ -8,6 +8,7 @@ on any GPU.
 
     python benchmarks/mix_solver.py --speed [--out FILE]
     python benchmarks/mix_solver.py --quality 200 [--out FILE]
+    python benchmarks/mix_solver.py --peers [--out FILE]
 
 ``--speed``: ``plan_batch`` on 512 sequences over 64 ranks (8 nodes of ``h100-sxm-2x8-ib``) and
 4,096 over 1,024 (128 nodes), the median of 5 calls after one warm call, wall and this process's
@@ -16,11 +17,19 @@ CPU seconds (on a shared host the CPU time is the steadier), beside reading the 
 ``--quality N``: N random batches of 2-16 sequences on 2-8 ranks of ``h100-sxm-8`` (the rank
 count and the batch drawn at random), the fast plan's makespan over the MILP's, how many are
 within 2%, the worst, and how many are no slower than one group of all ranks.
+``--peers``: one stated batch (64 sequences of the mix, seed 60) on ``h100-sxm-8`` and
+``h100-sxm-2x8-ib``, the predicted makespan of (a) one group of all ranks in its best
+configuration, (b) FlexSP's space (pure Ulysses groups of power-of-two sizes, our solver within
+it), (c) Megatron's dynamic-CP rule as read here: a sequence of L tokens in a Ring group of
+2^ceil(log2(L / 16,384)) ranks (16,384 tokens per rank stated), each size given ranks in
+proportion to its sequences' L^2 / cp, longest L^2 / cp first into the least loaded group of its
+size, and (d) cptune's plan. Predicted, not measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -31,8 +40,17 @@ from pathlib import Path
 import numpy as np
 from _provenance import command, commit
 
+from cptune.config import CPConfig
 from cptune.hardware import builtin_descriptions
-from cptune.mixes import LengthMix, MixError, exact_batch_plan, mix_costs, one_group_plan, plan_batch
+from cptune.mixes import (
+    LengthMix,
+    MixCosts,
+    MixError,
+    exact_batch_plan,
+    mix_costs,
+    one_group_plan,
+    plan_batch,
+)
 from cptune.workload import Workload
 
 SHAPE = Workload(seq_len=1024, heads=32, kv_heads=8, head_dim=128, causal=True, mode="train").shape
@@ -121,10 +139,56 @@ def quality(count: int, lines: list[str]) -> None:
     print("\n".join(lines[-3:]))
 
 
+#: Megatron's ``max_seqlen_per_dp_cp_rank`` as stated for ``--peers``.
+PER_RANK = 16384
+
+
+def megatron(costs: MixCosts, batch: list[int], ranks: int) -> float:
+    """The predicted makespan of Megatron's dynamic-CP rule as read here (module docstring)."""
+    size = {s: 2 ** math.ceil(math.log2(max(1.0, n / PER_RANK))) for s, n in enumerate(batch)}
+    work = {s: batch[s] ** 2 / size[s] for s in size}
+    by_size: dict[int, float] = {}
+    for s, g in size.items():
+        by_size[g] = by_size.get(g, 0.0) + work[s]
+    total = sum(by_size.values())
+    groups = {g: max(1, int(ranks * share / total) // g) for g, share in by_size.items()}
+    while sum(g * k for g, k in groups.items()) > ranks:  # one group a size overshot: take from the most
+        spare = [x for x in groups if groups[x] > 1]
+        if not spare:
+            return math.inf  # the sizes the rule asks for do not fit in the ranks side by side
+        groups[max(spare, key=lambda x: groups[x] * x)] -= 1
+    rows = {g: costs.configs.index(CPConfig("ring", g) if g > 1 else CPConfig("ring", 1)) for g in groups}
+    loads = {g: [0.0] * k for g, k in groups.items()}
+    times = costs.times(batch)
+    for s in sorted(size, key=lambda s: -work[s]):
+        g = size[s]
+        k = min(range(len(loads[g])), key=lambda i: loads[g][i])
+        loads[g][k] += float(times[rows[g], s])
+    return max(max(v) for v in loads.values())
+
+
+def peers(lines: list[str]) -> None:
+    batch = draw(np.random.default_rng(60), 64)
+    lines.append(f"batch: {LengthMix.of(batch).describe()}: {batch}")
+    lines.append("hardware          ranks  (a) one group  (b) FlexSP space  (c) Megatron rule  (d) cptune  "
+                 "plan")
+    for hardware, ranks in (("h100-sxm-8", 8), ("h100-sxm-2x8-ib", 16)):
+        costs = mix_costs(SHAPE, LengthMix.of(batch), ranks, hardware=hardware)
+        one = one_group_plan(costs, batch).makespan_ms
+        pure = plan_batch(costs, batch, allowed=lambda c: c.ranks & (c.ranks - 1) == 0
+                          and (c.strategy == "ulysses" or c.ranks == 1)).makespan_ms
+        rule = megatron(costs, batch, ranks)
+        plan = plan_batch(costs, batch)
+        lines.append(f"{hardware:<16}  {ranks:>5}  {one:>13.4g}  {pure:>16.4g}  {rule:>17.4g}  "
+                     f"{plan.makespan_ms:>10.4g}  {plan.describe()}")
+        print(lines[-1], flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--quality", type=int, default=0, metavar="N")
+    parser.add_argument("--peers", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     lines = [f"# {command('mix_solver.py', argv)}", f"# commit {commit()}, "
@@ -133,6 +197,8 @@ def main(argv: list[str]) -> int:
         speed(lines)
     if args.quality:
         quality(args.quality, lines)
+    if args.peers:
+        peers(lines)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,8 +105,15 @@ class _Problem:
     ``ranks`` ranks, without the configurations no plan needs: those needing more ranks, those
     that run none of the batch, and those another of their size is never slower than."""
 
-    def __init__(self, costs: MixCosts, lengths: np.ndarray, ranks: int) -> None:
-        rows = costs.undominated[costs.sizes[costs.undominated] <= ranks]
+    def __init__(self, costs: MixCosts, lengths: np.ndarray, ranks: int,
+                 allowed: Callable[[CPConfig], bool] | None = None) -> None:
+        if allowed is None:
+            rows = costs.undominated[costs.sizes[costs.undominated] <= ranks]
+        else:  # another of its size may beat an allowed one
+            rows = np.array([i for i, c in enumerate(costs.configs) if c.ranks <= ranks and allowed(c)],
+                            dtype=np.int64)
+            if not rows.size:
+                raise MixError("no configuration on these ranks is allowed")
         t = costs.times(lengths, rows=rows)
         sizes = costs.sizes[rows]
         kept: list[int] = []
@@ -428,12 +435,13 @@ def _pairs(members: np.ndarray) -> list[tuple[int, ...]]:
     return [(a, b) for i, a in enumerate(listed) for b in listed[i + 1:]]
 
 
-def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None) -> _Problem:
+def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None,
+             allowed: Callable[[CPConfig], bool] | None = None) -> _Problem:
     batch = lengths if isinstance(lengths, LengthMix) else LengthMix.of(lengths)
     top = costs.ranks if ranks is None else ranks
     if not 1 <= top <= costs.ranks:
         raise MixError(f"ranks must be between 1 and the {costs.ranks} these costs were read for, got {top}")
-    return _Problem(costs, batch.lengths, top)
+    return _Problem(costs, batch.lengths, top, allowed)
 
 
 def one_group_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None
@@ -490,11 +498,14 @@ def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
 
 
 def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
-               rounds: int = NEIGHBOUR_ROUNDS) -> BatchPlan:
+               rounds: int = NEIGHBOUR_ROUNDS, allowed: Callable[[CPConfig], bool] | None = None
+               ) -> BatchPlan:
     """The fast solver's plan for the batch ``lengths`` on ``ranks`` ranks (default: all the
     costs were read for); see the module docstring. ``rounds``: how many times at most the
-    partitions next to the best one are tried. ``MixError`` when a sequence fits nowhere."""
-    problem = _problem(costs, lengths, ranks)
+    partitions next to the best one are tried; ``allowed``: only the configurations it accepts
+    (a narrower space, e.g. Ulysses on powers of two, FlexSP's). ``MixError`` when a sequence
+    fits nowhere."""
+    problem = _problem(costs, lengths, ranks, allowed)
     sizes, best = _best_by_size(problem)
     top = problem.ranks
     tries = []
