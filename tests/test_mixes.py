@@ -154,7 +154,7 @@ def test_a_batch_plan_splits_the_ranks_into_groups_of_any_size() -> None:
     assert plan.to_dict()["makespan_ms"] == plan.makespan_ms
     pure = plan_batch(costs, batch, allowed=lambda c: c.strategy == "ulysses" or c.ranks == 1)
     assert all(g.config.strategy == "ulysses" or g.config.ranks == 1 for g in pure.groups)
-    assert pure.makespan_ms >= plan.makespan_ms * (1 - 0.02)  # a narrower space, no better beyond the heuristic
+    assert pure.makespan_ms >= plan.makespan_ms * (1 - 0.02)  # a narrower space: no better (but heuristics)
     with pytest.raises(MixError, match="between 1 and the 7"):
         plan_batch(costs, batch, ranks=8)
 
