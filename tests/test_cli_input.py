@@ -50,7 +50,7 @@ def db(tmp_path):
 
 @pytest.mark.parametrize("args, prefix, fragment", [
     (["search", "--seq-lens", "64,x"], "cptune search: error: ", "argument --seq-lens"),
-    (["recommend", "--heads", "8"], "cptune recommend: error: ", "--seq-len"),
+    (["recommend", "--heads", "8"], "cptune recommend: error: ", "--head-dim"),
     (["results", "--frobnicate"], "cptune results: error: ", "unrecognized arguments: --frobnicate"),
     # counts say their range: from 0 where 0 is allowed, from 1 where it is not
     (["search", "--race-rounds", "-1"], "cptune search: error: ",

@@ -182,7 +182,6 @@ def test_recommend_takes_a_mix_or_a_batch(cptune_here: Any, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("words", "says"), [
-    (["--seq-len", "4", "--lengths", "{mix}"], "not --seq-len and --lengths"),
     (["--exact", "--seq-len", "4"], "--exact solves a batch"),
     (["--lengths", "{bad}"], "line 1"),
     (["--batch-lengths", "{huge}"], "needs at least"),
@@ -197,3 +196,13 @@ def test_bad_mixes_are_refused_in_one_line(cptune_here: Any, tmp_path: Path, wor
     (tmp_path / "huge.txt").write_text(f"{1 << 26}\n")
     files = {"mix": tmp_path / "mix.txt", "bad": tmp_path / "bad.txt", "huge": tmp_path / "huge.txt"}
     assert_refused(cptune_here(*FLAGS, *(w.format(**files) for w in words)), says)
+
+
+def test_one_way_to_give_the_lengths(cptune_here: Any, tmp_path: Path) -> None:
+    from conftest import assert_refused
+
+    (tmp_path / "mix.txt").write_text("512\n")
+    assert_refused(cptune_here(*FLAGS, "--seq-len", "4", "--lengths", tmp_path / "mix.txt"),
+                   "--lengths: not allowed with argument --seq-len", prefix="cptune recommend: error: ")
+    assert_refused(cptune_here(*FLAGS), "one of the arguments --seq-len --lengths --batch-lengths is "
+                   "required", prefix="cptune recommend: error: ")

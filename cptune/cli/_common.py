@@ -240,15 +240,16 @@ def add_workload_flags(
     defaults: dict[str, int] | None = None,
     with_strategies: bool = False,
     with_mode: bool = True,
-    length_optional: bool = False,
-) -> None:
+    length_choices: bool = False,
+) -> argparse._MutuallyExclusiveGroup | None:
     """The flags that describe one attention layer, in a group of their own: ``--seq-lens``
     (several; with ``lengths``) or ``--seq-len``, ``--heads``, ``--kv-heads``, ``--head-dim``,
     ``--batch``, ``--dtype``, ``--causal``, ``--mode``; ``required``: the length, heads and head_dim must
     be given; ``defaults`` for those (``cptune measure``'s demo shape); ``with_strategies``:
     also ``--strategies``; ``with_mode``: ``--mode`` (not where only the forward exists: the
-    exported inference graphs); ``length_optional``: ``--seq-len`` not required even so (the
-    command takes the lengths another way too)."""
+    exported inference graphs); ``length_choices``: ``--seq-len`` in a group of flags of which
+    exactly one is given (required where ``required``), returned for the others that give the
+    lengths another way."""
     d = defaults or {}
 
     def shown(name: str, what: str) -> str:
@@ -258,9 +259,10 @@ def add_workload_flags(
     if lengths:
         group.add_argument("--seq-lens", type=seq_lens, help="sequence lengths, e.g. 1024,2048")
     else:
-        group.add_argument("--seq-len", type=positive, default=d.get("seq_len"),
-                           required=required and not length_optional,
-                           help=shown("seq_len", "tokens per sequence"))
+        length_group = group.add_mutually_exclusive_group(required=required) if length_choices else group
+        length_group.add_argument("--seq-len", type=positive, default=d.get("seq_len"),
+                             required=required and not length_choices,
+                             help=shown("seq_len", "tokens per sequence"))
     group.add_argument("--heads", type=positive, default=d.get("heads"), required=required,
                        help=shown("heads", "query heads"))
     group.add_argument("--kv-heads", type=positive, default=None,
@@ -289,6 +291,7 @@ def add_workload_flags(
     if with_strategies:
         group.add_argument("--strategies", type=strategies, default=None,
                            help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
+    return length_group if length_choices and not lengths else None
 
 
 def add_backend(parser: argparse.ArgumentParser) -> None:

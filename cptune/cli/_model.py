@@ -68,19 +68,19 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             "elsewhere, and say why the others cannot run."
         ),
     )
-    add_workload_flags(rec, required=True, length_optional=True)
-    mixes = rec.add_argument_group("sequences of many lengths (docs/mixes.md), instead of --seq-len")
-    mixes.add_argument("--lengths", metavar="FILE",
-                       help="a length mix: one length a line, a JSON list or histogram {\"length\": count}, "
-                            "or a .npy array; the one configuration with the lowest expected time per "
-                            "sequence, its p90/p99, and a bucketed plan")
-    mixes.add_argument("--batch-lengths", metavar="FILE",
-                       help="one batch's lengths (the same forms): the ranks split into CP groups, a "
-                            "configuration each and the sequences each runs, for the least predicted "
-                            "makespan")
-    mixes.add_argument("--exact", action="store_true",
-                       help="with --batch-lengths: solve it exactly (a MILP; small batches only) as well as "
-                            "fast")
+    lengths = add_workload_flags(rec, required=True, length_choices=True)
+    assert lengths is not None
+    lengths.add_argument("--lengths", metavar="FILE",
+                         help="a length mix: one length a line, a JSON list or histogram {\"length\": "
+                              "count}, or a .npy array (docs/mixes.md): the one configuration with the "
+                              "lowest expected time per sequence, its p90/p99, and a bucketed plan")
+    lengths.add_argument("--batch-lengths", metavar="FILE",
+                         help="one batch's lengths (the same forms): the ranks split into CP groups, a "
+                              "configuration each and the sequences each runs, for the least predicted "
+                              "makespan")
+    rec.add_argument("--exact", action="store_true",
+                     help="with --batch-lengths: solve it exactly (a MILP; small batches only) as well "
+                          "as fast")
     rec.add_argument("--ranks", type=positive,
                      help="exactly this many ranks (default: any up to the hardware's; with "
                           "--batch-lengths: the ranks the groups share)")
@@ -160,18 +160,12 @@ def run_fit(args: argparse.Namespace, console: Console) -> int:
 def run_recommend(args: argparse.Namespace, console: Console) -> int:
     from cptune.model import recommend
 
-    given = [flag for flag, value in (("--seq-len", args.seq_len), ("--lengths", args.lengths),
-                                      ("--batch-lengths", args.batch_lengths)) if value is not None]
-    if len(given) != 1:
-        raise UsageError(f"give one of --seq-len, --lengths FILE or --batch-lengths FILE, not "
-                         f"{' and '.join(given)}"
-                         if given else "give the sequence length: --seq-len N, --lengths FILE or "
-                                       "--batch-lengths FILE")
     if args.exact and args.batch_lengths is None:
         raise UsageError("--exact solves a batch: give --batch-lengths FILE")
     if args.seq_len is None:
         if args.framework or args.nodes:
-            raise UsageError(f"{'--for' if args.framework else '--nodes'} takes --seq-len, not {given[0]}")
+            given = "--lengths" if args.lengths is not None else "--batch-lengths"
+            raise UsageError(f"{'--for' if args.framework else '--nodes'} takes --seq-len, not {given}")
         return _mixes(args, console)
     workload = workload_of(args, args.seq_len)
     framed = None
