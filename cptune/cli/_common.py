@@ -259,8 +259,8 @@ def add_workload_flags(
     if lengths:
         group.add_argument("--seq-lens", type=seq_lens, help="sequence lengths, e.g. 1024,2048")
     else:
-        length_group = group.add_mutually_exclusive_group(required=required) if length_choices else group
-        length_group.add_argument("--seq-len", type=positive, default=d.get("seq_len"),
+        choice = group.add_mutually_exclusive_group(required=required) if length_choices else None
+        (choice or group).add_argument("--seq-len", type=positive, default=d.get("seq_len"),
                              required=required and not length_choices,
                              help=shown("seq_len", "tokens per sequence"))
     group.add_argument("--heads", type=positive, default=d.get("heads"), required=required,
@@ -291,7 +291,7 @@ def add_workload_flags(
     if with_strategies:
         group.add_argument("--strategies", type=strategies, default=None,
                            help=f"comma-separated subset of {','.join(STRATEGIES)} (default: all)")
-    return length_group if length_choices and not lengths else None
+    return None if lengths else choice
 
 
 def add_backend(parser: argparse.ArgumentParser) -> None:
