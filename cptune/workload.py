@@ -231,6 +231,24 @@ class AttentionShape:
             parts.append(f"joint, {self.text} text tokens")
         return ", ".join(parts)
 
+    def mask_label(self) -> str:
+        """The mask in a table's few words: "full", "causal", "causal, docs 8x2048",
+        "causal, window 1024,0 +4 sinks", "text 512"."""
+        parts = ["causal"] if self.causal else []
+        if self.window:
+            sinks = f" +{self.sinks} sinks" if self.sinks else ""
+            parts.append(f"window {self.window[0]},{self.window[1]}{sinks}")
+        lengths = self.documents.lengths
+        if self.documents.every:
+            parts.append(f"docs of {self.documents.every}")
+        elif lengths:
+            same = len(set(lengths)) == 1
+            parts.append(f"docs {len(lengths)}x{lengths[0]}" if same else
+                         f"docs {len(lengths)} ({min(lengths)}-{max(lengths)})")
+        if self.text:
+            parts.append(f"text {self.text}")
+        return ", ".join(parts) or "full"
+
     def describe(self) -> str:
         """E.g. "16/4kv heads x d128, batch 1, bf16 causal", "..., bf16 causal, train"."""
         kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"

@@ -18,6 +18,7 @@ from cptune.cli._common import (
     add_framework_flag,
     add_given_flags,
     add_host_backend,
+    add_layout_flag,
     add_workload_flags,
     figures_of,
     positive,
@@ -111,6 +112,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     graph.add_argument("--ranks", type=positive, required=True, help="ranks (one graph each)")
     graph.add_argument("--head-group", type=positive, default=None,
                        help="Ulysses degree u (default: all ranks for ulysses, else 1)")
+    add_layout_flag(graph)
     graph.add_argument("-o", "--output-dir", required=True, help="directory to write the graphs into")
 
 
@@ -226,7 +228,7 @@ def run_export_graph(args: argparse.Namespace, console: Console) -> int:
 
     workload = workload_of(args, args.seq_len)
     try:
-        config = CPConfig(args.strategy, args.ranks, args.head_group)
+        config = CPConfig(args.strategy, args.ranks, args.head_group, args.layout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
