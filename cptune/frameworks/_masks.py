@@ -46,9 +46,12 @@ def thd(shape: AttentionShape, config: CPConfig, seq_len: int) -> tuple[list[int
     cu = [0, *accumulate(lengths)]
     cu_padded = [0, *accumulate(grown)]
     extra = cu_padded[-1] - seq_len
+    c = config.context_degree
+    priced = (f"priced as cptune's per-document zigzag, which pads each to a multiple of 2 x {c}" if c > 1
+              else "not priced: cptune's Ulysses attends the documents unpadded")
     cost = (f"each document padded to a multiple of 2 x {config.ranks} = {multiple} tokens "
             f"(cu_seqlens_padded): {seq_len} tokens become {cu_padded[-1]} (+{100 * extra / seq_len:.1f}%; "
-            f"priced as cptune's per-document zigzag, which pads to 2 x {config.context_degree})")
+            f"{priced})")
     return cu, cu_padded, cost
 
 
