@@ -204,3 +204,12 @@ def test_a_mask_no_ranked_configuration_of_a_framework_runs_is_refused_in_one_li
     with pytest.raises(FrameworkError, match=r"yunchang runs none of the 2 .*Ulysses alone") as raised:
         choose(FRAMEWORKS["yunchang"], WINDOW, 8192, ranked)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name", ["sglang", "vllm-omni"])
+def test_frameworks_whose_mask_settings_were_not_read_refuse_a_mask_rather_than_export_it_plain(name):
+    full = AttentionShape(heads=32, kv_heads=32, head_dim=128, batch=1, dtype="bf16", causal=False,
+                          window=(1024, 1024))
+    reason = get_framework(name).refusal(full, CPConfig("ulysses", 8))
+    assert reason and "has not read" in reason and "a sliding window" in reason
+    assert get_framework(name).refusal(JOINT, CPConfig("ulysses", 8)) is None  # joint text: full attention

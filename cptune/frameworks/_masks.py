@@ -61,3 +61,12 @@ def mask_words(shape: AttentionShape) -> str:
     parts += ["attention sinks"] if shape.sinks else []
     parts += ["packed documents"] if shape.documents else []
     return " and ".join(parts)
+
+
+def unread_mask(framework: str, shape: AttentionShape) -> str | None:
+    """Why ``framework``, whose mask settings cptune has not read from its source, is not
+    exported for ``shape``'s mask beyond full and causal; None for a plain one."""
+    if not mask_words(shape):
+        return None
+    return (f"cptune has not read how {framework} runs {mask_words(shape)} under context parallelism: "
+            f"export for transformer-engine or megatron, which take them")
