@@ -213,3 +213,11 @@ def test_frameworks_whose_mask_settings_were_not_read_refuse_a_mask_rather_than_
     reason = get_framework(name).refusal(full, CPConfig("ulysses", 8))
     assert reason and "has not read" in reason and "a sliding window" in reason
     assert get_framework(name).refusal(JOINT, CPConfig("ulysses", 8)) is None  # joint text: full attention
+
+
+def test_te_thd_padding_sits_between_the_documents_where_no_query_attends_it():
+    _quoted("transformer-engine", "Cumulative sum of sequence lengths (without offset) in a batch for",
+            "Cumulative sum of sequence lengths (with offset) in a batch for",
+            "If ``True``, there are padding tokens between individual sequences in a packed batch.")
+    need = get_framework("transformer-engine").spell(DOCS, CPConfig("ulysses", 8), 8192).needs[0]
+    assert "attended by no query" in need and "not priced" in need

@@ -38,8 +38,10 @@ def thd(shape: AttentionShape, config: CPConfig, seq_len: int) -> tuple[list[int
     """(cu_seqlens, cu_seqlens_padded, what the padding costs) of ``shape``'s packed documents
     at ``seq_len`` as TransformerEngine's THD format takes them: it cuts every document into 2 x
     cp chunks, so each is padded to a multiple of 2 x cp (cp: every rank of the context group,
-    its a2a part included); the padded tokens are attended as the documents' own, so they cost
-    work and traffic beyond cptune's per-document zigzag (which pads to 2 x its context degree)."""
+    its a2a part included). The padding sits between the documents (``cu_seqlens`` without it,
+    ``cu_seqlens_padded`` with it), so no query attends it: it is held and moved, as cptune's
+    per-document zigzag holds and moves its own padding (to a multiple of 2 x its context degree),
+    and what TransformerEngine pads beyond that is stated, not priced."""
     lengths = shape.at(seq_len).document_lengths
     multiple = 2 * config.ranks
     grown = [padded(n, multiple) for n in lengths]
@@ -47,8 +49,9 @@ def thd(shape: AttentionShape, config: CPConfig, seq_len: int) -> tuple[list[int
     cu_padded = [0, *accumulate(grown)]
     extra = cu_padded[-1] - seq_len
     c = config.context_degree
-    priced = (f"priced as cptune's per-document zigzag, which pads each to a multiple of 2 x {c}" if c > 1
-              else "not priced: cptune's Ulysses attends the documents unpadded")
+    priced = ("padding between the documents, attended by no query: held and moved" +
+              (f" as cptune's per-document zigzag pads each to a multiple of 2 x {c}; beyond that not priced"
+               if c > 1 else "; not priced (cptune's Ulysses moves the documents unpadded)"))
     cost = (f"each document padded to a multiple of 2 x {config.ranks} = {multiple} tokens "
             f"(cu_seqlens_padded): {seq_len} tokens become {cu_padded[-1]} (+{100 * extra / seq_len:.1f}%; "
             f"{priced})")
