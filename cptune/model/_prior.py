@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cptune._position_work import blocks_work, busiest, counted_by_position
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
 from cptune.cost import BACKWARD_FLOPS_RATIO, COLLECTIVES, analytic_cost
@@ -120,9 +121,17 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     every block: in one call over the keys in position order (AllGather-KV, Ulysses, one rank)
     or one call per block (Ring).
     Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
-    0.1% and the useful FLOPs stand for it."""
+    0.1% and the useful FLOPs stand for it. A workload with a mask beyond full or causal, or a
+    layout beyond the default, is counted from its plan (``cptune._position_work``): the
+    fused calls' pairs (a call masked by position computes its whole rectangle), or the numpy
+    kernel's row blocks' segments, of the block with the most."""
     check_kernel(kernel)
     cost = analytic_cost(workload, config)
+    if counted_by_position(workload, config):  # a mask or a layout beyond the default: its plan's
+        per_head = 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group)
+        numpy = kernel == "numpy" and cost.padded_seq_len <= EXACT_KERNEL_WORK_TOKENS
+        work = busiest(blocks_work(workload, config, numpy), kernel if numpy else "fused")
+        return per_head * (work.numpy_pairs if numpy else work.fused_pairs)
     if kernel == "fused" or not workload.causal or cost.padded_seq_len > EXACT_KERNEL_WORK_TOKENS:
         return cost.flops
     layout = SequenceLayout(workload, config)
@@ -138,6 +147,15 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
         for g in blocks
     )
     return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
+
+
+def _calls(workload: Workload, config: CPConfig) -> int:
+    """The fused calls the busiest rank makes (``cptune.calls``): in closed form for a plain
+    workload (``busiest_calls``), from its plan for one counted by position (many short
+    documents: many small calls, each paying the kernel's fixed cost)."""
+    if counted_by_position(workload, config):
+        return busiest(blocks_work(workload, config)).fused_calls
+    return busiest_calls(SequenceLayout(workload, config))
 
 
 def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
@@ -156,7 +174,7 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     cost = analytic_cost(workload, config, profile.stream, profile.position_calls)
     n, u, c = config.ranks, config.head_group, config.context_degree
     one_per_step = cost.kernels["attention"]
-    calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
+    calls = _calls(workload, config) if profile.position_calls else one_per_step
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
     compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
@@ -207,8 +225,7 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     sent = {kind: train.bytes_sent[kind] - alone.bytes_sent[kind] for kind in COLLECTIVES}
     steps = {kind: train.comm_steps[kind] - alone.comm_steps[kind] for kind in COLLECTIVES}
     n, c = config.ranks, config.context_degree
-    calls = (busiest_calls(SequenceLayout(forward, config)) if profile.position_calls
-             else alone.kernels["attention"])
+    calls = _calls(forward, config) if profile.position_calls else alone.kernels["attention"]
     forward_flops = computed_flops(forward, config, profile.attention_kernel)
     # each call at the rate of its own work: no step of the backward's Ring is charged apart
     # (a calibrated host's merges and query re-reads are the forward's), so what each of its
