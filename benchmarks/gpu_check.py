@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -293,13 +294,18 @@ def correctness(device: str, smoke: bool, say: Callable[[str], None]) -> list[st
     for world in WORLDS:
         command_line = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={world}", str(Path(__file__).parent / "torch_ranks.py"), *args]
+        # a session of its own, so that a hang takes the launcher's ranks down with it
+        launched = subprocess.Popen(command_line, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
         try:
-            done = subprocess.run(command_line, capture_output=True, text=True, timeout=240,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            stdout, stderr = launched.communicate(timeout=240)
         except subprocess.TimeoutExpired:
+            os.killpg(launched.pid, signal.SIGKILL)
+            launched.communicate()
             problems.append(f"{world} ranks: did not finish within 240 s")
             say(problems[-1])
             continue
+        done = subprocess.CompletedProcess(command_line, launched.returncode, stdout, stderr)
         if done.returncode != 0 or not done.stdout.strip():
             problems.append(f"{world} ranks: exit {done.returncode}: {done.stderr.strip()[-600:]}")
             say(problems[-1])
