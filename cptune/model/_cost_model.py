@@ -86,6 +86,19 @@ class Case:
         return self.profile.fingerprint, self.config, self.workload.shape
 
 
+def mask_features(workload: Workload, config: CPConfig) -> tuple[float, ...]:
+    """What a mask and a layout change, each the same for every plain workload in its default
+    layout (so plain rows pool as before, and masked ones are told apart where they differ):
+    the share of the plain mask's area the mask leaves, log2 of the documents packed, the
+    window's reach as a share of the sequence, the text's share, whether the layout is one
+    beyond the default."""
+    plain = workload.seq_len * (workload.seq_len + 1) // 2 if workload.causal else workload.seq_len ** 2
+    area = workload.mask.area if workload.masked else plain
+    reach = max(workload.window) / workload.seq_len if workload.window else 0.0
+    return (area / plain, float(np.log2(len(workload.document_lengths))), reach,
+            workload.text / workload.seq_len, float(config.layout is not None))
+
+
 def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
     """The correction's inputs: the shape, the configuration and the prior's breakdown, on
     log scales where the quantity spans orders of magnitude."""
@@ -100,6 +113,7 @@ def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
             *(float(c.strategy == s) for s in STRATEGIES),
             np.log(total), prior.compute_s / total, prior.all_to_all_s / total,
             prior.all_gather_s / total, prior.ring_exposed_s / total,
+            *mask_features(w, c),
         ])
     return np.asarray(rows, dtype=float)
 
