@@ -233,3 +233,28 @@ def test_documents_kept_whole_exchange_nothing_and_many_documents_mean_many_call
 
     config = CPConfig("ring", 2, 1, "contiguous")
     assert busiest(blocks_work(many, config)).fused_calls > busiest(blocks_work(few, config)).fused_calls
+
+
+def test_recommend_and_export_answer_masked_workloads_on_described_hardware():
+    """A packed layer, a window and joint text on a described H100 node: a pick with its
+    layout inside its interval, and the mask's work priced (the packed layer's pick faster
+    than the plain causal layer's by more than half, the window's faster - its tiles' many
+    small calls each pay the kernel's fixed cost -, the Ring's halo cheaper than its whole
+    ring)."""
+    from cptune.model import recommend
+    from cptune.plans.export import export_plan
+
+    shape = {"heads": 32, "head_dim": 128, "kv_heads": 8, "dtype": "bf16", "causal": True}
+    plain = recommend(Workload(32768, **shape), ranks=8, hardware="h100-sxm-8")
+    packed = recommend(Workload(32768, documents=[2048] * 16, **shape), ranks=8, hardware="h100-sxm-8")
+    window = recommend(Workload(32768, window=[1024, 0], **shape), ranks=8, hardware="h100-sxm-8")
+    joint = recommend(Workload(4608, 24, 128, dtype="bf16", text=512), ranks=8, hardware="h100-sxm-8")
+    for r in (packed, window, joint):
+        assert r.interval_ms[0] <= r.latency_ms <= r.interval_ms[1]
+    assert packed.latency_ms < plain.latency_ms / 2 and window.latency_ms < plain.latency_ms
+    ring = CPConfig("ring", 8, 1, "contiguous")
+    halo = analytic_cost(Workload(32768, window=[1024, 0], **shape), ring)
+    whole = analytic_cost(Workload(32768, **shape), ring)
+    assert halo.bytes_sent["p2p"] * 4 <= whole.bytes_sent["p2p"]
+    plan = export_plan([Workload(32768, documents=2048, **shape)], ranks=8, hardware="h100-sxm-8")
+    assert plan.buckets[0].config == packed.config
