@@ -258,3 +258,23 @@ def test_recommend_and_export_answer_masked_workloads_on_described_hardware():
     assert halo.bytes_sent["p2p"] * 4 <= whole.bytes_sent["p2p"]
     plan = export_plan([Workload(32768, documents=2048, **shape)], ranks=8, hardware="h100-sxm-8")
     assert plan.buckets[0].config == packed.config
+
+
+def test_the_calibrated_prior_prices_a_masked_step_by_its_plan():
+    """On a calibrated host (the test calibration): the packed layer's compute follows its
+    numpy plan's work, and a Ring whose window reaches one block back exposes one halo
+    transfer, not the whole ring's."""
+    from test_prior import profile
+
+    from cptune.model import prior_time
+
+    host = profile()
+    plain, packed = Workload(4096, 4, 64, causal=True), Workload(4096, 4, 64, causal=True, documents=512)
+    for config in (CPConfig("ring", 2), CPConfig("allgather_kv", 2), CPConfig("ulysses", 2, 2)):
+        ratio = prior_time(packed, config, host).compute_s / prior_time(plain, config, host).compute_s
+        work = computed_flops(packed, config, "numpy") / computed_flops(plain, config, "numpy")
+        assert ratio == pytest.approx(work, rel=0.35) and ratio < 0.3, config.label
+    window = Workload(4096, 4, 64, causal=True, window=[256, 0])
+    ring = CPConfig("ring", 4)
+    assert analytic_cost(window, ring).comm_steps["p2p"] == 1
+    assert prior_time(window, ring, host).total_s < prior_time(plain, ring, host).total_s
