@@ -7,9 +7,9 @@ plain and the packed layer where the counts (the busiest rank's computed work an
 
 Every configuration is measured on one workload after the other (plain, packed, window:
 ``cptune.measure`` checks each against a float64 reference, and keeps one workload's at a
-time), in ``--rounds`` rounds whose configuration order alternates; the host's load average
-is written at the start and the end, and runs the contention guard judged disturbed are
-marked.
+time), in ``--rounds`` rounds whose configuration and workload orders alternate
+(``--reverse``: a run that starts with the window); the host's load average is written at the
+start and the end, and runs the contention guard judged disturbed are marked.
 
     python benchmarks/masks.py [--seq-len 16384] [--ranks 2] [--rounds 1] [--repeats 3] [--out FILE]
 """
@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reverse", action="store_true",
+                        help="measure the workloads window, packed, plain (a second run's order, so that a "
+                             "load that changes over the run biases its ratios the other way)")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
     cases = workloads(args.seq_len)
@@ -97,8 +100,8 @@ def main() -> None:
     say(f"# {command('masks.py', sys.argv[1:])}")
     say(f"# cptune {cptune.__version__} at {commit()}, mpi engine, {args.ranks} ranks, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    say(f"# start: {load()}; the host is shared (others' runs on its 2 cores): ratios are within one "
-        f"configuration's consecutive runs")
+    say(f"# start: {load()}; the host is shared (others' runs on its 2 cores); workloads measured in turn "
+        f"({'window, packed, plain' if args.reverse else 'plain, packed, window'}), all configurations each")
     for name, w in cases.items():
         share = w.mask.area / cases["plain"].mask.area
         say(f"#   {name}: {w.describe()}, mask area {share:.4f} of plain causal")
@@ -109,7 +112,8 @@ def main() -> None:
         # workload by workload (the engine's check keeps one reference at a time), the
         # configurations in reverse order every other round
         order = configs if round_ % 2 == 0 else configs[::-1]
-        for name, w in cases.items():
+        named = list(cases.items())
+        for name, w in named[::-1] if args.reverse != (round_ % 2 == 1) else named:
             for label, config in order:
                 run = normal(w, config)
                 if not runs(w, config) or feasibility(w, run):
