@@ -50,6 +50,11 @@ class CPConfig:
         object.__setattr__(self, "ranks", int(ranks))
         object.__setattr__(self, "head_group", int(head_group))
         object.__setattr__(self, "layout", layout)
+        # hashed once: every cache of the prior is keyed by the configuration
+        object.__setattr__(self, "_hash", hash((self.strategy, self.ranks, self.head_group, layout)))
+
+    def __hash__(self) -> int:
+        return self.__dict__["_hash"]  # type: ignore[no-any-return]
 
     @property
     def context_degree(self) -> int:

@@ -7,8 +7,9 @@ differ (padding, causal blocks) the busiest rank's figure is reported.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 from cptune._position_work import blocks_work, counted_by_position
@@ -31,6 +32,15 @@ STREAM_KINDS: tuple[str, ...] = ("p2p", "broadcast")
 #: and the numpy kernel's): the backward recomputes Q K^T and runs four more GEMMs (dV, dP,
 #: dQ, dK) where the forward runs two: 10 * head_dim per visible pair against 4.
 BACKWARD_FLOPS_RATIO = 2.5
+#: Kernels one fused attention backward call launches beyond the one a forward call does:
+#: FlashAttention's backward runs a preprocess kernel (the rows' dot(dO, O)) and a
+#: postprocess one (dQ's float32 accumulator to the output) around its main kernel
+#: (flash-attention's ``flash_bwd_launch_template.h``: ``flash_bwd_dot_do_o_kernel``,
+#: ``flash_bwd_convert_dq_kernel``).
+BACKWARD_CALL_KERNELS = 2
+#: Kernels the torch engine's ``attend_grad`` launches per call beside it: each call's dQ, dK
+#: and dV shares added into their float32 accumulators (``_accumulate``).
+GRAD_ACCUMULATE_KERNELS = 3
 
 
 def collectives_with(stream: str) -> tuple[str, ...]:
@@ -46,8 +56,9 @@ def check_stream(stream: str) -> None:
         raise ValueError(f"stream must be one of {', '.join(STREAM_KINDS)}, got {stream!r}")
 
 
-#: Memory-bound steps whose device-memory traffic is counted.
-MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge", "requery")
+#: Memory-bound steps whose device-memory traffic is counted; "grad" only in a training
+#: step's backward (its gradients accumulated in float32 and cast back, ``_backward_steps``).
+MEMORY_STEPS: tuple[str, ...] = ("permute", "replicate", "merge", "requery", "grad")
 #: Kernels counted per rank: attention calls, the memory-bound steps that run as kernels of
 #: their own (a requery is the attention call's own read) and the Ring's sends and receives
 #: (launched by the rank every step, unlike a collective's one call).
@@ -137,6 +148,34 @@ def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
     return zeroed + real * merged + cast_back, 2 + real * merge.kernels + cast_kernels
 
 
+class BlockCalls(NamedTuple):
+    """The busiest rank's attention calls and merges where AllGather-KV's gathered keys are
+    attended block by block (``block_calls``)."""
+
+    calls: int
+    #: Bytes through device memory of the merges, and their kernels.
+    merge_bytes: int
+    merge_kernels: int
+
+
+def block_calls(workload: Workload, config: CPConfig) -> BlockCalls:
+    """AllGather-KV's gathered keys attended block by block, as torch's
+    ``_templated_ring_attention`` with its all-gather rotater (xDiT's and SGLang's ring) and
+    diffusers' ``ring_degree`` run them: after the same all-gather, one call per K/V block the
+    busiest rank sees (c; under a causal mask without load balance the last of c contiguous
+    blocks sees all c), each after the first merged eagerly into a float32 output as
+    ``_SDPAMerger`` and diffusers do (the update ring-flash-attn runs: MERGE_FP32_PASSES * 4 + w
+    bytes per output element, MERGE_KERNELS kernels). What ``analytic_cost`` counts otherwise
+    (FLOPs, the all-gather, the rest) is the same. Forward AllGather-KV only."""
+    if config.strategy != "allgather_kv" or workload.training:
+        raise ValueError("block_calls counts a forward AllGather-KV's keys attended block by block")
+    z = _sizes(workload, config)
+    c = config.context_degree
+    elements = workload.batch * z.block_tokens * z.local_heads * workload.head_dim
+    per_element = MERGE_FP32_PASSES * FP32_BYTES + workload.wire_dtype.itemsize
+    return BlockCalls(c, (c - 1) * elements * per_element, (c - 1) * MERGE_KERNELS)
+
+
 @dataclass(frozen=True)
 class AnalyticCost:
     """Per-rank physical terms of one (workload, config) pair."""
@@ -164,6 +203,16 @@ class AnalyticCost:
     #: A training workload's backward FLOPs (``BACKWARD_FLOPS_RATIO`` times the forward's);
     #: 0 for a forward one.
     backward_flops: int = 0
+    #: A training workload's backward memory-bound bytes by step (MEMORY_STEPS) and kernels
+    #: by what they do (KERNELS, "stream" its sends and receives), beyond those of its
+    #: attention calls (``_backward_steps``); empty for a forward one.
+    backward_memory_bytes: dict[str, int] = field(default_factory=dict)
+    backward_kernels: dict[str, int] = field(default_factory=dict)
+    #: Of ``backward_memory_bytes`` and ``backward_kernels``, what each Ring step repeats
+    #: (its accumulations, sends and receives: hidden behind the step or not, as its compute
+    #: and transfer allow), the rest before or after the Ring's stream.
+    backward_ring_bytes: int = 0
+    backward_ring_kernels: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -188,7 +237,9 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     """The most (query, key) pairs any context block's real queries attend to
     (``_visible_pairs``), from at most eight blocks whatever the context degree c.
 
-    Padding sits at the end, so without zigzag block 0 is the busiest. With zigzag block g
+    Padding sits at the end, so without zigzag block 0 is the busiest unmasked; under a causal
+    mask a contiguous block sees every key before it, so the last holding a real token is (a
+    ring without load balance: rank r computes r + 1 of c blocks). With zigzag block g
     holds chunks g and 2c - 1 - g of L positions; a chunk's pairs grow with its index up to
     the chunk i0 where the real tokens end, which holds some, and those after it hold none.
     Over the blocks whose second chunk is padding the pairs grow with g; over those whose two
@@ -196,7 +247,10 @@ def busiest_block_pairs(layout: SequenceLayout) -> int:
     with g: the busiest is one of the blocks where these regions meet."""
     c = layout.context_degree
     if not layout.zigzag:
-        return _visible_pairs(layout, 0)
+        if not layout.workload.causal or layout.layout != "contiguous":
+            return _visible_pairs(layout, 0)
+        last_real = (layout.workload.seq_len - 1) // (layout.padded_len // c)
+        return _visible_pairs(layout, min(c - 1, last_real))
     ends = layout.workload.seq_len // (layout.padded_len // (2 * c))  # i0
     near = {0, c - 1, ends - 1, ends, ends + 1, 2 * c - 2 - ends, 2 * c - 1 - ends, 2 * c - ends}
     return max(_visible_pairs(layout, g) for g in near if 0 <= g < c)
@@ -248,7 +302,8 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
       (the last brings it home).
     - peak: the output's gradient, the saved output (fp32) and log-sum-exp, dQ in fp32 and
       the fp32 dK/dV buffers (the Ring's two in flight; AllGather-KV's whole sequence).
-    The memory-bound steps and kernels stay the forward's (not counted for the backward).
+    - memory-bound steps and kernels beyond the attention calls' own: ``backward_memory_bytes``,
+      ``backward_kernels`` and, of them, what each Ring step repeats (``_backward_steps``).
     """
     return _analytic_cost(workload, config, stream, position_calls)  # one cache entry however passed
 
@@ -275,6 +330,61 @@ def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPC
         # the K/V blocks again, each gradient passed on beside them, then straight home
         bytes_sent[stream] += reach * kv_block + (reach + 1) * grad_block
         steps[stream] += reach + (reach + 1)
+
+
+class _BackwardSteps(NamedTuple):
+    """``AnalyticCost``'s backward memory-bound bytes and kernels (see ``_backward_steps``)."""
+
+    memory: dict[str, int]
+    kernels: dict[str, int]
+    ring_bytes: int
+    ring_kernels: int
+
+
+def _backward_steps(workload: Workload, config: CPConfig, z: _Sizes) -> _BackwardSteps:
+    """The backward's memory-bound steps and kernels outside its attention calls, as the torch
+    engine's backward runs them (``attend_grad``, ``kv_grad_stream``, Ulysses' exchanges back):
+    - permute (u > 1): the backward's three all-to-alls (dO in; dQ and dK/dV out) each packed
+      and unpacked, as the forward's: 4 * B * (S / N) * (2H + 2K') * D * w; six kernels.
+    - replicate (replicated KV heads): dK/dV's K' copies exchanged in float32 and folded into K
+      heads: read 4 * K', write 4 * K per token and head_dim; one kernel.
+    - grad: each attention call's dQ, dK and dV shares (w wide) added into float32
+      accumulators: read w, read and write 4 per element of the rank's query block (dQ) and of
+      the keys it attends to (dK/dV: the Ring's block each step, AllGather-KV's gathered
+      sequence); the Ring's arriving gradient plus the step's share (read 4 + 4, write 4 per
+      K/V element, c - 1 steps, one kernel each); dQ and dK/dV cast back to w at the end
+      (read 4, write w; inside Ulysses' pack where there is one). The Ring's per-step part is
+      ``ring_bytes`` (c steps' dQ and dK/dV shares and c - 1 additions).
+    - stream (Ring): a send and a receive per step for the K/V blocks (c - 1) and the
+      gradients (c, the last one home).
+    The attention calls' own kernels (``BACKWARD_CALL_KERNELS``, ``GRAD_ACCUMULATE_KERNELS``
+    each) are counted by the prior, which knows the calls."""
+    b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
+    u, c = config.head_group, config.context_degree
+    memory = dict.fromkeys(MEMORY_STEPS, 0)
+    kernels = dict.fromkeys(KERNELS, 0)
+    if u > 1:
+        memory["permute"] = 4 * b * z.rank_tokens * (2 * h + 2 * z.kv_sent) * d * w
+        kernels["permute"] = 6
+    if z.rep > 1:
+        memory["replicate"] = b * z.rank_tokens * (z.kv_sent + workload.kv_heads) * d * FP32_BYTES
+        kernels["replicate"] = 1
+    q_elements = b * z.block_tokens * z.local_heads * d
+    kv_elements = z.kv_block // w
+    accumulate = w + 2 * FP32_BYTES
+    cast_back = 0 if u > 1 else (FP32_BYTES + w) * (q_elements + kv_elements)
+    ring_bytes = ring_kernels = 0
+    if config.strategy == "ring" and c > 1:
+        ring_bytes = c * accumulate * (q_elements + kv_elements) + (c - 1) * 3 * FP32_BYTES * kv_elements
+        ring_kernels = (c - 1) + 2 * (c - 1) + 2 * c
+        memory["grad"] = ring_bytes + cast_back
+        kernels["stream"] = 2 * (c - 1) + 2 * c
+        kernels["merge"] = c - 1
+    else:
+        keys = c * kv_elements if config.strategy == "allgather_kv" else kv_elements
+        memory["grad"] = accumulate * (q_elements + keys) + cast_back
+    kernels["merge"] += 0 if u > 1 else 2  # the casts back
+    return _BackwardSteps(memory, kernels, ring_bytes, ring_kernels)
 
 
 def _backward_peak(config: CPConfig, workload: Workload, block_tokens: int, local_heads: int, kv_block: int,
@@ -368,22 +478,34 @@ def ring_calling_steps(workload: Workload, config: CPConfig) -> int:
     return max(len(block.steps) for block in blocks_work(workload, config))
 
 
+def attention_flops(workload: Workload, config: CPConfig) -> int:
+    """``analytic_cost(workload, config).flops`` of the forward (a training workload's forward
+    alone), without counting the rest: what the prior's compute needs of a fused kernel. A
+    workload counted by position (``cptune._position_work``): its busiest block's real
+    queries' seen pairs, each once."""
+    forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
+    u = config.head_group
+    if counted_by_position(forward, config):
+        pairs = max(block.useful_pairs for block in blocks_work(forward, config))
+    else:
+        pairs = _busiest_pairs(forward, config.ranks, u, config.layout)
+    return 4 * workload.batch * workload.head_dim * (workload.heads // u) * pairs
+
+
 @functools.lru_cache(maxsize=65536)  # pure, small: a cluster's recommendation weighs thousands
 def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_calls: bool) -> AnalyticCost:
+    if workload.training:  # its forward's counts (the prior asks for them too), and the backward's
+        return _with_backward(workload, config, stream, _analytic_cost(workload.in_mode("forward"), config,
+                                                                       stream, position_calls))
     z = _sizes(workload, config)
-    n, u, c = config.ranks, config.head_group, config.context_degree
+    u, c = config.head_group, config.context_degree
     s = z.layout.padded_len
     b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
     rep, kv_sent, local_heads = z.rep, z.kv_sent, z.local_heads
     rank_tokens, block_tokens, shared_block = z.rank_tokens, z.block_tokens, z.shared_block
 
-    forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
     by_position = counted_by_position(workload, config)
-    if by_position:  # the busiest block's real queries' seen pairs, each once
-        pairs = max(block.useful_pairs for block in blocks_work(forward, config))
-    else:
-        pairs = _busiest_pairs(forward, n, u, config.layout)
-    flops = 4 * b * d * local_heads * pairs
+    flops = attention_flops(workload, config)
 
     bytes_sent = dict.fromkeys(COLLECTIVES, 0)
     steps = dict.fromkeys(COLLECTIVES, 0)
@@ -403,7 +525,7 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
     ring = config.strategy == "ring" and c > 1
     peak = _peak(workload, config, z)
     # the Ring's kernel calls: one per step whose keys the block's queries see
-    ring_steps = (ring_calling_steps(forward, config) if by_position else c) if ring else 1
+    ring_steps = (ring_calling_steps(workload, config) if by_position else c) if ring else 1
 
     memory = dict.fromkeys(MEMORY_STEPS, 0)
     kernels = dict.fromkeys(KERNELS, 0)
@@ -424,15 +546,9 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads,
                                                           ring_steps if by_position else None)
 
-    backward_flops = 0
-    if workload.training:
-        backward_flops = int(BACKWARD_FLOPS_RATIO * flops)
-        _add_backward(bytes_sent, steps, config, stream, workload, rank_tokens, kv_sent, rep, shared_block,
-                      z.reach)
     return AnalyticCost(
         padded_seq_len=s,
-        flops=flops + backward_flops,
-        backward_flops=backward_flops,
+        flops=flops,
         bytes_sent=bytes_sent,
         comm_steps=steps,
         peak_bytes=peak,
@@ -440,3 +556,19 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         memory_bytes=memory,
         kernels=kernels,
     )
+
+
+def _with_backward(workload: Workload, config: CPConfig, stream: str, forward: AnalyticCost) -> AnalyticCost:
+    """A training ``workload``'s counts: its ``forward``'s with the backward's added (see
+    ``analytic_cost``)."""
+    z = _sizes(workload, config)
+    bytes_sent, steps = dict(forward.bytes_sent), dict(forward.comm_steps)
+    _add_backward(bytes_sent, steps, config, stream, workload, z.rank_tokens, z.kv_sent, z.rep,
+                  z.shared_block, z.reach)
+    backward = _backward_steps(workload, config, z)
+    backward_flops = int(BACKWARD_FLOPS_RATIO * forward.flops)
+    return dataclasses.replace(
+        forward, flops=forward.flops + backward_flops, backward_flops=backward_flops, bytes_sent=bytes_sent,
+        comm_steps=steps, peak_bytes=_peak(workload, config, z), backward_memory_bytes=backward.memory,
+        backward_kernels=backward.kernels, backward_ring_bytes=backward.ring_bytes,
+        backward_ring_kernels=backward.ring_kernels)

@@ -27,7 +27,7 @@ from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
 from cptune.hardware import MAX_RANKS_PER_NODE
 from cptune.hostlock import measuring
-from cptune.layout import SequenceLayout
+from cptune.layout import SequenceLayout, layout_refusal, normal
 from cptune.measurement import (
     Measurement,
     TimingSummary,
@@ -245,12 +245,15 @@ def measure_all(
     ranks: Sequence[int] | None = None,
     head_group: int | None = None,
     oversubscribe: bool = False,
+    layout: str | None = None,
 ) -> tuple[list[Measurement], list[tuple[CPConfig, EngineError]]]:
     """``measure`` every feasible configuration of ``workload`` on 1..``max_ranks`` ranks
     (default: the engine's capacity here, this host's cores or its GPUs), one after another:
     the measurements, and each configuration whose run failed with its ``EngineError``.
     ``ranks`` keeps only those rank counts (``max_ranks`` is then not used) and
-    ``head_group`` only that Ulysses degree, so one configuration can be measured alone.
+    ``head_group`` only that Ulysses degree and ``layout`` only that token layout (where it
+    can deal the tokens out, a layout the search does not sweep included), so one
+    configuration can be measured alone.
     More ranks than this host's cores are refused (``InfeasibleConfigError``) unless
     ``oversubscribe``; those measurements say they were ``oversubscribed``
     (``rank_count_problem``). ``on_config(config, index, total)`` is told before each one
@@ -265,6 +268,8 @@ def measure_all(
     largest = largest or engine.capacity()
     configs = [c for c in enumerate_configs(workload, largest, tuple(strategies))
                if (not ranks or c.ranks in ranks) and (head_group is None or c.head_group == head_group)]
+    if layout is not None:
+        configs = _in_layout(workload, configs, layout)
     if not configs:
         counts = f"{', '.join(map(str, ranks))} rank(s)" if ranks else f"1..{largest} ranks"
         group = "" if head_group is None else f" with head group {head_group}"
@@ -284,6 +289,20 @@ def measure_all(
             except EngineError as error:
                 failures.append((config, error))
     return results, failures
+
+
+def _in_layout(workload: Workload, configs: list[CPConfig], layout: str) -> list[CPConfig]:
+    """Each distinct configuration of ``configs`` in ``layout``, where it can run there;
+    ``InfeasibleConfigError`` saying why, in one line, when it runs on none of them."""
+    laid = [normal(workload, c.with_layout(layout))
+            for c in dict.fromkeys(c.with_layout(None) for c in configs)]
+    fitting = [c for c in laid if not feasibility(workload, c)]
+    if configs and not fitting:
+        why = next((layout_refusal(workload, c) for c in laid if layout_refusal(workload, c)), None)
+        reason = why or "; ".join(dict.fromkeys(r for c in laid for r in feasibility(workload, c)))
+        raise InfeasibleConfigError(f"no configuration can run {workload.describe()} in layout {layout}: "
+                                    f"{reason}", [reason])
+    return fitting
 
 
 def _fitting(workload: Workload, configs: list[CPConfig], limit: Callable[[int], int | None]

@@ -21,13 +21,24 @@ cost counts read the same mask (``Mask``), and a graph engine can hold it as con
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from cptune._files import FileRefused, read_regular
+
 #: Position ranges [start, stop).
 Ranges = tuple[tuple[int, int], ...]
+
+#: The most documents one sequence packs: a million (a 1M-token sequence of 1-token documents).
+#: More is a slip (a file of something else); a plan's schema and the store hold this many.
+MAX_DOCUMENTS = 2**20
+#: The largest documents file cptune reads (``read_documents``): a million lengths of up to 7
+#: digits, one a line.
+MAX_DOCUMENTS_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, order=True)
@@ -43,6 +54,9 @@ class Documents:
     def __post_init__(self) -> None:
         if self.lengths and self.every:
             raise ValueError("documents: give their lengths or one length for all (every), not both")
+        if len(self.lengths) > MAX_DOCUMENTS:
+            raise ValueError(f"documents: {len(self.lengths):,} documents, more than the {MAX_DOCUMENTS:,} "
+                             f"one sequence packs; give fewer (or one length for all)")
         for n in self.lengths:
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"documents: every length must be a positive integer, got {n!r} "
@@ -95,6 +109,45 @@ class Documents:
         if len(self.lengths) <= 4:
             return f"{len(self.lengths)} document(s) ({', '.join(map(str, self.lengths))})"
         return f"{len(self.lengths)} documents ({min(self.lengths)}-{max(self.lengths)} tokens)"
+
+
+def read_documents(path: str | Path) -> tuple[int, ...]:
+    """The documents' lengths in the file at ``path``: one length a line (blank lines and
+    ``#`` comments skipped) or one JSON list. A regular file of at most
+    ``MAX_DOCUMENTS_BYTES``; ``ValueError`` in one line naming the file and the fix."""
+    try:
+        text = read_regular(path, MAX_DOCUMENTS_BYTES).decode()
+    except FileRefused as refused:
+        raise ValueError(f"documents file {refused}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"documents file {path}: not text; give one length a line or a JSON list") from None
+    except OSError as exc:
+        raise ValueError(f"documents file {path}: cannot read it ({exc.strerror}); check the path") from None
+    if text.lstrip().startswith("["):
+        try:
+            found = json.loads(text)
+        except ValueError:
+            found = None
+        if not isinstance(found, list) or not all(type(n) is int for n in found):
+            raise ValueError(f"documents file {path}: not a JSON list of whole numbers; give one like "
+                             f"[2048, 4096] or one length a line")
+        lengths = found
+    else:
+        lengths = []
+        for number, line in enumerate(text.splitlines(), 1):
+            word = line.split("#", 1)[0].strip()
+            if not word:
+                continue
+            if not (word.isascii() and word.isdigit()):
+                raise ValueError(f"documents file {path}: line {number} holds {word[:40]!r}, not a length; "
+                                 f"give one whole number of tokens a line")
+            lengths.append(int(word))
+    if not lengths:
+        raise ValueError(f"documents file {path}: holds no length; give one whole number of tokens a line")
+    try:
+        return Documents(lengths=tuple(lengths)).lengths
+    except ValueError as exc:
+        raise ValueError(f"documents file {path}: {str(exc).removeprefix('documents: ')}") from None
 
 
 def check_window(window: object) -> tuple[int, ...]:

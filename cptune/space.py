@@ -23,6 +23,7 @@ from cptune._toml import TableReader, TomlFileError, got, read_toml, show, sugge
 from cptune.config import STRATEGIES, CPConfig
 from cptune.feasibility import closest_to_fitting, enumerate_configs, feasibility
 from cptune.hardware import MAX_RANKS
+from cptune.masks import MAX_DOCUMENTS, read_documents
 from cptune.workload import MODES, WIRE_DTYPES, AttentionShape, Workload
 
 #: The built-in space ``cptune`` uses when none is named: small enough for a laptop CPU.
@@ -34,7 +35,10 @@ ORDERS: tuple[str, ...] = ("guided", "exhaustive")
 
 #: Allowed keys of each table, in the order the file format documents them.
 TOP_KEYS = ("name", "description", "model", "sweep", "measure")
-MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode")
+MODEL_KEYS = ("heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode", "window", "sinks",
+              "documents", "text")
+#: The mask's keys of ``[model]`` (``cptune.masks``), each a field of ``AttentionShape``.
+MASK_KEYS = ("window", "sinks", "documents", "text")
 SWEEP_KEYS = ("seq_lens", "ranks", "strategies", "trials", "within_node_heads")
 MEASURE_KEYS = ("warmup", "repeats", "timeout", "rounds", "race_rounds", "confirm_rounds")
 
@@ -52,6 +56,10 @@ _EXAMPLES = {
     "model.dtype": 'dtype = "bf16"',
     "model.causal": "causal = false",
     "model.mode": 'mode = "train"',
+    "model.window": "window = [4096, 0] (or window = 4096: the last 4096 keys)",
+    "model.sinks": "sinks = 4",
+    "model.documents": 'documents = [2048, 4096, 2048], documents = 2048 (each) or documents = "@docs.txt"',
+    "model.text": "text = 512",
     "sweep.seq_lens": "seq_lens = [4096, 8192]",
     "sweep.ranks": 'ranks = "auto" or ranks = [2, 4, 8]',
     "sweep.strategies": 'strategies = ["ring", "ulysses"]',
@@ -222,6 +230,7 @@ def load_space(path: str | Path) -> SearchSpace:
     if mode not in MODES:
         raise r.fail("model.mode", f"unknown mode {show(mode)}{suggest(mode, list(MODES))}; "
                      f"choose one of {', '.join(MODES)}")
+    mask = _read_mask(r, model, Path(path))
 
     sweep = r.table(doc, "sweep", required=True)
     assert sweep is not None
@@ -253,9 +262,15 @@ def load_space(path: str | Path) -> SearchSpace:
     raw = r.value(measure_table, "timeout", "measure", required=False)
     timeout = None if raw is None else _timeout(r, raw)
 
+    shape = _shape(r, heads, kv_heads, head_dim, batch, dtype, causal, mode, mask)
+    for i, seq_len in enumerate(seq_lens):
+        try:
+            shape.at(seq_len)
+        except ValueError as exc:
+            raise _model_failure(r, str(exc), f" (at sweep.seq_lens[{i}] = {seq_len})") from None
     return SearchSpace(
         name=name, description=description, source=Path(path),
-        shape=_shape(r, heads, kv_heads, head_dim, batch, dtype, causal, mode), seq_lens=seq_lens,
+        shape=shape, seq_lens=seq_lens,
         ranks=ranks, strategies=strategies, trials=trials,
         measure=MeasureSettings(timeout=timeout, **counts), within_node_heads=within_node_heads,
     )
@@ -289,20 +304,64 @@ def _strategy(r: TableReader, value: object, key: str) -> str:
     return name
 
 
+def _read_mask(r: TableReader, model: dict[str, Any], source: Path) -> dict[str, Any]:
+    """``[model]``'s mask keys as ``AttentionShape``'s keyword arguments: ``window`` as
+    [left, right] or N (for [N, 0]), ``sinks`` and ``text`` as counts, ``documents`` as their
+    lengths, one length for all, or "@FILE" (read relative to the space's folder)."""
+    mask: dict[str, Any] = {}
+    raw = r.value(model, "window", "model", required=False)
+    if isinstance(raw, list):
+        if len(raw) != 2:
+            raise r.fail("model.window", f"expected [left, right], two token counts, got {len(raw)} value(s)"
+                                         f"{r.example('model.window')}")
+        mask["window"] = tuple(r.integer(v, f"model.window[{i}]", 0) for i, v in enumerate(raw))
+    elif raw is not None:
+        mask["window"] = (r.integer(raw, "model.window", 0), 0)
+    for key in ("sinks", "text"):
+        raw = r.value(model, key, "model", required=False)
+        if raw is not None:
+            mask[key] = r.integer(raw, f"model.{key}", 0)
+    raw = r.value(model, "documents", "model", required=False)
+    if isinstance(raw, str):
+        if not raw.startswith("@") or len(raw) < 2:
+            raise r.fail("model.documents", f"expected a list of lengths, one length or \"@FILE\", "
+                                            f"{got(raw)}{r.example('model.documents')}")
+        try:
+            mask["documents"] = read_documents(source.parent / raw[1:])
+        except ValueError as exc:
+            raise r.fail("model.documents", str(exc)) from None
+    elif isinstance(raw, list):
+        if not raw:
+            raise r.fail("model.documents", f"an empty list packs no document; leave documents out for one "
+                                            f"sequence{r.example('model.documents')}")
+        if len(raw) > MAX_DOCUMENTS:
+            raise r.fail("model.documents", f"{len(raw):,} documents, more than the {MAX_DOCUMENTS:,} one "
+                                            f"sequence packs")
+        mask["documents"] = tuple(r.integer(v, f"model.documents[{i}]", 1) for i, v in enumerate(raw))
+    elif raw is not None:
+        mask["documents"] = r.integer(raw, "model.documents", 1)
+    return mask
+
+
 def _shape(r: TableReader, heads: int, kv_heads: int, head_dim: int, batch: int, dtype: str,
-           causal: bool, mode: str) -> AttentionShape:
+           causal: bool, mode: str, mask: dict[str, Any]) -> AttentionShape:
     """The model's attention shape; a combination it rejects is reported against the key at fault."""
     try:
-        return AttentionShape(heads, kv_heads, head_dim, batch, dtype, causal, mode)
+        return AttentionShape(heads, kv_heads, head_dim, batch, dtype, causal, mode, **mask)
     except ValueError as exc:
-        text = str(exc)
-        field = re.match(r"(kv_heads|heads|head_dim|batch|dtype|causal)\b:?\s*", text)
-        if field is None:
-            raise r.fail("model", text) from None
-        # Drop Workload's own "field: " prefix: the key already names it.
-        if text[field.end(1):].startswith(":"):
-            text = text[field.end():]
-        raise r.fail(f"model.{field.group(1)}", text) from None
+        raise _model_failure(r, str(exc)) from None
+
+
+def _model_failure(r: TableReader, text: str, where: str = "") -> Exception:
+    """``AttentionShape``'s or ``Workload``'s refusal ``text`` against the ``[model]`` key it
+    names (``where``: at which length, for what depends on one)."""
+    field = re.match(r"(kv_heads|heads|head_dim|batch|dtype|causal|window|sinks|documents|text)\b:?\s*", text)
+    if field is None:
+        return r.fail("model", text + where)
+    # Drop Workload's own "field: " prefix: the key already names it.
+    if text[field.end(1):].startswith(":"):
+        text = text[field.end():]
+    return r.fail(f"model.{field.group(1)}", text + where)
 
 
 # --------------------------------------------------------------------------- runnability

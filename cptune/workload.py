@@ -117,6 +117,12 @@ class Workload:
         object.__setattr__(self, "sinks", int(sinks))
         object.__setattr__(self, "documents", checked_documents)
         object.__setattr__(self, "text", int(text))
+        # hashed once: every cache of the prior is keyed by the workload
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self.__dict__["_hash"]  # type: ignore[no-any-return]
 
     @property
     def mask(self) -> Mask:
@@ -139,8 +145,9 @@ class Workload:
         return self.mode == "train"
 
     def in_mode(self, mode: str) -> Workload:
-        """This layer run in ``mode``."""
-        return dataclasses.replace(self, mode=mode)
+        """This layer run in ``mode`` (itself where it runs so already; the prior asks for a
+        training layer's forward once per configuration it weighs, so each is made once)."""
+        return self if mode == self.mode else _in_mode(self, mode)
 
     @property
     def wire_dtype(self) -> np.dtype:
@@ -224,6 +231,24 @@ class AttentionShape:
             parts.append(f"joint, {self.text} text tokens")
         return ", ".join(parts)
 
+    def mask_label(self) -> str:
+        """The mask in a table's few words: "full", "causal", "causal, docs 8x2048",
+        "causal, window 1024,0 +4 sinks", "text 512"."""
+        parts = ["causal"] if self.causal else []
+        if self.window:
+            sinks = f" +{self.sinks} sinks" if self.sinks else ""
+            parts.append(f"window {self.window[0]},{self.window[1]}{sinks}")
+        lengths = self.documents.lengths
+        if self.documents.every:
+            parts.append(f"docs of {self.documents.every}")
+        elif lengths:
+            same = len(set(lengths)) == 1
+            parts.append(f"docs {len(lengths)}x{lengths[0]}" if same else
+                         f"docs {len(lengths)} ({min(lengths)}-{max(lengths)})")
+        if self.text:
+            parts.append(f"text {self.text}")
+        return ", ".join(parts) or "full"
+
     def describe(self) -> str:
         """E.g. "16/4kv heads x d128, batch 1, bf16 causal", "..., bf16 causal, train"."""
         kv = "" if self.kv_heads == self.heads else f"/{self.kv_heads}kv"
@@ -258,3 +283,8 @@ class AttentionShape:
 @functools.lru_cache(maxsize=256)
 def _mask(seq_len: int, causal: bool, window: tuple[int, ...], sinks: int, documents: Documents) -> Mask:
     return Mask(seq_len, causal, window, sinks, documents.lengths_at(seq_len))
+
+
+@functools.lru_cache(maxsize=256)  # pure: a validated copy, what the prior asks for per configuration
+def _in_mode(workload: Workload, mode: str) -> Workload:
+    return dataclasses.replace(workload, mode=mode)

@@ -3,6 +3,7 @@ spelled (checked against the real package where it installs here, and against it
 source elsewhere: tests/framework_sources/), which ranks its own rule groups (against
 cptune.layout), and what a substitution costs."""
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -11,9 +12,11 @@ import pytest
 
 from conftest import TESTS, assert_refused, torchrun_summary
 from cptune.config import STRATEGIES, CPConfig
+from cptune.cost import MERGE_FP32_PASSES, MERGE_KERNELS, analytic_cost, block_calls
 from cptune.feasibility import enumerate_configs
-from cptune.frameworks import FRAMEWORKS, FrameworkError, choose, for_framework, get_framework
+from cptune.frameworks import FRAMEWORKS, FrameworkError, choose, for_framework, get_framework, pricer
 from cptune.layout import rank_groups
+from cptune.model import hardware_profile, price_as_run, prior_as_run, prior_time
 from cptune.plans import Alternative, Bucket, Plan, load_plan
 from cptune.plans.export import export_plan
 from cptune.workload import AttentionShape
@@ -49,6 +52,11 @@ def _kv_unsplit(s: AttentionShape, c: CPConfig) -> bool:
     return s.kv_heads % c.head_group > 0
 
 
+def _te_odd_a2a(s: AttentionShape, c: CPConfig) -> bool:
+    """TransformerEngine's fused backend off for a2a with odd heads or KV heads (utils.py)."""
+    return c.head_group > 1 and (s.heads % 2 > 0 or s.kv_heads % 2 > 0)
+
+
 CANNOT = {
     "diffusers": lambda s, c: s.causal or s.kv_heads != s.heads
     or (c.strategy == "ring" and c.context_degree > 1),
@@ -57,8 +65,8 @@ CANNOT = {
     "sglang": lambda s, c: (_no_allgather(c) and (c.head_group > 1 or s.causal))
     or (c.strategy != "allgather_kv" and _kv_unsplit(s, c)),
     "vllm-omni": lambda s, c: _no_allgather(c) or _kv_unsplit(s, c),
-    "transformer-engine": lambda s, c: _ulysses_allgather(c) or _kv_unsplit(s, c),
-    "megatron": lambda s, c: _ulysses_allgather(c) or _kv_unsplit(s, c),
+    "transformer-engine": lambda s, c: _ulysses_allgather(c) or _te_odd_a2a(s, c) or _kv_unsplit(s, c),
+    "megatron": lambda s, c: _ulysses_allgather(c) or _te_odd_a2a(s, c) or _kv_unsplit(s, c),
 }
 
 
@@ -201,7 +209,7 @@ def _ranked(*entries: tuple[CPConfig, float]) -> list[Alternative]:
 def test_a_substitution_states_its_cost_and_whether_it_is_inside_the_tie():
     ranked = _ranked((CPConfig("allgather_kv", 8), 1.0), (CPConfig("ulysses", 8), 1.05),
                      (CPConfig("ring", 8), 1.5))
-    kept = choose(FRAMEWORKS["diffusers"], FLUX, 4608, ranked)
+    kept = choose(FRAMEWORKS["transformer-engine"], FLUX, 4608, ranked)
     assert kept.chosen.config == CPConfig("allgather_kv", 8) and kept.cost_pct == 0 and kept.within_tie
     assert kept.describe().endswith("cptune's pick")
     tied = choose(FRAMEWORKS["xdit"], FLUX, 4608, ranked, tied=[CPConfig("ulysses", 8)])
@@ -232,15 +240,31 @@ def test_exports_for_flux_and_llama_on_h100_take_the_fastest_configuration_each_
             on_eight = export_plan([shape.at(n) for n in lengths], ranks=8, hardware="h100-sxm-8")
             with pytest.raises(FrameworkError, match="runs none of"):
                 for_framework(on_eight, name)
+        profile = hardware_profile("h100-sxm-8")
         for entry, bucket in zip(framed.buckets, plan.buckets, strict=True):
             chosen = entry.substitution.chosen
             assert framework.refusal(shape, chosen.config) is None
-            faster = [bucket.config, *(a.config for a in bucket.alternatives)]
-            faster = faster[:faster.index(chosen.config)]
-            assert all(framework.refusal(shape, c) for c in faster)  # nothing faster it could run
+            ranked = [Alternative(bucket.config, bucket.latency_ms, bucket.interval_ms, bucket.source),
+                      *bucket.alternatives]
+            for option in ranked:  # nothing it runs is faster, as it runs it
+                if framework.refusal(shape, option.config) is None:
+                    assert _as_run(framework, shape, bucket, option, profile)[0] >= chosen.latency_ms - 1e-9
             assert entry.substitution.cost_pct >= 0
-            assert entry.substitution.within_tie == (chosen.config in (bucket.config, *bucket.tied))
+            if entry.substitution.as_cptune_runs:
+                assert entry.substitution.within_tie == (chosen.config in (bucket.config, *bucket.tied))
+            else:
+                assert entry.substitution.within_tie == _as_run(framework, shape, bucket, chosen, profile)[1]
         assert json.loads(json.dumps(framed.to_dict()))["framework"] == name
+
+
+def _as_run(framework, shape, bucket, option, profile) -> tuple[float, bool]:
+    """``option``'s latency as ``framework`` runs it, and whether that is tied with the pick:
+    the plan's own where the framework runs it as cptune does, else the prior of what runs."""
+    runs = framework.runs(shape, option.config, bucket.seq_len)
+    if runs.same_as(option.config):
+        return option.latency_ms, option.config in (bucket.config, *bucket.tied)
+    priced = price_as_run(shape.at(bucket.seq_len), runs.config, profile, runs.per_block_calls, bucket.config)
+    return priced.latency_ms, priced.tied_with_pick
 
 
 def test_a_plan_file_keeps_its_ranking_so_a_framework_reads_the_same_choice_from_it(tmp_path):
@@ -267,6 +291,182 @@ def test_a_plan_measured_by_an_engine_a_framework_does_not_run_is_refused():
         for_framework(host, "yunchang")
 
 
+# --------------------------------------------------------------------------- what each framework runs
+
+
+#: Wan2.1-14B's self-attention (40 heads x 128; 32,760 tokens at 480p, 75,600 at 720p) and a
+#: causal GQA prefill (64 query / 8 KV heads x 128).
+WAN = AttentionShape(heads=40, kv_heads=40, head_dim=128, batch=1, dtype="bf16", causal=False)
+GQA = AttentionShape(heads=64, kv_heads=8, head_dim=128, batch=1, dtype="bf16", causal=True)
+
+
+def test_xdit_and_sglang_rings_are_torchs_templated_ring_without_load_balance():
+    xdit, sglang = _source("xdit"), _source("sglang")
+    for line in ("from xfuser.model_executor.layers.usp import USP", "import _templated_ring_attention",
+                 "_cp_options.enable_load_balance = False", "out = ring_attn("):
+        assert line in xdit, line
+    for line in ("_cp_options.enable_load_balance = False", "_templated_ring_attention(", "out = ring_attn(",
+                 "and not self.causal", "shard.num_pad == 0"):
+        assert line in sglang, line
+    ring = CPConfig("ring", 8, 2)
+    for name in ("xdit", "sglang"):
+        runs = FRAMEWORKS[name].runs(WAN, ring, 32760)
+        assert runs.per_block_calls and runs.config == CPConfig("allgather_kv", 8, 2), name
+        assert "all-gather" in runs.what and "4 calls" in runs.what
+    assert FRAMEWORKS["sglang"].runs(WAN, ring, 32761).same_as(ring)  # its padded shard: a p2p ring
+    assert FRAMEWORKS["yunchang"].runs(WAN, ring, 32760).same_as(ring)  # yunchang's own ring is one
+
+
+def test_torchs_default_rotater_gathers_all_k_v_once():
+    attention = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._attention")
+    assert type(attention._cp_options)().rotate_method.name == "ALL_GATHER"
+    assert "We only need to perform allgather once." in inspect.getsource(attention._AllGatherRotater)
+    assert "return _CausalBehavior.SKIP" in inspect.getsource(attention._is_causal_behavior)
+
+
+def test_wan_on_l40s_exports_for_xdit_and_sglang_the_fastest_of_what_they_run():
+    plan = export_plan([WAN.at(32760), WAN.at(75600)], hardware="l40s-pcie-8")
+    profile = hardware_profile("l40s-pcie-8")
+    for name in ("xdit", "sglang"):
+        for entry, bucket in zip(for_framework(plan, name).buckets, plan.buckets, strict=True):
+            assert bucket.config == CPConfig("ring", 8, 2)  # cptune's own point-to-point ring
+            as_run = price_as_run(WAN.at(bucket.seq_len), CPConfig("allgather_kv", 8, 2), profile, True,
+                                  bucket.config).latency_ms
+            chosen = entry.substitution.chosen
+            assert chosen.config == CPConfig("ulysses", 8) and chosen.latency_ms < as_run
+            assert entry.substitution.passed_over[0][0] == bucket.config
+            assert f"{as_run:.4g} ms as run" in entry.substitution.describe()
+
+
+def test_a_causal_ring_without_load_balance_is_priced_with_its_last_rank_doing_all_blocks():
+    assert "if not causal or step <= comm.rank:" in _source("vllm-omni")
+    w = GQA.at(262144)
+    zigzag, contiguous = CPConfig("ring", 2), CPConfig("ring", 2, layout="contiguous")
+    assert analytic_cost(w, contiguous).flops == pytest.approx(1.5 * analytic_cost(w, zigzag).flops, rel=1e-4)
+    assert FRAMEWORKS["vllm-omni"].runs(GQA, zigzag, w.seq_len).config == contiguous
+    assert FRAMEWORKS["sglang"].runs(GQA, zigzag, w.seq_len).config == CPConfig("allgather_kv", 2,
+                                                                                layout="contiguous")
+    profile = hardware_profile("h100-sxm-2x8-ib")
+    ranked = _ranked((zigzag, prior_time(w, zigzag, profile).total_s * 1e3),
+                     (CPConfig("ring", 1), prior_time(w, CPConfig("ring", 1), profile).total_s * 1e3))
+    for name in ("vllm-omni", "sglang"):
+        runs = FRAMEWORKS[name].runs(GQA, zigzag, w.seq_len)
+        got = choose(FRAMEWORKS[name], GQA, w.seq_len, ranked, (), pricer(w, zigzag, profile))
+        assert got.chosen.config == zigzag and not got.as_cptune_runs and "r + 1" in got.runs.what
+        expected = price_as_run(w, runs.config, profile, runs.per_block_calls, zigzag)
+        assert got.chosen.latency_ms == pytest.approx(expected.latency_ms) and got.cost_pct > 20
+        assert got.within_tie == expected.tied_with_pick and "cptune's pick" not in got.describe()
+    assert choose(FRAMEWORKS["yunchang"], GQA, w.seq_len, ranked).describe().endswith("cptune's pick")
+
+
+def test_an_all_gather_ring_runs_c_calls_and_c_minus_1_float32_merges():
+    w, gathered = WAN.at(32760), CPConfig("allgather_kv", 8, 2)
+    one = analytic_cost(w, gathered, position_calls=True)
+    assert one.kernels["attention"] == 1 and one.memory_bytes["merge"] == 0
+    rows = 32760 // 4 * 20  # a block's queries, on each of 40 / 2 heads
+    assert block_calls(w, gathered) == (4, 3 * rows * 128 * (MERGE_FP32_PASSES * 4 + 2), 3 * MERGE_KERNELS)
+    profile = hardware_profile("l40s-pcie-8")
+    once, blocked = prior_time(w, gathered, profile), prior_as_run(w, gathered, profile, True)
+    assert blocked.all_gather_s == once.all_gather_s and blocked.all_to_all_s == once.all_to_all_s
+    extra = 3 * profile.attention_call_s + profile.launch_s * (3 + 3 * MERGE_KERNELS)
+    assert blocked.compute_s + blocked.overhead_s == pytest.approx(once.compute_s + once.overhead_s + extra)
+    assert blocked.memory_s == pytest.approx(once.memory_s + block_calls(w, gathered).merge_bytes
+                                             / profile.description.figure("device.memory_gbps"))
+    assert FRAMEWORKS["diffusers"].runs(WAN, CPConfig("allgather_kv", 8), 32760).per_block_calls
+    assert not FRAMEWORKS["transformer-engine"].runs(WAN, CPConfig("allgather_kv", 8), 32760).per_block_calls
+    with pytest.raises(FrameworkError, match="not priced as run"):  # no profile: passed over, never mispriced
+        choose(FRAMEWORKS["diffusers"], WAN, 32760, _ranked((CPConfig("allgather_kv", 8), 1.0)))
+
+
+def test_diffusers_ring_degree_gathers_once_and_merges_each_block_in_float32():
+    dispatch = pytest.importorskip("diffusers.models.attention_dispatch")
+    source = inspect.getsource(dispatch.TemplatedRingAttention.forward)
+    assert source.count("all_gather_tensor(") == 1 and "for i in range(world_size):" in source
+    assert "out = out.to(torch.float32)" in source and "torch.nn.functional.sigmoid(lse - prev_lse)" in source
+
+
+# --------------------------------------------------------------------------- launch lines and lengths
+
+
+def _sixteen(name: str) -> CPConfig:
+    """A 16-rank configuration framework ``name`` runs for LLAMA (FLUX for those without causal)."""
+    shape = FLUX if name in ("diffusers", "xdit") else LLAMA
+    return next(c for c in configs(shape, 16) if c.ranks == 16 and FRAMEWORKS[name].refusal(shape, c) is None)
+
+
+@pytest.mark.parametrize("name", [n for n in FRAMEWORKS if n not in ("sglang", "vllm-omni")])
+def test_a_launch_across_two_nodes_is_one_torchrun_line_per_node_its_parser_takes(name):
+    run = pytest.importorskip("torch.distributed.run")
+    shape = FLUX if name in ("diffusers", "xdit") else LLAMA
+    config = _sixteen(name)
+    lines = FRAMEWORKS[name].spell(shape, config, 131072, per_node=8).launch.splitlines()
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        words = line.split()
+        assert words[0] == "torchrun"
+        args = run.get_args_parser().parse_args(words[1:])  # torch's own parser
+        assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("2", "8", node)
+        assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == "$MASTER_ADDR:29500"
+    one_node = FRAMEWORKS[name].spell(shape, config, 131072).launch
+    assert one_node.startswith("torchrun --nproc-per-node=16 ")
+
+
+def test_sglang_across_nodes_names_each_node_and_counts_gpus_over_all_of_them():
+    text = _source("sglang")
+    lines = FRAMEWORKS["sglang"].spell(LLAMA, _sixteen("sglang"), 131072, per_node=8).launch.splitlines()
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        assert f"--nnodes 2 --node-rank {node} --dist-init-addr $MASTER_ADDR:5000" in line
+        spelled = _flags(line.split("<model>")[1])  # what follows the model: the flags cptune spells
+        assert "--num-gpus 16 " in line and all(f'"{flag}",' in text for flag in spelled), spelled
+    assert "--num-gpus is" in text and "the total GPU count across all nodes" in text
+
+
+def test_vllm_omni_refuses_ranks_across_nodes_in_one_line():
+    assert "init_distributed_environment(world_size=world_size, rank=rank)" in _source("vllm-omni")
+    reason = FRAMEWORKS["vllm-omni"].placed_refusal(FLUX, CPConfig("ring", 16, 8), 16896, 8)
+    assert reason is not None and "no multi-node launch" in reason
+    assert FRAMEWORKS["vllm-omni"].placed_refusal(FLUX, CPConfig("ring", 8, 4), 16896, 8) is None
+    ranked = _ranked((CPConfig("ring", 16, 8), 1.0), (CPConfig("ulysses", 8), 1.4))
+    chosen = choose(FRAMEWORKS["vllm-omni"], FLUX, 16896, ranked, per_node=8).chosen
+    assert chosen.config == CPConfig("ulysses", 8)
+
+
+@pytest.mark.parametrize("name", ["diffusers", "yunchang", "transformer-engine"])
+def test_snippets_pin_each_rank_to_its_own_gpu(name):
+    code = FRAMEWORKS[name].spell(FLUX, CPConfig("ulysses", 8)).code.splitlines()
+    pinned = code.index('torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))')
+    assert "import os" in code[:pinned] and pinned < code.index('dist.init_process_group("nccl")')
+
+
+def test_transformer_engine_names_its_qkv_format_and_refuses_a2a_with_odd_heads():
+    te = _source("transformer-engine")
+    assert 'qkv_format: str = "sbhd",' in te and 'num_heads % 2 != 0 or num_gqa_groups % 2 != 0' in te
+    spelled = FRAMEWORKS["transformer-engine"].spell(LLAMA, CPConfig("ulysses", 8))
+    assert 'qkv_format="bshd"' in spelled.code and spelled.settings["qkv_format"] == "bshd"
+    odd = AttentionShape(heads=15, kv_heads=15, head_dim=128, batch=1, dtype="bf16", causal=True)
+    for name in ("transformer-engine", "megatron"):
+        assert "odd head count" in FRAMEWORKS[name].refusal(odd, CPConfig("ulysses", 5))
+        assert FRAMEWORKS[name].refusal(odd, CPConfig("ring", 5)) is None  # p2p: no a2a
+
+
+def test_a_tuned_length_a_framework_cannot_cut_is_refused_or_exported_its_way_round():
+    for name in ("transformer-engine", "megatron"):
+        reason = FRAMEWORKS[name].placed_refusal(LLAMA, CPConfig("ring", 8), 32760, None)
+        assert reason is not None and "not a multiple of 16" in reason and "32768" in reason
+        assert FRAMEWORKS[name].placed_refusal(LLAMA, CPConfig("ring", 4), 32760, None) is None
+        with pytest.raises(FrameworkError, match="not a multiple of 16"):
+            FRAMEWORKS[name].spell(LLAMA, CPConfig("ring", 8), 32760)
+    diffusers = FRAMEWORKS["diffusers"]
+    assert diffusers.spell(FLUX, CPConfig("ulysses", 6), 119000).settings["ulysses_anything"] is True
+    assert diffusers.spell(FLUX, CPConfig("allgather_kv", 6), 119000).settings["ring_anything"] is True
+    assert "ulysses_anything" not in diffusers.spell(FLUX, CPConfig("ulysses", 8), 119000).settings
+    assert "equal pieces" in diffusers.placed_refusal(FLUX, CPConfig("allgather_kv", 6, 2), 119000, None)
+    parallel = pytest.importorskip("diffusers.models._modeling_parallel")  # diffusers' own class takes it
+    for config in (CPConfig("ulysses", 6), CPConfig("allgather_kv", 6)):
+        parallel.ContextParallelConfig(**diffusers.spell(FLUX, config, 119000).settings)
+
+
 # --------------------------------------------------------------------------- the command line
 
 
@@ -279,7 +479,7 @@ def test_export_for_prints_settings_or_json_and_writes_no_plan_unless_asked(cptu
     shown = cptune_here("export", *H100_FLUX, "--seq-lens", "4608,16896", "--for", "xdit")
     assert shown.returncode == 0, shown.stderr
     assert "xdit (xfuser 0.7.0)" in shown.stdout and "--ulysses_degree" in shown.stdout
-    assert "torchrun --nproc_per_node=8" in shown.stdout and not (tmp_path / "plan.json").exists()
+    assert "torchrun --nproc-per-node=8" in shown.stdout and not (tmp_path / "plan.json").exists()
     data = json.loads(cptune_here("export", *H100_FLUX, "--seq-lens", "4608,16896", "--for", "diffusers",
                                   "--json", "-o", "p.json").stdout)
     assert [b["settings"]["ulysses_degree"] * b["settings"]["ring_degree"] for b in data["buckets"]] == [8, 8]
@@ -401,11 +601,12 @@ def _doc_rows(hardware: str) -> list[str]:
             s, b = entry.substitution, entry.bucket
             shown = entry.spelling.code if framework.form == "flags" else ", ".join(
                 f"{k}={v!r}" for k, v in entry.spelling.settings.items() if k != "cp_group")
-            cost = "cptune's pick" if s.chosen.config == s.pick.config else (
+            cost = "cptune's pick" if s.chosen.config == s.pick.config and s.as_cptune_runs else (
                 f"{s.cost_pct:+.1f}% vs {s.pick.config.label} "
                 f"({'within' if s.within_tie else 'outside'} the tie)")
+            runs = "" if s.as_cptune_runs else f" (runs {s.runs.label})"
             rows.append(f"| {name} | {b.min_seq_len}-{b.max_seq_len} | {s.chosen.config.label} on "
-                        f"{s.chosen.config.ranks} | `{shown}` | {cost} |")
+                        f"{s.chosen.config.ranks}{runs} | `{shown}` | {cost} |")
     return rows
 
 

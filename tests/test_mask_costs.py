@@ -279,18 +279,3 @@ def test_the_calibrated_prior_prices_a_masked_step_by_its_plan():
     assert analytic_cost(window, ring).comm_steps["p2p"] == 1
     assert prior_time(window, ring, host).total_s < prior_time(plain, ring, host).total_s
 
-
-def test_the_correction_s_features_tell_masked_rows_from_plain_ones():
-    """Plain rows in their default layout share the mask's features whatever their length (so
-    they pool as before); a packed, a windowed and a joint layer, or a swept layout, differ."""
-    from cptune.model._cost_model import mask_features
-
-    config = CPConfig("ring", 2)
-    plain = {mask_features(Workload(n, 4, 8, causal=causal), config)
-             for n in (512, 4096) for causal in (False, True)}
-    assert len(plain) == 1
-    masked = [Workload(4096, 4, 8, causal=True, documents=512),
-              Workload(4096, 4, 8, causal=True, window=[256, 0]), Workload(4096, 4, 8, text=256)]
-    seen = {mask_features(w, config) for w in masked} | {mask_features(Workload(4096, 4, 8, causal=True),
-                                                                       CPConfig("ring", 2, 1, "striped"))}
-    assert len(seen) == 4 and not seen & plain

@@ -943,3 +943,59 @@ def test_a_training_step_is_not_predicted_where_the_backward_speed_is_not_known(
     h100 = DescribedProfile(load_description("h100-sxm-8"))
     swings = {swing.figure for swing in figure_swings(train, CPConfig("ring", 8), h100)}
     assert "device.backward_speed" in swings  # its range is part of the interval
+
+
+@pytest.mark.parametrize("config", [CPConfig("ulysses", 4), CPConfig("allgather_kv", 4), CPConfig("ring", 4)],
+                         ids=lambda c: c.label)
+def test_a_described_backward_counts_its_own_memory_bound_steps_and_launches(config):
+    """On a described GPU the backward adds its own memory-bound steps and launches to the
+    forward's: Ulysses' three exchanges back packed and unpacked as the forward's three are,
+    the gradients' float32 accumulations (AllGather-KV's over the whole gathered sequence, the
+    Ring's each step)."""
+    h100 = DescribedProfile(load_description("h100-sxm-8"))
+    train = Workload(seq_len=16384, heads=32, head_dim=128, kv_heads=8, causal=True, mode="train")
+    cost = analytic_cost(train, config, "p2p", True)
+    forward = prior_time(train.in_mode("forward"), config, h100)
+    step = prior_time(train, config, h100)
+    assert step.memory_s > forward.memory_s and step.overhead_s > forward.overhead_s
+    if config.strategy == "ulysses":
+        assert cost.backward_memory_bytes["permute"] == cost.memory_bytes["permute"]
+        assert cost.backward_kernels["permute"] == 6
+    kv_elements = 2 * train.kv_heads * (train.seq_len // 4) * train.head_dim
+    grad = cost.backward_memory_bytes["grad"]
+    if config.strategy == "allgather_kv":
+        assert grad > 4 * kv_elements * 10  # every gathered key's dK/dV added into float32
+    if config.strategy == "ring":
+        assert 0 < cost.backward_ring_bytes <= grad and cost.backward_ring_kernels > 0
+        assert cost.comm_steps["p2p"] == 3 + 3 + 4  # K/V forward and again, gradients with the home trip
+
+
+def test_a_described_backward_ring_step_lasts_as_long_as_its_launches():
+    """Where a Ring step's backward work is small, the host's launches of its kernels set its
+    length (as in the forward): a slower launch lengthens the backward's exposed Ring time by
+    at least the extra launch time of its c - 1 overlapped steps beyond the device's work."""
+    description = load_description("h100-sxm-8")
+    train = Workload(seq_len=2048, heads=8, head_dim=64, causal=True, mode="train")
+    config = CPConfig("ring", 8)
+    slow = DescribedProfile(description.with_figure("device.launch_us", 200e-6))
+    fast = DescribedProfile(description.with_figure("device.launch_us", 1e-6))
+    grow = (prior_time(train, config, slow).ring_exposed_s - prior_time(train, config, fast).ring_exposed_s
+            - (prior_time(train.in_mode("forward"), config, slow).ring_exposed_s
+               - prior_time(train.in_mode("forward"), config, fast).ring_exposed_s))
+    cost = analytic_cost(train, config, "p2p", True)
+    per_step = (cost.backward_ring_kernels + 8 * 6) / 8  # the stream's kernels and each call's six
+    assert grow >= 7 * per_step * (200e-6 - 1e-6) * 0.9
+
+
+def test_training_ties_take_the_training_structural_error():
+    """``prior_ties`` without a structural error takes ``STRUCTURAL_ERROR_TRAIN`` for a training
+    step and ``STRUCTURAL_ERROR`` for a forward."""
+    from cptune.model import STRUCTURAL_ERROR, STRUCTURAL_ERROR_TRAIN
+
+    h100 = DescribedProfile(load_description("h100-sxm-8"))
+    pick, others = CPConfig("ring", 2), [CPConfig("ulysses", 2), CPConfig("allgather_kv", 2)]
+    for mode, error in (("train", STRUCTURAL_ERROR_TRAIN), ("forward", STRUCTURAL_ERROR)):
+        workload = Workload(seq_len=32768, heads=32, head_dim=128, kv_heads=8, causal=True, mode=mode)
+        assert prior_ties(workload, pick, others, h100) == prior_ties(workload, pick, others, h100,
+                                                                      structural=error)
+    assert STRUCTURAL_ERROR_TRAIN != STRUCTURAL_ERROR

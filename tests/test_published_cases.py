@@ -107,3 +107,33 @@ def test_paths_rescore_only_the_cases_whose_gpus_a_cpu_joins_once_per_path():
         assert row["holds_best"] == (row["best"] in row["tied"])
     # the path moves some pick: it is a figure the prior reads
     assert any(len({row["pick"] for row in rows if row["id"] == case.id}) == 2 for case in pcie)
+
+
+_train_spec = importlib.util.spec_from_file_location("published_train",
+                                                   ROOT / "benchmarks" / "published_train.py")
+published_train = importlib.util.module_from_spec(_train_spec)
+sys.modules["published_train"] = published_train
+_train_spec.loader.exec_module(published_train)
+TRAIN_CASES = [case for path in published_train.DEFAULT_FILES for case in published_train.load_cases(path)]
+
+
+def test_the_training_development_set_is_21_feasible_training_decisions():
+    assert len(TRAIN_CASES) == len({case.id for case in TRAIN_CASES}) == 21
+    for case in TRAIN_CASES:
+        assert case.workload.training and case.hardware == "h100-sxm-8" and len(case.latency_ms) >= 2
+        for strategy in case.latency_ms:
+            assert feasibility(case.workload, case.config(strategy)) == []
+    full = [case for case in TRAIN_CASES if not case.workload.causal]
+    assert {case.shape for case in full} == {"cp_thd_1"}
+
+
+def test_the_training_structural_error_covers_its_estimate_and_its_clear_picks_are_right():
+    """``STRUCTURAL_ERROR_TRAIN`` is the training set's estimate (rounded up), and with it every
+    pick the prior calls clearly is within 3% of the published best."""
+    from cptune.model import STRUCTURAL_ERROR_TRAIN
+
+    estimate = published_train.structural_estimate(TRAIN_CASES)
+    assert estimate <= STRUCTURAL_ERROR_TRAIN < estimate + 0.01
+    result = published_train.score(TRAIN_CASES)
+    assert all(row["right"] for row in result["cases"] if row["clear"])
+    assert result["summary"]["clear"] >= 1

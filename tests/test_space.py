@@ -19,7 +19,8 @@ from cptune.space import (
     resolve_space,
 )
 
-SHIPPED = ("demo", "flux1-dev", "llm-prefill-gqa", "video-dit")
+SHIPPED = ("demo", "flux1-dev", "flux1-dev-1008", "flux1-dev-joint", "llama3-8b-train-packed",
+           "llm-prefill-gqa", "mistral-7b-window-sinks", "video-dit")
 
 BASE = """\
 name = "t"
@@ -64,10 +65,7 @@ def test_shipped_space_loads_and_builds_its_workloads(name):
     workloads = space.workloads()
     assert [w.seq_len for w in workloads] == list(space.seq_lens)
     for w in workloads:
-        assert (w.heads, w.kv_heads, w.head_dim, w.batch, w.dtype, w.causal) == (
-            space.shape.heads, space.shape.kv_heads, space.shape.head_dim, space.shape.batch,
-            space.shape.dtype, space.shape.causal
-        )
+        assert w.shape == space.shape
     check_runnable(space, 8, str(path))  # every length runs somewhere on 8 ranks
 
 
@@ -95,6 +93,23 @@ def test_llm_space_is_causal_gqa_up_to_the_context_length():
     assert space.shape.causal is True
     assert space.seq_lens[0] == 8192 and max(space.seq_lens) == 131072
     assert list(space.seq_lens) == sorted(set(space.seq_lens))
+
+
+def test_masked_spaces_match_their_derivations():
+    packed = load_space(resolve_space("llama3-8b-train-packed"))
+    lengths = packed.workloads()[0].document_lengths
+    assert packed.seq_lens == (131072,) and sum(lengths) == 131072 and len(lengths) > 1
+    assert min(lengths) >= 2048 and max(lengths) <= 32768
+    assert (packed.shape.heads, packed.shape.kv_heads, packed.shape.head_dim) == (32, 8, 128)
+    assert packed.shape.causal and packed.shape.mode == "train"
+    windowed = load_space(resolve_space("mistral-7b-window-sinks"))
+    assert (windowed.shape.window, windowed.shape.sinks, windowed.shape.causal) == ((4096, 0), 4, True)
+    joint = load_space(resolve_space("flux1-dev-joint"))
+    assert joint.seq_lens == (512 + (1024 // 16) ** 2,) and joint.shape.text == 512
+    odd = load_space(resolve_space("flux1-dev-1008"))
+    assert odd.seq_lens == (512 + (1008 // 16) ** 2,) == (4481,) and odd.shape.text == 512
+    assert not any(4481 % n == 0 for n in range(2, 4481))  # no rank count divides it
+    assert (joint.shape.heads, joint.shape.head_dim) == (odd.shape.heads, odd.shape.head_dim) == (24, 128)
 
 
 def test_demo_space_is_small_enough_for_a_cpu():
@@ -228,6 +243,21 @@ BAD = [
     # a model Workload rejects: its own words, against the key at fault
     ("heads = 8", "heads = 8\nkv_heads = 3", "model.kv_heads",
      ["8 query heads cannot share 3 KV heads", "heads must be a multiple of kv_heads"]),
+    # masks: each part against its own key, what depends on the length at that length
+    ("heads = 8", "heads = 8\nwindow = [1, 2, 3]", "model.window", ["expected [left, right]", "got 3"]),
+    ("heads = 8", "heads = 8\nwindow = -1", "model.window", ["out of range"]),
+    ("heads = 8", "heads = 8\nwindow = 100", "model.window",
+     ["reaches across the whole 64-token", "sweep.seq_lens[0] = 64"]),
+    ("heads = 8", "heads = 8\ncausal = true\nwindow = [8, 2]", "model.window", ["right to 0"]),
+    ("heads = 8", "heads = 8\nsinks = 2", "model.sinks", ["give a window"]),
+    ("heads = 8", "heads = 8\ndocuments = [0, 64]", "model.documents[0]", ["out of range"]),
+    ("heads = 8", "heads = 8\ndocuments = []", "model.documents", ["packs no document"]),
+    ("heads = 8", 'heads = 8\ndocuments = "docs.txt"', "model.documents", ['"@FILE"']),
+    ("heads = 8", 'heads = 8\ndocuments = "@absent.txt"', "model.documents", ["cannot read it"]),
+    ("heads = 8", "heads = 8\ndocuments = [32, 32]", "model.documents",
+     ["sum to 64, not the sequence's 128", "sweep.seq_lens[1] = 128"]),
+    ("heads = 8", "heads = 8\ntext = 64", "model.text", ["leave none of the 64-token"]),
+    ("heads = 8", "heads = 8\ntext = 8\ncausal = true", "model.text", ["full over both"]),
 ]
 
 
@@ -238,6 +268,29 @@ def test_bad_space_is_refused_naming_file_key_and_problem(tmp_path, old, new, ke
     assert message.startswith(f"{path}: {key}: "), message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+def test_space_mask_keys_are_read(tmp_path):
+    (tmp_path / "docs.txt").write_text("# lengths\n16\n48\n\n")
+    text = edited("heads = 8", 'heads = 8\ncausal = true\nwindow = 8\nsinks = 2\ndocuments = "@docs.txt"')
+    space = load_space(write(tmp_path, text.replace("[64, 128]", "[64]")))
+    assert space.shape == AttentionShape(8, 8, 16, 1, "bf16", True, window=(8, 0), sinks=2,
+                                         documents=(16, 48))
+    every = load_space(write(tmp_path, edited("heads = 8", "heads = 8\ndocuments = 32\nwindow = [4, 4]")))
+    assert [w.document_lengths for w in every.workloads()] == [(32, 32), (32, 32, 32, 32)]
+    assert every.shape.window == (4, 4)
+    joint = load_space(write(tmp_path, edited("heads = 8", "heads = 8\ntext = 16")))
+    assert joint.shape.text == 16 and joint.shape.describe_mask() == "joint, 16 text tokens"
+
+
+def test_documents_file_is_read_bounded_and_regular_only(tmp_path):
+    (tmp_path / "docs.json").write_text("[16, 48]")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "bad.txt").write_text("16\nsixteen\n")
+    text = edited("heads = 8", 'heads = 8\ndocuments = "@docs.json"').replace("[64, 128]", "[64]")
+    assert load_space(write(tmp_path, text)).shape.documents.lengths == (16, 48)
+    assert "is a directory" in refusal(write(tmp_path, text.replace("docs.json", "folder")))
+    assert "line 2 holds 'sixteen'" in refusal(write(tmp_path, text.replace("docs.json", "bad.txt")))
 
 
 def test_non_table_section_is_refused(tmp_path):

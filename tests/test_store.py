@@ -19,6 +19,7 @@ from cptune import CPConfig, Workload
 from cptune.cli import main
 from cptune.engines import NodeVerdict, ProbeResult
 from cptune.hardware import Hardware, this_host
+from cptune.masks import Documents
 from cptune.store import RESULT_COLUMNS, VERSION_TABLE, Base, Store, StoreError, database_url
 from cptune.store._store import HEAD_REVISION
 
@@ -529,10 +530,69 @@ def test_migration_0010_reads_older_rows_as_having_no_facts_and_keeps_them(tmp_p
         assert [r.kernel for r in writer.results()] == [None, "cuda_cudnn, cuda_flash"]
         with writer.engine.connect() as connection:
             context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-            assert context.get_current_revision() == HEAD_REVISION == "0010"
+            assert context.get_current_revision() == HEAD_REVISION
     back = migrated(path, "0009", down=True)
     with back.connect() as connection:
         assert connection.exec_driver_sql("SELECT count(*) FROM measurements").scalar() == 2
         columns = {row[1] for row in connection.exec_driver_sql("PRAGMA table_info(calibrations)")}
         assert "facts" not in columns and "data" in columns
+    back.dispose()
+
+
+def test_migration_0011_reads_older_rows_as_plain_and_default_laid_out_and_keeps_them(tmp_path):
+    """A database of revision 0010: its rows read as full or causal attention in the
+    workload's default layout (by a reader's copy and after a writer's upgrade); masked
+    workloads and layouts stored after it round-trip, each mask a workload of its own; taken
+    back to 0010 the older rows are kept and what 0010 cannot name goes."""
+    path = tmp_path / "old.db"
+    engine = migrated(path, "0010")
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO hardware (id, fingerprint, host, cpu_model, cpu_count, gpu_count, interconnect, "
+            f"created_at, nodes) VALUES (1, '{HARDWARE.fingerprint}', 'h1', 'cpu', 2, 0, 'shm', "
+            "'2026-01-01 00:00:00', 1)")
+        connection.exec_driver_sql(
+            "INSERT INTO workloads (id, seq_len, heads, kv_heads, head_dim, batch, dtype, causal, mode) "
+            "VALUES (1, 64, 4, 4, 16, 1, 'bf16', 1, 'forward')")
+        connection.exec_driver_sql(
+            "INSERT INTO measurements (id, hardware_id, workload_id, strategy, ranks, head_group, status, "
+            "median_ms, engine, cptune_version, measured_at, oversubscribed, excluded) VALUES "
+            "(1, 1, 1, 'ring', 2, 1, 'ok', 1.5, 'mpi', '0.1.0', '2026-01-01 00:00:00', 0, 0)")
+    engine.dispose()
+    plain = Workload(seq_len=64, heads=4, head_dim=16, causal=True)
+    with Store(str(path), reading=True) as reader:
+        (old,) = reader.results()
+        assert (old.workload, old.config, old.median_ms) == (plain, CPConfig("ring", 2), 1.5)
+        assert not old.workload.masked and old.config.layout is None
+    packed = dataclasses.replace(plain, documents=Documents(lengths=(16, 48)))
+    windowed = Workload(seq_len=64, heads=4, head_dim=16, causal=True, window=(8, 0), sinks=2)
+    joint = Workload(seq_len=64, heads=4, head_dim=16, text=8)
+    with Store(str(path)) as writer:
+        writer.add_measurement(HARDWARE, measurement(plain, CPConfig("ring", 2), 1.4))
+        writer.add_measurement(HARDWARE, measurement(packed, CPConfig("ring", 2, layout="doc_whole"), 0.5))
+        writer.add_measurement(HARDWARE, measurement(packed, CPConfig("ring", 2, layout="zigzag"), 0.7))
+        writer.add_measurement(HARDWARE, measurement(windowed, CPConfig("ring", 2), 0.4))
+        writer.add_failure(HARDWARE, joint, CPConfig("ring", 2, layout="replicated_text"), "error", "x",
+                           "mpi")
+        found = writer.results()
+        assert [(r.workload, r.config) for r in found] == [
+            (plain, CPConfig("ring", 2)), (plain, CPConfig("ring", 2)),
+            (packed, CPConfig("ring", 2, layout="doc_whole")),
+            (packed, CPConfig("ring", 2)),  # zigzag is a causal mask's default: stored as none
+            (windowed, CPConfig("ring", 2)), (joint, CPConfig("ring", 2, layout="replicated_text"))]
+        assert [r.id for r in writer.results(workload=plain)] == [1, 2]  # masks are workloads of their own
+        assert [r.id for r in writer.results(workload=packed)] == [3, 4]
+        assert [r.id for r in writer.results(documents=[16, 48])] == [3, 4]
+        assert [r.id for r in writer.results(window=(8, 0), sinks=2)] == [5]
+        assert [r.id for r in writer.results(layout="doc_whole")] == [3]
+        assert found[2].to_dict()["documents"] == [16, 48] and found[2].to_dict()["layout"] == "doc_whole"
+        assert (found[0].to_dict()["documents"], found[0].to_dict()["layout"]) == (None, None)
+        with writer.engine.connect() as connection:
+            assert connection.exec_driver_sql("SELECT count(*) FROM workloads").scalar() == 4
+    back = migrated(path, "0010", down=True)
+    with back.connect() as connection:
+        kept = connection.exec_driver_sql("SELECT id FROM measurements ORDER BY id").scalars().all()
+        assert kept == [1, 2]  # the plain rows; masked workloads and layouts 0010 cannot name are gone
+        columns = {row[1] for row in connection.exec_driver_sql("PRAGMA table_info(workloads)")}
+        assert "mask_key" not in columns and "window_left" not in columns
     back.dispose()

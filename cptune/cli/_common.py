@@ -7,18 +7,19 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cptune.config import STRATEGIES
+from cptune.config import LAYOUTS, STRATEGIES
 from cptune.engines import ENGINES, Engine, get_engine
 from cptune.errors import CPTuneError
 from cptune.frameworks import FRAMEWORKS, Spelling, Substitution
 from cptune.hardware import NCCL_PATHS, builtin_descriptions, parse_hosts, read_hostfile
+from cptune.masks import read_documents
 from cptune.space import MAX_SEQ_LENS, MEASURE_COUNTS, check_seconds
 from cptune.workload import MAX_INT, MAX_INT_TEXT, MODES, WIRE_DTYPES, Workload
 
@@ -82,11 +83,14 @@ def show_framework_choice(
 ) -> None:
     """One length's answer for a framework: what runs and at what cost, its settings as the
     framework takes them (indented, to copy), the launch line and what the user must also do."""
-    cost = "yellow" if substitution.chosen.config != substitution.pick.config else "bold green"
-    say(console, (heading, "bold"), " ", (substitution.describe(), cost))
+    kept = substitution.chosen.config == substitution.pick.config and substitution.as_cptune_runs
+    say(console, (heading, "bold"), " ", (substitution.describe(), "bold green" if kept else "yellow"))
     for line in spelling.code.splitlines():
         say(console, f"    {line}")
-    say(console, ("  launch:", "dim"), f" {spelling.launch}")
+    launches = spelling.launch.splitlines()  # one per node on several
+    for node, line in enumerate(launches):
+        label = "  launch:" if len(launches) == 1 else f"  launch on node {node}:"
+        say(console, (label, "dim"), f" {line}")
     for need in spelling.needs:
         say(console, ("  needs:", "dim"), f" {need}")
 
@@ -171,6 +175,34 @@ def positive_list(text: str) -> tuple[int, ...]:
     return tuple(positive(part) for part in _items(text, "1024,2048"))
 
 
+def window(text: str) -> tuple[int, int]:
+    """A sliding window: ``LEFT,RIGHT`` key counts either side of each query, or ``N`` alone
+    for ``N,0`` (the causal window: the last N keys)."""
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) not in (1, 2) or "" in parts:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (e.g. 4096,0) or one number N for N,0, "
+                                         f"got {text!r}")
+    left, *right = (non_negative(part) for part in parts)
+    return left, (right[0] if right else 0)
+
+
+def documents(text: str) -> tuple[int, ...] | int:
+    """Packed documents: their lengths (``2048,4096,...``, summing to the sequence's length),
+    one length for all (``N``: N tokens each, the last the rest) or ``@FILE`` (one length a
+    line, or a JSON list: ``cptune.masks.read_documents``)."""
+    if text.startswith("@"):
+        try:
+            return read_documents(text[1:])
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parts = [part.strip() for part in text.split(",")]
+    if "" in parts:
+        raise argparse.ArgumentTypeError(f"expected document lengths like 2048,4096 (or N for one length for "
+                                         f"all, or @FILE), without empty entries, got {text!r}")
+    lengths = tuple(positive(part) for part in parts)
+    return lengths if len(lengths) > 1 else lengths[0]
+
+
 def seq_lens(text: str) -> tuple[int, ...]:
     """Sequence lengths, e.g. 1024,2048: at most ``MAX_SEQ_LENS`` of them."""
     found = positive_list(text)
@@ -236,6 +268,18 @@ def add_workload_flags(
     group.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="bf16",
                        help="activation dtype (default bf16)")
     group.add_argument("--causal", action="store_true", help="causal mask (LLM prefill)")
+    group.add_argument("--window", type=window, default=None, metavar="LEFT,RIGHT",
+                       help="sliding window: a query sees LEFT keys before it and RIGHT after (N alone: N,0; "
+                            "with --causal RIGHT is 0)")
+    group.add_argument("--sinks", type=non_negative, default=0, metavar="N",
+                       help="attention sinks beside --window: the first N tokens of each document seen by "
+                            "every query")
+    group.add_argument("--documents", type=documents, default=None, metavar="LENGTHS",
+                       help="packed documents: their lengths (2048,4096,... summing to the length), N (N "
+                            "tokens each, the last the rest) or @FILE (one length a line, or a JSON list)")
+    group.add_argument("--text", type=non_negative, default=0, metavar="N",
+                       help="joint text and image attention (MMDiT: FLUX, SD3): N text tokens before the "
+                            "image tokens")
     if with_mode:
         group.add_argument("--mode", choices=MODES, default=None,
                            help="forward (inference, the default) or train: the forward and the backward")
@@ -335,9 +379,27 @@ def workload_of(args: argparse.Namespace, seq_len: int) -> Workload:
     try:
         return Workload(seq_len=seq_len, heads=args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
                         batch=args.batch, dtype=args.dtype, causal=args.causal,
-                        mode=getattr(args, "mode", None) or "forward")
+                        mode=getattr(args, "mode", None) or "forward", **mask_of(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def mask_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The mask's parts the flags give (``--window``, ``--sinks``, ``--documents``, ``--text``),
+    as ``Workload``'s keyword arguments."""
+    return {"window": args.window, "sinks": args.sinks, "documents": args.documents, "text": args.text}
+
+
+def mask_given(args: argparse.Namespace) -> bool:
+    """Whether any of the mask's flags beyond ``--causal`` is given."""
+    return bool(args.window or args.sinks or args.documents or args.text)
+
+
+def add_layout_flag(parser: argparse.ArgumentParser) -> None:
+    """``--layout``: how one named configuration deals the tokens out (``cptune.config.LAYOUTS``)."""
+    parser.add_argument("--layout", choices=LAYOUTS, default=None,
+                        help="only this token layout (default: each the mask makes worth trying; "
+                             "docs/masks.md)")
 
 
 # --------------------------------------------------------------------------- Ctrl-C

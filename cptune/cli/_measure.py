@@ -19,6 +19,7 @@ from cptune.cli._common import (
     UsageError,
     add_backend,
     add_hosts_flags,
+    add_layout_flag,
     add_workload_flags,
     count,
     engine_of,
@@ -59,6 +60,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                          help="only this Ulysses degree u: u-way Ulysses x ranks/u-way strategy (1: the pure "
                               "strategy; default: every one); with --strategies and --ranks it names one "
                               "configuration, as a search's output does")
+    add_layout_flag(measure)
     measure.add_argument("--warmup", type=count("warmup"), default=2, help="untimed iterations (default 2)")
     measure.add_argument("--repeats", type=count("repeats"), default=10, help="timed iterations (default 10)")
     measure.add_argument("--timeout", type=seconds, default=None,
@@ -141,7 +143,8 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
         results, failures = measure_all(workload, args.max_ranks, args.strategies or STRATEGIES,
                                         backend=engine_of(args), warmup=args.warmup, repeats=args.repeats,
                                         timeout=args.timeout, on_config=on_config, ranks=args.ranks,
-                                        head_group=args.head_group, oversubscribe=args.oversubscribe)
+                                        head_group=args.head_group, oversubscribe=args.oversubscribe,
+                                        layout=args.layout)
     finally:
         if progress.live.is_started:
             progress.stop()

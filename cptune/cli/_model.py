@@ -154,8 +154,12 @@ def run_recommend(args: argparse.Namespace, console: Console) -> int:
         check_engine(get_framework(args.framework), engine)
     pick = recommend(workload, ranks=args.ranks, hardware=args.hardware, db=args.db, backend=args.backend,
                      figures=figures_of(args), nccl_path=args.nccl_path, nodes=args.nodes)
-    if args.framework:
-        framed = for_recommendation(pick, args.framework, engine)
+    if args.framework:  # the profile recommend used prices what the framework runs otherwise than cptune
+        from cptune.model import hardware_profile
+
+        profile = hardware_profile(args.hardware, args.db, args.backend, figures_of(args), args.nccl_path,
+                                   args.nodes, args.ranks)
+        framed = for_recommendation(pick, args.framework, engine, profile)
     if args.json:
         print(json.dumps(pick.to_dict() | ({"for": framed.to_dict()} if framed else {}), indent=2))
         return 0

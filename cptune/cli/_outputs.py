@@ -18,6 +18,7 @@ from cptune.cli._common import (
     add_framework_flag,
     add_given_flags,
     add_host_backend,
+    add_layout_flag,
     add_workload_flags,
     figures_of,
     positive,
@@ -28,12 +29,13 @@ from cptune.cli._common import (
 )
 from cptune.cli._search import space_of
 from cptune.config import STRATEGIES, CPConfig
-from cptune.errors import InfeasibleConfigError
+from cptune.errors import CPTuneError, InfeasibleConfigError
 from cptune.feasibility import check_feasible
 from cptune.measurement import format_ms
 from cptune.space import DEMO_SPACE, find_space
 
 if TYPE_CHECKING:
+    from cptune.model import MeasuredHost, Profile
     from cptune.plans import Plan
 
 
@@ -110,6 +112,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     graph.add_argument("--ranks", type=positive, required=True, help="ranks (one graph each)")
     graph.add_argument("--head-group", type=positive, default=None,
                        help="Ulysses degree u (default: all ranks for ulysses, else 1)")
+    add_layout_flag(graph)
     graph.add_argument("-o", "--output-dir", required=True, help="directory to write the graphs into")
 
 
@@ -139,8 +142,19 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
         plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
                            strategies=space.strategies, backend=args.backend, figures=figures_of(args),
                            nccl_path=args.nccl_path, nodes=args.nodes)
-    if args.framework:
-        return _export_for(args, console, plan, output)
+    if args.framework:  # the profile the plan was tuned on prices what the framework runs otherwise
+        from cptune.model import hardware_profile
+
+        profile = None
+        if args.plan is None:
+            profile = hardware_profile(args.hardware, args.db, args.backend, figures_of(args), args.nccl_path,
+                                       args.nodes, args.plan_ranks)
+        elif plan.hardware.kind == "host":
+            try:  # this host's calibration; without one, what a framework runs otherwise is passed over
+                profile = hardware_profile(None, args.db, plan.hardware.engine or args.backend)
+            except CPTuneError:
+                profile = None
+        return _export_for(args, console, plan, output, profile)
     assert output is not None
     path = plan.write(output, force=args.force)
     shown = table(f"plan for {plan.shape.describe()}\non {plan.hardware.description}",
@@ -167,11 +181,13 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _export_for(args: argparse.Namespace, console: Console, plan: Plan, output: str | None) -> int:
-    """``export --for``: the plan bucket by bucket as the framework takes it."""
+def _export_for(args: argparse.Namespace, console: Console, plan: Plan, output: str | None,
+                profile: Profile | MeasuredHost | None) -> int:
+    """``export --for``: the plan bucket by bucket as the framework takes it (what it runs
+    otherwise than cptune priced on ``profile``)."""
     from cptune.frameworks import for_framework
 
-    framed = for_framework(plan, args.framework)
+    framed = for_framework(plan, args.framework, profile)
     if output is not None:
         plan.write(output, force=args.force)
     if args.json:
@@ -212,7 +228,7 @@ def run_export_graph(args: argparse.Namespace, console: Console) -> int:
 
     workload = workload_of(args, args.seq_len)
     try:
-        config = CPConfig(args.strategy, args.ranks, args.head_group)
+        config = CPConfig(args.strategy, args.ranks, args.head_group, args.layout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

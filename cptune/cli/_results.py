@@ -93,21 +93,27 @@ def run(args: argparse.Namespace, console: Console) -> int:
         writer = csv.DictWriter(sys.stdout, fieldnames=RESULT_COLUMNS, lineterminator="\n")
         writer.writeheader()
         for row in (r.to_dict() for r in rows):
-            writer.writerow(row | {"facts": json.dumps(row["facts"])})  # one cell: the facts as JSON
+            writer.writerow(_cells(row) | {"facts": json.dumps(row["facts"])})  # one cell: the facts as JSON
         return 0
     modes = any(r.workload.training for r in rows)  # a column where training runs are listed
+    masks = any(r.workload.masked for r in rows)  # ... and where a masked workload is
     ran = any(r.ran_with for r in rows)  # ... and where any row recorded what it ran with
     listing = table(f"{len(rows)} stored result(s)",
                    "median ms per iteration of the slowest rank; round: the interleaved rounds of each "
                    "workload numbered in the order they ran (--json gives their ids)"
                    + ("; mode: forward, or train (forward and backward)" if modes else "")
+                   + ("; under each config +layout (how its tokens are dealt out): the workload's mask "
+                      "(a window's keys before,after each query + sinks, packed documents NxLENGTH, joint "
+                      "text tokens)" if masks else "")
                    + ("; ran with: the attention kernel(s), the process group and on a GPU the cuDNN and "
                       "NCCL versions (--json: every fact kept)" if ran else ""))
+    labels = max((len(r.config.label) for r in rows), default=0)  # a wrapped config cell's least width
     for column in ("id", "seq_len", "heads", *(("mode",) if modes else ()), "config", "ranks", "round",
                    "status", "median ms", *(("ran with",) if ran else ()), "hardware"):
         left = column in ("config", "status", "ran with", "hardware")
         listing.add_column(column, justify="left" if left else "right",
-                           no_wrap=column not in ("ran with", "hardware"))
+                           no_wrap=column not in ("ran with", "hardware", *(("config",) if masks else ())),
+                           min_width=labels if column == "config" else None)
     for r in rows:
         median = f"{r.median_ms:.2f}" if r.median_ms is not None else "-"
         heads = f"{r.workload.heads}/{r.workload.kv_heads}"
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             if marked:
                 status.append(f", {mark}", style="yellow")
         listing.add_row(str(r.id), str(r.workload.seq_len), heads, *((r.workload.mode,) if modes else ()),
-                        r.config.label, str(r.config.ranks),
+                        _config_cell(r, masks), str(r.config.ranks),
                         str(numbers.get(r.id, "-")), status, median,
                         *((Text(r.ran_with or "-"),) if ran else ()), Text(r.hardware))
     console.print(listing)
@@ -136,6 +142,21 @@ def run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _config_cell(result: Result, masks: bool) -> Text:
+    """A row's configuration, and where the listing holds masked workloads its mask below it
+    (a line of its own: the table keeps to 80 columns)."""
+    cell = Text(result.config.label)
+    if masks:
+        cell.append(f"\n{result.workload.shape.mask_label()}", style="dim")
+    return cell
+
+
+def _cells(row: dict[str, object]) -> dict[str, object]:
+    """A row for CSV: a window's pair and the documents' lengths as JSON, one cell each."""
+    lists = ("window", "documents")
+    return row | {key: json.dumps(row[key]) for key in lists if isinstance(row.get(key), list)}
+
+
 def _round_numbers(rows: list[Result]) -> dict[int, int]:
     """Each row's round as a number within its (hardware, workload): 1, 2, ... in the order
     the rounds first ran; rows without a round get none."""
@@ -150,8 +171,9 @@ def _round_numbers(rows: list[Result]) -> dict[int, int]:
 
 #: The columns of ``cptune results --combined --csv``, one row per configuration.
 COMBINED_COLUMNS = (
-    "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "mode", "strategy",
-    "ranks", "head_group", "label", "median_ms", "low_ms", "high_ms", "rounds", "interval_from", "role",
+    "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "mode", "window",
+    "sinks", "documents", "text", "strategy", "ranks", "head_group", "layout", "label", "median_ms", "low_ms",
+    "high_ms", "rounds", "interval_from", "role",
     "vs_fastest", "vs_fastest_low", "vs_fastest_high", "paired_rounds", "measurement_ids", "verdict",
 )
 
@@ -209,7 +231,8 @@ def _combined_results(rows: list[Result], args: argparse.Namespace, console: Con
         writer.writeheader()
         for hardware, workload, verdict, estimates in judged:
             for e in estimates:
-                writer.writerow({"hardware": hardware, **workload.to_dict(), **_estimate_record(e, verdict),
+                writer.writerow({"hardware": hardware, **_cells(workload.to_dict()),
+                                 **_estimate_record(e, verdict),
                                  "measurement_ids": ";".join(map(str, e.ids)), "verdict": verdict.describe()})
         return 0
     for i, (hardware, workload, verdict, estimates) in enumerate(judged, 1):

@@ -25,6 +25,7 @@ from cptune.cli._common import (
     add_workload_flags,
     count,
     engine_of,
+    mask_given,
     non_negative,
     positive,
     positive_list,
@@ -133,6 +134,7 @@ def space_of(args: argparse.Namespace) -> SearchSpace | str:
     ``--within-node-heads`` restricts either."""
     flags_given = any(getattr(args, name, None) is not None for name in (
         "heads", "head_dim", "seq_lens", "kv_heads", "strategies", "ranks")) or args.causal
+    flags_given = flags_given or mask_given(args)
     if args.space and flags_given:
         raise UsageError("give either a search space or workload flags (--heads, --seq-lens, ...), not both")
     space = _space_from_flags(args) if flags_given else args.space or DEMO_SPACE

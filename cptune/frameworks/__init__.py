@@ -8,8 +8,8 @@ the framework spells them, the launch line, and what a substitution costs agains
 ``refusal`` says what it cannot run (``cptune search --for`` measures only the rest).
 """
 
-from cptune.frameworks._choice import Substitution, choose
-from cptune.frameworks._framework import Framework, FrameworkError, Spelling
+from cptune.frameworks._choice import Pricer, Substitution, choose
+from cptune.frameworks._framework import Framework, FrameworkError, Runs, Spelling
 from cptune.frameworks._plan import (
     FrameworkBucket,
     FrameworkPick,
@@ -17,6 +17,7 @@ from cptune.frameworks._plan import (
     check_engine,
     for_framework,
     for_recommendation,
+    pricer,
 )
 from cptune.frameworks._registry import FRAMEWORKS, get_framework
 
@@ -27,11 +28,14 @@ __all__ = [
     "FrameworkError",
     "FrameworkPick",
     "FrameworkPlan",
+    "Pricer",
+    "Runs",
     "Spelling",
     "Substitution",
     "check_engine",
     "choose",
     "for_framework",
     "for_recommendation",
+    "pricer",
     "get_framework",
 ]

@@ -1,16 +1,17 @@
 """diffusers 0.42.1: ``ContextParallelConfig(ring_degree, ulysses_degree)``.
 
-Its ``ring_degree`` gathers K/V over the ring group in one all-gather and merges the pieces by
-their log-sum-exp (``rotate_method="allgather"``, the only one it runs; "alltoall" raises
-NotImplementedError): cptune's AllGather-KV, not Ring's send/recv steps
-(src/diffusers/models/attention_dispatch.py, ``TemplatedRingAttention``). The mesh is
+Its ``ring_degree`` gathers K/V over the ring group in one all-gather (``rotate_method="allgather"``,
+the only one it runs; "alltoall" raises NotImplementedError), then attends them block by block:
+``ring_degree`` calls, each merged into a float32 output by its log-sum-exp (``convert_to_fp32``;
+src/diffusers/models/attention_dispatch.py, ``TemplatedRingAttention``): cptune's AllGather-KV
+exchange with c calls where cptune makes one, not Ring's send/recv steps, priced so. The mesh is
 ``(ring, ulysses)``, row-major: a Ulysses group is consecutive ranks, as in cptune.
 """
 
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Spelling
+from cptune.frameworks._framework import SET_DEVICE, Framework, Runs, Spelling, torchrun
 from cptune.workload import AttentionShape
 
 
@@ -30,23 +31,43 @@ class Diffusers(Framework):
                     "'alltoall' raises NotImplementedError): it runs AllGather-KV, not Ring")
         return None
 
-    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+    def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
+        c = config.context_degree
+        if config.strategy != "allgather_kv" or c == 1:
+            return Runs(config)
+        what = (f"diffusers' ring_degree: one all-gather of the ring's K/V (TemplatedRingAttention), then "
+                f"{c} calls merged by log-sum-exp in float32")
+        return Runs(config, True, what)
+
+    def placed_refusal(self, shape: AttentionShape, config: CPConfig, seq_len: int,
+                       per_node: int | None) -> str | None:
+        if seq_len % config.ranks and config.head_group > 1 and config.context_degree > 1:
+            return (f"diffusers cuts {seq_len} tokens into {config.ranks} equal pieces (EquipartitionSharder "
+                    f"asserts it); ulysses_anything and ring_anything take other lengths only without "
+                    f"the other degree")
+        return None
+
+    def spell_context(self, shape: AttentionShape, config: CPConfig, seq_len: int | None,
+                      per_node: int | None) -> Spelling:
         ring, ulysses = config.context_degree, config.head_group
-        needs = [f"every sequence a multiple of {config.ranks} tokens long (diffusers cuts it into "
-                 f"{config.ranks} equal pieces; it does not pad)"]
+        settings: dict[str, object] = {"ring_degree": ring, "ulysses_degree": ulysses}
+        if seq_len is not None and seq_len % config.ranks:  # its own way round: uneven pieces
+            settings["ulysses_anything" if ring == 1 else "ring_anything"] = True
+            needs = [f"{seq_len} tokens do not divide into {config.ranks} equal pieces: "
+                     f"{'ulysses' if ring == 1 else 'ring'}_anything=True lets diffusers cut them unevenly"]
+        else:
+            needs = [f"every sequence a multiple of {config.ranks} tokens long (diffusers cuts it into "
+                     f"{config.ranks} equal pieces; ulysses_anything or ring_anything, one degree alone, "
+                     f"takes any length)"]
         backend = ""
         if ring > 1:
             needs.append("an attention backend that returns the log-sum-exp for ring_degree > 1 (flash, "
                          "_native_cudnn, sage; native raises)")
             backend = 'pipe.transformer.set_attention_backend("flash")\n'
-        code = (
-            "import torch, torch.distributed as dist\n"
-            "from diffusers import ContextParallelConfig\n"
-            'dist.init_process_group("nccl")\n'
-            "torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())\n"
-            f"{backend}"
-            f"pipe.transformer.enable_parallelism(config=ContextParallelConfig(ring_degree={ring}, "
-            f"ulysses_degree={ulysses}))"
-        )
-        return Spelling({"ring_degree": ring, "ulysses_degree": ulysses}, code,
-                        f"torchrun --nproc-per-node={config.ranks} <your program>", tuple(needs))
+        arguments = ", ".join(f"{k}={v}" for k, v in settings.items())
+        code = "\n".join((
+            "import torch, torch.distributed as dist", "from diffusers import ContextParallelConfig",
+            *SET_DEVICE,
+            'dist.init_process_group("nccl")',
+            f"{backend}pipe.transformer.enable_parallelism(config=ContextParallelConfig({arguments}))"))
+        return Spelling(settings, code, torchrun(config.ranks, per_node, "<your program>"), tuple(needs))

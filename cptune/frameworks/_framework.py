@@ -40,6 +40,30 @@ class Spelling:
     needs: tuple[str, ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class Runs:
+    """What a framework runs for one of cptune's configurations, in terms cptune's counts price:
+    the configuration whose exchange and token layout it has (``config``), and whether it
+    attends the gathered keys block by block, c calls merged by log-sum-exp in float32
+    (``per_block_calls``, AllGather-KV's exchange only). ``what``: the framework's own
+    implementation in a sentence (empty where it runs cptune's configuration as cptune does)."""
+
+    config: CPConfig
+    per_block_calls: bool = False
+    what: str = ""
+
+    @property
+    def label(self) -> str:
+        """Short name: the configuration's label, with its calls where it attends block by block
+        (e.g. "ulysses2xallgather_kv4 in 4 calls")."""
+        calls = f" in {self.config.context_degree} calls" if self.per_block_calls else ""
+        return self.config.label + calls
+
+    def same_as(self, config: CPConfig) -> bool:
+        """Whether this is ``config`` as cptune runs and prices it."""
+        return self.config == config and not self.per_block_calls
+
+
 class Framework(ABC):
     """One framework: what it can run and how it spells a configuration."""
 
@@ -55,22 +79,41 @@ class Framework(ABC):
         """Why the framework cannot run ``config`` (over more than one rank) for ``shape``."""
 
     @abstractmethod
-    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
-        """``config`` (over more than one rank) in the framework's terms."""
+    def spell_context(self, shape: AttentionShape, config: CPConfig, seq_len: int | None,
+                      per_node: int | None) -> Spelling:
+        """``config`` (over more than one rank) in the framework's terms, for ``seq_len`` tokens
+        (None: any length it takes) on nodes of ``per_node`` ranks (None: one node)."""
+
+    def placed_refusal(self, shape: AttentionShape, config: CPConfig, seq_len: int,
+                       per_node: int | None) -> str | None:
+        """Why the framework cannot run ``config`` (which it can express) at ``seq_len`` on nodes
+        of ``per_node`` ranks (None: one node): a length it does not take, ranks across nodes it
+        does not start; None when it can."""
+        return None
+
+    def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
+        """What the framework runs for ``config`` (which it can run) at ``seq_len``: cptune's
+        configuration itself unless a framework says otherwise."""
+        return Runs(config)
 
     def refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
         """Why the framework cannot run ``config`` for ``shape``; None when it can. One rank
         runs plain attention, which every framework does without context parallelism."""
         return None if config.ranks == 1 else self.context_refusal(shape, config)
 
-    def spell(self, shape: AttentionShape, config: CPConfig) -> Spelling:
-        """``config`` in the framework's terms; ``FrameworkError`` when it cannot run it."""
-        if reason := self.refusal(shape, config):
+    def spell(self, shape: AttentionShape, config: CPConfig, seq_len: int | None = None,
+              per_node: int | None = None) -> Spelling:
+        """``config`` in the framework's terms, for ``seq_len`` tokens (None: any it takes) on
+        nodes of ``per_node`` ranks (None: one node); ``FrameworkError`` when it cannot run it."""
+        reason = self.refusal(shape, config)
+        if reason is None and seq_len is not None and config.ranks > 1:
+            reason = self.placed_refusal(shape, config, seq_len, per_node)
+        if reason:
             raise FrameworkError(f"{self.name} cannot run {config.describe()}: {reason}")
         if config.ranks == 1:
             return Spelling({}, "# no context parallelism: one rank runs plain attention",
                             "python <your program>")
-        return self.spell_context(shape, config)
+        return self.spell_context(shape, config, seq_len, per_node)
 
 
 def heads_refusal(shape: AttentionShape, head_group: int, what: str) -> str | None:
@@ -89,3 +132,41 @@ def flags(settings: Mapping[str, Any], spell_name: Mapping[str, str]) -> str:
         shown = " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
         parts.append(f"{spell_name[key]} {shown}")
     return " ".join(parts)
+
+
+def torch_ring(shape: AttentionShape, config: CPConfig, caller: str) -> Runs:
+    """What torch's ``_templated_ring_attention`` runs with load balance off and its default
+    rotater, the all-gather (``_cp_options``: ``enable_load_balance=False`` as ``caller`` sets
+    it, ``rotate_method=ALL_GATHER``; ``_AllGatherRotater``): one all-gather of the ring group's
+    K/V, then one attention call per block merged by log-sum-exp (``_SDPAMerger``, float32);
+    under a causal mask contiguous blocks, rank r computing r + 1 of them (``_is_causal_behavior``
+    skips the later ones)."""
+    c = config.context_degree
+    layout = "contiguous" if shape.causal else None
+    balance = (f"; causal without load balance: contiguous blocks, rank r computing r + 1 of {c}"
+               if shape.causal else "")
+    return Runs(CPConfig("allgather_kv", config.ranks, config.head_group, layout), True,
+                f"{caller} runs torch's _templated_ring_attention with load balance off and its all-gather "
+                f"rotater: one all-gather of the ring's K/V, then {c} calls merged by log-sum-exp{balance}")
+
+
+def nodes_of(ranks: int, per_node: int | None) -> tuple[int, int]:
+    """(nodes, ranks on each) of ``ranks`` ranks packed ``per_node`` to a node (None: one node)."""
+    here = min(ranks, per_node or ranks)
+    return -(-ranks // here), here
+
+
+def torchrun(ranks: int, per_node: int | None, program: str) -> str:
+    """torchrun's launch of ``ranks`` ranks ``per_node`` to a node: one line on one node, else one
+    line per node with its node rank, meeting at the first node's c10d rendezvous (torch/
+    distributed/run.py: --nnodes, --nproc-per-node, --node-rank, --rdzv-backend, --rdzv-endpoint,
+    --rdzv-id; set MASTER_ADDR to the first node)."""
+    nodes, here = nodes_of(ranks, per_node)
+    if nodes == 1:
+        return f"torchrun --nproc-per-node={ranks} {program}"
+    return "\n".join(f"torchrun --nnodes={nodes} --nproc-per-node={here} --node-rank={k} --rdzv-backend=c10d "
+                     f"--rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=cptune {program}" for k in range(nodes))
+
+
+#: The lines of a snippet that pin each rank to its own GPU (torchrun sets LOCAL_RANK).
+SET_DEVICE = ("import os", 'torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))')

@@ -9,7 +9,7 @@ its Ulysses members (``zigzag_extract_local``): cptune's causal layout. No AllGa
 from __future__ import annotations
 
 from cptune.config import CPConfig
-from cptune.frameworks._framework import Framework, Spelling, heads_refusal
+from cptune.frameworks._framework import SET_DEVICE, Framework, Spelling, heads_refusal, torchrun
 from cptune.workload import AttentionShape
 
 
@@ -29,13 +29,15 @@ class Yunchang(Framework):
     def context_refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
         return usp_refusal("yunchang", shape, config)
 
-    def spell_context(self, shape: AttentionShape, config: CPConfig) -> Spelling:
+    def spell_context(self, shape: AttentionShape, config: CPConfig, seq_len: int | None,
+                      per_node: int | None) -> Spelling:
         ring_impl = "zigzag" if shape.causal else "basic"
         settings = {"sp_ulysses_degree": config.head_group, "sp_ring_degree": config.context_degree,
                     "use_ulysses_low": True, "ring_impl_type": ring_impl}
         code = (
-            "import torch.distributed as dist\n"
+            "import torch, torch.distributed as dist\n"
             "from yunchang import LongContextAttention, set_seq_parallel_pg\n"
+            + "".join(f"{line}\n" for line in SET_DEVICE) +
             'dist.init_process_group("nccl")\n'
             f"set_seq_parallel_pg(sp_ulysses_degree={config.head_group}, "
             f"sp_ring_degree={config.context_degree}, "
@@ -47,5 +49,5 @@ class Yunchang(Framework):
         if shape.causal:
             needs.append(f"each rank's tokens as yunchang's zigzag_extract_local(x, rank, world_size, "
                          f"rd={config.context_degree}, ud={config.head_group}) cuts them")
-        return Spelling(settings, code, f"torchrun --nproc-per-node={config.ranks} <your program>",
+        return Spelling(settings, code, torchrun(config.ranks, per_node, "<your program>"),
                         tuple(needs))

@@ -8,6 +8,7 @@ configuration from the best evidence (``_recommend``). Imported on first use by 
 it brings scikit-learn and SQLAlchemy, which the ranks never need.
 """
 
+from cptune.model._as_run import PricedAsRun, price_as_run, prior_as_run
 from cptune.model._cost_model import Case, CostModel, TrainingSet, training_set
 from cptune.model._evaluation import (
     CorrectionDecision,
@@ -31,7 +32,7 @@ from cptune.model._recommend import (
     predicted,
     recommend,
 )
-from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURE, Tie, prior_ties
+from cptune.model._ties import STRUCTURAL_ERROR, STRUCTURAL_ERROR_TRAIN, STRUCTURE, Tie, prior_ties
 
 __all__ = [
     "CalibratedProfile",
@@ -42,6 +43,7 @@ __all__ = [
     "DescribedProfile",
     "GroupScore",
     "MeasuredHost",
+    "PricedAsRun",
     "Profile",
     "Recommendation",
     "Tie",
@@ -57,9 +59,12 @@ __all__ = [
     "load_training",
     "predict_for",
     "predicted",
+    "price_as_run",
     "prior_ties",
     "STRUCTURAL_ERROR",
+    "STRUCTURAL_ERROR_TRAIN",
     "STRUCTURE",
+    "prior_as_run",
     "prior_time",
     "recommend",
     "tier_split",

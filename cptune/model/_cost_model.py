@@ -50,7 +50,7 @@ from sklearn.ensemble import GradientBoostingRegressor
 from sklearn.model_selection import GroupKFold, KFold
 from sklearn.utils.validation import check_is_fitted
 
-from cptune.config import STRATEGIES, CPConfig
+from cptune.config import LAYOUTS, STRATEGIES, CPConfig
 from cptune.estimate import Estimate, combine, judge_each
 from cptune.model._prior import PriorTime, prior_time
 from cptune.model._profiles import CalibratedProfile, Profile, UnpredictedModeError, check_predicts
@@ -86,17 +86,18 @@ class Case:
         return self.profile.fingerprint, self.config, self.workload.shape
 
 
-def mask_features(workload: Workload, config: CPConfig) -> tuple[float, ...]:
-    """What a mask and a layout change, each the same for every plain workload in its default
-    layout (so plain rows pool as before, and masked ones are told apart where they differ):
-    the share of the plain mask's area the mask leaves, log2 of the documents packed, the
-    window's reach as a share of the sequence, the text's share, whether the layout is one
-    beyond the default."""
-    plain = workload.seq_len * (workload.seq_len + 1) // 2 if workload.causal else workload.seq_len ** 2
-    area = workload.mask.area if workload.masked else plain
-    reach = max(workload.window) / workload.seq_len if workload.window else 0.0
-    return (area / plain, float(np.log2(len(workload.document_lengths))), reach,
-            workload.text / workload.seq_len, float(config.layout is not None))
+def _mask_features(workload: Workload) -> tuple[float, ...]:
+    """What the mask does to a layer, as the correction reads it: the share of the (query,
+    key) pairs it leaves (log; 0 for full attention), how many documents (log2), the window's
+    reach and the text's share of the sequence. A plain layer has the same values whatever
+    its length (causal's share is its own feature's), so rows of different masks are never
+    one workload to the boosting."""
+    if not workload.masked:
+        return (0.0, 0.0, 0.0, 0.0)
+    mask, n = workload.mask, workload.seq_len
+    reach = sum(workload.window) / n if workload.window else 0.0
+    return (float(np.log(max(mask.area, 1) / (n * n))), float(np.log2(mask.documents)), reach,
+            workload.text / n)
 
 
 def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
@@ -113,7 +114,7 @@ def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
             *(float(c.strategy == s) for s in STRATEGIES),
             np.log(total), prior.compute_s / total, prior.all_to_all_s / total,
             prior.all_gather_s / total, prior.ring_exposed_s / total,
-            *mask_features(w, c),
+            *_mask_features(w), *(float(c.layout == layout) for layout in LAYOUTS),
         ])
     return np.asarray(rows, dtype=float)
 

@@ -41,16 +41,23 @@ ranks, hardware that is only calibrated or only described.
                   says which: a calibration's engine spec, ``Profile.stream``)
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 
-A training step is that of its forward, then its backward's (``_backward_time``; the
-memory-bound steps and launches stay the forward's, as ``analytic_cost`` counts them):
+A training step is that of its forward, then its backward's (``_backward_time``):
     compute     = BACKWARD_FLOPS_RATIO x the forward's FLOPs / (its rate x the hardware's
                   ``backward_speed``) + attention calls x the fixed cost of one call
-    exchanges   = those ``analytic_cost`` adds: Ulysses' 3 more all-to-alls, AllGather-KV's
-                  gather again and reduce-scatter (a calibrated host reads it at its
-                  all-gather's rates: the same bytes to the same peers), the Ring's
-                  (c - 1) * max(block + slowdown * min(block, step), step) + block + home,
-                  a step bringing the next K/V block and passing a gradient on, home the
-                  last gradient's way back
+    memory      = the backward's own memory-bound steps (``analytic_cost``'s
+                  ``backward_memory_bytes``: Ulysses' permutes back, the float32 fold of
+                  replicated KV heads, the gradients' float32 accumulations and casts back)
+    overhead    = its kernels outside the Ring's steps x the fixed cost of one launch
+                  (``backward_kernels``, and per call FlashAttention's two kernels around its
+                  backward and the engine's three accumulations)
+    exchanges   = those ``analytic_cost`` adds, which wait: Ulysses' 3 more all-to-alls,
+                  AllGather-KV's gather again and reduce-scatter (a calibrated host reads it at
+                  its all-gather's rates: the same bytes to the same peers); and the Ring's,
+                  which overlap: (c - 1) * max(busy, step) + max(work, launches) + home, busy =
+                  max(work + slowdown * min(block, step), launches), work = block + its
+                  accumulations, launches = the step's kernels x the fixed cost of one launch,
+                  a step bringing the next K/V block and passing a gradient on, home the last
+                  gradient's way back
 """
 
 from __future__ import annotations
@@ -64,7 +71,14 @@ import numpy as np
 from cptune._position_work import blocks_work, busiest, counted_by_position
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
-from cptune.cost import BACKWARD_FLOPS_RATIO, COLLECTIVES, analytic_cost
+from cptune.cost import (
+    BACKWARD_CALL_KERNELS,
+    BACKWARD_FLOPS_RATIO,
+    COLLECTIVES,
+    GRAD_ACCUMULATE_KERNELS,
+    analytic_cost,
+    attention_flops,
+)
 from cptune.hardware import TIERS, tier_of
 from cptune.kernels import check_kernel, computed_pairs
 from cptune.layout import SequenceLayout, rank_groups
@@ -126,15 +140,16 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     fused calls' pairs (a call masked by position computes its whole rectangle), or the numpy
     kernel's row blocks' segments, of the block with the most."""
     check_kernel(kernel)
-    cost = analytic_cost(workload, config)
     if counted_by_position(workload, config):  # a mask or a layout beyond the default: its plan's
         per_head = 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group)
-        numpy = kernel == "numpy" and cost.padded_seq_len <= EXACT_KERNEL_WORK_TOKENS
+        numpy = kernel == "numpy" and SequenceLayout(workload, config).padded_len <= EXACT_KERNEL_WORK_TOKENS
         work = busiest(blocks_work(workload, config, numpy), kernel if numpy else "fused")
         return per_head * (work.numpy_pairs if numpy else work.fused_pairs)
-    if kernel == "fused" or not workload.causal or cost.padded_seq_len > EXACT_KERNEL_WORK_TOKENS:
-        return cost.flops
+    if kernel == "fused" or not workload.causal:
+        return attention_flops(workload, config)
     layout = SequenceLayout(workload, config)
+    if layout.padded_len > EXACT_KERNEL_WORK_TOKENS:
+        return attention_flops(workload, config)
 
     def runs(group: int) -> list[tuple[int, int]]:
         return [(start, stop - start) for start, stop in layout.block_ranges(group)]
@@ -217,8 +232,8 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
 
 def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
     """The backward of a training ``workload`` (see the module docstring): the exchanges
-    ``analytic_cost`` adds to its forward's, and the attention backward at the forward's
-    rate times the hardware's ``backward_speed``."""
+    ``analytic_cost`` adds to its forward's, the attention backward at the forward's rate
+    times the hardware's ``backward_speed``, and its own memory-bound steps and launches."""
     forward = workload.in_mode("forward")
     train = analytic_cost(workload, config, profile.stream, profile.position_calls)
     alone = analytic_cost(forward, config, profile.stream, profile.position_calls)
@@ -233,6 +248,14 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     per_call = forward_flops / calls
     rate = profile.attention_rate(forward, n, per_call) * profile.backward_speed(forward, per_call)
     compute = BACKWARD_FLOPS_RATIO * forward_flops / rate + calls * profile.attention_call_s
+    # the memory-bound steps and kernels beside the calls (0 on a calibrated host: in its rates)
+    memory = sum(profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0
+                 for step, nbytes in train.backward_memory_bytes.items())
+    ring_memory = (profile.memory_time("grad", train.backward_ring_bytes, workload, n)
+                   if train.backward_ring_bytes else 0.0)
+    call_kernels = calls * (BACKWARD_CALL_KERNELS + GRAD_ACCUMULATE_KERNELS)
+    kernels = sum(train.backward_kernels.values()) + call_kernels
+    launch = profile.launch_s
     heads, context = rank_groups(config)
     all_to_all = 0.0
     if steps["all_to_all"]:
@@ -246,16 +269,23 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
         kv_block = alone.bytes_sent["p2p"] / (c - 1)
         grad_block = (sent["p2p"] - (c - 1) * kv_block) / c
         # each of c - 1 steps brings the next K/V block and passes the gradient of the one in
-        # hand on, behind the backward of the block in hand; the last gradient goes home after
+        # hand on, behind the backward of the block in hand and its accumulations; the host
+        # launches a step's kernels while the device runs them, so a step takes the longer of
+        # the two; the last gradient goes home after
         step = profile.collective_time("p2p", n, context, kv_block + grad_block, 2)
         home = profile.collective_time("p2p", n, context, grad_block, 1)
         block = compute / c
-        busy = block + profile.overlap_slowdown * np.minimum(block, step)
-        ring_exposed = (c - 1) * np.maximum(busy, step) + block + home - compute
+        step_launches = (train.backward_ring_kernels + call_kernels + calls) / c * launch
+        work = block + ring_memory / c
+        busy = np.maximum(work + profile.overlap_slowdown * np.minimum(block, step), step_launches)
+        ring = (c - 1) * np.maximum(busy, step) + np.maximum(work, step_launches) + home
+        ring_exposed = ring - compute - ring_memory
+        kernels -= train.backward_ring_kernels + call_kernels
     elif steps["broadcast"]:
         raise ValueError("the backward's Ring is modelled on point-to-point streams only: no engine without "
                          "them trains")
-    return PriorTime(compute, all_to_all, all_gather, ring_exposed)
+    return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=memory,
+                     overhead_s=launch * kernels)
 
 
 def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[str, float]:

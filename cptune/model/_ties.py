@@ -97,6 +97,10 @@ def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float,
 #: 16K tokens, where Ulysses over both CPU sockets beat the pick by more than the prior allowed;
 #: the confidence table scores each machine with the estimate made without it).
 STRUCTURAL_ERROR = 0.37
+#: The same for a training step (forward + backward), estimated the same way on the published
+#: training development set (``benchmarks/published_train.py``: 21 FlashAttention-4 comparisons
+#: on 8x H100, a pick right within the 3% its source treats as a tie).
+STRUCTURAL_ERROR_TRAIN = 0.21
 #: ``Tie.figure`` when the figures' ranges settle the order and only the structural error leaves
 #: it open.
 STRUCTURE = "structure"
@@ -152,13 +156,16 @@ def decide(pick_s: float, pick: tuple[FigureSwing, ...], other_s: float,
 
 def prior_ties(
     workload: Workload, pick: CPConfig, others: Sequence[CPConfig], profile: Profile,
-    structural: float = STRUCTURAL_ERROR,
+    structural: float | None = None,
 ) -> tuple[Tie, ...]:
     """The configurations of ``others`` whose order against ``pick`` the prior does not settle:
     within the description's figure ranges and the prior's own ``structural`` error
-    (``STRUCTURAL_ERROR``; none on a calibrated host, whose rates are measured). Only those
+    (None: ``STRUCTURAL_ERROR``, ``STRUCTURAL_ERROR_TRAIN`` for a training step; none on a
+    calibrated host, whose rates are measured). Only those
     whose range comes within that error of the pick's are examined. What ``recommend``
     reports as tied with a prior-only pick, and what the published-benchmark check scores."""
+    if structural is None:
+        structural = STRUCTURAL_ERROR_TRAIN if workload.training else STRUCTURAL_ERROR
     chosen = described_prior(workload, pick, profile)
     if chosen is None or not chosen.swings:
         return ()

@@ -210,11 +210,10 @@ class Plan:
         """The configuration for a sequence length, or for a ``Workload`` whose shape must be
         the plan's (``PlanMismatchError`` otherwise, unless ``force``)."""
         if isinstance(request, Workload):
+            planned, asked = self.shape.to_dict(), request.shape.to_dict()
             differences = [
-                f"{field} {planned!r} in the plan, {asked!r} asked"
-                for (field, planned), asked in zip(self.shape.to_dict().items(),
-                                                   request.shape.to_dict().values(), strict=True)
-                if planned != asked
+                f"{field} {planned.get(field, 'none')!r} in the plan, {asked.get(field, 'none')!r} asked"
+                for field in dict.fromkeys([*planned, *asked]) if planned.get(field) != asked.get(field)
             ]
             if differences and not force:
                 raise PlanMismatchError(

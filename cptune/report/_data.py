@@ -11,6 +11,7 @@ oversubscribed runs count for nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,20 +30,33 @@ def rank_count(n: int) -> str:
 
 def family(config: CPConfig) -> str:
     """The strategy family a configuration belongs to across rank counts: its label without
-    the context degree ("ring", "ulysses", "ulysses2xring"), or ``LOCAL`` on one rank (every
-    strategy is plain attention there: one baseline, not a point on each strategy's line)."""
+    the context degree ("ring", "ulysses", "ulysses2xring", "ring+doc_whole": a layout is a
+    line of its own), or ``LOCAL`` on one rank (every strategy is plain attention there: one
+    baseline, not a point on each strategy's line)."""
     if config.ranks == 1:
         return LOCAL
+    layout = f"+{config.layout}" if config.layout else ""
     if config.strategy == "ulysses" or config.head_group == 1:
-        return config.strategy
-    return f"ulysses{config.head_group}x{config.strategy}"
+        return config.strategy + layout
+    return f"ulysses{config.head_group}x{config.strategy}{layout}"
 
 
 def slug(shape: AttentionShape) -> str:
-    """A file-name part, e.g. "8x64-bf16" or "32-8kvx128-b4-fp16-causal"."""
+    """A file-name part, e.g. "8x64-bf16", "32-8kvx128-b4-fp16-causal", one per shape: the
+    mask's parts and the mode too where set ("-causal-win4096-0s4", "-docs12-1a2b3c",
+    "-text512", "-train"; documents given by their lengths with a digest of them)."""
     kv = "" if shape.kv_heads == shape.heads else f"-{shape.kv_heads}kv"
     batch = "" if shape.batch == 1 else f"-b{shape.batch}"
     mask = "-causal" if shape.causal else ""
+    if shape.window:
+        mask += f"-win{shape.window[0]}-{shape.window[1]}" + (f"s{shape.sinks}" if shape.sinks else "")
+    if shape.documents.every:
+        mask += f"-docs-of{shape.documents.every}"
+    elif shape.documents.lengths:
+        lengths = ",".join(map(str, shape.documents.lengths)).encode()
+        mask += f"-docs{len(shape.documents.lengths)}-{hashlib.sha256(lengths).hexdigest()[:6]}"
+    mask += f"-text{shape.text}" if shape.text else ""
+    mask += "-train" if shape.mode == "train" else ""
     return f"{shape.heads}{kv}x{shape.head_dim}{batch}-{shape.dtype}{mask}"
 
 

@@ -18,7 +18,7 @@ from optuna.trial import FrozenTrial, TrialState
 from cptune.config import CPConfig
 from cptune.measurement import format_ms
 from cptune.model import Candidate, CostModel
-from cptune.search._trials import config_of, params_of
+from cptune.search._trials import config_of, params_of, tree_of
 
 #: A guided search stops when the chance that any unmeasured configuration beats the
 #: leader falls below this (see ``GuidedSampler``).
@@ -101,6 +101,7 @@ class GuidedSampler(BaseSampler):
     def __init__(self, configs: Sequence[CPConfig], predict: Callable[[list[CPConfig]], list[Candidate]],
                  stop_probability: float = STOP_PROBABILITY) -> None:
         self._configs = list(configs)
+        self._tree = tree_of(self._configs)
         self._predict = predict
         self._stop_probability = stop_probability
         self._chosen: dict[int, CPConfig] = {}
@@ -126,7 +127,7 @@ class GuidedSampler(BaseSampler):
             chosen = self._ranked(pending, leader)[0][0]
             self._chosen[trial.number] = chosen.config
             self._predicted_ms[trial.number] = chosen.latency_ms
-        return params_of(self._chosen[trial.number])[param_name]
+        return params_of(self._chosen[trial.number], self._tree)[param_name]
 
     @property
     def workload_spread(self) -> float:

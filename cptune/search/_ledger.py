@@ -98,7 +98,7 @@ def read_ledger(store: Store, workload: Workload, hardware: Hardware, configs: l
     """Every stored run of ``workload`` on ``hardware``; counted, those of ``configs`` on
     ``engine``, not excluded, that ran with the oversubscription a run of them gets now;
     owned, the counted ones of ``sittings`` (None: all of them)."""
-    stored = store.results(**workload.to_dict(), hardware=hardware.fingerprint)
+    stored = store.results(workload=workload, hardware=hardware.fingerprint)
     wanted = set(configs)
     counted = [r for r in stored if not r.excluded and r.config in wanted and r.engine == engine
                and r.oversubscribed == oversubscribed(r.config.ranks, hardware.ranks_per_node)]

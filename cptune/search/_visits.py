@@ -43,6 +43,7 @@ def measure_command(workload: Workload, config: CPConfig, backend: str = "mpi",
     prints its timing or its failure in full; it stores nothing."""
     parts = ["cptune", "measure", *workload.flags("--seq-len"), "--strategies", config.strategy,
              "--ranks", str(config.ranks), "--head-group", str(config.head_group)]
+    parts += ["--layout", config.layout] if config.layout else []
     parts += ["--backend", backend] if backend != next(iter(ENGINES)) else []
     parts += ["--hosts", hosts] if hosts is not None else []
     parts += ["--timeout", f"{timeout:g}"] if timeout is not None else []

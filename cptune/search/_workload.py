@@ -260,7 +260,8 @@ class WorkloadSearch:
         best: dict[int, Estimate] = {}
         for (_, workload, config), estimate in combine(rows).items():
             seq = workload.seq_len
-            if seq == self.workload.seq_len or config not in self.configs:
+            other = workload.shape != self.workload.shape  # the same layer under another mask
+            if seq == self.workload.seq_len or config not in self.configs or other:
                 continue
             if seq not in best or estimate.median_ms < best[seq].median_ms:
                 best[seq] = estimate
@@ -400,7 +401,7 @@ class WorkloadSearch:
                                     study_name=study_name(self.workload, self.hardware))
         for config, (status, median, _) in known.items():
             study.add_trial(optuna.trial.create_trial(
-                params=params_of(config), distributions=distributions(tree, config),
+                params=params_of(config, tree), distributions=distributions(tree, config),
                 value=median if status == "ok" else None,
                 state=TrialState.COMPLETE if status == "ok" else TrialState.FAIL,
             ))
@@ -413,7 +414,7 @@ class WorkloadSearch:
             budget = max(0, (self.trials or 0) - len(known))
             for config in self._warm_starts():
                 if config in pending:
-                    study.enqueue_trial(params_of(config))
+                    study.enqueue_trial(params_of(config, tree))
         self._explore_left = budget
         if budget == 0:
             return

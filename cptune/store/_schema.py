@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import datetime
 
 from sqlalchemy import (
@@ -60,11 +62,26 @@ class HardwareRow(Base):
         )
 
 
+#: ``Workload.to_dict``'s keys of the mask beyond ``causal``, each a column of ``WorkloadRow``'s
+#: (the window as two).
+MASK_FIELDS = ("window", "sinks", "documents", "text")
+
+
+def mask_key(workload: Workload) -> str:
+    """What tells ``workload``'s mask apart from another's in the workloads' unique shape: ""
+    for full or causal attention (every row stored before masks were kept), else a digest of
+    the mask's parts as JSON (a list of documents may be longer than an index holds)."""
+    parts = {key: value for key, value in workload.to_dict().items() if key in MASK_FIELDS}
+    if not parts:
+        return ""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 class WorkloadRow(Base):
     __tablename__ = "workloads"
     __table_args__ = (
         UniqueConstraint("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode",
-                         name="uq_workload_shape"),
+                         "mask_key", name="uq_workload_shape"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -77,11 +94,33 @@ class WorkloadRow(Base):
     causal: Mapped[bool] = mapped_column(Boolean)
     #: ``forward`` or ``train`` (``cptune.workload.MODES``).
     mode: Mapped[str] = mapped_column(String(8), default="forward")
+    #: The sliding window's keys before and after each query; None: no window.
+    window_left: Mapped[int | None] = mapped_column(Integer)
+    window_right: Mapped[int | None] = mapped_column(Integer)
+    sinks: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: ``Documents.to_json``: the packed documents' lengths, one length for all, or None.
+    documents: Mapped[list[int] | int | None] = mapped_column(JSON)
+    text: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: ``mask_key``: "" for full or causal attention.
+    mask_key: Mapped[str] = mapped_column(String(64), default="", server_default="")
+
+    @staticmethod
+    def key_of(workload: Workload) -> dict[str, object]:
+        """``workload`` as the row's columns: its unique shape, then the mask's parts."""
+        d = workload.to_dict()
+        window = workload.window or (None, None)
+        return {"seq_len": workload.seq_len, "heads": workload.heads, "kv_heads": workload.kv_heads,
+                "head_dim": workload.head_dim, "batch": workload.batch, "dtype": workload.dtype,
+                "causal": workload.causal, "mode": workload.mode, "mask_key": mask_key(workload),
+                "window_left": window[0], "window_right": window[1], "sinks": workload.sinks,
+                "documents": d.get("documents"), "text": workload.text}
 
     def to_workload(self) -> Workload:
+        window = () if self.window_left is None else (self.window_left, self.window_right or 0)
         return Workload(
             seq_len=self.seq_len, heads=self.heads, head_dim=self.head_dim, kv_heads=self.kv_heads,
-            batch=self.batch, dtype=self.dtype, causal=self.causal, mode=self.mode,
+            batch=self.batch, dtype=self.dtype, causal=self.causal, mode=self.mode, window=window,
+            sinks=self.sinks or 0, documents=self.documents, text=self.text or 0,
         )
 
 
@@ -129,13 +168,16 @@ class MeasurementRow(Base):
     #: What it ran with (``Measurement.host``, bounded: ``_facts``): the kernel, the process
     #: group, the engine's software; None for a failure and for rows stored before revision 0010.
     facts: Mapped[dict | None] = mapped_column(JSON)
+    #: The configuration's token layout (``cptune.config.LAYOUTS``); None: the workload's
+    #: default (every row stored before revision 0011).
+    layout: Mapped[str | None] = mapped_column(String(32))
 
     hardware: Mapped[HardwareRow] = relationship()
     workload: Mapped[WorkloadRow] = relationship()
 
     @property
     def config(self) -> CPConfig:
-        return CPConfig(self.strategy, self.ranks, self.head_group)
+        return CPConfig(self.strategy, self.ranks, self.head_group, self.layout)
 
 
 class CalibrationRow(Base):

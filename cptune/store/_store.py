@@ -67,6 +67,8 @@ from cptune.calibration import Calibration
 from cptune.config import CPConfig
 from cptune.engines import NodeVerdict
 from cptune.hardware import Hardware
+from cptune.layout import normal
+from cptune.masks import Documents, check_window
 from cptune.measurement import Measurement
 from cptune.store._facts import bounded_facts
 from cptune.store._opening import (
@@ -168,7 +170,7 @@ def _alembic() -> tuple[Config, ScriptDirectory]:
 #: The newest schema revision cptune's migrations (db/versions) make; tests/test_store.py holds
 #: it to Alembic's head. A database already at it is opened without loading Alembic (0.4 s of
 #: every command).
-HEAD_REVISION = "0010"
+HEAD_REVISION = "0011"
 
 
 def _revision(connection: Connection) -> str | None:
@@ -243,6 +245,9 @@ def new_database(db: str | None = None) -> bool:
         raise StoreError(problem)
     return not path.exists() or path.stat().st_size == 0
 
+
+#: The columns of a workload's unique shape (``uq_workload_shape``): what tells workloads apart.
+_UNIQUE_SHAPE = ("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "mode", "mask_key")
 
 Row = TypeVar("Row", HardwareRow, WorkloadRow)
 T = TypeVar("T")
@@ -535,7 +540,8 @@ class Store:
                            created_at=datetime.now(UTC), **asdict(hardware))
 
     def _workload_row(self, session: Session, workload: Workload) -> WorkloadRow:
-        return _get_or_add(session, WorkloadRow, workload.to_dict())
+        key = WorkloadRow.key_of(workload)
+        return _get_or_add(session, WorkloadRow, {k: key.pop(k) for k in _UNIQUE_SHAPE}, **key)
 
     def add_measurement(
         self, hardware: Hardware, measurement: Measurement, round_id: str | None = None
@@ -547,7 +553,7 @@ class Store:
             row = MeasurementRow(
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, m.workload),
-                **m.config.to_dict(), status="ok", error=None,
+                **normal(m.workload, m.config).to_dict(), status="ok", error=None,
                 median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms, compute_ms=m.compute_ms,
                 comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
@@ -570,7 +576,7 @@ class Store:
             row = MeasurementRow(
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, workload),
-                **config.to_dict(), status=status, error=error, engine=engine,
+                **normal(workload, config).to_dict(), status=status, error=error, engine=engine,
                 cptune_version=__version__, measured_at=datetime.now(UTC), oversubscribed=oversubscribed,
                 round_id=round_id,
             )
@@ -720,27 +726,41 @@ class Store:
         return gone
 
     def results(self, **filters: object) -> list[Result]:
-        """Stored rows, oldest first. Filters: any Workload field, ``strategy``, ``ranks``,
-        ``status``, ``oversubscribed``, ``excluded``, ``disturbed`` (True: marked by the
-        contention guard, False: clean) and ``hardware`` (fingerprint)."""
-        workload_fields = set(Workload.__dataclass_fields__)
+        """Stored rows, oldest first. Filters: any Workload field (the mask's parts as
+        ``Workload`` takes them: ``window`` a pair, ``documents`` their lengths or one for
+        all), ``strategy``, ``ranks``, ``layout``, ``status``, ``oversubscribed``, ``excluded``,
+        ``disturbed`` (True: marked by the contention guard, False: clean), ``hardware``
+        (fingerprint) and ``workload``: exactly that workload, its mask included (where the
+        fields alone leave a mask they do not name unfiltered)."""
+        workload_fields = set(Workload.__dataclass_fields__) - {"window", "documents"}
         query = select(MeasurementRow, WorkloadRow, HardwareRow).join(WorkloadRow).join(HardwareRow)
+        mask_filters = {key: filters.pop(key) for key in ("window", "documents") if key in filters}
         for key, value in filters.items():
             if value is None:
                 continue
             if key in workload_fields:
                 query = query.where(getattr(WorkloadRow, key) == value)
-            elif key in ("strategy", "ranks", "head_group", "status", "oversubscribed", "excluded"):
+            elif key in ("strategy", "ranks", "head_group", "layout", "status", "oversubscribed", "excluded"):
                 query = query.where(getattr(MeasurementRow, key) == value)
             elif key == "disturbed":
                 marked = MeasurementRow.disturbed.is_not(None)
                 query = query.where(marked if value else ~marked)
             elif key == "hardware":
                 query = query.where(HardwareRow.fingerprint == value)
+            elif key == "workload" and isinstance(value, Workload):
+                exact = {k: v for k, v in WorkloadRow.key_of(value).items() if k in _UNIQUE_SHAPE}
+                query = query.where(*(getattr(WorkloadRow, k) == v for k, v in exact.items()))
             else:
                 raise ValueError(f"unknown filter {key!r}")
         with self.session() as session:
-            return [_result(m, w, h) for m, w, h in session.execute(query.order_by(MeasurementRow.id)).all()]
+            found = [_result(m, w, h) for m, w, h in session.execute(query.order_by(MeasurementRow.id)).all()]
+        if "window" in mask_filters:
+            window = check_window(mask_filters["window"])
+            found = [r for r in found if r.workload.window == window]
+        if "documents" in mask_filters:
+            documents = Documents.of(mask_filters["documents"])  # type: ignore[arg-type]
+            found = [r for r in found if r.workload.documents == documents]
+        return found
 
 
 def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:

@@ -5,6 +5,12 @@ caller's ranks: each rank passes its local shards of q, k and v in the layout th
 configuration names and gets its local output back. The head and context process groups
 every configuration it may run needs are made once, at construction.
 
+Masks: the layer's sliding window and sinks and joint attention's text length are given at
+construction (or by the plan's shape), packed documents per call (``cu_seqlens``, as
+flash-attn's varlen functions and TransformerEngine's THD format take them); every rank deals
+the tokens out in the configuration's layout for that mask, and the strategies compute
+exactly the unmasked work (``cptune.calls``).
+
 It trains: where q, k or v require gradients, the forward keeps what the backward needs
 (``run_forward``) and autograd runs the strategy's backward (``run_backward`` on the same
 ``TorchOps``: the exchanges in reverse), which hands each rank the gradients of its own q, k
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,11 +31,22 @@ from cptune.config import CPConfig
 from cptune.engines.torch import TORCH_DTYPES, TorchOps, model_output, strategy_inputs
 from cptune.feasibility import check_feasible
 from cptune.layout import SequenceLayout, context_group_members, head_group_members, rank_groups
+from cptune.masks import Documents
 from cptune.plans import Plan, PlanMismatchError
 from cptune.strategies import Partial, Saved, run_backward, run_forward, run_strategy
 from cptune.torch._lengths import SameLength
-from cptune.torch._sequence import sequence_layout, shard_length, shard_sequence, unshard_sequence
+from cptune.torch._sequence import (
+    call_config,
+    sequence_layout,
+    shard_length,
+    shard_sequence,
+    unshard_sequence,
+)
 from cptune.workload import AttentionShape, Workload
+
+#: Document boundaries as a call gives them: cumulative lengths from 0 (flash-attn's
+#: ``cu_seqlens``, TransformerEngine's THD ``cu_seqlens_q``), a tensor or a list.
+CuSeqlens = torch.Tensor | Sequence[int]
 
 #: The process groups one configuration runs with on this rank (None: this rank alone).
 RankGroups = dict[str, dist.ProcessGroup | None]
@@ -41,7 +59,12 @@ class ContextParallelAttention(torch.nn.Module):
     ``choice`` is one ``CPConfig``, or a ``Plan`` whose configuration is picked per sequence
     length. ``shape`` is the attention layer (an ``AttentionShape``, or a ``Workload``
     standing for its shape): required with a config, checked against the plan's with a plan
-    (the batch may differ: the strategies do not depend on it). ``scale`` multiplies the
+    (the batch may differ: the strategies do not depend on it). ``window`` (left, right),
+    ``sinks`` and ``text`` set the layer's mask (``cptune.masks``) where the shape does not
+    already: a query at i sees the keys i - left .. i + right (causal: right 0) and the first
+    ``sinks`` tokens of its document; ``text`` text tokens lead the sequence under joint
+    attention. With a plan they must be the plan's (``PlanMismatchError``). Packed documents
+    come per call (``cu_seqlens``). ``scale`` multiplies the
     scores, as ``scaled_dot_product_attention``'s does (None: 1 / sqrt(head_dim)). ``group`` is the caller's
     process group, default the world; a configuration on fewer ranks than the group runs on
     its first ``config.ranks`` ranks, and the others hold empty shards. Ranks are numbered
@@ -65,7 +88,9 @@ class ContextParallelAttention(torch.nn.Module):
     """
 
     def __init__(self, choice: CPConfig | Plan, shape: AttentionShape | Workload | None = None,
-                 group: dist.ProcessGroup | None = None, scale: float | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, scale: float | None = None, *,
+                 window: Sequence[int] | None = None, sinks: int | None = None,
+                 text: int | None = None) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ContextParallelAttention needs torch.distributed: call "
@@ -73,7 +98,7 @@ class ContextParallelAttention(torch.nn.Module):
         self.plan = choice if isinstance(choice, Plan) else None
         #: The scores' scale, as ``scaled_dot_product_attention`` takes it (None: 1 / sqrt(head_dim)).
         self.scale = scale
-        self.shape = _attention_shape(choice, shape)
+        self.shape = _masked_shape(_attention_shape(choice, shape), self.plan, window, sinks, text)
         configs = [b.config for b in choice.buckets] if isinstance(choice, Plan) else [choice]
         self.configs: tuple[CPConfig, ...] = tuple(dict.fromkeys(configs))
         self.group = dist.group.WORLD if group is None else group
@@ -83,7 +108,7 @@ class ContextParallelAttention(torch.nn.Module):
         self.rank = members.index(dist.get_rank())
         self.group_size = len(members)
         for config in self.configs:
-            check_feasible(self.shape.at(config.ranks), config)  # the head limits: any length
+            check_feasible(*_probe(self.shape, config))  # the head limits and the layout: any length
             if config.ranks > self.group_size:
                 raise ValueError(f"{config.describe()} needs {config.ranks} ranks, but the group has "
                                  f"{self.group_size}: start {config.ranks} ranks (torchrun --nproc-per-node "
@@ -103,29 +128,42 @@ class ContextParallelAttention(torch.nn.Module):
         """The dtype q, k and v come in: the attention shape's, which the exchanges send."""
         return TORCH_DTYPES[self.shape.dtype]
 
-    def positions(self, seq_len: int) -> torch.Tensor:
+    def workload(self, seq_len: int, cu_seqlens: CuSeqlens | None = None) -> Workload:
+        """The layer at ``seq_len`` tokens with its mask: the shape's, with the packed
+        documents ``cu_seqlens`` bounds where given (``ValueError`` naming the fix where they
+        or the mask do not fit the sequence)."""
+        shape = self.shape
+        if cu_seqlens is not None:
+            shape = dataclasses.replace(shape, documents=document_lengths(cu_seqlens, seq_len))
+        return shape.at(seq_len)
+
+    def positions(self, seq_len: int, cu_seqlens: CuSeqlens | None = None) -> torch.Tensor:
         """The token positions this rank's shard holds, in order (int64; positions from
-        ``seq_len`` on are padding): what position-dependent layers (rotary embeddings)
-        need, as the zigzag order is not contiguous."""
-        workload, config = self.shape.at(seq_len), self.config_for(seq_len)
+        ``seq_len`` on are padding; joint text every rank holds first): what
+        position-dependent layers (rotary embeddings) need, as the layout's order is not
+        contiguous (zigzag, striped, per document)."""
+        workload, config = self.workload(seq_len, cu_seqlens), self.config_for(seq_len)
         if self.rank >= config.ranks:
             return torch.zeros(0, dtype=torch.int64)
         return torch.from_numpy(sequence_layout(workload, config).rank_positions(self.rank)).to(torch.int64)
 
-    def shard(self, x: torch.Tensor) -> torch.Tensor:
+    def shard(self, x: torch.Tensor, cu_seqlens: CuSeqlens | None = None) -> torch.Tensor:
         """This rank's shard of the full sequence ``x`` ([batch, seq_len, ...]) under the
-        configuration for its length (``shard_sequence``); empty where this rank takes no part."""
+        configuration for its length and the layout it deals this mask out in
+        (``shard_sequence``; ``cu_seqlens``: the documents packed in it); empty where this
+        rank takes no part."""
         if x.dim() < 2:
             raise ValueError(f"x must be [batch, seq_len, ...], got {list(x.shape)}")
         seq_len = x.shape[1]
-        return shard_sequence(x, self.shape.at(seq_len), self.config_for(seq_len), self.rank)
+        return shard_sequence(x, self.workload(seq_len, cu_seqlens), self.config_for(seq_len), self.rank)
 
-    def unshard(self, local: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def unshard(self, local: torch.Tensor, seq_len: int, cu_seqlens: CuSeqlens | None = None) -> torch.Tensor:
         """The full sequence [batch, seq_len, ...] on every rank, from each rank's shard
-        ``local`` (``unshard_sequence`` after an all-gather: collective over the group). Every
-        call checks that every rank passed the same ``seq_len`` first (one small all-gather)."""
-        self._same_length.agree(seq_len)
-        workload, config = self.shape.at(seq_len), self.config_for(seq_len)
+        ``local`` (``unshard_sequence`` after an all-gather: collective over the group), the
+        documents ``cu_seqlens`` bounds as ``shard`` was given them. Every call checks that
+        every rank passed the same ``seq_len`` and documents first (one small all-gather)."""
+        self._same_length.agree(seq_len, _bounds(cu_seqlens))  # before anything one rank may refuse
+        workload, config = self.workload(seq_len, cu_seqlens), self.config_for(seq_len)
         length, piece = shard_length(workload, config, self.rank), shard_length(workload, config, 0)
         if local.dim() < 2 or local.shape[1] != length:
             raise ValueError(f"local must be [batch, {length}, ...]: rank {self.rank}'s shard of {seq_len} "
@@ -137,14 +175,20 @@ class ContextParallelAttention(torch.nn.Module):
         in_layout_order = [received[g] for g in self._group_ranks[: config.ranks]]
         return unshard_sequence(in_layout_order, workload, config)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int,
+                cu_seqlens: CuSeqlens | None = None) -> torch.Tensor:
         """This rank's output shard [batch, local_seq, heads, head_dim] of attention over a
         sequence of ``seq_len`` tokens, from its shards ``q`` [batch, local_seq, heads,
-        head_dim] and ``k``, ``v`` [batch, local_seq, kv_heads, head_dim] in the shape's dtype.
-        Every rank of the group calls it with the same ``seq_len`` (checked at a length's first call)."""
-        self._same_length.check(seq_len)
-        workload, config = self.shape.at(seq_len), self.config_for(seq_len)
-        check_feasible(workload, config)  # the one reason left: fewer tokens than ranks
+        head_dim] and ``k``, ``v`` [batch, local_seq, kv_heads, head_dim] in the shape's dtype,
+        under the layer's mask; ``cu_seqlens`` bounds the documents packed in the sequence
+        (cumulative lengths from 0 to ``seq_len``; the same for every sequence of the batch),
+        each query seeing its own document's keys only. Every rank of the group calls it with
+        the same ``seq_len`` and ``cu_seqlens`` (checked at their first call)."""
+        self._same_length.check(seq_len, _bounds(cu_seqlens))  # before anything one rank may refuse
+        workload, config = self.workload(seq_len, cu_seqlens), self.config_for(seq_len)
+        groups = self._groups.get(config)
+        config = call_config(workload, config)
+        check_feasible(workload, config)  # what depends on the length: fewer tokens than ranks, the layout
         local = shard_length(workload, config, self.rank)
         self._check_shards(q, k, v, local, seq_len, config)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -153,7 +197,8 @@ class ContextParallelAttention(torch.nn.Module):
                 idle: torch.Tensor = _NoPart.apply(q, k, v)
                 return idle
             return q.new_empty((q.shape[0], 0, *q.shape[2:]))
-        ops = TorchOps(workload, self._groups[config], q.device, self.scale, timed=False)
+        assert groups is not None  # a rank that takes part has its groups
+        ops = TorchOps(workload, groups, q.device, self.scale, timed=False)
         layout = sequence_layout(workload, config)
         if training:
             output: torch.Tensor = _Attention.apply(q, k, v, ops, layout, self.rank)
@@ -181,6 +226,70 @@ class ContextParallelAttention(torch.nn.Module):
         choice = (f"plan of {len(self.plan.buckets)} buckets up to {self.plan.max_seq_len} tokens"
                   if self.plan is not None else self.configs[0].describe())
         return f"{self.shape.describe()}; {choice}; rank {self.rank} of {self.group_size}"
+
+
+def _bounds(cu_seqlens: CuSeqlens | None) -> tuple[object, ...]:
+    """``cu_seqlens`` as the values given (unchecked: what the ranks compare before any of them
+    may refuse them); empty for none."""
+    if cu_seqlens is None:
+        return ()
+    return tuple(cu_seqlens.tolist()) if isinstance(cu_seqlens, torch.Tensor) else tuple(cu_seqlens)
+
+
+def document_lengths(cu_seqlens: CuSeqlens, seq_len: int) -> Documents:
+    """The packed documents ``cu_seqlens`` bounds (cumulative lengths 0, n0, n0 + n1, ...,
+    ``seq_len``: flash-attn's and TransformerEngine's THD boundaries) as their lengths;
+    ``ValueError`` naming the fix for boundaries that do not cut this sequence into documents."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor of document boundaries, one set for "
+                             f"every sequence of the batch (a THD batch is batch 1), got {cu_seqlens.dtype} "
+                             f"of shape {list(cu_seqlens.shape)}")
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+    else:
+        bounds = list(cu_seqlens)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+            raise ValueError(f"cu_seqlens must hold integer document boundaries, got {bounds!r}")
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the sequence's length ({seq_len}): the "
+                         f"documents' cumulative lengths, [0, n0, n0 + n1, ..., {seq_len}]; got {bounds}")
+    if bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]}, but the sequence holds {seq_len} tokens: its "
+                         f"documents must cover the whole sequence (cu_seqlens[-1] == seq_len; pack padding "
+                         f"into a document of its own)")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if any(n <= 0 for n in lengths):
+        at = next(i for i, n in enumerate(lengths) if n <= 0)
+        raise ValueError(f"cu_seqlens must increase: document {at} runs from {bounds[at]} to "
+                         f"{bounds[at + 1]} (an empty or backward document); drop repeated boundaries")
+    return Documents.of(lengths) if len(lengths) > 1 else Documents()
+
+
+def _masked_shape(shape: AttentionShape, plan: Plan | None, window: Sequence[int] | None, sinks: int | None,
+                  text: int | None) -> AttentionShape:
+    """``shape`` with the mask's parts given (None: the shape's); with a plan, refused
+    (``PlanMismatchError``) where they are not the plan's: its picks were made for its mask."""
+    if window is not None and any(isinstance(n, int) and n < 0 for n in window):
+        raise ValueError(f"window: {list(window)} has a negative side (flash-attn's -1, no limit); cptune's "
+                         f"window is [left, right], two token counts: leave window out for none, and for "
+                         f"(left, -1) under a causal mask pass [left, 0]")
+    given = {name: value for name, value in (("window", window), ("sinks", sinks), ("text", text))
+             if value is not None}
+    masked = dataclasses.replace(shape, **given)  # type: ignore[arg-type]  # validated by AttentionShape
+    if plan is not None and masked != shape:
+        raise PlanMismatchError(f"the plan was tuned for {shape.describe()}, not {masked.describe()}: export "
+                                f"a plan for this mask (cptune export with --window, --sinks or --text)")
+    return masked
+
+
+def _probe(shape: AttentionShape, config: CPConfig) -> tuple[Workload, CPConfig]:
+    """A workload of ``shape`` that its mask fits (packed documents left out: they come per
+    call), and the configuration that runs it: what construction checks ``config`` against
+    for what does not depend on the length (the head limits, the layout)."""
+    window = max(shape.window, default=0)
+    length = max(config.ranks, shape.text + config.ranks, window + 1, shape.sinks + 1)
+    workload = dataclasses.replace(shape, documents=Documents()).at(length)
+    return workload, call_config(workload, config)
 
 
 class _Attention(torch.autograd.Function):
