@@ -38,7 +38,9 @@ ranks, hardware that is only calibrated or only described.
                                 the step's launches, transfer) + last block
                   (p2p. An engine without point-to-point broadcasts every block, its own
                   included: c steps, the one beyond c - 1 hides behind nothing; the profile
-                  says which: a calibration's engine spec, ``Profile.stream``)
+                  says which: a calibration's engine spec, ``Profile.stream``). Under a mask
+                  the p2p stream stops where the layout's reach does (a window's halo: one
+                  step): r steps of r + 1 blocks, r = the stream's steps (``analytic_cost``)
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 
 A training step is that of its forward, then its backward's (``_backward_time``):
@@ -213,8 +215,10 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     stream = profile.stream
     if steps := cost.comm_steps[stream]:
         transfer = profile.collective_time(stream, n, context, cost.bytes_sent[stream] / steps, 1)
-        block = compute / c
-        overlapped = c - 1  # steps hidden behind the attention on the block in hand
+        # steps hidden behind the attention on the block in hand: c - 1, or as far round as
+        # the mask reaches (``SequenceLayout.reach``: a window's halo, one step)
+        overlapped = steps if stream == "p2p" else c - 1
+        block = compute / (overlapped + 1)
         ring_kernels = calls + cost.kernels["merge"] + cost.kernels["stream"]
         step_launches = (ring_kernels - 1) / overlapped
         # the host launches a step's kernels while the device runs them: the larger of the two
@@ -239,7 +243,7 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     alone = analytic_cost(forward, config, profile.stream, profile.position_calls)
     sent = {kind: train.bytes_sent[kind] - alone.bytes_sent[kind] for kind in COLLECTIVES}
     steps = {kind: train.comm_steps[kind] - alone.comm_steps[kind] for kind in COLLECTIVES}
-    n, c = config.ranks, config.context_degree
+    n = config.ranks
     calls = _calls(forward, config) if profile.position_calls else alone.kernels["attention"]
     forward_flops = computed_flops(forward, config, profile.attention_kernel)
     # each call at the rate of its own work: no step of the backward's Ring is charged apart
@@ -266,19 +270,20 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
             all_gather += profile.collective_time(kind, n, context, sent[kind], steps[kind])
     ring_exposed = 0.0
     if steps["p2p"]:
-        kv_block = alone.bytes_sent["p2p"] / (c - 1)
-        grad_block = (sent["p2p"] - (c - 1) * kv_block) / c
+        reach = alone.comm_steps["p2p"]  # c - 1, or as far round as the mask reaches
+        kv_block = alone.bytes_sent["p2p"] / reach
+        grad_block = (sent["p2p"] - reach * kv_block) / (reach + 1)
         # each of c - 1 steps brings the next K/V block and passes the gradient of the one in
         # hand on, behind the backward of the block in hand and its accumulations; the host
         # launches a step's kernels while the device runs them, so a step takes the longer of
         # the two; the last gradient goes home after
         step = profile.collective_time("p2p", n, context, kv_block + grad_block, 2)
         home = profile.collective_time("p2p", n, context, grad_block, 1)
-        block = compute / c
-        step_launches = (train.backward_ring_kernels + call_kernels + calls) / c * launch
-        work = block + ring_memory / c
+        block = compute / (reach + 1)
+        step_launches = (train.backward_ring_kernels + call_kernels + calls) / (reach + 1) * launch
+        work = block + ring_memory / (reach + 1)
         busy = np.maximum(work + profile.overlap_slowdown * np.minimum(block, step), step_launches)
-        ring = (c - 1) * np.maximum(busy, step) + np.maximum(work, step_launches) + home
+        ring = reach * np.maximum(busy, step) + np.maximum(work, step_launches) + home
         ring_exposed = ring - compute - ring_memory
         kernels -= train.backward_ring_kernels + call_kernels
     elif steps["broadcast"]:
