@@ -21,6 +21,7 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.engines import ENGINES, BackendUnavailableError
 from cptune.engines._pool import PooledEngine, WorkerPool, driver_host, on_cluster
+from cptune.engines.torch._implementations import refusal
 from cptune.hardware import Cluster, Hardware, list_gpus, this_gpu_node, this_host
 from cptune.measurement import RUN_FACTS, available_cores
 from cptune.reference import REAL_BF16_TOLERANCE
@@ -168,9 +169,6 @@ class TorchEngine(PooledEngine):
         same shards (``ValueError`` where it cannot run ``config``)."""
         if implementation is None:
             return super().run(workload, config, shards, timeout)
-        self._torch  # noqa: B018 - PyTorch must be there before the implementations are read
-        from cptune.engines.torch._frameworks import refusal
-
         if problem := refusal(implementation, workload, config):
             raise ValueError(problem)
         what = f"{implementation} as {config.describe()}"

@@ -21,71 +21,21 @@ Both call ``aten._scaled_dot_product_flash_attention``, which has no CPU kernel;
 its CPU twin ``_scaled_dot_product_flash_attention_for_cpu`` runs in its place (``_flash``),
 so what is timed there is the framework's exchange and merging around torch's CPU kernel.
 
-Imported by the ranks only (it imports PyTorch, and yunchang where asked).
+Imported by the ranks only (it imports PyTorch, and yunchang where asked); the names, what
+each can run and which framework runs which are ``_implementations``' (no PyTorch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from importlib import metadata
 
 import torch
 import torch.distributed as dist
-
-from cptune.config import CPConfig
-from cptune.layout import default_layout
-from cptune.workload import Workload
 
 #: One implementation's call: (q, k, v [batch, seq, heads, head_dim], head group, context
 #: group, causal) -> output [batch, heads, seq, head_dim].
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "dist.ProcessGroup | None",
                       "dist.ProcessGroup | None", bool], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """A framework's attention as the ranks call it, and the package whose version it names."""
-
-    name: str
-    package: str
-    what: str
-
-    def label(self, device: torch.device) -> str:
-        """What a stored row says it ran: the name, the package's version, the function (and
-        on a CPU the kernel standing in for the one it calls, ``_flash``)."""
-        try:
-            version = metadata.version(self.package)
-        except metadata.PackageNotFoundError:
-            version = "not installed"
-        kernel = "; flash_for_cpu kernel" if device.type == "cpu" else ""
-        return f"{self.name} ({self.package} {version}: {self.what}{kernel})"
-
-
-IMPLEMENTATIONS: dict[str, Implementation] = {
-    "yunchang": Implementation("yunchang", "yunchang", "LongContextAttention basic ring, torch_flash"),
-    "torch_ring": Implementation("torch_ring", "torch",
-                                 "_templated_ring_attention, all-gather rotater, load balance off"),
-}
-
-
-def refusal(name: str, workload: Workload, config: CPConfig) -> str | None:
-    """Why implementation ``name`` cannot run ``config`` for ``workload``, None when it can."""
-    if name not in IMPLEMENTATIONS:
-        return f"unknown implementation {name!r}: use one of {', '.join(IMPLEMENTATIONS)}"
-    if config.strategy != "ring" or config.context_degree == 1:
-        return f"{name} runs a ring over two or more ranks, not {config.describe()}"
-    if name == "torch_ring" and config.head_group != 1:
-        return "torch_ring times the ring alone (head group 1); the Ulysses around it is the framework's"
-    if workload.kv_heads != workload.heads:
-        return f"{name} is timed with as many K/V heads as query heads"
-    if workload.training:
-        return f"{name} is timed for the forward"
-    if workload.window or workload.sinks or len(workload.document_lengths) > 1 or workload.text:
-        return f"{name} is timed for a full or causal mask"
-    if (config.layout or default_layout(workload, config.context_degree)) != "contiguous":
-        return f"{name} takes contiguous shards: give the configuration the contiguous layout"
-    return None
 
 
 def _flash(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, ...]]:

@@ -43,7 +43,8 @@ from cptune.engines._worker import (
     kill_when_gone,
     serve_until_done,
 )
-from cptune.engines.torch._frameworks import CALLS, IMPLEMENTATIONS, refusal
+from cptune.engines.torch._frameworks import CALLS
+from cptune.engines.torch._implementations import IMPLEMENTATIONS, refusal
 from cptune.engines.torch._kernels import CHOOSER, software
 from cptune.engines.torch._launch import (
     Launched,
@@ -352,7 +353,7 @@ class FrameworkTask(RankTask):
     def run_once(self) -> protocol.Message:
         """``RankTask.run_once``, the reply naming the implementation that ran."""
         header, shards = super().run_once()
-        return {**header, "implementation": IMPLEMENTATIONS[self.name].label(self.rank.device)}, shards
+        return {**header, "implementation": IMPLEMENTATIONS[self.name].label(self.rank.device.type)}, shards
 
 
 def held_bytes(tensors: Sequence[torch.Tensor]) -> int:
