@@ -42,20 +42,20 @@ class Timed:
 def time_framework(
     framework: str, workload: Workload, ranks: int, db: str | None = None, backend: str = "torch",
     warmup: int = 2, repeats: int = 10, seed: int | None = None, share: bool = False,
-    own: Sequence[CPConfig] | None = None,
+    own: Sequence[CPConfig] | None = None, keep: bool = True,
 ) -> list[Timed]:
     """Time ``framework``'s own attention (``TIMED_FRAMEWORKS``) in each configuration it
     runs on ``ranks`` ranks, and cptune's own feasible configurations on them (``own``, default
     every one), interleaved in one round (``measure_round``); store every row in ``db`` (None:
-    none stored), the framework's excluded and named. ``FrameworkTimingError`` before anything
-    runs where the framework has no implementation that runs here."""
+    the default database; ``keep`` False: none stored), the framework's excluded and named.
+    ``FrameworkTimingError`` before anything runs where the framework has no implementation that runs here."""
     from cptune.engines.torch import TIMED_FRAMEWORKS, framework_configs
 
     if backend != "torch":
         raise FrameworkTimingError(f"a framework's implementation is timed by the torch engine: "
                                    f"--backend torch, not {backend}")
     if framework not in TIMED_FRAMEWORKS:
-        raise FrameworkTimingError(f"{framework}'s attention is read and priced, not timed: timed are "
+        raise FrameworkTimingError(f"{framework}: its attention is read and priced, not timed; timed are "
                                    f"{', '.join(TIMED_FRAMEWORKS)}")
     name = TIMED_FRAMEWORKS[framework]
     theirs = framework_configs(name, workload, ranks)
@@ -71,7 +71,7 @@ def time_framework(
     results = measure_round(workload, [*mine, *theirs], backend=engine, warmup=warmup, repeats=repeats,
                             rng=random.Random(seed), implementations=dict.fromkeys(theirs, name))
     timed = [Timed(c, name if c in theirs else None, results[c], None) for c in [*mine, *theirs]]
-    if db is None:
+    if not keep:
         return timed
     round_id = f"framework-{uuid.uuid4().hex[:12]}:0"
     hardware = engine.hardware()
