@@ -12,6 +12,7 @@ import functools
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from cptune._position_work import blocks_work, counted_by_position
 from cptune.config import CPConfig
 from cptune.layout import SequenceLayout, kv_replication
 from cptune.workload import Workload
@@ -97,7 +98,7 @@ def _fused_merge(wire_bytes: int) -> _FusedMerge:
 
 
 def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
-                  local_heads: int) -> tuple[int, int]:
+                  local_heads: int, ring_steps: int | None = None) -> tuple[int, int]:
     """Bytes and kernels of the busiest rank's merges where attention runs as the fused calls
     ``cptune.calls`` plans (``analytic_cost``'s ``position_calls``), as the torch engine's
     ``attend`` makes them. A step of one call over every row is the kernel's own output: one
@@ -113,7 +114,11 @@ def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
       diagonal. Each chunk's first call is copied into the accumulator (output and log-sum-exp,
       two kernels); a diagonal after keys before it is merged: over all the rows of every rank
       but the first (whose first chunk has no keys before it), in two merges on a rank of two
-      non-adjacent chunks (c > 2: four calls), in one on the last (its chunks adjoin)."""
+      non-adjacent chunks (c > 2: four calls), in one on the last (its chunks adjoin).
+    A workload counted by position (``cptune._position_work``) gives the Ring's ``ring_steps``
+    with a call: each one after the first merged over all the block's rows (a document's rows
+    merge less where a step holds none of their keys: an upper bound there); AllGather-KV's
+    merges are counted as the causal zigzag's."""
     c, w = config.context_degree, workload.wire_dtype.itemsize
     if c == 1 or (config.strategy == "allgather_kv" and not workload.causal):
         return 0, 0
@@ -130,6 +135,10 @@ def _fused_merges(workload: Workload, config: CPConfig, block_tokens: int,
         kernels = 2 * 2 + (2 if c > 2 else 1) * merge.kernels
         return first_calls + passes(merge.element_bytes, merge.row_bytes) + cast_back, kernels + cast_kernels
     real = c if workload.causal else min(c, -(-workload.seq_len // block_tokens))  # blocks with a real key
+    if ring_steps is not None:
+        if ring_steps == 1:  # one call over the block: the kernel's own output
+            return 0, 0
+        c = real = ring_steps
     merged = passes(merge.element_bytes, merge.row_bytes)
     if real == c:
         to_fp32 = 0 if wide else passes(FP32_BYTES + w, 0)
@@ -300,8 +309,11 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
 
 
 def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPConfig, stream: str,
-                  workload: Workload, rank_tokens: int, kv_sent: int, rep: int, kv_block: int) -> None:
-    """The backward's exchanges added to a training workload's counts (see ``analytic_cost``)."""
+                  workload: Workload, rank_tokens: int, kv_sent: int, rep: int, kv_block: int,
+                  reach: int) -> None:
+    """The backward's exchanges added to a training workload's counts (see ``analytic_cost``);
+    ``kv_block`` the bytes of the part of a block the exchanges move, ``reach`` how far round
+    the Ring streams (c - 1 unmasked)."""
     u, c = config.head_group, config.context_degree
     b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
     if u > 1:
@@ -309,14 +321,15 @@ def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPC
         bytes_sent["all_to_all"] += (u - 1) * b * rank_tokens * (2 * h * w + 2 * kv_sent * kv_width) * d // u
         steps["all_to_all"] += 3  # dO in; dQ and packed dK/dV out
     grad_block = kv_block // w * FP32_BYTES
-    if c > 1 and config.strategy == "allgather_kv":
+    if c > 1 and config.strategy == "allgather_kv" and reach:
         bytes_sent["all_gather"] += (c - 1) * kv_block
         steps["all_gather"] += 1
         bytes_sent["reduce_scatter"] = (c - 1) * grad_block
         steps["reduce_scatter"] = 1
-    elif c > 1 and config.strategy == "ring":
-        bytes_sent[stream] += (c - 1) * kv_block + c * grad_block
-        steps[stream] += (c - 1) + c
+    elif c > 1 and config.strategy == "ring" and reach:
+        # the K/V blocks again, each gradient passed on beside them, then straight home
+        bytes_sent[stream] += reach * kv_block + (reach + 1) * grad_block
+        steps[stream] += reach + (reach + 1)
 
 
 class _BackwardSteps(NamedTuple):
@@ -399,6 +412,11 @@ class _Sizes(NamedTuple):
     rank_tokens: int
     block_tokens: int
     kv_block: int
+    #: Bytes of the part of a block its exchanges move (``SequenceLayout.shared``: all of it,
+    #: all but replicated tokens, or a Ring's halo).
+    shared_block: int
+    #: Blocks back round the context group some block's queries see (``SequenceLayout.reach``).
+    reach: int
 
 
 def _sizes(workload: Workload, config: CPConfig) -> _Sizes:
@@ -409,9 +427,15 @@ def _sizes(workload: Workload, config: CPConfig) -> _Sizes:
     rep = kv_replication(workload, u) if u > 1 else 1
     kv_sent = workload.kv_heads * rep
     local_kv_heads = kv_sent // u if u > 1 else workload.kv_heads
-    block_tokens = s // c
-    return _Sizes(layout, rep, kv_sent, workload.heads // u, s // config.ranks, block_tokens,
-                  2 * b * block_tokens * local_kv_heads * d * w)
+    per_token = 2 * b * local_kv_heads * d * w
+    if not counted_by_position(workload, config):
+        block_tokens = s // c
+        return _Sizes(layout, rep, kv_sent, workload.heads // u, s // config.ranks, block_tokens,
+                      per_token * block_tokens, per_token * block_tokens, c - 1)
+    block_tokens = len(layout.block_positions(0))  # every block of a layout holds as many
+    shared = len(layout.shared_positions(0)) if c > 1 else block_tokens
+    return _Sizes(layout, rep, kv_sent, workload.heads // u, len(layout.rank_positions(0)), block_tokens,
+                  per_token * block_tokens, per_token * shared, layout.reach)
 
 
 def _peak(workload: Workload, config: CPConfig, z: _Sizes) -> int:
@@ -422,7 +446,8 @@ def _peak(workload: Workload, config: CPConfig, z: _Sizes) -> int:
     output = b * z.rank_tokens * h * d * w
     exchanged = b * z.block_tokens * z.local_heads * d * w + z.kv_block if u > 1 else 0
     ring = config.strategy == "ring" and c > 1
-    held_kv = (2 if ring else c) * z.kv_block
+    # the Ring: its own block and the next one coming in; AllGather-KV: every block it gathers
+    held_kv = z.kv_block + (z.shared_block if ring else (c - 1) * z.shared_block * (z.reach > 0))
     accumulators = (2 if ring else 1) * b * z.block_tokens * z.local_heads * d * FP32_BYTES
     score_keys = z.block_tokens if ring else z.layout.padded_len
     scores = min(SCORE_BLOCK_ROWS, z.block_tokens) * score_keys * FP32_BYTES
@@ -446,12 +471,24 @@ def _busiest_pairs(workload: Workload, ranks: int, head_group: int, layout: str 
     return busiest_block_pairs(SequenceLayout(workload, CPConfig("ring", ranks, head_group, layout)))
 
 
+def ring_calling_steps(workload: Workload, config: CPConfig) -> int:
+    """The Ring's steps the busiest block of a workload counted by position makes a kernel
+    call on (``cptune._position_work``): each block some of its queries see a key of, as far
+    round as the layout reaches."""
+    return max(len(block.steps) for block in blocks_work(workload, config))
+
+
 def attention_flops(workload: Workload, config: CPConfig) -> int:
     """``analytic_cost(workload, config).flops`` of the forward (a training workload's forward
-    alone), without counting the rest: what the prior's compute needs of a fused kernel."""
+    alone), without counting the rest: what the prior's compute needs of a fused kernel. A
+    workload counted by position (``cptune._position_work``): its busiest block's real
+    queries' seen pairs, each once."""
     forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
     u = config.head_group
-    pairs = _busiest_pairs(forward, config.ranks, u, config.layout)
+    if counted_by_position(forward, config):
+        pairs = max(block.useful_pairs for block in blocks_work(forward, config))
+    else:
+        pairs = _busiest_pairs(forward, config.ranks, u, config.layout)
     return 4 * workload.batch * workload.head_dim * (workload.heads // u) * pairs
 
 
@@ -465,8 +502,9 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
     s = z.layout.padded_len
     b, h, d, w = workload.batch, workload.heads, workload.head_dim, workload.wire_dtype.itemsize
     rep, kv_sent, local_heads = z.rep, z.kv_sent, z.local_heads
-    rank_tokens, block_tokens, kv_block = z.rank_tokens, z.block_tokens, z.kv_block
+    rank_tokens, block_tokens, shared_block = z.rank_tokens, z.block_tokens, z.shared_block
 
+    by_position = counted_by_position(workload, config)
     flops = attention_flops(workload, config)
 
     bytes_sent = dict.fromkeys(COLLECTIVES, 0)
@@ -474,21 +512,24 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
     if u > 1:
         bytes_sent["all_to_all"] = (u - 1) * b * rank_tokens * (2 * h + 2 * kv_sent) * d * w // u
         steps["all_to_all"] = 3  # Q, packed K/V, O
-    if c > 1 and config.strategy == "allgather_kv":
-        bytes_sent["all_gather"] = (c - 1) * kv_block
+    if c > 1 and config.strategy == "allgather_kv" and z.reach:  # none where no block sees another's
+        bytes_sent["all_gather"] = (c - 1) * shared_block
         steps["all_gather"] = 1
     elif c > 1 and config.strategy == "ring":
         check_stream(stream)
-        stream_steps = c - 1 if stream == "p2p" else c
-        bytes_sent[stream] = stream_steps * kv_block
+        # p2p: as far round as the layout reaches; a broadcast per member, whatever it reaches
+        stream_steps = z.reach if stream == "p2p" else c
+        bytes_sent[stream] = stream_steps * shared_block
         steps[stream] = stream_steps
 
     ring = config.strategy == "ring" and c > 1
     peak = _peak(workload, config, z)
+    # the Ring's kernel calls: one per step whose keys the block's queries see
+    ring_steps = (ring_calling_steps(workload, config) if by_position else c) if ring else 1
 
     memory = dict.fromkeys(MEMORY_STEPS, 0)
     kernels = dict.fromkeys(KERNELS, 0)
-    kernels["attention"] = c if ring else 1
+    kernels["attention"] = ring_steps
     if u > 1:
         memory["permute"] = 4 * b * rank_tokens * (2 * h + 2 * kv_sent) * d * w
         kernels["permute"] = 2 * steps["all_to_all"]
@@ -496,12 +537,14 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         memory["replicate"] = 2 * b * rank_tokens * (workload.kv_heads + kv_sent) * d * w
         kernels["replicate"] = 1
     if ring:
-        memory["merge"] = (c - 1) * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
-        memory["requery"] = (c - 1) * b * block_tokens * local_heads * d * w
-        kernels["merge"] = (c - 1) * MERGE_KERNELS
+        merges = ring_steps - 1
+        memory["merge"] = merges * b * block_tokens * local_heads * d * (MERGE_FP32_PASSES * FP32_BYTES + w)
+        memory["requery"] = merges * b * block_tokens * local_heads * d * w
+        kernels["merge"] = merges * MERGE_KERNELS
         kernels["stream"] = 2 * steps["p2p"] + steps["broadcast"]
     if position_calls:
-        memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads)
+        memory["merge"], kernels["merge"] = _fused_merges(workload, config, block_tokens, local_heads,
+                                                          ring_steps if by_position else None)
 
     return AnalyticCost(
         padded_seq_len=s,
@@ -520,7 +563,8 @@ def _with_backward(workload: Workload, config: CPConfig, stream: str, forward: A
     ``analytic_cost``)."""
     z = _sizes(workload, config)
     bytes_sent, steps = dict(forward.bytes_sent), dict(forward.comm_steps)
-    _add_backward(bytes_sent, steps, config, stream, workload, z.rank_tokens, z.kv_sent, z.rep, z.kv_block)
+    _add_backward(bytes_sent, steps, config, stream, workload, z.rank_tokens, z.kv_sent, z.rep,
+                  z.shared_block, z.reach)
     backward = _backward_steps(workload, config, z)
     backward_flops = int(BACKWARD_FLOPS_RATIO * forward.flops)
     return dataclasses.replace(

@@ -274,12 +274,12 @@ def damaged(tmp_path) -> Path:
             store.add_failure(host, workload, CPConfig("ring", 1), "crash", "x" * 200, "mpi")
     with sqlite3.connect(path) as connection:
         (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-        (pages,) = connection.execute("PRAGMA page_count").fetchone()
-        roots = {root for (root,) in connection.execute("SELECT rootpage FROM sqlite_master WHERE rootpage")}
+        leaves = [page for (page,) in connection.execute(  # the rows' own pages, never the schema's
+            "SELECT pageno FROM dbstat WHERE name = 'measurements' AND pagetype = 'leaf' ORDER BY pageno")]
     connection.close()
     garbled = bytearray(path.read_bytes())
     noise = random.Random(41)
-    for page in [p for p in range(pages // 2, pages // 2 + 3) if p not in roots]:
+    for page in leaves[len(leaves) // 2:len(leaves) // 2 + 3]:
         garbled[(page - 1) * page_size:page * page_size] = noise.randbytes(page_size)
     path.write_bytes(bytes(garbled))
     assert revision_of(path)  # it opens, and its version reads

@@ -38,7 +38,9 @@ ranks, hardware that is only calibrated or only described.
                                 the step's launches, transfer) + last block
                   (p2p. An engine without point-to-point broadcasts every block, its own
                   included: c steps, the one beyond c - 1 hides behind nothing; the profile
-                  says which: a calibration's engine spec, ``Profile.stream``)
+                  says which: a calibration's engine spec, ``Profile.stream``). Under a mask
+                  the p2p stream stops where the layout's reach does (a window's halo: one
+                  step): r steps of r + 1 blocks, r = the stream's steps (``analytic_cost``)
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
 
 A training step is that of its forward, then its backward's (``_backward_time``):
@@ -68,6 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cptune._position_work import blocks_work, busiest, counted_by_position
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
 from cptune.cost import (
@@ -134,8 +137,16 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     every block: in one call over the keys in position order (AllGather-KV, Ulysses, one rank)
     or one call per block (Ring).
     Counted exactly up to ``EXACT_KERNEL_WORK_TOKENS``; beyond, the masked share is below
-    0.1% and the useful FLOPs stand for it."""
+    0.1% and the useful FLOPs stand for it. A workload with a mask beyond full or causal, or a
+    layout beyond the default, is counted from its plan (``cptune._position_work``): the
+    fused calls' pairs (a call masked by position computes its whole rectangle), or the numpy
+    kernel's row blocks' segments, of the block with the most."""
     check_kernel(kernel)
+    if counted_by_position(workload, config):  # a mask or a layout beyond the default: its plan's
+        per_head = 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group)
+        numpy = kernel == "numpy" and SequenceLayout(workload, config).padded_len <= EXACT_KERNEL_WORK_TOKENS
+        work = busiest(blocks_work(workload, config, numpy), kernel if numpy else "fused")
+        return per_head * (work.numpy_pairs if numpy else work.fused_pairs)
     if kernel == "fused" or not workload.causal:
         return attention_flops(workload, config)
     layout = SequenceLayout(workload, config)
@@ -155,6 +166,15 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
 
 
+def _calls(workload: Workload, config: CPConfig) -> int:
+    """The fused calls the busiest rank makes (``cptune.calls``): in closed form for a plain
+    workload (``busiest_calls``), from its plan for one counted by position (many short
+    documents: many small calls, each paying the kernel's fixed cost)."""
+    if counted_by_position(workload, config):
+        return busiest(blocks_work(workload, config)).fused_calls
+    return busiest_calls(SequenceLayout(workload, config))
+
+
 def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
     """The physical prior of ``config`` on ``workload`` on ``profile``'s hardware and engine
     (see the module docstring). A description's figures may be numpy arrays of variants
@@ -171,7 +191,7 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     cost = analytic_cost(workload, config, profile.stream, profile.position_calls)
     n, u, c = config.ranks, config.head_group, config.context_degree
     one_per_step = cost.kernels["attention"]
-    calls = busiest_calls(SequenceLayout(workload, config)) if profile.position_calls else one_per_step
+    calls = _calls(workload, config) if profile.position_calls else one_per_step
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
     compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
@@ -195,8 +215,10 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     stream = profile.stream
     if steps := cost.comm_steps[stream]:
         transfer = profile.collective_time(stream, n, context, cost.bytes_sent[stream] / steps, 1)
-        block = compute / c
-        overlapped = c - 1  # steps hidden behind the attention on the block in hand
+        # steps hidden behind the attention on the block in hand: c - 1, or as far round as
+        # the mask reaches (``SequenceLayout.reach``: a window's halo, one step)
+        overlapped = steps if stream == "p2p" else c - 1
+        block = compute / (overlapped + 1)
         ring_kernels = calls + cost.kernels["merge"] + cost.kernels["stream"]
         step_launches = (ring_kernels - 1) / overlapped
         # the host launches a step's kernels while the device runs them: the larger of the two
@@ -221,9 +243,8 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     alone = analytic_cost(forward, config, profile.stream, profile.position_calls)
     sent = {kind: train.bytes_sent[kind] - alone.bytes_sent[kind] for kind in COLLECTIVES}
     steps = {kind: train.comm_steps[kind] - alone.comm_steps[kind] for kind in COLLECTIVES}
-    n, c = config.ranks, config.context_degree
-    calls = (busiest_calls(SequenceLayout(forward, config)) if profile.position_calls
-             else alone.kernels["attention"])
+    n = config.ranks
+    calls = _calls(forward, config) if profile.position_calls else alone.kernels["attention"]
     forward_flops = computed_flops(forward, config, profile.attention_kernel)
     # each call at the rate of its own work: no step of the backward's Ring is charged apart
     # (a calibrated host's merges and query re-reads are the forward's), so what each of its
@@ -249,19 +270,20 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
             all_gather += profile.collective_time(kind, n, context, sent[kind], steps[kind])
     ring_exposed = 0.0
     if steps["p2p"]:
-        kv_block = alone.bytes_sent["p2p"] / (c - 1)
-        grad_block = (sent["p2p"] - (c - 1) * kv_block) / c
+        reach = alone.comm_steps["p2p"]  # c - 1, or as far round as the mask reaches
+        kv_block = alone.bytes_sent["p2p"] / reach
+        grad_block = (sent["p2p"] - reach * kv_block) / (reach + 1)
         # each of c - 1 steps brings the next K/V block and passes the gradient of the one in
         # hand on, behind the backward of the block in hand and its accumulations; the host
         # launches a step's kernels while the device runs them, so a step takes the longer of
         # the two; the last gradient goes home after
         step = profile.collective_time("p2p", n, context, kv_block + grad_block, 2)
         home = profile.collective_time("p2p", n, context, grad_block, 1)
-        block = compute / c
-        step_launches = (train.backward_ring_kernels + call_kernels + calls) / c * launch
-        work = block + ring_memory / c
+        block = compute / (reach + 1)
+        step_launches = (train.backward_ring_kernels + call_kernels + calls) / (reach + 1) * launch
+        work = block + ring_memory / (reach + 1)
         busy = np.maximum(work + profile.overlap_slowdown * np.minimum(block, step), step_launches)
-        ring = (c - 1) * np.maximum(busy, step) + np.maximum(work, step_launches) + home
+        ring = reach * np.maximum(busy, step) + np.maximum(work, step_launches) + home
         ring_exposed = ring - compute - ring_memory
         kernels -= train.backward_ring_kernels + call_kernels
     elif steps["broadcast"]:

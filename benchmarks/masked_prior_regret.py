@@ -1,0 +1,121 @@
+"""Does the prior (and the fitted model, each length held out) pick right on a packed-document
+shape on this host? As ``cptune fit`` on ``spaces/holdout-*.toml`` does for plain shapes:
+every strategy x layout of a causal layer packed with documents of ``--document`` tokens
+(the same rule at every length) measured on the mpi engine at each of ``--seq-lens`` and 1-2
+ranks, in ``--rounds`` interleaved rounds (configuration order alternating; a
+configuration's time is its median over rounds); then per (length, ranks) decision the pick
+of the calibrated prior, and of the cost model fitted on the other lengths
+(``cptune.model.held_out_predictions``), against the measured fastest. Goal (issue 56):
+regret median <= 1.02, worst <= 1.05.
+
+Needs this host's calibration in ``--db`` (``cptune calibrate --db FILE``); measures through
+``cptune.measure`` (each configuration's output checked against the float64 reference first).
+
+    python benchmarks/masked_prior_regret.py --db CALIBRATED_DB [--seq-lens 1024 2048 3072 4096]
+        [--document 512] [--rounds 3] [--repeats 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _provenance import command, commit  # noqa: E402
+
+import cptune  # noqa: E402
+from cptune import CPConfig, Workload, measure  # noqa: E402
+from cptune.feasibility import feasibility  # noqa: E402
+from cptune.layout import layout_choices, normal  # noqa: E402
+from cptune.model import Case, CostModel, hardware_profile, held_out_predictions, prior_time  # noqa: E402
+
+GOALS = (1.02, 1.05)
+
+
+def configurations(workload: Workload, ranks: int) -> list[CPConfig]:
+    """Every strategy x head group x layout a search sweeps on ``ranks`` ranks."""
+    found = []
+    for u in (d for d in range(1, ranks + 1) if ranks % d == 0):
+        strategies = ["ulysses"] if u == ranks and ranks > 1 else ["ring", "allgather_kv"]
+        for strategy in strategies if ranks > 1 else ["ring"]:
+            base = CPConfig(strategy, ranks, u)
+            for layout in layout_choices(workload, base):
+                config = normal(workload, base.with_layout(layout) if layout else base)
+                if not feasibility(workload, config) and config not in found:
+                    found.append(config)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--db", required=True, help="a database holding this host's calibration")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 3072, 4096])
+    parser.add_argument("--document", type=int, default=512, help="tokens per packed document")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args()
+    profile = hardware_profile(None, args.db)
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    one, five, _ = os.getloadavg()
+    say(f"# {command('masked_prior_regret.py', sys.argv[1:])}")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    say(f"# cptune {cptune.__version__} at {commit()}, mpi engine, {when}, "
+        f"load average {one:.2f} / {five:.2f} at the start on {os.cpu_count()} cores")
+    say(f"# {profile.describe()}")
+    cases: list[tuple[Workload, CPConfig]] = []
+    for seq_len in args.seq_lens:
+        w = Workload(seq_len, args.heads, args.head_dim, causal=True, documents=args.document)
+        cases += [(w, config) for ranks in (1, 2) for config in configurations(w, ranks)]
+    times: dict[int, list[float]] = {i: [] for i in range(len(cases))}
+    for round_ in range(args.rounds):
+        order = range(len(cases)) if round_ % 2 == 0 else reversed(range(len(cases)))
+        for i in order:
+            w, config = cases[i]
+            m = measure(w, config, warmup=1, repeats=args.repeats)
+            times[i].append(m.median_ms if not m.disturbed else float("nan"))
+    one, five, _ = os.getloadavg()
+    say(f"# end: load average {one:.2f} / {five:.2f}")
+    measured = np.array([np.nanmedian(times[i]) for i in range(len(cases))]) / 1e3
+    samples = [Case(w, config, profile) for w, config in cases]
+    prior = np.array([prior_time(w, config, profile).total_s for w, config in cases])
+    _, fitted, _, _ = held_out_predictions(samples, measured, "seq_len", CostModel())
+    regrets: dict[str, list[float]] = {"prior": [], "model": []}
+    say(f"{'length':>6} {'ranks':>5} {'fastest':28} {'prior pick':28} {'regret':>6} "
+        f"{'model pick':28} {'regret':>6}")
+    for seq_len in args.seq_lens:
+        for ranks in (1, 2):
+            members = [i for i, (w, c) in enumerate(cases) if w.seq_len == seq_len and c.ranks == ranks]
+            best = min(members, key=lambda i: measured[i])
+            row = [f"{seq_len:6} {ranks:5} {cases[best][1].label:28}"]
+            for name, predicted in (("prior", prior), ("model", fitted)):
+                pick = min(members, key=lambda i: predicted[i])
+                regrets[name].append(measured[pick] / measured[best])
+                row.append(f"{cases[pick][1].label:28} {regrets[name][-1]:6.3f}")
+            say(" ".join(row))
+    for name, values in regrets.items():
+        median, worst = statistics.median(values), max(values)
+        met = median <= GOALS[0] and worst <= GOALS[1]
+        say(f"{name}: regret median {median:.3f}, worst {worst:.3f} (goal <= {GOALS[0]} / <= {GOALS[1]}: "
+            f"{'met' if met else 'not met'})")
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
