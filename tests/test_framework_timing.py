@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 
+from conftest import assert_refused
 from cptune.config import CPConfig
 from cptune.engines.torch import IMPLEMENTATIONS, TIMED_FRAMEWORKS, TorchEngine, framework_configs
 from cptune.engines.torch._implementations import refusal
@@ -46,6 +47,19 @@ def test_a_framework_not_timed_and_another_engine_are_refused_before_anything_ru
         time_framework("diffusers", WORKLOAD, 2, keep=False)
     with pytest.raises(FrameworkTimingError, match="--backend torch"):
         time_framework("xdit", WORKLOAD, 2, backend="mpi", keep=False)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--for", "diffusers", "--ranks", "2"], "read and priced"),
+    (["--for", "xdit"], "--ranks N"),
+    (["--ranks", "2"], "--for FRAMEWORK"),
+])
+def test_the_command_refuses_what_it_cannot_time_in_one_line(cptune_here, tmp_path, flags, said):
+    shape = ["--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--backend", "torch"]
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    result = cptune_here("search", "--time-framework", "--db", db, *shape, *flags)
+    assert_refused(result, said)
+    assert not (tmp_path / "x.db").exists()
 
 
 @pytest.mark.slow
