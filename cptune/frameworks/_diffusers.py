@@ -5,13 +5,17 @@ the only one it runs; "alltoall" raises NotImplementedError), then attends them 
 ``ring_degree`` calls, each merged into a float32 output by its log-sum-exp (``convert_to_fp32``;
 src/diffusers/models/attention_dispatch.py, ``TemplatedRingAttention``): cptune's AllGather-KV
 exchange with c calls where cptune makes one, not Ring's send/recv steps, priced so. The mesh is
-``(ring, ulysses)``, row-major: a Ulysses group is consecutive ranks, as in cptune.
+``(ring, ulysses)``, row-major: a Ulysses group is consecutive ranks, as in cptune. Joint text is
+sharded with the image (FLUX's ``_cp_plan`` splits ``encoder_hidden_states`` as it splits
+``hidden_states``): no replicated text. Its context-parallel attention takes no mask beyond
+full attention (no window, documents or sinks).
 """
 
 from __future__ import annotations
 
 from cptune.config import CPConfig
 from cptune.frameworks._framework import SET_DEVICE, Framework, Runs, Spelling, torchrun
+from cptune.frameworks._masks import mask_words
 from cptune.workload import AttentionShape
 
 
@@ -24,6 +28,9 @@ class Diffusers(Framework):
         if shape.causal:
             return ("diffusers raises for causal attention under context parallelism ('Causal attention "
                     "is not yet supported for templated attention')")
+        if mask_words(shape):
+            return (f"diffusers' context-parallel attention takes no {mask_words(shape)} (a ring's attn_mask "
+                    f"raises: 'TemplatedRingAnythingAttention does not support non-None attn_mask')")
         if shape.kv_heads != shape.heads:
             return "diffusers raises for grouped-query attention (fewer KV heads) under context parallelism"
         if config.strategy == "ring" and config.context_degree > 1:
@@ -33,10 +40,14 @@ class Diffusers(Framework):
 
     def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
         c = config.context_degree
+        text = ""
+        if config.layout == "replicated_text" and c > 1:
+            text = "the joint text sharded with the image (FLUX's _cp_plan splits encoder_hidden_states)"
+            config = config.with_layout(None)
         if config.strategy != "allgather_kv" or c == 1:
-            return Runs(config)
+            return Runs(config, False, f"diffusers runs {text}") if text else Runs(config)
         what = (f"diffusers' ring_degree: one all-gather of the ring's K/V (TemplatedRingAttention), then "
-                f"{c} calls merged by log-sum-exp in float32")
+                f"{c} calls merged by log-sum-exp in float32" + (f"; {text}" if text else ""))
         return Runs(config, True, what)
 
     def placed_refusal(self, shape: AttentionShape, config: CPConfig, seq_len: int,

@@ -134,15 +134,16 @@ def flags(settings: Mapping[str, Any], spell_name: Mapping[str, str]) -> str:
     return " ".join(parts)
 
 
-def torch_ring(shape: AttentionShape, config: CPConfig, caller: str) -> Runs:
+def torch_ring(shape: AttentionShape, config: CPConfig, caller: str, layout: str | None = None) -> Runs:
     """What torch's ``_templated_ring_attention`` runs with load balance off and its default
     rotater, the all-gather (``_cp_options``: ``enable_load_balance=False`` as ``caller`` sets
     it, ``rotate_method=ALL_GATHER``; ``_AllGatherRotater``): one all-gather of the ring group's
     K/V, then one attention call per block merged by log-sum-exp (``_SDPAMerger``, float32);
     under a causal mask contiguous blocks, rank r computing r + 1 of them (``_is_causal_behavior``
-    skips the later ones)."""
+    skips the later ones). ``layout``: the tokens' layout the caller deals out otherwise (None:
+    contiguous blocks)."""
     c = config.context_degree
-    layout = "contiguous" if shape.causal else None
+    layout = "contiguous" if shape.causal else layout
     balance = (f"; causal without load balance: contiguous blocks, rank r computing r + 1 of {c}"
                if shape.causal else "")
     return Runs(CPConfig("allgather_kv", config.ranks, config.head_group, layout), True,

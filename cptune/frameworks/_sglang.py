@@ -22,6 +22,7 @@ from cptune.frameworks._framework import (
     nodes_of,
     torch_ring,
 )
+from cptune.frameworks._masks import unread_mask
 from cptune.workload import AttentionShape
 
 _FLAGS = {"num_gpus": "--num-gpus", "sp_degree": "--sp-degree", "ulysses_degree": "--ulysses-degree",
@@ -35,6 +36,8 @@ class SGLang(Framework):
     form = "flags"
 
     def context_refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
+        if (unread := unread_mask("SGLang", shape)) is not None:
+            return unread
         if config.strategy == "allgather_kv" and config.context_degree > 1:
             if config.head_group > 1:
                 return "SGLang's --kv-gather-degree does not compose with --ulysses-degree or --ring-degree"

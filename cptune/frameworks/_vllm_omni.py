@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from cptune.config import CPConfig
 from cptune.frameworks._framework import Framework, Runs, Spelling, flags, nodes_of
+from cptune.frameworks._masks import unread_mask
 from cptune.frameworks._yunchang import usp_refusal
 from cptune.workload import AttentionShape
 
@@ -23,6 +24,8 @@ class VLLMOmni(Framework):
     form = "flags"
 
     def context_refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
+        if (unread := unread_mask("vLLM-Omni", shape)) is not None:
+            return unread
         return usp_refusal("vLLM-Omni", shape, config)
 
     def runs(self, shape: AttentionShape, config: CPConfig, seq_len: int) -> Runs:
