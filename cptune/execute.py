@@ -330,6 +330,7 @@ def measure_round(
     seed: int = 0,
     rng: random.Random | None = None,
     deadline: float | None = None,
+    implementations: dict[CPConfig, str] | None = None,
 ) -> dict[CPConfig, Measurement | EngineError]:
     """Measure ``configs`` of one workload interleaved, as one round: in passes, each
     visiting every configuration in a fresh random order, running it once (its output
@@ -342,8 +343,11 @@ def measure_round(
     The guard watches the whole round: other load on the host marks every configuration
     of it, the spread of its own iterations each one. A configuration whose run fails gets
     its ``EngineError`` and leaves the later passes. Past ``deadline`` (``time.monotonic``)
-    no further pass starts, and the configurations keep the iterations timed so far. Holds
-    the host lock (``cptune.hostlock``) while it runs."""
+    no further pass starts, and the configurations keep the iterations timed so far.
+    ``implementations`` maps a configuration to a framework's own attention the torch engine
+    runs in its place (``TorchEngine.run``), checked and timed the same way; its measurement
+    names it in its facts ("implementation"). Holds the host lock (``cptune.hostlock``)
+    while it runs."""
     for config in configs:
         check_feasible(workload, config)
     _check_counts(warmup, repeats)
@@ -352,6 +356,7 @@ def measure_round(
     timings: dict[CPConfig, list[np.ndarray]] = {config: [] for config in configs}
     checks: dict[CPConfig, tuple[float, list[int]]] = {}
     failures: dict[CPConfig, EngineError] = {}
+    implemented: dict[CPConfig, str | None] = {}  # the framework implementation each ran, if any
     with measuring():
         watch = Watch(engine.process_ids, engine.node_readings)
         for done in range(0, repeats, ITERATIONS_PER_PASS):
@@ -362,7 +367,8 @@ def measure_round(
             rng.shuffle(order)
             for config in order:
                 try:
-                    error, peaks = _checked_run(engine, workload, config, seed, timeout)
+                    error, peaks = _checked_run(engine, workload, config, seed, timeout,
+                                                (implementations or {}).get(config))
                     first = 0 if done else warmup
                     timings[config].append(engine.time(
                         first, iterations, timeout or default_timeout(workload, config, first + iterations),
@@ -370,6 +376,7 @@ def measure_round(
                 except EngineError as failure:
                     failures[config] = failure
                     continue
+                implemented[config] = engine.describe().get("implementation")
                 seen_error, seen_peaks = checks.get(config, (0.0, []))
                 checks[config] = (max(seen_error, error), [*seen_peaks, *peaks])
         host = watch.host_disturbance(max(config.ranks for config in configs))
@@ -381,7 +388,8 @@ def measure_round(
         summary = summarize(np.concatenate(timings[config], axis=1))
         error, peaks = checks[config]
         disturbed = join_reasons(host, own_spread(config.ranks, summary["samples_ms"]))
-        results[config] = _measurement(engine, workload, config, summary, peaks, error, warmup, disturbed)
+        results[config] = _measurement(engine, workload, config, summary, peaks, error, warmup, disturbed,
+                                       implemented[config])
     return results
 
 
@@ -399,12 +407,13 @@ def _timed_engine(backend: str | Engine) -> Engine:
 
 
 def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int,
-                 timeout: float | None) -> tuple[float, list[int]]:
+                 timeout: float | None, implementation: str | None = None) -> tuple[float, list[int]]:
     """Run ``config`` once on the seeded inputs and check its output (a training run's
     gradients of Q, K and V too, each relative to its own scale) against the float64
     reference: the largest relative error and peak bytes per rank; ``EngineError``
     "wrong_output" naming what was wrong when an error exceeds the engine's tolerance (a
-    wrong configuration is never timed)."""
+    wrong configuration is never timed). ``implementation``: a framework's own attention in
+    place of the strategy (the torch engine's, ``TorchEngine.run``)."""
     check_runs(engine.spec, workload)
     layout = SequenceLayout(workload, config)
     inputs, references = _reference_case(workload, seed)
@@ -413,6 +422,13 @@ def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int
     if workload.training:
         shards, peaks = engine.run_train(workload, config, _scatter(layout, *inputs), timeout)
         results = _gather_trained(layout, shards)
+    elif implementation is not None:
+        run = getattr(engine, "run")  # noqa: B009 - the torch engine's, which takes an implementation
+        if engine.name != "torch":
+            raise ValueError(f"a framework's implementation runs on the torch engine, not {engine.name}")
+        outputs, peaks = run(workload, config, _scatter(layout, *inputs), timeout,
+                             implementation=implementation)
+        results = [_gather(layout, outputs)]
     else:
         outputs, peaks = engine.run(workload, config, _scatter(layout, *inputs), timeout)
         results = [_gather(layout, outputs)]
@@ -422,9 +438,10 @@ def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int
     for name, error in errors.items():
         if not error <= tolerance:
             what = "result" if name == "out" else f"gradient of {name[1:].upper()}"
+            ran = f"{implementation} as {config.describe()}" if implementation else config.describe()
             raise EngineError(
                 "wrong_output",
-                f"{config.describe()} computed a wrong {what} for {workload.describe()}: relative "
+                f"{ran} computed a wrong {what} for {workload.describe()}: relative "
                 f"error {error:.2e} exceeds the {workload.dtype} tolerance {tolerance:.0e}, so its "
                 f"timing does not count. This is a bug in the strategy or engine; please report it.",
             )
@@ -432,8 +449,11 @@ def _checked_run(engine: Engine, workload: Workload, config: CPConfig, seed: int
 
 
 def _measurement(engine: Engine, workload: Workload, config: CPConfig, summary: TimingSummary,
-                 peaks: list[int], error: float, warmup: int, disturbed: str | None) -> Measurement:
-    """The ``Measurement`` of ``config`` from the summary of its timings."""
+                 peaks: list[int], error: float, warmup: int, disturbed: str | None,
+                 implementation: str | None = None) -> Measurement:
+    """The ``Measurement`` of ``config`` from the summary of its timings; its host facts name
+    the framework ``implementation`` that ran in the strategy's place, and only where one did."""
+    host = {key: value for key, value in engine.describe().items() if key != "implementation"}
     return Measurement(
         workload=workload,
         config=config,
@@ -441,7 +461,7 @@ def _measurement(engine: Engine, workload: Workload, config: CPConfig, summary: 
         peak_bytes=max(peaks),
         max_error=error,
         engine=engine.name,
-        host=describe_host() | engine.describe(),
+        host=describe_host() | host | ({"implementation": implementation} if implementation else {}),
         warmup=warmup,
         repeats=len(summary["samples_ms"]),
         oversubscribed=oversubscribed(config.ranks, ranks_per_node(engine)),

@@ -21,9 +21,12 @@ from cptune.workload import Workload
 STATUSES: tuple[str, ...] = ("ok", *EngineError.KINDS)
 #: The facts of a run (``Measurement.host``, a calibration's ``facts``) that say what it ran,
 #: with the words each is shown after: the attention kernel(s) (the torch engine's, on a GPU
-#: those its probe chose), the process group, and on a GPU the cuDNN and NCCL versions.
+#: those its probe chose), the process group, and on a GPU the cuDNN and NCCL versions; first,
+#: a framework's own implementation where one ran in place of the strategy (its name, version
+#: and function: ``cptune.engines.torch``'s ``IMPLEMENTATIONS``).
 RUN_FACTS: tuple[tuple[str, str], ...] = (
-    ("kernel", ""), ("process_group", "process group "), ("cudnn", "cuDNN "), ("nccl", "NCCL "),
+    ("implementation", ""), ("kernel", ""), ("process_group", "process group "), ("cudnn", "cuDNN "),
+    ("nccl", "NCCL "),
 )
 
 

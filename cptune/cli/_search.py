@@ -36,7 +36,7 @@ from cptune.cli._common import (
     workload_of,
 )
 from cptune.config import STRATEGIES
-from cptune.measurement import format_ms
+from cptune.measurement import Measurement, format_ms
 from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace, find_space
 
 if TYPE_CHECKING:
@@ -111,6 +111,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="seed of the rounds' random order, to repeat a search's order (default: fresh)")
     add_workload_flags(search, lengths=True, with_strategies=True)
     add_framework_flag(search, "measure only the configurations FRAMEWORK can run (with --backend torch)")
+    search.add_argument("--time-framework", action="store_true",
+                        help="with --for, --backend torch, workload flags and --ranks: time FRAMEWORK's "
+                             "own attention (yunchang's layer; torch's templated ring for xdit and sglang) "
+                             "in one interleaved round beside cptune's configurations on those ranks, each "
+                             "checked against the reference; its rows are stored named and excluded from "
+                             "the model")
 
 
 def _space_from_flags(args: argparse.Namespace) -> SearchSpace:
@@ -343,8 +349,45 @@ class LiveSearch:
                 self.console.line()  # Rich ends the last frame with a newline only on a terminal
 
 
+def run_framework_timing(args: argparse.Namespace, console: Console) -> int:
+    """``--time-framework``: ``time_framework`` for each length and rank count the flags give."""
+    from cptune.search import time_framework
+    from cptune.store import display_url
+
+    if not args.framework or not args.ranks:
+        raise UsageError("--time-framework needs --for FRAMEWORK and --ranks N (the ranks to time it on)")
+    space = space_of(args)
+    if not isinstance(space, SearchSpace):
+        raise UsageError("--time-framework takes a workload given by flags (--heads, --head-dim, "
+                         "--seq-lens), not a space file")
+    shown = table(f"{args.framework}'s implementation beside cptune's configurations, one interleaved round",
+                  "median ms per iteration of the slowest rank; implementation: the framework's own "
+                  "attention in the configuration's place (stored excluded); -: cptune's strategy")
+    for column in ("seq_len", "config", "implementation", "median ms", "error", "row"):
+        shown.add_column(column, justify="left" if column in ("config", "implementation") else "right")
+    for seq_len in space.seq_lens:
+        workload = workload_of(args, seq_len)
+        for ranks in args.ranks:
+            timed = time_framework(args.framework, workload, ranks, args.db, backend=args.backend,
+                                   seed=args.seed, share=args.share_db)
+            for t in sorted(timed, key=lambda t: getattr(t.result, "median_ms", float("inf"))):
+                m = t.result
+                median, error = ((f"{m.median_ms:.2f}{'*' if m.disturbed else ''}", f"{m.max_error:.0e}")
+                                 if isinstance(m, Measurement) else (f"[red]failed: {m.kind}[/]", ""))
+                shown.add_row(str(seq_len), t.config.label, t.implementation or "-", median, error,
+                              str(t.row_id or ""))
+    console.print(shown)
+    where_db = f" --db {display_url(args.db)}" if args.db else ""
+    say(console, f"* = disturbed by other load; see the stored rows, the implementation named, with: "
+                 f"cptune results{where_db}")
+    return 0
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     from cptune.search import search_space
+
+    if args.time_framework:
+        return run_framework_timing(args, console)
     from cptune.store import display_url
 
     shown = LiveSearch(console)

@@ -9,6 +9,7 @@ reported as a ``Visit`` and what the verdict leaves out named as a ``LeftOut``
 (``_visits``), every stored run also shown in a study for the dashboard (``_view``).
 """
 
+from cptune.search._frameworks import FrameworkTimingError, Timed, time_framework
 from cptune.search._guided import STOP_PROBABILITY, EarlyStop, GuidedSampler, any_wins, win_probability
 from cptune.search._ledger import RETRIED_FAILURES
 from cptune.search._space import (
@@ -29,11 +30,13 @@ __all__ = [
     "STOP_PROBABILITY",
     "RETRIED_FAILURES",
     "EarlyStop",
+    "FrameworkTimingError",
     "GuidedSampler",
     "LeftOut",
     "SearchProgress",
     "SearchSetupError",
     "SpaceSearch",
+    "Timed",
     "Visit",
     "WorkloadSearch",
     "any_wins",
@@ -44,6 +47,7 @@ __all__ = [
     "search_space",
     "study_name",
     "suggest",
+    "time_framework",
     "tree_of",
     "win_probability",
 ]

@@ -9,6 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from cptune.engines.torch._engine import TorchEngine
+from cptune.engines.torch._implementations import (
+    IMPLEMENTATIONS,
+    TIMED_FRAMEWORKS,
+    Implementation,
+    framework_configs,
+)
 
 _OPS = ("TORCH_DTYPES", "TorchOps", "model_output", "strategy_inputs")
 
@@ -40,4 +46,5 @@ def on_launched_ranks(command: Callable[[], int]) -> int:
         return command()
 
 
-__all__ = ["TORCH_DTYPES", "TorchEngine", "TorchOps", "model_output", "on_launched_ranks", "strategy_inputs"]
+__all__ = ["IMPLEMENTATIONS", "TIMED_FRAMEWORKS", "TORCH_DTYPES", "Implementation", "TorchEngine",
+           "framework_configs", "TorchOps", "model_output", "on_launched_ranks", "strategy_inputs"]

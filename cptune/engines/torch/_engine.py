@@ -16,11 +16,16 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
+from cptune.config import CPConfig
 from cptune.engines import ENGINES, BackendUnavailableError
 from cptune.engines._pool import PooledEngine, WorkerPool, driver_host, on_cluster
+from cptune.engines.torch._implementations import refusal
 from cptune.hardware import Cluster, Hardware, list_gpus, this_gpu_node, this_host
 from cptune.measurement import RUN_FACTS, available_cores
 from cptune.reference import REAL_BF16_TOLERANCE
+from cptune.workload import Workload
 
 INSTALL_HINT = "pip install 'cptune[torch]'"
 #: How a CPU host's torch ranks are linked.
@@ -155,9 +160,28 @@ class TorchEngine(PooledEngine):
         return {"CPTUNE_TORCH_STORE": f"{host}:{self._store.port}",
                 "CPTUNE_TORCH_WORLD": f"world-{self._worlds}"}
 
+    def run(
+        self, workload: Workload, config: CPConfig, shards: Sequence[tuple[np.ndarray, ...]],
+        timeout: float, implementation: str | None = None,
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """``PooledEngine.run``; with ``implementation`` (a name of ``IMPLEMENTATIONS``) that
+        framework's own attention runs on the ranks instead of ``config``'s strategy, on the
+        same shards (``ValueError`` where it cannot run ``config``)."""
+        if implementation is None:
+            return super().run(workload, config, shards, timeout)
+        if problem := refusal(implementation, workload, config):
+            raise ValueError(problem)
+        what = f"{implementation} as {config.describe()}"
+        arrays, peaks = self._run(workload, config, shards, timeout, what,
+                                  threads=self._threads(config.ranks),
+                                  implementation=implementation)
+        return [shard[0] for shard in arrays], peaks
+
     def _reported(self, header: dict) -> None:
         """Keep the kernels, process group and GPU software the last run, or the last timing
-        of attention for calibration, ran with (``RUN_FACTS``; a collective's timing names none)."""
+        of attention for calibration, ran with (``RUN_FACTS``; a collective's timing names none),
+        and the framework implementation it ran, if any (none: the strategy)."""
+        self._ran_with.pop("implementation", None)
         self._ran_with |= {key: str(header[key]) for key, _ in RUN_FACTS if key in header}
 
     def describe(self) -> dict[str, str]:

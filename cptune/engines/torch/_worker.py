@@ -43,6 +43,8 @@ from cptune.engines._worker import (
     kill_when_gone,
     serve_until_done,
 )
+from cptune.engines.torch._frameworks import CALLS
+from cptune.engines.torch._implementations import IMPLEMENTATIONS, refusal
 from cptune.engines.torch._kernels import CHOOSER, software
 from cptune.engines.torch._launch import (
     Launched,
@@ -169,7 +171,8 @@ class TorchRank(RankServer):
         op = header["op"]
         if op == "run":
             torch.set_num_threads(int(header["threads"]))
-            task = TrainTask if Workload(**header["workload"]).training else RankTask
+            task = (FrameworkTask if header.get("implementation")
+                    else TrainTask if Workload(**header["workload"]).training else RankTask)
             self.task = task(self, header, arrays)
             return self.task.run_once()
         if op == "time":
@@ -271,7 +274,9 @@ class RankTask:
         self.q, self.kv = strategy_inputs(q, k, v)  # as a deployment passes them
         self.input_bytes = self.q.nbytes + self.kv.nbytes
 
-    def iteration(self) -> tuple[torch.Tensor, TorchOps]:
+    def iteration(self) -> tuple[torch.Tensor, TorchOps | None]:
+        """One run: the output shard [batch, heads, seq, head_dim] and the ops whose clock
+        split it (None: no split)."""
         ops = TorchOps(self.workload, self.groups, self.rank.device)
         out = run_strategy(ops, self.layout, self.rank.rank, self.q, self.kv)
         return out.to(TORCH_DTYPES[self.workload.dtype]), ops
@@ -322,8 +327,33 @@ class RankTask:
             else:
                 wall = time.perf_counter() - start
             if i >= warmup:
-                timings[i - warmup] = (wall, *ops.clock.totals())
+                timings[i - warmup] = (wall, *(ops.clock.totals() if ops else (np.nan, np.nan)))
         return {}, [timings]
+
+
+class FrameworkTask(RankTask):
+    """A framework's own attention (``_frameworks``, named by the header's "implementation")
+    on this rank's contiguous shard, in place of the strategy: no compute and communication
+    split (the framework's calls are not on ``TorchOps``' clock)."""
+
+    def __init__(self, rank: TorchRank, header: dict, arrays: list[np.ndarray]) -> None:
+        super().__init__(rank, header, arrays)
+        self.name = header["implementation"]
+        problem = refusal(self.name, self.workload, self.config)
+        if problem:
+            raise ValueError(problem)
+        dtype = TORCH_DTYPES[self.workload.dtype]
+        self.qkv = [torch.from_numpy(a).to(rank.device, dtype).contiguous() for a in arrays]
+
+    def iteration(self) -> tuple[torch.Tensor, TorchOps | None]:
+        q, k, v = self.qkv
+        out = CALLS[self.name](q, k, v, self.groups["heads"], self.groups["context"], self.workload.causal)
+        return out.to(TORCH_DTYPES[self.workload.dtype]), None
+
+    def run_once(self) -> protocol.Message:
+        """``RankTask.run_once``, the reply naming the implementation that ran."""
+        header, shards = super().run_once()
+        return {**header, "implementation": IMPLEMENTATIONS[self.name].label(self.rank.device.type)}, shards
 
 
 def held_bytes(tensors: Sequence[torch.Tensor]) -> int:
