@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_masks import MASKS as PLAIN_AND_MASKED
 
 from cptune import CPConfig, Workload
 from cptune.calls import any_seen, attention_calls
@@ -18,19 +19,8 @@ from cptune.layout import SequenceLayout, runnable_layouts
 from cptune.model import computed_flops
 from cptune.strategies import Partial, run_backward, run_forward
 
-MASKS = {
-    "full": {},
-    "causal": {"causal": True},
-    "window": {"causal": True, "window": [9, 0]},
-    "window both ways": {"window": [5, 3]},
-    "window with sinks": {"causal": True, "window": [7, 0], "sinks": 2},
-    "1 document": {"causal": True, "documents": [64]},
-    "3 documents": {"causal": True, "documents": [20, 37, 7]},
-    "17 documents": {"causal": True, "documents": [3] * 16 + [16]},
-    "documents full": {"documents": [30, 34]},
-    "documents, window, sinks": {"causal": True, "documents": [40, 24], "window": [6, 0], "sinks": 3},
-    "joint text": {"text": 12},
-}
+#: test_masks.py's masks (the engines' matrix), and the two its engine tests leave to others
+MASKS = {**PLAIN_AND_MASKED, "1 document": {"causal": True, "documents": [64]}, "joint text": {"text": 12}}
 SPLITS = [(2, 1), (3, 1), (4, 1), (4, 2), (2, 2), (4, 4)]
 
 
