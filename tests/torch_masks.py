@@ -217,10 +217,15 @@ def main() -> None:
     summary = {"world": world, "cases": every_case(world), "plan": plan_cases(world), "refusals": refusals()}
     if dist.get_rank() == 0:
         print(json.dumps(summary), flush=True)
-    dist.destroy_process_group()
     if len(sys.argv) > 1:  # a script of its own next (docs/torch.md's example), on the same ranks
+        # in the world made above: a second default group on torchrun's store would meet the first
+        # one's keys there (the group count starts again after a destroy) and may wait forever
+        made = dist.init_process_group
+        dist.init_process_group = lambda *args, **kw: None if dist.is_initialized() else made(*args, **kw)
         example = Path(sys.argv[1])
         exec(compile(example.read_text(), str(example), "exec"), {"__name__": "__main__"})
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
