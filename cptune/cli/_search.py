@@ -384,16 +384,16 @@ def run_framework_timing(args: argparse.Namespace, console: Console) -> int:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from cptune.search import search_space
-
     if args.time_framework:
         return run_framework_timing(args, console)
+    space, backend = space_of(args), engine_of(args)  # bad flags refused before the model's imports (s)
+    from cptune.search import search_space
     from cptune.store import display_url
 
     shown = LiveSearch(console)
     try:
         done = search_space(
-            space_of(args), args.db, backend=engine_of(args), max_ranks=args.max_ranks, trials=args.trials,
+            space, args.db, backend=backend, max_ranks=args.max_ranks, trials=args.trials,
             timeout=args.timeout, rounds=args.rounds, race_rounds=args.race_rounds,
             confirm_rounds=args.confirm_rounds, order=args.order, remeasure=args.remeasure,
             oversubscribe=args.oversubscribe, calibrate_first=not args.no_calibrate, seed=args.seed,
