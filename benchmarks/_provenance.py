@@ -22,12 +22,19 @@ def commit() -> str:
     return head + (" + uncommitted changes" if dirty else "")
 
 
+#: The paths a command line names that belong to the machine it ran on, and their placeholders.
+_PLACEHOLDERS = {"--out": "<file>", "--db": "<db>"}
+
+
 def command(script: str, argv: Sequence[str]) -> str:
-    """The command line as run, the --out file named by a placeholder."""
+    """The command line as run, the --out file and a scratch --db named by placeholders."""
     words = list(argv)
     for i, word in enumerate(words):
-        if word == "--out" and i + 1 < len(words):
-            words[i + 1] = "<file>"
-        elif word.startswith("--out="):
-            words[i] = "--out=<file>"
+        flag = word.partition("=")[0]
+        if flag not in _PLACEHOLDERS:
+            continue
+        if "=" in word:
+            words[i] = f"{flag}={_PLACEHOLDERS[flag]}"
+        elif i + 1 < len(words):
+            words[i + 1] = _PLACEHOLDERS[flag]
     return " ".join(["python", f"benchmarks/{script}", *words])

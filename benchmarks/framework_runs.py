@@ -8,7 +8,7 @@ The host is calibrated first (torch engine) into the same database, and the prio
 row as it runs: cptune's configurations by ``prior_time``, yunchang's contiguous ring as that
 configuration, torch's ring as the all-gather attended block by block (``prior_as_run``).
 
-    python benchmarks/framework_runs.py --db /tmp/fw.db --out benchmarks/results/framework_runs-DATE.txt
+    python benchmarks/framework_runs.py --db fw.db --out benchmarks/results/framework_runs-DATE.txt
 
 More ranks than cores run oversubscribed (marked): their order times ranks waiting for a core.
 """
