@@ -15,6 +15,10 @@ class InfeasibleConfigError(CPTuneError, ValueError):
         self.reasons = reasons
 
 
+class SearchSetupError(CPTuneError, ValueError):
+    """A search or calibration that cannot start as asked; nothing ran, nothing was stored."""
+
+
 class EngineError(CPTuneError, RuntimeError):
     """A run failed on the ranks. ``kind`` is one of ``KINDS``; the message says which rank
     failed, how, and what to try."""

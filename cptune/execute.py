@@ -21,7 +21,7 @@ import numpy as np
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
 from cptune.engines import Engine, Trained, check_runs, get_engine, ranks_per_node, untimed
-from cptune.errors import EngineError, InfeasibleConfigError
+from cptune.errors import EngineError, InfeasibleConfigError, SearchSetupError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
 from cptune.guard import enabled as guard_enabled
@@ -44,7 +44,7 @@ from cptune.reference import (
     reference_gradients,
     relative_error,
 )
-from cptune.space import check_count
+from cptune.space import SearchSpace, check_count
 from cptune.workload import Workload
 
 #: Timed iterations of each configuration per pass of an interleaved round (``measure_round``):
@@ -71,6 +71,33 @@ def rank_count_problem(asked: str, ranks: int, engine: Engine, oversubscribe: bo
         return (f"{asked}: {ranks:,} ranks on one host, more than any node runs, --oversubscribe or not: use "
                 f"at most {MAX_RANKS_PER_NODE:,}")
     return None
+
+
+def check_rank_count(asked: str, ranks: int, engine: Engine, oversubscribe: bool) -> None:
+    """``SearchSetupError`` when ``ranks`` ranks (``asked``, in words) cannot run here as asked
+    (``rank_count_problem``)."""
+    if problem := rank_count_problem(asked, ranks, engine, oversubscribe):
+        raise SearchSetupError(problem)
+
+
+def space_rank_counts(space: SearchSpace, engine: Engine, max_ranks: int | None, oversubscribe: bool
+                      ) -> tuple[int, ...]:
+    """The rank counts of ``space`` that run on ``engine`` here, capped by ``max_ranks``
+    (default: its cores or GPUs); ``SearchSetupError`` when none is left or oversubscription
+    is refused. Arithmetic on the counts only, nothing preflighted: ``cptune search`` checks
+    it before importing the search (10^12 ranks refused at once), the search before its
+    nodes' preflight."""
+    available = max_ranks or engine.capacity()
+    if space.ranks is None:  # "auto", 1..available: bounded before they are listed
+        check_rank_count(f"--max-ranks {available}", available, engine, oversubscribe)
+    counts = tuple(n for n in space.rank_counts(available) if max_ranks is None or n <= max_ranks)
+    if not counts:
+        raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
+    over = [n for n in counts if n > engine.capacity()]
+    if over:
+        check_rank_count(f"ranks {', '.join(map(str, over))} of {space.origin}", max(over), engine,
+                         oversubscribe)
+    return counts
 
 
 def default_timeout(workload: Workload, config: CPConfig, iterations: int = 1) -> float:

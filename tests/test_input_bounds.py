@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -128,6 +130,20 @@ def test_rank_counts_are_bounded_before_anything_is_enumerated(cptune_here, tmp_
     result = cptune_here(*args, *(["--db", db] if args[0] != "measure" else []))
     assert_refused(result, reason)
     assert not db.exists()
+
+
+def test_search_refuses_a_rank_count_before_importing_the_search(tmp_path):
+    """The search package pulls in Optuna and the model (seconds): a count no host runs is
+    refused before it is imported."""
+    argv = ["search", "--heads", "4", "--head-dim", "16", "--seq-lens", "64", "--ranks", HUGE,
+            "--oversubscribe", "--db", str(tmp_path / "o.db")]
+    probe = ("import sys\nfrom cptune.cli import main\n"
+             f"code = main({argv!r})\n"
+             "print(code, 'cptune.search' in sys.modules, 'optuna' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert "more than any node runs" in done.stderr
+    assert not (tmp_path / "o.db").exists()
 
 
 def test_a_space_of_more_ranks_than_any_machine_is_refused_where_it_is_read(cptune_here, tmp_path):

@@ -36,6 +36,8 @@ from cptune.cli._common import (
     workload_of,
 )
 from cptune.config import STRATEGIES
+from cptune.engines import get_engine
+from cptune.execute import space_rank_counts
 from cptune.measurement import Measurement, format_ms
 from cptune.space import DEMO_SPACE, ORDERS, MeasureSettings, SearchSpace, find_space
 
@@ -386,7 +388,9 @@ def run_framework_timing(args: argparse.Namespace, console: Console) -> int:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.time_framework:
         return run_framework_timing(args, console)
-    space, backend = space_of(args), engine_of(args)  # bad flags refused before the model's imports (s)
+    space, backend = find_space(space_of(args)), engine_of(args)
+    # bad flags and rank counts are refused before the search's imports (optuna, the model: seconds)
+    space_rank_counts(space, get_engine(backend), args.max_ranks, args.oversubscribe)
     from cptune.search import search_space
     from cptune.store import display_url
 

@@ -29,9 +29,9 @@ from cptune.calibration import (
 )
 from cptune.config import CPConfig
 from cptune.engines import ENGINES, Engine, NodeVerdict, get_engine, ranks_per_node, untimed
-from cptune.errors import CPTuneError
+from cptune.errors import SearchSetupError
 from cptune.estimate import Verdict
-from cptune.execute import rank_count_problem, rank_memory_limit
+from cptune.execute import check_rank_count, rank_memory_limit, space_rank_counts
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.frameworks import FrameworkError, check_engine, get_framework
 from cptune.guard import busy_notice, patience_s
@@ -43,10 +43,6 @@ from cptune.search._workload import WorkloadSearch
 from cptune.space import DEMO_SPACE, ORDERS, SearchSpace, check_runnable, find_space
 from cptune.store import Store, display_url, new_database
 from cptune.workload import Workload
-
-
-class SearchSetupError(CPTuneError, ValueError):
-    """A search or calibration that cannot start as asked; nothing ran, nothing was stored."""
 
 
 class SearchProgress:
@@ -154,29 +150,11 @@ class SpaceSearch:
 
 def _counted_ranks(space: SearchSpace, engine: Engine, max_ranks: int | None, oversubscribe: bool
                    ) -> tuple[SearchSpace, int, int]:
-    """``space`` with the rank counts it runs here, the ranks available and this machine's
-    capacity; ``SearchSetupError`` when none is left or oversubscription is refused."""
-    cores = engine.capacity()
-    available = max_ranks or cores
-    if space.ranks is None:  # "auto", 1..available: bounded before they are listed
-        check_rank_count(f"--max-ranks {available}", available, engine, oversubscribe)
-    counts = tuple(n for n in space.rank_counts(available) if max_ranks is None or n <= max_ranks)
-    if not counts:
-        raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
+    """``space`` with the rank counts it runs here (``cptune.execute.space_rank_counts``, the
+    nodes preflighted for the largest), the ranks available and this machine's capacity."""
+    counts = space_rank_counts(space, engine, max_ranks, oversubscribe)
     engine.preflight(max(counts))  # on a cluster: the nodes hold them all
-    over = [n for n in counts if n > cores]
-    if over:
-        check_rank_count(f"ranks {', '.join(map(str, over))} of {space.origin}", max(over), engine,
-                         oversubscribe)
-    return dataclasses.replace(space, ranks=counts), available, cores
-
-
-def check_rank_count(asked: str, ranks: int, engine: Engine, oversubscribe: bool) -> None:
-    """``SearchSetupError`` when ``ranks`` ranks (``asked``, in words) cannot run here as asked:
-    above this host's cores without ``oversubscribe``, or above any node's ranks
-    (``cptune.execute.rank_count_problem``)."""
-    if problem := rank_count_problem(asked, ranks, engine, oversubscribe):
-        raise SearchSetupError(problem)
+    return dataclasses.replace(space, ranks=counts), max_ranks or engine.capacity(), engine.capacity()
 
 
 def search_space(
