@@ -211,4 +211,4 @@ def test_a_banded_segments_mask_is_the_rules(masking):
         if kernels._banded(mask, q, k):
             checked += 1
             assert (kernels._hidden(mask, q, k) == ~mask.visible(q[:, None], k[None, :])).all()
-    assert checked > 30
+    assert checked > 10
