@@ -6,7 +6,7 @@ ranks, the first plan again) in one world: every rank runs its group's sequences
 and backward, and every sequence's output and dQ, dK, dV are put together and compared with
 unsharded attention in float64 (``torch_masks.reference``). Then one rank passes a perturbed
 plan, which every rank must refuse. Rank 0 prints one JSON line: {"world", "steps": [{"errors":
-{sequence: [out, dq, dk, dv]}, "groups_made"}], "perturbed"}.
+{sequence: [out, dq, dk, dv, out against a mask one token off]}, "groups_made"}], "perturbed"}.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def step(runner: BatchRunner, plan: BatchPlan, seed: int) -> dict[str, object]:
         got = [part.unshard(out.detach(), s), *(part.unshard(t.grad, s) for t in local)]  # type: ignore[arg-type]
         wanted = [expected.detach(), *(t.grad for t in exact)]
         errors[s] = [relative_error(g, w) for g, w in zip(got, wanted, strict=True)]  # type: ignore[arg-type]
+        # the check can fail: the same output against a mask one token off (the first query
+        # seeing the second key too)
+        off = dense_mask(n, True, None, 0, None)
+        off[0, 1] = True
+        errors[s].append(relative_error(got[0], reference(q, k, v, off)))
     everyone: list[dict[int, list[float]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
     merged = {s: e for mine in everyone for s, e in (mine or {}).items()}
