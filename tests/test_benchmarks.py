@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_benchmark, measurement
+from conftest import load_benchmark, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.estimate import combine
 from cptune.hardware import this_host
@@ -203,3 +203,19 @@ def test_length_mix_megatron_rule_runs_each_sequence_once_on_power_of_two_ring_g
     assert plan.makespan_ms == max(g.ms for g in plan.groups) > 0
     assert all(length_mix.flexsp(g.config) for g in length_mix.plans_for(costs, batch, 4, 1024)[
         length_mix.RULES[1]].groups)
+
+
+@pytest.mark.slow
+def test_length_mix_runs_every_rule_on_two_ranks_and_reports_its_error(tmp_path):
+    db, out = str(tmp_path / "host.db"), tmp_path / "length_mix.txt"
+    with Store(db) as store:
+        store.add_calibration(this_host(), make_calibration())
+    length_mix = load_benchmark("length_mix")
+    assert length_mix.main(["--db", db, "--ranks", "2", "--batches", "1", "--sequences", "2", "--rounds", "1",
+                            "--repeats", "1", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    measured = [line for line in lines if line.startswith("    1  ")]
+    assert [line[7:24].strip() for line in measured] == list(length_mix.RULES)
+    assert all(float(line.split()[-2]) > 0 for line in measured)  # a measured makespan each
+    assert any(line.startswith("predicted-vs-measured makespan error") and "over 4 plans" in line
+               for line in lines)
