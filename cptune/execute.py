@@ -578,6 +578,7 @@ def measure_batch(
     if run_batch is None:
         raise SearchSetupError(f"the {engine.name} engine does not run batch plans: use --backend mpi")
     check_rank_count(f"--ranks {plan.ranks}", plan.ranks, engine, oversubscribe)
+    _check_plan(plan)
     sent: list[list[np.ndarray]] = [[] for _ in range(plan.ranks)]
     cases: list[tuple[int, Workload, SequenceLayout, int, tuple[np.ndarray, ...]]] = []
     groups, start = [], 0
@@ -609,6 +610,19 @@ def measure_batch(
     return BatchMeasurement(plan, tuple(float(x) for x in makespans), float(np.median(makespans)),
                             tuple(group_ms), error, max(peaks, default=0), engine.name,
                             oversubscribed(plan.ranks, ranks_per_node(engine)), disturbed)
+
+
+def _check_plan(plan: BatchPlan) -> None:
+    """``ValueError`` for a plan no ranks can run as given: groups needing more than its ranks,
+    or a sequence run by no group or by several."""
+    used = sum(g.config.ranks for g in plan.groups)
+    if used > plan.ranks:
+        raise ValueError(f"the plan's groups need {used} ranks, but it is for {plan.ranks}: solve the batch "
+                         f"again (plan_batch)")
+    placed = sorted(s for g in plan.groups for s in g.sequences)
+    if placed != list(range(len(plan.lengths))):
+        raise ValueError(f"the plan's groups run sequences {placed}, not each of its {len(plan.lengths)} "
+                         f"once: solve the batch again (plan_batch)")
 
 
 def _check_batch(engine: Engine, cases: Sequence[tuple[int, Workload, SequenceLayout, int, tuple]],

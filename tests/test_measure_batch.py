@@ -6,6 +6,7 @@ in one line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,15 @@ def test_a_wrong_output_is_never_timed(engine, monkeypatch):
     with pytest.raises(EngineError, match="wrong result for sequence 1 of the batch") as caught:
         measure_batch(PLAN, SHAPE, engine, warmup=0, repeats=1, oversubscribe=True)
     assert caught.value.kind == "wrong_output"
+
+
+@pytest.mark.parametrize(("groups", "says"), [
+    ((*PLAN.groups, Group(CPConfig("ring", 2), (), 1.0)), "need 5 ranks, but it is for 4"),
+    ((PLAN.groups[0],), "run sequences [0, 3], not each of its 4 once"),
+])
+def test_a_plan_no_ranks_can_run_is_refused_before_any_starts(groups, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        measure_batch(BatchPlan(LENGTHS, 4, groups, 2.0, "fast"), SHAPE, "mpi", oversubscribe=True)
 
 
 def test_more_ranks_than_cores_are_refused_without_oversubscribe():

@@ -103,6 +103,9 @@ class BatchRunner:
         process groups the plan needs that this runner has not made yet."""
         world, rank = dist.get_world_size(), dist.get_rank()
         _same_plan(plan)
+        if sum(g.config.ranks for g in plan.groups) > plan.ranks:
+            raise ValueError(f"the plan's groups need more than its {plan.ranks} ranks: solve the batch "
+                             f"again")
         if plan.ranks > world:
             raise ValueError(f"the plan is for {plan.ranks} ranks, but the world has {world}: solve the "
                              f"batch for at most {world} ranks")
