@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +11,7 @@ import numpy as np
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import peak_bytes
 from cptune.errors import InfeasibleConfigError
-from cptune.layout import kv_replication, layout_choices, layout_refusal
+from cptune.layout import head_refusal, heads_as_run, kv_replication, layout_choices, layout_refusal
 from cptune.workload import Workload
 
 __all__ = ["LISTED_INFEASIBLE", "MAX_CONFIGS", "ConfigSplit", "Excluded", "candidate_configs",
@@ -36,12 +35,6 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-@functools.lru_cache(maxsize=1024)  # the same few for every configuration of a cluster
-def _head_groups_that_fit(heads: int, limit: int) -> str:
-    """The head groups up to ``limit`` that split ``heads`` evenly, listed."""
-    return ", ".join(str(d) for d in _divisors(limit) if heads % d == 0)
-
-
 def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None = None) -> list[str]:
     """Every reason ``config`` cannot run ``workload``, in words a user acts on; empty when
     it can. ``memory_limit`` (bytes per rank), when given, is checked against the analytic
@@ -60,15 +53,11 @@ def feasibility(workload: Workload, config: CPConfig, memory_limit: int | None =
             f"for {u}-way Ulysses across groups name the context strategy: "
             f"CPConfig('ring', {n}, {u}) or CPConfig('allgather_kv', {n}, {u})"
         )
-    if workload.heads % u:
-        fits = _head_groups_that_fit(workload.heads, min(n, workload.heads))
+    if (heads := head_refusal(workload, config)) is not None:
+        reasons.append(heads[1])
+    elif (kv := heads_as_run(workload, config).kv_heads) % u and u % kv:
         reasons.append(
-            f"Ulysses limit: {workload.heads} heads cannot be split over a head group of {u} "
-            f"(heads % head_group must be 0; head groups that fit: {fits})"
-        )
-    elif workload.kv_heads % u and u % workload.kv_heads:
-        reasons.append(
-            f"{workload.kv_heads} KV heads and a head group of {u} do not divide each other: "
+            f"{kv} KV heads and a head group of {u} do not divide each other: "
             f"Ulysses needs kv_heads % head_group == 0 (each rank gets whole KV heads) or "
             f"head_group % kv_heads == 0 (KV heads replicated head_group / kv_heads times)"
         )
@@ -132,40 +121,64 @@ def _checked(strategies: tuple[str, ...]) -> tuple[str, ...]:
     return strategies
 
 
-def _configs_of(n: int, strategies: tuple[str, ...], head_groups: Sequence[int]) -> list[CPConfig]:
+def _configs_of(n: int, strategies: tuple[str, ...], head_groups: Collection[int],
+                heads: int | None = None) -> list[CPConfig]:
     """The distinct configurations on exactly ``n`` ranks whose head group is one of
-    ``head_groups`` (ascending): one rank is plain local attention (listed once, as "ring" when
+    ``head_groups``, ascending: one rank is plain local attention (listed once, as "ring" when
     allowed), and a context strategy whose head group spans all ranks is pure Ulysses (listed
-    as "ulysses")."""
+    as "ulysses"). Given ``heads``, a head group that does not divide them is listed in the one
+    form it can run in, padded (``CPConfig.pad_heads``)."""
     if n == 1:
         return [CPConfig("ring" if "ring" in strategies else strategies[0], 1)]
+    groups = _dividing(n, head_groups)
     configs = []
     for strategy in strategies:
         if strategy == "ulysses":
-            configs += [CPConfig("ulysses", n)] if n in head_groups else []
+            configs += [CPConfig("ulysses", n, pad_heads=_pads(heads, n))] if n in groups else []
         else:
-            configs += [CPConfig(strategy, n, u) for u in head_groups if u < n and n % u == 0]
+            configs += [CPConfig(strategy, n, u, pad_heads=_pads(heads, u)) for u in groups if u < n]
     return configs
 
 
+def _dividing(n: int, head_groups: Collection[int]) -> list[int]:
+    """The members of ``head_groups`` that divide ``n``, ascending: found by trying each, or each
+    divisor of ``n`` where those are fewer (``head_groups`` then a set, for a quick look-up)."""
+    if len(head_groups) <= math.isqrt(n) or not isinstance(head_groups, (set, frozenset)):
+        return sorted(u for u in head_groups if n % u == 0)
+    return [u for u in _divisors(n) if u in head_groups]
+
+
+def _pads(heads: int | None, head_group: int) -> bool:
+    """Whether a configuration of ``head_group`` pads ``heads`` (None: no workload, none padded)."""
+    return heads is not None and heads % head_group != 0
+
+
 def candidate_configs(max_ranks: int, strategies: tuple[str, ...] = STRATEGIES,
-                      min_ranks: int = 1) -> list[CPConfig]:
+                      min_ranks: int = 1, heads: int | None = None) -> list[CPConfig]:
     """Every distinct configuration on min_ranks..max_ranks ranks, feasible or not (as
-    ``_configs_of`` lists them): every combination, for a few ranks. ``split_configs`` and
-    ``enumerate_configs`` build only those a workload can run."""
+    ``_configs_of`` lists them, padded where a head group does not divide ``heads``): every
+    combination, for a few ranks. ``split_configs`` and ``enumerate_configs`` build only those
+    a workload can run."""
     if not 1 <= min_ranks <= max_ranks:
         raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks} and {max_ranks}")
     strategies = _checked(strategies)
-    return [c for n in range(min_ranks, max_ranks + 1) for c in _configs_of(n, strategies, _divisors(n))]
+    return [c for n in range(min_ranks, max_ranks + 1)
+            for c in _configs_of(n, strategies, _divisors(n), heads)]
 
 
 def head_groups_that_fit(workload: Workload, limit: int) -> tuple[int, ...]:
     """The head groups up to ``limit``, ascending, that split ``workload``'s heads and KV heads
     as Ulysses needs (``feasibility``): whole heads on each rank, and whole or replicated KV
-    heads. Found by trying each up to ``limit`` or each divisor of the heads, whichever is fewer."""
+    heads; a head group that does not divide the heads, padded (``cptune.layout.padded_heads``),
+    up to the heads (a larger one leaves ranks without a real head) and at most ``MAX_CONFIGS``
+    (no configuration cptune weighs holds more). The dividing ones are found by trying each up
+    to ``limit`` or each divisor of the heads, whichever is fewer."""
     heads, kv = workload.heads, workload.kv_heads
     tried = range(1, limit + 1) if limit <= math.isqrt(heads) else (d for d in _divisors(heads) if d <= limit)
-    return tuple(u for u in tried if heads % u == 0 and (kv % u == 0 or u % kv == 0))
+    dividing = [u for u in tried if heads % u == 0 and (kv % u == 0 or u % kv == 0)]
+    padded = [u for u in range(2, min(limit, heads, MAX_CONFIGS) + 1)
+              if heads % u and _head_kind(workload, u) is None]
+    return tuple(sorted(dividing + padded))
 
 
 #: The most configurations, and the most rank counts, ``enumerate_configs`` and
@@ -224,12 +237,19 @@ class ConfigSplit:
 def _kind(workload: Workload, config: CPConfig) -> str:
     """Why ``config`` (a head group dividing its ranks) cannot run, as ``feasibility``'s first
     reason: "heads", "kv_heads", "seq_len" or "memory"."""
-    u = config.head_group
-    if workload.heads % u:
-        return "heads"
-    if workload.kv_heads % u and u % workload.kv_heads:
-        return "kv_heads"
+    if (kind := _head_kind(workload, config.head_group)) is not None:
+        return kind
     return "seq_len" if workload.seq_len < config.ranks else "memory"
+
+
+def _head_kind(workload: Workload, head_group: int) -> str | None:
+    """Why a head group of ``head_group`` (padded where it does not divide the heads) cannot
+    split ``workload``'s heads or K/V heads, as ``_kind`` names it; None when it can."""
+    config = CPConfig("ring", head_group, head_group, pad_heads=_pads(workload.heads, head_group))
+    if (refusal := head_refusal(workload, config)) is not None:
+        return refusal[0]
+    kv = heads_as_run(workload, config).kv_heads
+    return "kv_heads" if kv % head_group and head_group % kv else None
 
 
 def _divisor_counts(ranks: Sequence[int]) -> list[int]:
@@ -243,11 +263,6 @@ def _divisor_counts(ranks: Sequence[int]) -> list[int]:
     return [int(counts[n]) for n in ranks]
 
 
-@functools.lru_cache(maxsize=1024)  # of gcd(n, heads): the same few divisors of the heads
-def _divisor_count(n: int) -> int:
-    return len(_divisors(n))
-
-
 def split_configs(workload: Workload, ranks: Sequence[int], strategies: tuple[str, ...] = STRATEGIES,
                   memory_limit: Callable[[int], int | None] | None = None,
                   listed: int = LISTED_INFEASIBLE) -> ConfigSplit:
@@ -256,8 +271,8 @@ def split_configs(workload: Workload, ranks: Sequence[int], strategies: tuple[st
     rank, when given) and those it cannot (``ConfigSplit``). Its cost follows the configurations
     that can run: once ``listed`` that cannot are listed, only those whose head group fits
     (``head_groups_that_fit``) are built and checked, and the others counted in closed form (of
-    n's divisors, those that divide the heads are the divisors of gcd(n, heads)). ``ValueError``
-    beyond ``MAX_CONFIGS``."""
+    n's divisors below n, those neither fitting nor refused for their K/V heads are refused for
+    their heads). ``ValueError`` beyond ``MAX_CONFIGS``."""
     if not ranks or ranks[0] < 1:
         raise ValueError(f"need rank counts of at least 1, got {ranks!r}")
     strategies = _checked(strategies)
@@ -277,14 +292,19 @@ def split_configs(workload: Workload, ranks: Sequence[int], strategies: tuple[st
         kind) the first of them when they are the kind's first."""
         if how_many:
             before, earliest = counted.get(kind) or (0, first or next(
-                c for c in _configs_of(n, strategies, _divisors(n)) if _kind(workload, c) == kind))
+                c for c in _configs_of(n, strategies, _divisors(n), workload.heads)
+                if _kind(workload, c) == kind))
             counted[kind] = (before + how_many, earliest)
 
     divisor_counts: dict[int, int] = {}
+    fitting = frozenset(fits)
+    # head groups refused for their K/V heads: none is larger than the heads (``head_refusal``)
+    kv_refused = frozenset(u for u in range(1, min(max_ranks, workload.heads, MAX_CONFIGS) + 1)
+                           if _head_kind(workload, u) == "kv_heads")
     for index, n in enumerate(ranks):
         limit = None if memory_limit is None else memory_limit(n)
         if n == 1 or len(infeasible) < listed:  # every configuration of n, each checked
-            every = _configs_of(n, strategies, _divisors(n))
+            every = _configs_of(n, strategies, _divisors(n), workload.heads)
             for config in (laid for c in every for laid in _laid(workload, c)):
                 if not (reasons := feasibility(workload, config, limit)):
                     feasible.append(config)
@@ -296,12 +316,12 @@ def split_configs(workload: Workload, ranks: Sequence[int], strategies: tuple[st
         if not divisor_counts:  # those of the rank counts left
             divisor_counts = dict(zip(ranks[index:], _divisor_counts(ranks[index:]), strict=True))
         head_groups = divisor_counts[n] - 1  # those of a context strategy: below n
-        whole = workload.heads % n == 0  # a head group of all n ranks splits the heads
-        splitting = _divisor_count(math.gcd(n, workload.heads)) - whole  # below n, splitting the heads
-        configs = _configs_of(n, strategies, fits)  # those whose head group fits
-        fitting = len(configs) - (ulysses and n in fits)  # of a context strategy
-        count("heads", context * (head_groups - splitting) + (ulysses and not whole), n)
-        count("kv_heads", (context * splitting - fitting) + (ulysses and whole and n not in fits), n)
+        configs = _configs_of(n, strategies, fitting, workload.heads)  # those whose head group fits
+        fit_below = len(_dividing(n, fitting)) - (n in fitting)
+        kv_below = len(_dividing(n, kv_refused)) - (n in kv_refused)
+        whole = _head_kind(workload, n) if ulysses else None  # pure Ulysses' head group of all n ranks
+        count("heads", context * (head_groups - fit_below - kv_below) + (whole == "heads"), n)
+        count("kv_heads", context * kv_below + (whole == "kv_heads"), n)
         if n > workload.seq_len:
             count("seq_len", len(configs), n)
             continue
@@ -335,7 +355,9 @@ def enumerate_configs(
     fits = head_groups_that_fit(workload, top)
     ranks = range(1, top + 1) if any(s != "ulysses" for s in strategies) else sorted({1, *fits})
     _check_size(workload, 1, max_ranks, strategies, fits, len(ranks))
-    return [laid for n in ranks for c in _configs_of(n, strategies, fits) for laid in _laid(workload, c)
+    fitting = frozenset(fits)
+    return [laid for n in ranks for c in _configs_of(n, strategies, fitting, workload.heads)
+            for laid in _laid(workload, c)
             if not feasibility(workload, laid, memory_limit)]
 
 

@@ -30,6 +30,7 @@ out by arithmetic (``block_ranges``: any length costs the same); the others hold
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -115,10 +116,67 @@ def rank_groups(config: CPConfig) -> tuple[RankGroups, RankGroups]:
 def kv_replication(workload: Workload, head_group: int) -> int:
     """How many copies of each KV head the Ulysses all-to-all needs: 1 when the KV heads
     split evenly over the head group, head_group / kv_heads when the group is larger than
-    the KV heads (GQA/MQA: each rank then gets one replicated KV head, as DeepSpeed does)."""
+    the KV heads (GQA/MQA: each rank then gets one replicated KV head, as DeepSpeed does).
+    Of ``heads_as_run``'s workload where heads are padded."""
     if workload.kv_heads % head_group == 0:
         return 1
     return head_group // workload.kv_heads
+
+
+def padded_heads(workload: Workload, config: CPConfig) -> tuple[int, int]:
+    """(query heads, KV heads) as ``config`` runs them: ``workload``'s own, or with padded
+    heads (``CPConfig.pad_heads``) the query heads rounded up to a multiple of the head group
+    u, zero heads appended. MHA pads its K/V heads the same; MQA keeps its one KV head (every
+    query head reads it); GQA appends zero KV heads so the appended query heads form whole
+    groups of heads / kv_heads (``head_padding_refusal`` where they cannot)."""
+    if not config.pad_heads:
+        return workload.heads, workload.kv_heads
+    heads = -(-workload.heads // config.head_group) * config.head_group
+    if workload.kv_heads == 1:
+        return heads, 1
+    group = workload.heads // workload.kv_heads
+    return heads, -(-heads // group)
+
+
+def heads_as_run(workload: Workload, config: CPConfig) -> Workload:
+    """``workload`` with the heads ``config`` computes and moves (``padded_heads``): what every
+    count of work, traffic and memory prices, padded heads as real ones."""
+    if not config.pad_heads:
+        return workload
+    heads, kv_heads = padded_heads(workload, config)
+    return dataclasses.replace(workload, heads=heads, kv_heads=kv_heads)
+
+
+def head_refusal(workload: Workload, config: CPConfig) -> tuple[str, str] | None:
+    """Why ``config``'s heads (padded or not) cannot be split over its head group as Ulysses
+    needs: (kind, one line a user acts on), kind "heads" (the query heads) or "kv_heads" (the
+    K/V heads, the line naming them); None when they can."""
+    u, heads, kv = config.head_group, workload.heads, workload.kv_heads
+    if not config.pad_heads:
+        if heads % u == 0:
+            return None
+        padded = -(-heads // u) * u
+        return "heads", (
+            f"Ulysses limit: {heads} heads cannot be split over a head group of {u} (heads % head_group "
+            f"must be 0); pad them to {padded} (pad_heads, --pad-heads: {padded - heads} zero heads computed "
+            f"and moved, {100 * (padded - heads) / heads:.0f}% more attention work)")
+    if heads % u == 0:
+        return "heads", (f"Ulysses limit: pad_heads pads nothing, as {heads} heads already split over a "
+                         f"head group of {u}; drop pad_heads")
+    if u > heads:
+        return "heads", (f"Ulysses limit: a head group of {u} is larger than the {heads} heads, so padded "
+                         f"heads would leave ranks with no real head; use a head group of at most {heads}")
+    padded, padded_kv = padded_heads(workload, config)
+    if 1 < kv < heads and padded % (heads // kv):
+        return "kv_heads", (
+            f"pad_heads: {heads} heads padded to {padded} are not whole groups of {heads // kv} query heads "
+            f"per KV head ({kv} KV heads), so padded heads would shift which KV head the real ones read; "
+            f"use a head group that divides {heads} heads")
+    if padded_kv % u and u % padded_kv:
+        return "kv_heads", (
+            f"pad_heads: {padded_kv} KV heads (padded from {kv}) and a head group of {u} do not divide each "
+            f"other, as Ulysses needs; use a head group that divides {heads} heads")
+    return None
 
 
 def position_runs(positions: np.ndarray) -> list[tuple[int, int]]:

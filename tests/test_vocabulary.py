@@ -1,6 +1,7 @@
 """The vocabulary: Workload and CPConfig validation, feasibility reasons, enumerate_configs."""
 
 import dataclasses
+import itertools
 import re
 
 import numpy as np
@@ -265,15 +266,15 @@ def _divisors(n):
 
 
 def brute_force(workload, max_ranks, strategies=STRATEGIES, memory_limit=None):
-    """Every feasible (strategy, n, u), minus the documented duplicates: one rank is listed
-    once (as "ring" when allowed, else the first strategy), and a context strategy whose
-    head group spans all ranks (> 1) is pure Ulysses, listed only as "ulysses"."""
+    """Every feasible (strategy, n, u, padded heads or not), minus the documented duplicates: one
+    rank is listed once (as "ring" when allowed, else the first strategy), and a context strategy
+    whose head group spans all ranks (> 1) is pure Ulysses, listed only as "ulysses"."""
     one_rank = "ring" if "ring" in strategies else strategies[0]
     found = set()
     for s in strategies:
         for n in range(1, max_ranks + 1):
-            for u in _divisors(n):
-                config = CPConfig(s, n, u)
+            for u, pad in itertools.product(_divisors(n), (False, True)):
+                config = CPConfig(s, n, u, pad_heads=pad)
                 if feasibility(workload, config, memory_limit):
                     continue
                 if n == 1 and s != one_rank:
@@ -332,12 +333,11 @@ def test_enumerate_invariants(workload):
     assert all(c.head_group == c.ranks for c in configs if c.strategy == "ulysses")
 
 
-def test_enumerate_no_ulysses_where_heads_do_not_divide():
+def test_enumerate_pads_the_heads_where_a_head_group_does_not_divide_them():
     configs = list(enumerate_configs(Workload(64, 3, 8), 4))
-    ulysses_ranks = {c.ranks for c in configs if c.strategy == "ulysses"}
-    assert ulysses_ranks == {3}
-    # no hybrid with a head group of 2 or 4 either
-    assert all(c.head_group in (1, 3) for c in configs)
+    assert {(c.ranks, c.pad_heads) for c in configs if c.strategy == "ulysses"} == {(2, True), (3, False)}
+    # a head group of 2 only padded (3 heads -> 4), none of 4 (more than the 3 heads)
+    assert {(c.head_group, c.pad_heads) for c in configs} == {(1, False), (2, True), (3, False)}
     # the context strategies still reach every rank count
     assert {c.ranks for c in configs if c.strategy == "ring"} == {1, 2, 3, 4}
     assert {c.ranks for c in configs if c.strategy == "allgather_kv"} == {2, 3, 4}
@@ -348,11 +348,11 @@ def test_enumerate_small_example_exactly():
     assert set(configs) == {
         CPConfig("ring", 1),
         CPConfig("ring", 2), CPConfig("allgather_kv", 2), CPConfig("ulysses", 2),
-        CPConfig("ring", 3), CPConfig("allgather_kv", 3),
+        CPConfig("ring", 3), CPConfig("allgather_kv", 3), CPConfig("ulysses", 3, pad_heads=True),
         CPConfig("ring", 4), CPConfig("allgather_kv", 4), CPConfig("ulysses", 4),
         CPConfig("ring", 4, 2), CPConfig("allgather_kv", 4, 2),
     }
-    assert len(configs) == 11
+    assert len(configs) == 12
 
 
 def test_enumerate_repeated_strategy_names_yield_no_duplicates():
@@ -438,7 +438,7 @@ def test_split_builds_what_can_run_and_counts_the_rest_as_listing_every_combinat
 
     limit = analytic_cost(workload, CPConfig("ring", 1)).peak_bytes // 3
     for memory_limit in (None, lambda n: limit):
-        every = candidate_configs(hi, strategies, min_ranks=lo)
+        every = candidate_configs(hi, strategies, min_ranks=lo, heads=workload.heads)
         reasons = {c: feasibility(workload, c, None if memory_limit is None else limit) for c in every}
         cannot = [c for c in every if reasons[c]]
         for listed in (0, 3, 1000):
@@ -472,4 +472,7 @@ def test_enumerating_a_trillion_ranks_answers_at_once_or_refuses_in_one_line():
     with pytest.raises(ValueError, match=refused):
         enumerate_configs(Workload(10**9, 64, 128, kv_heads=8), 10**12)
     ulysses_only = enumerate_configs(Workload(10**9, 64, 128, kv_heads=8), 10**12, ("ulysses",))
-    assert [c.ranks for c in ulysses_only] == [1, 2, 4, 8, 16, 32, 64]
+    assert [c.ranks for c in ulysses_only if not c.pad_heads] == [1, 2, 4, 8, 16, 32, 64]
+    # padded head groups: whole groups of 8 query heads per KV head, none above the 64 heads
+    padded = [c.ranks for c in ulysses_only if c.pad_heads]
+    assert 9 in padded and 12 not in padded and max(padded) < 64 and all(64 % n for n in padded)

@@ -82,6 +82,9 @@ class Primitives(Protocol):
     def concat(self, parts: Sequence[Tensor], axis: int) -> Tensor:
         """``parts`` joined along ``axis``."""
 
+    def pad(self, x: Tensor, axis: int, size: int) -> Tensor:
+        """``x`` with zero slices appended along ``axis`` up to ``size`` (Ulysses' padded heads)."""
+
 
 class TrainingPrimitives(Primitives, Protocol):
     """What an engine that trains provides besides: the backward's operations."""

@@ -209,6 +209,11 @@ class MpiOps:
     def concat(self, parts: Sequence[np.ndarray], axis: int) -> np.ndarray:
         return np.concatenate(parts, axis=axis)
 
+    def pad(self, x: np.ndarray, axis: int, size: int) -> np.ndarray:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, size - x.shape[axis])
+        return np.pad(x, widths)
+
     def kv_stream(self, kv: np.ndarray, group: Group,
                   steps: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take

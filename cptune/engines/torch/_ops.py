@@ -485,6 +485,11 @@ class TorchOps:
     def concat(self, parts: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
         return torch.cat(list(parts), dim=axis)
 
+    def pad(self, x: torch.Tensor, axis: int, size: int) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[axis] = size - shape[axis]
+        return torch.cat([x, x.new_zeros(shape)], dim=axis)
+
     def kv_stream(self, kv: torch.Tensor, group: Group,
                   steps: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Ring order: at step t hold member (me - t)'s block, pass it on to me + 1 and take
