@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from cptune._position_work import blocks_work, counted_by_position
 from cptune.config import CPConfig
-from cptune.layout import SequenceLayout, kv_replication
+from cptune.layout import SequenceLayout, heads_as_run, kv_replication
 from cptune.workload import Workload
 
 FP32_BYTES = 4
@@ -169,6 +169,7 @@ def block_calls(workload: Workload, config: CPConfig) -> BlockCalls:
     (FLOPs, the all-gather, the rest) is the same. Forward AllGather-KV only."""
     if config.strategy != "allgather_kv" or workload.training:
         raise ValueError("block_calls counts a forward AllGather-KV's keys attended block by block")
+    workload = heads_as_run(workload, config)
     z = _sizes(workload, config)
     c = config.context_degree
     elements = workload.batch * z.block_tokens * z.local_heads * workload.head_dim
@@ -305,7 +306,8 @@ def analytic_cost(workload: Workload, config: CPConfig, stream: str = "p2p",
     - memory-bound steps and kernels beyond the attention calls' own: ``backward_memory_bytes``,
       ``backward_kernels`` and, of them, what each Ring step repeats (``_backward_steps``).
     """
-    return _analytic_cost(workload, config, stream, position_calls)  # one cache entry however passed
+    # one cache entry however passed; padded heads counted as the real ones they are run as
+    return _analytic_cost(heads_as_run(workload, config), config, stream, position_calls)
 
 
 def _add_backward(bytes_sent: dict[str, int], steps: dict[str, int], config: CPConfig, stream: str,
@@ -461,6 +463,7 @@ def _peak(workload: Workload, config: CPConfig, z: _Sizes) -> int:
 def peak_bytes(workload: Workload, config: CPConfig) -> int:
     """``analytic_cost(workload, config).peak_bytes``, without counting the rest: what a memory
     limit is checked against, for configurations that may never be costed."""
+    workload = heads_as_run(workload, config)
     return _peak(workload, config, _sizes(workload, config))
 
 
@@ -483,6 +486,7 @@ def attention_flops(workload: Workload, config: CPConfig) -> int:
     alone), without counting the rest: what the prior's compute needs of a fused kernel. A
     workload counted by position (``cptune._position_work``): its busiest block's real
     queries' seen pairs, each once."""
+    workload = heads_as_run(workload, config)
     forward = workload.in_mode("forward") if workload.training else workload  # the same pairs either way
     u = config.head_group
     if counted_by_position(forward, config):

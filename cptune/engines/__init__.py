@@ -83,6 +83,8 @@ class EngineSpec:
     #: Whether it runs masks cut by position beyond a causal one (windows, packed documents:
     #: ``Workload.window``, ``documents``); joint text is full attention, which every engine runs.
     masks: bool = False
+    #: Whether it runs padded heads (``CPConfig.pad_heads``: the ``pad`` primitive).
+    pads_heads: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -203,10 +205,20 @@ class UnmaskedEngineError(CPTuneError, ValueError):
     """The engine runs full and causal masks only, not a window or packed documents."""
 
 
-def check_runs(spec: EngineSpec, workload: Workload) -> None:
+class UnpaddedEngineError(CPTuneError, ValueError):
+    """The engine does not run padded heads (``CPConfig.pad_heads``)."""
+
+
+def check_runs(spec: EngineSpec, workload: Workload, config: CPConfig | None = None) -> None:
     """``UntrainedEngineError`` where ``workload`` trains and the engine does not;
     ``UnmaskedEngineError`` where its mask has a window or documents and the engine runs
-    full and causal masks only."""
+    full and causal masks only; ``UnpaddedEngineError`` where ``config`` pads heads and the
+    engine does not."""
+    if config is not None and config.pad_heads and not spec.pads_heads:
+        padding = ", ".join(repr(s.name) for s in ENGINES.values() if s.pads_heads)
+        raise UnpaddedEngineError(
+            f"the {spec.name} engine's graphs do not pad heads ({config.describe()}): use a head group that "
+            f"divides the heads, or a backend that pads them ({padding})")
     if workload.training and not spec.trains:
         raise UntrainedEngineError(
             f"the {spec.name} engine runs the forward alone (inference), not --mode train: use a "
@@ -254,7 +266,7 @@ register(EngineSpec(
     name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
     kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
     engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank", spans_nodes=True,
-    trains=True, masks=True,
+    trains=True, masks=True, pads_heads=True,
 ))
 register(EngineSpec(
     name="onnx", summary="each rank's ONNX graph on ONNX's reference runtime (checks, does not time)",
@@ -271,7 +283,7 @@ register(EngineSpec(
                           "(pip install 'cptune[torch]')",
     kernel="fused", stream="p2p", timed=True, times_steps=False, device="any",
     engine="cptune.engines.torch:TorchEngine", worker="cptune.engines.torch._worker", position_calls=True,
-    spans_nodes=True, trains=True, masks=True,
+    spans_nodes=True, trains=True, masks=True, pads_heads=True,
 ))
 
 

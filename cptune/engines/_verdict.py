@@ -88,6 +88,9 @@ class NodeVerdict:
 
     def refuses(self, workload: Workload, config: CPConfig) -> str | None:
         """Why this node cannot run ``config`` on ``workload`` (one line), or None."""
+        if config.pad_heads:
+            return (f"{config.describe()} pads heads, which cptune's TensorRT graphs do not yet; use a head "
+                    f"group that divides the heads")
         standalone = self.result("standalone")
         if config.ranks > 1 and (self._fails("collectives") or (
                 standalone is not None and not standalone.ok and standalone.answer != "boundary")):

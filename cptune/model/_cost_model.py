@@ -52,6 +52,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from cptune.config import LAYOUTS, STRATEGIES, CPConfig
 from cptune.estimate import Estimate, combine, judge_each
+from cptune.layout import padded_heads
 from cptune.model._prior import PriorTime, prior_time
 from cptune.model._profiles import CalibratedProfile, Profile, UnpredictedModeError, check_predicts
 from cptune.model._ties import described_prior, prior_range
@@ -101,8 +102,9 @@ def _mask_features(workload: Workload) -> tuple[float, ...]:
 
 
 def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
-    """The correction's inputs: the shape, the configuration and the prior's breakdown, on
-    log scales where the quantity spans orders of magnitude."""
+    """The correction's inputs: the shape, the configuration (its padded heads' share of the
+    heads among them) and the prior's breakdown, on log scales where the quantity spans orders
+    of magnitude."""
     rows = []
     for case, prior in zip(cases, priors, strict=True):
         w, c = case.workload, case.config
@@ -115,6 +117,7 @@ def features(cases: Sequence[Case], priors: Sequence[PriorTime]) -> np.ndarray:
             np.log(total), prior.compute_s / total, prior.all_to_all_s / total,
             prior.all_gather_s / total, prior.ring_exposed_s / total,
             *_mask_features(w), *(float(c.layout == layout) for layout in LAYOUTS),
+            padded_heads(w, c)[0] / w.heads - 1,
         ])
     return np.asarray(rows, dtype=float)
 

@@ -83,7 +83,7 @@ from cptune.cost import (
 )
 from cptune.hardware import TIERS, tier_of
 from cptune.kernels import check_kernel, computed_pairs
-from cptune.layout import SequenceLayout, rank_groups
+from cptune.layout import SequenceLayout, heads_as_run, rank_groups
 from cptune.model._profiles import Profile
 from cptune.workload import Workload
 
@@ -142,6 +142,7 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     fused calls' pairs (a call masked by position computes its whole rectangle), or the numpy
     kernel's row blocks' segments, of the block with the most."""
     check_kernel(kernel)
+    workload = heads_as_run(workload, config)  # padded heads computed as real ones
     if counted_by_position(workload, config):  # a mask or a layout beyond the default: its plan's
         per_head = 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group)
         numpy = kernel == "numpy" and SequenceLayout(workload, config).padded_len <= EXACT_KERNEL_WORK_TOKENS
@@ -180,7 +181,9 @@ def prior_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorT
     (see the module docstring). A description's figures may be numpy arrays of variants
     (``HardwareDescription.spread``, how its ranges are evaluated at once), so every step is
     elementwise: ``np.maximum``/``np.minimum``, never ``max``/``min``. A training step is its
-    forward followed by its backward (``_backward_time``)."""
+    forward followed by its backward (``_backward_time``). Padded heads are priced as the real
+    heads they are run as (``cptune.layout.heads_as_run``)."""
+    workload = heads_as_run(workload, config)
     if workload.training:
         forward = _forward_time(workload.in_mode("forward"), config, profile)
         return forward + _backward_time(workload, config, profile)

@@ -64,7 +64,7 @@ class OnnxEngine(PooledEngine):
     ) -> tuple[list[np.ndarray], list[int]]:
         """Run ``config``'s graphs once, rank r holding ``shards[r]``: each rank's output
         shard (float32) and 0 peak bytes (not measured)."""
-        check_runs(self.spec, workload)
+        check_runs(self.spec, workload, config)
         sent = []
         for rank, shard in enumerate(shards):
             model, feeds = tensorrt_rank_graph(workload, config, rank)
@@ -117,7 +117,7 @@ def export_graphs(workload: Workload, config: CPConfig, directory: Path) -> Path
     rank inputs and the SHA-256 of its file) into ``directory``; returns the manifest's
     path. A file already there is replaced only if cptune wrote it (``check_ours``), each
     checked before the first is written."""
-    check_runs(ENGINES["tensorrt"], workload)  # what the graphs are written for
+    check_runs(ENGINES["tensorrt"], workload, config)  # what the graphs are written for
     directory.mkdir(parents=True, exist_ok=True)
     for rank in range(config.ranks):
         check_ours(directory / f"rank{rank}.onnx", _our_graph, _ELSEWHERE)

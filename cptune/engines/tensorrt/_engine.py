@@ -131,7 +131,7 @@ class TensorRTEngine(PooledEngine):
     ) -> tuple[list[np.ndarray], list[int]]:
         """Build (or load) and set up every rank's engine, then run once with rank r holding
         ``shards[r]``; returns each rank's output shard (float32) and device bytes held."""
-        check_runs(self.spec, workload)
+        check_runs(self.spec, workload, config)
         self._pool_for(config.ranks)
         prepare = {"op": "prepare", "workload": workload.to_dict(), "config": config.to_dict()}
         what = config.describe()
