@@ -321,7 +321,8 @@ def measure_all(
         raise InfeasibleConfigError(problem, [problem])
     largest = largest or engine.capacity()
     configs = [c for c in enumerate_configs(workload, largest, tuple(strategies))
-               if (not ranks or c.ranks in ranks) and (head_group is None or c.head_group == head_group)]
+               if (not ranks or c.ranks in ranks) and (head_group is None or c.head_group == head_group)
+               and (engine.spec.pads_heads or not c.pad_heads)]  # padded heads where the engine pads them
     if layout is not None:
         configs = _in_layout(workload, configs, layout)
     if not configs:
@@ -329,7 +330,8 @@ def measure_all(
         group = "" if head_group is None else f" with head group {head_group}"
         raise InfeasibleConfigError(
             f"no configuration of {', '.join(strategies)} on {counts}{group} can run {workload.describe()}: "
-            f"a head group must divide the ranks (ulysses: equal them) and the heads", [])
+            f"a head group must divide the ranks (ulysses: equal them) and the heads (or pad them, on "
+            f"an engine that pads heads)", [])
     configs = _fitting(workload, configs, rank_memory_limit(engine))
     results: list[Measurement] = []
     failures: list[tuple[CPConfig, EngineError]] = []

@@ -158,8 +158,8 @@ def head_refusal(workload: Workload, config: CPConfig) -> tuple[str, str] | None
         padded = -(-heads // u) * u
         return "heads", (
             f"Ulysses limit: {heads} heads cannot be split over a head group of {u} (heads % head_group "
-            f"must be 0); pad them to {padded} (pad_heads, --pad-heads: {padded - heads} zero heads computed "
-            f"and moved, {100 * (padded - heads) / heads:.0f}% more attention work)")
+            f"must be 0); pad them to {padded} (pad_heads=True: {padded - heads} zero heads computed and "
+            f"moved, {100 * (padded - heads) / heads:.0f}% more attention work)")
     if heads % u == 0:
         return "heads", (f"Ulysses limit: pad_heads pads nothing, as {heads} heads already split over a "
                          f"head group of {u}; drop pad_heads")

@@ -271,7 +271,7 @@ register(EngineSpec(
 register(EngineSpec(
     name="onnx", summary="each rank's ONNX graph on ONNX's reference runtime (checks, does not time)",
     kernel="fused", stream="broadcast", timed=False, times_steps=False, device="cpu",
-    engine="cptune.engines.onnx:OnnxEngine", rank_task="cptune.engines.onnx._rank",
+    engine="cptune.engines.onnx:OnnxEngine", rank_task="cptune.engines.onnx._rank", pads_heads=True,
 ))
 register(EngineSpec(
     name="tensorrt", summary="TensorRT 11 engines, one GPU per rank (pip install 'cptune[tensorrt]')",

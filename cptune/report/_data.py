@@ -30,12 +30,12 @@ def rank_count(n: int) -> str:
 
 def family(config: CPConfig) -> str:
     """The strategy family a configuration belongs to across rank counts: its label without
-    the context degree ("ring", "ulysses", "ulysses2xring", "ring+doc_whole": a layout is a
-    line of its own), or ``LOCAL`` on one rank (every strategy is plain attention there: one
+    the context degree ("ring", "ulysses", "ulysses2xring", "ring+doc_whole": a layout, and
+    padded heads, a line of its own), or ``LOCAL`` on one rank (every strategy is plain attention there: one
     baseline, not a point on each strategy's line)."""
     if config.ranks == 1:
         return LOCAL
-    layout = f"+{config.layout}" if config.layout else ""
+    layout = (f"+{config.layout}" if config.layout else "") + ("+padded" if config.pad_heads else "")
     if config.strategy == "ulysses" or config.head_group == 1:
         return config.strategy + layout
     return f"ulysses{config.head_group}x{config.strategy}{layout}"

@@ -1,5 +1,6 @@
 """The search as Optuna sees it: a conditional space (strategy, then a rank count feasible for
-it, then a head group feasible for both, then - only where the mask offers more than one
+it, then a head group feasible for both, then - only where the head group does not divide the
+heads - padded heads, the one form it runs in, then - only where the mask offers more than one
 (``cptune.layout.layout_choices``) - a token layout), so an infeasible point is never
 proposed, and stored runs as trials of a study a dashboard can show."""
 
@@ -18,6 +19,8 @@ from cptune.workload import Workload
 
 #: strategy -> rank count -> head group -> layouts (``DEFAULT_LAYOUT`` for a workload's default).
 Tree = dict[str, dict[int, dict[int, list[str]]]]
+#: The (strategy, ranks, head group) whose heads a tree's configurations pad (``CPConfig.pad_heads``).
+Padded = frozenset[tuple[str, int, int]]
 Known = tuple[str, float | None, str | None]  # status, median_ms, error of a stored run
 
 #: How a trial's parameters name a configuration's default layout (``CPConfig.layout`` None).
@@ -28,9 +31,17 @@ def _layout_name(layout: str | None) -> str:
     return DEFAULT_LAYOUT if layout is None else layout
 
 
-def tree_of(configs: list[CPConfig]) -> Tree:
-    """strategy -> rank count -> head group -> layouts: the conditional search space."""
-    tree: Tree = {}
+class SearchTree(Tree):
+    """strategy -> rank count -> head group -> layouts: the conditional search space, and the
+    points of it that pad heads (``padded``)."""
+
+    padded: Padded = frozenset()
+
+
+def tree_of(configs: list[CPConfig]) -> SearchTree:
+    """The conditional search space of ``configs`` (``SearchTree``)."""
+    tree = SearchTree()
+    tree.padded = frozenset((c.strategy, c.ranks, c.head_group) for c in configs if c.pad_heads)
     for c in configs:
         layouts = tree.setdefault(c.strategy, {}).setdefault(c.ranks, {}).setdefault(c.head_group, [])
         if _layout_name(c.layout) not in layouts:
@@ -40,6 +51,10 @@ def tree_of(configs: list[CPConfig]) -> Tree:
 
 def _layout_key(config: CPConfig) -> str:
     return f"layout|{config.strategy}|{config.ranks}|{config.head_group}"
+
+
+def _pad_key(config: CPConfig) -> str:
+    return f"pad_heads|{config.strategy}|{config.ranks}|{config.head_group}"
 
 
 def _swept(tree: Tree, config: CPConfig) -> bool:
@@ -55,6 +70,8 @@ def distributions(tree: Tree, config: CPConfig) -> dict[str, BaseDistribution]:
             list(tree[config.strategy][config.ranks])
         ),
     }
+    if config.pad_heads:
+        found[_pad_key(config)] = CategoricalDistribution([True])
     if _swept(tree, config):
         layouts = tree[config.strategy][config.ranks][config.head_group]
         found[_layout_key(config)] = CategoricalDistribution(layouts)
@@ -68,6 +85,8 @@ def params_of(config: CPConfig, tree: Tree) -> dict[str, object]:
         f"ranks|{config.strategy}": config.ranks,
         f"head_group|{config.strategy}|{config.ranks}": config.head_group,
     }
+    if config.pad_heads:
+        params[_pad_key(config)] = True
     if _swept(tree, config):
         params[_layout_key(config)] = _layout_name(config.layout)
     return params
@@ -83,7 +102,8 @@ def config_of(params: dict[str, Any]) -> CPConfig | None:
         return None
     layout = params.get(f"layout|{strategy}|{ranks}|{head_group}", DEFAULT_LAYOUT)
     return CPConfig(str(strategy), int(ranks), int(head_group),
-                    None if layout == DEFAULT_LAYOUT else str(layout))
+                    None if layout == DEFAULT_LAYOUT else str(layout),
+                    bool(params.get(f"pad_heads|{strategy}|{ranks}|{head_group}", False)))
 
 
 def study_name(workload: Workload, hardware: Hardware) -> str:
@@ -103,7 +123,8 @@ def view_trial(row: Result) -> FrozenTrial:
         distributions={"strategy": CategoricalDistribution(STRATEGIES),
                        "ranks": IntDistribution(1, config.ranks),
                        "head_group": IntDistribution(1, config.ranks),
-                       **({"layout": CategoricalDistribution(LAYOUTS)} if config.layout else {})},
+                       **({"layout": CategoricalDistribution(LAYOUTS)} if config.layout else {}),
+                       **({"pad_heads": CategoricalDistribution([True])} if config.pad_heads else {})},
         user_attrs={"measurement_id": row.id, "label": config.label, "status": row.status,
                     "p10_ms": row.p10_ms, "p90_ms": row.p90_ms, "error": row.error,
                     "oversubscribed": row.oversubscribed, "excluded": row.excluded,
@@ -111,12 +132,14 @@ def view_trial(row: Result) -> FrozenTrial:
     )
 
 
-def suggest(trial: optuna.Trial, tree: Tree) -> CPConfig:
+def suggest(trial: optuna.Trial, tree: SearchTree) -> CPConfig:
     """The configuration ``trial`` samples from ``tree``'s conditional space."""
     strategy = trial.suggest_categorical("strategy", sorted(tree))
     ranks = trial.suggest_categorical(f"ranks|{strategy}", sorted(tree[strategy]))
     head_group = trial.suggest_categorical(f"head_group|{strategy}|{ranks}", list(tree[strategy][ranks]))
     config = CPConfig(strategy, ranks, head_group)
+    if (strategy, ranks, head_group) in tree.padded:  # the one form it runs in: a parameter of one value
+        config = config.with_padded_heads(trial.suggest_categorical(_pad_key(config), [True]))
     if not _swept(tree, config):
         only = tree[strategy][ranks][head_group][0]
         return config.with_layout(None if only == DEFAULT_LAYOUT else only)

@@ -16,7 +16,8 @@ __all__ = ["RESULT_COLUMNS", "STATUSES", "Result"]
 #: The keys of ``Result.to_dict``, in order: known without a row (a CSV header).
 RESULT_COLUMNS = (
     "id", "hardware", "seq_len", "heads", "head_dim", "kv_heads", "batch", "dtype", "causal", "mode",
-    "window", "sinks", "documents", "text", "strategy", "ranks", "head_group", "layout", "status",
+    "window", "sinks", "documents", "text", "strategy", "ranks", "head_group", "layout", "pad_heads",
+    "status",
     "median_ms", "p10_ms", "p90_ms", "compute_ms", "comm_ms",
     "forward_ms", "peak_bytes",
     "max_error", "error", "engine", "measured_at", "oversubscribed", "excluded", "round_id", "disturbed",
@@ -80,13 +81,13 @@ class Result:
         return self.status == "ok" and self.median_ms is not None and not self.disturbed and not self.excluded
 
     def to_dict(self) -> dict[str, object]:
-        """Every one of ``RESULT_COLUMNS``, in order: the mask's parts and the layout as well
-        where they are defaults (None or 0), so every row has the same keys."""
+        """Every one of ``RESULT_COLUMNS``, in order: the mask's parts, the layout and padded
+        heads as well where they are defaults (None, 0 or False), so every row has the same keys."""
         mask: dict[str, object] = {"window": None, "sinks": 0, "documents": None, "text": 0}
         workload = self.workload.to_dict()
         return {
             "id": self.id, "hardware": self.hardware, **workload, **(mask | workload),
-            **self.config.to_dict(), "layout": self.config.layout,
+            **self.config.to_dict(), "layout": self.config.layout, "pad_heads": self.config.pad_heads,
             "status": self.status, "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
             "compute_ms": self.compute_ms, "comm_ms": self.comm_ms, "forward_ms": self.forward_ms,
             "peak_bytes": self.peak_bytes,

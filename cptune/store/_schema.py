@@ -177,7 +177,21 @@ class MeasurementRow(Base):
 
     @property
     def config(self) -> CPConfig:
-        return CPConfig(self.strategy, self.ranks, self.head_group, self.layout)
+        return stored_config(self, self.workload.heads)
+
+
+def stored_config(row: MeasurementRow, heads: int) -> CPConfig:
+    """The configuration ``row`` ran, on a workload of ``heads`` heads. Padded heads
+    (``CPConfig.pad_heads``) have no column: a head group that does not divide the heads runs
+    only padded, and one that divides them never is, so the workload's heads say which (and
+    every row stored before padded heads existed has a head group that divides them)."""
+    padded = heads % row.head_group != 0
+    return CPConfig(row.strategy, row.ranks, row.head_group, row.layout, pad_heads=padded)
+
+
+def config_columns(config: CPConfig) -> dict[str, object]:
+    """``config`` as ``MeasurementRow``'s columns: ``to_dict`` less ``pad_heads`` (``stored_config``)."""
+    return {key: value for key, value in config.to_dict().items() if key != "pad_heads"}
 
 
 class CalibrationRow(Base):

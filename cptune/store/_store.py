@@ -95,6 +95,8 @@ from cptune.store._schema import (
     MeasurementRow,
     NodeCheckRow,
     WorkloadRow,
+    config_columns,
+    stored_config,
 )
 from cptune.store._urls import (
     StoreError,
@@ -553,7 +555,7 @@ class Store:
             row = MeasurementRow(
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, m.workload),
-                **normal(m.workload, m.config).to_dict(), status="ok", error=None,
+                **config_columns(normal(m.workload, m.config)), status="ok", error=None,
                 median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms, compute_ms=m.compute_ms,
                 comm_ms=m.comm_ms, peak_bytes=m.peak_bytes, max_error=m.max_error, samples_ms=m.samples_ms,
                 warmup=m.warmup, repeats=m.repeats, engine=m.engine, cptune_version=__version__,
@@ -576,7 +578,7 @@ class Store:
             row = MeasurementRow(
                 hardware=self._hardware_row(session, hardware),
                 workload=self._workload_row(session, workload),
-                **normal(workload, config).to_dict(), status=status, error=error, engine=engine,
+                **config_columns(normal(workload, config)), status=status, error=error, engine=engine,
                 cptune_version=__version__, measured_at=datetime.now(UTC), oversubscribed=oversubscribed,
                 round_id=round_id,
             )
@@ -765,7 +767,7 @@ class Store:
 
 def _result(m: MeasurementRow, w: WorkloadRow, h: HardwareRow) -> Result:
     return Result(
-        id=m.id, hardware=h.fingerprint, workload=w.to_workload(), config=m.config,
+        id=m.id, hardware=h.fingerprint, workload=w.to_workload(), config=stored_config(m, w.heads),
         status=m.status, median_ms=m.median_ms, p10_ms=m.p10_ms, p90_ms=m.p90_ms,
         compute_ms=m.compute_ms, comm_ms=m.comm_ms, forward_ms=m.forward_ms, peak_bytes=m.peak_bytes,
         max_error=m.max_error, error=m.error, engine=m.engine,

@@ -190,6 +190,13 @@ class OnnxOps:
         return self.g.node("Slice", [x.name, self.g.ints([start]), self.g.ints([stop]), self.g.ints([axis])],
                            "narrowed", shape, x.dtype)
 
+    def pad(self, x: Tensor, axis: int, size: int) -> Sym:
+        x = self.wire(x)
+        axis %= len(x.shape)
+        shape = tuple(size - n if a == axis else n for a, n in enumerate(x.shape))
+        zeros = Sym(self.g.constant(np.zeros(shape, dtype=np.float32), "zero_heads", x.dtype), shape, x.dtype)
+        return self.concat([x, zeros], axis)
+
     def concat(self, parts: Sequence[Tensor], axis: int) -> Sym:
         syms = [self.wire(part) for part in parts]
         axis %= len(syms[0].shape)
