@@ -71,8 +71,10 @@ MASKS: dict[str, dict[str, object]] = {
 HEAD_KINDS = {"mha": 6, "gqa": 2, "mqa": 1}
 MODES = ("forward", "train")
 ENGINES = ("mpi", "torch")
-#: Every strategy and head group on 4, 3, 2 and 1 ranks, largest first (an engine's pool starts once).
-CONFIGS = [CPConfig(strategy, ranks, u) for ranks in (4, 3, 2, 1) for strategy in STRATEGIES
+#: Every strategy and head group on 4, 3, 2 and 1 ranks, largest first (an engine's pool starts once);
+#: a head group that does not divide the 6 heads (4) padded, the one form it runs in.
+CONFIGS = [CPConfig(strategy, ranks, u, pad_heads=HEADS % u != 0)
+           for ranks in (4, 3, 2, 1) for strategy in STRATEGIES
            for u in range(1, ranks + 1) if ranks % u == 0 and (strategy != "ulysses" or u == ranks)]
 
 
