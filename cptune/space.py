@@ -20,8 +20,8 @@ from typing import Any
 from cptune._files import FileRefused, existing_kind
 from cptune._shipped import shipped
 from cptune._toml import TableReader, TomlFileError, got, read_toml, show, suggest
-from cptune.config import STRATEGIES, CPConfig
-from cptune.feasibility import closest_to_fitting, enumerate_configs, feasibility
+from cptune.config import STRATEGIES
+from cptune.feasibility import candidate_configs, closest_to_fitting, enumerate_configs, feasibility
 from cptune.hardware import MAX_RANKS
 from cptune.masks import MAX_DOCUMENTS, read_documents
 from cptune.workload import MODES, WIRE_DTYPES, AttentionShape, Workload
@@ -367,16 +367,6 @@ def _model_failure(r: TableReader, text: str, where: str = "") -> Exception:
 # --------------------------------------------------------------------------- runnability
 
 
-def _candidates(strategy: str, ranks: int) -> list[CPConfig]:
-    """The configurations ``enumerate_configs`` would consider for one strategy on exactly
-    ``ranks`` ranks, feasible or not (so their reasons can be shown)."""
-    if ranks == 1:
-        return [CPConfig(strategy, 1)]
-    if strategy == "ulysses":
-        return [CPConfig("ulysses", ranks)]
-    return [CPConfig(strategy, ranks, u) for u in range(1, ranks) if ranks % u == 0]
-
-
 def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = None,
                    memory_limit: Callable[[int], int | None] | None = None) -> None:
     """Raise SpaceError if some sequence length has no feasible configuration among the
@@ -401,7 +391,7 @@ def check_runnable(space: SearchSpace, available_ranks: int, file: str | None = 
         largest = max(counts)
         reasons: list[str] = []
         for strategy in space.strategies:
-            for config in _candidates(strategy, largest):
+            for config in candidate_configs(largest, (strategy,), largest, workload.heads):
                 for reason in feasibility(workload, config):
                     line = f"{config.describe()}: {reason}"
                     if line not in reasons:

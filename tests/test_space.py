@@ -349,7 +349,7 @@ def test_measure_settings_refuse_bad_values_in_code():
 def test_check_runnable_refuses_a_space_where_nothing_runs(tmp_path):
     text = (
         'name = "x"\n[model]\nheads = 3\nhead_dim = 16\n'
-        '[sweep]\nseq_lens = [64]\nranks = [2]\nstrategies = ["ulysses"]\n'
+        '[sweep]\nseq_lens = [64]\nranks = [4]\nstrategies = ["ulysses"]\n'
     )
     path = write(tmp_path, text)
     space = load_space(path)  # loads: each field is fine on its own
@@ -357,7 +357,8 @@ def test_check_runnable_refuses_a_space_where_nothing_runs(tmp_path):
         check_runnable(space, 8, str(path))
     message = str(raised.value)
     assert message.startswith(f"{path}: sweep.seq_lens[0]: seq_len 64 has no feasible configuration")
-    assert "On 2 ranks" in message and "Ulysses limit: 3 heads" in message
+    # 3 heads on a head group of 4: padding them would leave a rank without a real head
+    assert "On 4 ranks" in message and "Ulysses limit: a head group of 4 is larger than the 3 heads" in message
 
 
 def test_check_runnable_names_the_failing_length_and_the_largest_rank_count(tmp_path):
