@@ -166,3 +166,15 @@ def test_the_onnx_graphs_pad_heads():
     pytest.importorskip("onnx")
     for kv in (6, 1, 3):
         assert _errors(dataclasses.replace(SIX, kv_heads=kv), PADDED, "onnx") <= 1
+
+
+def test_a_padded_family_is_a_line_of_its_own_in_its_strategys_colour_lightened():
+    pytest.importorskip("matplotlib")
+    from cptune.report._data import family
+    from cptune.report._figures import strategy_color, strategy_family
+
+    assert family(CPConfig("ring", 8, 4, pad_heads=True)) == "ulysses4xring+padded"
+    assert strategy_family("ulysses4xring2+padded") == "ulysses4xring+padded"
+    names = ("ulysses", "ulysses+padded", "ulysses4xring", "ulysses4xring+padded")
+    colours = {strategy_color(name) for name in names}
+    assert len(colours) == 4 and strategy_color("ulysses+padded") != "#9e9e9e"  # none unknown grey

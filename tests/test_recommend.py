@@ -106,18 +106,19 @@ def test_ranks_keeps_only_that_rank_count(db):
 def test_no_ranks_considers_one_to_the_calibrated_maximum(db):
     rec = recommend(W, db=db)
     considered = set(by_config(rec)) | set(rec.infeasible)
-    assert considered == set(candidate_configs(MAX_RANKS))
+    assert considered == set(candidate_configs(MAX_RANKS, heads=W.heads))
     assert {c.ranks for c in by_config(rec)} == set(range(1, MAX_RANKS + 1))
     assert not set(by_config(rec)) & set(rec.infeasible)
 
 
 def test_infeasible_configs_come_with_their_reasons(db):
-    six_heads = Workload(seq_len=1024, heads=6, head_dim=64)
-    rec = recommend(six_heads, db=db)
-    assert CPConfig("ulysses", 4) not in by_config(rec)
-    reasons = rec.infeasible[CPConfig("ulysses", 4)]
+    three_heads = Workload(seq_len=1024, heads=3, head_dim=64)
+    rec = recommend(three_heads, db=db)
+    assert CPConfig("ulysses", 4, pad_heads=True) not in by_config(rec)
+    reasons = rec.infeasible[CPConfig("ulysses", 4, pad_heads=True)]  # a head group above the heads
     assert reasons and any("Ulysses limit" in r for r in reasons)
-    assert CPConfig("ulysses", 2) in by_config(rec)  # 6 heads split over 2
+    assert CPConfig("ulysses", 3) in by_config(rec)  # 3 heads split over 3
+    assert CPConfig("ulysses", 2, pad_heads=True) in by_config(rec)  # 3 heads padded to 4 over 2
     assert all(r for r in rec.infeasible.values())
 
 
@@ -132,13 +133,13 @@ def test_a_large_cluster_lists_what_runs_and_counts_why_the_rest_cannot(db, tmp_
     workload = Workload(seq_len=8192 * 1024, heads=64, kv_heads=8, head_dim=128, causal=True)
     rec = recommend(workload, hardware=str(cluster), db=db)
     weighed = [*range(1, 9), *range(16, 1025, 8)]  # beyond one node, whole nodes
-    every = [c for n in weighed for c in candidate_configs(n, min_ranks=n)]
+    every = [c for n in weighed for c in candidate_configs(n, min_ranks=n, heads=workload.heads)]
     assert rec.whole_nodes == 8 and {c.config.ranks for c in rec.candidates} <= set(weighed)
     assert len(rec.infeasible) == LISTED_INFEASIBLE < rec.infeasible_count
     assert len(rec.candidates) + rec.infeasible_count == len(every)
     assert {c.config for c in rec.candidates} | set(rec.infeasible) <= set(every)
     heads = next(e for e in rec.excluded if "Ulysses limit" in e.reason)
-    assert heads.count > 1000 and workload.heads % heads.first.head_group
+    assert heads.count > 100 and workload.heads < heads.first.head_group  # padded, larger than the heads
     data = rec.to_dict()
     assert data["infeasible_count"] == rec.infeasible_count and len(data["infeasible"]) == LISTED_INFEASIBLE
     assert sum(e["count"] for e in data["excluded"]) == rec.infeasible_count - LISTED_INFEASIBLE
@@ -229,16 +230,16 @@ def test_a_new_calibration_is_picked_up(db):
 
 def test_to_dict_is_json(db):
     add_measurements(db, measurement(W, CPConfig("ring", 2), 7.5))
-    rec = recommend(Workload(seq_len=1024, heads=6, head_dim=64), db=db)
+    rec = recommend(Workload(seq_len=1024, heads=3, head_dim=64), db=db)
     data = json.loads(json.dumps(rec.to_dict()))
     assert data["config"] == rec.config.to_dict() and data["source"] == rec.source
     assert data["latency_ms"] == rec.latency_ms and data["fingerprint"] == rec.fingerprint
-    assert data["workload"]["heads"] == 6
+    assert data["workload"]["heads"] == 3
     assert len(data["candidates"]) == len(rec.candidates)
     assert [c["latency_ms"] for c in data["candidates"]] == latencies(rec)
     assert {c["label"] for c in data["candidates"]} >= {"ring", "ulysses"}
     infeasible = {(i["strategy"], i["ranks"], i["head_group"]): i["reasons"] for i in data["infeasible"]}
-    assert infeasible[("ulysses", 4, 4)] == rec.infeasible[CPConfig("ulysses", 4)]
+    assert infeasible[("ulysses", 4, 4)] == rec.infeasible[CPConfig("ulysses", 4, pad_heads=True)]
     assert np.isfinite(data["interval_ms"]).all()
 
 
@@ -259,7 +260,7 @@ def sweep(db: str, factor) -> None:
     for seq_len in (512, 768, 1536, 2048):
         workload = Workload(seq_len=seq_len, heads=8, head_dim=64)
         add_measurements(db, *(measurement(workload, c, prior_ms(workload, c) * factor(c))
-                               for c in enumerate_configs(workload, MAX_RANKS)))
+                               for c in enumerate_configs(workload, MAX_RANKS) if not c.pad_heads))
 
 
 def test_a_correction_that_only_learned_noise_is_not_applied(db):

@@ -168,7 +168,8 @@ def test_latency_series_are_the_combined_estimates(data, stored, rows):
                  for i in p.measurement_ids}
     assert shown_ids == {r.id for r in rows if r.clean}  # the disturbed runs and the failure nowhere
     families = {s.family for panel in shape.latency for s in panel.series}
-    assert families == {"local", "allgather_kv", "ring", "ulysses", "ulysses2xallgather_kv", "ulysses2xring"}
+    assert families == {"local", "allgather_kv", "ring", "ulysses", "ulysses2xallgather_kv", "ulysses2xring",
+                        "ulysses+padded"}  # 8 heads on 3 ranks padded to 9
 
 
 def test_a_remeasured_configuration_shows_its_rounds_combined_not_the_newest(data, rows):
@@ -662,9 +663,15 @@ def drawn_colors(monkeypatch, hardware, shape) -> dict[str, dict[str, set[str]]]
     return seen
 
 
-def parse_label(label: str) -> tuple[str, int, int]:
-    """A configuration label back to (strategy, ranks, head group); "local" as ring on 1 rank,
-    a hybrid "ulysses2xring4" as ring on 8 ranks in groups of 2."""
+def parse_label(label: str) -> tuple[str, int, int, None, bool]:
+    """A configuration label back to (strategy, ranks, head group, no layout, padded heads);
+    "local" as ring on 1 rank, a hybrid "ulysses2xring4" as ring on 8 ranks in groups of 2."""
+    if label.endswith("+padded"):
+        return (*parse_label(label.removesuffix("+padded"))[:3], None, True)
+    return (*_parse_unpadded(label), None, False)
+
+
+def _parse_unpadded(label: str) -> tuple[str, int, int]:
     if label == "local":
         return "ring", 1, 1
     if label in ("ring", "allgather_kv"):

@@ -358,7 +358,7 @@ def test_check_runnable_refuses_a_space_where_nothing_runs(tmp_path):
     message = str(raised.value)
     assert message.startswith(f"{path}: sweep.seq_lens[0]: seq_len 64 has no feasible configuration")
     # 3 heads on a head group of 4: padding them would leave a rank without a real head
-    assert "On 4 ranks" in message and "Ulysses limit: a head group of 4 is larger than the 3 heads" in message
+    assert "On 4 ranks" in message and "a head group of 4 is larger than the 3 heads" in message
 
 
 def test_check_runnable_names_the_failing_length_and_the_largest_rank_count(tmp_path):

@@ -99,9 +99,18 @@ UNKNOWN_COLOR = "#9e9e9e"
 _HYBRID = re.compile(r"ulysses(\d+)x([a-z_]+?)\d*")
 
 
+#: What a padded-heads family's label ends in (``CPConfig.label``): drawn in its strategy's
+#: colour, lightened by this share toward white.
+_PADDED, _PADDED_LIGHTER = "+padded", 0.5
+
+
 def _order(name: str) -> tuple[int, str, int]:
     """Where a strategy family stands in every legend: local, the plain strategies, then the
-    hybrids by the strategy across their groups and their head group."""
+    hybrids by the strategy across their groups and their head group; padded heads beside
+    their strategy."""
+    if name.endswith(_PADDED):
+        group, strategy, head_group = _order(name.removesuffix(_PADDED))
+        return group, strategy + _PADDED, head_group
     if name in STRATEGY_COLORS:
         return 0, f"{list(STRATEGY_COLORS).index(name):02d}", 0
     hybrid = _HYBRID.fullmatch(name)
@@ -111,13 +120,17 @@ def _order(name: str) -> tuple[int, str, int]:
 def strategy_family(name: str) -> str:
     """The colour family of a configuration label or strategy family: "ulysses2xring4" and
     "ulysses2xring" are both "ulysses2xring"; plain strategies and ``LOCAL`` are themselves."""
-    hybrid = _HYBRID.fullmatch(name)
-    return f"ulysses{hybrid.group(1)}x{hybrid.group(2)}" if hybrid else name
+    padded = _PADDED if name.endswith(_PADDED) else ""
+    hybrid = _HYBRID.fullmatch(name.removesuffix(_PADDED))
+    return f"ulysses{hybrid.group(1)}x{hybrid.group(2)}{padded}" if hybrid else name
 
 
 def strategy_color(name: str) -> str:
     """The one colour of a configuration label or strategy family in every figure:
-    ``STRATEGY_COLORS``, or a hybrid's hue (``HYBRID_HUES``) in its head group's shade."""
+    ``STRATEGY_COLORS``, or a hybrid's hue (``HYBRID_HUES``) in its head group's shade; padded
+    heads lighter."""
+    if name.endswith(_PADDED):
+        return _mix(strategy_color(name.removesuffix(_PADDED)), "white", _PADDED_LIGHTER)
     if name in STRATEGY_COLORS:
         return STRATEGY_COLORS[name]
     hybrid = _HYBRID.fullmatch(name)
