@@ -200,7 +200,7 @@ def test_search_gives_each_length_its_verdict_in_words_and_a_rerun_runs_nothing(
     (["search", "nosuchspace"], "no such file and no built-in space"),
     (["search", "demo", "--heads", "8"], "not both"),
     (["search", "--heads", "8", "--head-dim", "64"], "--seq-lens"),
-    (["search", "--heads", "3", "--head-dim", "8", "--seq-lens", "64", "--ranks", "2",
+    (["search", "--heads", "1", "--head-dim", "8", "--seq-lens", "64", "--ranks", "2",
       "--strategies", "ulysses"], "no feasible configuration"),
     (["search", "--heads", "8", "--kv-heads", "3", "--head-dim", "8", "--seq-lens", "64"], "kv_heads"),
     (["search", "--seq-lens", "64,x"], "--seq-lens"),

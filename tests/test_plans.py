@@ -445,7 +445,7 @@ def test_cli_export_says_which_configurations_are_tied(cptune_here, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--hardware", "h200-nvl-9"], "no shipped hardware description of that name"),
     (["--ranks", "9"], "ranks must be between 1 and 4"),
-    (["--ranks", "4", "--strategies", "ulysses", "--heads", "6"], "no configuration can run"),
+    (["--ranks", "4", "--strategies", "ulysses", "--heads", "3"], "no configuration can run"),
     (["-o", "/nonexistent-dir/plan.json"], "cannot write the plan to /nonexistent-dir/plan.json"),
 ])
 def test_cli_export_bad_input_exits_2_in_one_line(cptune_here, db, tmp_path, monkeypatch, args, message):
