@@ -100,6 +100,11 @@ class Counting:
     def concat(self, parts, axis):
         return np.concatenate(parts, axis=axis)
 
+    def pad(self, x, axis, size):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, size - x.shape[axis])
+        return np.pad(x, widths)
+
 
 def run_counting(workload: Workload, config: CPConfig) -> tuple[SequenceLayout, list[Counting]]:
     """Every rank of ``config`` run forward (and backward, in training) on ``Counting``."""
@@ -190,6 +195,29 @@ def test_a_training_step_s_exchanges_are_counted_as_the_backward_sends_them(name
         cost = analytic_cost(workload, config)
         for kind in ("all_to_all", "all_gather", "p2p", "reduce_scatter"):
             assert cost.bytes_sent[kind] == max(ops.sent[kind] for ops in ranks), (config.label, kind)
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_padded_heads_are_counted_as_the_strategies_move_and_compute_them(mode):
+    """Padded heads (``CPConfig.pad_heads``) cost what the strategies' code moves and attends:
+    the zero heads' share of every exchange and of each rank's work, MHA, GQA and MQA, pure
+    Ulysses and hybrids."""
+    from cptune.layout import heads_as_run
+
+    padded = [(6, 6, CPConfig("ulysses", 4, pad_heads=True)), (6, 1, CPConfig("ulysses", 4, pad_heads=True)),
+              (6, 3, CPConfig("ulysses", 4, pad_heads=True)), (3, 3, CPConfig("ring", 4, 2, pad_heads=True)),
+              (3, 1, CPConfig("allgather_kv", 4, 2, pad_heads=True))]
+    for heads, kv_heads, config in padded:
+        workload = Workload(64, heads, 8, kv_heads=kv_heads, causal=True, mode=mode)
+        assert not feasibility(workload, config)
+        _, ranks = run_counting(workload, config)
+        cost = analytic_cost(workload, config)
+        for kind in ("all_to_all", "all_gather", "p2p", "reduce_scatter"):
+            assert cost.bytes_sent[kind] == max(ops.sent[kind] for ops in ranks), (config.label, kind)
+        if mode == "forward":
+            run_heads = heads_as_run(workload, config).heads // config.head_group
+            useful = max(sum(seen_pairs(q, k, workload.mask) for q, k in ops.calls) for ops in ranks)
+            assert cost.flops == 4 * workload.head_dim * run_heads * useful, config.label
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])

@@ -122,6 +122,9 @@ class PlanOnly:
     def narrow(self, x, axis, start, stop):
         return x
 
+    def pad(self, x, axis, size):
+        return x
+
 
 def every_layout(lengths: tuple[int, ...], **shape) -> Iterator[SequenceLayout]:
     """The layout of every configuration on 1-8 ranks (each count's own) of each length's workload."""
@@ -231,6 +234,7 @@ def test_the_merges_the_prior_counts_are_the_traffic_the_engines_code_moves(caus
     and the result's cast back to the wire dtype (a pass of its own; inside the pack of
     Ulysses' exchange back, which then reads float32) - op by op."""
     from cptune.engines.torch._ops import TORCH_DTYPES, pack
+    from cptune.layout import heads_as_run
     from cptune.strategies import CONTEXT_STRATEGIES
     from cptune.strategies.primitives import SEQ
 
@@ -238,8 +242,9 @@ def test_the_merges_the_prior_counts_are_the_traffic_the_engines_code_moves(caus
     for layout in every_layout((120, 9), heads=8, head_dim=16, dtype=dtype, causal=causal):
         config = layout.config
         u, rows = config.head_group, layout.padded_len // config.context_degree
-        q = torch.randn((1, 8 // u, rows, 16)).to(wire)
-        kv = torch.randn((2, 1, 8 // u, rows, 16)).to(wire)
+        local = heads_as_run(layout.workload, config).heads // u  # padded heads where u does not divide 8
+        q = torch.randn((1, local, rows, 16)).to(wire)
+        kv = torch.randn((2, 1, local, rows, 16)).to(wire)
         moved, launched = 0, 0
         for rank in range(config.ranks):
             traffic = Traffic()

@@ -52,6 +52,8 @@ def refusal(name: str, workload: Workload, config: CPConfig) -> str | None:
         return f"{name} runs a ring over two or more ranks, not {config.describe()}"
     if name == "torch_ring" and config.head_group != 1:
         return "torch_ring times the ring alone (head group 1); the Ulysses around it is the framework's"
+    if config.pad_heads:
+        return f"{name} splits whole heads over its head group; it does not pad them"
     if workload.kv_heads != workload.heads:
         return f"{name} is timed with as many K/V heads as query heads"
     if workload.training:
