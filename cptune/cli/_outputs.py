@@ -191,8 +191,8 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
     if plan.batch_policy is not None:
         policy = plan.batch_policy
         say(console, f"batch policy: {len(policy.curves)} configurations' cost curves over "
-                     f"{len(policy.grid)} lengths ({policy.grid[0]:,}-{policy.grid[-1]:,} tokens), batches on "
-                     f"up to {policy.ranks} ranks; a deployment plans one with "
+                     f"{len(policy.grid)} lengths ({policy.grid[0]:,}-{policy.grid[-1]:,} tokens), "
+                     f"batches on up to {policy.ranks} ranks; a deployment plans one with "
                      f"load_plan(...).plan_batch(lengths, ranks)")
     say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")
     return 0
