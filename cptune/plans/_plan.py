@@ -19,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,13 @@ class Plan:
                             f"cptune export --batch-lengths FILE")
         from cptune.mixes import plan_batch
 
-        return plan_batch(self.batch_policy.costs(self.shape, self.hardware), lengths, ranks)
+        return plan_batch(self._batch_costs, lengths, ranks)
+
+    @cached_property
+    def _batch_costs(self) -> Any:
+        """The policy's ``MixCosts``, built once per loaded plan (not every step)."""
+        assert self.batch_policy is not None
+        return self.batch_policy.costs(self.shape, self.hardware)
 
     @property
     def max_seq_len(self) -> int:
