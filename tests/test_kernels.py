@@ -190,3 +190,25 @@ def test_the_numpy_kernel_masks_only_the_segments_the_mask_cuts(masking):
         # at most a diagonal square and a window's far edge; before, a block deep in a causal
         # document masked every key back to the document's start
         assert masked_pairs <= 2 * (stop - start) ** 2
+
+
+@pytest.mark.parametrize("masking", [
+    {"causal": True, "documents": [40, 60, 100]},
+    {"causal": True, "window": [17, 0]},
+    {"window": [9, 23]},
+    {"causal": True, "window": [30, 0], "sinks": 3, "documents": [120, 80]},
+])
+def test_a_banded_segments_mask_is_the_rules(masking):
+    """The kernel's one-pass mask over consecutive positions of one document hides exactly
+    the pairs ``Mask.visible`` does not show."""
+    mask = Workload(200, heads=1, head_dim=8, **masking).mask
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(300):
+        a, b = sorted(rng.integers(0, 200, 2))
+        c, d = sorted(rng.integers(0, 200, 2))
+        q, k = np.arange(a, b + 1), np.arange(c, d + 1)
+        if kernels._banded(mask, q, k):
+            checked += 1
+            assert (kernels._hidden(mask, q, k) == ~mask.visible(q[:, None], k[None, :])).all()
+    assert checked > 10
