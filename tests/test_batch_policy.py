@@ -94,6 +94,7 @@ def test_cli_export_writes_a_policy_a_deployment_solves_with(cptune_here: Any, t
     (["--batch-lengths", "{bad}"], "line 2"),
     (["--batch-lengths", "{missing}"], "no such file"),
     (["--batch-lengths", "{mix}", "--for", "megatron"], "leave out --for and --plan"),
+    (["--batch-lengths", "{mix}", "--nodes", "2"], "leave out --nodes or --batch-lengths"),
 ])
 def test_cli_bad_batch_lengths_are_refused_in_one_line_writing_nothing(cptune_here: Any, tmp_path: Path,
                                                                        words: list[str], says: str) -> None:

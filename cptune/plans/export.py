@@ -74,6 +74,9 @@ def export_plan(
     if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
+    if batch_lengths is not None and nodes is not None:
+        raise CPTuneError("a batch policy is read on the hardware's own ranks, not a calibrated cluster of "
+                          "--nodes: leave out --nodes or --batch-lengths")
     profile = hardware_profile(hardware, db, backend, figures, nccl_path, nodes, ranks)
     lengths = sorted({w.seq_len for w in workloads})
     buckets = []
