@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -171,18 +172,34 @@ def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
 def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
     """How many groups of each size, by bisection on the makespan (step 2); None when no
     makespan's groups fit the ranks."""
-    n = best.shape[1]
-    columns = np.arange(n)
     weighted = sizes[:, None] * best
+    # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
+    # equals, the first). Only its frontier can be that: the sizes in order of rank-time, each
+    # kept if faster than all before it; the first within the makespan is then the first of
+    # the frontier within it, and the frontier's times fall, so it is found by counting.
+    order = np.argsort(weighted.T, axis=1, kind="stable")  # (sequences, sizes): rows contiguous
+    ordered = np.take_along_axis(best.T, order, axis=1)
+    least = np.minimum.accumulate(ordered, axis=1)
+    kept = np.empty(ordered.shape, dtype=bool)
+    kept[:, 0] = np.isfinite(ordered[:, 0])
+    kept[:, 1:] = ordered[:, 1:] < least[:, :-1]
+    per = kept.sum(axis=1)  # each sequence's frontier's length
+    seq, place = np.nonzero(kept)  # by sequence, then in order of rank-time
+    depth = np.arange(seq.size) - np.repeat(np.cumsum(per) - per, per)
+    front = np.full((int(per.max()), best.shape[1]), -np.inf)  # padding: within any makespan...
+    front[depth, seq] = ordered[seq, place]
+    front_size = np.zeros(front.shape, dtype=np.int64)
+    front_size[depth, seq] = order[seq, place]
+    lengths = per  # ...but a place past a sequence's frontier holds none
 
-    def needed(limit: float) -> tuple[int, np.ndarray]:
-        work = np.where(best <= limit, weighted, np.inf)
-        choice = np.argmin(work, axis=0)
-        if not np.isfinite(work[choice, columns]).all():
-            return ranks + 1, np.zeros(sizes.size, dtype=np.int64)
-        loads = np.bincount(choice, weights=best[choice, columns], minlength=sizes.size)
+    def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
+        at = (front > limit).sum(axis=0)
+        if (at >= lengths).any():
+            return ranks + 1, np.zeros(sizes.size, dtype=np.int64), np.zeros(sizes.size)
+        columns = np.arange(at.size)
+        loads = np.bincount(front_size[at, columns], weights=front[at, columns], minlength=sizes.size)
         counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
-        return int(sizes @ counts), counts
+        return int(sizes @ counts), counts, loads
 
     low = max(float(best.min(axis=0).max()), float(weighted.min(axis=0).sum()) / ranks)
     high = low
@@ -200,11 +217,8 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
             high = middle
         else:
             low = middle
-    used, counts = needed(high)
+    used, counts, loads = needed(high)
     # the ranks left over: more groups of the sizes whose groups are fullest
-    work = np.where(best <= high, weighted, np.inf)
-    choice = np.argmin(work, axis=0)
-    loads = np.bincount(choice, weights=best[choice, columns], minlength=sizes.size)
     spare = ranks - used
     while True:
         fits = np.flatnonzero((sizes <= spare) & (loads > 0))
@@ -244,21 +258,18 @@ def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
         groups += [(int(sizes[i]), []) for _ in range(int(counts[i]))]
     sub = best[classes]
     order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-    columns = sub[:, order].T.tolist()
-    span = range(len(classes))
-    one = len(classes) == 1
-    for s, column in zip(order.tolist(), columns, strict=True):
-        if one:
-            k, finish = 0, heaps[0][0][0] + column[0]
-        else:
-            k, finish = 0, math.inf
-            for c in span:
-                if (end := heaps[c][0][0] + column[c]) < finish:
-                    k, finish = c, end
+    rows = [row.tolist() for row in sub[:, order]]  # floats, not a list per sequence for the GC to scan
+    tops = [0.0] * len(classes)  # each class's least busy group's time so far
+    for s, column in zip(order.tolist(), zip(*rows, strict=True), strict=True):
+        ends = list(map(operator.add, tops, column))
+        finish = min(ends)
         if finish == math.inf:
             return None
-        g = heaps[k][0][1]
-        heapq.heapreplace(heaps[k], (finish, g))
+        k = ends.index(finish)  # of equals, the first class
+        heap = heaps[k]
+        g = heap[0][1]
+        heapq.heapreplace(heap, (finish, g))
+        tops[k] = heap[0][0]
         groups[g][1].append(s)
     return max(end for heap in heaps for end, _ in heap), groups
 
@@ -551,21 +562,24 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
                 found.sort(key=lambda entry: (entry[0], entry[1]))
         return [groups for _, _, groups in found[:SCREENED]]
 
-    def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[BatchPlan, _Search]:
+    def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[float, _Search]:
+        """The makespan the groups reach after ``steps`` of local search, and the search."""
         search = _Search(problem, groups)
         search.improve(steps, exchanges=False)
-        return search.plan(problem, "fast"), search
+        return float(search.times().max()), search
 
-    plans = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
-    if not plans:
+    polished_first = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
+    if not polished_first:
         raise MixError(f"no plan on {top} ranks holds every sequence of the batch")
-    chosen, search = min(plans, key=lambda pair: pair[0].makespan_ms)
+    search = min(polished_first, key=lambda pair: pair[0])[1]
+    chosen = search.plan(problem, "fast")  # only the partitions kept are built as plans
     for _ in range(rounds):
         near = [polished(groups, TRIAL_STEPS) for groups in screened(_neighbours(chosen, sizes))]
-        better = min(near, key=lambda pair: pair[0].makespan_ms, default=None)
-        if better is None or better[0].makespan_ms >= chosen.makespan_ms * (1 - 1e-9):
+        better = min(near, key=lambda pair: pair[0], default=None)
+        if better is None or better[0] >= chosen.makespan_ms * (1 - 1e-9):
             break
-        chosen, search = better
+        search = better[1]
+        chosen = search.plan(problem, "fast")
     search.improve(SEARCH_STEPS)
     final = search.plan(problem, "fast")
     return final if final.makespan_ms < chosen.makespan_ms else chosen
