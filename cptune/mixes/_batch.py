@@ -134,6 +134,9 @@ class _Problem:
         self.sizes = sizes[kept]
         self.ranks = ranks
         self.lengths = lengths
+        #: Each size's configurations (rows of ``t``) and their times, one table per size, cut once.
+        self.rows = {g: np.flatnonzero(self.sizes == g) for g in np.unique(self.sizes).tolist()}
+        self.blocks = {g: self.t[rows] for g, rows in self.rows.items()}
         if not np.isfinite(self.t).any(axis=0).all():
             s = int(np.argmin(np.isfinite(self.t).any(axis=0)))
             raise MixError(f"sequence {s + 1} ({int(lengths[s]):,} tokens) fits no configuration on up to "
@@ -141,9 +144,9 @@ class _Problem:
 
     def group_time(self, size: int, members: Sequence[int]) -> tuple[float, int]:
         """The best time of a group of ``size`` ranks running ``members``, and its configuration."""
-        rows = np.flatnonzero(self.sizes == size)
+        rows = self.rows[size]
         columns = np.asarray(members, dtype=np.int64)
-        sums = self.t[np.ix_(rows, columns)].sum(axis=1) if columns.size else np.zeros(rows.size)
+        sums = self.blocks[size][:, columns].sum(axis=1) if columns.size else np.zeros(rows.size)
         best = int(np.argmin(sums))
         return float(sums[best]), int(rows[best])
 
@@ -165,7 +168,7 @@ class _Problem:
 def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
     """The group sizes, and each sequence's time on a group of each (its best configuration there)."""
     sizes = np.unique(problem.sizes)
-    best = np.stack([problem.t[problem.sizes == g].min(axis=0) for g in sizes])
+    best = np.stack([problem.blocks[int(g)].min(axis=0) for g in sizes])
     return sizes, best
 
 
@@ -281,7 +284,8 @@ class _Search:
     def __init__(self, problem: _Problem, groups: list[tuple[int, list[int]]]) -> None:
         self.t = problem.t
         self.size = np.array([g for g, _ in groups], dtype=np.int64)
-        self.rows = {g: np.flatnonzero(problem.sizes == g) for g in set(self.size.tolist())}
+        self.rows = {g: problem.rows[g] for g in set(self.size.tolist())}
+        self.blocks = {g: problem.blocks[g] for g in self.rows}
         self.group_of = np.empty(problem.t.shape[1], dtype=np.int64)
         for k, (_, members) in enumerate(groups):
             self.group_of[members] = k
@@ -296,6 +300,11 @@ class _Search:
                                           minlength=mine.size) for r in rows], axis=1)
             for a, group in enumerate(mine.tolist()):
                 self.sums[group] = table[a]
+        self.of_size = {g: np.flatnonzero(self.size == g) for g in self.rows}
+        # each group's sequences and time (its best configuration's sum), kept as moves change them
+        self.count = np.bincount(self.group_of, minlength=len(groups))
+        self.time = np.array([float(sums.min()) if c else 0.0
+                              for sums, c in zip(self.sums, self.count, strict=True)])
 
     def plan(self, problem: _Problem, solver: str) -> BatchPlan:
         """The plan the groups make now, each in the configuration best for its sequences."""
@@ -316,14 +325,17 @@ class _Search:
         return np.flatnonzero(self.group_of == k)
 
     def times(self) -> np.ndarray:
-        counts = np.bincount(self.group_of, minlength=len(self.sums))
-        return np.array([float(s.min()) if c else 0.0 for s, c in zip(self.sums, counts, strict=True)])
+        return self.time.copy()
 
     def _move(self, s: int, target: int) -> None:
         source = int(self.group_of[s])
-        self.sums[source] = self.sums[source] - self.t[self.rows[int(self.size[source])], s]
-        self.sums[target] = self.sums[target] + self.t[self.rows[int(self.size[target])], s]
+        self.sums[source] = self.sums[source] - self.blocks[int(self.size[source])][:, s]
+        self.sums[target] = self.sums[target] + self.blocks[int(self.size[target])][:, s]
         self.group_of[s] = target
+        self.count[source] -= 1
+        self.count[target] += 1
+        self.time[source] = float(self.sums[source].min()) if self.count[source] else 0.0
+        self.time[target] = float(self.sums[target].min())
 
     def improve(self, budget: int, exchanges: bool = True) -> None:
         """Moves and swaps out of the slowest group while one lowers the makespan (then, with
@@ -346,11 +358,10 @@ class _Search:
         makespan most, or at the same makespan the sum of the squared group times (a plateau
         where several groups are the slowest); None when none lowers either. (The makespan
         never rises and the squares fall: the search cannot cycle.)"""
-        t, n_groups = self.t, len(self.sums)
         mine = self.members(k)
-        rows_k = self.rows[int(self.size[k])]
+        block_k = self.blocks[int(self.size[k])]
         # group k's time with each of its sequences gone: (configurations, mine) -> mine
-        without = self.sums[k][:, None] - t[np.ix_(rows_k, mine)]
+        without = self.sums[k][:, None] - block_k[:, mine]
         left = without.min(axis=0) if mine.size > 1 else np.zeros(mine.size)
         order = np.argsort(-times)
         top = [int(g) for g in order[:3]]
@@ -358,6 +369,10 @@ class _Search:
 
         def rest(excluded: set[int]) -> float:
             return next((float(times[g]) for g in top if g not in excluded), 0.0)
+
+        # rest({k, j}) for many j at once: the slowest group but k, or j is it, the next
+        others_top = [g for g in top if g != k] + [-1, -1]
+        first, second = (float(times[g]) if g >= 0 else 0.0 for g in others_top[:2])
 
         best_key: tuple[float, float] = (current * (1 + 1e-12), -current * current * 1e-9)
         best: tuple[int, int, int] | None = None
@@ -374,32 +389,32 @@ class _Search:
                 return tuple(int(i) for i in np.unravel_index(int(flat), value.shape))
             return None
 
-        for g, rows in self.rows.items():  # moves, a size's groups at once
-            targets = [j for j in range(n_groups) if self.size[j] == g and j != k]
-            if not targets:
+        for g, block in self.blocks.items():  # moves, a size's groups at once
+            targets = self.of_size[g][self.of_size[g] != k]
+            if not targets.size:
                 continue
-            stacked = np.stack([self.sums[j] for j in targets])  # (targets, configurations)
-            joined = (stacked[:, :, None] + t[np.ix_(rows, mine)][None]).min(axis=1)  # (targets, mine)
-            others = np.array([rest({k, j}) for j in targets])
+            stacked = np.stack([self.sums[j] for j in targets.tolist()])  # (targets, configurations)
+            joined = (stacked[:, :, None] + block[:, mine][None]).min(axis=1)  # (targets, mine)
+            others = np.where(targets == others_top[0], second, first)
             value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
             before = current ** 2 + times[targets] ** 2
             if (at := consider(value, left[None, :] ** 2 + joined ** 2 - before[:, None])) is not None:
-                best = (int(mine[at[1]]), targets[at[0]], -1)
+                best = (int(mine[at[1]]), int(targets[at[0]]), -1)
         if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
         outside = np.flatnonzero(self.group_of != k)
         if not outside.size:
             return best
         # swaps: group k's time with s out and o in: (mine, outside)
-        incoming = (without[:, :, None] + t[np.ix_(rows_k, outside)][:, None, :]).min(axis=0)
+        incoming = (without[:, :, None] + block_k[:, outside][:, None, :]).min(axis=0)
         owners = self.group_of[outside]
         holding = set(owners.tolist())
         for j in [int(g) for g in order[::-1] if g != k and int(g) in holding][:SWAP_GROUPS]:
             theirs = outside[owners == j]
-            rows_j = self.rows[int(self.size[j])]
+            block_j = self.blocks[int(self.size[j])]
             # group j's time with o out and s in: (mine, theirs)
-            back = ((self.sums[j][:, None, None] + t[np.ix_(rows_j, mine)][:, :, None])
-                    - t[np.ix_(rows_j, theirs)][:, None, :]).min(axis=0)
+            back = ((self.sums[j][:, None, None] + block_j[:, mine][:, :, None])
+                    - block_j[:, theirs][:, None, :]).min(axis=0)
             into = incoming[:, owners == j]
             value = np.maximum(np.maximum(into, back), rest({k, j}))
             if (at := consider(value, into ** 2 + back ** 2 - current ** 2 - times[j] ** 2)) is not None:
@@ -444,7 +459,7 @@ class _Search:
     def _after(self, k: int, leaving: list[tuple[int, ...]], coming: list[tuple[int, ...]]) -> np.ndarray:
         """Group k's time with each bundle of ``leaving`` gone and each of ``coming`` in: (leaving,
         coming)."""
-        t = self.t[self.rows[int(self.size[k])]]
+        t = self.blocks[int(self.size[k])]
         out = t[:, np.array(leaving)].sum(axis=2)  # (configurations, leaving)
         into = t[:, np.array(coming)].sum(axis=2)
         return (self.sums[k][:, None, None] - out[:, :, None] + into[:, None, :]).min(axis=0)
