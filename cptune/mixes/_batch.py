@@ -246,11 +246,12 @@ def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -
     return float(max(fastest.max(), area))
 
 
-def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
-            ) -> tuple[float, list[tuple[int, list[int]]]] | None:
+def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray, cutoff: float = math.inf,
+            at_cutoff: bool = False) -> tuple[float, list[tuple[int, list[int]]]] | None:
     """Longest sequence first into the group where it finishes soonest (step 3): the makespan
     so reached (each sequence at its size's best configuration for it) and (size, members) per
-    group; None when some sequence fits no group."""
+    group; None when some sequence fits no group, or once the makespan so far (never more than
+    the final one) is above ``cutoff`` (``at_cutoff``: or at it)."""
     classes = [i for i in range(sizes.size) if counts[i] > 0]
     if not classes:
         return None
@@ -263,6 +264,7 @@ def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
     order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
     rows = [row.tolist() for row in sub[:, order]]  # floats, not a list per sequence for the GC to scan
     tops = [0.0] * len(classes)  # each class's least busy group's time so far
+    span = 0.0
     for s, column in zip(order.tolist(), zip(*rows, strict=True), strict=True):
         ends = list(map(operator.add, tops, column))
         finish = min(ends)
@@ -274,7 +276,11 @@ def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
         heapq.heapreplace(heap, (finish, g))
         tops[k] = heap[0][0]
         groups[g][1].append(s)
-    return max(end for heap in heaps for end, _ in heap), groups
+        if finish > span:
+            span = finish
+            if span > cutoff or (at_cutoff and span >= cutoff):
+                return None
+    return span, groups
 
 
 class _Search:
@@ -560,8 +566,8 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
     def screened(partitions: list[np.ndarray]) -> list[list[tuple[int, list[int]]]]:
         """The groups of the ``SCREENED`` new partitions whose first assignment (step 3) has the
         least makespan (of equals, the first listed). A partition whose makespan cannot be below
-        the ``SCREENED``-th found so far (``_assignment_bound``) is not assigned: it could not be
-        among them."""
+        the ``SCREENED``-th found so far (``_assignment_bound``) is not assigned, and one is given
+        up as soon as its makespan so far passes it: it could not be among them."""
         fresh = []
         for i, counts in enumerate(partitions):
             if counts.tobytes() not in seen:
@@ -572,7 +578,10 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
         for bound, i, counts in fresh:
             if len(found) >= SCREENED and bound > found[SCREENED - 1][0] * (1 + 1e-12):
                 break
-            if (assigned := _assign(sizes, best, counts)) is not None:
+            cutoff, at_cutoff = math.inf, False
+            if len(found) >= SCREENED:  # worse than the SCREENED-th, or as good but listed after it
+                cutoff, at_cutoff = found[SCREENED - 1][0], i > found[SCREENED - 1][1]
+            if (assigned := _assign(sizes, best, counts, cutoff, at_cutoff)) is not None:
                 found.append((assigned[0], i, assigned[1]))
                 found.sort(key=lambda entry: (entry[0], entry[1]))
         return [groups for _, _, groups in found[:SCREENED]]
