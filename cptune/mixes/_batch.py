@@ -408,20 +408,16 @@ class _Search:
                 best = (int(mine[at[1]]), int(targets[at[0]]), -1)
         if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
-        outside = np.flatnonzero(self.group_of != k)
-        if not outside.size:
-            return best
-        # swaps: group k's time with s out and o in: (mine, outside)
-        incoming = (without[:, :, None] + block_k[:, outside][:, None, :]).min(axis=0)
-        owners = self.group_of[outside]
-        holding = set(owners.tolist())
-        for j in [int(g) for g in order[::-1] if g != k and int(g) in holding][:SWAP_GROUPS]:
-            theirs = outside[owners == j]
+        # swaps with the least busy other groups holding sequences
+        least_busy = order[::-1]
+        least_busy = least_busy[(least_busy != k) & (self.count[least_busy] > 0)][:SWAP_GROUPS]
+        for j in least_busy.tolist():
+            theirs = self.members(j)
             block_j = self.blocks[int(self.size[j])]
-            # group j's time with o out and s in: (mine, theirs)
+            # group k's time with s out and o in, group j's with o out and s in: (mine, theirs)
+            into = (without[:, :, None] + block_k[:, theirs][:, None, :]).min(axis=0)
             back = ((self.sums[j][:, None, None] + block_j[:, mine][:, :, None])
                     - block_j[:, theirs][:, None, :]).min(axis=0)
-            into = incoming[:, owners == j]
             value = np.maximum(np.maximum(into, back), rest({k, j}))
             if (at := consider(value, into ** 2 + back ** 2 - current ** 2 - times[j] ** 2)) is not None:
                 best = (int(mine[at[0]]), j, int(theirs[at[1]]))
