@@ -265,17 +265,19 @@ def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray, cutoff: flo
     rows = [row.tolist() for row in sub[:, order]]  # floats, not a list per sequence for the GC to scan
     tops = [0.0] * len(classes)  # each class's least busy group's time so far
     span = 0.0
+    add, replace = operator.add, heapq.heapreplace
+    members = [listed for _, listed in groups]
     for s, column in zip(order.tolist(), zip(*rows, strict=True), strict=True):
-        ends = list(map(operator.add, tops, column))
+        ends = list(map(add, tops, column))
         finish = min(ends)
         if finish == math.inf:
             return None
         k = ends.index(finish)  # of equals, the first class
         heap = heaps[k]
         g = heap[0][1]
-        heapq.heapreplace(heap, (finish, g))
+        replace(heap, (finish, g))
         tops[k] = heap[0][0]
-        groups[g][1].append(s)
+        members[g].append(s)
         if finish > span:
             span = finish
             if span > cutoff or (at_cutoff and span >= cutoff):
