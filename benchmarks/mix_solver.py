@@ -14,9 +14,10 @@ on any GPU.
 4,096 over 1,024 (128 nodes), the median of 11 calls after one warm call, wall and this process's
 CPU seconds (on a shared host the CPU time is the steadier), and the least CPU time of the 11
 (the call the host's load slowed least; the load average is in the header): the solve alone, on
-costs already read. Beside it, the wall seconds of reading the costs (``mix_costs``, asking the cost model at
-each grid length), paid once per mix - at ``cptune export --batch-lengths``, not per batch: a
-deployment solves from the plan's batch policy - and the makespan against one group of all ranks.
+costs already read. Beside it, the wall seconds of reading the costs (``mix_costs``, asking the
+cost model at each grid length), paid once per mix - at ``cptune export --batch-lengths``, not
+per batch: a deployment solves from the plan's batch policy - and the makespan against one group
+of all ranks.
 ``--quality N``: N random batches of 2-16 sequences on 2-8 ranks of ``h100-sxm-8`` (the rank
 count and the batch drawn at random), the fast plan's makespan over the MILP's, how many are
 within 2%, the worst, and how many are no slower than one group of all ranks.
