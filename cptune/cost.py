@@ -523,7 +523,7 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         steps[stream] = stream_steps
 
     ring = config.strategy == "ring" and c > 1
-    peak = _peak(workload, config, z)
+    peak = peak_bytes(workload, config)
     # the Ring's kernel calls: one per step whose keys the block's queries see
     ring_steps = (ring_calling_steps(workload, config) if by_position else c) if ring else 1
 
@@ -569,6 +569,6 @@ def _with_backward(workload: Workload, config: CPConfig, stream: str, forward: A
     backward_flops = int(BACKWARD_FLOPS_RATIO * forward.flops)
     return dataclasses.replace(
         forward, flops=forward.flops + backward_flops, backward_flops=backward_flops, bytes_sent=bytes_sent,
-        comm_steps=steps, peak_bytes=_peak(workload, config, z), backward_memory_bytes=backward.memory,
+        comm_steps=steps, peak_bytes=peak_bytes(workload, config), backward_memory_bytes=backward.memory,
         backward_kernels=backward.kernels, backward_ring_bytes=backward.ring_bytes,
         backward_ring_kernels=backward.ring_kernels)

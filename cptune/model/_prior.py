@@ -101,7 +101,7 @@ class PriorTime:
     #: Fixed cost of the kernels launched.
     overhead_s: float = 0.0
 
-    @property
+    @functools.cached_property  # read three times per configuration weighed; a sum of arrays of variants
     def total_s(self) -> float:
         return (self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
                 + self.memory_s + self.overhead_s)
