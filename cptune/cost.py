@@ -523,7 +523,7 @@ def _analytic_cost(workload: Workload, config: CPConfig, stream: str, position_c
         steps[stream] = stream_steps
 
     ring = config.strategy == "ring" and c > 1
-    peak = peak_bytes(workload, config)
+    peak = _peak(workload, config, z)
     # the Ring's kernel calls: one per step whose keys the block's queries see
     ring_steps = (ring_calling_steps(workload, config) if by_position else c) if ring else 1
 
