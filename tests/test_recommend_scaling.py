@@ -7,6 +7,7 @@ it only where the prior's values change on purpose, and say so in the commit).""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import load_benchmark
+from cptune.errors import CPTuneError
 from cptune.model import Recommendation, recommend
 
 scaling = load_benchmark("recommend_scaling")
@@ -61,6 +63,21 @@ def test_answers_are_unchanged(tmp_path: Path) -> None:
             assert got[key] == pytest.approx(want[key], rel=1e-9), (case, key)
         assert {k: v for k, v in got.items() if k not in ("latency_ms", "interval_ms")} == {
             k: v for k, v in want.items() if k not in ("latency_ms", "interval_ms")}, case
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_recommend_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> None:
+    """``recommend`` pauses the cyclic collector while it weighs (``_collection_paused``): on or
+    off before, it is the same after, and a refusal restores it too."""
+    (gc.enable if enabled else gc.disable)()
+    try:
+        recommend(scaling.WORKLOADS[NAMES[0]](8), hardware="h100-sxm-8")
+        assert gc.isenabled() is enabled
+        with pytest.raises(CPTuneError, match="ranks must be between 1 and 8"):
+            recommend(scaling.WORKLOADS[NAMES[0]](8), ranks=9, hardware="h100-sxm-8")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
