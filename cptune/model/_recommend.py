@@ -53,7 +53,7 @@ from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
 #: The most ranks ``recommend`` weighs every count up to when not given one (whole nodes beyond
-#: the first, ``weighed_ranks``): 8,192 GPUs take about 2 s (``benchmarks/recommend_scaling.py``),
+#: the first, ``weighed_ranks``): 8,192 GPUs take under a second (``benchmarks/recommend_scaling.py``),
 #: and the configurations grow with the ranks.
 MAX_ANY_RANKS = 16_384
 
