@@ -5,11 +5,12 @@ same layer plain causal: measured time / (plain causal time x the mask's area ra
 plain and the packed layer where the counts (the busiest rank's computed work and bytes,
 ``cptune.analytic_cost`` / ``cptune.model.computed_flops``) say it should?
 
-Every configuration is measured on one workload after the other (plain, packed, window:
-``cptune.measure`` checks each against a float64 reference, and keeps one workload's at a
-time), in ``--rounds`` rounds whose configuration and workload orders alternate
-(``--reverse``: a run that starts with the window); the host's load average is written at the
-start and the end, and runs the contention guard judged disturbed are marked.
+Configuration by configuration, its three layers back to back (plain, packed, window; the
+next configuration the other way round; ``cptune.measure`` checks each against its float64
+reference, kept for the three), so a ratio's two times are seconds apart, in ``--rounds``
+rounds whose configuration order alternates (``--reverse``: a run that starts with the
+window); the host's load average is written at the start and the end, and runs the
+contention guard judged disturbed are marked.
 
     python benchmarks/masks.py [--seq-len 16384] [--ranks 2] [--rounds 1] [--repeats 3] [--out FILE]
 """
@@ -100,21 +101,20 @@ def main() -> None:
     say(f"# {command('masks.py', sys.argv[1:])}")
     say(f"# cptune {cptune.__version__} at {commit()}, mpi engine, {args.ranks} ranks, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    say(f"# start: {load()}; the host is shared (others' runs on its 2 cores); workloads measured in turn "
-        f"({'window, packed, plain' if args.reverse else 'plain, packed, window'}), all configurations each")
+    first = "window, packed, plain" if args.reverse else "plain, packed, window"
+    say(f"# start: {load()}; the host is shared (others' runs on its 2 cores); each configuration's "
+        f"layers back to back ({first}; the next configuration's the other way)")
     for name, w in cases.items():
         share = w.mask.area / cases["plain"].mask.area
         say(f"#   {name}: {w.describe()}, mask area {share:.4f} of plain causal")
     configs = configurations(cases, args.ranks)
     times: dict[tuple[str, str], list[float]] = {}
     disturbed: set[tuple[str, str]] = set()
+    named = list(cases.items())
     for round_ in range(args.rounds):
-        # workload by workload (the engine's check keeps one reference at a time), the
-        # configurations in reverse order every other round
         order = configs if round_ % 2 == 0 else configs[::-1]
-        named = list(cases.items())
-        for name, w in named[::-1] if args.reverse != (round_ % 2 == 1) else named:
-            for label, config in order:
+        for n, (label, config) in enumerate(order):
+            for name, w in named[::-1] if args.reverse != (n % 2 == 1) else named:
                 run = normal(w, config)
                 if not runs(w, config) or feasibility(w, run):
                     continue

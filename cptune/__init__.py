@@ -10,7 +10,8 @@ picks a configuration from measurements and the cost model; ``evaluate`` scores 
 ``export_plan`` writes the picks per sequence length as a plan a deployment ``load_plan``s;
 for sequences of many lengths, ``recommend_mix`` answers a whole ``LengthMix`` (``read_mix``)
 and ``plan_batch`` splits the ranks into CP groups for one batch (``exact_batch_plan`` proves it
-on small ones; ``mix_costs`` is what both read).
+on small ones; ``mix_costs`` is what both read); ``measure_batch`` runs a batch plan's groups
+side by side on real ranks (``measure_mix`` solves it first).
 """
 
 from typing import TYPE_CHECKING
@@ -19,7 +20,15 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import AnalyticCost, analytic_cost
 from cptune.engines import Trained
 from cptune.errors import CPTuneError, EngineError, InfeasibleConfigError
-from cptune.execute import compute, compute_gradients, measure, measure_all
+from cptune.execute import (
+    BatchMeasurement,
+    compute,
+    compute_gradients,
+    measure,
+    measure_all,
+    measure_batch,
+    measure_mix,
+)
 from cptune.feasibility import enumerate_configs, feasibility
 from cptune.measurement import Measurement
 from cptune.version import __version__ as __version__
@@ -68,6 +77,7 @@ __all__ = [
     "STRATEGIES",
     "AnalyticCost",
     "AttentionShape",
+    "BatchMeasurement",
     "CPConfig",
     "CPTuneError",
     "EngineError",
@@ -93,6 +103,8 @@ __all__ = [
     "load_plan",
     "measure",
     "measure_all",
+    "measure_batch",
+    "measure_mix",
     "mix_costs",
     "plan_batch",
     "read_mix",

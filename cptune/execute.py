@@ -1,6 +1,8 @@
 """Run a configuration for real: ``compute`` its output, ``measure`` it, measure every
 feasible configuration of a workload (``measure_all``, what ``cptune measure`` prints), or
-measure several interleaved as one round of a search (``measure_round``).
+measure several interleaved as one round of a search (``measure_round``), or run a batch
+plan's groups side by side and time its makespan (``measure_batch``; ``measure_mix`` solves
+the plan first).
 
 Engine-independent: the sequence is split by ``SequenceLayout``, each rank gets its shard,
 outputs are put back in token order, and ``measure`` checks the output against the float64
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,7 +49,10 @@ from cptune.reference import (
     relative_error,
 )
 from cptune.space import SearchSpace, check_count
-from cptune.workload import Workload
+from cptune.workload import AttentionShape, Workload
+
+if TYPE_CHECKING:
+    from cptune.mixes import BatchPlan, LengthMix
 
 #: Timed iterations of each configuration per pass of an interleaved round (``measure_round``):
 #: a pass of a round must be much shorter than the host's slow phases.
@@ -213,17 +220,37 @@ def compute_gradients(
     return _gather_trained(layout, shards)
 
 
-@lru_cache(maxsize=1)
-def _reference_case(workload: Workload, seed: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+#: Bytes of inputs and references kept for the next configurations of the same workloads:
+#: a benchmark that interleaves a few workloads configuration by configuration checks each
+#: against its reference without computing it again (16K x 8 heads x 64 takes 25 s).
+REFERENCE_CACHE_BYTES = 2**30
+
+_Case = tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]  # (inputs, references)
+_references: OrderedDict[tuple[Workload, int], _Case] = OrderedDict()
+
+
+def _reference_case(workload: Workload, seed: int) -> _Case:
     """Inputs (a training workload's with the output's gradient) and their float64
     reference (the output; then the gradients of Q, K and V), kept for the next
-    configuration of the same workload."""
+    configurations of the same workload: the most recently used cases whose arrays fit in
+    ``REFERENCE_CACHE_BYTES`` (the newest always)."""
+    key = (workload, seed)
+    if key in _references:
+        _references.move_to_end(key)
+        return _references[key]
     q, k, v = make_inputs(workload, seed)
     reference = reference_attention(workload, q, k, v)
     if not workload.training:
-        return (q, k, v), (reference,)
-    dout = make_output_gradient(workload, seed)
-    return (q, k, v, dout), (reference, *reference_gradients(workload, q, k, v, dout))
+        case: _Case = (q, k, v), (reference,)
+    else:
+        dout = make_output_gradient(workload, seed)
+        case = (q, k, v, dout), (reference, *reference_gradients(workload, q, k, v, dout))
+    _references[key] = case
+    held = sum(a.nbytes for inputs, outputs in _references.values() for a in (*inputs, *outputs))
+    while len(_references) > 1 and held > REFERENCE_CACHE_BYTES:
+        inputs, outputs = _references.popitem(last=False)[1]
+        held -= sum(a.nbytes for a in (*inputs, *outputs))
+    return case
 
 
 def measure(
@@ -494,3 +521,157 @@ def _measurement(engine: Engine, workload: Workload, config: CPConfig, summary: 
         oversubscribed=oversubscribed(config.ranks, ranks_per_node(engine)),
         disturbed=disturbed,
     )
+
+
+@dataclass(frozen=True)
+class BatchMeasurement:
+    """A batch plan run on real ranks, its groups side by side: ``samples_ms`` the makespan of
+    each timed iteration (all ranks start together after a barrier; the slowest rank's end),
+    ``median_ms`` theirs; ``group_ms`` each group's median time (its slowest rank), in the
+    plan's order; ``max_error`` the largest relative error of any sequence's output (and
+    gradients) against the float64 reference, checked before anything was timed."""
+
+    plan: BatchPlan
+    samples_ms: tuple[float, ...]
+    median_ms: float
+    group_ms: tuple[float, ...]
+    max_error: float
+    peak_bytes: int
+    engine: str
+    oversubscribed: bool
+    disturbed: str | None
+
+    @property
+    def error(self) -> float:
+        """The predicted makespan's error relative to the measured one: (predicted - measured) / measured."""
+        return (self.plan.makespan_ms - self.median_ms) / self.median_ms
+
+    def to_dict(self) -> dict[str, object]:
+        return {"plan": self.plan.to_dict(), "measured_ms": self.median_ms,
+                "samples_ms": list(self.samples_ms), "group_ms": list(self.group_ms),
+                "predicted_ms": self.plan.makespan_ms,
+                "prediction_error": self.error, "max_error": self.max_error, "peak_bytes": self.peak_bytes,
+                "engine": self.engine, "oversubscribed": self.oversubscribed, "disturbed": self.disturbed}
+
+
+def measure_batch(
+    plan: BatchPlan,
+    shape: AttentionShape,
+    backend: str | Engine = "mpi",
+    warmup: int = 2,
+    repeats: int = 10,
+    timeout: float | None = None,
+    seed: int = 0,
+    oversubscribe: bool = False,
+) -> BatchMeasurement:
+    """Run ``plan`` (``cptune.mixes.plan_batch``'s) for the layer ``shape`` (batch 1: one
+    sequence at a time) on ``plan.ranks`` real ranks: its groups take consecutive blocks of
+    ranks in the plan's order, each runs its sequences one after another in its configuration
+    on a communicator of its own. Every sequence's output (a training shape's gradients too)
+    is checked against the float64 reference on seeded inputs (``EngineError``
+    "wrong_output" otherwise), then ``repeats`` iterations after ``warmup`` are timed, all
+    groups starting together after a barrier. More ranks than cores are refused unless
+    ``oversubscribe`` (``SearchSetupError``). The mpi engine runs batch plans. Holds the host lock."""
+    _check_counts(warmup, repeats)
+    engine = _timed_engine(backend)
+    run_batch = getattr(engine, "run_batch", None)
+    if run_batch is None:
+        raise SearchSetupError(f"the {engine.name} engine does not run batch plans: use --backend mpi")
+    check_rank_count(f"--ranks {plan.ranks}", plan.ranks, engine, oversubscribe)
+    _check_plan(plan)
+    sent: list[list[np.ndarray]] = [[] for _ in range(plan.ranks)]
+    cases: list[tuple[int, Workload, SequenceLayout, int, tuple[np.ndarray, ...]]] = []
+    groups, start = [], 0
+    for group in plan.groups:
+        workloads = []
+        for s in group.sequences:
+            workload = shape.at(plan.lengths[s])
+            check_feasible(workload, group.config)
+            layout = SequenceLayout(workload, group.config)
+            inputs, references = _reference_case(workload, seed + s)
+            for local, shard in enumerate(_scatter(layout, *inputs)):
+                sent[start + local] += shard
+            cases.append((s, workload, layout, start, references))
+            workloads.append(workload)
+        groups.append((group.config, workloads))
+        start += group.config.ranks
+    longest = sum(default_timeout(w, c) for c, ws in groups for w in ws)
+    with measuring():
+        outputs, peaks = run_batch(plan.ranks, groups, sent, timeout or longest)
+        error = _check_batch(engine, cases, outputs)
+        watch = Watch(engine.process_ids, engine.node_readings)
+        timings = engine.time(warmup, repeats, timeout or longest * (warmup + repeats), "a batch plan")
+        makespans = timings[:, :, 0].max(axis=0) * 1e3
+        disturbed = watch.disturbance(plan.ranks, [float(x) for x in makespans])
+    group_ms, start = [], 0
+    for group in plan.groups:
+        group_ms.append(float(np.median(timings[start:start + group.config.ranks, :, 0].max(axis=0)) * 1e3))
+        start += group.config.ranks
+    return BatchMeasurement(plan, tuple(float(x) for x in makespans), float(np.median(makespans)),
+                            tuple(group_ms), error, max(peaks, default=0), engine.name,
+                            oversubscribed(plan.ranks, ranks_per_node(engine)), disturbed)
+
+
+def _check_plan(plan: BatchPlan) -> None:
+    """``ValueError`` for a plan no ranks can run as given: groups needing more than its ranks,
+    or a sequence run by no group or by several."""
+    used = sum(g.config.ranks for g in plan.groups)
+    if used > plan.ranks:
+        raise ValueError(f"the plan's groups need {used} ranks, but it is for {plan.ranks}: solve the batch "
+                         f"again (plan_batch)")
+    placed = sorted(s for g in plan.groups for s in g.sequences)
+    if placed != list(range(len(plan.lengths))):
+        raise ValueError(f"the plan's groups run sequences {placed}, not each of its {len(plan.lengths)} "
+                         f"once: solve the batch again (plan_batch)")
+
+
+def _check_batch(engine: Engine, cases: Sequence[tuple[int, Workload, SequenceLayout, int, tuple]],
+                 outputs: Sequence[Sequence[np.ndarray]]) -> float:
+    """Every sequence's output (and gradients) put together from its group's ranks'
+    ``outputs`` and checked against its reference: the largest relative error;
+    ``EngineError`` "wrong_output" naming the sequence otherwise."""
+    taken = [0] * len(outputs)  # arrays of each rank read so far
+    worst = 0.0
+    for s, workload, layout, start, references in cases:
+        count = len(references)
+        shards = []
+        for local in range(layout.ranks):
+            rank = start + local
+            shards.append(outputs[rank][taken[rank]:taken[rank] + count])
+            taken[rank] += count
+        tolerance = engine.tolerance[workload.dtype]
+        for i, (name, reference) in enumerate(zip(Trained._fields, references, strict=False)):
+            error = relative_error(_gather(layout, [shard[i] for shard in shards]), reference)
+            if not error <= tolerance:
+                what = "result" if name == "out" else f"gradient of {name[1:].upper()}"
+                raise EngineError(
+                    "wrong_output",
+                    f"{layout.config.describe()} computed a wrong {what} for sequence {s + 1} of the batch "
+                    f"({workload.describe()}): relative error {error:.2e} exceeds the {workload.dtype} "
+                    f"tolerance {tolerance:.0e}, so the batch's timing does not count. This is a bug in the "
+                    f"strategy or engine; please report it.")
+            worst = max(worst, error)
+    return worst
+
+
+def measure_mix(
+    shape: AttentionShape,
+    batch: LengthMix,
+    ranks: int,
+    backend: str | Engine = "mpi",
+    warmup: int = 2,
+    repeats: int = 10,
+    timeout: float | None = None,
+    oversubscribe: bool = False,
+    db: str | None = None,
+) -> BatchMeasurement:
+    """Solve ``batch`` (its sequences' lengths) for ``ranks`` ranks of this host
+    (``cptune.mixes.plan_batch`` on this host's model: its measurements in ``db`` where
+    stored, else the prior) and ``measure_batch`` the plan: its measured makespan beside the
+    predicted one."""
+    from cptune.mixes import mix_costs, plan_batch
+
+    engine = _timed_engine(backend)
+    check_rank_count(f"--ranks {ranks}", ranks, engine, oversubscribe)  # before the solver's work
+    plan = plan_batch(mix_costs(shape, batch, ranks, db=db, backend=engine.name), batch)
+    return measure_batch(plan, shape, engine, warmup, repeats, timeout, oversubscribe=oversubscribe)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_benchmark, measurement
+from conftest import load_benchmark, make_calibration, measurement
 from cptune.config import CPConfig
 from cptune.estimate import combine
 from cptune.hardware import this_host
@@ -185,3 +185,37 @@ def test_the_gpu_stack_check_says_why_each_check_cannot_run_without_a_gpu(tmp_pa
     assert "did not finish" not in report
     if shutil.which("nvidia-smi") is None:
         assert "cptune doctor: exit 2" in report and "needs NVIDIA GPUs" in report
+
+
+def test_length_mix_megatron_rule_runs_each_sequence_once_on_power_of_two_ring_groups():
+    from cptune.mixes import LengthMix, mix_costs
+
+    length_mix = load_benchmark("length_mix")
+    batch = [4096, 3000, 900, 600, 300, 200, 150, 130]
+    costs = mix_costs(length_mix.SHAPE, LengthMix.of(batch), 4, hardware="h100-sxm-8")
+    plan = length_mix.megatron_plan(costs, batch, 4, 1024)
+    assert sorted(s for g in plan.groups for s in g.sequences) == list(range(len(batch)))
+    assert sum(g.config.ranks for g in plan.groups) <= 4
+    assert all(g.config.strategy == "ring" and g.config.ranks & (g.config.ranks - 1) == 0
+               for g in plan.groups)
+    longest = next(g for g in plan.groups if 0 in g.sequences)
+    assert longest.config.ranks == max(g.config.ranks for g in plan.groups) > 1
+    assert plan.makespan_ms == max(g.ms for g in plan.groups) > 0
+    assert all(length_mix.flexsp(g.config) for g in length_mix.plans_for(costs, batch, 4, 1024)[
+        length_mix.RULES[1]].groups)
+
+
+@pytest.mark.slow
+def test_length_mix_runs_every_rule_on_two_ranks_and_reports_its_error(tmp_path):
+    db, out = str(tmp_path / "host.db"), tmp_path / "length_mix.txt"
+    with Store(db) as store:
+        store.add_calibration(this_host(), make_calibration())
+    length_mix = load_benchmark("length_mix")
+    assert length_mix.main(["--db", db, "--ranks", "2", "--batches", "1", "--sequences", "2", "--rounds", "1",
+                            "--repeats", "1", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    measured = [line for line in lines if line.startswith("    1  ")]
+    assert [line[7:24].strip() for line in measured] == list(length_mix.RULES)
+    assert all(float(line.split()[-2]) > 0 for line in measured)  # a measured makespan each
+    assert any(line.startswith("predicted-vs-measured makespan error") and "over 4 plans" in line
+               for line in lines)

@@ -161,3 +161,54 @@ def test_per_call_passes_share_slices_between_threads_and_match_numpy(threads):
     np.testing.assert_allclose(lse, total)
     np.testing.assert_allclose(merged, wide * np.exp(lse_a - total)[..., None]
                                + 2 * wide * np.exp(lse_b - total)[..., None], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("masking", [
+    {"documents": [700, 300, 1048], "causal": True},
+    {"window": [300, 0], "causal": True},
+    {"window": [200, 0], "sinks": 4, "causal": True},
+    {"documents": [1024, 1024], "window": [128, 0], "causal": True},
+])
+def test_the_numpy_kernel_masks_only_the_segments_the_mask_cuts(masking):
+    """A segment every query of its block sees runs unmasked; a masked one holds a pair the
+    mask hides; and they cover exactly the keys some query sees."""
+    from cptune.calls import kernel_blocks
+
+    mask = Workload(2048, heads=1, head_dim=16, **masking).mask
+    positions = np.arange(2048)
+    for start, stop, segments in kernel_blocks(positions, positions, mask):
+        q = positions[start:stop, None]
+        masked_pairs = 0
+        covered = np.zeros(2048, bool)
+        for lo, hi, masked in segments:
+            seen = mask.visible(q, positions[None, lo:hi])
+            assert seen.any(axis=0).all()
+            assert seen.all() != masked
+            masked_pairs += masked * seen.size
+            covered[lo:hi] = True
+        assert (covered == mask.visible(q, positions[None, :]).any(axis=0)).all()
+        # at most a diagonal square and a window's far edge; before, a block deep in a causal
+        # document masked every key back to the document's start
+        assert masked_pairs <= 2 * (stop - start) ** 2
+
+
+@pytest.mark.parametrize("masking", [
+    {"causal": True, "documents": [40, 60, 100]},
+    {"causal": True, "window": [17, 0]},
+    {"window": [9, 23]},
+    {"causal": True, "window": [30, 0], "sinks": 3, "documents": [120, 80]},
+])
+def test_a_banded_segments_mask_is_the_rules(masking):
+    """The kernel's one-pass mask over consecutive positions of one document hides exactly
+    the pairs ``Mask.visible`` does not show."""
+    mask = Workload(200, heads=1, head_dim=8, **masking).mask
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(300):
+        a, b = sorted(rng.integers(0, 200, 2))
+        c, d = sorted(rng.integers(0, 200, 2))
+        q, k = np.arange(a, b + 1), np.arange(c, d + 1)
+        if kernels._banded(mask, q, k):
+            checked += 1
+            assert (kernels._hidden(mask, q, k) == ~mask.visible(q[:, None], k[None, :])).all()
+    assert checked > 10

@@ -230,3 +230,23 @@ def test_calibration_times_the_exchange_with_its_copies(kind):
     collective: a case returns the joined tensor, so its copies are in the timing."""
     joined = _collective(kind, _LoopbackComm(), 64)()  # K and V of 4 heads, 8 rows each
     assert joined.shape == (2, 4, 16, 1) and joined.flags.c_contiguous
+
+
+def test_references_are_kept_for_interleaved_workloads_within_their_budget(monkeypatch):
+    """Workloads measured in turn, configuration by configuration, compute each reference
+    once while they fit the cache's budget, and again once they do not."""
+    from cptune import execute
+
+    computed = []
+    real = execute.reference_attention
+    monkeypatch.setattr(execute, "reference_attention", lambda w, *a: computed.append(w) or real(w, *a))
+    monkeypatch.setattr(execute, "_references", type(execute._references)())
+    plain, packed = Workload(64, 2, 8, causal=True), Workload(64, 2, 8, causal=True, documents=[32, 32])
+    for w in (plain, packed, plain, packed):
+        execute._reference_case(w, 0)
+    assert computed == [plain, packed]
+    monkeypatch.setattr(execute, "REFERENCE_CACHE_BYTES", 1)  # only the newest is kept
+    for w in (plain, packed):
+        execute._reference_case(w, 1)
+    assert computed == [plain, packed, plain, packed]
+    assert list(execute._references) == [(packed, 1)]

@@ -61,6 +61,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                               "strategy; default: every one); with --strategies and --ranks it names one "
                               "configuration, as a search's output does")
     add_layout_flag(measure)
+    measure.add_argument("--lengths", metavar="FILE",
+                         help="one batch's sequence lengths (one a line, a JSON list or histogram, a .npy "
+                              "array; docs/mixes.md): its batch plan solved for --ranks N on this host's "
+                              "model, the groups run side by side, each sequence checked, the makespan "
+                              "timed beside the predicted one (the shape's flags give the layer, batch 1)")
+    measure.add_argument("--db", help=f"with --lengths: the {DB_HELP} whose calibration and measurements "
+                                      f"price the plan")
     measure.add_argument("--warmup", type=count("warmup"), default=2, help="untimed iterations (default 2)")
     measure.add_argument("--repeats", type=count("repeats"), default=10, help="timed iterations (default 10)")
     measure.add_argument("--timeout", type=seconds, default=None,
@@ -125,6 +132,11 @@ def _measurements_table(
 
 
 def run_measure(args: argparse.Namespace, console: Console) -> int:
+    if args.lengths is not None:
+        return _measure_batch(args, console)
+    if args.db is not None:
+        raise UsageError("--db prices a batch plan: give it with --lengths FILE (measure alone stores "
+                         "nothing)")
     workload = workload_of(args, args.seq_len)
     if args.ranks and args.max_ranks:
         raise UsageError("give --ranks (these rank counts) or --max-ranks (1 up to it), not both")
@@ -162,6 +174,49 @@ def run_measure(args: argparse.Namespace, console: Console) -> int:
     for config, failure in failures:
         warn((f"{config.describe()} failed ({failure.kind}):", "red"), f" {failure}")
     return USAGE_ERROR if failures else 0
+
+
+def _measure_batch(args: argparse.Namespace, console: Console) -> int:
+    """``measure --lengths FILE --ranks N``: one batch's plan solved and run, measured beside predicted."""
+    from cptune.execute import measure_mix
+    from cptune.mixes import read_mix
+
+    if not args.ranks or len(args.ranks) != 1 or args.max_ranks:
+        raise UsageError("--lengths runs one batch on one set of ranks: give --ranks N (one count), not "
+                         "--max-ranks or several")
+    if args.head_group is not None or args.layout is not None or args.strategies is not None:
+        raise UsageError("--lengths lets the batch plan choose each group's configuration: leave out "
+                         "--strategies, --head-group and --layout")
+    mix = read_mix(args.lengths)
+    shape = workload_of(args, mix.longest).shape
+    result = measure_mix(shape, mix, args.ranks[0], backend=engine_of(args), warmup=args.warmup,
+                         repeats=args.repeats, timeout=args.timeout, oversubscribe=args.oversubscribe,
+                         db=args.db)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    plan = result.plan
+    shown = table(f"a batch of {len(plan.lengths)} on {plan.ranks} ranks, {shape.describe()}",
+                  "groups side by side, each running its sequences one after another; ms per group, "
+                  "predicted (this host's model) and measured (median, its slowest rank); every sequence "
+                  "checked against the float64 reference first")
+    for column in ("group", "config", "ranks", "predicted", "measured", "sequences"):
+        shown.add_column(column, justify="left" if column in ("config", "sequences") else "right")
+    lengths = plan.lengths
+    for i, (group, measured) in enumerate(zip(plan.groups, result.group_ms, strict=True), start=1):
+        listed = ", ".join(f"{lengths[s]:,}" for s in group.sequences[:8])
+        more = f" + {len(group.sequences) - 8} more" if len(group.sequences) > 8 else ""
+        shown.add_row(str(i), group.config.label, str(group.config.ranks), f"{group.ms:.2f}",
+                      f"{measured:.2f}", listed + more)
+    console.print(shown)
+    oversub = " (oversubscribed: ranks share cores)" if result.oversubscribed else ""
+    console.print(f"makespan: measured {result.median_ms:.2f} ms (median of {len(result.samples_ms)}), "
+                  f"predicted {plan.makespan_ms:.2f} ms ({result.error:+.0%}); largest error "
+                  f"{result.max_error:.0e}{oversub}", markup=False, highlight=False, soft_wrap=True)
+    if result.disturbed:
+        warn(("batch disturbed:", "yellow"),
+             f" {result.disturbed}, so its timing is not clean; measure again when the host is quiet")
+    return 0
 
 
 def _calibration_tables(calibration: Calibration) -> list[Table]:

@@ -222,6 +222,8 @@ class Worker(RankServer):
             for r in range(1, self.world.Get_size() + 1)
         ]
         self.group_comms: dict[tuple[int, int], dict[str, MPI.Comm]] = {}
+        self.block_cuts: dict[tuple[int, tuple[int, ...]], MPI.Comm] = {}
+        self.group_comms_of_blocks: dict[tuple[int, tuple[int, ...], int], dict[str, MPI.Comm]] = {}
         self.task: Any = None  # the last run's RankTask, of whichever engine
 
     def hello_facts(self) -> dict[str, str]:
@@ -242,6 +244,30 @@ class Worker(RankServer):
             }
         return self.group_comms[key]
 
+    def block_comms(self, ranks: int, sizes: tuple[int, ...], block: int | None,
+                    head_group: int) -> dict[str, MPI.Comm]:
+        """The communicators of block ``block`` (None: this rank is in none) when the first
+        ``ranks`` ranks are cut into consecutive blocks of ``sizes``: the block ("all"), its
+        head groups of ``head_group`` ranks and the context groups across them, numbered within
+        the block as ``cptune.layout`` numbers them. The cut is made once per ``sizes``,
+        collectively over the first ``ranks``; a block's groups once per head group, over the
+        block (its ranks share its history)."""
+        cut = (ranks, sizes)
+        if cut not in self.block_cuts:
+            starts = np.cumsum([0, *sizes]).tolist()
+            color = next((i for i in range(len(sizes)) if starts[i] <= self.rank < starts[i + 1]),
+                         MPI.UNDEFINED)
+            self.block_cuts[cut] = self.prefix[ranks - 1].Split(color, self.rank)
+        if block is None:
+            return {}
+        key = (ranks, sizes, head_group)
+        if key not in self.group_comms_of_blocks:
+            comm = self.block_cuts[cut]
+            group, member = rank_coordinates(comm.Get_rank(), head_group)
+            self.group_comms_of_blocks[key] = {"all": comm, "heads": comm.Split(group, comm.Get_rank()),
+                                               "context": comm.Split(member, comm.Get_rank())}
+        return self.group_comms_of_blocks[key]
+
     def handle(self, header: dict, arrays: list[np.ndarray]) -> protocol.Message:
         op = header["op"]
         if op == "time":
@@ -254,6 +280,10 @@ class Worker(RankServer):
             config = CPConfig(**header["config"])
             comms = self.comms_for(config.ranks, config.head_group)
             self.task = side.RankTask(header, arrays, comms, self.rank)
+            return self.task.run_once()
+        if op == "run_batch":  # a batch plan's groups side by side (the mpi engine's BatchTask)
+            threadpool_limits(limits=1, user_api="blas")
+            self.task = side.BatchTask(header, arrays, self)
             return self.task.run_once()
         if op not in side.OPS:
             raise RuntimeError(f"unknown op {op!r}")

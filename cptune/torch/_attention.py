@@ -92,6 +92,26 @@ class ContextParallelAttention(torch.nn.Module):
                  window: Sequence[int] | None = None, sinks: int | None = None,
                  text: int | None = None) -> None:
         super().__init__()
+        members = self._configure(choice, shape, group, scale, window, sinks, text)
+        self._groups = _process_groups(self.configs, members, self.rank)
+
+    @classmethod
+    def _bound(cls, config: CPConfig, shape: AttentionShape, group: dist.ProcessGroup, scale: float | None,
+               made: dict[tuple[int, ...], dist.ProcessGroup]) -> ContextParallelAttention:
+        """A module for ``config`` on ``group`` whose head and context groups are in ``made``
+        (global ranks -> group) already: built with no collective (``cptune.torch.BatchRunner``
+        makes every group a batch plan needs, the same on every rank)."""
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        members = module._configure(config, shape, group, scale, None, None, None)
+        taking_part = module.rank < config.ranks
+        module._groups = {config: _groups_of(config, members, module.rank, made)} if taking_part else {}
+        return module
+
+    def _configure(self, choice: CPConfig | Plan, shape: AttentionShape | Workload | None,
+                   group: dist.ProcessGroup | None, scale: float | None, window: Sequence[int] | None,
+                   sinks: int | None, text: int | None) -> list[int]:
+        """Everything but the process groups (no collective): the group's members, global ranks."""
         if not dist.is_initialized():
             raise RuntimeError("ContextParallelAttention needs torch.distributed: call "
                                "torch.distributed.init_process_group first (torchrun sets its environment)")
@@ -116,7 +136,7 @@ class ContextParallelAttention(torch.nn.Module):
         #: Group ranks in layout order: where each rank's piece arrives in an all-gather.
         self._group_ranks = [dist.get_group_rank(self.group, g) for g in members]
         self._same_length = SameLength(self.group, self._group_ranks)
-        self._groups = _process_groups(self.configs, members, self.rank)
+        return members
 
     def config_for(self, seq_len: int) -> CPConfig:
         """The configuration that runs sequences of ``seq_len`` tokens: the plan's pick (a
@@ -376,19 +396,27 @@ def _process_groups(configs: tuple[CPConfig, ...], members: list[int],
     needed: set[tuple[int, ...]] = set()
     for their_members, their_configs in _gathered_json(mine):
         for fields in their_configs:
-            heads, context = rank_groups(CPConfig(*fields))
-            needed |= {tuple(their_members[r] for r in group)
-                       for group in (*heads, *context) if len(group) > 1}
+            needed |= config_group_ranks(CPConfig(*fields), their_members)
     made = {ranks: dist.new_group(list(ranks)) for ranks in sorted(needed)}
+    return {config: _groups_of(config, members, rank, made) for config in configs if rank < config.ranks}
+
+
+def config_group_ranks(config: CPConfig, members: Sequence[int]) -> set[tuple[int, ...]]:
+    """The head and context groups of more than one rank that ``config`` runs with on the
+    processes ``members`` (global ranks, in layout order), as global ranks."""
+    heads, context = rank_groups(config)
+    return {tuple(members[r] for r in group) for group in (*heads, *context) if len(group) > 1}
+
+
+def _groups_of(config: CPConfig, members: Sequence[int], rank: int,
+               made: dict[tuple[int, ...], dist.ProcessGroup]) -> RankGroups:
+    """Layout rank ``rank``'s head and context groups under ``config`` from ``made``."""
 
     def process_group(layout_ranks: list[int]) -> dist.ProcessGroup | None:
         return None if len(layout_ranks) == 1 else made[tuple(members[r] for r in layout_ranks)]
 
-    return {
-        config: {"heads": process_group(head_group_members(rank, config.head_group)),
-                 "context": process_group(context_group_members(rank, config.head_group, config.ranks))}
-        for config in configs if rank < config.ranks
-    }
+    return {"heads": process_group(head_group_members(rank, config.head_group)),
+            "context": process_group(context_group_members(rank, config.head_group, config.ranks))}
 
 
 def _gathered_json(value: object) -> list:

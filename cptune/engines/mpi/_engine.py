@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cptune.config import CPConfig
 from cptune.engines import ENGINES
 from cptune.engines._pool import PooledEngine
+from cptune.workload import Workload
 
 
 class MPIEngine(PooledEngine):
@@ -29,6 +31,23 @@ class MPIEngine(PooledEngine):
         header = {"op": "time_steps", "ranks": ranks, "steps": list(steps),
                   "threads": self._threads(ranks), "warmup": warmup, "repeats": repeats}
         return self._time_slowest(ranks, header, timeout, f"step calibration on {ranks} ranks")
+
+    def run_batch(self, ranks: int, groups: Sequence[tuple[CPConfig, Sequence[Workload]]],
+                  shards: Sequence[Sequence[np.ndarray]],
+                  timeout: float) -> tuple[list[list[np.ndarray]], list[int]]:
+        """Run a batch plan's groups side by side once on the first ``ranks`` ranks: group i
+        its configuration and workloads (one per sequence, in turn) on the next block of
+        ranks, rank r holding ``shards[r]`` (its sequences' inputs in turn): each rank's
+        outputs (each sequence's output shard, a training run's gradients after it) and peak
+        bytes. The ranks keep the batch for ``time``: per iteration, each rank's wall seconds
+        from one barrier of all ``ranks``."""
+        self._pool_for(ranks)
+        header = {"op": "run_batch", "engine": self.name, "ranks": ranks, "threads": self._threads(ranks),
+                  "groups": [{"config": c.to_dict(), "workloads": [w.to_dict() for w in workloads]}
+                             for c, workloads in groups]}
+        messages = {r: (header, list(shards[r])) for r in range(ranks)}
+        replies = self._request(messages, timeout, f"a batch plan of {len(groups)} groups", caller_set=True)
+        return self._arrays(replies, ranks)
 
     def describe(self) -> dict[str, str]:
         """The engine's software and its kernel (cptune's numpy kernel, the spec's), for the

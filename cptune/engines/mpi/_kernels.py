@@ -237,7 +237,42 @@ def _hidden(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
     """Which (query, key) pairs of a masked segment the mask hides ([rows, keys])."""
     if mask.plain:  # causal: a key after the query (padding queries see every real key before them)
         return k_pos[None, :] > q_pos[:, None]
+    if _banded(mask, q_pos, k_pos):
+        return _band(mask, q_pos, k_pos)
     return ~mask.visible(q_pos[:, None], k_pos[None, :])
+
+
+def _banded(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> bool:
+    """Whether queries and keys are consecutive real positions of one document, where the
+    causal mask and a window depend only on key - query (``_band``). The kernel's masked
+    segments are (``cptune.calls.kernel_blocks`` cuts its blocks at documents' starts)."""
+    q_first, q_last, k_first, k_last = int(q_pos[0]), int(q_pos[-1]), int(k_pos[0]), int(k_pos[-1])
+    if q_last - q_first != len(q_pos) - 1 or k_last - k_first != len(k_pos) - 1:
+        return False
+    if max(q_last, k_last) >= mask.seq_len:
+        return False
+    doc = np.searchsorted(mask.starts, [q_first, q_last, k_first, k_last], side="right")
+    return bool((doc == doc[0]).all())
+
+
+def _band(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """``_hidden`` for a ``_banded`` segment in one pass over the offsets, not the pairs: pair
+    (i, j)'s verdict is that of offset k_pos[j] - q_pos[i], read through a Toeplitz view of
+    the offsets' verdicts (a band's mask took 9 passes over the pairs as ``Mask.visible``)."""
+    rows, keys = len(q_pos), len(k_pos)
+    offsets = np.arange(int(k_pos[0]) - int(q_pos[-1]), int(k_pos[-1]) - int(q_pos[0]) + 1)
+    hidden = np.zeros(len(offsets), bool)
+    if mask.causal:
+        hidden |= offsets > 0
+    if mask.window:
+        left, right = mask.window
+        hidden |= (offsets < -left) | (offsets > right)
+    step = hidden.strides[0]
+    band = np.lib.stride_tricks.as_strided(hidden[rows - 1:], (rows, keys), (-step, step), writeable=False)
+    if not mask.sinks:
+        return band
+    start = int(mask.starts[np.searchsorted(mask.starts, int(k_pos[0]), side="right") - 1])
+    return band & ~(k_pos - start < mask.sinks)[None, :]  # sinks: seen by every query
 
 
 def _scores(block: Block) -> list[np.ndarray]:

@@ -331,6 +331,53 @@ class RankTask:
         return {}, [timings]
 
 
+class BatchTask:
+    """This rank's part of a batch plan: the groups take consecutive blocks of the first
+    ``header["ranks"]`` ranks in order (``cptune.torch.BatchRunner``'s rule), each on a
+    communicator of its own, and this rank runs its group's sequences one after another, each
+    a ``RankTask`` of the group's configuration on those communicators (none on an idle rank).
+    ``arrays``: each of its sequences' inputs in turn (q, k, v; a training run's output
+    gradient after them)."""
+
+    def __init__(self, header: dict, arrays: list[np.ndarray], worker: Worker) -> None:
+        ranks, me = int(header["ranks"]), worker.rank
+        configs = [CPConfig(**g["config"]) for g in header["groups"]]
+        starts = np.cumsum([0] + [c.ranks for c in configs]).tolist()
+        mine = next((i for i, c in enumerate(configs) if starts[i] <= me < starts[i] + c.ranks), None)
+        comms = worker.block_comms(ranks, tuple(c.ranks for c in configs), mine,
+                                   configs[mine].head_group if mine is not None else 1)
+        #: Every rank of the plan starts each timed iteration here together.
+        self.barrier = worker.prefix[ranks - 1]
+        self.tasks: list[RankTask] = []
+        if mine is not None:
+            group = header["groups"][mine]
+            each = len(arrays) // max(1, len(group["workloads"]))
+            for j, workload in enumerate(group["workloads"]):
+                task_header = {"threads": header["threads"], "workload": workload, "config": group["config"]}
+                inputs = arrays[j * each:(j + 1) * each]
+                self.tasks.append(RankTask(task_header, inputs, comms, me - starts[mine]))
+
+    def run_once(self) -> protocol.Message:
+        """Each of this rank's sequences once: their output shards (and gradients) in turn, and
+        the most bytes any of them held."""
+        replies = [task.run_once() for task in self.tasks]
+        peak = max((int(header["peak_bytes"]) for header, _ in replies), default=0)
+        return {"peak_bytes": peak}, [x for _, outputs in replies for x in outputs]
+
+    def time(self, warmup: int, repeats: int) -> protocol.Message:
+        """Per timed iteration, this rank's wall seconds from the plan's shared barrier to the
+        end of its last sequence: the slowest rank's is the batch's makespan."""
+        timings = np.zeros((repeats, 1), dtype=np.float64)
+        for i in range(warmup + repeats):
+            self.barrier.Barrier()
+            start = time.perf_counter()
+            for task in self.tasks:
+                task.iteration()
+            if i >= warmup:
+                timings[i - warmup, 0] = time.perf_counter() - start
+        return {}, [timings]
+
+
 #: Heads of the K/V tensor calibration exchanges: a chunk is K and V of this many heads,
 #: each a run of sequence rows of one byte.
 _CHUNK_HEADS = 4
