@@ -12,8 +12,10 @@ on any GPU.
 
 ``--speed``: ``plan_batch`` on 512 sequences over 64 ranks (8 nodes of ``h100-sxm-2x8-ib``) and
 4,096 over 1,024 (128 nodes), the median of 5 calls after one warm call, wall and this process's
-CPU seconds (on a shared host the CPU time is the steadier), beside reading the costs
-(``mix_costs``, once per mix) and the makespan against one group of all ranks.
+CPU seconds (on a shared host the CPU time is the steadier): the solve alone, on costs already
+read. Beside it, the wall seconds of reading the costs (``mix_costs``, asking the cost model at
+each grid length), paid once per mix - at ``cptune export --batch-lengths``, not per batch: a
+deployment solves from the plan's batch policy - and the makespan against one group of all ranks.
 ``--quality N``: N random batches of 2-16 sequences on 2-8 ranks of ``h100-sxm-8`` (the rank
 count and the batch drawn at random), the fast plan's makespan over the MILP's, how many are
 within 2%, the worst, and how many are no slower than one group of all ranks.

@@ -216,6 +216,19 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     return counts
 
 
+def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> float:
+    """A makespan no assignment to ``counts`` groups per size goes below (``_assign``'s
+    included): the longest of the sequences' least times on the sizes used, and their least
+    rank-time spread over all the groups' ranks; inf when a sequence fits none of those sizes."""
+    used = counts > 0
+    if not used.any():
+        return math.inf
+    sub = best[used]
+    fastest = sub.min(axis=0)
+    area = (sizes[used][:, None] * sub).min(axis=0).sum() / float(sizes @ counts)
+    return float(max(fastest.max(), area))
+
+
 def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
             ) -> tuple[float, list[tuple[int, list[int]]]] | None:
     """Longest sequence first into the group where it finishes soonest (step 3): the makespan
@@ -520,15 +533,23 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
 
     def screened(partitions: list[np.ndarray]) -> list[list[tuple[int, list[int]]]]:
         """The groups of the ``SCREENED`` new partitions whose first assignment (step 3) has the
-        least makespan."""
-        found = []
-        for counts in partitions:
+        least makespan (of equals, the first listed). A partition whose makespan cannot be below
+        the ``SCREENED``-th found so far (``_assignment_bound``) is not assigned: it could not be
+        among them."""
+        fresh = []
+        for i, counts in enumerate(partitions):
             if counts.tobytes() not in seen:
                 seen.add(counts.tobytes())
-                if (assigned := _assign(sizes, best, counts)) is not None:
-                    found.append(assigned)
-        found.sort(key=lambda pair: pair[0])
-        return [groups for _, groups in found[:SCREENED]]
+                fresh.append((_assignment_bound(sizes, best, counts), i, counts))
+        fresh.sort(key=lambda entry: (entry[0], entry[1]))
+        found: list[tuple[float, int, list[tuple[int, list[int]]]]] = []
+        for bound, i, counts in fresh:
+            if len(found) >= SCREENED and bound > found[SCREENED - 1][0] * (1 + 1e-12):
+                break
+            if (assigned := _assign(sizes, best, counts)) is not None:
+                found.append((assigned[0], i, assigned[1]))
+                found.sort(key=lambda entry: (entry[0], entry[1]))
+        return [groups for _, _, groups in found[:SCREENED]]
 
     def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[BatchPlan, _Search]:
         search = _Search(problem, groups)
