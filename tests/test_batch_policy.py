@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cptune.mixes import LengthMix, mix_costs, plan_batch
+from cptune.mixes import LengthMix, mix_costs, mix_policy, plan_batch
 from cptune.plans import PlanError, load_plan
 from cptune.plans._plan import digest
 from cptune.plans.export import export_plan
@@ -25,7 +25,8 @@ BATCH = [16384, 900, 3000, 2048, 700, 8192, 1024, 1024, 5000]
 
 @pytest.fixture(scope="module")
 def policy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    plan = export_plan([SHAPE.at(1024), SHAPE.at(16384)], hardware=HARDWARE, batch_lengths=MIX)
+    plan = export_plan([SHAPE.at(1024), SHAPE.at(16384)], hardware=HARDWARE,
+                       batch_policy=mix_policy(SHAPE, MIX, hardware=HARDWARE))
     return plan.write(tmp_path_factory.mktemp("policy") / "plan.json")
 
 
@@ -34,8 +35,8 @@ def test_a_loaded_policy_plans_a_batch_as_the_solver_does_from_its_costs(policy_
     assert plan.batch_policy is not None and plan.batch_policy.ranks == 8
     costs = mix_costs(SHAPE, LengthMix.of(MIX), 8, hardware=HARDWARE)
     for ranks in (8, 5):
-        assert plan.plan_batch(BATCH, ranks) == plan_batch(costs, BATCH, ranks)
-    assert plan.plan_batch(BATCH).ranks == 8
+        assert plan_batch(plan, BATCH, ranks) == plan_batch(costs, BATCH, ranks)
+    assert plan_batch(plan, BATCH).ranks == 8
 
 
 def test_a_plan_without_a_policy_says_how_to_export_one(tmp_path: Path) -> None:
@@ -43,7 +44,7 @@ def test_a_plan_without_a_policy_says_how_to_export_one(tmp_path: Path) -> None:
                      hardware=HARDWARE)
     assert plan.batch_policy is None
     with pytest.raises(PlanError, match="--batch-lengths"):
-        plan.plan_batch(BATCH)
+        plan_batch(plan, BATCH)
 
 
 def _drop(field: str) -> Any:
@@ -87,7 +88,7 @@ def test_cli_export_writes_a_policy_a_deployment_solves_with(cptune_here: Any, t
     assert done.returncode == 0, done.stderr
     assert "batch policy:" in done.stdout
     plan = load_plan(tmp_path / "plan.json", hardware=HARDWARE)
-    assert plan.plan_batch(BATCH).makespan_ms > 0
+    assert plan_batch(plan, BATCH).makespan_ms > 0
 
 
 @pytest.mark.parametrize(("words", "says"), [

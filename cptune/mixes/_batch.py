@@ -39,6 +39,8 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.mixes._costs import MixCosts
 from cptune.mixes._mix import LengthMix, MixError
+from cptune.mixes._policy import policy_costs
+from cptune.plans import Plan
 
 #: Local-search steps (a move or a swap out of the slowest group) the fast solver takes at most
 #: on each partition it tries, and on the best of them.
@@ -540,14 +542,17 @@ def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
+def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
                rounds: int = NEIGHBOUR_ROUNDS, allowed: Callable[[CPConfig], bool] | None = None
                ) -> BatchPlan:
     """The fast solver's plan for the batch ``lengths`` on ``ranks`` ranks (default: all the
-    costs were read for); see the module docstring. ``rounds``: how many times at most the
+    costs were read for); see the module docstring. ``costs``: ``mix_costs``'s, or a loaded plan
+    carrying a batch policy (a deployment, every step, no database). ``rounds``: how many times at most the
     partitions next to the best one are tried; ``allowed``: only the configurations it accepts
     (a narrower space, e.g. Ulysses on powers of two, FlexSP's). ``MixError`` when a sequence
     fits nowhere."""
+    if isinstance(costs, Plan):
+        costs = policy_costs(costs)
     problem = _problem(costs, lengths, ranks, allowed)
     sizes, best = _best_by_size(problem)
     top = problem.ranks

@@ -19,7 +19,6 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -195,7 +194,7 @@ class BatchPolicy:
     """What the per-batch solver needs to plan any batch on up to ``ranks`` ranks without a
     database: each configuration's cost curve over ``grid`` lengths and its memory limits
     (``cptune.mixes.MixCosts``, its undominated configurations only: the solver needs no others).
-    ``plan_batch`` runs the same solver as ``cptune.mixes.plan_batch``."""
+    ``cptune.mixes.plan_batch(plan, lengths)`` solves a batch from it."""
 
     ranks: int
     grid: tuple[int, ...]
@@ -203,19 +202,6 @@ class BatchPolicy:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranks": self.ranks, "grid": list(self.grid), "curves": [c.to_dict() for c in self.curves]}
-
-    def costs(self, shape: AttentionShape, hardware: PlanHardware) -> Any:
-        """The ``cptune.mixes.MixCosts`` these curves are (imports the solver, not a database)."""
-        import numpy as np
-
-        from cptune.mixes import MixCosts
-
-        ms = np.array([[np.nan if v is None else v for v in c.ms] for c in self.curves], dtype=np.float64)
-        return MixCosts(shape, self.ranks, hardware.description, hardware.fingerprint,
-                        tuple(c.config for c in self.curves), np.array(self.grid, dtype=np.int64), ms,
-                        np.where(np.isfinite(ms), "plan", "").astype(object),
-                        np.array([c.alone_max for c in self.curves], dtype=np.int64),
-                        np.array([c.shared_max for c in self.curves], dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -233,23 +219,6 @@ class Plan:
     source: str | None = None
     #: The per-batch policy, when exported with one (``cptune export --batch-lengths``).
     batch_policy: BatchPolicy | None = None
-
-    def plan_batch(self, lengths: Any, ranks: int | None = None) -> Any:
-        """The per-batch plan (``cptune.mixes.BatchPlan``) of the batch ``lengths`` on ``ranks``
-        ranks (default: the policy's), solved from the plan's batch policy by
-        ``cptune.mixes.plan_batch``; ``PlanError`` when the plan carries none."""
-        if self.batch_policy is None:
-            raise PlanError(f"{self.source or 'this plan'} carries no batch policy: export it with "
-                            f"cptune export --batch-lengths FILE")
-        from cptune.mixes import plan_batch
-
-        return plan_batch(self._batch_costs, lengths, ranks)
-
-    @cached_property
-    def _batch_costs(self) -> Any:
-        """The policy's ``MixCosts``, built once per loaded plan (not every step)."""
-        assert self.batch_policy is not None
-        return self.batch_policy.costs(self.shape, self.hardware)
 
     @property
     def max_seq_len(self) -> int:

@@ -12,10 +12,10 @@ A bucket lists the configurations tied with its pick (``Recommendation.tied``: m
 the noise cannot separate from it, or a description's alternatives its figures cannot order);
 the launch starts as many ranks as the largest listed configuration uses, so any of them runs.
 
-With ``batch_lengths`` (lengths of the batches to come) the plan carries a batch policy: the
-cost curves ``cptune.mixes.mix_costs`` reads over those lengths, of the configurations the
-per-batch solver can use, so a deployment plans each batch (``Plan.plan_batch``) without a
-database; the launch then starts the policy's ranks too.
+With a ``batch_policy`` (``cptune.mixes.mix_policy``: the cost curves over the lengths of the
+batches to come, of the configurations the per-batch solver can use) the plan carries it, so a
+deployment plans each batch (``cptune.mixes.plan_batch(plan, lengths)``) without a database;
+the launch then starts the policy's ranks too.
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
 from cptune.model import CalibratedProfile, DescribedProfile, MeasuredHost, hardware_profile, recommend
-from cptune.plans._plan import Alternative, BatchPolicy, Bucket, Plan, PlanHardware, PolicyCurve, launch_for
+from cptune.plans._plan import Alternative, BatchPolicy, Bucket, Plan, PlanHardware, launch_for
 from cptune.version import __version__
 from cptune.workload import Workload
-
-if TYPE_CHECKING:
-    from cptune.mixes import MixCosts
 
 
 def bucket_bounds(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
@@ -58,7 +54,7 @@ def export_plan(
     figures: Mapping[str, float] | None = None,
     nccl_path: str | None = None,
     nodes: int | None = None,
-    batch_lengths: Sequence[int] | None = None,
+    batch_policy: BatchPolicy | None = None,
 ) -> Plan:
     """A plan for ``workloads`` (one attention shape at several sequence lengths): the
     ``recommend`` pick at each length (same ``ranks``, ``hardware``, ``db``, ``strategies``)
@@ -66,15 +62,14 @@ def export_plan(
     the engine whose view of this host ``hardware`` None means, ``figures`` a description's
     figures measured on the machine and ``nccl_path`` the path NCCL takes there, ``nodes`` a
     calibrated cluster read for that many nodes sharing ``ranks`` (``recommend``);
-    ``batch_lengths``: carry the batch policy for batches of such lengths on up to ``ranks``
-    ranks (None: the hardware's), module docstring."""
+    ``batch_policy``: the plan carries it (module docstring)."""
     if not workloads:
         raise CPTuneError("a plan needs at least one sequence length")
     shape = workloads[0].shape
     if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
-    if batch_lengths is not None and nodes is not None:
+    if batch_policy is not None and nodes is not None:
         raise CPTuneError("a batch policy is read on the hardware's own ranks, not a calibrated cluster of "
                           "--nodes: leave out --nodes or --batch-lengths")
     profile = hardware_profile(hardware, db, backend, figures, nccl_path, nodes, ranks)
@@ -93,14 +88,8 @@ def export_plan(
                               pick.source, evidence, pick.tied, ranked, decided_by))
     # every listed configuration, tied alternatives too, can run within the launch
     used = max(c.ranks for b in buckets for c in b.contenders)
-    policy = None
-    if batch_lengths is not None:
-        from cptune.mixes import LengthMix, mix_costs
-
-        costs = mix_costs(shape, LengthMix.of(batch_lengths), ranks, hardware, db, strategies, backend,
-                          figures, nccl_path)
-        policy = batch_policy(costs)
-        used = max(used, policy.ranks)
+    if batch_policy is not None:
+        used = max(used, batch_policy.ranks)
     if isinstance(profile, DescribedProfile):
         description = profile.description
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
@@ -113,15 +102,5 @@ def export_plan(
     return Plan(
         hardware=plan_hardware, shape=shape, buckets=tuple(buckets), launch=launch,
         cptune_version=__version__, created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        batch_policy=policy,
+        batch_policy=batch_policy,
     )
-
-
-def batch_policy(costs: MixCosts) -> BatchPolicy:
-    """The batch policy of ``costs``: its undominated configurations' curves (the only ones the
-    per-batch solver uses, so it plans every batch as it would from ``costs``)."""
-    curves = tuple(
-        PolicyCurve(costs.configs[i], tuple(None if not math.isfinite(v) else float(v) for v in costs.ms[i]),
-                    int(costs.alone_max[i]), int(costs.shared_max[i]))
-        for i in costs.undominated.tolist())
-    return BatchPolicy(costs.ranks, tuple(int(x) for x in costs.grid), curves)
