@@ -54,7 +54,7 @@ SWAP_GROUPS = 16
 PAIRED = 24
 #: How many of the partitions tried at once (the first ones, then each round's neighbours) the
 #: fast solver searches locally: those whose first assignment has the least makespan.
-SCREENED = 3
+SCREENED = 1
 #: How many times at most the fast solver tries the partitions next to its best one.
 NEIGHBOUR_ROUNDS = 8
 
