@@ -573,6 +573,6 @@ def _with_backward(workload: Workload, config: CPConfig, stream: str, forward: A
     backward_flops = int(BACKWARD_FLOPS_RATIO * forward.flops)
     return dataclasses.replace(
         forward, flops=forward.flops + backward_flops, backward_flops=backward_flops, bytes_sent=bytes_sent,
-        comm_steps=steps, peak_bytes=_peak(workload, config, z), backward_memory_bytes=backward.memory,
+        comm_steps=steps, peak_bytes=peak_bytes(workload, config), backward_memory_bytes=backward.memory,
         backward_kernels=backward.kernels, backward_ring_bytes=backward.ring_bytes,
         backward_ring_kernels=backward.ring_kernels)

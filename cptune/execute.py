@@ -24,7 +24,7 @@ import numpy as np
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import analytic_cost
-from cptune.engines import Engine, Trained, check_runs, get_engine, ranks_per_node, untimed
+from cptune.engines import Engine, Trained, check_runs, get_engine, given_hosts, ranks_per_node, untimed
 from cptune.errors import EngineError, InfeasibleConfigError, SearchSetupError
 from cptune.feasibility import check_feasible, closest_to_fitting, enumerate_configs, feasibility
 from cptune.guard import Watch, join_reasons, own_spread
@@ -100,6 +100,8 @@ def space_rank_counts(space: SearchSpace, engine: Engine, max_ranks: int | None,
     counts = tuple(n for n in space.rank_counts(available) if max_ranks is None or n <= max_ranks)
     if not counts:
         raise SearchSetupError(f"--max-ranks {max_ranks} leaves none of the space's rank counts")
+    if (nodes := given_hosts(engine)) is not None:
+        nodes.check_ranks(max(counts))  # the nodes' size speaks before any one host's cores
     over = [n for n in counts if n > engine.capacity()]
     if over:
         check_rank_count(f"ranks {', '.join(map(str, over))} of {space.origin}", max(over), engine,

@@ -67,6 +67,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                         help="with a calibrated cluster's fingerprint: plan for this many nodes sharing "
                              "--ranks (a size it never ran; as cptune recommend --nodes)")
     export.add_argument("--db", help=DB_HELP)
+    export.add_argument("--batch-lengths", metavar="FILE",
+                        help="lengths of the batches to come (one a line, a JSON list or histogram, or a "
+                             ".npy array): the plan carries the per-batch policy, so a deployment plans each "
+                             "batch with cptune.plan_batch(plan, lengths) and no database (docs/mixes.md)")
     add_workload_flags(export, lengths=True, with_strategies=True)
     export.set_defaults(ranks=None)  # the search-space reader's rank list: not a flag of export
     add_framework_flag(export, "print each bucket as FRAMEWORK takes it: the fastest configuration it "
@@ -133,15 +137,31 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
     if output is not None and args.plan is not None and same_file(output, args.plan):
         raise UsageError(f"-o {output} is the --plan file this command reads, so it is left as it is: write "
                          f"the plan elsewhere (cptune export -o PATH)")
+    if args.batch_lengths is not None and (args.plan is not None or args.framework):
+        raise UsageError("--batch-lengths exports a plan with a batch policy: leave out --for and --plan")
+    batch = None
+    if args.batch_lengths is not None:
+        from cptune.mixes import read_mix
+
+        if args.nodes is not None:
+            raise UsageError("a batch policy is read on the hardware's own ranks, not a calibrated cluster "
+                             "of --nodes: leave out --nodes or --batch-lengths")
+        batch = read_mix(args.batch_lengths)  # bad input refused before the work
     if output is not None:
         check_replaceable(output, args.force)  # before the work, not only at the write
     if args.plan is not None:
         plan = load_plan(args.plan, hardware=args.hardware, force=args.hardware is None)
     else:
         space = find_space(space_of(args))
-        plan = export_plan(space.workloads(), ranks=args.plan_ranks, hardware=args.hardware, db=args.db,
-                           strategies=space.strategies, backend=args.backend, figures=figures_of(args),
-                           nccl_path=args.nccl_path, nodes=args.nodes)
+        where = {"hardware": args.hardware, "db": args.db, "strategies": space.strategies,
+                 "backend": args.backend, "figures": figures_of(args), "nccl_path": args.nccl_path}
+        policy = None
+        if batch is not None:
+            from cptune.mixes import mix_policy
+
+            policy = mix_policy(space.workloads()[0].shape, batch, args.plan_ranks, **where)
+        plan = export_plan(space.workloads(), ranks=args.plan_ranks, nodes=args.nodes, batch_policy=policy,
+                           **where)
     if args.framework:  # the profile the plan was tuned on prices what the framework runs otherwise
         from cptune.model import hardware_profile
 
@@ -177,6 +197,12 @@ def run_export(args: argparse.Namespace, console: Console) -> int:
     say(console, f"launch {plan.launch.ranks} rank(s): {' '.join(plan.launch.mpiexec)} <your program>  "
                   f"(Slurm: {' '.join(plan.launch.srun)} <your program>; PyTorch: "
                   f"{' '.join(plan.launch.torchrun)} <your program>)")
+    if plan.batch_policy is not None:
+        policy = plan.batch_policy
+        say(console, f"batch policy: {len(policy.curves)} configurations' cost curves over "
+                     f"{len(policy.grid)} lengths ({policy.grid[0]:,}-{policy.grid[-1]:,} tokens), "
+                     f"batches on up to {policy.ranks} ranks; a deployment plans one with "
+                     f"cptune.plan_batch(load_plan(...), lengths, ranks)")
     say(console, f"wrote {path}; a deployment reads it with cptune.load_plan({str(path)!r})")
     return 0
 

@@ -5,8 +5,9 @@ sequences each runs). See docs/mixes.md."""
 from cptune.mixes._batch import BatchPlan, Group, exact_batch_plan, one_group_plan, plan_batch
 from cptune.mixes._costs import MixCosts, check_fits, mix_costs
 from cptune.mixes._mix import LengthMix, MixError, read_mix
+from cptune.mixes._policy import batch_policy, mix_policy
 from cptune.mixes._static import MixRecommendation, MixTime, recommend_mix
 
 __all__ = ["BatchPlan", "Group", "LengthMix", "MixCosts", "MixError", "MixRecommendation", "MixTime",
-           "check_fits", "exact_batch_plan", "mix_costs", "one_group_plan", "plan_batch", "read_mix",
-           "recommend_mix"]
+           "batch_policy", "check_fits", "exact_batch_plan", "mix_costs", "mix_policy", "one_group_plan",
+           "plan_batch", "read_mix", "recommend_mix"]

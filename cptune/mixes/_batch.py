@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.mixes._costs import MixCosts
 from cptune.mixes._mix import LengthMix, MixError
+from cptune.mixes._policy import policy_costs
+from cptune.plans import Plan
 
 #: Local-search steps (a move or a swap out of the slowest group) the fast solver takes at most
 #: on each partition it tries, and on the best of them.
@@ -51,7 +54,7 @@ SWAP_GROUPS = 16
 PAIRED = 24
 #: How many of the partitions tried at once (the first ones, then each round's neighbours) the
 #: fast solver searches locally: those whose first assignment has the least makespan.
-SCREENED = 3
+SCREENED = 1
 #: How many times at most the fast solver tries the partitions next to its best one.
 NEIGHBOUR_ROUNDS = 8
 
@@ -133,6 +136,9 @@ class _Problem:
         self.sizes = sizes[kept]
         self.ranks = ranks
         self.lengths = lengths
+        #: Each size's configurations (rows of ``t``) and their times, one table per size, cut once.
+        self.rows = {g: np.flatnonzero(self.sizes == g) for g in np.unique(self.sizes).tolist()}
+        self.blocks = {g: self.t[rows] for g, rows in self.rows.items()}
         if not np.isfinite(self.t).any(axis=0).all():
             s = int(np.argmin(np.isfinite(self.t).any(axis=0)))
             raise MixError(f"sequence {s + 1} ({int(lengths[s]):,} tokens) fits no configuration on up to "
@@ -140,9 +146,9 @@ class _Problem:
 
     def group_time(self, size: int, members: Sequence[int]) -> tuple[float, int]:
         """The best time of a group of ``size`` ranks running ``members``, and its configuration."""
-        rows = np.flatnonzero(self.sizes == size)
+        rows = self.rows[size]
         columns = np.asarray(members, dtype=np.int64)
-        sums = self.t[np.ix_(rows, columns)].sum(axis=1) if columns.size else np.zeros(rows.size)
+        sums = self.blocks[size][:, columns].sum(axis=1) if columns.size else np.zeros(rows.size)
         best = int(np.argmin(sums))
         return float(sums[best]), int(rows[best])
 
@@ -164,25 +170,41 @@ class _Problem:
 def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
     """The group sizes, and each sequence's time on a group of each (its best configuration there)."""
     sizes = np.unique(problem.sizes)
-    best = np.stack([problem.t[problem.sizes == g].min(axis=0) for g in sizes])
+    best = np.stack([problem.blocks[int(g)].min(axis=0) for g in sizes])
     return sizes, best
 
 
 def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
     """How many groups of each size, by bisection on the makespan (step 2); None when no
     makespan's groups fit the ranks."""
-    n = best.shape[1]
-    columns = np.arange(n)
     weighted = sizes[:, None] * best
+    # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
+    # equals, the first). Only its frontier can be that: the sizes in order of rank-time, each
+    # kept if faster than all before it; the first within the makespan is then the first of
+    # the frontier within it, and the frontier's times fall, so it is found by counting.
+    order = np.argsort(weighted.T, axis=1, kind="stable")  # (sequences, sizes): rows contiguous
+    ordered = np.take_along_axis(best.T, order, axis=1)
+    least = np.minimum.accumulate(ordered, axis=1)
+    kept = np.empty(ordered.shape, dtype=bool)
+    kept[:, 0] = np.isfinite(ordered[:, 0])
+    kept[:, 1:] = ordered[:, 1:] < least[:, :-1]
+    per = kept.sum(axis=1)  # each sequence's frontier's length
+    seq, place = np.nonzero(kept)  # by sequence, then in order of rank-time
+    depth = np.arange(seq.size) - np.repeat(np.cumsum(per) - per, per)
+    front = np.full((int(per.max()), best.shape[1]), -np.inf)  # padding: within any makespan...
+    front[depth, seq] = ordered[seq, place]
+    front_size = np.zeros(front.shape, dtype=np.int64)
+    front_size[depth, seq] = order[seq, place]
+    lengths = per  # ...but a place past a sequence's frontier holds none
 
-    def needed(limit: float) -> tuple[int, np.ndarray]:
-        work = np.where(best <= limit, weighted, np.inf)
-        choice = np.argmin(work, axis=0)
-        if not np.isfinite(work[choice, columns]).all():
-            return ranks + 1, np.zeros(sizes.size, dtype=np.int64)
-        loads = np.bincount(choice, weights=best[choice, columns], minlength=sizes.size)
+    def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
+        at = (front > limit).sum(axis=0)
+        if (at >= lengths).any():
+            return ranks + 1, np.zeros(sizes.size, dtype=np.int64), np.zeros(sizes.size)
+        columns = np.arange(at.size)
+        loads = np.bincount(front_size[at, columns], weights=front[at, columns], minlength=sizes.size)
         counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
-        return int(sizes @ counts), counts
+        return int(sizes @ counts), counts, loads
 
     low = max(float(best.min(axis=0).max()), float(weighted.min(axis=0).sum()) / ranks)
     high = low
@@ -200,11 +222,8 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
             high = middle
         else:
             low = middle
-    used, counts = needed(high)
+    used, counts, loads = needed(high)
     # the ranks left over: more groups of the sizes whose groups are fullest
-    work = np.where(best <= high, weighted, np.inf)
-    choice = np.argmin(work, axis=0)
-    loads = np.bincount(choice, weights=best[choice, columns], minlength=sizes.size)
     spare = ranks - used
     while True:
         fits = np.flatnonzero((sizes <= spare) & (loads > 0))
@@ -216,11 +235,25 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     return counts
 
 
-def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
-            ) -> tuple[float, list[tuple[int, list[int]]]] | None:
+def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> float:
+    """A makespan no assignment to ``counts`` groups per size goes below (``_assign``'s
+    included): the longest of the sequences' least times on the sizes used, and their least
+    rank-time spread over all the groups' ranks; inf when a sequence fits none of those sizes."""
+    used = counts > 0
+    if not used.any():
+        return math.inf
+    sub = best[used]
+    fastest = sub.min(axis=0)
+    area = (sizes[used][:, None] * sub).min(axis=0).sum() / float(sizes @ counts)
+    return float(max(fastest.max(), area))
+
+
+def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray, cutoff: float = math.inf,
+            at_cutoff: bool = False) -> tuple[float, list[tuple[int, list[int]]]] | None:
     """Longest sequence first into the group where it finishes soonest (step 3): the makespan
     so reached (each sequence at its size's best configuration for it) and (size, members) per
-    group; None when some sequence fits no group."""
+    group; None when some sequence fits no group, or once the makespan so far (never more than
+    the final one) is above ``cutoff`` (``at_cutoff``: or at it)."""
     classes = [i for i in range(sizes.size) if counts[i] > 0]
     if not classes:
         return None
@@ -231,23 +264,27 @@ def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray
         groups += [(int(sizes[i]), []) for _ in range(int(counts[i]))]
     sub = best[classes]
     order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-    columns = sub[:, order].T.tolist()
-    span = range(len(classes))
-    one = len(classes) == 1
-    for s, column in zip(order.tolist(), columns, strict=True):
-        if one:
-            k, finish = 0, heaps[0][0][0] + column[0]
-        else:
-            k, finish = 0, math.inf
-            for c in span:
-                if (end := heaps[c][0][0] + column[c]) < finish:
-                    k, finish = c, end
+    rows = [row.tolist() for row in sub[:, order]]  # floats, not a list per sequence for the GC to scan
+    tops = [0.0] * len(classes)  # each class's least busy group's time so far
+    span = 0.0
+    add, replace = operator.add, heapq.heapreplace
+    members = [listed for _, listed in groups]
+    for s, column in zip(order.tolist(), zip(*rows, strict=True), strict=True):
+        ends = list(map(add, tops, column))
+        finish = min(ends)
         if finish == math.inf:
             return None
-        g = heaps[k][0][1]
-        heapq.heapreplace(heaps[k], (finish, g))
-        groups[g][1].append(s)
-    return max(end for heap in heaps for end, _ in heap), groups
+        k = ends.index(finish)  # of equals, the first class
+        heap = heaps[k]
+        g = heap[0][1]
+        replace(heap, (finish, g))
+        tops[k] = heap[0][0]
+        members[g].append(s)
+        if finish > span:
+            span = finish
+            if span > cutoff or (at_cutoff and span >= cutoff):
+                return None
+    return span, groups
 
 
 class _Search:
@@ -257,7 +294,8 @@ class _Search:
     def __init__(self, problem: _Problem, groups: list[tuple[int, list[int]]]) -> None:
         self.t = problem.t
         self.size = np.array([g for g, _ in groups], dtype=np.int64)
-        self.rows = {g: np.flatnonzero(problem.sizes == g) for g in set(self.size.tolist())}
+        self.rows = {g: problem.rows[g] for g in set(self.size.tolist())}
+        self.blocks = {g: problem.blocks[g] for g in self.rows}
         self.group_of = np.empty(problem.t.shape[1], dtype=np.int64)
         for k, (_, members) in enumerate(groups):
             self.group_of[members] = k
@@ -272,6 +310,11 @@ class _Search:
                                           minlength=mine.size) for r in rows], axis=1)
             for a, group in enumerate(mine.tolist()):
                 self.sums[group] = table[a]
+        self.of_size = {g: np.flatnonzero(self.size == g) for g in self.rows}
+        # each group's sequences and time (its best configuration's sum), kept as moves change them
+        self.count = np.bincount(self.group_of, minlength=len(groups))
+        self.time = np.array([float(sums.min()) if c else 0.0
+                              for sums, c in zip(self.sums, self.count, strict=True)])
 
     def plan(self, problem: _Problem, solver: str) -> BatchPlan:
         """The plan the groups make now, each in the configuration best for its sequences."""
@@ -292,14 +335,17 @@ class _Search:
         return np.flatnonzero(self.group_of == k)
 
     def times(self) -> np.ndarray:
-        counts = np.bincount(self.group_of, minlength=len(self.sums))
-        return np.array([float(s.min()) if c else 0.0 for s, c in zip(self.sums, counts, strict=True)])
+        return self.time.copy()
 
     def _move(self, s: int, target: int) -> None:
         source = int(self.group_of[s])
-        self.sums[source] = self.sums[source] - self.t[self.rows[int(self.size[source])], s]
-        self.sums[target] = self.sums[target] + self.t[self.rows[int(self.size[target])], s]
+        self.sums[source] = self.sums[source] - self.blocks[int(self.size[source])][:, s]
+        self.sums[target] = self.sums[target] + self.blocks[int(self.size[target])][:, s]
         self.group_of[s] = target
+        self.count[source] -= 1
+        self.count[target] += 1
+        self.time[source] = float(self.sums[source].min()) if self.count[source] else 0.0
+        self.time[target] = float(self.sums[target].min())
 
     def improve(self, budget: int, exchanges: bool = True) -> None:
         """Moves and swaps out of the slowest group while one lowers the makespan (then, with
@@ -322,11 +368,10 @@ class _Search:
         makespan most, or at the same makespan the sum of the squared group times (a plateau
         where several groups are the slowest); None when none lowers either. (The makespan
         never rises and the squares fall: the search cannot cycle.)"""
-        t, n_groups = self.t, len(self.sums)
         mine = self.members(k)
-        rows_k = self.rows[int(self.size[k])]
+        block_k = self.blocks[int(self.size[k])]
         # group k's time with each of its sequences gone: (configurations, mine) -> mine
-        without = self.sums[k][:, None] - t[np.ix_(rows_k, mine)]
+        without = self.sums[k][:, None] - block_k[:, mine]
         left = without.min(axis=0) if mine.size > 1 else np.zeros(mine.size)
         order = np.argsort(-times)
         top = [int(g) for g in order[:3]]
@@ -334,6 +379,10 @@ class _Search:
 
         def rest(excluded: set[int]) -> float:
             return next((float(times[g]) for g in top if g not in excluded), 0.0)
+
+        # rest({k, j}) for many j at once: the slowest group but k, or j is it, the next
+        others_top = [g for g in top if g != k] + [-1, -1]
+        first, second = (float(times[g]) if g >= 0 else 0.0 for g in others_top[:2])
 
         best_key: tuple[float, float] = (current * (1 + 1e-12), -current * current * 1e-9)
         best: tuple[int, int, int] | None = None
@@ -350,33 +399,29 @@ class _Search:
                 return tuple(int(i) for i in np.unravel_index(int(flat), value.shape))
             return None
 
-        for g, rows in self.rows.items():  # moves, a size's groups at once
-            targets = [j for j in range(n_groups) if self.size[j] == g and j != k]
-            if not targets:
+        for g, block in self.blocks.items():  # moves, a size's groups at once
+            targets = self.of_size[g][self.of_size[g] != k]
+            if not targets.size:
                 continue
-            stacked = np.stack([self.sums[j] for j in targets])  # (targets, configurations)
-            joined = (stacked[:, :, None] + t[np.ix_(rows, mine)][None]).min(axis=1)  # (targets, mine)
-            others = np.array([rest({k, j}) for j in targets])
+            stacked = np.stack([self.sums[j] for j in targets.tolist()])  # (targets, configurations)
+            joined = (stacked[:, :, None] + block[:, mine][None]).min(axis=1)  # (targets, mine)
+            others = np.where(targets == others_top[0], second, first)
             value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
             before = current ** 2 + times[targets] ** 2
             if (at := consider(value, left[None, :] ** 2 + joined ** 2 - before[:, None])) is not None:
-                best = (int(mine[at[1]]), targets[at[0]], -1)
+                best = (int(mine[at[1]]), int(targets[at[0]]), -1)
         if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
-        outside = np.flatnonzero(self.group_of != k)
-        if not outside.size:
-            return best
-        # swaps: group k's time with s out and o in: (mine, outside)
-        incoming = (without[:, :, None] + t[np.ix_(rows_k, outside)][:, None, :]).min(axis=0)
-        owners = self.group_of[outside]
-        holding = set(owners.tolist())
-        for j in [int(g) for g in order[::-1] if g != k and int(g) in holding][:SWAP_GROUPS]:
-            theirs = outside[owners == j]
-            rows_j = self.rows[int(self.size[j])]
-            # group j's time with o out and s in: (mine, theirs)
-            back = ((self.sums[j][:, None, None] + t[np.ix_(rows_j, mine)][:, :, None])
-                    - t[np.ix_(rows_j, theirs)][:, None, :]).min(axis=0)
-            into = incoming[:, owners == j]
+        # swaps with the least busy other groups holding sequences
+        least_busy = order[::-1]
+        least_busy = least_busy[(least_busy != k) & (self.count[least_busy] > 0)][:SWAP_GROUPS]
+        for j in least_busy.tolist():
+            theirs = self.members(j)
+            block_j = self.blocks[int(self.size[j])]
+            # group k's time with s out and o in, group j's with o out and s in: (mine, theirs)
+            into = (without[:, :, None] + block_k[:, theirs][:, None, :]).min(axis=0)
+            back = ((self.sums[j][:, None, None] + block_j[:, mine][:, :, None])
+                    - block_j[:, theirs][:, None, :]).min(axis=0)
             value = np.maximum(np.maximum(into, back), rest({k, j}))
             if (at := consider(value, into ** 2 + back ** 2 - current ** 2 - times[j] ** 2)) is not None:
                 best = (int(mine[at[0]]), j, int(theirs[at[1]]))
@@ -420,7 +465,7 @@ class _Search:
     def _after(self, k: int, leaving: list[tuple[int, ...]], coming: list[tuple[int, ...]]) -> np.ndarray:
         """Group k's time with each bundle of ``leaving`` gone and each of ``coming`` in: (leaving,
         coming)."""
-        t = self.t[self.rows[int(self.size[k])]]
+        t = self.blocks[int(self.size[k])]
         out = t[:, np.array(leaving)].sum(axis=2)  # (configurations, leaving)
         into = t[:, np.array(coming)].sum(axis=2)
         return (self.sums[k][:, None, None] - out[:, :, None] + into[:, None, :]).min(axis=0)
@@ -497,14 +542,17 @@ def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
+def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
                rounds: int = NEIGHBOUR_ROUNDS, allowed: Callable[[CPConfig], bool] | None = None
                ) -> BatchPlan:
     """The fast solver's plan for the batch ``lengths`` on ``ranks`` ranks (default: all the
-    costs were read for); see the module docstring. ``rounds``: how many times at most the
+    costs were read for); see the module docstring. ``costs``: ``mix_costs``'s, or a loaded plan
+    carrying a batch policy (a deployment, every step, no database). ``rounds``: how many times at most the
     partitions next to the best one are tried; ``allowed``: only the configurations it accepts
     (a narrower space, e.g. Ulysses on powers of two, FlexSP's). ``MixError`` when a sequence
     fits nowhere."""
+    if isinstance(costs, Plan):
+        costs = policy_costs(costs)
     problem = _problem(costs, lengths, ranks, allowed)
     sizes, best = _best_by_size(problem)
     top = problem.ranks
@@ -520,31 +568,45 @@ def plan_batch(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int |
 
     def screened(partitions: list[np.ndarray]) -> list[list[tuple[int, list[int]]]]:
         """The groups of the ``SCREENED`` new partitions whose first assignment (step 3) has the
-        least makespan."""
-        found = []
-        for counts in partitions:
+        least makespan (of equals, the first listed). A partition whose makespan cannot be below
+        the ``SCREENED``-th found so far (``_assignment_bound``) is not assigned, and one is given
+        up as soon as its makespan so far passes it: it could not be among them."""
+        fresh = []
+        for i, counts in enumerate(partitions):
             if counts.tobytes() not in seen:
                 seen.add(counts.tobytes())
-                if (assigned := _assign(sizes, best, counts)) is not None:
-                    found.append(assigned)
-        found.sort(key=lambda pair: pair[0])
-        return [groups for _, groups in found[:SCREENED]]
+                fresh.append((_assignment_bound(sizes, best, counts), i, counts))
+        fresh.sort(key=lambda entry: (entry[0], entry[1]))
+        found: list[tuple[float, int, list[tuple[int, list[int]]]]] = []
+        for bound, i, counts in fresh:
+            if len(found) >= SCREENED and bound > found[SCREENED - 1][0] * (1 + 1e-12):
+                break
+            cutoff, at_cutoff = math.inf, False
+            if len(found) >= SCREENED:  # worse than the SCREENED-th, or as good but listed after it
+                cutoff, at_cutoff = found[SCREENED - 1][0], i > found[SCREENED - 1][1]
+            if (assigned := _assign(sizes, best, counts, cutoff, at_cutoff)) is not None:
+                found.append((assigned[0], i, assigned[1]))
+                found.sort(key=lambda entry: (entry[0], entry[1]))
+        return [groups for _, _, groups in found[:SCREENED]]
 
-    def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[BatchPlan, _Search]:
+    def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[float, _Search]:
+        """The makespan the groups reach after ``steps`` of local search, and the search."""
         search = _Search(problem, groups)
         search.improve(steps, exchanges=False)
-        return search.plan(problem, "fast"), search
+        return float(search.times().max()), search
 
-    plans = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
-    if not plans:
+    polished_first = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
+    if not polished_first:
         raise MixError(f"no plan on {top} ranks holds every sequence of the batch")
-    chosen, search = min(plans, key=lambda pair: pair[0].makespan_ms)
+    search = min(polished_first, key=lambda pair: pair[0])[1]
+    chosen = search.plan(problem, "fast")  # only the partitions kept are built as plans
     for _ in range(rounds):
         near = [polished(groups, TRIAL_STEPS) for groups in screened(_neighbours(chosen, sizes))]
-        better = min(near, key=lambda pair: pair[0].makespan_ms, default=None)
-        if better is None or better[0].makespan_ms >= chosen.makespan_ms * (1 - 1e-9):
+        better = min(near, key=lambda pair: pair[0], default=None)
+        if better is None or better[0] >= chosen.makespan_ms * (1 - 1e-9):
             break
-        chosen, search = better
+        search = better[1]
+        chosen = search.plan(problem, "fast")
     search.improve(SEARCH_STEPS)
     final = search.plan(problem, "fast")
     return final if final.makespan_ms < chosen.makespan_ms else chosen

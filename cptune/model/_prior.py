@@ -101,7 +101,7 @@ class PriorTime:
     #: Fixed cost of the kernels launched.
     overhead_s: float = 0.0
 
-    @property
+    @functools.cached_property  # read three times per configuration weighed; a sum of arrays of variants
     def total_s(self) -> float:
         return (self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
                 + self.memory_s + self.overhead_s)
@@ -167,6 +167,7 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
 
 
+@functools.lru_cache(maxsize=65536)  # pure, an int: a training step's forward and backward both ask
 def _calls(workload: Workload, config: CPConfig) -> int:
     """The fused calls the busiest rank makes (``cptune.calls``): in closed form for a plain
     workload (``busiest_calls``), from its plan for one counted by position (many short

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from stat import S_ISREG
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 from cptune.config import STRATEGIES, CPConfig
 from cptune.engines import get_engine
@@ -52,7 +53,7 @@ from cptune.workload import Workload
 
 SOURCES: tuple[str, ...] = ("measured", "model", "prior")
 #: The most ranks ``recommend`` weighs every count up to when not given one (whole nodes beyond
-#: the first, ``weighed_ranks``): 8,192 GPUs take about 2 s (``benchmarks/recommend_scaling.py``),
+#: the first, ``weighed_ranks``): 8,192 GPUs take under a second (``benchmarks/recommend_scaling.py``),
 #: and the configurations grow with the ranks.
 MAX_ANY_RANKS = 16_384
 
@@ -464,6 +465,31 @@ def correction_decision_of(db: str | None = None) -> CorrectionDecision:
     return _advisor(db).decision
 
 
+Params = ParamSpec("Params")
+Returned = TypeVar("Returned")
+
+
+def _collection_paused(function: Callable[Params, Returned]) -> Callable[Params, Returned]:
+    """``function`` run with Python's cyclic garbage collector paused (as it was after). Weighing
+    thousands of configurations makes millions of small objects, which reference counting frees
+    (they hold no cycles), and fills the prior's caches; meanwhile the collector would walk every
+    object those caches hold several times over: about 40% of the CPU of a forward
+    recommendation on 8,192 GPUs (``benchmarks/recommend_scaling.py``). It runs as usual after."""
+
+    @functools.wraps(function)
+    def paused(*args: Params.args, **kwargs: Params.kwargs) -> Returned:
+        if not gc.isenabled():
+            return function(*args, **kwargs)
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_collection_paused
 def recommend(
     workload: Workload,
     ranks: int | None = None,

@@ -8,6 +8,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,10 +19,10 @@ from cptune.model._profiles import DescribedProfile, Profile
 from cptune.workload import Workload
 
 
-@dataclass(frozen=True)
-class FigureSwing:
+class FigureSwing(NamedTuple):
     """The prior latency (s) of one configuration with one figure of its description at the
-    low and at the high end of the range its source allows, the others at their values."""
+    low and at the high end of the range its source allows, the others at their values (a
+    named tuple: a cluster's recommendation makes one per figure of thousands of configurations)."""
 
     figure: str
     at_low_s: float
@@ -66,7 +67,7 @@ def _described_prior(workload: Workload, config: CPConfig,
     keys, spread = _spread(description)
     prior = prior_time(workload, config, spread)
     totals: list[float] = np.asarray(prior.total_s).tolist()  # arrays over the variants
-    swings = tuple(FigureSwing(key, totals[2 * i], totals[2 * i + 1]) for i, key in enumerate(keys))
+    swings = tuple(map(FigureSwing, keys, totals[0::2], totals[1::2]))  # (low, high) of each figure
     return DescribedPrior(totals[-1], swings, *prior_range(totals[-1], swings),
                           outside_compute=float(np.asarray(prior.outside_compute)[-1]))
 
@@ -81,10 +82,17 @@ def _spread(description: HardwareDescription) -> tuple[tuple[str, ...], Describe
 def prior_range(total_s: float, swings: tuple[FigureSwing, ...]) -> tuple[float, float]:
     """(low, high) seconds of a prior latency ``total_s`` from its figures' swings: each
     figure's largest move down and up, added in quadrature (the figures' sources are
-    independent)."""
-    down = sum(min(0.0, s.at_low_s - total_s, s.at_high_s - total_s) ** 2 for s in swings) ** 0.5
-    up = sum(max(0.0, s.at_low_s - total_s, s.at_high_s - total_s) ** 2 for s in swings) ** 0.5
-    return max(total_s - down, 0.0), total_s + up
+    independent). One pass, no generator: it runs for every configuration a recommendation weighs."""
+    down = up = 0.0
+    for _, at_low, at_high in swings:
+        lower, higher = at_low - total_s, at_high - total_s
+        if lower > higher:
+            lower, higher = higher, lower
+        if lower < 0.0:
+            down += lower**2
+        if higher > 0.0:
+            up += higher**2
+    return max(total_s - down**0.5, 0.0), total_s + up**0.5
 
 
 #: The prior's own error in ordering two configurations, beyond what its figures' ranges

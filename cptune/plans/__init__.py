@@ -8,6 +8,7 @@ import stays light; ``cptune.plans.export.export_plan`` builds one from recommen
 from cptune.plans._plan import (
     SCHEMA_VERSION,
     Alternative,
+    BatchPolicy,
     Bucket,
     Device,
     Launch,
@@ -15,6 +16,7 @@ from cptune.plans._plan import (
     PlanError,
     PlanHardware,
     PlanMismatchError,
+    PolicyCurve,
     check_replaceable,
     load_plan,
     plan_schema,
@@ -23,6 +25,7 @@ from cptune.plans._plan import (
 __all__ = [
     "SCHEMA_VERSION",
     "Alternative",
+    "BatchPolicy",
     "Bucket",
     "Device",
     "Launch",
@@ -30,6 +33,7 @@ __all__ = [
     "PlanError",
     "PlanHardware",
     "PlanMismatchError",
+    "PolicyCurve",
     "check_replaceable",
     "load_plan",
     "plan_schema",

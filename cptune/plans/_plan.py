@@ -174,6 +174,37 @@ def launch_for(ranks: int, ranks_per_node: int, gpus: bool) -> Launch:
 
 
 @dataclass(frozen=True)
+class PolicyCurve:
+    """One configuration of a batch policy: its time (ms per sequence, the slowest rank's) at
+    each of the policy's grid lengths (None where the cost model gave none), and the longest
+    sequence it holds within a rank's memory alone on its ranks and with all ranks busy."""
+
+    config: CPConfig
+    ms: tuple[float | None, ...]
+    alone_max: int
+    shared_max: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "ms": list(self.ms), "alone_max": self.alone_max,
+                "shared_max": self.shared_max}
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """What the per-batch solver needs to plan any batch on up to ``ranks`` ranks without a
+    database: each configuration's cost curve over ``grid`` lengths and its memory limits
+    (``cptune.mixes.MixCosts``, its undominated configurations only: the solver needs no others).
+    ``cptune.mixes.plan_batch(plan, lengths)`` solves a batch from it."""
+
+    ranks: int
+    grid: tuple[int, ...]
+    curves: tuple[PolicyCurve, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "grid": list(self.grid), "curves": [c.to_dict() for c in self.curves]}
+
+
+@dataclass(frozen=True)
 class Plan:
     """The configuration per sequence-length bucket for one attention ``shape`` on one
     ``hardware``. ``select`` answers a length; ``to_json`` writes the file ``load_plan`` reads."""
@@ -186,6 +217,8 @@ class Plan:
     created_at: str
     #: The file it was loaded from (None when built in memory).
     source: str | None = None
+    #: The per-batch policy, when exported with one (``cptune export --batch-lengths``).
+    batch_policy: BatchPolicy | None = None
 
     @property
     def max_seq_len(self) -> int:
@@ -275,7 +308,7 @@ class Plan:
             "shape": self.shape.to_dict(),
             "buckets": [b.to_dict() for b in self.buckets],
             "launch": self.launch.to_dict(),
-        }
+        } | ({} if self.batch_policy is None else {"batch_policy": self.batch_policy.to_dict()})
 
     def to_json(self) -> str:
         """The file's text: the plan and its digest, indented for people to read."""
@@ -515,6 +548,7 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
             (low, high), entry["source"], tuple(entry["measurement_ids"]), tuple(tied), tuple(alternatives),
             entry.get("decided_by"),
         ))
+    policy = None if "batch_policy" not in data else _policy_from(data["batch_policy"], shape, data, locate)
     launch = data["launch"]
     devices = tuple(Device(**d) for d in launch["devices"])
     if [d.rank for d in devices] != list(range(launch["ranks"])):
@@ -528,7 +562,37 @@ def _plan_from(data: dict[str, Any], name: str, locate: _Locator) -> Plan:
         cptune_version=data["cptune_version"],
         created_at=data["created_at"],
         source=name,
+        batch_policy=policy,
     )
+
+
+def _policy_from(entry: dict[str, Any], shape: AttentionShape, data: dict[str, Any], locate: _Locator
+                 ) -> BatchPolicy:
+    """The batch policy of schema-valid ``entry``, refusing what the schema cannot express."""
+    at: tuple[str | int, ...] = ("batch_policy",)
+    grid = entry["grid"]
+    if any(b <= a for a, b in zip(grid, grid[1:], strict=False)):
+        raise locate.error(at + ("grid",), "must ascend strictly: the lengths the curves were read at")
+    if entry["ranks"] > data["launch"]["ranks"]:
+        raise locate.error(at + ("ranks",), f"{entry['ranks']} ranks, but the launch starts only "
+                                            f"{data['launch']['ranks']}")
+    curves: list[PolicyCurve] = []
+    for i, curve in enumerate(entry["curves"]):
+        here = at + ("curves", i)
+        if len(curve["ms"]) != len(grid):
+            raise locate.error(here + ("ms",), f"{len(curve['ms'])} times, but the grid has {len(grid)} "
+                                               f"lengths: one time (or null) per grid length")
+        config = CPConfig(**curve["config"])
+        if reasons := feasibility(shape.at(max(grid[-1], config.ranks)), config):
+            raise locate.error(here + ("config",), f"{config.describe()} cannot run this shape: {reasons[0]}")
+        if config.ranks > entry["ranks"]:
+            raise locate.error(here + ("config", "ranks"), f"{config.ranks} ranks, more than the policy's "
+                                                            f"{entry['ranks']}")
+        if any(c.config == config for c in curves):
+            raise locate.error(here + ("config",), f"{config.describe()} is listed already: each "
+                                                    f"configuration once")
+        curves.append(PolicyCurve(config, tuple(curve["ms"]), curve["alone_max"], curve["shared_max"]))
+    return BatchPolicy(entry["ranks"], tuple(grid), tuple(curves))
 
 
 def _runnable(

@@ -11,6 +11,11 @@ cost is the closer one on a log scale. Lengths above the longest tuned one are r
 A bucket lists the configurations tied with its pick (``Recommendation.tied``: measured ones
 the noise cannot separate from it, or a description's alternatives its figures cannot order);
 the launch starts as many ranks as the largest listed configuration uses, so any of them runs.
+
+With a ``batch_policy`` (``cptune.mixes.mix_policy``: the cost curves over the lengths of the
+batches to come, of the configurations the per-batch solver can use) the plan carries it, so a
+deployment plans each batch (``cptune.mixes.plan_batch(plan, lengths)``) without a database;
+the launch then starts the policy's ranks too.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from datetime import UTC, datetime
 from cptune.config import STRATEGIES
 from cptune.errors import CPTuneError
 from cptune.model import CalibratedProfile, DescribedProfile, MeasuredHost, hardware_profile, recommend
-from cptune.plans._plan import Alternative, Bucket, Plan, PlanHardware, launch_for
+from cptune.plans._plan import Alternative, BatchPolicy, Bucket, Plan, PlanHardware, launch_for
 from cptune.version import __version__
 from cptune.workload import Workload
 
@@ -49,19 +54,24 @@ def export_plan(
     figures: Mapping[str, float] | None = None,
     nccl_path: str | None = None,
     nodes: int | None = None,
+    batch_policy: BatchPolicy | None = None,
 ) -> Plan:
     """A plan for ``workloads`` (one attention shape at several sequence lengths): the
     ``recommend`` pick at each length (same ``ranks``, ``hardware``, ``db``, ``strategies``)
     with its evidence, and the launch of as many ranks as the largest pick uses. ``backend``:
     the engine whose view of this host ``hardware`` None means, ``figures`` a description's
     figures measured on the machine and ``nccl_path`` the path NCCL takes there, ``nodes`` a
-    calibrated cluster read for that many nodes sharing ``ranks`` (``recommend``)."""
+    calibrated cluster read for that many nodes sharing ``ranks`` (``recommend``);
+    ``batch_policy``: the plan carries it (module docstring)."""
     if not workloads:
         raise CPTuneError("a plan needs at least one sequence length")
     shape = workloads[0].shape
     if other := next((w for w in workloads if w.shape != shape), None):
         raise CPTuneError(f"a plan is for one attention shape; got {workloads[0].describe()} and "
                           f"{other.describe()}: export one plan per shape")
+    if batch_policy is not None and nodes is not None:
+        raise CPTuneError("a batch policy is read on the hardware's own ranks, not a calibrated cluster of "
+                          "--nodes: leave out --nodes or --batch-lengths")
     profile = hardware_profile(hardware, db, backend, figures, nccl_path, nodes, ranks)
     lengths = sorted({w.seq_len for w in workloads})
     buckets = []
@@ -78,6 +88,8 @@ def export_plan(
                               pick.source, evidence, pick.tied, ranked, decided_by))
     # every listed configuration, tied alternatives too, can run within the launch
     used = max(c.ranks for b in buckets for c in b.contenders)
+    if batch_policy is not None:
+        used = max(used, batch_policy.ranks)
     if isinstance(profile, DescribedProfile):
         description = profile.description
         plan_hardware = PlanHardware(profile.fingerprint, profile.describe(), "described", description.name)
@@ -90,4 +102,5 @@ def export_plan(
     return Plan(
         hardware=plan_hardware, shape=shape, buckets=tuple(buckets), launch=launch,
         cptune_version=__version__, created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        batch_policy=batch_policy,
     )
