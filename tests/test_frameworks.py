@@ -77,7 +77,9 @@ def test_a_configuration_a_framework_cannot_run_is_never_spelled(name, shape):
     framework = get_framework(name)
     for config in configs(shape):
         reason = framework.refusal(shape, config)
-        assert (reason is not None) == CANNOT[name](shape, config), (config.label, reason)
+        # padded heads are cptune's own: no framework's settings spell them yet
+        cannot = config.pad_heads or CANNOT[name](shape, config)
+        assert (reason is not None) == cannot, (config.label, reason)
         if reason:
             with pytest.raises(FrameworkError, match=re.escape(reason)):
                 framework.spell(shape, config)

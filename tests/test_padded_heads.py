@@ -178,3 +178,10 @@ def test_a_padded_family_is_a_line_of_its_own_in_its_strategys_colour_lightened(
     names = ("ulysses", "ulysses+padded", "ulysses4xring", "ulysses4xring+padded")
     colours = {strategy_color(name) for name in names}
     assert len(colours) == 4 and strategy_color("ulysses+padded") != "#9e9e9e"  # none unknown grey
+
+
+def test_no_frameworks_settings_spell_padded_heads_yet():
+    from cptune.frameworks import FRAMEWORKS
+
+    for framework in FRAMEWORKS.values():
+        assert "padded heads" in (framework.refusal(SIX.shape, PADDED) or ""), framework.name

@@ -98,8 +98,14 @@ class Framework(ABC):
 
     def refusal(self, shape: AttentionShape, config: CPConfig) -> str | None:
         """Why the framework cannot run ``config`` for ``shape``; None when it can. One rank
-        runs plain attention, which every framework does without context parallelism."""
-        return None if config.ranks == 1 else self.context_refusal(shape, config)
+        runs plain attention, which every framework does without context parallelism. Padded
+        heads (``CPConfig.pad_heads``) are cptune's own: no framework's settings spell them yet."""
+        if config.ranks == 1:
+            return None
+        if config.pad_heads:
+            return (f"{self.name} splits whole heads over its head group, and cptune's padded heads "
+                    f"are none of its settings")
+        return self.context_refusal(shape, config)
 
     def spell(self, shape: AttentionShape, config: CPConfig, seq_len: int | None = None,
               per_node: int | None = None) -> Spelling:
