@@ -155,11 +155,13 @@ def head_refusal(workload: Workload, config: CPConfig) -> tuple[str, str] | None
     if not config.pad_heads:
         if heads % u == 0:
             return None
+        limit = (f"Ulysses limit: {heads} heads cannot be split over a head group of {u} (heads % "
+                 f"head_group must be 0)")
+        if (unpaddable := head_refusal(workload, config.with_padded_heads())) is not None:
+            return "heads", f"{limit}, nor padded ({unpaddable[1].removeprefix('Ulysses limit: ')})"
         padded = -(-heads // u) * u
-        return "heads", (
-            f"Ulysses limit: {heads} heads cannot be split over a head group of {u} (heads % head_group "
-            f"must be 0); pad them to {padded} (pad_heads=True: {padded - heads} zero heads computed and "
-            f"moved, {100 * (padded - heads) / heads:.0f}% more attention work)")
+        return "heads", (f"{limit}; pad them to {padded} (pad_heads=True: {padded - heads} zero heads "
+                         f"computed and moved, {100 * (padded - heads) / heads:.0f}% more attention work)")
     if heads % u == 0:
         return "heads", (f"Ulysses limit: pad_heads pads nothing, as {heads} heads already split over a "
                          f"head group of {u}; drop pad_heads")

@@ -56,6 +56,10 @@ def test_heads_the_head_group_does_not_divide_run_only_padded_and_each_refusal_i
     assert feasibility(dataclasses.replace(SIX, kv_heads=3), PADDED) == []
     assert padded_heads(dataclasses.replace(SIX, kv_heads=1), PADDED) == (8, 1)  # MQA keeps its KV head
     assert padded_heads(SIX, PADDED) == (8, 8)  # MHA pads K/V the same
+    # unpadded where padding cannot help either: both reasons in the one line
+    (neither,) = feasibility(gqa, CPConfig("ulysses", 16))
+    assert neither.startswith("Ulysses limit: 24 heads cannot be split")
+    assert "nor padded (pad_heads: 24 heads padded to 32 are not whole groups" in neither
     refused = (CPConfig("ulysses", 4), *(CPConfig("ulysses", u, pad_heads=True) for u in (3, 8)))
     assert all(len(feasibility(SIX, c)) == 1 for c in refused)
 
