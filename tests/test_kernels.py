@@ -197,11 +197,23 @@ def test_the_numpy_kernel_masks_only_the_segments_the_mask_cuts(masking):
     {"causal": True, "window": [17, 0]},
     {"window": [9, 23]},
     {"causal": True, "window": [30, 0], "sinks": 3, "documents": [120, 80]},
+    {"window": [30, 12], "sinks": 5, "documents": [150, 50]},
 ])
 def test_a_banded_segments_mask_is_the_rules(masking):
     """The kernel's one-pass mask over consecutive positions of one document hides exactly
-    the pairs ``Mask.visible`` does not show."""
+    the pairs ``Mask.visible`` does not show: on random ranges and on every masked segment the
+    kernel plans (sinks a causal query must not see yet among them)."""
+    from cptune.calls import kernel_blocks
+
     mask = Workload(200, heads=1, head_dim=8, **masking).mask
+    positions = np.arange(200)
+    for start, stop, segments in kernel_blocks(positions, positions, mask):
+        q = positions[start:stop]
+        for lo, hi, masked in segments:
+            if masked:
+                assert kernels._banded(mask, q, positions[lo:hi])
+                hidden = ~mask.visible(q[:, None], positions[None, lo:hi])
+                assert (kernels._hidden(mask, q, positions[lo:hi]) == hidden).all()
     rng = np.random.default_rng(7)
     checked = 0
     for _ in range(300):

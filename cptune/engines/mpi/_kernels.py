@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from cptune.calls import Segment, kernel_blocks
 from cptune.kernels import chunk_slices, rows_per_block
@@ -261,18 +262,21 @@ def _band(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
     the offsets' verdicts (a band's mask took 9 passes over the pairs as ``Mask.visible``)."""
     rows, keys = len(q_pos), len(k_pos)
     offsets = np.arange(int(k_pos[0]) - int(q_pos[-1]), int(k_pos[-1]) - int(q_pos[0]) + 1)
-    hidden = np.zeros(len(offsets), bool)
-    if mask.causal:
-        hidden |= offsets > 0
-    if mask.window:
-        left, right = mask.window
-        hidden |= (offsets < -left) | (offsets > right)
-    step = hidden.strides[0]
-    band = np.lib.stride_tricks.as_strided(hidden[rows - 1:], (rows, keys), (-step, step), writeable=False)
+
+    def toeplitz(hidden: np.ndarray) -> np.ndarray:  # pair (i, j) reads offset k_pos[j] - q_pos[i]
+        step = hidden.strides[0]
+        return as_strided(hidden[rows - 1:], (rows, keys), (-step, step), writeable=False)
+
+    after = offsets > 0 if mask.causal else np.zeros(len(offsets), bool)
+    if not mask.window:
+        return toeplitz(after)
+    left, right = mask.window
+    outside = (offsets < -left) | (offsets > right)
     if not mask.sinks:
-        return band
+        return toeplitz(after | outside)
     start = int(mask.starts[np.searchsorted(mask.starts, int(k_pos[0]), side="right") - 1])
-    return band & ~(k_pos - start < mask.sinks)[None, :]  # sinks: seen by every query
+    sink = (k_pos - start < mask.sinks)[None, :]  # seen beside the window, never after the query
+    return toeplitz(after) | (toeplitz(outside) & ~sink)
 
 
 def _scores(block: Block) -> list[np.ndarray]:
