@@ -28,12 +28,14 @@ the ranks outnumber the cores):
     (predicted time);
 (d) cptune's per-batch plan (``plan_batch``).
 
-Measured interleaved: in each of ``--rounds`` rounds every batch's four plans run in a fresh
-seeded random order, each checked against the float64 reference and timed ``--repeats``
-iterations (``cptune.execute.measure_batch``: all groups start after one barrier, the
-makespan the slowest rank's end). A plan's measured makespan is the median of all its
-iterations. On this 2-core host 4 ranks are oversubscribed (``--oversubscribe`` in measure's
-terms): the ranks wait for cores, which the calibration (made the same way) prices too.
+Measured interleaved: in each of ``--rounds`` rounds every batch's distinct plans run in a
+fresh seeded random order (rules that chose the same plan share its run), each checked against
+the float64 reference and timed ``--repeats`` iterations (``cptune.execute.measure_batch``: all
+groups start after one barrier, the makespan the slowest rank's end). A plan's measured
+makespan is the median of all its iterations. On this 2-core host 4 ranks are oversubscribed
+(``--oversubscribe`` in measure's terms): every group runs beside the others on cores they
+share, which the plans' costs price from the calibration's rates with all 4 ranks busy
+(``MixCosts.shared_ms``).
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ def megatron_plan(costs: MixCosts, batch: list[int], ranks: int, per_rank: int) 
     return BatchPlan(tuple(batch), ranks, tuple(groups), max(g.ms for g in groups), "Megatron rule")
 
 
+def same_run(plan: BatchPlan) -> tuple:
+    """What a run of ``plan`` is: its groups' configurations and sequences, in its order."""
+    return tuple((g.config.describe(), g.sequences) for g in plan.groups)
+
+
 def plans_for(costs: MixCosts, batch: list[int], ranks: int, per_rank: int) -> dict[str, BatchPlan]:
     return {RULES[0]: one_group_plan(costs, batch, ranks),
             RULES[1]: plan_batch(costs, batch, ranks, allowed=flexsp),
@@ -138,18 +145,23 @@ def main(argv: list[str]) -> int:
     for i, (batch, planned) in enumerate(zip(batches, plans, strict=True)):
         lines.append(f"batch {i + 1}: {LengthMix.of(batch).describe()}: {batch}")
         lines += [f"  {rule}: {plan.describe()}" for rule, plan in planned.items()]
-    samples: dict[tuple[int, str], list[float]] = {(i, r): [] for i in range(len(batches)) for r in RULES}
+    # rules that chose the same plan share its run: measured apart they would differ by noise alone
+    runs = {(i, rule): (i, same_run(plan))
+            for i, planned in enumerate(plans) for rule, plan in planned.items()}
+    first = {run: rule for (i, rule), run in reversed(runs.items())}
+    samples: dict[tuple[int, tuple], list[float]] = {run: [] for run in runs.values()}
     engine = MPIEngine()
     order = random.Random(args.seed)
     disturbed = 0
     try:
         for round_ in range(args.rounds):
-            visits = [(i, r) for i in range(len(batches)) for r in RULES]
+            visits = list(samples)
             order.shuffle(visits)
-            for i, rule in visits:
+            for run in visits:
+                i, rule = run[0], first[run]
                 m = measure_batch(plans[i][rule], SHAPE, engine, warmup=0 if round_ else 1,
                                   repeats=args.repeats, oversubscribe=True)
-                samples[(i, rule)] += m.samples_ms
+                samples[run] += m.samples_ms
                 disturbed += m.disturbed is not None
                 print(f"round {round_ + 1} batch {i + 1} {rule}: {m.median_ms:.2f} ms"
                       f"{' (disturbed: ' + m.disturbed + ')' if m.disturbed else ''}", flush=True)
@@ -158,19 +170,21 @@ def main(argv: list[str]) -> int:
     lines.append("batch  rule               predicted ms  measured ms  (pred - meas) / meas")
     errors: list[float] = []
     for i in range(len(batches)):
-        measured = {r: statistics.median(samples[(i, r)]) for r in RULES}
+        measured = {r: statistics.median(samples[runs[(i, r)]]) for r in RULES}
         for rule in RULES:
             predicted = plans[i][rule].makespan_ms
             error = (predicted - measured[rule]) / measured[rule]
-            errors.append(abs(error))
+            shared = first[runs[(i, rule)]]
+            if shared == rule:
+                errors.append(abs(error))
             lines.append(f"{i + 1:>5}  {rule:<17}  {predicted:>12.2f}  {measured[rule]:>11.2f}  "
-                         f"{error:>+20.1%}")
+                         f"{error:>+20.1%}{'' if shared == rule else '  (the plan of ' + shared[0] + ')'}")
         best_peer = min(measured[r] for r in RULES[:3])
         lines.append(f"       (d) / best of (a)-(c) measured: {measured[RULES[3]] / best_peer:.3f}; "
                      f"(d) / (a): {measured[RULES[3]] / measured[RULES[0]]:.3f} measured, "
                      f"{plans[i][RULES[3]].makespan_ms / plans[i][RULES[0]].makespan_ms:.3f} predicted")
-    lines.append(f"predicted-vs-measured makespan error |pred - meas| / meas over {len(errors)} plans: "
-                 f"median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    lines.append(f"predicted-vs-measured makespan error |pred - meas| / meas over the {len(errors)} distinct "
+                 f"plans: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
     visits = len(samples) * args.rounds
     lines.append(f"visits the contention guard marked disturbed: {disturbed} of {visits}")
     text = "\n".join(lines) + "\n"

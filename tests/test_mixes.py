@@ -89,6 +89,34 @@ def test_costs_are_the_recommendation_at_each_length_and_between() -> None:
         costs.times([100])
 
 
+def test_a_group_beside_the_others_is_priced_with_all_the_hosts_ranks_busy(tmp_path: Path) -> None:
+    from conftest import add_measurements, make_calibration, measurement
+
+    from cptune.config import CPConfig
+    from cptune.hardware import this_host
+    from cptune.mixes import batch_policy
+    from cptune.store import Store
+
+    db = str(tmp_path / "host.db")
+    with Store(db) as store:
+        store.add_calibration(this_host(), make_calibration(4))
+    shape = Workload(seq_len=1024, heads=4, head_dim=64, causal=True).shape
+    local = CPConfig("ring", 1)
+    add_measurements(db, measurement(shape.at(1024), local, 5.0))
+    costs = mix_costs(shape, LengthMix.of([512, 1024, 2048]), 4, db=db)
+    alone, shared = costs.times([512, 1024], shared=False), costs.times([512, 1024])
+    row = costs.configs.index(local)
+    assert alone[row, 1] == pytest.approx(5.0)  # its measurement, timed alone, answers alone only
+    # make_calibration's rank computes at 20 GFLOP/s / sqrt(ranks busy): beside three others, half
+    assert shared[row, 0] == pytest.approx(2 * alone[row, 0])
+    assert shared[row, 1] != pytest.approx(5.0)  # the prior beside the others, not the measurement
+    on_all = [i for i, c in enumerate(costs.configs) if c.ranks == 4]
+    assert on_all and np.allclose(shared[on_all], alone[on_all])
+    policy = batch_policy(costs)
+    kept = costs.undominated.tolist()
+    assert [c.ms for c in policy.curves] == [tuple(float(v) for v in costs.shared_ms[i]) for i in kept]
+
+
 def test_the_static_answer_is_the_lowest_expected_time_over_the_mix() -> None:
     from cptune.mixes import recommend_mix
 

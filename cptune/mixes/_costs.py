@@ -23,7 +23,7 @@ from cptune.config import STRATEGIES, CPConfig
 from cptune.cost import peak_bytes
 from cptune.feasibility import format_bytes, split_configs
 from cptune.mixes._mix import LengthMix, MixError, geometric_grid
-from cptune.model import hardware_profile, recommend
+from cptune.model import CalibratedProfile, hardware_profile, recommend
 from cptune.workload import AttentionShape
 
 #: How many lengths ``mix_costs`` asks the cost model about at most: a mix with no more distinct
@@ -35,9 +35,11 @@ GRID_POINTS = 48
 class MixCosts:
     """Each configuration of ``shape`` on up to ``ranks`` ranks of one hardware: its time (ms per
     sequence, the slowest rank's) at each ``grid`` length where ``recommend`` answered for it
-    (NaN elsewhere), where that came from, and the longest sequence it holds within a rank's
-    memory, alone on its ranks (``alone_max``) and with all ``ranks`` ranks busy at once
-    (``shared_max``; they differ on a host whose ranks share its memory)."""
+    (NaN elsewhere), alone on its ranks (``ms``, where that came from: ``sources``) and with all
+    ``ranks`` ranks busy at once (``shared_ms``, as a batch plan's groups run; they differ on a
+    host whose ranks share its cores), and the longest sequence it holds within a rank's memory,
+    alone (``alone_max``) and with all ranks busy (``shared_max``; they differ on a host whose
+    ranks share its memory)."""
 
     shape: AttentionShape
     ranks: int
@@ -49,6 +51,7 @@ class MixCosts:
     sources: np.ndarray
     alone_max: np.ndarray
     shared_max: np.ndarray
+    shared_ms: np.ndarray
 
     @property
     def sizes(self) -> np.ndarray:
@@ -56,27 +59,30 @@ class MixCosts:
         return np.array([c.ranks for c in self.configs], dtype=np.int64)
 
     def __post_init__(self) -> None:
-        dense = _dense(np.log(self.grid.astype(np.float64)), self.ms)
+        logs = np.log(self.grid.astype(np.float64))
+        dense = {False: _dense(logs, self.ms)}
+        dense[True] = dense[False] if self.shared_ms is self.ms else _dense(logs, self.shared_ms)
         object.__setattr__(self, "_dense", dense)
-        object.__setattr__(self, "undominated", _undominated(dense, self.sizes, self.shared_max))
+        object.__setattr__(self, "undominated", _undominated(dense[True], self.sizes, self.shared_max))
 
     #: The configurations (indices) no other of the same size beats at every length with all
-    #: ranks busy: never slower at a grid length (so, read as lines between them, never slower
-    #: anywhere) and holding as long a sequence. A batch plan needs no others.
+    #: ranks busy (``shared_ms``, ``shared_max``): never slower at a grid length (so, read as
+    #: lines between them, never slower anywhere) and holding as long a sequence. A batch plan
+    #: needs no others.
     undominated: np.ndarray = field(init=False)
 
     def times(self, lengths: np.ndarray | Sequence[int], shared: bool = True,
               rows: np.ndarray | None = None) -> np.ndarray:
-        """ms of every configuration (rows; ``rows``: only those) for each length (columns); inf
-        where a configuration cannot run that length: fewer tokens than ranks, or over a rank's
-        memory (``shared``: with all ``ranks`` ranks busy). ``MixError`` for lengths outside the
-        grid."""
+        """ms of every configuration (rows; ``rows``: only those) for each length (columns), with
+        all ``ranks`` ranks busy (``shared``) or alone; inf where a configuration cannot run that
+        length: fewer tokens than ranks, or over a rank's memory (``shared``: with all ranks
+        busy). ``MixError`` for lengths outside the grid."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.size and (lengths.min() < self.grid[0] or lengths.max() > self.grid[-1]):
             raise MixError(f"lengths {int(lengths.min()):,}-{int(lengths.max()):,} reach outside the "
                            f"{int(self.grid[0]):,}-{int(self.grid[-1]):,} tokens these costs were read for; "
                            f"read them for this mix (mix_costs)")
-        dense: np.ndarray = self._dense  # type: ignore[attr-defined]
+        dense: np.ndarray = self._dense[shared]  # type: ignore[attr-defined]
         picked = np.arange(len(self.configs)) if rows is None else np.asarray(rows)
         dense = dense[picked]
         x = np.log(lengths.astype(np.float64))
@@ -193,21 +199,33 @@ def mix_costs(shape: AttentionShape, mix: LengthMix, ranks: int | None = None, h
 
     check_fits(mix, shape, top, limit(top), strategies, profile.describe())
     grid = geometric_grid(mix.lengths.tolist(), grid_points)
-    answers: dict[CPConfig, dict[int, tuple[float, str]]] = {}
-    for j, length in enumerate(grid):
-        pick = recommend(shape.at(length), None, hardware, db,
-                         strategies, backend, figures, nccl_path)
-        for c in pick.candidates:
-            if c.config.ranks <= top:
-                answers.setdefault(c.config, {})[j] = (c.latency_ms, c.source)
-    configs = tuple(sorted(answers, key=lambda c: (c.ranks, c.strategy, c.head_group, c.layout or "")))
-    ms = np.full((len(configs), len(grid)), np.nan)
-    sources = np.full((len(configs), len(grid)), "", dtype=object)
-    for i, config in enumerate(configs):
-        for j, (latency, source) in answers[config].items():
-            ms[i, j], sources[i, j] = latency, source
+
+    def answers(busy: int | None) -> dict[CPConfig, dict[int, tuple[float, str]]]:
+        found: dict[CPConfig, dict[int, tuple[float, str]]] = {}
+        for j, length in enumerate(grid):
+            pick = recommend(shape.at(length), None, hardware, db, strategies, backend, figures, nccl_path,
+                             busy_ranks=busy)
+            for c in pick.candidates:
+                if c.config.ranks <= top:
+                    found.setdefault(c.config, {})[j] = (c.latency_ms, c.source)
+        return found
+
+    alone_answers = answers(None)
+    configs = tuple(sorted(alone_answers, key=lambda c: (c.ranks, c.strategy, c.head_group, c.layout or "")))
+
+    def table(found: dict[CPConfig, dict[int, tuple[float, str]]]) -> tuple[np.ndarray, np.ndarray]:
+        ms = np.full((len(configs), len(grid)), np.nan)
+        sources = np.full((len(configs), len(grid)), "", dtype=object)
+        for i, config in enumerate(configs):
+            for j, (latency, source) in found.get(config, {}).items():
+                ms[i, j], sources[i, j] = latency, source
+        return ms, sources
+
+    ms, sources = table(alone_answers)
+    # a calibrated host's ranks may share its cores: beside the others a group runs slower
+    shared_ms = table(answers(top))[0] if isinstance(profile, CalibratedProfile) and top > 1 else ms
     ceiling = grid[-1]
     alone = np.array([_longest_within(shape, c, limit(c.ranks), ceiling) for c in configs], dtype=np.int64)
     shared = np.array([_longest_within(shape, c, limit(top), ceiling) for c in configs], dtype=np.int64)
     return MixCosts(shape, top, profile.describe(), profile.fingerprint, configs, np.asarray(grid), ms,
-                    sources, alone, shared)
+                    sources, alone, shared, shared_ms)

@@ -18,10 +18,11 @@ from cptune.workload import AttentionShape
 
 
 def batch_policy(costs: MixCosts) -> BatchPolicy:
-    """The batch policy of ``costs``: its undominated configurations' curves (the only ones the
-    per-batch solver uses, so it plans every batch as it would from ``costs``)."""
+    """The batch policy of ``costs``: its undominated configurations' curves with all ranks busy
+    (the only ones the per-batch solver uses, so it plans every batch as it would from ``costs``)."""
     curves = tuple(
-        PolicyCurve(costs.configs[i], tuple(None if not math.isfinite(v) else float(v) for v in costs.ms[i]),
+        PolicyCurve(costs.configs[i],
+                    tuple(None if not math.isfinite(v) else float(v) for v in costs.shared_ms[i]),
                     int(costs.alone_max[i]), int(costs.shared_max[i]))
         for i in costs.undominated.tolist())
     return BatchPolicy(costs.ranks, tuple(int(x) for x in costs.grid), curves)
@@ -48,9 +49,9 @@ def policy_costs(plan: Plan) -> MixCosts:
 
 @functools.lru_cache(maxsize=16)
 def _costs(policy: BatchPolicy, shape: AttentionShape, hardware: str, fingerprint: str) -> MixCosts:
-    ms = np.array([[np.nan if v is None else v for v in c.ms] for c in policy.curves], dtype=np.float64)
+    shared = np.array([[np.nan if v is None else v for v in c.ms] for c in policy.curves], dtype=np.float64)
+    alone = np.full(shared.shape, np.nan)  # a policy carries what batches cost, not a group alone
     return MixCosts(shape, policy.ranks, hardware, fingerprint, tuple(c.config for c in policy.curves),
-                    np.array(policy.grid, dtype=np.int64), ms,
-                    np.where(np.isfinite(ms), "plan", "").astype(object),
+                    np.array(policy.grid, dtype=np.int64), alone, np.full(shared.shape, "", dtype=object),
                     np.array([c.alone_max for c in policy.curves], dtype=np.int64),
-                    np.array([c.shared_max for c in policy.curves], dtype=np.int64))
+                    np.array([c.shared_max for c in policy.curves], dtype=np.int64), shared)

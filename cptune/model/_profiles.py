@@ -134,11 +134,27 @@ class StoredHost:
 class CalibratedProfile(StoredHost):
     """A host with a stored calibration (measured rates). A cluster's may be read for
     ``nodes`` x ``ranks_per_node`` it never ran (``resized``): the same nodes and links, each
-    collective at the rates its tier measured."""
+    collective at the rates its tier measured. Read ``beside`` others, every configuration is
+    priced with that many ranks busy at once (a batch plan's groups run side by side)."""
 
     calibration: Calibration
     #: (nodes, ranks per node) it is read for, when not the measured cluster's own.
     shape: tuple[int, int] | None = field(default=None, kw_only=True)
+    #: Ranks computing at once whatever a configuration's own count (``beside``); 0: its own.
+    busy: int = field(default=0, kw_only=True)
+
+    def beside(self, busy: int) -> CalibratedProfile:
+        """This host with ``busy`` of its ranks computing at once: each rate read at the rank
+        count calibrated nearest the larger of a configuration's ranks and ``busy``. The
+        calibration timed every rank count with all its ranks busy, each with its share of the
+        cores (``cptune.measurement.threads_per_rank``), which is how a group of a batch plan
+        runs beside the others; on a host whose ranks share its cores a rank alone runs
+        several times faster (on this project's 2-core host: one rank with both cores against
+        one of four sharing them)."""
+        return dataclasses.replace(self, busy=busy)
+
+    def _at_once(self, ranks: int) -> int:
+        return max(ranks, self.busy)
 
     def resized(self, nodes: int, ranks_per_node: int) -> CalibratedProfile:
         """This calibrated cluster read for ``nodes`` x ``ranks_per_node`` ranks; ``ValueError``
@@ -174,9 +190,10 @@ class CalibratedProfile(StoredHost):
             if self.position_calls:
                 return 0.0  # that engine's merges (``_fused_merges``) are not timed apart: in its rates
             elements = nbytes / (MERGE_FP32_PASSES * FP32_BYTES + wire.itemsize)
-            return elements * self.calibration.step_seconds("merge", ranks, "float32")
+            return elements * self.calibration.step_seconds("merge", self._at_once(ranks), "float32")
         if step == "requery":
-            return nbytes / wire.itemsize * self.calibration.step_seconds("query", ranks, wire.name)
+            per_element = self.calibration.step_seconds("query", self._at_once(ranks), wire.name)
+            return nbytes / wire.itemsize * per_element
         # permutes: inside the mpi engine's calibrated all-to-all and all-gather, which are
         # timed with their copies (a TensorRT calibration does not time its transposes yet);
         # GQA replication: not calibrated
@@ -217,23 +234,27 @@ class CalibratedProfile(StoredHost):
                                                   f"from its tiers")
         timed = self.calibration.timed_kernels
         kernels = f", attention timed with {timed}" if timed else ""
-        return f"{self.hardware.describe()} (calibrated {self.calibration.measured_at}{kernels}{read_as})"
+        busy = f", {self.busy} ranks busy at once" if self.busy else ""
+        return (f"{self.hardware.describe()} (calibrated {self.calibration.measured_at}{kernels}{read_as}"
+                f"{busy})")
 
     def attention_rate(self, workload: Workload, ranks: int, flops: float) -> float:
-        return self.calibration.attention_rate(ranks, workload.head_dim, workload.causal, flops)
+        at_once = self._at_once(ranks)
+        return self.calibration.attention_rate(at_once, workload.head_dim, workload.causal, flops)
 
     def collective_time(self, kind: str, ranks: int, groups: Groups, nbytes: float, calls: int) -> float:
         """At the rates of the calibrated groups of this size whose traffic crossed the same
         tier as ``groups`` (``cptune.hardware.tier_of``)."""
         if kind == "reduce_scatter":  # not timed: all-gather's bytes to the same peers, reversed
             kind = "all_gather"
-        fit = self.calibration.collective(kind, ranks, len(groups[0]), tier_of(groups, self.ranks_per_node))
+        fit = self.calibration.collective(kind, self._at_once(ranks), len(groups[0]),
+                                          tier_of(groups, self.ranks_per_node))
         return calls * fit.latency_s + nbytes / fit.bandwidth
 
     def ring_call_s(self, workload: Workload, ranks: int) -> float:
         if not self.charges_ring_steps:
             return 0.0
-        return self.calibration.call_seconds(ranks, workload.head_dim, workload.causal)
+        return self.calibration.call_seconds(self._at_once(ranks), workload.head_dim, workload.causal)
 
     def backward_speed(self, workload: Workload, flops: float | None = None) -> float:
         try:

@@ -500,6 +500,7 @@ def recommend(
     figures: Mapping[str, float] | None = None,
     nccl_path: str | None = None,
     nodes: int | None = None,
+    busy_ranks: int | None = None,
 ) -> Recommendation:
     """The fastest feasible configuration for ``workload``.
 
@@ -516,12 +517,19 @@ def recommend(
     each other only through a CPU, "shm" (host memory) or "p2p" (``cptune.hardware.NCCL_PATHS``
     says which NCCL versions and CPUs take which); None leaves both open. ``nodes``: a
     calibrated cluster read for that many nodes sharing ``ranks`` (a size it never ran;
-    ``CalibratedProfile.resized``). On hardware of several nodes the recommendation says which
-    tier decides (``TierDecision``)."""
+    ``CalibratedProfile.resized``). ``busy_ranks``: price every configuration with that many
+    ranks busy at once, as a batch plan's groups run side by side (a calibrated host at the
+    rates it measured with that many computing, ``CalibratedProfile.beside``; a configuration
+    on fewer ranks is not answered by its measurements, timed alone; a described GPU's rates
+    are its own whatever the others do). On hardware of several nodes the recommendation says
+    which tier decides (``TierDecision``)."""
     advisor = _advisor(db)
     profile = advisor.profile(hardware, backend, figures, nccl_path)
     if nodes is not None:
         profile = _resized(profile, nodes, ranks)
+    measured_from = 1  # the fewest ranks whose measurements (each timed alone) answer
+    if busy_ranks is not None and isinstance(profile, CalibratedProfile):
+        profile, measured_from = profile.beside(busy_ranks), busy_ranks
     if ranks is not None and not 1 <= ranks <= profile.max_ranks:
         raise CPTuneError(
             f"ranks must be between 1 and {profile.max_ranks} on {profile.describe()}, got {ranks}"
@@ -541,7 +549,9 @@ def recommend(
     to_predict = []
     measured = []
     for config in feasible:
-        estimate = advisor.measured.get((profile.fingerprint, workload, config))
+        estimate = None
+        if config.ranks >= measured_from:
+            estimate = advisor.measured.get((profile.fingerprint, workload, config))
         if estimate is not None:
             measured.append(estimate)
             candidates.append(Candidate(config, estimate.median_ms, estimate.low_ms, estimate.high_ms,

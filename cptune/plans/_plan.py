@@ -176,8 +176,9 @@ def launch_for(ranks: int, ranks_per_node: int, gpus: bool) -> Launch:
 @dataclass(frozen=True)
 class PolicyCurve:
     """One configuration of a batch policy: its time (ms per sequence, the slowest rank's) at
-    each of the policy's grid lengths (None where the cost model gave none), and the longest
-    sequence it holds within a rank's memory alone on its ranks and with all ranks busy."""
+    each of the policy's grid lengths beside a batch's other groups, all the policy's ranks busy
+    (None where the cost model gave none), and the longest sequence it holds within a rank's
+    memory alone on its ranks and with all ranks busy."""
 
     config: CPConfig
     ms: tuple[float | None, ...]

@@ -371,16 +371,32 @@ class BatchTask:
 
     def time(self, warmup: int, repeats: int) -> protocol.Message:
         """Per timed iteration, this rank's wall seconds from the plan's shared barrier to the
-        end of its last sequence: the slowest rank's is the batch's makespan."""
+        end of its last sequence: the slowest rank's is the batch's makespan. A rank done early
+        waits for the next iteration asleep (``_sleeping_barrier``), not spinning on a core the
+        groups still running share."""
         timings = np.zeros((repeats, 1), dtype=np.float64)
         for i in range(warmup + repeats):
-            self.barrier.Barrier()
+            _sleeping_barrier(self.barrier)
             start = time.perf_counter()
             for task in self.tasks:
                 task.iteration()
             if i >= warmup:
                 timings[i - warmup, 0] = time.perf_counter() - start
         return {}, [timings]
+
+
+#: Seconds a rank waiting at ``_sleeping_barrier`` sleeps between looks: short beside a batch
+#: plan's makespan (milliseconds), long enough to leave its core to the ranks computing.
+BARRIER_NAP_S = 1e-4
+
+
+def _sleeping_barrier(comm: MPI.Comm) -> None:
+    """A barrier over ``comm`` whose waiting ranks sleep: MPICH's own spins, and on a host
+    whose ranks outnumber its cores a rank spinning there takes a core from one computing
+    (a batch plan's groups end at different times; the first done would slow the rest)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(BARRIER_NAP_S)
 
 
 #: Heads of the K/V tensor calibration exchanges: a chunk is K and V of this many heads,
