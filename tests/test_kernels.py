@@ -224,3 +224,93 @@ def test_a_banded_segments_mask_is_the_rules(masking):
             checked += 1
             assert (kernels._hidden(mask, q, k) == ~mask.visible(q[:, None], k[None, :])).all()
     assert checked > 10
+
+
+def reference_with_lse(q, kv, q_pos, k_pos, mask):
+    """Output and log-sum-exp in float64 of the kernel's internal layout, under ``mask``."""
+    q64, k64, v64 = (x.astype(np.float64) for x in (q[0], kv[0, 0], kv[1, 0]))
+    scores = q64 @ k64.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    scores = np.where(mask.visible(q_pos[:, None], k_pos[None, :]), scores, -np.inf)
+    lse = np.logaddexp.reduce(scores, axis=-1)
+    with np.errstate(invalid="ignore"):  # rows that see no key: NaN, not compared
+        return np.exp(scores - lse[..., None]) @ v64, lse
+
+
+@pytest.mark.parametrize("order", ["exact-first", "unshifted-first"])
+def test_running_sums_of_both_softmax_paths_meet_across_key_chunks(monkeypatch, order):
+    """Key chunks of 64 whose blocks take different paths (one chunk's keys large enough to
+    need the max shift, pulling the scores far up or far down), added into each row's
+    running sums: output and log-sum-exp match the float64 reference."""
+    monkeypatch.setattr(work, "KEY_CHUNK", 64)
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 2, 50, 16), dtype=np.float32)
+    kv = rng.standard_normal((2, 1, 2, 192, 16), dtype=np.float32)
+    large = slice(0, 64) if order == "exact-first" else slice(128, 192)
+    kv[0, ..., large, :] = 30 * np.sign(rng.standard_normal((1, 2, 64, 1))) * q[..., :1, :]
+    q_pos, k_pos = np.arange(50), np.arange(192)
+    mask = Mask(192, False)
+    shifted = []
+    real = kernels._attend_shifted
+    monkeypatch.setattr(kernels, "_attend_shifted", lambda block: shifted.append(1) or real(block))
+    out, lse = kernels.attention(q, kv, q_pos, k_pos, mask=mask)
+    ref_out, ref_lse = reference_with_lse(q, kv, q_pos, k_pos, mask)
+    assert 0 < len(shifted) < 2 * 3  # some blocks took each path
+    assert relative_error(out[0], ref_out) < 2e-5
+    np.testing.assert_allclose(lse[0], ref_lse, rtol=2e-6, atol=2e-4)
+
+
+def test_a_row_that_sees_none_of_a_block_keeps_the_unshifted_path(monkeypatch):
+    """Queries 0..7 over keys 4..11 (causal): rows 0..3 see no key of the block, which adds
+    nothing to them (they end with output 0 and lse -inf) rather than sending the block down
+    the exact path."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 1, 8, 8), dtype=np.float32)
+    kv = rng.standard_normal((2, 1, 1, 8, 8), dtype=np.float32)
+    monkeypatch.setattr(kernels, "_attend_shifted", lambda block: pytest.fail("took the exact path"))
+    q_pos, k_pos, mask = np.arange(8), np.arange(4, 12), Mask(12, True)
+    out, lse = kernels.attention(q, kv, q_pos, k_pos, mask=mask)
+    ref_out, ref_lse = reference_with_lse(q, kv, q_pos, k_pos, mask)
+    assert np.all(out[0, :, :4] == 0) and np.all(np.isneginf(lse[0, :, :4]))
+    assert relative_error(out[0, :, 4:], ref_out[:, 4:]) < 2e-5
+    np.testing.assert_allclose(lse[0, :, 4:], ref_lse[:, 4:], rtol=2e-6)
+
+
+def test_keys_no_query_sees_are_never_read():
+    """A zigzag rank's queries under packed documents see half of the gathered keys: the
+    others, set to NaN and inf (and huge values, which would forbid the unshifted path),
+    change nothing; their cast is skipped."""
+    workload = Workload(1024, heads=2, head_dim=8, documents=[128] * 8, causal=True)
+    rng = np.random.default_rng(10)
+    q_pos = np.concatenate([np.arange(0, 256), np.arange(768, 1024)])
+    k_pos = np.arange(1024)
+    q = rng.standard_normal((1, 2, 512, 8), dtype=np.float32).astype(np.float16)
+    kv = rng.standard_normal((2, 1, 2, 1024, 8), dtype=np.float32).astype(np.float16)
+    clean = kernels.attention(q, kv, q_pos, k_pos, mask=workload.mask)
+    ref_out, _ = reference_with_lse(q, kv, q_pos, k_pos, workload.mask)
+    assert relative_error(clean[0][0], ref_out) < 2e-5
+    kv[0, ..., 256:512, :] = np.nan
+    kv[1, ..., 512:768, :] = np.inf
+    kv[1, ..., 300, :] = 6e4
+    dirty = kernels.attention(q, kv, q_pos, k_pos, mask=workload.mask)
+    np.testing.assert_array_equal(dirty[0], clean[0])
+    np.testing.assert_array_equal(dirty[1], clean[1])
+
+
+@pytest.mark.parametrize("masking", [
+    {"causal": True},
+    {"causal": True, "documents": [40, 60, 100]},
+    {"causal": True, "window": [17, 0], "sinks": 3},
+])
+def test_hiding_sets_minus_infinity_on_exactly_the_hidden_pairs(masking):
+    """``_hide`` over consecutive ranges (the causal diagonal through its offsets) and over
+    scattered positions (padding queries among them) leaves seen scores as they were and
+    puts -inf on every hidden one."""
+    mask = Workload(200, heads=1, head_dim=8, **masking).mask
+    rng = np.random.default_rng(11)
+    cases = [(np.arange(a, a + 30), np.arange(b, b + 40)) for a, b in rng.integers(0, 160, (20, 2))]
+    cases.append((np.array([3, 4, 5, 150, 151, 199]), np.array([0, 4, 100, 150, 151])))
+    for q_pos, k_pos in cases:
+        scores = rng.standard_normal((len(q_pos), len(k_pos)), dtype=np.float32)
+        expected = np.where(mask.visible(q_pos[:, None], k_pos[None, :]), scores, -np.inf)
+        kernels._hide(scores, mask, q_pos, k_pos)
+        np.testing.assert_array_equal(scores, expected)
