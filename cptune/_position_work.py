@@ -74,6 +74,11 @@ class BlockWork(NamedTuple):
     def fused_calls(self) -> int:
         return sum(len(step.calls) for step in self.steps)
 
+    @property
+    def keys_read(self) -> int:
+        """Keys the block's kernel calls read, summed over its steps with a call."""
+        return sum(step.keys for step in self.steps)
+
 
 def counted_by_position(workload: Workload, config: CPConfig) -> bool:
     """Whether ``config``'s work on ``workload`` is counted here rather than in closed form:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from cptune._position_work import blocks_work, kv_steps
 from cptune.calibration import (
     MESSAGE_SIZES,
     Calibration,
@@ -16,12 +17,13 @@ from cptune.calibration import (
     fit_latency_bandwidth,
     group_sizes,
 )
+from cptune.calls import any_seen
 from cptune.config import CPConfig
 from cptune.cost import BACKWARD_FLOPS_RATIO, analytic_cost
 from cptune.engines import ENGINES
 from cptune.feasibility import enumerate_configs
 from cptune.hardware import Hardware, load_description
-from cptune.layout import rank_groups
+from cptune.layout import SequenceLayout, rank_groups
 from cptune.model import (
     STRUCTURE,
     CalibratedProfile,
@@ -30,6 +32,7 @@ from cptune.model import (
     prior_ties,
     prior_time,
 )
+from cptune.model._prior import _busiest_block, key_elements
 from cptune.model._profiles import UnpredictedModeError
 from cptune.model._ties import FigureSwing, Tie, decide, figure_swings, prior_range
 from cptune.workload import Workload
@@ -253,6 +256,9 @@ class Recording:
 
     def ring_call_s(self, workload, ranks):
         return self.inner.ring_call_s(workload, ranks)
+
+    def key_preparation_s(self, *args):
+        return self.inner.key_preparation_s(*args)
 
     charges_ring_steps = property(lambda self: self.inner.charges_ring_steps)
     launch_s = property(lambda self: self.inner.launch_s)
@@ -623,6 +629,14 @@ def with_steps(calibration: Calibration) -> Calibration:
     return dataclasses.replace(calibration, steps=steps)
 
 
+def keys_s(profile: CalibratedProfile, workload: Workload, config: CPConfig) -> float:
+    """The prior's seconds preparing the keys ``config``'s calls read, beyond those its rate
+    holds (one call's work: every strategy here rates its calls as one)."""
+    flops = computed_flops(workload, config, "numpy")
+    elements = key_elements(workload, config, "numpy")
+    return profile.key_preparation_s(workload, config.ranks, elements, flops, flops)
+
+
 def sized_calibration(max_ranks: int = 1) -> Calibration:
     """Head_dim 64 on every rank count: 1 GFLOP/s on a small call, 4 GFLOP/s on a call 16x
     larger; causal calls at half those rates (of the FLOPs the numpy kernel executes).
@@ -734,9 +748,11 @@ def test_ring_compute_is_rated_at_the_work_of_one_block():
     timed = CalibratedProfile(HOST, with_steps(p.calibration))
     assert timed.charges_ring_steps and not p.charges_ring_steps
     call_s = timed.calibration.call_seconds(4, 64)
-    assert prior_time(workload, ring, timed).compute_s == pytest.approx(flops / ulysses_rate + 3 * call_s)
+    assert prior_time(workload, ring, timed).compute_s == pytest.approx(
+        flops / ulysses_rate + 3 * call_s + keys_s(timed, workload, ring))
     assert prior_time(workload, ring, timed).memory_s > 0
-    assert prior_time(workload, ulysses, timed).compute_s == pytest.approx(flops / ulysses_rate)
+    assert prior_time(workload, ulysses, timed).compute_s == pytest.approx(
+        flops / ulysses_rate + keys_s(timed, workload, ulysses))
 
 
 def test_a_calls_fixed_cost_is_the_latency_of_its_time_against_its_work():
@@ -780,9 +796,10 @@ def test_ring_steps_pay_the_calibrated_query_preparation_and_merge_per_element()
         t, before = prior_time(workload, ring, timed), prior_time(workload, ring, untimed)
         assert t.memory_s == pytest.approx(elements * (query + 5e-10))
         assert before.memory_s == 0.0
-        assert t.total_s == pytest.approx(before.total_s + t.memory_s)
+        assert t.total_s == pytest.approx(before.total_s + t.memory_s + keys_s(timed, workload, ring))
         for other in (CPConfig("allgather_kv", 2), CPConfig("ulysses", 2), CPConfig("ring", 1)):
-            assert prior_time(workload, other, timed) == prior_time(workload, other, untimed)
+            assert prior_time(workload, other, timed).total_s == pytest.approx(
+                prior_time(workload, other, untimed).total_s + keys_s(timed, workload, other))
     # the Ring's share falls with length: the steps grow as S, the attention as S^2
     shares = []
     for seq_len in (1024, 4096):
@@ -999,3 +1016,61 @@ def test_training_ties_take_the_training_structural_error():
         assert prior_ties(workload, pick, others, h100) == prior_ties(workload, pick, others, h100,
                                                                       structural=error)
     assert STRUCTURAL_ERROR_TRAIN != STRUCTURAL_ERROR
+
+
+def test_the_keys_a_kernel_call_reads_are_those_of_the_steps_the_engine_runs():
+    """Packed 512-token documents over 3,072 tokens on 2 ranks: documents kept whole leave the
+    Ring one call over its own block (no step beyond: no block sees another's keys), while
+    per-document zigzag chunks make AllGather-KV gather and read every key, though each query
+    sees its own document's only; Ulysses reads the whole sequence for half the heads. Each
+    count is that of the steps the strategy takes with a call (``kv_steps``, ``any_seen``)."""
+    w = Workload(seq_len=3072, heads=8, head_dim=64, causal=True, documents=512)
+    per_key = 2 * 8 * 64  # K and V, every head, head_dim
+    whole = CPConfig("ring", 2, layout="doc_whole")
+    zigzag = CPConfig("allgather_kv", 2, layout="doc_zigzag")
+    assert key_elements(w, whole, "numpy") == per_key * 1536
+    assert key_elements(w, zigzag, "numpy") == per_key * 3072
+    assert key_elements(w, CPConfig("ulysses", 2), "numpy") == per_key // 2 * 3072
+    for config in (whole, zigzag, CPConfig("ring", 2, layout="doc_zigzag")):
+        layout = SequenceLayout(w, config)
+        work, _ = _busiest_block(w, config, "numpy")
+        group = blocks_work(w, config, True).index(work)
+        q_pos = layout.block_positions(group)
+        ran = [k for _, k in kv_steps(layout, group) if any_seen(q_pos, k, w.mask)]
+        assert key_elements(w, config, "numpy") == per_key * sum(len(k) for k in ran)
+    assert len(blocks_work(w, whole)[0].steps) == 1 and analytic_cost(w, whole).comm_steps["p2p"] == 0
+
+
+def test_the_rate_holds_the_keys_its_calibrated_shapes_read():
+    """At a calibrated size the keys held per FLOP are that shape's: 2 * heads * seq_k *
+    head_dim K and V elements over the FLOPs its kernel executed."""
+    calibration = sized_calibration(max_ranks=2)
+    for rate in calibration.pooled_compute:
+        work = rate.computed_flops("numpy")
+        assert calibration.key_elements_per_flop(rate.ranks, 64, rate.causal, work) == pytest.approx(
+            2 * 4 * rate.seq_k * 64 / work)
+
+
+def test_documents_kept_whole_cost_less_than_ones_whose_chunks_gather_every_key():
+    """The prior's pick among packed-document layouts on a calibration that times the kernel's
+    steps: at 3,072 tokens on 2 ranks, AllGather-KV over per-document zigzag chunks computes
+    4% fewer pairs than the Ring over whole documents, but its calls read twice the keys, each
+    prepared (float32, a norm) at the calibrated query cost per element; the Ring over whole
+    documents computes the faster (on the 2-core host its kernel ran 1.1x faster, interleaved).
+    Without the keys' preparation the pairs alone put it the other way."""
+    sized = sized_calibration(max_ranks=2)  # at 20x its rates: the 2-core host's, 10-40 GFLOP/s causal
+    fast = dataclasses.replace(sized, compute=tuple(dataclasses.replace(r, seconds=r.seconds / 20)
+                                                    for r in sized.compute))
+    timed = CalibratedProfile(HOST, with_steps(fast))
+    w = Workload(seq_len=3072, heads=8, head_dim=64, causal=True, documents=512)
+    whole = CPConfig("ring", 2, layout="doc_whole")
+    zigzag = CPConfig("allgather_kv", 2, layout="doc_zigzag")
+    assert computed_flops(w, zigzag, "numpy") < computed_flops(w, whole, "numpy")
+    assert keys_s(timed, w, zigzag) > keys_s(timed, w, whole) > 0
+    compute = {c: prior_time(w, c, timed).compute_s for c in (whole, zigzag)}
+    assert compute[whole] < compute[zigzag]
+    assert prior_time(w, whole, timed).total_s < prior_time(w, zigzag, timed).total_s
+    assert compute[zigzag] - keys_s(timed, w, zigzag) < compute[whole] - keys_s(timed, w, whole)
+    # a fused kernel streams its keys inside its tiles: nothing to charge
+    described = DescribedProfile(load_description("h100-sxm-8"))
+    assert described.key_preparation_s(w, 2, 1e9, 1e9, 1e9) == 0.0

@@ -94,6 +94,12 @@ class ComputeRate:
     def flops_per_s(self) -> float:
         return self.flops / self.seconds
 
+    @property
+    def key_elements(self) -> int:
+        """K and V elements the shape's call reads, each made float32 with its norm before any
+        score (``cptune.engines.mpi._kernels``): work linear in the keys, not the pairs."""
+        return 2 * self.heads * self.seq_k * self.head_dim
+
     def computed_flops(self, kernel: str) -> int:
         """FLOPs ``kernel`` executes on this shape (as ``cptune.model`` counts a
         configuration's): the useful ones, and for the numpy kernel the masked pairs of its
@@ -242,6 +248,27 @@ class Calibration:
         if flops is None:
             return float(np.exp(np.mean(log_rates)))
         return float(np.exp(np.interp(np.log(flops), np.log(work), log_rates)))
+
+    def key_elements_per_flop(self, ranks: int, head_dim: int, causal: bool, flops: float) -> float:
+        """K and V elements the kernel's calls on the calibrated shapes prepare per FLOP they
+        execute (``ComputeRate.key_elements``), from the shapes ``attention_rate`` reads,
+        interpolated in log-log over the work per call ``flops``: the rate read at a call's
+        work holds the preparation of that many keys (float32 ones: the shapes are timed in
+        float32)."""
+        work, elements = self._key_elements_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
+        return float(np.exp(np.interp(np.log(flops), np.log(work), np.log(elements / work))))
+
+    @functools.cached_property
+    def _key_elements_by_key(self) -> dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]]:
+        """Per (rank count, head_dim, mask): each calibrated size's FLOPs the kernel executes,
+        ascending, and the K and V elements its call prepares (``_pooled_by_key``'s order)."""
+        points: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
+        for rate in self.pooled_compute:
+            points.setdefault((rate.ranks, rate.head_dim, rate.causal), []).append(
+                (float(rate.computed_flops(self.kernel)), float(rate.key_elements)))
+        ordered = {key: sorted(sizes, key=lambda size: size[0]) for key, sizes in points.items()}
+        return {key: (np.array([w for w, _ in sizes]), np.array([e for _, e in sizes]))
+                for key, sizes in ordered.items()}
 
     def call_seconds(self, ranks: int, head_dim: int, causal: bool = False) -> float:
         """Seconds one attention call costs however little its work, at the calibrated rank

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cptune._position_work import blocks_work, busiest, counted_by_position
+from cptune._position_work import BlockWork, blocks_work, busiest, counted_by_position
 from cptune.calls import busiest_calls
 from cptune.config import CPConfig
 from cptune.cost import (
@@ -83,7 +83,7 @@ from cptune.cost import (
 )
 from cptune.hardware import TIERS, tier_of
 from cptune.kernels import check_kernel, computed_pairs
-from cptune.layout import SequenceLayout, heads_as_run, rank_groups
+from cptune.layout import SequenceLayout, heads_as_run, kv_replication, rank_groups
 from cptune.model._profiles import Profile
 from cptune.workload import Workload
 
@@ -145,8 +145,7 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
     workload = heads_as_run(workload, config)  # padded heads computed as real ones
     if counted_by_position(workload, config):  # a mask or a layout beyond the default: its plan's
         per_head = 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group)
-        numpy = kernel == "numpy" and SequenceLayout(workload, config).padded_len <= EXACT_KERNEL_WORK_TOKENS
-        work = busiest(blocks_work(workload, config, numpy), kernel if numpy else "fused")
+        work, numpy = _busiest_block(workload, config, kernel)
         return per_head * (work.numpy_pairs if numpy else work.fused_pairs)
     if kernel == "fused" or not workload.causal:
         return attention_flops(workload, config)
@@ -165,6 +164,36 @@ def computed_flops(workload: Workload, config: CPConfig, kernel: str) -> int:
         for g in blocks
     )
     return 4 * workload.batch * workload.head_dim * (workload.heads // config.head_group) * pairs
+
+
+def _busiest_block(workload: Workload, config: CPConfig, kernel: str) -> tuple[BlockWork, bool]:
+    """The block of a workload counted by position whose work ``computed_flops`` counts (the
+    most pairs ``kernel`` computes), and whether they are the numpy kernel's own (up to
+    ``EXACT_KERNEL_WORK_TOKENS``; beyond, the fused calls' stand for them)."""
+    numpy = kernel == "numpy" and SequenceLayout(workload, config).padded_len <= EXACT_KERNEL_WORK_TOKENS
+    return busiest(blocks_work(workload, config, numpy), kernel if numpy else "fused"), numpy
+
+
+@functools.lru_cache(maxsize=65536)  # pure, an int: the prior asks once per configuration weighed
+def key_elements(workload: Workload, config: CPConfig, kernel: str) -> int:
+    """K and V elements the kernel calls of ``computed_flops``'s busiest rank read, summed over
+    its calls: a kernel that prepares each call's keys before any score (the numpy kernel makes
+    K and V float32 and takes each key's norm) pays per key read, seen or not. The Ring reads
+    its own block, then each block as far round as some query reaches that its queries see
+    (``cptune._position_work``); AllGather-KV every key gathered (its own block alone where no
+    block sees another's); Ulysses and one rank the whole sequence. Under packed documents a
+    query sees only its document, so these passes weigh far more per FLOP than on the
+    calibrated shapes (each query seeing nearly all of four times its rows in keys)."""
+    workload = heads_as_run(workload, config)
+    u, c = config.head_group, config.context_degree
+    kv_heads = workload.kv_heads * kv_replication(workload, u) // u if u > 1 else workload.kv_heads
+    if counted_by_position(workload, config):
+        keys = _busiest_block(workload, config, kernel)[0].keys_read
+    else:
+        layout = SequenceLayout(workload, config)
+        ring = config.strategy == "ring" and c > 1
+        keys = busiest_calls(layout) * (layout.padded_len // c) if ring else layout.padded_len
+    return 2 * workload.batch * kv_heads * workload.head_dim * keys
 
 
 @functools.lru_cache(maxsize=65536)  # pure, an int: a training step's forward and backward both ask
@@ -199,6 +228,9 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
     flops = computed_flops(workload, config, profile.attention_kernel)
     work_per_call = flops if profile.charges_ring_steps else flops / calls
     compute = flops / profile.attention_rate(workload, n, work_per_call) + calls * profile.attention_call_s
+    # the keys its calls read, prepared before any score (beyond those the rate holds)
+    keys = key_elements(workload, config, profile.attention_kernel)
+    compute += profile.key_preparation_s(workload, n, keys, flops, work_per_call)
     if calls > 1:  # the lookup is the prior's hot path; one call adds nothing
         compute += (calls - 1) * profile.ring_call_s(workload, n)
     memory = {step: profile.memory_time(step, nbytes, workload, n) if nbytes else 0.0

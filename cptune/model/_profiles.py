@@ -75,6 +75,14 @@ class Profile(Protocol):
         fixed cost each call beyond the first adds; 0 where the calls are rated one by one or
         ``attention_call_s`` counts every call's."""
 
+    def key_preparation_s(self, workload: Workload, ranks: int, elements: float, flops: float,
+                          work_per_call: float) -> float:
+        """Seconds one of ``ranks`` ranks spends preparing the ``elements`` K and V elements its
+        kernel calls read (``flops`` executed, ``work_per_call`` a call) beyond what the
+        attention rate at that work already holds: a kernel that makes each call's keys float32
+        with their norms before any score (the numpy kernel) pays it per key read, whether its
+        queries see the key or not. 0 where the kernel streams keys inside its tiles."""
+
     @property
     def overlap_slowdown(self) -> float:
         """The share of its speed compute loses while communication runs beside it."""
@@ -203,6 +211,20 @@ class CalibratedProfile(StoredHost):
     def charges_ring_steps(self) -> bool:
         return bool(self.calibration.steps)
 
+    def key_preparation_s(self, workload: Workload, ranks: int, elements: float, flops: float,
+                          work_per_call: float) -> float:
+        """At the calibrated cost per element of preparing a query block (the same pass: cast
+        to float32, a norm per row), in the workload's wire dtype, less the float32 keys the
+        rate's shapes prepared for as much work (``Calibration.key_elements_per_flop``); 0
+        where the calibration timed no steps."""
+        if self.attention_kernel != "numpy" or not self.calibration.steps:
+            return 0.0
+        step = self.calibration.step_seconds
+        held = flops * self.calibration.key_elements_per_flop(ranks, workload.head_dim, workload.causal,
+                                                              work_per_call)
+        return (elements * step("query", ranks, workload.wire_dtype.name)
+                - held * step("query", ranks, "float32"))
+
     @property
     def launch_s(self) -> float:
         return 0.0  # inside the measured per-call latencies and rates
@@ -297,6 +319,10 @@ class DescribedProfile:
 
     def ring_call_s(self, workload: Workload, ranks: int) -> float:
         return 0.0  # every call's is attention_call_s
+
+    def key_preparation_s(self, workload: Workload, ranks: int, elements: float, flops: float,
+                          work_per_call: float) -> float:
+        return 0.0  # a fused kernel reads K and V inside its tiles: in its rate
 
     @property
     def overlap_slowdown(self) -> float:
