@@ -218,5 +218,5 @@ def test_length_mix_runs_every_rule_on_two_ranks_and_reports_its_error(tmp_path)
     assert [line[7:24].strip() for line in measured] == list(length_mix.RULES)
     assert all(float(line[24:].split()[1]) > 0 for line in measured)  # a measured makespan each
     distinct = sum("(the plan of" not in line for line in measured)
-    assert any(line.startswith("predicted-vs-measured makespan error") and f"over the {distinct} distinct" in line
-               for line in lines)
+    assert any(line.startswith("predicted-vs-measured makespan error")
+               and f"over the {distinct} distinct" in line for line in lines)

@@ -91,7 +91,6 @@ def test_costs_are_the_recommendation_at_each_length_and_between() -> None:
 
 def test_a_group_beside_the_others_is_priced_with_all_the_hosts_ranks_busy(tmp_path: Path) -> None:
     from conftest import add_measurements, make_calibration, measurement
-
     from cptune.config import CPConfig
     from cptune.hardware import this_host
     from cptune.mixes import batch_policy

@@ -219,11 +219,11 @@ class CalibratedProfile(StoredHost):
         where the calibration timed no steps."""
         if self.attention_kernel != "numpy" or not self.calibration.steps:
             return 0.0
-        step = self.calibration.step_seconds
-        held = flops * self.calibration.key_elements_per_flop(ranks, workload.head_dim, workload.causal,
+        step, at_once = self.calibration.step_seconds, self._at_once(ranks)
+        held = flops * self.calibration.key_elements_per_flop(at_once, workload.head_dim, workload.causal,
                                                               work_per_call)
-        return (elements * step("query", ranks, workload.wire_dtype.name)
-                - held * step("query", ranks, "float32"))
+        return (elements * step("query", at_once, workload.wire_dtype.name)
+                - held * step("query", at_once, "float32"))
 
     @property
     def launch_s(self) -> float:
