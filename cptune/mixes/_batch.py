@@ -29,6 +29,7 @@ the makespan bounded by each slot's sum, the slots' ranks by the ranks. Small ba
 from __future__ import annotations
 
 import copy
+import functools
 import heapq
 import math
 import operator
@@ -256,6 +257,14 @@ def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -
     return float(max(fastest.max(), area))
 
 
+def _longest_first(best: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences longest first on the sizes ``classes`` (each by its longest time there that
+    fits) and their times on those sizes in that order (classes x sequences)."""
+    sub = best[classes]
+    order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
+    return order, sub[:, order]
+
+
 class _Assignment:
     """Longest sequence first into the group where it finishes soonest (step 3), on ``counts``
     groups per size (each sequence at its size's best configuration for it), in growing chunks
@@ -263,15 +272,16 @@ class _Assignment:
     makespan, so one that falls behind is given up early. ``span``: the makespan so far, never
     more than the final one."""
 
-    def __init__(self, sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> None:
+    def __init__(self, sizes: np.ndarray, counts: np.ndarray,
+                 longest_first: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+        """``longest_first``: ``_longest_first`` on the sizes used (partitions next to one another
+        share them)."""
         self.classes = np.flatnonzero(counts > 0)
         self.size = np.repeat(sizes[self.classes], counts[self.classes])  # each group's
         first = np.cumsum(counts[self.classes]) - counts[self.classes]  # each class's first group
         self.heaps = [[(0.0, g) for g in range(a, a + int(counts[i]))]
                       for a, i in zip(first.tolist(), self.classes, strict=True)]
-        sub = best[self.classes]
-        self.order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-        self.ordered = sub[:, self.order]
+        self.order, self.ordered = longest_first(self.classes)
         self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
         self.span = 0.0
         self.placed: list[int] = []  # each sequence's group, in ``order``
@@ -530,10 +540,16 @@ def _bundles(block: np.ndarray, members: np.ndarray) -> tuple[tuple[np.ndarray, 
                                                                tuple[np.ndarray, np.ndarray]]:
     """``members`` one by one and two by two (bundles x 1, bundles x 2), and each bundle's time on
     each configuration of ``block`` (configurations x bundles), the same two."""
-    first, second = np.triu_indices(members.size, k=1)
+    first, second = _pair_places(members.size)
     singles = block[:, members]
     return ((members[:, None], members[np.stack([first, second], axis=1)]),
             (singles, singles[:, first] + singles[:, second]))
+
+
+@functools.cache
+def _pair_places(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every two of n places (i < j), in order: asked for every group an exchange tries."""
+    return np.triu_indices(n, k=1)
 
 
 def _after(sums: np.ndarray, leaving: np.ndarray, coming: np.ndarray) -> np.ndarray:
@@ -629,6 +645,13 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
             equal[i] = top // int(g)
             tries.append(equal)
     seen: set[bytes] = set()
+    arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+
+    def longest_first(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key = classes.tobytes()
+        if key not in arranged:
+            arranged[key] = _longest_first(best, classes)
+        return arranged[key]
 
     def screened(partitions: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The groups (each one's size, each sequence's group) of the ``SCREENED`` new partitions
@@ -647,7 +670,7 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
         while queue and len(found) < SCREENED:
             least, i, work = heapq.heappop(queue)
             if isinstance(work, np.ndarray):
-                work = _Assignment(sizes, best, work)
+                work = _Assignment(sizes, work, longest_first)
             elif work.done:
                 found.append(work.groups())
                 continue
