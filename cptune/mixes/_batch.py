@@ -28,6 +28,8 @@ the makespan bounded by each slot's sum, the slots' ranks by the ranks. Small ba
 
 from __future__ import annotations
 
+import copy
+import functools
 import heapq
 import math
 import operator
@@ -57,6 +59,12 @@ PAIRED = 24
 SCREENED = 1
 #: How many times at most the fast solver tries the partitions next to its best one.
 NEIGHBOUR_ROUNDS = 8
+#: On how many of a batch's lengths two configurations of one size are compared first (most
+#: differ there), before all of them.
+SCREEN_LENGTHS = 64
+#: How many sequences a first assignment places before the partitions tried are compared again
+#: (the longest set the makespan); each time after, as many as it has placed.
+FIRST_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -117,28 +125,34 @@ class _Problem:
                             dtype=np.int64)
             if not rows.size:
                 raise MixError("no configuration on these ranks is allowed")
+        rows = rows[np.argsort(costs.sizes[rows], kind="stable")]  # a size's configurations side by side
         t = costs.times(lengths, rows=rows)
         sizes = costs.sizes[rows]
-        kept: list[int] = []
-        for g in np.unique(sizes).tolist():
+        n = sizes.size
+        # never[j, i]: j, of i's size, never slower than i. Most two of a size cross somewhere:
+        # tried first on a few of the lengths, only the sizes where two might not are tried on all
+        j, i = np.nonzero((sizes[:, None] == sizes[None, :]) & ~np.eye(n, dtype=bool))
+        few = t[:, ::max(1, t.shape[1] // SCREEN_LENGTHS)]
+        never = np.zeros((n, n), dtype=bool)
+        for g in np.unique(sizes[j[np.all(few[j] <= few[i], axis=1)]]).tolist():
             same = np.flatnonzero(sizes == g)
             block = t[same]
-            # j beats i: never slower, and faster somewhere or first of equals
-            never = np.all(block[:, None, :] <= block[None, :, :], axis=2)
-            faster = np.any(block[:, None, :] < block[None, :, :], axis=2)
-            beats = never & (faster | np.tri(same.size, k=-1, dtype=bool).T)
-            np.fill_diagonal(beats, False)
-            kept += [int(same[i]) for i in range(same.size)
-                     if not beats[:, i].any() and np.isfinite(block[i]).any()]
-        kept.sort()
+            never[np.ix_(same, same)] = np.all(block[:, None, :] <= block[None, :, :], axis=2)
+        np.fill_diagonal(never, False)
+        # j beats i: never slower, and faster somewhere (i is not never slower than j) or first of equals
+        beats = never & (~never.T | np.tri(n, k=-1, dtype=bool).T)
+        kept = np.flatnonzero(~beats.any(axis=0) & np.isfinite(t).any(axis=1)).tolist()
         self.configs = [costs.configs[int(rows[i])] for i in kept]
         self.t = t[kept]
         self.sizes = sizes[kept]
         self.ranks = ranks
         self.lengths = lengths
-        #: Each size's configurations (rows of ``t``) and their times, one table per size, cut once.
-        self.rows = {g: np.flatnonzero(self.sizes == g) for g in np.unique(self.sizes).tolist()}
-        self.blocks = {g: self.t[rows] for g, rows in self.rows.items()}
+        #: Each size's configurations (rows of ``t``, side by side) and their times, one view per size.
+        self.rows: dict[int, np.ndarray] = {}
+        self.blocks: dict[int, np.ndarray] = {}
+        for g, start, count in zip(*(a.tolist() for a in np.unique(self.sizes, return_index=True,
+                                                                  return_counts=True)), strict=True):
+            self.rows[g], self.blocks[g] = np.arange(start, start + count), self.t[start:start + count]
         if not np.isfinite(self.t).any(axis=0).all():
             s = int(np.argmin(np.isfinite(self.t).any(axis=0)))
             raise MixError(f"sequence {s + 1} ({int(lengths[s]):,} tokens) fits no configuration on up to "
@@ -180,29 +194,24 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     weighted = sizes[:, None] * best
     # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
     # equals, the first). Only its frontier can be that: the sizes in order of rank-time, each
-    # kept if faster than all before it; the first within the makespan is then the first of
-    # the frontier within it, and the frontier's times fall, so it is found by counting.
+    # kept if faster than all before it; the frontier's times fall, so the one taken is the
+    # entry within the makespan whose predecessor (inf for the first) is not. Every makespan
+    # tried is at least each sequence's fastest time, so each takes one.
     order = np.argsort(weighted.T, axis=1, kind="stable")  # (sequences, sizes): rows contiguous
     ordered = np.take_along_axis(best.T, order, axis=1)
     least = np.minimum.accumulate(ordered, axis=1)
     kept = np.empty(ordered.shape, dtype=bool)
     kept[:, 0] = np.isfinite(ordered[:, 0])
     kept[:, 1:] = ordered[:, 1:] < least[:, :-1]
-    per = kept.sum(axis=1)  # each sequence's frontier's length
-    seq, place = np.nonzero(kept)  # by sequence, then in order of rank-time
-    depth = np.arange(seq.size) - np.repeat(np.cumsum(per) - per, per)
-    front = np.full((int(per.max()), best.shape[1]), -np.inf)  # padding: within any makespan...
-    front[depth, seq] = ordered[seq, place]
-    front_size = np.zeros(front.shape, dtype=np.int64)
-    front_size[depth, seq] = order[seq, place]
-    lengths = per  # ...but a place past a sequence's frontier holds none
+    seq, place = np.nonzero(kept)  # the frontiers' entries, by sequence, then in order of rank-time
+    front, front_size = ordered[seq, place], order[seq, place]
+    before = np.empty_like(front)
+    before[0], before[1:] = np.inf, front[:-1]
+    before[1:][seq[1:] != seq[:-1]] = np.inf
 
     def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
-        at = (front > limit).sum(axis=0)
-        if (at >= lengths).any():
-            return ranks + 1, np.zeros(sizes.size, dtype=np.int64), np.zeros(sizes.size)
-        columns = np.arange(at.size)
-        loads = np.bincount(front_size[at, columns], weights=front[at, columns], minlength=sizes.size)
+        taken = (front <= limit) & (before > limit)
+        loads = np.bincount(front_size[taken], weights=front[taken], minlength=sizes.size)
         counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
         return int(sizes @ counts), counts, loads
 
@@ -248,86 +257,121 @@ def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -
     return float(max(fastest.max(), area))
 
 
-def _assign(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray, cutoff: float = math.inf,
-            at_cutoff: bool = False) -> tuple[float, list[tuple[int, list[int]]]] | None:
-    """Longest sequence first into the group where it finishes soonest (step 3): the makespan
-    so reached (each sequence at its size's best configuration for it) and (size, members) per
-    group; None when some sequence fits no group, or once the makespan so far (never more than
-    the final one) is above ``cutoff`` (``at_cutoff``: or at it)."""
-    classes = [i for i in range(sizes.size) if counts[i] > 0]
-    if not classes:
-        return None
-    groups: list[tuple[int, list[int]]] = []
-    heaps: list[list[tuple[float, int]]] = []
-    for i in classes:
-        heaps.append([(0.0, len(groups) + c) for c in range(int(counts[i]))])
-        groups += [(int(sizes[i]), []) for _ in range(int(counts[i]))]
+def _longest_first(best: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences longest first on the sizes ``classes`` (each by its longest time there that
+    fits) and their times on those sizes in that order (classes x sequences)."""
     sub = best[classes]
     order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-    rows = [row.tolist() for row in sub[:, order]]  # floats, not a list per sequence for the GC to scan
-    tops = [0.0] * len(classes)  # each class's least busy group's time so far
-    span = 0.0
-    add, replace = operator.add, heapq.heapreplace
-    members = [listed for _, listed in groups]
-    for s, column in zip(order.tolist(), zip(*rows, strict=True), strict=True):
-        ends = list(map(add, tops, column))
-        finish = min(ends)
-        if finish == math.inf:
-            return None
-        k = ends.index(finish)  # of equals, the first class
-        heap = heaps[k]
-        g = heap[0][1]
-        replace(heap, (finish, g))
-        tops[k] = heap[0][0]
-        members[g].append(s)
-        if finish > span:
-            span = finish
-            if span > cutoff or (at_cutoff and span >= cutoff):
-                return None
-    return span, groups
+    return order, sub[:, order]
+
+
+class _Assignment:
+    """Longest sequence first into the group where it finishes soonest (step 3), on ``counts``
+    groups per size (each sequence at its size's best configuration for it), in growing chunks
+    of sequences: partitions are compared as they go, and the longest sequences set the
+    makespan, so one that falls behind is given up early. ``span``: the makespan so far, never
+    more than the final one."""
+
+    def __init__(self, sizes: np.ndarray, counts: np.ndarray,
+                 longest_first: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
+        """``longest_first``: ``_longest_first`` on the sizes used (partitions next to one another
+        share them)."""
+        self.classes = np.flatnonzero(counts > 0)
+        self.size = np.repeat(sizes[self.classes], counts[self.classes])  # each group's
+        first = np.cumsum(counts[self.classes]) - counts[self.classes]  # each class's first group
+        self.heaps = [[(0.0, g) for g in range(a, a + int(counts[i]))]
+                      for a, i in zip(first.tolist(), self.classes, strict=True)]
+        self.order, self.ordered = longest_first(self.classes)
+        self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
+        self.span = 0.0
+        self.placed: list[int] = []  # each sequence's group, in ``order``
+
+    @property
+    def done(self) -> bool:
+        return len(self.placed) == self.order.size
+
+    def advance(self) -> bool:
+        """Places as many more sequences as are placed (at least ``FIRST_CHUNK``); False when one
+        fits no group."""
+        tops, heaps, placed, span = self.tops, self.heaps, self.placed, self.span
+        add, replace = operator.add, heapq.heapreplace
+        chunk = self.ordered[:, len(placed):2 * len(placed) + FIRST_CHUNK].tolist()
+        for column in zip(*chunk, strict=True):  # each sequence's times, a float per class
+            ends = list(map(add, tops, column))
+            finish = min(ends)
+            if finish == math.inf:
+                return False
+            k = ends.index(finish)  # of equals, the first class
+            heap = heaps[k]
+            g = heap[0][1]
+            replace(heap, (finish, g))
+            tops[k] = heap[0][0]
+            placed.append(g)
+            if finish > span:
+                span = finish
+        self.span = span
+        return True
+
+    def groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each group's size and each sequence's group, once ``done``."""
+        group_of = np.empty(self.order.size, dtype=np.int64)
+        group_of[self.order] = self.placed
+        return self.size, group_of
 
 
 class _Search:
     """Local search on one configuration per group (step 4). Groups of one size share their
-    configurations, so each size's groups hold their per-configuration sums in one array."""
+    configurations, so each size's groups hold their per-configuration sums in one table."""
 
-    def __init__(self, problem: _Problem, groups: list[tuple[int, list[int]]]) -> None:
-        self.t = problem.t
-        self.size = np.array([g for g, _ in groups], dtype=np.int64)
-        self.rows = {g: problem.rows[g] for g in set(self.size.tolist())}
+    def __init__(self, problem: _Problem, size: np.ndarray, group_of: np.ndarray) -> None:
+        """``size``: each group's; ``group_of``: each sequence's group (the search moves them)."""
+        self.size = size
+        self.group_of = group_of
+        self.rows = {g: problem.rows[g] for g in set(size.tolist())}
         self.blocks = {g: problem.blocks[g] for g in self.rows}
-        self.group_of = np.empty(problem.t.shape[1], dtype=np.int64)
-        for k, (_, members) in enumerate(groups):
-            self.group_of[members] = k
-        # per group: its configurations' sums over its sequences, a size's groups at once
-        self.sums: list[np.ndarray] = [np.empty(0)] * len(groups)
+        self.of_size = {g: np.flatnonzero(size == g) for g in self.rows}
+        self.local = np.empty(size.size, dtype=np.int64)  # each group's row in its size's table
+        self.count = np.bincount(group_of, minlength=size.size)
+        self.time = np.zeros(size.size)  # each group's time (its best configuration's sum)
+        #: per size: its groups' configurations' sums over their sequences (groups x configurations)
+        self.table: dict[int, np.ndarray] = {}
         for g, rows in self.rows.items():
-            mine = np.flatnonzero(self.size == g)
-            local = np.full(len(groups), -1, dtype=np.int64)
-            local[mine] = np.arange(mine.size)
-            placed = np.flatnonzero(local[self.group_of] >= 0)
-            table = np.stack([np.bincount(local[self.group_of[placed]], weights=self.t[r, placed],
-                                          minlength=mine.size) for r in rows], axis=1)
-            for a, group in enumerate(mine.tolist()):
-                self.sums[group] = table[a]
-        self.of_size = {g: np.flatnonzero(self.size == g) for g in self.rows}
-        # each group's sequences and time (its best configuration's sum), kept as moves change them
-        self.count = np.bincount(self.group_of, minlength=len(groups))
-        self.time = np.array([float(sums.min()) if c else 0.0
-                              for sums, c in zip(self.sums, self.count, strict=True)])
+            mine = self.of_size[g]
+            self.local[mine] = np.arange(mine.size)
+            placed = np.flatnonzero(size[group_of] == g)
+            at = self.local[group_of[placed]]
+            block = self.blocks[g]
+            self.table[g] = np.stack([np.bincount(at, weights=block[r, placed], minlength=mine.size)
+                                      for r in range(rows.size)], axis=1)
+            held = self.count[mine] > 0
+            self.time[mine[held]] = self.table[g][held].min(axis=1)
+
+    def sums(self, k: int) -> np.ndarray:
+        """Group k's configurations' sums over its sequences (a view: read it before a move)."""
+        return self.table[int(self.size[k])][self.local[k]]
+
+    def copy(self) -> _Search:
+        """A search from the same groups, moved apart from this one."""
+        twin = copy.copy(self)
+        twin.group_of, twin.count, twin.time = self.group_of.copy(), self.count.copy(), self.time.copy()
+        twin.table = {g: table.copy() for g, table in self.table.items()}
+        return twin
+
+    def listed(self) -> np.ndarray:
+        """The groups holding sequences, as a plan lists them: largest first, then slowest first."""
+        held = np.flatnonzero(self.count > 0)
+        return held[np.lexsort((-self.time[held], -self.size[held]))]
 
     def plan(self, problem: _Problem, solver: str) -> BatchPlan:
         """The plan the groups make now, each in the configuration best for its sequences."""
         order = np.argsort(self.group_of, kind="stable")
-        bounds = np.searchsorted(self.group_of[order], np.arange(len(self.sums) + 1))
+        bounds = np.searchsorted(self.group_of[order], np.arange(self.size.size + 1))
         built = []
-        for k, sums in enumerate(self.sums):
-            members = order[bounds[k]:bounds[k + 1]]
-            if members.size:
-                best = int(np.argmin(sums))
-                built.append(Group(problem.configs[int(self.rows[int(self.size[k])][best])],
-                                   tuple(members.tolist()), float(sums[best])))
-        built.sort(key=lambda g: (-g.config.ranks, -g.ms))
+        for k in self.listed().tolist():
+            sums = self.sums(k)
+            best = int(np.argmin(sums))
+            built.append(Group(problem.configs[int(self.rows[int(self.size[k])][best])],
+                               tuple(order[bounds[k]:bounds[k + 1]].tolist()), float(sums[best])))
         return BatchPlan(tuple(problem.lengths.tolist()), problem.ranks, tuple(built),
                          max(g.ms for g in built), solver)
 
@@ -339,13 +383,14 @@ class _Search:
 
     def _move(self, s: int, target: int) -> None:
         source = int(self.group_of[s])
-        self.sums[source] = self.sums[source] - self.blocks[int(self.size[source])][:, s]
-        self.sums[target] = self.sums[target] + self.blocks[int(self.size[target])][:, s]
+        leaving, joining = self.sums(source), self.sums(target)
+        leaving -= self.blocks[int(self.size[source])][:, s]
+        joining += self.blocks[int(self.size[target])][:, s]
         self.group_of[s] = target
         self.count[source] -= 1
         self.count[target] += 1
-        self.time[source] = float(self.sums[source].min()) if self.count[source] else 0.0
-        self.time[target] = float(self.sums[target].min())
+        self.time[source] = float(leaving.min()) if self.count[source] else 0.0
+        self.time[target] = float(joining.min())
 
     def improve(self, budget: int, exchanges: bool = True) -> None:
         """Moves and swaps out of the slowest group while one lowers the makespan (then, with
@@ -371,60 +416,79 @@ class _Search:
         mine = self.members(k)
         block_k = self.blocks[int(self.size[k])]
         # group k's time with each of its sequences gone: (configurations, mine) -> mine
-        without = self.sums[k][:, None] - block_k[:, mine]
+        without = self.sums(k)[:, None] - block_k[:, mine]
         left = without.min(axis=0) if mine.size > 1 else np.zeros(mine.size)
         order = np.argsort(-times)
-        top = [int(g) for g in order[:3]]
         current = float(times[k])
-
-        def rest(excluded: set[int]) -> float:
-            return next((float(times[g]) for g in top if g not in excluded), 0.0)
-
-        # rest({k, j}) for many j at once: the slowest group but k, or j is it, the next
-        others_top = [g for g in top if g != k] + [-1, -1]
+        # the slowest group but k and j, for many j at once: the slowest but k, or if j is it, the next
+        others_top = [int(g) for g in order[:3] if g != k] + [-1, -1]
         first, second = (float(times[g]) if g >= 0 else 0.0 for g in others_top[:2])
 
         best_key: tuple[float, float] = (current * (1 + 1e-12), -current * current * 1e-9)
         best: tuple[int, int, int] | None = None
 
-        def consider(value: np.ndarray, squares: np.ndarray) -> tuple[int, ...] | None:
-            """The entry of least (makespan, change in squares) if it beats ``best_key``."""
+        def beats(value: float, change: float) -> bool:
+            """Whether (makespan, change in squares) beats ``best_key``, which it then becomes."""
             nonlocal best_key
-            values, changes = value.ravel(), squares.ravel()
-            least = np.flatnonzero(values <= values.min())
-            flat = int(least[np.argmin(changes[least])])
-            key = (float(values[flat]), float(changes[flat]))
-            if key[0] < best_key[0] * (1 - 1e-9) or (key[0] <= best_key[0] and key[1] < best_key[1]):
-                best_key = key
-                return tuple(int(i) for i in np.unravel_index(int(flat), value.shape))
-            return None
+            if value < best_key[0] * (1 - 1e-9) or (value <= best_key[0] and change < best_key[1]):
+                best_key = (value, change)
+                return True
+            return False
+
+        def least(value: np.ndarray, squares: np.ndarray) -> np.ndarray:
+            """Per row of (rows, ...): the first entry of least makespan and, of those, of least
+            change in squares (flat index)."""
+            rows = value.reshape(value.shape[0], -1)
+            tied = rows <= rows.min(axis=1, keepdims=True)
+            return np.where(tied, squares.reshape(rows.shape), np.inf).argmin(axis=1)
 
         for g, block in self.blocks.items():  # moves, a size's groups at once
             targets = self.of_size[g][self.of_size[g] != k]
             if not targets.size:
                 continue
-            stacked = np.stack([self.sums[j] for j in targets.tolist()])  # (targets, configurations)
+            stacked = self.table[g][self.local[targets]]  # (targets, configurations)
             joined = (stacked[:, :, None] + block[:, mine][None]).min(axis=1)  # (targets, mine)
             others = np.where(targets == others_top[0], second, first)
             value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
             before = current ** 2 + times[targets] ** 2
-            if (at := consider(value, left[None, :] ** 2 + joined ** 2 - before[:, None])) is not None:
-                best = (int(mine[at[1]]), int(targets[at[0]]), -1)
+            squares = left[None, :] ** 2 + joined ** 2 - before[:, None]
+            flat = int(least(value.ravel()[None], squares)[0])
+            if beats(float(value.flat[flat]), float(squares.flat[flat])):
+                best = (int(mine[flat % mine.size]), int(targets[flat // mine.size]), -1)
         if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
-        # swaps with the least busy other groups holding sequences
+        # swaps with the least busy other groups holding sequences, all at once: (groups, mine, theirs)
         least_busy = order[::-1]
         least_busy = least_busy[(least_busy != k) & (self.count[least_busy] > 0)][:SWAP_GROUPS]
-        for j in least_busy.tolist():
-            theirs = self.members(j)
-            block_j = self.blocks[int(self.size[j])]
-            # group k's time with s out and o in, group j's with o out and s in: (mine, theirs)
-            into = (without[:, :, None] + block_k[:, theirs][:, None, :]).min(axis=0)
-            back = ((self.sums[j][:, None, None] + block_j[:, mine][:, :, None])
-                    - block_j[:, theirs][:, None, :]).min(axis=0)
-            value = np.maximum(np.maximum(into, back), rest({k, j}))
-            if (at := consider(value, into ** 2 + back ** 2 - current ** 2 - times[j] ** 2)) is not None:
-                best = (int(mine[at[0]]), j, int(theirs[at[1]]))
+        if not least_busy.size:
+            return best
+        place = np.full(self.size.size, -1)
+        place[least_busy] = np.arange(least_busy.size)
+        theirs = np.flatnonzero(place[self.group_of] >= 0)
+        theirs = theirs[np.argsort(place[self.group_of[theirs]], kind="stable")]  # by group, each in order
+        at = place[self.group_of[theirs]]
+        within = np.arange(theirs.size) - np.searchsorted(at, at)
+        owner = least_busy[at]
+        # group k's time with s out and o in, o's group's with o out and s in: (mine, theirs)
+        into = (without[:, :, None] + block_k[:, theirs][:, None, :]).min(axis=0)
+        back = np.empty_like(into)
+        for g in np.unique(self.size[owner]).tolist():
+            cols = np.flatnonzero(self.size[owner] == g)
+            block_g = self.blocks[g]
+            sums = self.table[g][self.local[owner[cols]]].T  # (configurations, cols)
+            back[:, cols] = ((sums[:, None, :] + block_g[:, mine][:, :, None])
+                             - block_g[:, theirs[cols]][:, None, :]).min(axis=0)
+        value = np.maximum(np.maximum(into, back), np.where(owner == others_top[0], second, first))
+        squares = into ** 2 + back ** 2 - current ** 2 - times[owner] ** 2
+        shape = (least_busy.size, mine.size, int(within.max()) + 1)
+        padded_value, padded_squares = np.full(shape, np.inf), np.full(shape, np.inf)
+        padded_value[at, :, within], padded_squares[at, :, within] = value.T, squares.T
+        padded_theirs = np.zeros((shape[0], shape[2]), dtype=np.int64)
+        padded_theirs[at, within] = theirs
+        for j, flat in enumerate(least(padded_value, padded_squares).tolist()):  # in order, as one by one
+            s, o = divmod(flat, shape[2])
+            if beats(float(padded_value[j, s, o]), float(padded_squares[j, s, o])):
+                best = (int(mine[s]), int(least_busy[j]), int(padded_theirs[j, o]))
         return best
 
     def exchange(self) -> bool:
@@ -438,21 +502,30 @@ class _Search:
         if mine.size > PAIRED:
             return False
         order = np.argsort(times)
+        slowest = order[::-1][:3].tolist()
+        block_k = self.blocks[int(self.size[k])]
+        mine_ids, mine_k = _bundles(block_k, mine)
+        mine_on: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # mine's bundles' times on each size
         best: tuple[float, int, list[int], list[int]] | None = None
         for j in [int(g) for g in order if g != k][:SWAP_GROUPS]:
             theirs = self.members(j)
             if not theirs.size or theirs.size > PAIRED:
                 continue
-            rest = max((float(times[g]) for g in range(len(times)) if g not in (k, j)), default=0.0)
-            for out_k, in_k in ((_pairs(mine), _singles(theirs)), (_singles(mine), _pairs(theirs))):
-                if not out_k or not in_k:
+            block_j = self.blocks[int(self.size[j])]
+            if int(self.size[j]) not in mine_on:
+                mine_on[int(self.size[j])] = _bundles(block_j, mine)[1]
+            mine_j = mine_on[int(self.size[j])]
+            (their_ids, theirs_j), theirs_k = _bundles(block_j, theirs), _bundles(block_k, theirs)[1]
+            rest = next((float(times[g]) for g in slowest if g not in (k, j)), 0.0)
+            for out, into in ((1, 0), (0, 1)):  # two of k's for one of j's, one of k's for two of j's
+                if not mine_ids[out].size or not their_ids[into].size:
                     continue
-                new_k = self._after(k, out_k, in_k)
-                new_j = self._after(j, in_k, out_k).T
+                new_k = _after(self.sums(k), mine_k[out], theirs_k[into])
+                new_j = _after(self.sums(j), theirs_j[into], mine_j[out]).T
                 value = np.maximum(np.maximum(new_k, new_j), rest)
                 a, b = np.unravel_index(int(np.argmin(value)), value.shape)
                 if value[a, b] < current * (1 - 1e-9) and (best is None or value[a, b] < best[0]):
-                    best = (float(value[a, b]), j, list(out_k[a]), list(in_k[b]))
+                    best = (float(value[a, b]), j, mine_ids[out][a].tolist(), their_ids[into][b].tolist())
         if best is None:
             return False
         _, j, leaving, coming = best
@@ -462,22 +535,27 @@ class _Search:
             self._move(s, k)
         return True
 
-    def _after(self, k: int, leaving: list[tuple[int, ...]], coming: list[tuple[int, ...]]) -> np.ndarray:
-        """Group k's time with each bundle of ``leaving`` gone and each of ``coming`` in: (leaving,
-        coming)."""
-        t = self.blocks[int(self.size[k])]
-        out = t[:, np.array(leaving)].sum(axis=2)  # (configurations, leaving)
-        into = t[:, np.array(coming)].sum(axis=2)
-        return (self.sums[k][:, None, None] - out[:, :, None] + into[:, None, :]).min(axis=0)
+
+def _bundles(block: np.ndarray, members: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray],
+                                                               tuple[np.ndarray, np.ndarray]]:
+    """``members`` one by one and two by two (bundles x 1, bundles x 2), and each bundle's time on
+    each configuration of ``block`` (configurations x bundles), the same two."""
+    first, second = _pair_places(members.size)
+    singles = block[:, members]
+    return ((members[:, None], members[np.stack([first, second], axis=1)]),
+            (singles, singles[:, first] + singles[:, second]))
 
 
-def _singles(members: np.ndarray) -> list[tuple[int, ...]]:
-    return [(int(s),) for s in members]
+@functools.cache
+def _pair_places(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every two of n places (i < j), in order: asked for every group an exchange tries."""
+    return np.triu_indices(n, k=1)
 
 
-def _pairs(members: np.ndarray) -> list[tuple[int, ...]]:
-    listed = members.tolist()
-    return [(a, b) for i, a in enumerate(listed) for b in listed[i + 1:]]
+def _after(sums: np.ndarray, leaving: np.ndarray, coming: np.ndarray) -> np.ndarray:
+    """A group's time (its configurations' ``sums``) with each bundle gone (``leaving``:
+    configurations x bundles) and each other one in (``coming``): (leaving, coming)."""
+    return (sums[:, None, None] - leaving[:, :, None] + coming[:, None, :]).min(axis=0)
 
 
 def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None,
@@ -503,23 +581,25 @@ def one_group_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: i
     return problem.plan([(top, list(range(problem.t.shape[1])))], "one group")
 
 
-def _neighbours(plan: BatchPlan, sizes: np.ndarray) -> list[np.ndarray]:
-    """Partitions next to ``plan``'s (counts per size), each changing its slowest group: grown
-    by the idle ranks or by ranks of one of the ``NEAREST`` least busy other groups (that one
-    shrunk, or merged into it), or split in two."""
+def _neighbours(search: _Search, ranks: int, sizes: np.ndarray) -> list[np.ndarray]:
+    """Partitions next to the plan of ``search`` on ``ranks`` ranks (counts per size), each
+    changing its slowest group: grown by the idle ranks or by ranks of one of the ``NEAREST``
+    least busy other groups (that one shrunk, or merged into it), or split in two."""
     index = {int(g): i for i, g in enumerate(sizes)}
-    have = [g.config.ranks for g in plan.groups]
-    slow = have[max(range(len(have)), key=lambda k: plan.groups[k].ms)]
+    listed = search.listed()
+    have, ms = search.size[listed].tolist(), search.time[listed].tolist()
+    slowest = max(range(len(have)), key=ms.__getitem__)
+    slow = have[slowest]
     found: list[list[int]] = []
 
     def grown(by: int, rest: list[int]) -> None:
         if slow + by in index:
             found.append([slow + by, *rest])
 
-    by_load = sorted(range(len(have)), key=lambda k: plan.groups[k].ms)
-    by_load.remove(max(range(len(have)), key=lambda k: plan.groups[k].ms))
+    by_load = sorted(range(len(have)), key=ms.__getitem__)
+    by_load.remove(slowest)
     others = [have[k] for k in by_load]  # least busy first
-    idle = plan.idle_ranks
+    idle = ranks - sum(have)
     for by in range(1, idle + 1):
         grown(by, others)
     for k, size in enumerate(others[:NEAREST]):
@@ -565,51 +645,58 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
             equal[i] = top // int(g)
             tries.append(equal)
     seen: set[bytes] = set()
+    arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
-    def screened(partitions: list[np.ndarray]) -> list[list[tuple[int, list[int]]]]:
-        """The groups of the ``SCREENED`` new partitions whose first assignment (step 3) has the
-        least makespan (of equals, the first listed). A partition whose makespan cannot be below
-        the ``SCREENED``-th found so far (``_assignment_bound``) is not assigned, and one is given
-        up as soon as its makespan so far passes it: it could not be among them."""
-        fresh = []
+    def longest_first(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key = classes.tobytes()
+        if key not in arranged:
+            arranged[key] = _longest_first(best, classes)
+        return arranged[key]
+
+    def screened(partitions: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The groups (each one's size, each sequence's group) of the ``SCREENED`` new partitions
+        whose first assignment (step 3) has the least makespan (of equals, the first listed).
+        Best first: the partition of least makespan so far (before it starts, the least it can
+        reach, ``_assignment_bound``) takes the next chunk, and one done while least is among
+        them; the others stop where they fall behind."""
+        queue: list[tuple[float, int, np.ndarray | _Assignment]] = []
         for i, counts in enumerate(partitions):
             if counts.tobytes() not in seen:
                 seen.add(counts.tobytes())
-                fresh.append((_assignment_bound(sizes, best, counts), i, counts))
-        fresh.sort(key=lambda entry: (entry[0], entry[1]))
-        found: list[tuple[float, int, list[tuple[int, list[int]]]]] = []
-        for bound, i, counts in fresh:
-            if len(found) >= SCREENED and bound > found[SCREENED - 1][0] * (1 + 1e-12):
-                break
-            cutoff, at_cutoff = math.inf, False
-            if len(found) >= SCREENED:  # worse than the SCREENED-th, or as good but listed after it
-                cutoff, at_cutoff = found[SCREENED - 1][0], i > found[SCREENED - 1][1]
-            if (assigned := _assign(sizes, best, counts, cutoff, at_cutoff)) is not None:
-                found.append((assigned[0], i, assigned[1]))
-                found.sort(key=lambda entry: (entry[0], entry[1]))
-        return [groups for _, _, groups in found[:SCREENED]]
+                if (bound := _assignment_bound(sizes, best, counts)) < math.inf:  # else one fits nowhere
+                    queue.append((bound * (1 - 1e-12), i, counts))  # (the bound's rounding)
+        heapq.heapify(queue)
+        found: list[tuple[np.ndarray, np.ndarray]] = []
+        while queue and len(found) < SCREENED:
+            least, i, work = heapq.heappop(queue)
+            if isinstance(work, np.ndarray):
+                work = _Assignment(sizes, work, longest_first)
+            elif work.done:
+                found.append(work.groups())
+                continue
+            if work.advance():
+                heapq.heappush(queue, (max(least, work.span), i, work))
+        return found
 
-    def polished(groups: list[tuple[int, list[int]]], steps: int) -> tuple[float, _Search]:
+    def polished(groups: tuple[np.ndarray, np.ndarray], steps: int) -> tuple[float, _Search]:
         """The makespan the groups reach after ``steps`` of local search, and the search."""
-        search = _Search(problem, groups)
+        search = _Search(problem, *groups)
         search.improve(steps, exchanges=False)
         return float(search.times().max()), search
 
     polished_first = [polished(groups, TRIAL_STEPS) for groups in screened(tries)]
     if not polished_first:
         raise MixError(f"no plan on {top} ranks holds every sequence of the batch")
-    search = min(polished_first, key=lambda pair: pair[0])[1]
-    chosen = search.plan(problem, "fast")  # only the partitions kept are built as plans
+    makespan, search = min(polished_first, key=lambda pair: pair[0])
     for _ in range(rounds):
-        near = [polished(groups, TRIAL_STEPS) for groups in screened(_neighbours(chosen, sizes))]
+        near = [polished(groups, TRIAL_STEPS) for groups in screened(_neighbours(search, top, sizes))]
         better = min(near, key=lambda pair: pair[0], default=None)
-        if better is None or better[0] >= chosen.makespan_ms * (1 - 1e-9):
+        if better is None or better[0] >= makespan * (1 - 1e-9):
             break
-        search = better[1]
-        chosen = search.plan(problem, "fast")
+        makespan, search = better
+    chosen = search.copy()  # only the plan returned is built
     search.improve(SEARCH_STEPS)
-    final = search.plan(problem, "fast")
-    return final if final.makespan_ms < chosen.makespan_ms else chosen
+    return (search if search.times().max() < makespan else chosen).plan(problem, "fast")
 
 
 def exact_batch_plan(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None = None,

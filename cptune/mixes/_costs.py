@@ -14,6 +14,7 @@ so a plan never puts a sequence where it does not fit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -53,9 +54,9 @@ class MixCosts:
     shared_max: np.ndarray
     shared_ms: np.ndarray
 
-    @property
+    @functools.cached_property
     def sizes(self) -> np.ndarray:
-        """Each configuration's rank count."""
+        """Each configuration's rank count (read on every batch solved: built once)."""
         return np.array([c.ranks for c in self.configs], dtype=np.int64)
 
     def __post_init__(self) -> None:
@@ -92,12 +93,19 @@ class MixCosts:
             logs = np.log(self.grid.astype(np.float64))
             at = np.clip(np.searchsorted(logs, x), 1, logs.size - 1)
             w = (x - logs[at - 1]) / (logs[at] - logs[at - 1])
-            y = dense[:, at - 1] * (1 - w) + dense[:, at] * w
+            # in place: the table is a batch's largest array, each temporary of its size a cost
+            y = np.take(dense, at - 1, axis=1)
+            y *= 1 - w
+            upper = np.take(dense, at, axis=1)
+            upper *= w
+            y += upper
         limit = (self.shared_max if shared else self.alone_max)[picked]
         sizes = self.sizes[picked]
         runs = (lengths[None, :] >= sizes[:, None]) & (lengths[None, :] <= limit[:, None])
         runs &= np.isfinite(y)
-        return np.where(runs, np.exp(np.where(runs, y, 0.0)), np.inf)
+        np.exp(y, out=y, where=runs)
+        y[~runs] = np.inf
+        return y
 
 
 def _undominated(dense: np.ndarray, sizes: np.ndarray, longest: np.ndarray) -> np.ndarray:
