@@ -608,6 +608,21 @@ def test_attention_rate_picks_the_nearest_head_dim_in_ratio():
     assert calibration.attention_rate(1, 256) == pytest.approx(RATES[128])
 
 
+def test_a_call_below_the_calibrated_sizes_keeps_its_fixed_cost():
+    latency, rate = 1e-3, 50e9  # every timed size exactly latency + work / rate
+    shapes = [ComputeRate(ranks=1, heads=4, seq_q=q, seq_k=4 * q, head_dim=64, seconds=0.0)
+              for q in (128, 256)]
+    timed = tuple(dataclasses.replace(r, seconds=latency + r.computed_flops("numpy") / rate) for r in shapes)
+    calibration = Calibration("mpi", (), timed, "2025-01-01T00:00:00+00:00")
+    smallest = timed[0].computed_flops("numpy")
+    for flops in (smallest / 4, smallest / 40):  # the line through the sizes, not the smallest's rate
+        expected = flops / (latency + flops / rate)
+        assert calibration.attention_rate(1, 64, flops=flops) == pytest.approx(expected)
+    held = Calibration("mpi", (), tuple(dataclasses.replace(r, seconds=r.computed_flops("numpy") / rate)
+                                        for r in shapes), "2025-01-01T00:00:00+00:00")
+    assert held.attention_rate(1, 64, flops=smallest / 4) == pytest.approx(rate)  # no fixed cost: the rate
+
+
 def test_attention_rate_beyond_the_calibrated_ranks_uses_the_largest():
     calibration = make_calibration(max_ranks=2, rank_scale=1.0)
     assert calibration.attention_rate(2, 64) == pytest.approx(RATES[64] / 2)
@@ -669,7 +684,8 @@ def test_attention_rate_interpolates_over_the_work_per_call():
     assert calibration.attention_rate(1, 64, flops=small) == pytest.approx(1e9)
     assert calibration.attention_rate(1, 64, flops=large) == pytest.approx(4e9)
     assert calibration.attention_rate(1, 64, flops=4 * small) == pytest.approx(2e9)  # log-log midpoint
-    assert calibration.attention_rate(1, 64, flops=small / 100) == pytest.approx(1e9)  # held beyond
+    # below the sizes the call keeps most of its fixed cost (test_a_call_below_the_calibrated_sizes...)
+    assert calibration.attention_rate(1, 64, flops=small / 100) < 1e9 / 50
     assert calibration.attention_rate(1, 64, flops=large * 100) == pytest.approx(4e9)
     assert calibration.attention_rate(1, 64) == pytest.approx(2e9)  # no size: geometric mean
 

@@ -239,14 +239,23 @@ class Calibration:
         """FLOP/s one of ``ranks`` ranks executes attention at, from the shapes calibrated
         with the head_dim nearest ``head_dim`` (in ratio) and the same mask (when any), at
         their pooled rates (``pooled_compute``): interpolated in log-log over the work per
-        call ``flops`` (held constant beyond the calibrated sizes), or their geometric mean
-        when ``flops`` is None. FLOPs here are the ones the engine's kernel executes
-        (``ComputeRate.computed_flops``), masked pairs it computes included, so the rate
-        carries over to shapes that waste more or less."""
-        work, seconds = self._pooled_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
+        call ``flops`` (held constant beyond the largest calibrated size), or their geometric
+        mean when ``flops`` is None. Below the smallest size a call keeps its fixed cost: its
+        time falls along the line ``latency + work / rate`` fitted through the sizes
+        (``call_seconds``), from the smallest size's time, never below that size's rate (a
+        short sequence on several ranks makes calls of a few MFLOP, and held at the smallest
+        size's rate their time would fall to nothing with the work). FLOPs here are the ones
+        the engine's kernel executes (``ComputeRate.computed_flops``), masked pairs it computes
+        included, so the rate carries over to shapes that waste more or less."""
+        key = self._nearest_compute_key(ranks, head_dim, causal)
+        work, seconds = self._pooled_by_key[key]
         log_rates = np.log(work / seconds)
         if flops is None:
             return float(np.exp(np.mean(log_rates)))
+        if flops < work[0] and key in self._call_fits:
+            rate = self._call_fits[key][1]
+            seconds_then = max(seconds[0] - (work[0] - flops) / rate, seconds[0] * flops / work[0])
+            return float(flops / seconds_then)
         return float(np.exp(np.interp(np.log(flops), np.log(work), log_rates)))
 
     def key_elements_per_flop(self, ranks: int, head_dim: int, causal: bool, flops: float) -> float:
@@ -302,10 +311,16 @@ class Calibration:
                 for key, sizes in ordered.items()}
 
     @functools.cached_property
+    def _call_fits(self) -> dict[tuple[int, int, bool], tuple[float, float]]:
+        """(latency, rate) of ``latency + work / rate`` through each key's pooled sizes; none
+        where one size was timed (it says nothing of how time grows with work)."""
+        return {key: fit_latency_bandwidth(work, seconds)
+                for key, (work, seconds) in self._pooled_by_key.items() if len(set(work)) > 1}
+
+    @functools.cached_property
     def _call_seconds(self) -> dict[tuple[int, int, bool], float]:
-        # one size says nothing of how time grows with work: no fixed cost to tell apart
-        return {key: fit_latency_bandwidth(work, seconds)[0] if len(set(work)) > 1 else 0.0
-                for key, (work, seconds) in self._pooled_by_key.items()}
+        return {key: self._call_fits[key][0] if key in self._call_fits else 0.0
+                for key in self._pooled_by_key}
 
     def backward_speed(self, head_dim: int, causal: bool = False, flops: float | None = None) -> float:
         """The backward kernel's FLOP rate (``BACKWARD_FLOPS_RATIO`` times a shape's forward
