@@ -240,7 +240,8 @@ def test_two_searches_on_one_host_take_turns_and_keep_every_row(lock_file, tmp_p
     monkeypatch.delenv(IGNORE_LOAD)  # the load judged as a user's search judges it
     monkeypatch.setenv("CPTUNE_GUARD_PATIENCE", "10")  # other tests' load: wait a little, not minutes
     db = str(tmp_path / "both.db")
-    first = subprocess.Popen([*CLI, "search", "--db", db, "--seq-lens", "64", *TINY_SEARCH],
+    # four rounds: the first must still hold the lock when the second, started once it does, gets there
+    first = subprocess.Popen([*CLI, "search", "--db", db, "--seq-lens", "64", *TINY_SEARCH, "--rounds", "4"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while read_holder(lock_file) is None or read_holder(lock_file).pid != first.pid:
         assert first.poll() is None, first.communicate()
