@@ -248,7 +248,7 @@ class Calibration:
         the engine's kernel executes (``ComputeRate.computed_flops``), masked pairs it computes
         included, so the rate carries over to shapes that waste more or less."""
         key = self._nearest_compute_key(ranks, head_dim, causal)
-        work, seconds = self._pooled_by_key[key]
+        work, seconds, _ = self._pooled_by_key[key]
         log_rates = np.log(work / seconds)
         if flops is None:
             return float(np.exp(np.mean(log_rates)))
@@ -264,20 +264,8 @@ class Calibration:
         interpolated in log-log over the work per call ``flops``: the rate read at a call's
         work holds the preparation of that many keys (float32 ones: the shapes are timed in
         float32)."""
-        work, elements = self._key_elements_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
+        work, _, elements = self._pooled_by_key[self._nearest_compute_key(ranks, head_dim, causal)]
         return float(np.exp(np.interp(np.log(flops), np.log(work), np.log(elements / work))))
-
-    @functools.cached_property
-    def _key_elements_by_key(self) -> dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]]:
-        """Per (rank count, head_dim, mask): each calibrated size's FLOPs the kernel executes,
-        ascending, and the K and V elements its call prepares (``_pooled_by_key``'s order)."""
-        points: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
-        for rate in self.pooled_compute:
-            points.setdefault((rate.ranks, rate.head_dim, rate.causal), []).append(
-                (float(rate.computed_flops(self.kernel)), float(rate.key_elements)))
-        ordered = {key: sorted(sizes, key=lambda size: size[0]) for key, sizes in points.items()}
-        return {key: (np.array([w for w, _ in sizes]), np.array([e for _, e in sizes]))
-                for key, sizes in ordered.items()}
 
     def call_seconds(self, ranks: int, head_dim: int, causal: bool = False) -> float:
         """Seconds one attention call costs however little its work, at the calibrated rank
@@ -299,15 +287,17 @@ class Calibration:
                                                       head_dim, causal))
 
     @functools.cached_property
-    def _pooled_by_key(self) -> dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]]:
+    def _pooled_by_key(self) -> dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The pooled attention rates by (rank count, head_dim, mask): each size's FLOPs the
-        kernel executes, ascending, and its seconds - worked out once, read on every prior."""
-        points: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
+        kernel executes, ascending, its seconds and the K and V elements its call prepares
+        (``ComputeRate.key_elements``) - worked out once, read on every prior."""
+        points: dict[tuple[int, int, bool], list[tuple[float, float, float]]] = {}
         for rate in self.pooled_compute:
             points.setdefault((rate.ranks, rate.head_dim, rate.causal), []).append(
-                (float(rate.computed_flops(self.kernel)), rate.seconds))
+                (float(rate.computed_flops(self.kernel)), rate.seconds, float(rate.key_elements)))
         ordered = {key: sorted(sizes, key=lambda size: size[0]) for key, sizes in points.items()}
-        return {key: (np.array([w for w, _ in sizes]), np.array([t for _, t in sizes]))
+        return {key: (np.array([w for w, _, _ in sizes]), np.array([t for _, t, _ in sizes]),
+                      np.array([e for _, _, e in sizes]))
                 for key, sizes in ordered.items()}
 
     @functools.cached_property
@@ -315,7 +305,7 @@ class Calibration:
         """(latency, rate) of ``latency + work / rate`` through each key's pooled sizes; none
         where one size was timed (it says nothing of how time grows with work)."""
         return {key: fit_latency_bandwidth(work, seconds)
-                for key, (work, seconds) in self._pooled_by_key.items() if len(set(work)) > 1}
+                for key, (work, seconds, _) in self._pooled_by_key.items() if len(set(work)) > 1}
 
     @functools.cached_property
     def _call_seconds(self) -> dict[tuple[int, int, bool], float]:
