@@ -141,9 +141,12 @@ class _Problem:
         np.fill_diagonal(never, False)
         # j beats i: never slower, and faster somewhere (i is not never slower than j) or first of equals
         beats = never & (~never.T | np.tri(n, k=-1, dtype=bool).T)
-        kept = np.flatnonzero(~beats.any(axis=0) & np.isfinite(t).any(axis=1)).tolist()
+        kept = np.flatnonzero(~beats.any(axis=0) & (t.min(axis=1) < math.inf)).tolist()
         self.configs = [costs.configs[int(rows[i])] for i in kept]
-        self.t = t[kept]
+        for place, row in enumerate(kept):  # moved up in place: a copy would be a batch's largest array
+            if row != place:
+                t[place] = t[row]
+        self.t = t[:len(kept)]
         self.sizes = sizes[kept]
         self.ranks = ranks
         self.lengths = lengths
@@ -153,8 +156,8 @@ class _Problem:
         for g, start, count in zip(*(a.tolist() for a in np.unique(self.sizes, return_index=True,
                                                                   return_counts=True)), strict=True):
             self.rows[g], self.blocks[g] = np.arange(start, start + count), self.t[start:start + count]
-        if not np.isfinite(self.t).any(axis=0).all():
-            s = int(np.argmin(np.isfinite(self.t).any(axis=0)))
+        if not (self.t.min(axis=0) < math.inf).all():
+            s = int(np.argmax(self.t.min(axis=0) == math.inf))
             raise MixError(f"sequence {s + 1} ({int(lengths[s]):,} tokens) fits no configuration on up to "
                            f"{ranks} ranks within a rank's memory")
 
@@ -184,30 +187,44 @@ class _Problem:
 def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
     """The group sizes, and each sequence's time on a group of each (its best configuration there)."""
     sizes = np.unique(problem.sizes)
-    best = np.stack([problem.blocks[int(g)].min(axis=0) for g in sizes])
+    best = np.empty((sizes.size, problem.t.shape[1]))
+    for i, g in enumerate(sizes.tolist()):
+        problem.blocks[g].min(axis=0, out=best[i])
     return sizes, best
 
 
 def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
     """How many groups of each size, by bisection on the makespan (step 2); None when no
     makespan's groups fit the ranks."""
-    weighted = sizes[:, None] * best
     # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
-    # equals, the first). Only its frontier can be that: the sizes in order of rank-time, each
-    # kept if faster than all before it; the frontier's times fall, so the one taken is the
-    # entry within the makespan whose predecessor (inf for the first) is not. Every makespan
-    # tried is at least each sequence's fastest time, so each takes one.
-    order = np.argsort(weighted.T, axis=1, kind="stable")  # (sequences, sizes): rows contiguous
-    ordered = np.take_along_axis(best.T, order, axis=1)
-    least = np.minimum.accumulate(ordered, axis=1)
-    kept = np.empty(ordered.shape, dtype=bool)
-    kept[:, 0] = np.isfinite(ordered[:, 0])
-    kept[:, 1:] = ordered[:, 1:] < least[:, :-1]
-    seq, place = np.nonzero(kept)  # the frontiers' entries, by sequence, then in order of rank-time
-    front, front_size = ordered[seq, place], order[seq, place]
-    before = np.empty_like(front)
-    before[0], before[1:] = np.inf, front[:-1]
-    before[1:][seq[1:] != seq[:-1]] = np.inf
+    # equals, the first). Only its frontier can be that: the sizes faster than every smaller one
+    # (a smaller one as fast spends fewer rank-seconds) and of no more rank-time than any larger
+    # such one. In size order the frontier's times fall and its rank-times rise, so the one
+    # taken is the entry within the makespan whose predecessor (inf for the first) is not. Every
+    # makespan tried is at least each sequence's fastest time, so each takes one. Row by row (a
+    # size at a time): a temporary of the whole table costs more than the arithmetic.
+    frontier = np.empty(best.shape, dtype=bool)
+    fastest = np.full(best.shape[1], np.inf)  # each sequence's least time on the sizes so far
+    for i, row in enumerate(best):
+        np.less(row, fastest, out=frontier[i])
+        np.minimum(fastest, row, out=fastest)
+    cheapest = np.full(best.shape[1], np.inf)  # each sequence's least rank-time, of the larger faster sizes
+    for i in range(sizes.size - 1, -1, -1):
+        rank_time = best[i] * sizes[i]
+        within = rank_time <= cheapest
+        np.minimum(cheapest, rank_time, out=cheapest, where=frontier[i])
+        frontier[i] &= within
+    before_so_far = np.full(best.shape[1], np.inf)  # each sequence's last frontier entry's time so far
+    seqs, fronts, befores = [], [], []
+    for i, row in enumerate(best):
+        seq = np.flatnonzero(frontier[i])
+        seqs.append(seq)
+        fronts.append(row[seq])
+        befores.append(before_so_far[seq])
+        before_so_far[seq] = fronts[-1]
+    # the frontiers' entries, by size, each size's by sequence (loads summed in sequence order)
+    front, before = np.concatenate(fronts), np.concatenate(befores)
+    front_size = np.repeat(np.arange(sizes.size), [seq.size for seq in seqs])
 
     def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
         taken = (front <= limit) & (before > limit)
@@ -215,7 +232,7 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
         counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
         return int(sizes @ counts), counts, loads
 
-    low = max(float(best.min(axis=0).max()), float(weighted.min(axis=0).sum()) / ranks)
+    low = max(float(fastest.max()), float(cheapest.sum()) / ranks)  # (the least rank-time is a faster size's)
     high = low
     for _ in range(60):
         if needed(high)[0] <= ranks:
