@@ -184,15 +184,6 @@ class _Problem:
                          max(g.ms for g in built), solver, optimal)
 
 
-def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
-    """The group sizes, and each sequence's time on a group of each (its best configuration there)."""
-    sizes = np.unique(problem.sizes)
-    best = np.empty((sizes.size, problem.t.shape[1]))
-    for i, g in enumerate(sizes.tolist()):
-        problem.blocks[g].min(axis=0, out=best[i])
-    return sizes, best
-
-
 def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
     """How many groups of each size, by bisection on the makespan (step 2); None when no
     makespan's groups fit the ranks."""
@@ -261,25 +252,43 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     return counts
 
 
-def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> float:
-    """A makespan no assignment to ``counts`` groups per size goes below (``_assign``'s
-    included): the longest of the sequences' least times on the sizes used, and their least
-    rank-time spread over all the groups' ranks; inf when a sequence fits none of those sizes."""
-    used = counts > 0
-    if not used.any():
-        return math.inf
-    sub = best[used]
-    fastest = sub.min(axis=0)
-    area = (sizes[used][:, None] * sub).min(axis=0).sum() / float(sizes @ counts)
-    return float(max(fastest.max(), area))
+class _BySize:
+    """Each sequence's time on a group of each size (``best``: sizes x sequences), and what the
+    partitions using the same sizes share, read once for them all (neighbours share most)."""
 
+    def __init__(self, problem: _Problem) -> None:
+        self.sizes = np.unique(problem.sizes)
+        self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
+        for i, g in enumerate(self.sizes.tolist()):
+            problem.blocks[g].min(axis=0, out=self.best[i])
+        self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._least: dict[bytes, tuple[float, float]] = {}
 
-def _longest_first(best: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sequences longest first on the sizes ``classes`` (each by its longest time there that
-    fits) and their times on those sizes in that order (classes x sequences)."""
-    sub = best[classes]
-    order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-    return order, sub[:, order]
+    def bound(self, counts: np.ndarray) -> float:
+        """A makespan no assignment to ``counts`` groups per size goes below (``_Assignment``'s
+        included): the longest of the sequences' least times on the sizes used, and their least
+        rank-time spread over all the groups' ranks; inf when a sequence fits none of those sizes."""
+        used = np.flatnonzero(counts > 0)
+        if not used.size:
+            return math.inf
+        key = used.tobytes()
+        if key not in self._least:
+            sub = self.best[used]
+            self._least[key] = (float(sub.min(axis=0).max()),
+                                float((self.sizes[used][:, None] * sub).min(axis=0).sum()))
+        slowest, work = self._least[key]
+        return max(slowest, work / float(self.sizes @ counts))
+
+    def longest_first(self, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sequences longest first on the sizes ``classes`` (each by its longest time there
+        that fits) and their times on those sizes in that order (sequences x classes: a
+        sequence's row contiguous, as ``_Assignment`` reads them)."""
+        key = classes.tobytes()
+        if key not in self._arranged:
+            sub = self.best[classes]
+            order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
+            self._arranged[key] = order, sub.T[order]
+        return self._arranged[key]
 
 
 class _Assignment:
@@ -289,16 +298,13 @@ class _Assignment:
     makespan, so one that falls behind is given up early. ``span``: the makespan so far, never
     more than the final one."""
 
-    def __init__(self, sizes: np.ndarray, counts: np.ndarray,
-                 longest_first: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
-        """``longest_first``: ``_longest_first`` on the sizes used (partitions next to one another
-        share them)."""
+    def __init__(self, by_size: _BySize, counts: np.ndarray) -> None:
         self.classes = np.flatnonzero(counts > 0)
-        self.size = np.repeat(sizes[self.classes], counts[self.classes])  # each group's
+        self.size = np.repeat(by_size.sizes[self.classes], counts[self.classes])  # each group's
         first = np.cumsum(counts[self.classes]) - counts[self.classes]  # each class's first group
         self.heaps = [[(0.0, g) for g in range(a, a + int(counts[i]))]
                       for a, i in zip(first.tolist(), self.classes, strict=True)]
-        self.order, self.ordered = longest_first(self.classes)
+        self.order, self.ordered = by_size.longest_first(self.classes)
         self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
         self.span = 0.0
         self.placed: list[int] = []  # each sequence's group, in ``order``
@@ -311,23 +317,20 @@ class _Assignment:
         """Places as many more sequences as are placed (at least ``FIRST_CHUNK``); False when one
         fits no group."""
         tops, heaps, placed, span = self.tops, self.heaps, self.placed, self.span
-        add, replace = operator.add, heapq.heapreplace
-        chunk = self.ordered[:, len(placed):2 * len(placed) + FIRST_CHUNK].tolist()
-        for column in zip(*chunk, strict=True):  # each sequence's times, a float per class
-            ends = list(map(add, tops, column))
+        add, replace, place = operator.add, heapq.heapreplace, placed.append
+        for times in self.ordered[len(placed):2 * len(placed) + FIRST_CHUNK].tolist():  # a float per class
+            ends = list(map(add, tops, times))
             finish = min(ends)
-            if finish == math.inf:
-                return False
             k = ends.index(finish)  # of equals, the first class
             heap = heaps[k]
             g = heap[0][1]
             replace(heap, (finish, g))
             tops[k] = heap[0][0]
-            placed.append(g)
+            place(g)
             if finish > span:
                 span = finish
         self.span = span
-        return True
+        return span < math.inf  # (one placed at inf fits no group)
 
     def groups(self) -> tuple[np.ndarray, np.ndarray]:
         """Each group's size and each sequence's group, once ``done``."""
@@ -651,10 +654,11 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
     if isinstance(costs, Plan):
         costs = policy_costs(costs)
     problem = _problem(costs, lengths, ranks, allowed)
-    sizes, best = _best_by_size(problem)
+    by_size = _BySize(problem)
+    sizes = by_size.sizes
     top = problem.ranks
     tries = []
-    if (counts := _counts_for(sizes, best, top)) is not None:
+    if (counts := _counts_for(sizes, by_size.best, top)) is not None:
         tries.append(counts)
     for i, g in enumerate(sizes):  # equal groups of each size dividing the ranks (one of all ranks too)
         if top % int(g) == 0:
@@ -662,32 +666,25 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
             equal[i] = top // int(g)
             tries.append(equal)
     seen: set[bytes] = set()
-    arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-
-    def longest_first(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key = classes.tobytes()
-        if key not in arranged:
-            arranged[key] = _longest_first(best, classes)
-        return arranged[key]
 
     def screened(partitions: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The groups (each one's size, each sequence's group) of the ``SCREENED`` new partitions
         whose first assignment (step 3) has the least makespan (of equals, the first listed).
         Best first: the partition of least makespan so far (before it starts, the least it can
-        reach, ``_assignment_bound``) takes the next chunk, and one done while least is among
+        reach, ``_BySize.bound``) takes the next chunk, and one done while least is among
         them; the others stop where they fall behind."""
         queue: list[tuple[float, int, np.ndarray | _Assignment]] = []
         for i, counts in enumerate(partitions):
             if counts.tobytes() not in seen:
                 seen.add(counts.tobytes())
-                if (bound := _assignment_bound(sizes, best, counts)) < math.inf:  # else one fits nowhere
+                if (bound := by_size.bound(counts)) < math.inf:  # else one fits nowhere
                     queue.append((bound * (1 - 1e-12), i, counts))  # (the bound's rounding)
         heapq.heapify(queue)
         found: list[tuple[np.ndarray, np.ndarray]] = []
         while queue and len(found) < SCREENED:
             least, i, work = heapq.heappop(queue)
             if isinstance(work, np.ndarray):
-                work = _Assignment(sizes, work, longest_first)
+                work = _Assignment(by_size, work)
             elif work.done:
                 found.append(work.groups())
                 continue
