@@ -462,19 +462,30 @@ class _Search:
             tied = rows <= rows.min(axis=1, keepdims=True)
             return np.where(tied, squares.reshape(rows.shape), np.inf).argmin(axis=1)
 
-        for g, block in self.blocks.items():  # moves, a size's groups at once
+        # moves to every other group, all at once; each size's best weighed in turn, as one by one
+        by_size, joined_by_size = [], []
+        for g, block in self.blocks.items():
             targets = self.of_size[g][self.of_size[g] != k]
-            if not targets.size:
-                continue
-            stacked = self.table[g][self.local[targets]]  # (targets, configurations)
-            joined = (stacked[:, :, None] + block[:, mine][None]).min(axis=1)  # (targets, mine)
+            if targets.size:
+                stacked = self.table[g][self.local[targets]]  # (targets, configurations)
+                by_size.append(targets)  # and each one's time with each of mine in: (targets, mine)
+                joined_by_size.append((stacked[:, :, None] + block[:, mine][None]).min(axis=1))
+        if by_size:
+            targets, joined = np.concatenate(by_size), np.concatenate(joined_by_size)
             others = np.where(targets == others_top[0], second, first)
             value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
             before = current ** 2 + times[targets] ** 2
             squares = left[None, :] ** 2 + joined ** 2 - before[:, None]
-            flat = int(least(value.ravel()[None], squares)[0])
-            if beats(float(value.flat[flat]), float(squares.flat[flat])):
-                best = (int(mine[flat % mine.size]), int(targets[flat // mine.size]), -1)
+            counts = [t.size for t in by_size]
+            shape = (len(counts), max(counts), mine.size)
+            sized = np.repeat(np.arange(shape[0]), counts)  # each target's place among the sizes
+            within = np.arange(targets.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            padded_value, padded_squares = np.full(shape, np.inf), np.full(shape, np.inf)
+            padded_value[sized, within], padded_squares[sized, within] = value, squares
+            for j, flat in enumerate(least(padded_value, padded_squares).tolist()):
+                t, s = divmod(flat, mine.size)
+                if beats(float(padded_value[j, t, s]), float(padded_squares[j, t, s])):
+                    best = (int(mine[s]), int(by_size[j][t]), -1)
         if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
         # swaps with the least busy other groups holding sequences, all at once: (groups, mine, theirs)
@@ -524,18 +535,21 @@ class _Search:
         order = np.argsort(times)
         slowest = order[::-1][:3].tolist()
         block_k = self.blocks[int(self.size[k])]
-        mine_ids, mine_k = _bundles(block_k, mine)
+        mine_ids, mine_k = _bundles(mine), _bundle_times(block_k, mine)
         mine_on: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # mine's bundles' times on each size
         best: tuple[float, int, list[int], list[int]] | None = None
+        by_group = np.argsort(self.group_of, kind="stable")  # every group's members at once
+        bounds = np.searchsorted(self.group_of[by_group], np.arange(self.size.size + 1)).tolist()
         for j in [int(g) for g in order if g != k][:SWAP_GROUPS]:
-            theirs = self.members(j)
+            theirs = by_group[bounds[j]:bounds[j + 1]]
             if not theirs.size or theirs.size > PAIRED:
                 continue
             block_j = self.blocks[int(self.size[j])]
             if int(self.size[j]) not in mine_on:
-                mine_on[int(self.size[j])] = _bundles(block_j, mine)[1]
+                mine_on[int(self.size[j])] = _bundle_times(block_j, mine)
             mine_j = mine_on[int(self.size[j])]
-            (their_ids, theirs_j), theirs_k = _bundles(block_j, theirs), _bundles(block_k, theirs)[1]
+            their_ids, theirs_j, theirs_k = _bundles(theirs), _bundle_times(block_j, theirs), \
+                _bundle_times(block_k, theirs)
             rest = next((float(times[g]) for g in slowest if g not in (k, j)), 0.0)
             for out, into in ((1, 0), (0, 1)):  # two of k's for one of j's, one of k's for two of j's
                 if not mine_ids[out].size or not their_ids[into].size:
@@ -543,7 +557,7 @@ class _Search:
                 new_k = _after(self.sums(k), mine_k[out], theirs_k[into])
                 new_j = _after(self.sums(j), theirs_j[into], mine_j[out]).T
                 value = np.maximum(np.maximum(new_k, new_j), rest)
-                a, b = np.unravel_index(int(np.argmin(value)), value.shape)
+                a, b = divmod(int(np.argmin(value)), value.shape[1])
                 if value[a, b] < current * (1 - 1e-9) and (best is None or value[a, b] < best[0]):
                     best = (float(value[a, b]), j, mine_ids[out][a].tolist(), their_ids[into][b].tolist())
         if best is None:
@@ -556,20 +570,23 @@ class _Search:
         return True
 
 
-def _bundles(block: np.ndarray, members: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray],
-                                                               tuple[np.ndarray, np.ndarray]]:
-    """``members`` one by one and two by two (bundles x 1, bundles x 2), and each bundle's time on
-    each configuration of ``block`` (configurations x bundles), the same two."""
-    first, second = _pair_places(members.size)
+def _bundles(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``members`` one by one and two by two: (bundles x 1, bundles x 2)."""
+    return members[:, None], members[_pair_places(members.size)]
+
+
+def _bundle_times(block: np.ndarray, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each of ``_bundles(members)``' time on each configuration of ``block``: (configurations x
+    bundles), the two."""
+    pairs = _pair_places(members.size)
     singles = block[:, members]
-    return ((members[:, None], members[np.stack([first, second], axis=1)]),
-            (singles, singles[:, first] + singles[:, second]))
+    return singles, singles[:, pairs[:, 0]] + singles[:, pairs[:, 1]]
 
 
 @functools.cache
-def _pair_places(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every two of n places (i < j), in order: asked for every group an exchange tries."""
-    return np.triu_indices(n, k=1)
+def _pair_places(n: int) -> np.ndarray:
+    """Every two of n places (i < j), in order (pairs x 2): asked for every group an exchange tries."""
+    return np.stack(np.triu_indices(n, k=1), axis=1)
 
 
 def _after(sums: np.ndarray, leaving: np.ndarray, coming: np.ndarray) -> np.ndarray:
