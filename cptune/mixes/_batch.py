@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import heapq
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -301,9 +302,8 @@ class _Assignment:
     def __init__(self, by_size: _BySize, counts: np.ndarray) -> None:
         self.classes = np.flatnonzero(counts > 0)
         self.size = np.repeat(by_size.sizes[self.classes], counts[self.classes])  # each group's
-        first = np.cumsum(counts[self.classes]) - counts[self.classes]  # each class's first group
-        self.heaps = [[(0.0, g) for g in range(a, a + int(counts[i]))]
-                      for a, i in zip(first.tolist(), self.classes, strict=True)]
+        bounds = itertools.accumulate(counts[self.classes].tolist(), initial=0)  # each class's groups
+        self.heaps = [[(0.0, g) for g in range(a, b)] for a, b in itertools.pairwise(bounds)]
         self.order, self.ordered = by_size.longest_first(self.classes)
         self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
         self.span = 0.0
