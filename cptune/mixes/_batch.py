@@ -353,6 +353,9 @@ class _Search:
         self.local = np.empty(size.size, dtype=np.int64)  # each group's row in its size's table
         self.count = np.bincount(group_of, minlength=size.size)
         self.time = np.zeros(size.size)  # each group's time (its best configuration's sum)
+        #: Whether the last look for a move or swap found none and nothing has moved since: the
+        #: same groups find the same, so the final search does not look again where a trial's ended.
+        self.settled = False
         #: per size: its groups' configurations' sums over their sequences (groups x configurations)
         self.table: dict[int, np.ndarray] = {}
         for g, rows in self.rows.items():
@@ -407,6 +410,7 @@ class _Search:
         leaving -= self.blocks[int(self.size[source])][:, s]
         joining += self.blocks[int(self.size[target])][:, s]
         self.group_of[s] = target
+        self.settled = False
         self.count[source] -= 1
         self.count[target] += 1
         self.time[source] = float(leaving.min()) if self.count[source] else 0.0
@@ -418,8 +422,9 @@ class _Search:
         for _ in range(budget):
             times = self.times()
             k = int(np.argmax(times))
-            step = self._best_step(k, times)
+            step = None if self.settled else self._best_step(k, times)
             if step is None:
+                self.settled = True
                 if exchanges and self.exchange():
                     continue
                 return
