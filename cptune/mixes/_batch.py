@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import heapq
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -141,9 +142,12 @@ class _Problem:
         np.fill_diagonal(never, False)
         # j beats i: never slower, and faster somewhere (i is not never slower than j) or first of equals
         beats = never & (~never.T | np.tri(n, k=-1, dtype=bool).T)
-        kept = np.flatnonzero(~beats.any(axis=0) & np.isfinite(t).any(axis=1)).tolist()
+        kept = np.flatnonzero(~beats.any(axis=0) & (t.min(axis=1) < math.inf)).tolist()
         self.configs = [costs.configs[int(rows[i])] for i in kept]
-        self.t = t[kept]
+        for place, row in enumerate(kept):  # moved up in place: a copy would be a batch's largest array
+            if row != place:
+                t[place] = t[row]
+        self.t = t[:len(kept)]
         self.sizes = sizes[kept]
         self.ranks = ranks
         self.lengths = lengths
@@ -153,8 +157,8 @@ class _Problem:
         for g, start, count in zip(*(a.tolist() for a in np.unique(self.sizes, return_index=True,
                                                                   return_counts=True)), strict=True):
             self.rows[g], self.blocks[g] = np.arange(start, start + count), self.t[start:start + count]
-        if not np.isfinite(self.t).any(axis=0).all():
-            s = int(np.argmin(np.isfinite(self.t).any(axis=0)))
+        if not (self.t.min(axis=0) < math.inf).all():
+            s = int(np.argmax(self.t.min(axis=0) == math.inf))
             raise MixError(f"sequence {s + 1} ({int(lengths[s]):,} tokens) fits no configuration on up to "
                            f"{ranks} ranks within a rank's memory")
 
@@ -181,33 +185,38 @@ class _Problem:
                          max(g.ms for g in built), solver, optimal)
 
 
-def _best_by_size(problem: _Problem) -> tuple[np.ndarray, np.ndarray]:
-    """The group sizes, and each sequence's time on a group of each (its best configuration there)."""
-    sizes = np.unique(problem.sizes)
-    best = np.stack([problem.blocks[int(g)].min(axis=0) for g in sizes])
-    return sizes, best
-
-
 def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
     """How many groups of each size, by bisection on the makespan (step 2); None when no
     makespan's groups fit the ranks."""
-    weighted = sizes[:, None] * best
     # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
-    # equals, the first). Only its frontier can be that: the sizes in order of rank-time, each
-    # kept if faster than all before it; the frontier's times fall, so the one taken is the
-    # entry within the makespan whose predecessor (inf for the first) is not. Every makespan
-    # tried is at least each sequence's fastest time, so each takes one.
-    order = np.argsort(weighted.T, axis=1, kind="stable")  # (sequences, sizes): rows contiguous
-    ordered = np.take_along_axis(best.T, order, axis=1)
-    least = np.minimum.accumulate(ordered, axis=1)
-    kept = np.empty(ordered.shape, dtype=bool)
-    kept[:, 0] = np.isfinite(ordered[:, 0])
-    kept[:, 1:] = ordered[:, 1:] < least[:, :-1]
-    seq, place = np.nonzero(kept)  # the frontiers' entries, by sequence, then in order of rank-time
-    front, front_size = ordered[seq, place], order[seq, place]
-    before = np.empty_like(front)
-    before[0], before[1:] = np.inf, front[:-1]
-    before[1:][seq[1:] != seq[:-1]] = np.inf
+    # equals, the first). Only its frontier can be that: the sizes faster than every smaller one
+    # (a smaller one as fast spends fewer rank-seconds) and of no more rank-time than any larger
+    # such one. In size order the frontier's times fall and its rank-times rise, so the one
+    # taken is the entry within the makespan whose predecessor (inf for the first) is not. Every
+    # makespan tried is at least each sequence's fastest time, so each takes one. Row by row (a
+    # size at a time): a temporary of the whole table costs more than the arithmetic.
+    frontier = np.empty(best.shape, dtype=bool)
+    fastest = np.full(best.shape[1], np.inf)  # each sequence's least time on the sizes so far
+    for i, row in enumerate(best):
+        np.less(row, fastest, out=frontier[i])
+        np.minimum(fastest, row, out=fastest)
+    cheapest = np.full(best.shape[1], np.inf)  # each sequence's least rank-time, of the larger faster sizes
+    for i in range(sizes.size - 1, -1, -1):
+        rank_time = best[i] * sizes[i]
+        within = rank_time <= cheapest
+        np.minimum(cheapest, rank_time, out=cheapest, where=frontier[i])
+        frontier[i] &= within
+    before_so_far = np.full(best.shape[1], np.inf)  # each sequence's last frontier entry's time so far
+    seqs, fronts, befores = [], [], []
+    for i, row in enumerate(best):
+        seq = np.flatnonzero(frontier[i])
+        seqs.append(seq)
+        fronts.append(row[seq])
+        befores.append(before_so_far[seq])
+        before_so_far[seq] = fronts[-1]
+    # the frontiers' entries, by size, each size's by sequence (loads summed in sequence order)
+    front, before = np.concatenate(fronts), np.concatenate(befores)
+    front_size = np.repeat(np.arange(sizes.size), [seq.size for seq in seqs])
 
     def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
         taken = (front <= limit) & (before > limit)
@@ -215,7 +224,7 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
         counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
         return int(sizes @ counts), counts, loads
 
-    low = max(float(best.min(axis=0).max()), float(weighted.min(axis=0).sum()) / ranks)
+    low = max(float(fastest.max()), float(cheapest.sum()) / ranks)  # (the least rank-time is a faster size's)
     high = low
     for _ in range(60):
         if needed(high)[0] <= ranks:
@@ -244,25 +253,43 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     return counts
 
 
-def _assignment_bound(sizes: np.ndarray, best: np.ndarray, counts: np.ndarray) -> float:
-    """A makespan no assignment to ``counts`` groups per size goes below (``_assign``'s
-    included): the longest of the sequences' least times on the sizes used, and their least
-    rank-time spread over all the groups' ranks; inf when a sequence fits none of those sizes."""
-    used = counts > 0
-    if not used.any():
-        return math.inf
-    sub = best[used]
-    fastest = sub.min(axis=0)
-    area = (sizes[used][:, None] * sub).min(axis=0).sum() / float(sizes @ counts)
-    return float(max(fastest.max(), area))
+class _BySize:
+    """Each sequence's time on a group of each size (``best``: sizes x sequences), and what the
+    partitions using the same sizes share, read once for them all (neighbours share most)."""
 
+    def __init__(self, problem: _Problem) -> None:
+        self.sizes = np.unique(problem.sizes)
+        self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
+        for i, g in enumerate(self.sizes.tolist()):
+            problem.blocks[g].min(axis=0, out=self.best[i])
+        self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._least: dict[bytes, tuple[float, float]] = {}
 
-def _longest_first(best: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sequences longest first on the sizes ``classes`` (each by its longest time there that
-    fits) and their times on those sizes in that order (classes x sequences)."""
-    sub = best[classes]
-    order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-    return order, sub[:, order]
+    def bound(self, counts: np.ndarray) -> float:
+        """A makespan no assignment to ``counts`` groups per size goes below (``_Assignment``'s
+        included): the longest of the sequences' least times on the sizes used, and their least
+        rank-time spread over all the groups' ranks; inf when a sequence fits none of those sizes."""
+        used = np.flatnonzero(counts > 0)
+        if not used.size:
+            return math.inf
+        key = used.tobytes()
+        if key not in self._least:
+            sub = self.best[used]
+            self._least[key] = (float(sub.min(axis=0).max()),
+                                float((self.sizes[used][:, None] * sub).min(axis=0).sum()))
+        slowest, work = self._least[key]
+        return max(slowest, work / float(self.sizes @ counts))
+
+    def longest_first(self, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sequences longest first on the sizes ``classes`` (each by its longest time there
+        that fits) and their times on those sizes in that order (sequences x classes: a
+        sequence's row contiguous, as ``_Assignment`` reads them)."""
+        key = classes.tobytes()
+        if key not in self._arranged:
+            sub = self.best[classes]
+            order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
+            self._arranged[key] = order, sub.T[order]
+        return self._arranged[key]
 
 
 class _Assignment:
@@ -272,16 +299,12 @@ class _Assignment:
     makespan, so one that falls behind is given up early. ``span``: the makespan so far, never
     more than the final one."""
 
-    def __init__(self, sizes: np.ndarray, counts: np.ndarray,
-                 longest_first: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> None:
-        """``longest_first``: ``_longest_first`` on the sizes used (partitions next to one another
-        share them)."""
+    def __init__(self, by_size: _BySize, counts: np.ndarray) -> None:
         self.classes = np.flatnonzero(counts > 0)
-        self.size = np.repeat(sizes[self.classes], counts[self.classes])  # each group's
-        first = np.cumsum(counts[self.classes]) - counts[self.classes]  # each class's first group
-        self.heaps = [[(0.0, g) for g in range(a, a + int(counts[i]))]
-                      for a, i in zip(first.tolist(), self.classes, strict=True)]
-        self.order, self.ordered = longest_first(self.classes)
+        self.size = np.repeat(by_size.sizes[self.classes], counts[self.classes])  # each group's
+        bounds = itertools.accumulate(counts[self.classes].tolist(), initial=0)  # each class's groups
+        self.heaps = [[(0.0, g) for g in range(a, b)] for a, b in itertools.pairwise(bounds)]
+        self.order, self.ordered = by_size.longest_first(self.classes)
         self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
         self.span = 0.0
         self.placed: list[int] = []  # each sequence's group, in ``order``
@@ -294,23 +317,20 @@ class _Assignment:
         """Places as many more sequences as are placed (at least ``FIRST_CHUNK``); False when one
         fits no group."""
         tops, heaps, placed, span = self.tops, self.heaps, self.placed, self.span
-        add, replace = operator.add, heapq.heapreplace
-        chunk = self.ordered[:, len(placed):2 * len(placed) + FIRST_CHUNK].tolist()
-        for column in zip(*chunk, strict=True):  # each sequence's times, a float per class
-            ends = list(map(add, tops, column))
+        add, replace, place = operator.add, heapq.heapreplace, placed.append
+        for times in self.ordered[len(placed):2 * len(placed) + FIRST_CHUNK].tolist():  # a float per class
+            ends = list(map(add, tops, times))
             finish = min(ends)
-            if finish == math.inf:
-                return False
             k = ends.index(finish)  # of equals, the first class
             heap = heaps[k]
             g = heap[0][1]
             replace(heap, (finish, g))
             tops[k] = heap[0][0]
-            placed.append(g)
+            place(g)
             if finish > span:
                 span = finish
         self.span = span
-        return True
+        return span < math.inf  # (one placed at inf fits no group)
 
     def groups(self) -> tuple[np.ndarray, np.ndarray]:
         """Each group's size and each sequence's group, once ``done``."""
@@ -333,6 +353,9 @@ class _Search:
         self.local = np.empty(size.size, dtype=np.int64)  # each group's row in its size's table
         self.count = np.bincount(group_of, minlength=size.size)
         self.time = np.zeros(size.size)  # each group's time (its best configuration's sum)
+        #: Whether the last look for a move or swap found none and nothing has moved since: the
+        #: same groups find the same, so the final search does not look again where a trial's ended.
+        self.settled = False
         #: per size: its groups' configurations' sums over their sequences (groups x configurations)
         self.table: dict[int, np.ndarray] = {}
         for g, rows in self.rows.items():
@@ -387,6 +410,7 @@ class _Search:
         leaving -= self.blocks[int(self.size[source])][:, s]
         joining += self.blocks[int(self.size[target])][:, s]
         self.group_of[s] = target
+        self.settled = False
         self.count[source] -= 1
         self.count[target] += 1
         self.time[source] = float(leaving.min()) if self.count[source] else 0.0
@@ -398,8 +422,9 @@ class _Search:
         for _ in range(budget):
             times = self.times()
             k = int(np.argmax(times))
-            step = self._best_step(k, times)
+            step = None if self.settled else self._best_step(k, times)
             if step is None:
+                self.settled = True
                 if exchanges and self.exchange():
                     continue
                 return
@@ -442,19 +467,30 @@ class _Search:
             tied = rows <= rows.min(axis=1, keepdims=True)
             return np.where(tied, squares.reshape(rows.shape), np.inf).argmin(axis=1)
 
-        for g, block in self.blocks.items():  # moves, a size's groups at once
+        # moves to every other group, all at once; each size's best weighed in turn, as one by one
+        by_size, joined_by_size = [], []
+        for g, block in self.blocks.items():
             targets = self.of_size[g][self.of_size[g] != k]
-            if not targets.size:
-                continue
-            stacked = self.table[g][self.local[targets]]  # (targets, configurations)
-            joined = (stacked[:, :, None] + block[:, mine][None]).min(axis=1)  # (targets, mine)
+            if targets.size:
+                stacked = self.table[g][self.local[targets]]  # (targets, configurations)
+                by_size.append(targets)  # and each one's time with each of mine in: (targets, mine)
+                joined_by_size.append((stacked[:, :, None] + block[:, mine][None]).min(axis=1))
+        if by_size:
+            targets, joined = np.concatenate(by_size), np.concatenate(joined_by_size)
             others = np.where(targets == others_top[0], second, first)
             value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
             before = current ** 2 + times[targets] ** 2
             squares = left[None, :] ** 2 + joined ** 2 - before[:, None]
-            flat = int(least(value.ravel()[None], squares)[0])
-            if beats(float(value.flat[flat]), float(squares.flat[flat])):
-                best = (int(mine[flat % mine.size]), int(targets[flat // mine.size]), -1)
+            counts = [t.size for t in by_size]
+            shape = (len(counts), max(counts), mine.size)
+            sized = np.repeat(np.arange(shape[0]), counts)  # each target's place among the sizes
+            within = np.arange(targets.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            padded_value, padded_squares = np.full(shape, np.inf), np.full(shape, np.inf)
+            padded_value[sized, within], padded_squares[sized, within] = value, squares
+            for j, flat in enumerate(least(padded_value, padded_squares).tolist()):
+                t, s = divmod(flat, mine.size)
+                if beats(float(padded_value[j, t, s]), float(padded_squares[j, t, s])):
+                    best = (int(mine[s]), int(by_size[j][t]), -1)
         if best is not None and best_key[0] < current * (1 - 1e-9):
             return best
         # swaps with the least busy other groups holding sequences, all at once: (groups, mine, theirs)
@@ -504,18 +540,21 @@ class _Search:
         order = np.argsort(times)
         slowest = order[::-1][:3].tolist()
         block_k = self.blocks[int(self.size[k])]
-        mine_ids, mine_k = _bundles(block_k, mine)
+        mine_ids, mine_k = _bundles(mine), _bundle_times(block_k, mine)
         mine_on: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # mine's bundles' times on each size
         best: tuple[float, int, list[int], list[int]] | None = None
+        by_group = np.argsort(self.group_of, kind="stable")  # every group's members at once
+        bounds = np.searchsorted(self.group_of[by_group], np.arange(self.size.size + 1)).tolist()
         for j in [int(g) for g in order if g != k][:SWAP_GROUPS]:
-            theirs = self.members(j)
+            theirs = by_group[bounds[j]:bounds[j + 1]]
             if not theirs.size or theirs.size > PAIRED:
                 continue
             block_j = self.blocks[int(self.size[j])]
             if int(self.size[j]) not in mine_on:
-                mine_on[int(self.size[j])] = _bundles(block_j, mine)[1]
+                mine_on[int(self.size[j])] = _bundle_times(block_j, mine)
             mine_j = mine_on[int(self.size[j])]
-            (their_ids, theirs_j), theirs_k = _bundles(block_j, theirs), _bundles(block_k, theirs)[1]
+            their_ids, theirs_j, theirs_k = _bundles(theirs), _bundle_times(block_j, theirs), \
+                _bundle_times(block_k, theirs)
             rest = next((float(times[g]) for g in slowest if g not in (k, j)), 0.0)
             for out, into in ((1, 0), (0, 1)):  # two of k's for one of j's, one of k's for two of j's
                 if not mine_ids[out].size or not their_ids[into].size:
@@ -523,7 +562,7 @@ class _Search:
                 new_k = _after(self.sums(k), mine_k[out], theirs_k[into])
                 new_j = _after(self.sums(j), theirs_j[into], mine_j[out]).T
                 value = np.maximum(np.maximum(new_k, new_j), rest)
-                a, b = np.unravel_index(int(np.argmin(value)), value.shape)
+                a, b = divmod(int(np.argmin(value)), value.shape[1])
                 if value[a, b] < current * (1 - 1e-9) and (best is None or value[a, b] < best[0]):
                     best = (float(value[a, b]), j, mine_ids[out][a].tolist(), their_ids[into][b].tolist())
         if best is None:
@@ -536,20 +575,23 @@ class _Search:
         return True
 
 
-def _bundles(block: np.ndarray, members: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray],
-                                                               tuple[np.ndarray, np.ndarray]]:
-    """``members`` one by one and two by two (bundles x 1, bundles x 2), and each bundle's time on
-    each configuration of ``block`` (configurations x bundles), the same two."""
-    first, second = _pair_places(members.size)
+def _bundles(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``members`` one by one and two by two: (bundles x 1, bundles x 2)."""
+    return members[:, None], members[_pair_places(members.size)]
+
+
+def _bundle_times(block: np.ndarray, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each of ``_bundles(members)``' time on each configuration of ``block``: (configurations x
+    bundles), the two."""
+    pairs = _pair_places(members.size)
     singles = block[:, members]
-    return ((members[:, None], members[np.stack([first, second], axis=1)]),
-            (singles, singles[:, first] + singles[:, second]))
+    return singles, singles[:, pairs[:, 0]] + singles[:, pairs[:, 1]]
 
 
 @functools.cache
-def _pair_places(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every two of n places (i < j), in order: asked for every group an exchange tries."""
-    return np.triu_indices(n, k=1)
+def _pair_places(n: int) -> np.ndarray:
+    """Every two of n places (i < j), in order (pairs x 2): asked for every group an exchange tries."""
+    return np.stack(np.triu_indices(n, k=1), axis=1)
 
 
 def _after(sums: np.ndarray, leaving: np.ndarray, coming: np.ndarray) -> np.ndarray:
@@ -634,10 +676,11 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
     if isinstance(costs, Plan):
         costs = policy_costs(costs)
     problem = _problem(costs, lengths, ranks, allowed)
-    sizes, best = _best_by_size(problem)
+    by_size = _BySize(problem)
+    sizes = by_size.sizes
     top = problem.ranks
     tries = []
-    if (counts := _counts_for(sizes, best, top)) is not None:
+    if (counts := _counts_for(sizes, by_size.best, top)) is not None:
         tries.append(counts)
     for i, g in enumerate(sizes):  # equal groups of each size dividing the ranks (one of all ranks too)
         if top % int(g) == 0:
@@ -645,32 +688,25 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
             equal[i] = top // int(g)
             tries.append(equal)
     seen: set[bytes] = set()
-    arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-
-    def longest_first(classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key = classes.tobytes()
-        if key not in arranged:
-            arranged[key] = _longest_first(best, classes)
-        return arranged[key]
 
     def screened(partitions: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The groups (each one's size, each sequence's group) of the ``SCREENED`` new partitions
         whose first assignment (step 3) has the least makespan (of equals, the first listed).
         Best first: the partition of least makespan so far (before it starts, the least it can
-        reach, ``_assignment_bound``) takes the next chunk, and one done while least is among
+        reach, ``_BySize.bound``) takes the next chunk, and one done while least is among
         them; the others stop where they fall behind."""
         queue: list[tuple[float, int, np.ndarray | _Assignment]] = []
         for i, counts in enumerate(partitions):
             if counts.tobytes() not in seen:
                 seen.add(counts.tobytes())
-                if (bound := _assignment_bound(sizes, best, counts)) < math.inf:  # else one fits nowhere
+                if (bound := by_size.bound(counts)) < math.inf:  # else one fits nowhere
                     queue.append((bound * (1 - 1e-12), i, counts))  # (the bound's rounding)
         heapq.heapify(queue)
         found: list[tuple[np.ndarray, np.ndarray]] = []
         while queue and len(found) < SCREENED:
             least, i, work = heapq.heappop(queue)
             if isinstance(work, np.ndarray):
-                work = _Assignment(sizes, work, longest_first)
+                work = _Assignment(by_size, work)
             elif work.done:
                 found.append(work.groups())
                 continue

@@ -30,6 +30,8 @@ from cptune.workload import AttentionShape
 #: How many lengths ``mix_costs`` asks the cost model about at most: a mix with no more distinct
 #: lengths is answered at each of its own (measured ones read as measured).
 GRID_POINTS = 48
+#: How many of its entries (configurations x lengths) ``MixCosts.times`` computes at once.
+TIMES_BLOCK = 1 << 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,26 +87,33 @@ class MixCosts:
                            f"read them for this mix (mix_costs)")
         dense: np.ndarray = self._dense[shared]  # type: ignore[attr-defined]
         picked = np.arange(len(self.configs)) if rows is None else np.asarray(rows)
-        dense = dense[picked]
+        limit = (self.shared_max if shared else self.alone_max)[picked]
+        sizes = self.sizes[picked]
         x = np.log(lengths.astype(np.float64))
-        if self.grid.size == 1:
-            y = np.repeat(dense[:, :1], lengths.size, axis=1)
-        else:
+        if self.grid.size > 1:
             logs = np.log(self.grid.astype(np.float64))
             at = np.clip(np.searchsorted(logs, x), 1, logs.size - 1)
             w = (x - logs[at - 1]) / (logs[at] - logs[at - 1])
-            # in place: the table is a batch's largest array, each temporary of its size a cost
-            y = np.take(dense, at - 1, axis=1)
-            y *= 1 - w
-            upper = np.take(dense, at, axis=1)
-            upper *= w
-            y += upper
-        limit = (self.shared_max if shared else self.alone_max)[picked]
-        sizes = self.sizes[picked]
-        runs = (lengths[None, :] >= sizes[:, None]) & (lengths[None, :] <= limit[:, None])
-        runs &= np.isfinite(y)
-        np.exp(y, out=y, where=runs)
-        y[~runs] = np.inf
+            below = 1 - w
+        y = np.empty((picked.size, lengths.size))
+        # a few rows at a time: the table is a batch's largest array, and a fresh temporary of its
+        # size costs more (its pages first touched) than the arithmetic
+        step = max(1, TIMES_BLOCK // max(1, lengths.size))
+        for start in range(0, picked.size, step):
+            part, block = y[start:start + step], dense[picked[start:start + step]]
+            if self.grid.size == 1:
+                part[:] = block[:, :1]
+            else:
+                np.take(block, at - 1, axis=1, out=part, mode="clip")  # (at is in range; clip: unbuffered)
+                part *= below
+                upper = np.take(block, at, axis=1)
+                upper *= w
+                part += upper
+            runs = (lengths[None, :] >= sizes[start:start + step, None]) \
+                & (lengths[None, :] <= limit[start:start + step, None])
+            runs &= np.isfinite(part)
+            np.exp(part, out=part)  # (all of it: faster than only where it runs)
+            np.copyto(part, np.inf, where=~runs)
         return y
 
 
