@@ -85,6 +85,9 @@ class EngineSpec:
     masks: bool = False
     #: Whether it runs padded heads (``CPConfig.pad_heads``: the ``pad`` primitive).
     pads_heads: bool = False
+    #: Whether calibration times what a blocking exchange waits between ranks that compute,
+    #: at rank counts that outnumber a node's cores (``Engine.time_waits``).
+    times_waits: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -179,6 +182,15 @@ class Engine(Protocol):
         """Seconds [step, iteration] of the slowest rank: the kernel's memory-bound steps
         (only where ``spec.times_steps``)."""
 
+    def time_waits(
+        self, ranks: int, groups: Sequence[int], shapes: Sequence[dict[str, int]], calls: int, chunk: int,
+        warmup: int, repeats: int, timeout: float,
+    ) -> np.ndarray:
+        """Seconds [case, iteration] of the slowest rank, of ``calls`` calls in a row on ``ranks``
+        ranks all computing: per shape the attention kernel alone; per group size, per shape the
+        kernel then an all-gather of ``chunk`` bytes per peer in groups of that size (ranks left
+        over compute alone), then the all-gather alone (only where ``spec.times_waits``)."""
+
     def describe(self) -> dict[str, str]:
         """The engine's software versions."""
 
@@ -264,7 +276,7 @@ def register(spec: EngineSpec) -> EngineSpec:
 
 register(EngineSpec(
     name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
-    kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
+    kernel="numpy", stream="p2p", timed=True, times_steps=True, times_waits=True, device="cpu",
     engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank", spans_nodes=True,
     trains=True, masks=True, pads_heads=True,
 ))

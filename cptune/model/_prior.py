@@ -41,7 +41,14 @@ ranks, hardware that is only calibrated or only described.
                   says which: a calibration's engine spec, ``Profile.stream``). Under a mask
                   the p2p stream stops where the layout's reach does (a window's halo: one
                   step): r steps of r + 1 blocks, r = the stream's steps (``analytic_cost``)
+    waits       = where ranks share cores (a calibrated host's ranks outnumbering its cores), each
+                  stretch of compute that ends at a blocking exchange or the run's end (the
+                  Ring's c blocks, each compute / c; one for the others: a sequence's compute
+                  before the next one's exchange) x what an exchange in a group of that size
+                  waits after that much compute (``Profile.exchange_wait_s``): a member the
+                  scheduler parked falls behind and the others wait for it
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
+                  + waits
 
 A training step is that of its forward, then its backward's (``_backward_time``):
     compute     = BACKWARD_FLOPS_RATIO x the forward's FLOPs / (its rate x the hardware's
@@ -100,11 +107,14 @@ class PriorTime:
     memory_s: float = 0.0
     #: Fixed cost of the kernels launched.
     overhead_s: float = 0.0
+    #: What blocking exchanges wait for members the scheduler left behind while they computed
+    #: (ranks sharing cores: ``Profile.exchange_wait_s``).
+    wait_s: float = 0.0
 
     @functools.cached_property  # read three times per configuration weighed; a sum of arrays of variants
     def total_s(self) -> float:
         return (self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
-                + self.memory_s + self.overhead_s)
+                + self.memory_s + self.overhead_s + self.wait_s)
 
     @property
     def outside_compute(self) -> float:
@@ -114,8 +124,8 @@ class PriorTime:
 
     @property
     def comm_s(self) -> float:
-        """Communication not hidden behind compute."""
-        return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+        """Communication not hidden behind compute, and the exchanges' waits for members behind."""
+        return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s + self.wait_s
 
     def __add__(self, other: PriorTime) -> PriorTime:
         """Both one after the other (a training step: the forward, then the backward)."""
@@ -267,7 +277,20 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
         ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
-                     overhead_s=launch * kernels)
+                     overhead_s=launch * kernels, wait_s=_waits(config, compute, steps, profile))
+
+
+def _waits(config: CPConfig, compute: float, ring_steps: int, profile: Profile) -> float:
+    """Seconds the busiest rank's blocking exchanges wait for members behind: one wait after
+    each stretch of its ``compute`` that ends at an exchange or at the run's end, the Ring's
+    ``ring_steps`` + 1 blocks (each compute / blocks) or the whole compute otherwise (before
+    the next sequence's exchange, or the slowest member's end), at what the profile says one
+    exchange in a group of the configuration's ranks waits after that much compute. None on
+    one rank: nothing to wait for."""
+    if config.ranks == 1:
+        return 0.0
+    stretches = ring_steps + 1
+    return stretches * profile.exchange_wait_s(config.ranks, config.ranks, compute / stretches)
 
 
 def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
@@ -304,7 +327,7 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     for kind in ("all_gather", "reduce_scatter"):
         if steps[kind]:
             all_gather += profile.collective_time(kind, n, context, sent[kind], steps[kind])
-    ring_exposed = 0.0
+    ring_exposed, ring_steps = 0.0, 0
     if steps["p2p"]:
         reach = alone.comm_steps["p2p"]  # c - 1, or as far round as the mask reaches
         kv_block = alone.bytes_sent["p2p"] / reach
@@ -322,11 +345,12 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
         ring = reach * np.maximum(busy, step) + np.maximum(work, step_launches) + home
         ring_exposed = ring - compute - ring_memory
         kernels -= train.backward_ring_kernels + call_kernels
+        ring_steps = reach
     elif steps["broadcast"]:
         raise ValueError("the backward's Ring is modelled on point-to-point streams only: no engine without "
                          "them trains")
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=memory,
-                     overhead_s=launch * kernels)
+                     overhead_s=launch * kernels, wait_s=_waits(config, compute, ring_steps, profile))
 
 
 def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[str, float]:
@@ -339,4 +363,7 @@ def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[s
     split["compute"] = float(time.compute_s + time.memory_s + time.overhead_s)
     split[tier_of(heads, profile.ranks_per_node)] += float(time.all_to_all_s)
     split[tier_of(context, profile.ranks_per_node)] += float(time.all_gather_s + time.ring_exposed_s)
+    # the exchanges' waits for members behind: where its exchanges run, its context's or its heads'
+    exchanging = context if config.context_degree > 1 else heads
+    split[tier_of(exchanging, profile.ranks_per_node)] += float(time.wait_s)
     return split

@@ -491,7 +491,53 @@ def _time_steps(worker: Worker, header: dict) -> protocol.Message:
     return {}, [time_each(cases, barrier, header["warmup"], header["repeats"])]
 
 
+def _time_waits(worker: Worker, header: dict) -> protocol.Message:
+    """Seconds [case, iteration] on this rank of ``header["calls"]`` calls in a row, every rank
+    of the first ``ranks`` computing: per shape, each call the kernel alone; then per group size
+    g (consecutive groups of g, ranks left over alone), per shape, each call the kernel and then
+    an all-gather of ``chunk`` bytes per peer in this rank's group (alone: the kernel only), and
+    last each call the all-gather alone. Each iteration starts at a sleeping barrier, as a batch
+    plan's does, so no rank's start waits on a spinning one's slice."""
+    threadpool_limits(limits=1, user_api="blas")
+    ranks, calls = int(header["ranks"]), int(header["calls"])
+    comm = worker.prefix[ranks - 1]
+    me = comm.Get_rank()
+    computes = [_attention_case(shape, int(header["threads"])) for shape in header["shapes"]]
+
+    def repeated(*steps: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                for step in steps:
+                    step()
+        return run
+
+    cases = [repeated(compute) for compute in computes]
+    groups = []
+    for g in header["groups"]:
+        grouped = me < ranks // g * g
+        group = comm.Split(me // g if grouped else MPI.UNDEFINED, me)
+        groups.append(group)
+        exchange = _collective("all_gather", group, int(header["chunk"])) if grouped else None
+        cases += [repeated(compute, exchange) if exchange else repeated(compute) for compute in computes]
+        cases.append(repeated(exchange) if exchange else repeated())
+    try:
+        timings = np.zeros((len(cases), int(header["repeats"])))
+        for c, case in enumerate(cases):
+            for i in range(int(header["warmup"]) + int(header["repeats"])):
+                _sleeping_barrier(comm)
+                start = time.perf_counter()
+                case()
+                if i >= int(header["warmup"]):
+                    timings[c, i - int(header["warmup"])] = time.perf_counter() - start
+    finally:
+        for group in groups:
+            if group != MPI.COMM_NULL:
+                group.Free()
+    return {}, [timings]
+
+
 #: The mpi engine's calibration ops, by request name.
 OPS: dict[str, Callable[[Worker, dict], protocol.Message]] = {
     "time_collective": _time_collective, "time_attention": _time_attention, "time_steps": _time_steps,
+    "time_waits": _time_waits,
 }
