@@ -28,16 +28,16 @@ about a minute:
   the running one, per element, every rank at once. Both are passes over memory whose cost
   grows with the sequence, not its square, so Ring's excess over the others falls as 1/S;
 - where the engine's spec says so (``times_waits``: the mpi engine) and a rank count outnumbers
-  the cores, what a blocking exchange waits between ranks that compute (``ExchangeWait``):
-  every rank runs a few calls of a calibrated shape in a row, alone, then each followed by an
-  all-gather in groups of each size (the ranks left over computing alone), then the all-gathers
-  alone; the wait is what the second costs beyond the other two, at two shapes, so that it reads
-  as a line in the compute before each exchange. Each run starts at a sleeping barrier, as a
-  batch plan's does. A member the scheduler parked falls behind while the others compute, and
-  they wait for it at the exchange: on this project's 2-core host, 1.7 ms after 4 ms of compute
-  per rank and 6.3 ms after 56 ms (4 ranks in groups of 2), against 0.2-0.4 ms for the
-  all-gather itself. Nothing else calibration times holds it (the collectives are timed with
-  every rank inside them and none computing, the kernel with none exchanging).
+  the cores, what one blocking exchange costs beyond its own time when ranks beside it compute
+  (``ExchangeWait``): a group of each size computes a small calibrated shape and then
+  all-gathers, a few times in a row, while the other ranks compute throughout, against the same
+  all-gathers with the others idle, each run from a sleeping barrier, as a batch plan's is; the
+  time inside each exchange is what counts. The exchange completes only once its members run at
+  the same time, and ranks computing beside them hold the cores for their slices: on this
+  project's 2-core host, 4 ranks, a pair's all-gather took 2.6-4.7 ms inside beside two computing
+  ranks, about alike from 16 to 256 KiB per peer and after 5 or 20 ms of compute, against 0.3-1.7
+  ms with them idle. Nothing else calibration times holds it (the collectives are timed with every
+  rank inside them and none computing, the kernel with none exchanging).
 
 Every step is timed in rounds, rank counts in turn, and a point's time is the median of its
 rounds: a burst of load the contention guard cannot see slows one round, not the median.
@@ -99,15 +99,15 @@ STEP_SHAPES: tuple[dict[str, Any], ...] = (
       for wire in ("float16", "float32")),
     {"kind": "merge", "wire": "float32", "heads": 4, "rows": 1024, "head_dim": 128},
 )
-#: The shapes the exchange waits are timed after (``ExchangeWait``): two of ``ATTENTION_SHAPES``
-#: (d64, causal) 16x apart in work, so that the wait reads as a line in the compute before it.
-WAIT_SHAPES: tuple[dict[str, int], ...] = tuple(
-    shape for shape in ATTENTION_SHAPES
-    if shape["head_dim"] == 64 and shape["causal"] and shape["seq_q"] in (128, 512))
-#: Calls in a row per timed run of the exchange waits, and the bytes per peer of each all-gather
+#: The shape the ranks compute while the exchange waits are timed (``ExchangeWait``): the
+#: smallest d64 causal one of ``ATTENTION_SHAPES`` (the wait moved little with the compute
+#: before it, 5 or 20 ms, nor with the bytes, 16-256 KiB per peer).
+WAIT_SHAPE: dict[str, int] = next(shape for shape in ATTENTION_SHAPES
+                                  if shape["head_dim"] == 64 and shape["causal"] and shape["seq_q"] == 128)
+#: Exchanges per timed run of the exchange waits, and the bytes per peer of each all-gather
 #: (a short sequence's K/V on a few ranks).
-WAIT_CALLS = 2
-WAIT_CHUNK = 16 * 2**10
+WAIT_CALLS = 4
+WAIT_CHUNK = 64 * 2**10
 _TIMEOUT_S = 120.0
 #: Times a calibration step the contention guard saw disturbed is timed again (each time once
 #: the host is quiet) before calibrate gives up.
@@ -265,7 +265,7 @@ def _steps(engine: Engine, max_ranks: int, shapes: tuple[dict[str, int], ...],
     for ranks in range(1, max_ranks + 1):
         if ranks in wait_times:
             yield (ranks, f"exchange waits between computing ranks on {ranks} ranks",
-                   functools.partial(engine.time_waits, ranks, wait_groups(ranks), WAIT_SHAPES, WAIT_CALLS,
+                   functools.partial(engine.time_waits, ranks, wait_groups(ranks), WAIT_SHAPE, WAIT_CALLS,
                                      WAIT_CHUNK, warmup, repeats, _TIMEOUT_S),
                    wait_times[ranks])
         yield (ranks, f"attention on {ranks} rank(s)",
@@ -283,7 +283,7 @@ def _steps(engine: Engine, max_ranks: int, shapes: tuple[dict[str, int], ...],
 
 def wait_groups(ranks: int) -> list[int]:
     """The group sizes the exchange waits on ``ranks`` ranks are timed in: every size from 2 to
-    ``ranks`` (a batch plan's groups take any size; the ranks left over compute alone)."""
+    ``ranks`` (a batch plan's groups take any size; the ranks outside the group compute)."""
     return list(range(2, ranks + 1))
 
 
@@ -298,18 +298,10 @@ def _wait_counts(engine: Engine, max_ranks: int) -> list[int]:
 
 def _exchange_waits(ranks: int, seconds: np.ndarray) -> list[ExchangeWait]:
     """The ``ExchangeWait`` of each group size on ``ranks`` ranks from the seconds of
-    ``Engine.time_waits``'s cases (each ``WAIT_CALLS`` calls): per call, the kernel and the
-    all-gather together less each alone."""
-    per_call = np.asarray(seconds, dtype=float) / WAIT_CALLS
-    count = len(WAIT_SHAPES)
-    compute = per_call[:count]
-    waits = []
-    for j, group in enumerate(wait_groups(ranks)):
-        first = count + j * (count + 1)
-        together, exchange = per_call[first:first + count], per_call[first + count]
-        waits.append(ExchangeWait(ranks=ranks, group=group, compute_s=tuple(float(t) for t in compute),
-                                  wait_s=tuple(float(t) for t in together - compute - exchange)))
-    return waits
+    ``Engine.time_waits``'s cases: inside one exchange beside computing ranks, less inside one
+    with them idle."""
+    return [ExchangeWait(ranks=ranks, group=group, seconds=float(seconds[2 * j] - seconds[2 * j + 1]))
+            for j, group in enumerate(wait_groups(ranks))]
 
 
 def _plan_digest(engine: str, shapes: tuple[dict[str, int], ...], times_steps: bool, times_waits: bool,
@@ -319,7 +311,7 @@ def _plan_digest(engine: str, shapes: tuple[dict[str, int], ...], times_steps: b
     plan = {"engine": engine, "version": __version__, "shapes": shapes, "messages": MESSAGE_SIZES,
             "steps": STEP_SHAPES if times_steps else (), "warmup": warmup, "repeats": repeats}
     if times_waits:  # in the digest only where timed: an engine's keys without them stay as they were
-        plan["waits"] = {"shapes": WAIT_SHAPES, "calls": WAIT_CALLS, "chunk": WAIT_CHUNK}
+        plan["waits"] = {"shape": WAIT_SHAPE, "calls": WAIT_CALLS, "chunk": WAIT_CHUNK}
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -127,33 +127,16 @@ class StepCost:
 
 @dataclass(frozen=True)
 class ExchangeWait:
-    """What a blocking exchange in groups of ``group`` ranks waits beyond its own time when all
-    ``ranks`` ranks compute between exchanges, on a host whose ranks outnumber its cores: each
-    rank computed ``compute_s[i]`` seconds (a calibrated attention shape) before each
-    exchange, and each exchange then cost ``wait_s[i]`` more than the compute and the exchange
-    timed apart. A member the scheduler parked during the compute is behind when the others
-    reach the exchange, and they wait for it (spinning, on a core the computing ranks share):
-    the lockstep timings of the collectives, every rank inside them and none computing, hold
-    none of it."""
+    """What one blocking exchange in a group of ``group`` ranks costs beyond its own time when
+    the other ranks of ``ranks`` compute beside it, on a host whose ranks outnumber its cores:
+    ``seconds`` more inside it (after a stretch of compute) than with them idle. It completes
+    only once its members run at the same time, and the computing ranks hold the cores for
+    their slices; the lockstep timings of the collectives, every rank inside them and none
+    computing, hold none of it."""
 
     ranks: int
     group: int
-    compute_s: tuple[float, ...]
-    wait_s: tuple[float, ...]
-
-    @functools.cached_property
-    def _line(self) -> tuple[float, float]:
-        """(seconds, seconds per compute second) of the non-negative line through the points
-        that misses them least (what a member falls behind grows with the compute before)."""
-        compute = np.asarray(self.compute_s, dtype=float)
-        design = np.column_stack([np.ones_like(compute), compute])
-        return _nonnegative_least_squares(design, np.asarray(self.wait_s, dtype=float))
-
-    def seconds(self, compute_s: float) -> float:
-        """Seconds one exchange waits after ``compute_s`` seconds of compute on each member,
-        along the line through the timed points."""
-        fixed, per_second = self._line
-        return fixed + per_second * compute_s
+    seconds: float
 
 
 def _nearest_dim_and_mask(timed: set[tuple[int, bool]], head_dim: int, causal: bool) -> tuple[int, bool]:
@@ -382,17 +365,17 @@ class Calibration:
             return float(np.exp(np.mean(by_size)))
         return float(np.exp(np.interp(np.log(flops), np.log(work), by_size)))
 
-    def exchange_wait(self, ranks: int, group: int, compute_s: float) -> float:
-        """Seconds a blocking exchange in a group of ``group`` ranks waits after ``compute_s``
-        seconds of compute with ``ranks`` ranks computing at once (``ExchangeWait``), at the
-        group size timed nearest ``group`` (fewer on a tie) and the rank count ``ranks``, or
-        the most timed where ``ranks`` is beyond them; 0 where ``ranks`` is below every count
-        timed (its ranks had cores of their own) or none was."""
+    def exchange_wait(self, ranks: int, group: int) -> float:
+        """Seconds one blocking exchange in a group of ``group`` ranks costs beyond its own time
+        with ``ranks`` ranks busy at once (``ExchangeWait``, never below 0: a wait within noise
+        of none is none), at the group size timed nearest ``group`` (fewer on a tie) and the
+        rank count ``ranks``, or the most timed where ``ranks`` is beyond them; 0 where
+        ``ranks`` is below every count timed (its ranks had cores of their own) or none was."""
         counts = [w.ranks for w in self.waits if w.ranks <= ranks]
         if not counts:
             return 0.0
         at = [w for w in self.waits if w.ranks == max(counts)]
-        return min(at, key=lambda w: (abs(w.group - group), w.group)).seconds(compute_s)
+        return max(0.0, min(at, key=lambda w: (abs(w.group - group), w.group)).seconds)
 
     def step_seconds(self, kind: str, ranks: int, wire: str) -> float:
         """Seconds per element of step ``kind`` in ``wire`` dtype at the calibrated rank count
@@ -419,9 +402,7 @@ class Calibration:
             steps=tuple(StepCost(**step) for step in data.get("steps", ())),
             backward=tuple(ComputeRate(**c) for c in data.get("backward", ())),
             facts=dict(data.get("facts") or {}),
-            waits=tuple(ExchangeWait(**{**wait, "compute_s": tuple(wait["compute_s"]),
-                                        "wait_s": tuple(wait["wait_s"])})
-                        for wait in data.get("waits", ())),
+            waits=tuple(ExchangeWait(**wait) for wait in data.get("waits", ())),
         )
 
 

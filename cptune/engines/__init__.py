@@ -183,13 +183,14 @@ class Engine(Protocol):
         (only where ``spec.times_steps``)."""
 
     def time_waits(
-        self, ranks: int, groups: Sequence[int], shapes: Sequence[dict[str, int]], calls: int, chunk: int,
-        warmup: int, repeats: int, timeout: float,
+        self, ranks: int, groups: Sequence[int], shape: dict[str, int], calls: int, chunk: int, warmup: int,
+        repeats: int, timeout: float,
     ) -> np.ndarray:
-        """Seconds [case, iteration] of the slowest rank, of ``calls`` calls in a row on ``ranks``
-        ranks all computing: per shape the attention kernel alone; per group size, per shape the
-        kernel then an all-gather of ``chunk`` bytes per peer in groups of that size (ranks left
-        over compute alone), then the all-gather alone (only where ``spec.times_waits``)."""
+        """Seconds [case, iteration] of the slowest rank inside one blocking exchange, of
+        ``ranks`` ranks: per group size, a group of that many computing ``shape`` and then
+        exchanging ``chunk`` bytes per peer (an all-gather), ``calls`` times, while the others
+        compute; then the same exchanges with the others idle (only where
+        ``spec.times_waits``)."""
 
     def describe(self) -> dict[str, str]:
         """The engine's software versions."""

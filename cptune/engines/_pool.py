@@ -691,8 +691,8 @@ class PooledEngine:
                          f"(its spec says times_steps=False)")
 
     def time_waits(
-        self, ranks: int, groups: Sequence[int], shapes: Sequence[dict[str, int]], calls: int, chunk: int,
-        warmup: int, repeats: int, timeout: float,
+        self, ranks: int, groups: Sequence[int], shape: dict[str, int], calls: int, chunk: int, warmup: int,
+        repeats: int, timeout: float,
     ) -> np.ndarray:
         """Refused: this engine's calibration times no exchange waits (``spec.times_waits``)."""
         raise ValueError(f"the {self.name} engine's calibration times no exchange waits "

@@ -41,12 +41,12 @@ ranks, hardware that is only calibrated or only described.
                   says which: a calibration's engine spec, ``Profile.stream``). Under a mask
                   the p2p stream stops where the layout's reach does (a window's halo: one
                   step): r steps of r + 1 blocks, r = the stream's steps (``analytic_cost``)
-    waits       = where ranks share cores (a calibrated host's ranks outnumbering its cores), each
-                  stretch of compute that ends at a blocking exchange or the run's end (the
-                  Ring's c blocks, each compute / c; one for the others: a sequence's compute
-                  before the next one's exchange) x what an exchange in a group of that size
-                  waits after that much compute (``Profile.exchange_wait_s``): a member the
-                  scheduler parked falls behind and the others wait for it
+    waits       = where ranks share cores (a calibrated host's ranks outnumbering its cores), the
+                  blocking exchanges that follow a stretch of compute (Ulysses' first and last,
+                  AllGather-KV's gather, each Ring step) x what one costs beyond its own time
+                  with that many ranks busy (``Profile.exchange_wait_s``): it completes only
+                  once its members run together, and the ranks computing beside them hold the
+                  cores for their slices
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
                   + waits
 
@@ -107,8 +107,8 @@ class PriorTime:
     memory_s: float = 0.0
     #: Fixed cost of the kernels launched.
     overhead_s: float = 0.0
-    #: What blocking exchanges wait for members the scheduler left behind while they computed
-    #: (ranks sharing cores: ``Profile.exchange_wait_s``).
+    #: What blocking exchanges after compute cost beyond their own time where ranks share
+    #: cores and others compute beside them (``Profile.exchange_wait_s``).
     wait_s: float = 0.0
 
     @functools.cached_property  # read three times per configuration weighed; a sum of arrays of variants
@@ -124,7 +124,7 @@ class PriorTime:
 
     @property
     def comm_s(self) -> float:
-        """Communication not hidden behind compute, and the exchanges' waits for members behind."""
+        """Communication not hidden behind compute, with the exchanges' waits on shared cores."""
         return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s + self.wait_s
 
     def __add__(self, other: PriorTime) -> PriorTime:
@@ -277,20 +277,20 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
         ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
-                     overhead_s=launch * kernels, wait_s=_waits(config, compute, steps, profile))
+                     overhead_s=launch * kernels, wait_s=_waits(config, steps, profile))
 
 
-def _waits(config: CPConfig, compute: float, ring_steps: int, profile: Profile) -> float:
-    """Seconds the busiest rank's blocking exchanges wait for members behind: one wait after
-    each stretch of its ``compute`` that ends at an exchange or at the run's end, the Ring's
-    ``ring_steps`` + 1 blocks (each compute / blocks) or the whole compute otherwise (before
-    the next sequence's exchange, or the slowest member's end), at what the profile says one
-    exchange in a group of the configuration's ranks waits after that much compute. None on
-    one rank: nothing to wait for."""
+def _waits(config: CPConfig, ring_steps: int, profile: Profile) -> float:
+    """Seconds the busiest rank's blocking exchanges that follow a stretch of compute cost
+    beyond their own time (``Profile.exchange_wait_s``): Ulysses' first exchange (after the
+    previous sequence's compute) and its last (after this one's), AllGather-KV's gather (after
+    the previous compute) where no Ulysses exchange comes before it, and each of the Ring's
+    ``ring_steps`` steps (after its block). None on one rank: nothing to exchange."""
     if config.ranks == 1:
         return 0.0
-    stretches = ring_steps + 1
-    return stretches * profile.exchange_wait_s(config.ranks, config.ranks, compute / stretches)
+    ulysses = 2 if config.head_group > 1 else 0
+    gather = 1 if config.strategy == "allgather_kv" and config.context_degree > 1 and not ulysses else 0
+    return (ulysses + gather + ring_steps) * profile.exchange_wait_s(config.ranks, config.ranks)
 
 
 def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
@@ -350,7 +350,7 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
         raise ValueError("the backward's Ring is modelled on point-to-point streams only: no engine without "
                          "them trains")
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=memory,
-                     overhead_s=launch * kernels, wait_s=_waits(config, compute, ring_steps, profile))
+                     overhead_s=launch * kernels, wait_s=_waits(config, ring_steps, profile))
 
 
 def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[str, float]:
@@ -363,7 +363,7 @@ def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[s
     split["compute"] = float(time.compute_s + time.memory_s + time.overhead_s)
     split[tier_of(heads, profile.ranks_per_node)] += float(time.all_to_all_s)
     split[tier_of(context, profile.ranks_per_node)] += float(time.all_gather_s + time.ring_exposed_s)
-    # the exchanges' waits for members behind: where its exchanges run, its context's or its heads'
+    # the exchanges' waits on shared cores: where its exchanges run, its context's or its heads'
     exchanging = context if config.context_degree > 1 else heads
     split[tier_of(exchanging, profile.ranks_per_node)] += float(time.wait_s)
     return split

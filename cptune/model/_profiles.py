@@ -83,11 +83,11 @@ class Profile(Protocol):
         with their norms before any score (the numpy kernel) pays it per key read, whether its
         queries see the key or not. 0 where the kernel streams keys inside its tiles."""
 
-    def exchange_wait_s(self, ranks: int, group: int, compute_s: float) -> float:
-        """Seconds a blocking exchange in a group of ``group`` ranks waits for members behind
-        after ``compute_s`` seconds of compute, ``ranks`` ranks computing at once (beyond the
-        exchange's own time): where ranks share cores, a member the scheduler parked falls
-        behind; 0 where each rank has cores or a device of its own."""
+    def exchange_wait_s(self, ranks: int, group: int) -> float:
+        """Seconds one blocking exchange in a group of ``group`` ranks costs beyond its own time
+        after a stretch of compute, ``ranks`` ranks busy at once: where ranks share cores, it
+        completes only once its members run together, while ranks beside them compute; 0 where
+        each rank has cores or a device of its own."""
 
     @property
     def overlap_slowdown(self) -> float:
@@ -239,11 +239,11 @@ class CalibratedProfile(StoredHost):
     def attention_call_s(self) -> float:
         return 0.0  # inside the attention rate measured at the work per call
 
-    def exchange_wait_s(self, ranks: int, group: int, compute_s: float) -> float:
-        """As the calibration timed it with as many ranks computing at once
+    def exchange_wait_s(self, ranks: int, group: int) -> float:
+        """As the calibration timed it with as many ranks busy at once
         (``Calibration.exchange_wait``); 0 from a calibration that timed none (its ranks had
         cores of their own, or it was stored before)."""
-        return self.calibration.exchange_wait(self._at_once(ranks), group, compute_s)
+        return self.calibration.exchange_wait(self._at_once(ranks), group)
 
     @property
     def overlap_slowdown(self) -> float:
@@ -332,7 +332,7 @@ class DescribedProfile:
     def ring_call_s(self, workload: Workload, ranks: int) -> float:
         return 0.0  # every call's is attention_call_s
 
-    def exchange_wait_s(self, ranks: int, group: int, compute_s: float) -> float:
+    def exchange_wait_s(self, ranks: int, group: int) -> float:
         return 0.0  # each rank its own device: none is parked while the others compute
 
     def key_preparation_s(self, workload: Workload, ranks: int, elements: float, flops: float,

@@ -33,14 +33,14 @@ class MPIEngine(PooledEngine):
         return self._time_slowest(ranks, header, timeout, f"step calibration on {ranks} ranks")
 
     def time_waits(
-        self, ranks: int, groups: Sequence[int], shapes: Sequence[dict[str, int]], calls: int, chunk: int,
-        warmup: int, repeats: int, timeout: float,
+        self, ranks: int, groups: Sequence[int], shape: dict[str, int], calls: int, chunk: int, warmup: int,
+        repeats: int, timeout: float,
     ) -> np.ndarray:
-        """Seconds [case, iteration], slowest rank, of ``calls`` calls in a row on ``ranks`` ranks
-        all computing (``_rank._time_waits``): per shape the kernel alone; per group size, per
-        shape the kernel then an all-gather of ``chunk`` bytes per peer in groups of that size,
-        then the all-gather alone."""
-        header = {"op": "time_waits", "ranks": ranks, "groups": list(groups), "shapes": list(shapes),
+        """Seconds [case, iteration], slowest rank, inside one blocking exchange
+        (``_rank._time_waits``): per group size, a group of that size computing ``shape`` and
+        then exchanging ``chunk`` bytes per peer while the other ranks compute, then the same
+        exchanges with the others idle."""
+        header = {"op": "time_waits", "ranks": ranks, "groups": list(groups), "shape": shape,
                   "calls": calls, "chunk": chunk, "threads": self._threads(ranks), "warmup": warmup,
                   "repeats": repeats}
         return self._time_slowest(ranks, header, timeout, f"exchange waits on {ranks} ranks")

@@ -492,47 +492,40 @@ def _time_steps(worker: Worker, header: dict) -> protocol.Message:
 
 
 def _time_waits(worker: Worker, header: dict) -> protocol.Message:
-    """Seconds [case, iteration] on this rank of ``header["calls"]`` calls in a row, every rank
-    of the first ``ranks`` computing: per shape, each call the kernel alone; then per group size
-    g (consecutive groups of g, ranks left over alone), per shape, each call the kernel and then
-    an all-gather of ``chunk`` bytes per peer in this rank's group (alone: the kernel only), and
-    last each call the all-gather alone. Each iteration starts at a sleeping barrier, as a batch
-    plan's does, so no rank's start waits on a spinning one's slice."""
+    """Seconds [case, iteration] this rank spent inside each blocking exchange, per exchange:
+    for each group size g, one group of the first g ranks runs ``calls`` times the kernel on
+    ``shape`` and then an all-gather of ``chunk`` bytes per peer, while the other ranks run
+    the kernel throughout; then the same group's all-gathers in a row with every other rank
+    idle. 0 on a rank outside the group. Each iteration starts at a sleeping barrier, as a
+    batch plan's does."""
     threadpool_limits(limits=1, user_api="blas")
     ranks, calls = int(header["ranks"]), int(header["calls"])
+    warmup, repeats = int(header["warmup"]), int(header["repeats"])
     comm = worker.prefix[ranks - 1]
     me = comm.Get_rank()
-    computes = [_attention_case(shape, int(header["threads"])) for shape in header["shapes"]]
-
-    def repeated(*steps: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(calls):
-                for step in steps:
-                    step()
-        return run
-
-    cases = [repeated(compute) for compute in computes]
-    groups = []
-    for g in header["groups"]:
-        grouped = me < ranks // g * g
-        group = comm.Split(me // g if grouped else MPI.UNDEFINED, me)
-        groups.append(group)
-        exchange = _collective("all_gather", group, int(header["chunk"])) if grouped else None
-        cases += [repeated(compute, exchange) if exchange else repeated(compute) for compute in computes]
-        cases.append(repeated(exchange) if exchange else repeated())
-    try:
-        timings = np.zeros((len(cases), int(header["repeats"])))
-        for c, case in enumerate(cases):
-            for i in range(int(header["warmup"]) + int(header["repeats"])):
+    compute = _attention_case(header["shape"], int(header["threads"]))
+    timings = np.zeros((2 * len(header["groups"]), repeats))
+    for j, g in enumerate(header["groups"]):
+        group = comm.Split(0 if me < g else MPI.UNDEFINED, me)
+        exchange = _collective("all_gather", group, int(header["chunk"])) if me < g else None
+        for c, beside in enumerate((True, False)):
+            for i in range(warmup + repeats):
                 _sleeping_barrier(comm)
-                start = time.perf_counter()
-                case()
-                if i >= int(header["warmup"]):
-                    timings[c, i - int(header["warmup"])] = time.perf_counter() - start
-    finally:
-        for group in groups:
-            if group != MPI.COMM_NULL:
-                group.Free()
+                inside = 0.0
+                if exchange is not None:
+                    for _ in range(calls):
+                        if beside:
+                            compute()
+                        start = time.perf_counter()
+                        exchange()
+                        inside += time.perf_counter() - start
+                elif beside:  # computing throughout the group's exchanges (twice as many calls)
+                    for _ in range(2 * calls):
+                        compute()
+                if i >= warmup:
+                    timings[2 * j + c, i - warmup] = inside / calls
+        if group != MPI.COMM_NULL:
+            group.Free()
     return {}, [timings]
 
 
