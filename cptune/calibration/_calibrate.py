@@ -264,7 +264,7 @@ def _steps(engine: Engine, max_ranks: int, shapes: tuple[dict[str, int], ...],
     """Every step one round of a calibration times, rank count by rank count."""
     for ranks in range(1, max_ranks + 1):
         if ranks in wait_times:
-            yield (ranks, f"exchange waits between computing ranks on {ranks} ranks",
+            yield (ranks, f"exchanges beside computing ranks on {ranks} ranks",
                    functools.partial(engine.time_waits, ranks, wait_groups(ranks), WAIT_SHAPE, WAIT_CALLS,
                                      WAIT_CHUNK, warmup, repeats, _TIMEOUT_S),
                    wait_times[ranks])

@@ -174,7 +174,7 @@ class Calibration:
     #: attention was timed with (on a GPU, those the torch engine's probe chose), the process
     #: group, cuDNN and NCCL; empty for calibrations stored before they were kept.
     facts: dict[str, str] = field(default_factory=dict, hash=False)
-    #: What a blocking exchange waits between ranks that compute, at each rank count that
+    #: What a blocking exchange costs beside computing ranks, at each rank count that
     #: outnumbers the host's cores and group size (``ExchangeWait``); empty where no count did,
     #: for an engine that does not time it and for calibrations stored before: the prior then
     #: adds none.

@@ -85,8 +85,8 @@ class EngineSpec:
     masks: bool = False
     #: Whether it runs padded heads (``CPConfig.pad_heads``: the ``pad`` primitive).
     pads_heads: bool = False
-    #: Whether calibration times what a blocking exchange waits between ranks that compute,
-    #: at rank counts that outnumber a node's cores (``Engine.time_waits``).
+    #: Whether calibration times what a blocking exchange costs beside ranks that compute, at
+    #: rank counts that outnumber a node's cores (``Engine.time_waits``).
     times_waits: bool = False
 
     def __post_init__(self) -> None:
