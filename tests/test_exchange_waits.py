@@ -145,3 +145,21 @@ class WaitingEngine:
 
     def process_ids(self):
         return []
+
+
+@pytest.mark.slow
+def test_the_mpi_ranks_time_each_group_inside_its_exchanges_beside_the_others_and_with_them_idle():
+    """The engine's op on 3 real ranks (oversubscribed on a 2-core host; no timing asserted):
+    one row per group size and case, a time inside the exchanges on a member (the slowest
+    rank's), never negative."""
+    from cptune.engines.mpi import MPIEngine
+
+    engine = MPIEngine()
+    try:
+        seconds = engine.time_waits(3, [2, 3], calibrate_module.WAIT_SHAPE, 2, 1024, 0, 2, 120.0)
+    finally:
+        engine.close()
+    assert seconds.shape == (4, 2)
+    assert (seconds > 0).all()  # a member of every group was inside an exchange in every iteration
+    waits = calibrate_module._exchange_waits(3, seconds[:, 0])
+    assert [(w.ranks, w.group) for w in waits] == [(3, 2), (3, 3)]
