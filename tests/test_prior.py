@@ -260,6 +260,9 @@ class Recording:
     def key_preparation_s(self, *args):
         return self.inner.key_preparation_s(*args)
 
+    def exchange_wait_s(self, *args):
+        return self.inner.exchange_wait_s(*args)
+
     charges_ring_steps = property(lambda self: self.inner.charges_ring_steps)
     launch_s = property(lambda self: self.inner.launch_s)
     attention_call_s = property(lambda self: self.inner.attention_call_s)

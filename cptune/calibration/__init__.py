@@ -22,6 +22,7 @@ from cptune.calibration._record import (
     Calibration,
     CollectiveFit,
     ComputeRate,
+    ExchangeWait,
     StepCost,
     fit_latency_bandwidth,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "CalibrationPieces",
     "CollectiveFit",
     "ComputeRate",
+    "ExchangeWait",
     "StepCost",
     "calibrate",
     "fit_latency_bandwidth",

@@ -26,7 +26,18 @@ about a minute:
   a query block that a Ring step repeats beyond one call over all keys: preparing the query
   block (cast from each wire dtype, scaled, row norms) and merging the block's output into
   the running one, per element, every rank at once. Both are passes over memory whose cost
-  grows with the sequence, not its square, so Ring's excess over the others falls as 1/S.
+  grows with the sequence, not its square, so Ring's excess over the others falls as 1/S;
+- where the engine's spec says so (``times_waits``: the mpi engine) and a rank count outnumbers
+  the cores, what one blocking exchange costs beyond its own time when ranks beside it compute
+  (``ExchangeWait``): a group of each size computes a small calibrated shape and then
+  all-gathers, a few times in a row, while the other ranks compute throughout, against the same
+  all-gathers with the others idle, each run from a sleeping barrier, as a batch plan's is; the
+  time inside each exchange is what counts. The exchange completes only once its members run at
+  the same time, and ranks computing beside them hold the cores for their slices: on this
+  project's 2-core host, 4 ranks, a pair's all-gather took 2.6-4.7 ms inside beside two computing
+  ranks, about alike from 16 to 256 KiB per peer and after 5 or 20 ms of compute, against 0.3-1.7
+  ms with them idle. Nothing else calibration times holds it (the collectives are timed with every
+  rank inside them and none computing, the kernel with none exchanging).
 
 Every step is timed in rounds, rank counts in turn, and a point's time is the median of its
 rounds: a burst of load the contention guard cannot see slows one round, not the median.
@@ -48,6 +59,7 @@ from cptune.calibration._record import (
     Calibration,
     CollectiveFit,
     ComputeRate,
+    ExchangeWait,
     StepCost,
     fit_latency_bandwidth,
 )
@@ -59,7 +71,7 @@ from cptune.guard import enabled as guard_enabled
 from cptune.hardware import tier_of
 from cptune.hostlock import measuring
 from cptune.layout import RankGroups
-from cptune.measurement import describe_host
+from cptune.measurement import describe_host, oversubscribed
 from cptune.version import __version__
 
 #: Bytes each rank sends per collective call: 1 KiB to 16 MiB in steps of 4x.
@@ -87,6 +99,15 @@ STEP_SHAPES: tuple[dict[str, Any], ...] = (
       for wire in ("float16", "float32")),
     {"kind": "merge", "wire": "float32", "heads": 4, "rows": 1024, "head_dim": 128},
 )
+#: The shape the ranks compute while the exchange waits are timed (``ExchangeWait``): the
+#: smallest d64 causal one of ``ATTENTION_SHAPES`` (the wait moved little with the compute
+#: before it, 5 or 20 ms, nor with the bytes, 16-256 KiB per peer).
+WAIT_SHAPE: dict[str, int] = next(shape for shape in ATTENTION_SHAPES
+                                  if shape["head_dim"] == 64 and shape["causal"] and shape["seq_q"] == 128)
+#: Exchanges per timed run of the exchange waits, and the bytes per peer of each all-gather
+#: (a short sequence's K/V on a few ranks).
+WAIT_CALLS = 4
+WAIT_CHUNK = 64 * 2**10
 _TIMEOUT_S = 120.0
 #: Times a calibration step the contention guard saw disturbed is timed again (each time once
 #: the host is quiet) before calibrate gives up.
@@ -238,10 +259,15 @@ _Step = tuple[int, str, Callable[[], np.ndarray], list[np.ndarray]]
 
 def _steps(engine: Engine, max_ranks: int, shapes: tuple[dict[str, int], ...],
            attention: dict[int, list[np.ndarray]], step_times: dict[int, list[np.ndarray]],
-           collective_times: dict[tuple[str, int, int, tuple[str, str]], list[np.ndarray]], warmup: int,
-           repeats: int) -> Iterator[_Step]:
+           collective_times: dict[tuple[str, int, int, tuple[str, str]], list[np.ndarray]],
+           wait_times: dict[int, list[np.ndarray]], warmup: int, repeats: int) -> Iterator[_Step]:
     """Every step one round of a calibration times, rank count by rank count."""
     for ranks in range(1, max_ranks + 1):
+        if ranks in wait_times:
+            yield (ranks, f"exchanges beside computing ranks on {ranks} ranks",
+                   functools.partial(engine.time_waits, ranks, wait_groups(ranks), WAIT_SHAPE, WAIT_CALLS,
+                                     WAIT_CHUNK, warmup, repeats, _TIMEOUT_S),
+                   wait_times[ranks])
         yield (ranks, f"attention on {ranks} rank(s)",
                functools.partial(engine.time_attention, ranks, shapes, warmup, repeats, _TIMEOUT_S),
                attention[ranks])
@@ -255,12 +281,37 @@ def _steps(engine: Engine, max_ranks: int, shapes: tuple[dict[str, int], ...],
                        _collective_timer(engine, kind, ranks, group, layout, warmup, repeats), into)
 
 
-def _plan_digest(engine: str, shapes: tuple[dict[str, int], ...], times_steps: bool, warmup: int,
-                 repeats: int) -> str:
+def wait_groups(ranks: int) -> list[int]:
+    """The group sizes the exchange waits on ``ranks`` ranks are timed in: every size from 2 to
+    ``ranks`` (a batch plan's groups take any size; the ranks outside the group compute)."""
+    return list(range(2, ranks + 1))
+
+
+def _wait_counts(engine: Engine, max_ranks: int) -> list[int]:
+    """The rank counts whose exchange waits calibration times: those that outnumber a node's
+    cores, where the engine's spec says so (``times_waits``)."""
+    if not engine.spec.times_waits:
+        return []
+    per_node = ranks_per_node(engine)
+    return [ranks for ranks in range(2, max_ranks + 1) if oversubscribed(ranks, per_node)]
+
+
+def _exchange_waits(ranks: int, seconds: np.ndarray) -> list[ExchangeWait]:
+    """The ``ExchangeWait`` of each group size on ``ranks`` ranks from the seconds of
+    ``Engine.time_waits``'s cases: inside one exchange beside computing ranks, less inside one
+    with them idle."""
+    return [ExchangeWait(ranks=ranks, group=group, seconds=float(seconds[2 * j] - seconds[2 * j + 1]))
+            for j, group in enumerate(wait_groups(ranks))]
+
+
+def _plan_digest(engine: str, shapes: tuple[dict[str, int], ...], times_steps: bool, times_waits: bool,
+                 warmup: int, repeats: int) -> str:
     """What every step of a calibration times and how, as a short digest: a step timed by
     another version, engine, shape list, message sizes or repeat count has another key."""
     plan = {"engine": engine, "version": __version__, "shapes": shapes, "messages": MESSAGE_SIZES,
             "steps": STEP_SHAPES if times_steps else (), "warmup": warmup, "repeats": repeats}
+    if times_waits:  # in the digest only where timed: an engine's keys without them stay as they were
+        plan["waits"] = {"shape": WAIT_SHAPE, "calls": WAIT_CALLS, "chunk": WAIT_CHUNK}
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -307,8 +358,10 @@ def calibrate(
         for ranks in range(1, max_ranks + 1) for group in group_sizes(ranks)
         for layout in layouts(ranks, group, per_node) for kind in spec.collectives
     }
-    timed = list(_steps(engine, max_ranks, shapes, attention, step_times, collective_times, warmup, repeats))
-    plan = _plan_digest(engine.name, shapes, spec.times_steps, warmup, repeats)
+    wait_times: dict[int, list[np.ndarray]] = {ranks: [] for ranks in _wait_counts(engine, max_ranks)}
+    timed = list(_steps(engine, max_ranks, shapes, attention, step_times, collective_times, wait_times,
+                        warmup, repeats))
+    plan = _plan_digest(engine.name, shapes, spec.times_steps, bool(wait_times), warmup, repeats)
     pieces = pieces or CalibrationPieces()
     total = rounds * len(timed)
     keys = [f"{plan}/{round_index}/{what}" for round_index in range(rounds) for _, what, _, _ in timed]
@@ -352,6 +405,8 @@ def calibrate(
     ]
     collectives = [_collective_fit(kind, ranks, group, layout[1], np.median(times, axis=0))
                    for (kind, ranks, group, layout), times in collective_times.items()]
+    waits = [wait for ranks, times in wait_times.items()
+             for wait in _exchange_waits(ranks, np.median(times, axis=0))]
     return Calibration(
         engine=engine.name,
         collectives=tuple(collectives),
@@ -360,4 +415,5 @@ def calibrate(
         steps=tuple(steps),
         backward=tuple(rate for backward, rate in rates if backward),
         facts=describe_host() | engine.describe(),
+        waits=tuple(waits),
     )

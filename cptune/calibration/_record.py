@@ -125,6 +125,20 @@ class StepCost:
         return self.seconds / self.elements
 
 
+@dataclass(frozen=True)
+class ExchangeWait:
+    """What one blocking exchange in a group of ``group`` ranks costs beyond its own time when
+    the other ranks of ``ranks`` compute beside it, on a host whose ranks outnumber its cores:
+    ``seconds`` more inside it (after a stretch of compute) than with them idle. It completes
+    only once its members run at the same time, and the computing ranks hold the cores for
+    their slices; the lockstep timings of the collectives, every rank inside them and none
+    computing, hold none of it."""
+
+    ranks: int
+    group: int
+    seconds: float
+
+
 def _nearest_dim_and_mask(timed: set[tuple[int, bool]], head_dim: int, causal: bool) -> tuple[int, bool]:
     """Of the (head_dim, mask) pairs ``timed``, the one a shape's rates are read at: the
     head_dim nearest ``head_dim`` in ratio (the smaller on a tie), then ``causal`` where that
@@ -160,6 +174,11 @@ class Calibration:
     #: attention was timed with (on a GPU, those the torch engine's probe chose), the process
     #: group, cuDNN and NCCL; empty for calibrations stored before they were kept.
     facts: dict[str, str] = field(default_factory=dict, hash=False)
+    #: What a blocking exchange costs beside computing ranks, at each rank count that
+    #: outnumbers the host's cores and group size (``ExchangeWait``); empty where no count did,
+    #: for an engine that does not time it and for calibrations stored before: the prior then
+    #: adds none.
+    waits: tuple[ExchangeWait, ...] = ()
 
     @property
     def max_ranks(self) -> int:
@@ -346,6 +365,18 @@ class Calibration:
             return float(np.exp(np.mean(by_size)))
         return float(np.exp(np.interp(np.log(flops), np.log(work), by_size)))
 
+    def exchange_wait(self, ranks: int, group: int) -> float:
+        """Seconds one blocking exchange in a group of ``group`` ranks costs beyond its own time
+        with ``ranks`` ranks busy at once (``ExchangeWait``, never below 0: a wait within noise
+        of none is none), at the group size timed nearest ``group`` (fewer on a tie) and the
+        rank count ``ranks``, or the most timed where ``ranks`` is beyond them; 0 where
+        ``ranks`` is below every count timed (its ranks had cores of their own) or none was."""
+        counts = [w.ranks for w in self.waits if w.ranks <= ranks]
+        if not counts:
+            return 0.0
+        at = [w for w in self.waits if w.ranks == max(counts)]
+        return max(0.0, min(at, key=lambda w: (abs(w.group - group), w.group)).seconds)
+
     def step_seconds(self, kind: str, ranks: int, wire: str) -> float:
         """Seconds per element of step ``kind`` in ``wire`` dtype at the calibrated rank count
         nearest ``ranks``; 0 when the calibration did not time it."""
@@ -371,6 +402,7 @@ class Calibration:
             steps=tuple(StepCost(**step) for step in data.get("steps", ())),
             backward=tuple(ComputeRate(**c) for c in data.get("backward", ())),
             facts=dict(data.get("facts") or {}),
+            waits=tuple(ExchangeWait(**wait) for wait in data.get("waits", ())),
         )
 
 

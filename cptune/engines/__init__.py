@@ -85,6 +85,9 @@ class EngineSpec:
     masks: bool = False
     #: Whether it runs padded heads (``CPConfig.pad_heads``: the ``pad`` primitive).
     pads_heads: bool = False
+    #: Whether calibration times what a blocking exchange costs beside ranks that compute, at
+    #: rank counts that outnumber a node's cores (``Engine.time_waits``).
+    times_waits: bool = False
 
     def __post_init__(self) -> None:
         check_kernel(self.kernel)
@@ -179,6 +182,16 @@ class Engine(Protocol):
         """Seconds [step, iteration] of the slowest rank: the kernel's memory-bound steps
         (only where ``spec.times_steps``)."""
 
+    def time_waits(
+        self, ranks: int, groups: Sequence[int], shape: dict[str, int], calls: int, chunk: int, warmup: int,
+        repeats: int, timeout: float,
+    ) -> np.ndarray:
+        """Seconds [case, iteration] of the slowest rank inside one blocking exchange, of
+        ``ranks`` ranks: per group size, a group of that many computing ``shape`` and then
+        exchanging ``chunk`` bytes per peer (an all-gather), ``calls`` times, while the others
+        compute; then the same exchanges with the others idle (only where
+        ``spec.times_waits``)."""
+
     def describe(self) -> dict[str, str]:
         """The engine's software versions."""
 
@@ -264,7 +277,7 @@ def register(spec: EngineSpec) -> EngineSpec:
 
 register(EngineSpec(
     name="mpi", summary="CPU ranks under MPI, numpy math (runs anywhere)",
-    kernel="numpy", stream="p2p", timed=True, times_steps=True, device="cpu",
+    kernel="numpy", stream="p2p", timed=True, times_steps=True, times_waits=True, device="cpu",
     engine="cptune.engines.mpi:MPIEngine", rank_task="cptune.engines.mpi._rank", spans_nodes=True,
     trains=True, masks=True, pads_heads=True,
 ))

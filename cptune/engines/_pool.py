@@ -690,6 +690,14 @@ class PooledEngine:
         raise ValueError(f"the {self.name} engine's kernel has no memory-bound steps to time "
                          f"(its spec says times_steps=False)")
 
+    def time_waits(
+        self, ranks: int, groups: Sequence[int], shape: dict[str, int], calls: int, chunk: int, warmup: int,
+        repeats: int, timeout: float,
+    ) -> np.ndarray:
+        """Refused: this engine's calibration times no exchange waits (``spec.times_waits``)."""
+        raise ValueError(f"the {self.name} engine's calibration times no exchange waits "
+                         f"(its spec says times_waits=False)")
+
     def _pool_software(self) -> dict[str, str]:
         """What the ranks run on, for the record of a measurement: the MPI library, and
         whether the ranks' allocator is ``steady`` (``_worker.steady_allocator``); empty

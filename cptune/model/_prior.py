@@ -41,7 +41,14 @@ ranks, hardware that is only calibrated or only described.
                   says which: a calibration's engine spec, ``Profile.stream``). Under a mask
                   the p2p stream stops where the layout's reach does (a window's halo: one
                   step): r steps of r + 1 blocks, r = the stream's steps (``analytic_cost``)
+    waits       = where ranks share cores (a calibrated host's ranks outnumbering its cores), the
+                  blocking exchanges that follow a stretch of compute (Ulysses' first and last,
+                  AllGather-KV's gather, each Ring step) x what one costs beyond its own time
+                  with that many ranks busy (``Profile.exchange_wait_s``): it completes only
+                  once its members run together, and the ranks computing beside them hold the
+                  cores for their slices
     latency     = compute + memory + overhead + all-to-all + all-gather + the Ring's exposed time
+                  + waits
 
 A training step is that of its forward, then its backward's (``_backward_time``):
     compute     = BACKWARD_FLOPS_RATIO x the forward's FLOPs / (its rate x the hardware's
@@ -100,11 +107,14 @@ class PriorTime:
     memory_s: float = 0.0
     #: Fixed cost of the kernels launched.
     overhead_s: float = 0.0
+    #: What blocking exchanges after compute cost beyond their own time where ranks share
+    #: cores and others compute beside them (``Profile.exchange_wait_s``).
+    wait_s: float = 0.0
 
     @functools.cached_property  # read three times per configuration weighed; a sum of arrays of variants
     def total_s(self) -> float:
         return (self.compute_s + self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
-                + self.memory_s + self.overhead_s)
+                + self.memory_s + self.overhead_s + self.wait_s)
 
     @property
     def outside_compute(self) -> float:
@@ -114,8 +124,8 @@ class PriorTime:
 
     @property
     def comm_s(self) -> float:
-        """Communication not hidden behind compute."""
-        return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s
+        """Communication not hidden behind compute, with the exchanges' waits on shared cores."""
+        return self.all_to_all_s + self.all_gather_s + self.ring_exposed_s + self.wait_s
 
     def __add__(self, other: PriorTime) -> PriorTime:
         """Both one after the other (a training step: the forward, then the backward)."""
@@ -267,7 +277,20 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
         ring_exposed = ring - compute - memory["merge"] - memory["requery"]
         kernels -= ring_kernels
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=sum(memory.values()),
-                     overhead_s=launch * kernels)
+                     overhead_s=launch * kernels, wait_s=_waits(config, steps, profile))
+
+
+def _waits(config: CPConfig, ring_steps: int, profile: Profile) -> float:
+    """Seconds the busiest rank's blocking exchanges that follow a stretch of compute cost
+    beyond their own time (``Profile.exchange_wait_s``): Ulysses' first exchange (after the
+    previous sequence's compute) and its last (after this one's), AllGather-KV's gather (after
+    the previous compute) where no Ulysses exchange comes before it, and each of the Ring's
+    ``ring_steps`` steps (after its block). None on one rank: nothing to exchange."""
+    if config.ranks == 1:
+        return 0.0
+    ulysses = 2 if config.head_group > 1 else 0
+    gather = 1 if config.strategy == "allgather_kv" and config.context_degree > 1 and not ulysses else 0
+    return (ulysses + gather + ring_steps) * profile.exchange_wait_s(config.ranks, config.ranks)
 
 
 def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> PriorTime:
@@ -304,7 +327,7 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
     for kind in ("all_gather", "reduce_scatter"):
         if steps[kind]:
             all_gather += profile.collective_time(kind, n, context, sent[kind], steps[kind])
-    ring_exposed = 0.0
+    ring_exposed, ring_steps = 0.0, 0
     if steps["p2p"]:
         reach = alone.comm_steps["p2p"]  # c - 1, or as far round as the mask reaches
         kv_block = alone.bytes_sent["p2p"] / reach
@@ -322,11 +345,12 @@ def _backward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pr
         ring = reach * np.maximum(busy, step) + np.maximum(work, step_launches) + home
         ring_exposed = ring - compute - ring_memory
         kernels -= train.backward_ring_kernels + call_kernels
+        ring_steps = reach
     elif steps["broadcast"]:
         raise ValueError("the backward's Ring is modelled on point-to-point streams only: no engine without "
                          "them trains")
     return PriorTime(compute, all_to_all, all_gather, ring_exposed, memory_s=memory,
-                     overhead_s=launch * kernels)
+                     overhead_s=launch * kernels, wait_s=_waits(config, ring_steps, profile))
 
 
 def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[str, float]:
@@ -339,4 +363,7 @@ def tier_split(workload: Workload, config: CPConfig, profile: Profile) -> dict[s
     split["compute"] = float(time.compute_s + time.memory_s + time.overhead_s)
     split[tier_of(heads, profile.ranks_per_node)] += float(time.all_to_all_s)
     split[tier_of(context, profile.ranks_per_node)] += float(time.all_gather_s + time.ring_exposed_s)
+    # the exchanges' waits on shared cores: where its exchanges run, its context's or its heads'
+    exchanging = context if config.context_degree > 1 else heads
+    split[tier_of(exchanging, profile.ranks_per_node)] += float(time.wait_s)
     return split

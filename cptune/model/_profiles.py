@@ -83,6 +83,12 @@ class Profile(Protocol):
         with their norms before any score (the numpy kernel) pays it per key read, whether its
         queries see the key or not. 0 where the kernel streams keys inside its tiles."""
 
+    def exchange_wait_s(self, ranks: int, group: int) -> float:
+        """Seconds one blocking exchange in a group of ``group`` ranks costs beyond its own time
+        after a stretch of compute, ``ranks`` ranks busy at once: where ranks share cores, it
+        completes only once its members run together, while ranks beside them compute; 0 where
+        each rank has cores or a device of its own."""
+
     @property
     def overlap_slowdown(self) -> float:
         """The share of its speed compute loses while communication runs beside it."""
@@ -233,6 +239,12 @@ class CalibratedProfile(StoredHost):
     def attention_call_s(self) -> float:
         return 0.0  # inside the attention rate measured at the work per call
 
+    def exchange_wait_s(self, ranks: int, group: int) -> float:
+        """As the calibration timed it with as many ranks busy at once
+        (``Calibration.exchange_wait``); 0 from a calibration that timed none (its ranks had
+        cores of their own, or it was stored before)."""
+        return self.calibration.exchange_wait(self._at_once(ranks), group)
+
     @property
     def overlap_slowdown(self) -> float:
         return 0.0  # not calibrated: no measurement runs compute beside communication
@@ -319,6 +331,9 @@ class DescribedProfile:
 
     def ring_call_s(self, workload: Workload, ranks: int) -> float:
         return 0.0  # every call's is attention_call_s
+
+    def exchange_wait_s(self, ranks: int, group: int) -> float:
+        return 0.0  # each rank its own device: none is parked while the others compute
 
     def key_preparation_s(self, workload: Workload, ranks: int, elements: float, flops: float,
                           work_per_call: float) -> float:

@@ -32,6 +32,19 @@ class MPIEngine(PooledEngine):
                   "threads": self._threads(ranks), "warmup": warmup, "repeats": repeats}
         return self._time_slowest(ranks, header, timeout, f"step calibration on {ranks} ranks")
 
+    def time_waits(
+        self, ranks: int, groups: Sequence[int], shape: dict[str, int], calls: int, chunk: int, warmup: int,
+        repeats: int, timeout: float,
+    ) -> np.ndarray:
+        """Seconds [case, iteration], slowest rank, inside one blocking exchange
+        (``_rank._time_waits``): per group size, a group of that size computing ``shape`` and
+        then exchanging ``chunk`` bytes per peer while the other ranks compute, then the same
+        exchanges with the others idle."""
+        header = {"op": "time_waits", "ranks": ranks, "groups": list(groups), "shape": shape,
+                  "calls": calls, "chunk": chunk, "threads": self._threads(ranks), "warmup": warmup,
+                  "repeats": repeats}
+        return self._time_slowest(ranks, header, timeout, f"exchange waits on {ranks} ranks")
+
     def run_batch(self, ranks: int, groups: Sequence[tuple[CPConfig, Sequence[Workload]]],
                   shards: Sequence[Sequence[np.ndarray]],
                   timeout: float) -> tuple[list[list[np.ndarray]], list[int]]:

@@ -491,7 +491,46 @@ def _time_steps(worker: Worker, header: dict) -> protocol.Message:
     return {}, [time_each(cases, barrier, header["warmup"], header["repeats"])]
 
 
+def _time_waits(worker: Worker, header: dict) -> protocol.Message:
+    """Seconds [case, iteration] this rank spent inside each blocking exchange, per exchange:
+    for each group size g, one group of the first g ranks runs ``calls`` times the kernel on
+    ``shape`` and then an all-gather of ``chunk`` bytes per peer, while the other ranks run
+    the kernel throughout; then the same group's all-gathers in a row with every other rank
+    idle. 0 on a rank outside the group. Each iteration starts at a sleeping barrier, as a
+    batch plan's does."""
+    threadpool_limits(limits=1, user_api="blas")
+    ranks, calls = int(header["ranks"]), int(header["calls"])
+    warmup, repeats = int(header["warmup"]), int(header["repeats"])
+    comm = worker.prefix[ranks - 1]
+    me = comm.Get_rank()
+    compute = _attention_case(header["shape"], int(header["threads"]))
+    timings = np.zeros((2 * len(header["groups"]), repeats))
+    for j, g in enumerate(header["groups"]):
+        group = comm.Split(0 if me < g else MPI.UNDEFINED, me)
+        exchange = _collective("all_gather", group, int(header["chunk"])) if me < g else None
+        for c, beside in enumerate((True, False)):
+            for i in range(warmup + repeats):
+                _sleeping_barrier(comm)
+                inside = 0.0
+                if exchange is not None:
+                    for _ in range(calls):
+                        if beside:
+                            compute()
+                        start = time.perf_counter()
+                        exchange()
+                        inside += time.perf_counter() - start
+                elif beside:  # computing throughout the group's exchanges (twice as many calls)
+                    for _ in range(2 * calls):
+                        compute()
+                if i >= warmup:
+                    timings[2 * j + c, i - warmup] = inside / calls
+        if group != MPI.COMM_NULL:
+            group.Free()
+    return {}, [timings]
+
+
 #: The mpi engine's calibration ops, by request name.
 OPS: dict[str, Callable[[Worker, dict], protocol.Message]] = {
     "time_collective": _time_collective, "time_attention": _time_attention, "time_steps": _time_steps,
+    "time_waits": _time_waits,
 }
