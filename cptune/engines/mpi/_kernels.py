@@ -19,7 +19,9 @@ different shifts are brought to the larger before they are added.
 
 Masks go by token position, segment by segment: a key segment entirely in a query block's
 past needs no mask, one entirely in its future is skipped, and only segments that straddle
-the diagonal are masked.
+the diagonal are masked. A block's adjacent segments are computed as one span of keys (one
+GEMM, exp and P V), the mask applied to the masked columns only, its hidden pairs worked out
+once per call, not per head (``_spans``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,26 @@ _SMALLEST_UNSHIFTED_SUM = 1e-30
 
 #: Query row blocks [start, stop) and the key segments each attends (``_plan``).
 Plan = list[tuple[int, int, list[Segment]]]
+
+#: Adjacent key segments of a block joined: key index range [start, stop) and, for each
+#: masked segment inside it, its range and the pairs the mask hides there (``_spans``).
+Span = tuple[int, int, tuple[tuple[int, int, np.ndarray], ...]]
+
+
+def _spans(segments: list[Segment], q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> list[Span]:
+    """``segments`` of the block of queries at ``q_pos`` over keys at ``k_pos`` with
+    adjacent ones joined, each masked one kept with its hidden pairs (``_hidden``): a block
+    then takes one GEMM, exp and P V per run of keys, not per segment (a window tile's far
+    edge, middle and diagonal are one run), the mask still covers only what it cuts, and
+    it is worked out once per call rather than once per head."""
+    spans: list[Span] = []
+    for start, stop, masked in segments:
+        cut = ((start, stop, _hidden(mask, q_pos, k_pos[start:stop])),) if masked else ()
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], stop, spans[-1][2] + cut)
+        else:
+            spans.append((start, stop, cut))
+    return spans
 
 
 def _plan(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> Plan:
@@ -102,6 +124,8 @@ def attention(
     group = heads // kv.shape[2]
     chunks = [(chunk, k_pos[chunk], _plan(q_pos, k_pos[chunk], mask)) for chunk in chunk_slices(len(k_pos))]
     keys, values, key_norms, values_small = _prepare_keys(kv, threads, _seen_keys(chunks))
+    spans = [[(i, j, _spans(segments, q_pos[i:j], chunk_pos, mask)) for i, j, segments in plan if segments]
+             for _, chunk_pos, plan in chunks]
     blocks = [(j - i, sum(b - a for a, b, _ in segs)) for _, _, plan in chunks for i, j, segs in plan]
     widest = max((rows * width for rows, width in blocks), default=0)
     most_rows = max((rows for rows, _ in blocks), default=0)
@@ -115,18 +139,17 @@ def attention(
                            np.empty((most_rows, dim), np.float32))
         for b, head in items:
             head_q, q_norms = scaled_q[b, head], query_norms[b, head]
-            for chunk, chunk_pos, plan in chunks:
+            for (chunk, _, _), chunk_spans in zip(chunks, spans, strict=True):
                 head_keys, head_values = keys[b, head // group, chunk], values[b, head // group, chunk]
                 k_norms = key_norms[b, head // group, chunk]
-                for i, j, segments in plan:
-                    if segments:
-                        rows = (b, head, slice(i, j))
-                        block = Block(head_q[i:j], head_keys, head_values, q_pos[i:j], chunk_pos, segments,
-                                      scratch, out[rows], total[rows], shift[rows], mask)
-                        bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _ in segments)
-                        unshifted_safe = values_small and bound <= _UNSHIFTED_EXP_LIMIT
-                        if not (unshifted_safe and _attend_unshifted(block)):
-                            _attend_shifted(block)
+                for i, j, block_spans in chunk_spans:
+                    rows = (b, head, slice(i, j))
+                    block = Block(head_q[i:j], head_keys, head_values, block_spans, scratch, out[rows],
+                                  total[rows], shift[rows])
+                    bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _ in block_spans)
+                    unshifted_safe = values_small and bound <= _UNSHIFTED_EXP_LIMIT
+                    if not (unshifted_safe and _attend_unshifted(block)):
+                        _attend_shifted(block)
                     if poll is not None:
                         poll()
             _normalise(out[b, head], total[b, head], shift[b, head], lse[b, head])
@@ -261,14 +284,11 @@ class Block(NamedTuple):
     q: np.ndarray  # [rows, D], scaled
     keys: np.ndarray  # [keys, D] of the head's KV head, this chunk's
     values: np.ndarray
-    q_pos: np.ndarray  # [rows]
-    k_pos: np.ndarray  # [keys]
-    segments: list[Segment]
+    spans: list[Span]  # with the mask's hidden pairs
     scratch: _Scratch
     out: np.ndarray  # [rows, D], sum of e^(score - shift) v, added to
     total: np.ndarray  # [rows], sum of e^(score - shift), added to
     shift: np.ndarray  # [rows], the rows' shift so far (0: unshifted)
-    mask: Mask
 
 
 def _hidden(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
@@ -336,16 +356,16 @@ def _band(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
 
 
 def _scores(block: Block) -> list[np.ndarray]:
-    """Q K^T for each key segment, in slices of the scores buffer, masked where needed."""
+    """Q K^T for each span of keys, in slices of the scores buffer, masked where needed."""
     rows = block.q.shape[0]
     scores = []
     offset = 0
-    for start, stop, masked in block.segments:
+    for start, stop, masked in block.spans:
         s = block.scratch.scores[offset : offset + rows * (stop - start)].reshape(rows, stop - start)
         offset += s.size
         np.matmul(block.q, block.keys[start:stop].T, out=s)
-        if masked:
-            _hide(s, block.mask, block.q_pos, block.k_pos[start:stop])
+        for lo, hi, hidden in masked:
+            np.copyto(s[:, lo - start : hi - start], -np.inf, where=hidden)
         scores.append(s)
     return scores
 
@@ -360,9 +380,9 @@ def _exp(scores: list[np.ndarray]) -> np.ndarray:
 
 
 def _combine(block: Block, scores: list[np.ndarray], out: np.ndarray) -> None:
-    """Add sum_k p V of every segment to ``out`` [rows, D]."""
+    """Add sum_k p V of every span to ``out`` [rows, D]."""
     product = block.scratch.product[: out.shape[0]]
-    for s, (start, stop, _) in zip(scores, block.segments, strict=True):
+    for s, (start, stop, _) in zip(scores, block.spans, strict=True):
         np.matmul(s, block.values[start:stop], out=product)
         np.add(out, product, out=out)
 
