@@ -262,6 +262,8 @@ class _BySize:
         self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
         for i, g in enumerate(self.sizes.tolist()):
             problem.blocks[g].min(axis=0, out=self.best[i])
+        self._rank_time = self.sizes[:, None] * self.best  # read by ``bound``, as ``longest_first``
+        self._fitting = np.where(np.isfinite(self.best), self.best, -np.inf)  # reads this
         self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._least: dict[bytes, tuple[float, float]] = {}
 
@@ -274,9 +276,8 @@ class _BySize:
             return math.inf
         key = used.tobytes()
         if key not in self._least:
-            sub = self.best[used]
-            self._least[key] = (float(sub.min(axis=0).max()),
-                                float((self.sizes[used][:, None] * sub).min(axis=0).sum()))
+            self._least[key] = (float(self.best[used].min(axis=0).max()),
+                                float(self._rank_time[used].min(axis=0).sum()))
         slowest, work = self._least[key]
         return max(slowest, work / float(self.sizes @ counts))
 
@@ -286,9 +287,8 @@ class _BySize:
         sequence's row contiguous, as ``_Assignment`` reads them)."""
         key = classes.tobytes()
         if key not in self._arranged:
-            sub = self.best[classes]
-            order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-            self._arranged[key] = order, sub.T[order]
+            order = np.argsort(-self._fitting[classes].max(axis=0), kind="stable")
+            self._arranged[key] = order, self.best[classes].T[order]
         return self._arranged[key]
 
 
@@ -358,14 +358,15 @@ class _Search:
         self.settled = False
         #: per size: its groups' configurations' sums over their sequences (groups x configurations)
         self.table: dict[int, np.ndarray] = {}
+        placed_size = size[group_of]
         for g, rows in self.rows.items():
             mine = self.of_size[g]
             self.local[mine] = np.arange(mine.size)
-            placed = np.flatnonzero(size[group_of] == g)
-            at = self.local[group_of[placed]]
-            block = self.blocks[g]
-            self.table[g] = np.stack([np.bincount(at, weights=block[r, placed], minlength=mine.size)
-                                      for r in range(rows.size)], axis=1)
+            placed = np.flatnonzero(placed_size == g)
+            # one count for all its configurations: bin (group, configuration), summed in sequence order
+            bins = self.local[group_of[placed]][:, None] * rows.size + np.arange(rows.size)
+            self.table[g] = np.bincount(bins.ravel(), weights=self.blocks[g][:, placed].T.ravel(),
+                                        minlength=mine.size * rows.size).reshape(mine.size, rows.size)
             held = self.count[mine] > 0
             self.time[mine[held]] = self.table[g][held].min(axis=1)
 
