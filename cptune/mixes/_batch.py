@@ -682,13 +682,13 @@ def _neighbours(search: _Search, ranks: int, sizes: np.ndarray) -> list[np.ndarr
     for part in sizes.tolist():
         if part < slow and slow - part in index:
             found.append([part, slow - part, *others])
-    out = []
-    for partition in found:
-        counts = np.zeros(sizes.size, dtype=np.int64)
+    rows = []
+    for partition in found:  # counted in Python: a NumPy count per partition costs more
+        row = [0] * sizes.size
         for g in partition:
-            counts[index[g]] += 1
-        out.append(counts)
-    return out
+            row[index[g]] += 1
+        rows.append(row)
+    return list(np.array(rows, dtype=np.int64).reshape(len(rows), sizes.size))
 
 
 def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
