@@ -219,8 +219,8 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
     front_size = np.repeat(np.arange(sizes.size), [seq.size for seq in seqs])
 
     def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
-        taken = (front <= limit) & (before > limit)  # (a sum plus the others' 0.0 is the same sum)
-        loads = np.bincount(front_size, weights=np.where(taken, front, 0.0), minlength=sizes.size)
+        taken = (front <= limit) & (before > limit)
+        loads = np.bincount(front_size[taken], weights=front[taken], minlength=sizes.size)
         counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
         return int(sizes @ counts), counts, loads
 
