@@ -262,8 +262,8 @@ class _BySize:
         self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
         for i, g in enumerate(self.sizes.tolist()):
             problem.blocks[g].min(axis=0, out=self.best[i])
-        self._rank_time = self.sizes[:, None] * self.best  # read by ``bound``, as ``longest_first``
-        self._fitting = np.where(np.isfinite(self.best), self.best, -np.inf)  # reads this
+        self._rank_time = self.sizes[:, None] * self.best  # (``bound`` reads it)
+        self._fitting = np.where(np.isfinite(self.best), self.best, -np.inf)  # (``longest_first`` reads it)
         self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._least: dict[bytes, tuple[float, float]] = {}
 
@@ -579,14 +579,15 @@ class _Search:
         counts = [c.shape[0] for c in coming]
         bundles = np.concatenate(coming)
         owner = np.repeat(np.arange(len(groups)), counts)
+        owner_group = np.asarray(groups, dtype=np.int64)[owner]
         block_k = self.blocks[int(self.size[k])]
         into_k = _after(self.sums(k), _bundle_times(block_k, leaving), _bundle_times(block_k, bundles))
         into_j = np.empty_like(into_k)
-        owner_size = self.size[np.asarray(groups, dtype=np.int64)][owner]
+        owner_size = self.size[owner_group]
         for g in np.unique(owner_size).tolist():  # each size's groups at once: (configurations, bundles)
             cols = np.flatnonzero(owner_size == g)
             block_g = self.blocks[g]
-            sums = self.table[g][self.local[np.asarray(groups)[owner[cols]]]].T
+            sums = self.table[g][self.local[owner_group[cols]]].T
             into_j[:, cols] = ((sums[:, None, :] - _bundle_times(block_g, bundles[cols])[:, None, :])
                                + _bundle_times(block_g, leaving)[:, :, None]).min(axis=0)
         value = np.maximum(np.maximum(into_k, into_j), rest[owner])
