@@ -262,6 +262,8 @@ class _BySize:
         self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
         for i, g in enumerate(self.sizes.tolist()):
             problem.blocks[g].min(axis=0, out=self.best[i])
+        self._rank_time = self.sizes[:, None] * self.best  # (``bound`` reads it)
+        self._fitting = np.where(np.isfinite(self.best), self.best, -np.inf)  # (``longest_first`` reads it)
         self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._least: dict[bytes, tuple[float, float]] = {}
 
@@ -274,9 +276,8 @@ class _BySize:
             return math.inf
         key = used.tobytes()
         if key not in self._least:
-            sub = self.best[used]
-            self._least[key] = (float(sub.min(axis=0).max()),
-                                float((self.sizes[used][:, None] * sub).min(axis=0).sum()))
+            self._least[key] = (float(self.best[used].min(axis=0).max()),
+                                float(self._rank_time[used].min(axis=0).sum()))
         slowest, work = self._least[key]
         return max(slowest, work / float(self.sizes @ counts))
 
@@ -286,9 +287,8 @@ class _BySize:
         sequence's row contiguous, as ``_Assignment`` reads them)."""
         key = classes.tobytes()
         if key not in self._arranged:
-            sub = self.best[classes]
-            order = np.argsort(-np.where(np.isfinite(sub), sub, -np.inf).max(axis=0), kind="stable")
-            self._arranged[key] = order, sub.T[order]
+            order = np.argsort(-self._fitting[classes].max(axis=0), kind="stable")
+            self._arranged[key] = order, self.best[classes].T[order]
         return self._arranged[key]
 
 
@@ -358,14 +358,15 @@ class _Search:
         self.settled = False
         #: per size: its groups' configurations' sums over their sequences (groups x configurations)
         self.table: dict[int, np.ndarray] = {}
+        placed_size = size[group_of]
         for g, rows in self.rows.items():
             mine = self.of_size[g]
             self.local[mine] = np.arange(mine.size)
-            placed = np.flatnonzero(size[group_of] == g)
-            at = self.local[group_of[placed]]
-            block = self.blocks[g]
-            self.table[g] = np.stack([np.bincount(at, weights=block[r, placed], minlength=mine.size)
-                                      for r in range(rows.size)], axis=1)
+            placed = np.flatnonzero(placed_size == g)
+            # one count for all its configurations: bin (group, configuration), summed in sequence order
+            bins = self.local[group_of[placed]][:, None] * rows.size + np.arange(rows.size)
+            self.table[g] = np.bincount(bins.ravel(), weights=self.blocks[g][:, placed].T.ravel(),
+                                        minlength=mine.size * rows.size).reshape(mine.size, rows.size)
             held = self.count[mine] > 0
             self.time[mine[held]] = self.table[g][held].min(axis=1)
 
@@ -484,7 +485,8 @@ class _Search:
             counts = [t.size for t in by_size]
             shape = (len(counts), max(counts), mine.size)
             sized = np.repeat(np.arange(shape[0]), counts)  # each target's place among the sizes
-            within = np.arange(targets.size) - np.repeat(np.cumsum(counts) - counts, counts)
+            within = np.arange(targets.size) - np.repeat(list(itertools.accumulate(counts[:-1], initial=0)),
+                                                         counts)
             padded_value, padded_squares = np.full(shape, np.inf), np.full(shape, np.inf)
             padded_value[sized, within], padded_squares[sized, within] = value, squares
             for j, flat in enumerate(least(padded_value, padded_squares).tolist()):
@@ -539,32 +541,27 @@ class _Search:
             return False
         order = np.argsort(times)
         slowest = order[::-1][:3].tolist()
-        block_k = self.blocks[int(self.size[k])]
-        mine_ids, mine_k = _bundles(mine), _bundle_times(block_k, mine)
-        mine_on: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # mine's bundles' times on each size
-        best: tuple[float, int, list[int], list[int]] | None = None
         by_group = np.argsort(self.group_of, kind="stable")  # every group's members at once
         bounds = np.searchsorted(self.group_of[by_group], np.arange(self.size.size + 1)).tolist()
-        for j in [int(g) for g in order if g != k][:SWAP_GROUPS]:
-            theirs = by_group[bounds[j]:bounds[j + 1]]
-            if not theirs.size or theirs.size > PAIRED:
-                continue
-            block_j = self.blocks[int(self.size[j])]
-            if int(self.size[j]) not in mine_on:
-                mine_on[int(self.size[j])] = _bundle_times(block_j, mine)
-            mine_j = mine_on[int(self.size[j])]
-            their_ids, theirs_j, theirs_k = _bundles(theirs), _bundle_times(block_j, theirs), \
-                _bundle_times(block_k, theirs)
-            rest = next((float(times[g]) for g in slowest if g not in (k, j)), 0.0)
-            for out, into in ((1, 0), (0, 1)):  # two of k's for one of j's, one of k's for two of j's
-                if not mine_ids[out].size or not their_ids[into].size:
+        tried = [j for j in order[order != k][:SWAP_GROUPS].tolist()
+                 if 0 < bounds[j + 1] - bounds[j] <= PAIRED]
+        if not tried:
+            return False
+        rest = np.array([next((float(times[g]) for g in slowest if g not in (k, j)), 0.0) for j in tried])
+        theirs = [_bundles(by_group[bounds[j]:bounds[j + 1]]) for j in tried]
+        mine_ids = _bundles(mine)
+        # per direction (two of k's for one of j's, one of k's for two of j's): each group's least
+        # makespan after the trade, and the bundles making it
+        found = [self._traded(k, mine_ids[out], [t[into] for t in theirs], tried, rest) if mine_ids[out].size
+                 else None for out, into in ((1, 0), (0, 1))]
+        best: tuple[float, int, list[int], list[int]] | None = None
+        for place, j in enumerate(tried):  # in order, as one group after another
+            for trades in found:
+                if trades is None:
                     continue
-                new_k = _after(self.sums(k), mine_k[out], theirs_k[into])
-                new_j = _after(self.sums(j), theirs_j[into], mine_j[out]).T
-                value = np.maximum(np.maximum(new_k, new_j), rest)
-                a, b = divmod(int(np.argmin(value)), value.shape[1])
-                if value[a, b] < current * (1 - 1e-9) and (best is None or value[a, b] < best[0]):
-                    best = (float(value[a, b]), j, mine_ids[out][a].tolist(), their_ids[into][b].tolist())
+                value, leaving, coming = trades[0][place], trades[1][place], trades[2][place]
+                if value < current * (1 - 1e-9) and (best is None or value < best[0]):
+                    best = (value, j, leaving, coming)
         if best is None:
             return False
         _, j, leaving, coming = best
@@ -574,18 +571,49 @@ class _Search:
             self._move(s, k)
         return True
 
+    def _traded(self, k: int, leaving: np.ndarray, coming: list[np.ndarray], groups: list[int],
+                rest: np.ndarray) -> tuple[list[float], list[list[int]], list[list[int]]]:
+        """For each of ``groups`` (``coming``: its bundles, ``rest``: the slowest time of the
+        groups but k and it), the least makespan trading one of group k's bundles ``leaving``
+        for one of its own (of equals, the first), and those two bundles' sequences."""
+        counts = [c.shape[0] for c in coming]
+        bundles = np.concatenate(coming)
+        owner = np.repeat(np.arange(len(groups)), counts)
+        owner_group = np.asarray(groups, dtype=np.int64)[owner]
+        block_k = self.blocks[int(self.size[k])]
+        into_k = _after(self.sums(k), _bundle_times(block_k, leaving), _bundle_times(block_k, bundles))
+        into_j = np.empty_like(into_k)
+        owner_size = self.size[owner_group]
+        for g in np.unique(owner_size).tolist():  # each size's groups at once: (configurations, bundles)
+            cols = np.flatnonzero(owner_size == g)
+            block_g = self.blocks[g]
+            sums = self.table[g][self.local[owner_group[cols]]].T
+            into_j[:, cols] = ((sums[:, None, :] - _bundle_times(block_g, bundles[cols])[:, None, :])
+                               + _bundle_times(block_g, leaving)[:, :, None]).min(axis=0)
+        value = np.maximum(np.maximum(into_k, into_j), rest[owner])
+        starts = list(itertools.accumulate(counts[:-1], initial=0))
+        width = max(max(counts), 1)
+        padded = np.full((len(groups), leaving.shape[0], width), np.inf)
+        padded[owner, :, np.arange(bundles.shape[0]) - np.repeat(starts, counts)] = value.T
+        flat = padded.reshape(len(groups), -1).argmin(axis=1).tolist()
+        places = [divmod(f, width) for f in flat]
+        return ([float(padded[j, a, b]) for j, (a, b) in enumerate(places)],
+                [leaving[a].tolist() for a, _ in places],
+                [bundles[starts[j] + b].tolist() if counts[j] else [] for j, (_, b) in enumerate(places)])
+
 
 def _bundles(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``members`` one by one and two by two: (bundles x 1, bundles x 2)."""
     return members[:, None], members[_pair_places(members.size)]
 
 
-def _bundle_times(block: np.ndarray, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each of ``_bundles(members)``' time on each configuration of ``block``: (configurations x
-    bundles), the two."""
-    pairs = _pair_places(members.size)
-    singles = block[:, members]
-    return singles, singles[:, pairs[:, 0]] + singles[:, pairs[:, 1]]
+def _bundle_times(block: np.ndarray, bundles: np.ndarray) -> np.ndarray:
+    """Each bundle's (rows of sequences, as ``_bundles`` lists them) time on each configuration
+    of ``block``: (configurations x bundles)."""
+    times = block[:, bundles[:, 0]]
+    for column in range(1, bundles.shape[1]):
+        times += block[:, bundles[:, column]]
+    return times
 
 
 @functools.cache
@@ -655,13 +683,13 @@ def _neighbours(search: _Search, ranks: int, sizes: np.ndarray) -> list[np.ndarr
     for part in sizes.tolist():
         if part < slow and slow - part in index:
             found.append([part, slow - part, *others])
-    out = []
-    for partition in found:
-        counts = np.zeros(sizes.size, dtype=np.int64)
+    rows = []
+    for partition in found:  # counted in Python: a NumPy count per partition costs more
+        row = [0] * sizes.size
         for g in partition:
-            counts[index[g]] += 1
-        out.append(counts)
-    return out
+            row[index[g]] += 1
+        rows.append(row)
+    return list(np.array(rows, dtype=np.int64).reshape(len(rows), sizes.size))
 
 
 def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks: int | None = None,
