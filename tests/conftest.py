@@ -11,11 +11,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 
 from cptune.calibration import Calibration, CollectiveFit, ComputeRate, group_sizes
 from cptune.config import STRATEGIES, CPConfig
-from cptune.cost import BACKWARD_FLOPS_RATIO
+from cptune.cost import BACKWARD_FLOPS_RATIO, STREAM_KINDS
 from cptune.engines import ENGINES
 from cptune.engines._pool import PooledEngine
 from cptune.engines.mpi import MPIEngine
@@ -230,6 +231,28 @@ def assert_pool_gone(pool_dir: Path, pids: list[int]) -> None:
 
 #: ``make_calibration``'s backward rate over its forward's.
 BACKWARD_SPEED = 0.8
+
+
+class StandInCalibrationEngine:
+    """The parts of an in-process stand-in for ``calibrate`` that stand-ins share: the mpi
+    engine's spec with no steps and no exchange waits to time (a subclass that times waits
+    says so), collectives 1 ms plus 1 ns per byte each rank sends, no node readings and no
+    rank processes. Subclasses give ``time_attention``."""
+
+    name, spec = "mpi", dataclasses.replace(ENGINES["mpi"], times_steps=False, times_waits=False)
+
+    def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout, along="heads"):
+        return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
+                         for chunk in chunks])
+
+    def describe(self):
+        return {"engine": self.name}
+
+    def node_readings(self):
+        return {}
+
+    def process_ids(self):
+        return []
 
 
 def make_calibration(max_ranks: int = 4) -> Calibration:

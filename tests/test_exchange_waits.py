@@ -7,12 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from conftest import make_calibration
+from conftest import StandInCalibrationEngine, make_calibration
 from cptune.calibration import Calibration, ExchangeWait
 from cptune.calibration import _calibrate as calibrate_module
 from cptune.config import CPConfig
-from cptune.cost import STREAM_KINDS
-from cptune.engines import ENGINES
 from cptune.hardware import Hardware, load_description
 from cptune.model import CalibratedProfile, DescribedProfile, prior_time
 from cptune.workload import Workload
@@ -109,12 +107,12 @@ def test_calibrate_times_waits_only_where_ranks_outnumber_the_cores_and_reads_ea
     assert unshared.waits == ()
 
 
-class WaitingEngine:
+class WaitingEngine(StandInCalibrationEngine):
     """An in-process stand-in for calibrate: attention 1 ms a call, collectives 1 ms plus 1 ns
     per byte, and ``time_waits``'s cases as a host whose exchanges cost ``wait`` more beside
     computing ranks than the 0.2 ms they take with them idle."""
 
-    name, spec = "mpi", dataclasses.replace(ENGINES["mpi"], times_steps=False)
+    spec = dataclasses.replace(StandInCalibrationEngine.spec, times_waits=True)
     EXCHANGE = 2e-4
 
     def __init__(self) -> None:
@@ -127,24 +125,11 @@ class WaitingEngine:
     def time_attention(self, ranks, shapes, warmup, repeats, timeout):
         return np.full((len(shapes), repeats), 1e-3)
 
-    def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout, along="heads"):
-        return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
-                         for chunk in chunks])
-
     def time_waits(self, ranks, groups, shape, calls, chunk, warmup, repeats, timeout):
         assert shape == calibrate_module.WAIT_SHAPE
         self.timed.append((ranks, list(groups)))
         inside = [x for g in groups for x in (self.EXCHANGE + self.wait(ranks, g), self.EXCHANGE)]
         return np.repeat(np.array(inside)[:, None], repeats, axis=1)
-
-    def describe(self):
-        return {"engine": self.name}
-
-    def node_readings(self):
-        return {}
-
-    def process_ids(self):
-        return []
 
 
 @pytest.mark.slow

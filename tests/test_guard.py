@@ -1,6 +1,5 @@
 """The contention guard: each evidence judged on given readings, and real runs under load."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -16,13 +15,11 @@ import numpy as np
 import pytest
 
 import cptune
-from conftest import assert_refused, make_calibration
+from conftest import StandInCalibrationEngine, assert_refused, make_calibration
 from cptune import CPConfig, Workload, guard
 from cptune.calibration import CalibrationDisturbedError, CalibrationPieces, calibrate
 from cptune.calibration import _calibrate as calibration_module
 from cptune.cli import main
-from cptune.cost import STREAM_KINDS
-from cptune.engines import ENGINES
 from cptune.engines.mpi import MPIEngine
 from cptune.execute import measure_round
 from cptune.guard import (
@@ -340,11 +337,9 @@ def test_cli_measure_says_which_runs_were_disturbed(capsys):
     assert [r["disturbed"] is not None for r in report["results"]] == [True]
 
 
-class CountingEngine:
+class CountingEngine(StandInCalibrationEngine):
     """An in-process stand-in for calibrate on one rank: each attention timing is 1 s per
     shape and iteration on its first call, 0.5 s after."""
-
-    name, spec = "mpi", dataclasses.replace(ENGINES["mpi"], times_steps=False)  # no steps to time
 
     def __init__(self) -> None:
         self.attention_calls = 0
@@ -355,12 +350,6 @@ class CountingEngine:
 
     def describe(self):
         return {"engine": self.name, "kernel": "stand-in"}
-
-    def node_readings(self):
-        return {}
-
-    def process_ids(self):
-        return []
 
 
 class DisturbedFirst:
@@ -418,12 +407,10 @@ def test_a_calibration_gives_up_in_one_line_when_the_host_stays_busy_through_the
         f"timings")
 
 
-class BurstEngine:
+class BurstEngine(StandInCalibrationEngine):
     """An in-process stand-in for calibrate on two ranks: attention takes 1 s per call on one
     rank and 0.6 s on two, but twice that during a burst of other load the guard cannot see,
     in the ``burst``-th attention timing on two ranks; collectives 1 ms plus 1 ns per byte."""
-
-    name, spec = "mpi", dataclasses.replace(ENGINES["mpi"], times_steps=False)  # no steps to time
 
     def __init__(self, burst: int) -> None:
         self.burst, self.order, self.two_rank_calls = burst, [], 0
@@ -435,19 +422,6 @@ class BurstEngine:
             self.two_rank_calls += 1
             seconds *= 2 if self.two_rank_calls == self.burst else 1
         return np.full((len(shapes), repeats), seconds)
-
-    def time_collective(self, kind, ranks, group, chunks, warmup, repeats, timeout, along="heads"):
-        return np.array([[1e-3 + 1e-9 * chunk * (1 if kind in STREAM_KINDS else group - 1)] * repeats
-                         for chunk in chunks])
-
-    def describe(self):
-        return {"engine": self.name}
-
-    def node_readings(self):
-        return {}
-
-    def process_ids(self):
-        return []
 
 
 def test_calibration_rounds_take_the_median_so_one_burst_does_not_set_a_rate():
