@@ -130,7 +130,8 @@ def main() -> None:
                 continue
             best = min(members, key=lambda i: pooled[work[i]])
             twins = [i for i in members if work[i] == work[best]]
-            spreads += [max(measured[i] for i in twins) / min(measured[i] for i in twins)] * (len(twins) > 1)
+            if len(twins) > 1:
+                spreads.append(max(measured[i] for i in twins) / min(measured[i] for i in twins))
             same = ", ".join(cases[i][1].label for i in twins if i != best)
             say(f"{seq_len} tokens on {ranks} ranks: fastest {cases[best][1].label} "
                 f"({pooled[work[best]] * 1e3:.1f} ms{'; the same work: ' + same if same else ''})")
