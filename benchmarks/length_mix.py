@@ -3,7 +3,7 @@ side (issue 58, item 4): is cptune's per-batch plan no slower than the peers' ru
 far is each predicted makespan from the measured one?
 
     python benchmarks/length_mix.py --db FILE [--calibrate] [--ranks 4] [--batches 3]
-        [--sequences 12] [--rounds 3] [--repeats 2] [--seed 58] [--out FILE]
+        [--sequences 12] [--rounds 7] [--repeats 3] [--seed 58] [--out FILE]
 
 The layer: 4 query heads and 4 KV heads of head_dim 64, causal, bf16, forward (``SHAPE``), one
 sequence at a time. Each batch: ``--sequences`` lengths drawn (seeded) from a log-normal mix,
@@ -32,7 +32,10 @@ Measured interleaved: in each of ``--rounds`` rounds every batch's distinct plan
 fresh seeded random order (rules that chose the same plan share its run), each checked against
 the float64 reference and timed ``--repeats`` iterations (``cptune.execute.measure_batch``: all
 groups start after one barrier, the makespan the slowest rank's end). A plan's measured
-makespan is the median of all its iterations. On this 2-core host 4 ranks are oversubscribed
+makespan is the median of all its iterations. (d) against the best peer is also taken round by
+round, each round's plans measured minutes apart at most: the median of those paired ratios and
+their range say whether a difference stands above the noise between rounds (on this host one
+plan's round medians spread by up to 1.4x). On this 2-core host 4 ranks are oversubscribed
 (``--oversubscribe`` in measure's terms): every group runs beside the others on cores they
 share, which the plans' costs price from the calibration's rates with all 4 ranks busy
 (``MixCosts.shared_ms``).
@@ -104,6 +107,12 @@ def megatron_plan(costs: MixCosts, batch: list[int], ranks: int, per_rank: int) 
     return BatchPlan(tuple(batch), ranks, tuple(groups), max(g.ms for g in groups), "Megatron rule")
 
 
+def round_ratios(ours: list[list[float]], theirs: list[list[float]]) -> list[float]:
+    """Round by round, the median of ``ours``' iterations over the median of ``theirs``' (1.0
+    each round where both are one run)."""
+    return [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs, strict=True)]
+
+
 def same_run(plan: BatchPlan) -> tuple:
     """What a run of ``plan`` is: its groups' configurations and sequences, in its order."""
     return tuple((g.config.describe(), g.sequences) for g in plan.groups)
@@ -123,8 +132,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--sequences", type=int, default=12, help="sequences per batch")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2, help="timed iterations per plan per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3, help="timed iterations per plan per round")
     parser.add_argument("--per-rank", type=int, default=1024,
                         help="the Megatron rule's tokens per rank (max_seqlen_per_dp_cp_rank)")
     parser.add_argument("--seed", type=int, default=58)
@@ -149,7 +158,7 @@ def main(argv: list[str]) -> int:
     runs = {(i, rule): (i, same_run(plan))
             for i, planned in enumerate(plans) for rule, plan in planned.items()}
     first = {run: rule for (i, rule), run in reversed(runs.items())}
-    samples: dict[tuple[int, tuple], list[float]] = {run: [] for run in runs.values()}
+    samples: dict[tuple[int, tuple], list[list[float]]] = {run: [] for run in runs.values()}  # by round
     engine = MPIEngine()
     order = random.Random(args.seed)
     disturbed = 0
@@ -161,7 +170,7 @@ def main(argv: list[str]) -> int:
                 i, rule = run[0], first[run]
                 m = measure_batch(plans[i][rule], SHAPE, engine, warmup=0 if round_ else 1,
                                   repeats=args.repeats, oversubscribe=True)
-                samples[run] += m.samples_ms
+                samples[run].append(list(m.samples_ms))
                 disturbed += m.disturbed is not None
                 print(f"round {round_ + 1} batch {i + 1} {rule}: {m.median_ms:.2f} ms"
                       f"{' (disturbed: ' + m.disturbed + ')' if m.disturbed else ''}", flush=True)
@@ -170,7 +179,7 @@ def main(argv: list[str]) -> int:
     lines.append("batch  rule               predicted ms  measured ms  (pred - meas) / meas")
     errors: list[float] = []
     for i in range(len(batches)):
-        measured = {r: statistics.median(samples[runs[(i, r)]]) for r in RULES}
+        measured = {r: statistics.median(t for one in samples[runs[(i, r)]] for t in one) for r in RULES}
         for rule in RULES:
             predicted = plans[i][rule].makespan_ms
             error = (predicted - measured[rule]) / measured[rule]
@@ -179,8 +188,11 @@ def main(argv: list[str]) -> int:
                 errors.append(abs(error))
             lines.append(f"{i + 1:>5}  {rule:<17}  {predicted:>12.2f}  {measured[rule]:>11.2f}  "
                          f"{error:>+20.1%}{'' if shared == rule else '  (the plan of ' + shared[0] + ')'}")
-        best_peer = min(measured[r] for r in RULES[:3])
-        lines.append(f"       (d) / best of (a)-(c) measured: {measured[RULES[3]] / best_peer:.3f}; "
+        best_peer = min(RULES[:3], key=lambda r: measured[r])
+        paired = round_ratios(samples[runs[(i, RULES[3])]], samples[runs[(i, best_peer)]])
+        lines.append(f"       (d) / best of (a)-(c) measured: {measured[RULES[3]] / measured[best_peer]:.3f} "
+                     f"(against {best_peer[0]}; round by round: median {statistics.median(paired):.3f}, "
+                     f"{min(paired):.3f}-{max(paired):.3f} over {len(paired)}); "
                      f"(d) / (a): {measured[RULES[3]] / measured[RULES[0]]:.3f} measured, "
                      f"{plans[i][RULES[3]].makespan_ms / plans[i][RULES[0]].makespan_ms:.3f} predicted")
     lines.append(f"predicted-vs-measured makespan error |pred - meas| / meas over the {len(errors)} distinct "

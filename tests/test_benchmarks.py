@@ -205,6 +205,13 @@ def test_length_mix_megatron_rule_runs_each_sequence_once_on_power_of_two_ring_g
         length_mix.RULES[1]].groups)
 
 
+def test_length_mix_pairs_plans_round_by_round():
+    length_mix = load_benchmark("length_mix")
+    assert length_mix.round_ratios([[2.0, 4.0, 9.0], [3.0]], [[1.0, 2.0, 2.0], [6.0]]) == [2.0, 0.5]
+    with pytest.raises(ValueError):
+        length_mix.round_ratios([[1.0]], [[1.0], [1.0]])
+
+
 @pytest.mark.slow
 def test_length_mix_runs_every_rule_on_two_ranks_and_reports_its_error(tmp_path):
     db, out = str(tmp_path / "host.db"), tmp_path / "length_mix.txt"
@@ -220,3 +227,4 @@ def test_length_mix_runs_every_rule_on_two_ranks_and_reports_its_error(tmp_path)
     distinct = sum("(the plan of" not in line for line in measured)
     assert any(line.startswith("predicted-vs-measured makespan error")
                and f"over the {distinct} distinct" in line for line in lines)
+    assert any("round by round: median" in line and "over 1)" in line for line in lines)
