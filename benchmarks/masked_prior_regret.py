@@ -15,13 +15,15 @@ with no exchange under the Ring or AllGather-KV, contiguous or per document. Eac
 on its own, and a class's time is the median of all its members' samples, so which member a
 pick names does not decide its regret; the spread between members' own medians is reported
 (the noise between runs of identical work). The regret against each configuration alone is
-reported beside it.
+reported beside it, and so is the measurement's own floor (``split_half_regrets``): the
+regret the fastest class of half the rounds shows judged by the other half, which no pick's
+regret can be read below.
 
 Needs this host's calibration in ``--db`` (``cptune calibrate --db FILE``); measures through
 ``cptune.measure`` (each configuration's output checked against the float64 reference first).
 
     python benchmarks/masked_prior_regret.py --db CALIBRATED_DB [--seq-lens 1024 2048 3072 4096]
-        [--document 512] [--rounds 3] [--repeats 5] [--out FILE]
+        [--document 512] [--rounds 9] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -73,6 +75,26 @@ def same_work(workload: Workload, config: CPConfig) -> tuple:
             tuple(sorted((k, v) for k, v in cost.memory_bytes.items() if v)))
 
 
+def split_half_regrets(times: dict[int, list[float]], work: list[tuple],
+                       decisions: list[list[int]]) -> list[float]:
+    """The measurement's own floor: per decision (the cases of one length and rank count), the
+    fastest class by the even rounds judged by the odd ones, and the other way round. A perfect
+    predictor picks the truly fastest; judged by rounds of this noise, even it shows these
+    regrets, which a pick's regret cannot be read below. ``times``: each case's samples by
+    round, NaN where disturbed."""
+    def pooled(key: tuple, first: int) -> float:  # the class's samples of every other round from ``first``
+        kept = [t for i, k in enumerate(work) if k == key for t in times[i][first::2] if not np.isnan(t)]
+        return float(np.median(kept)) if kept else float("nan")
+
+    regrets = []
+    for half in (0, 1):
+        for members in decisions:  # classes with an undisturbed sample in both halves
+            keys = {work[i] for i in members if not np.isnan(pooled(work[i], 0) + pooled(work[i], 1))}
+            pick = min(keys, key=lambda k: pooled(k, half))
+            regrets.append(pooled(pick, 1 - half) / min(pooled(k, 1 - half) for k in keys))
+    return regrets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,7 +103,7 @@ def main() -> None:
     parser.add_argument("--document", type=int, default=512, help="tokens per packed document")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
@@ -120,6 +142,7 @@ def main() -> None:
               for key in set(work)}
     regrets: dict[str, list[float]] = {"prior": [], "model": [], "prior alone": [], "model alone": []}
     spreads: list[float] = []
+    decisions: list[list[int]] = []
     say("per (length, ranks) with a choice: the measured fastest configuration (its class's members "
         "of the same work), each pick and its regret against the fastest class (alone: against the "
         "fastest configuration, each measured alone)")
@@ -128,6 +151,7 @@ def main() -> None:
             members = [i for i, (w, c) in enumerate(cases) if w.seq_len == seq_len and c.ranks == ranks]
             if len(members) == 1:
                 continue
+            decisions.append(members)
             best = min(members, key=lambda i: pooled[work[i]])
             twins = [i for i in members if work[i] == work[best]]
             if len(twins) > 1:
@@ -145,6 +169,10 @@ def main() -> None:
     if spreads:
         say(f"members of one class, their own medians: max / min {min(spreads):.3f}-{max(spreads):.3f} "
             "(the noise between runs of the same work)")
+    if args.rounds >= 2:
+        floor = split_half_regrets(times, work, decisions)
+        say(f"the measurement's floor: the fastest class of half the rounds judged by the other half, regret "
+            f"median {statistics.median(floor):.3f}, worst {max(floor):.3f} over {len(floor)} (both ways)")
     for name, values in regrets.items():
         median, worst = statistics.median(values), max(values)
         met = median <= GOALS[0] and worst <= GOALS[1]

@@ -228,3 +228,14 @@ def test_length_mix_runs_every_rule_on_two_ranks_and_reports_its_error(tmp_path)
     assert any(line.startswith("predicted-vs-measured makespan error")
                and f"over the {distinct} distinct" in line for line in lines)
     assert any("round by round: median" in line and "over 1)" in line for line in lines)
+
+
+def test_masked_prior_regret_floor_judges_one_half_of_the_rounds_by_the_other():
+    regret = load_benchmark("masked_prior_regret")
+    # two classes of one decision: a is faster on even rounds, b on odd ones
+    times = {0: [1.0, 2.0, 1.0, 2.0], 1: [2.0, 1.0, 2.0, 1.0], 2: [1.5, 1.5, 1.5, 1.5]}
+    work = [("a",), ("b",), ("c",)]
+    assert regret.split_half_regrets(times, work, [[0, 1]]) == [2.0, 2.0]
+    assert regret.split_half_regrets(times, work, [[0, 2]]) == pytest.approx([2.0 / 1.5, 1.5])
+    times[1] = [float("nan"), 1.0, float("nan"), 1.0]  # b disturbed in every even round
+    assert regret.split_half_regrets(times, work, [[0, 1, 2]]) == pytest.approx([2.0 / 1.5, 1.5])
