@@ -131,15 +131,13 @@ class _Problem:
         sizes = costs.sizes[rows]
         n = sizes.size
         # never[j, i]: j, of i's size, never slower than i. Most two of a size cross somewhere:
-        # tried first on a few of the lengths, only the sizes where two might not are tried on all
+        # tried first on a few of the lengths, only the pairs that might not are tried on all
         j, i = np.nonzero((sizes[:, None] == sizes[None, :]) & ~np.eye(n, dtype=bool))
         few = t[:, ::max(1, t.shape[1] // SCREEN_LENGTHS)]
+        close = np.all(few[j] <= few[i], axis=1)
+        j, i = j[close], i[close]
         never = np.zeros((n, n), dtype=bool)
-        for g in np.unique(sizes[j[np.all(few[j] <= few[i], axis=1)]]).tolist():
-            same = np.flatnonzero(sizes == g)
-            block = t[same]
-            never[np.ix_(same, same)] = np.all(block[:, None, :] <= block[None, :, :], axis=2)
-        np.fill_diagonal(never, False)
+        never[j, i] = [bool((t[a] <= t[b]).all()) for a, b in zip(j.tolist(), i.tolist(), strict=True)]
         # j beats i: never slower, and faster somewhere (i is not never slower than j) or first of equals
         beats = never & (~never.T | np.tri(n, k=-1, dtype=bool).T)
         kept = np.flatnonzero(~beats.any(axis=0) & (t.min(axis=1) < math.inf)).tolist()
@@ -185,9 +183,10 @@ class _Problem:
                          max(g.ms for g in built), solver, optimal)
 
 
-def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
-    """How many groups of each size, by bisection on the makespan (step 2); None when no
-    makespan's groups fit the ranks."""
+def _counts_for(sizes: np.ndarray, best: np.ndarray, rank_time: np.ndarray, ranks: int) -> np.ndarray | None:
+    """How many groups of each size, by bisection on the makespan (step 2), from each sequence's
+    time on each size (``best``) and its rank-time there (``rank_time``: the time by the size);
+    None when no makespan's groups fit the ranks."""
     # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
     # equals, the first). Only its frontier can be that: the sizes faster than every smaller one
     # (a smaller one as fast spends fewer rank-seconds) and of no more rank-time than any larger
@@ -202,9 +201,8 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray |
         np.minimum(fastest, row, out=fastest)
     cheapest = np.full(best.shape[1], np.inf)  # each sequence's least rank-time, of the larger faster sizes
     for i in range(sizes.size - 1, -1, -1):
-        rank_time = best[i] * sizes[i]
-        within = rank_time <= cheapest
-        np.minimum(cheapest, rank_time, out=cheapest, where=frontier[i])
+        within = rank_time[i] <= cheapest
+        np.minimum(cheapest, rank_time[i], out=cheapest, where=frontier[i])
         frontier[i] &= within
     before_so_far = np.full(best.shape[1], np.inf)  # each sequence's last frontier entry's time so far
     seqs, fronts, befores = [], [], []
@@ -262,9 +260,9 @@ class _BySize:
         self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
         for i, g in enumerate(self.sizes.tolist()):
             problem.blocks[g].min(axis=0, out=self.best[i])
-        self._rank_time = self.sizes[:, None] * self.best  # (``bound`` reads it)
-        self._fitting = np.where(np.isfinite(self.best), self.best, -np.inf)  # (``longest_first`` reads it)
+        self.rank_time = self.sizes[:, None] * self.best  # (``bound`` and ``_counts_for`` read it)
         self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._orders: dict[bytes, np.ndarray] = {}  # (``longest_first``'s, by the lengths it sorts)
         self._least: dict[bytes, tuple[float, float]] = {}
 
     def bound(self, counts: np.ndarray) -> float:
@@ -277,7 +275,7 @@ class _BySize:
         key = used.tobytes()
         if key not in self._least:
             self._least[key] = (float(self.best[used].min(axis=0).max()),
-                                float(self._rank_time[used].min(axis=0).sum()))
+                                float(self.rank_time[used].min(axis=0).sum()))
         slowest, work = self._least[key]
         return max(slowest, work / float(self.sizes @ counts))
 
@@ -287,8 +285,13 @@ class _BySize:
         sequence's row contiguous, as ``_Assignment`` reads them)."""
         key = classes.tobytes()
         if key not in self._arranged:
-            order = np.argsort(-self._fitting[classes].max(axis=0), kind="stable")
-            self._arranged[key] = order, self.best[classes].T[order]
+            rows = self.best[classes]
+            longest = np.where(np.isfinite(rows), rows, -np.inf).max(axis=0)
+            # most sets of sizes share each sequence's longest time (its smallest size's): sorted once
+            if (sorting := longest.tobytes()) not in self._orders:
+                self._orders[sorting] = np.argsort(-longest, kind="stable")
+            order = self._orders[sorting]
+            self._arranged[key] = order, rows.T[order]
         return self._arranged[key]
 
 
@@ -708,7 +711,7 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
     sizes = by_size.sizes
     top = problem.ranks
     tries = []
-    if (counts := _counts_for(sizes, by_size.best, top)) is not None:
+    if (counts := _counts_for(sizes, by_size.best, by_size.rank_time, top)) is not None:
         tries.append(counts)
     for i, g in enumerate(sizes):  # equal groups of each size dividing the ranks (one of all ranks too)
         if top % int(g) == 0:

@@ -65,10 +65,13 @@ class LengthMix:
     def of(cls, lengths: Iterable[int]) -> LengthMix:
         """A mix of ``lengths`` (Python ints or NumPy integers; ``MixError`` for anything else)."""
         values = list(lengths)
-        if bad := next(((i, v) for i, v in enumerate(values)
-                        if isinstance(v, bool) or not isinstance(v, int | np.integer)), None):
+        # checked by type, not one by one (a batch plan reads a batch's lengths every step)
+        if any(k is bool or not issubclass(k, int | np.integer) for k in set(map(type, values))):
+            bad = next((i, v) for i, v in enumerate(values)
+                       if isinstance(v, bool) or not isinstance(v, int | np.integer))
             raise MixError(f"sequence {bad[0] + 1}: {bad[1]!r} is not a whole number of tokens")
-        if too_long := next((v for v in values if v > MAX_INT), None):
+        if values and max(values) > MAX_INT:
+            too_long = next(v for v in values if v > MAX_INT)
             raise MixError(f"length {too_long:,} is longer than the {MAX_INT:,} tokens cptune counts")
         return cls(np.asarray(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64))
 
