@@ -183,10 +183,9 @@ class _Problem:
                          max(g.ms for g in built), solver, optimal)
 
 
-def _counts_for(sizes: np.ndarray, best: np.ndarray, rank_time: np.ndarray, ranks: int) -> np.ndarray | None:
-    """How many groups of each size, by bisection on the makespan (step 2), from each sequence's
-    time on each size (``best``) and its rank-time there (``rank_time``: the time by the size);
-    None when no makespan's groups fit the ranks."""
+def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
+    """How many groups of each size, by bisection on the makespan (step 2); None when no
+    makespan's groups fit the ranks."""
     # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
     # equals, the first). Only its frontier can be that: the sizes faster than every smaller one
     # (a smaller one as fast spends fewer rank-seconds) and of no more rank-time than any larger
@@ -201,8 +200,9 @@ def _counts_for(sizes: np.ndarray, best: np.ndarray, rank_time: np.ndarray, rank
         np.minimum(fastest, row, out=fastest)
     cheapest = np.full(best.shape[1], np.inf)  # each sequence's least rank-time, of the larger faster sizes
     for i in range(sizes.size - 1, -1, -1):
-        within = rank_time[i] <= cheapest
-        np.minimum(cheapest, rank_time[i], out=cheapest, where=frontier[i])
+        rank_time = best[i] * sizes[i]
+        within = rank_time <= cheapest
+        np.minimum(cheapest, rank_time, out=cheapest, where=frontier[i])
         frontier[i] &= within
     before_so_far = np.full(best.shape[1], np.inf)  # each sequence's last frontier entry's time so far
     seqs, fronts, befores = [], [], []
@@ -260,9 +260,8 @@ class _BySize:
         self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
         for i, g in enumerate(self.sizes.tolist()):
             problem.blocks[g].min(axis=0, out=self.best[i])
-        self.rank_time = self.sizes[:, None] * self.best  # (``bound`` and ``_counts_for`` read it)
         self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        self._orders: dict[bytes, np.ndarray] = {}  # (``longest_first``'s, by the lengths it sorts)
+        self._orders: list[np.ndarray] = []  # the orders ``longest_first`` has sorted
         self._least: dict[bytes, tuple[float, float]] = {}
 
     def bound(self, counts: np.ndarray) -> float:
@@ -274,8 +273,9 @@ class _BySize:
             return math.inf
         key = used.tobytes()
         if key not in self._least:
-            self._least[key] = (float(self.best[used].min(axis=0).max()),
-                                float(self.rank_time[used].min(axis=0).sum()))
+            times = self.best[used]  # (rank-times of the sizes used only: a table of all is a fresh 4 MB)
+            self._least[key] = (float(times.min(axis=0).max()),
+                                float((self.sizes[used, None] * times).min(axis=0).sum()))
         slowest, work = self._least[key]
         return max(slowest, work / float(self.sizes @ counts))
 
@@ -286,13 +286,23 @@ class _BySize:
         key = classes.tobytes()
         if key not in self._arranged:
             rows = self.best[classes]
-            longest = np.where(np.isfinite(rows), rows, -np.inf).max(axis=0)
-            # most sets of sizes share each sequence's longest time (its smallest size's): sorted once
-            if (sorting := longest.tobytes()) not in self._orders:
-                self._orders[sorting] = np.argsort(-longest, kind="stable")
-            order = self._orders[sorting]
+            keys = -np.where(np.isfinite(rows), rows, -np.inf).max(axis=0)
+            # a sequence's longest time grows with its length on most sets of sizes: an order found
+            # before that sorts these keys too (ties by index: the stable sort's) is theirs
+            order = next((o for o in self._orders if _sorts(keys, o)), None)
+            if order is None:
+                order = np.argsort(keys, kind="stable")
+                self._orders.append(order)
             self._arranged[key] = order, rows.T[order]
         return self._arranged[key]
+
+
+def _sorts(keys: np.ndarray, order: np.ndarray) -> bool:
+    """Whether ``order`` is ``np.argsort(keys, kind="stable")``: the keys it lists never fall,
+    and where two are equal the first listed comes first in ``keys``."""
+    listed = keys[order]
+    before, after = listed[:-1], listed[1:]
+    return bool((after >= before).all() and (order[1:][after == before] > order[:-1][after == before]).all())
 
 
 class _Assignment:
@@ -663,34 +673,38 @@ def _neighbours(search: _Search, ranks: int, sizes: np.ndarray) -> list[np.ndarr
     have, ms = search.size[listed].tolist(), search.time[listed].tolist()
     slowest = max(range(len(have)), key=ms.__getitem__)
     slow = have[slowest]
-    found: list[list[int]] = []
+    # each partition as its changes (size, +1 or -1) to the other groups' counts: a list of every
+    # group per partition costs more than the partitions, on a thousand ranks
+    found: list[list[tuple[int, int]]] = []
 
-    def grown(by: int, rest: list[int]) -> None:
+    def grown(by: int, changes: list[tuple[int, int]]) -> None:
         if slow + by in index:
-            found.append([slow + by, *rest])
+            found.append([(slow + by, 1), *changes])
 
     by_load = sorted(range(len(have)), key=ms.__getitem__)
     by_load.remove(slowest)
     others = [have[k] for k in by_load]  # least busy first
     idle = ranks - sum(have)
     for by in range(1, idle + 1):
-        grown(by, others)
+        grown(by, [])
     for k, size in enumerate(others[:NEAREST]):
         if size in others[:k]:
             continue  # groups of one size give the same partitions
-        rest = others[:k] + others[k + 1:]
-        grown(size, rest)  # merged
+        grown(size, [(size, -1)])  # merged
         for by in range(1, size):
             if size - by in index:
-                grown(by, [*rest, size - by])
+                grown(by, [(size, -1), (size - by, 1)])
     for part in sizes.tolist():
         if part < slow and slow - part in index:
-            found.append([part, slow - part, *others])
+            found.append([(part, 1), (slow - part, 1)])
+    base = [0] * sizes.size  # counted in Python: a NumPy count per partition costs more
+    for g in others:
+        base[index[g]] += 1
     rows = []
-    for partition in found:  # counted in Python: a NumPy count per partition costs more
-        row = [0] * sizes.size
-        for g in partition:
-            row[index[g]] += 1
+    for changes in found:
+        row = base.copy()
+        for g, change in changes:
+            row[index[g]] += change
         rows.append(row)
     return list(np.array(rows, dtype=np.int64).reshape(len(rows), sizes.size))
 
@@ -711,7 +725,7 @@ def plan_batch(costs: MixCosts | Plan, lengths: Sequence[int] | LengthMix, ranks
     sizes = by_size.sizes
     top = problem.ranks
     tries = []
-    if (counts := _counts_for(sizes, by_size.best, by_size.rank_time, top)) is not None:
+    if (counts := _counts_for(sizes, by_size.best, top)) is not None:
         tries.append(counts)
     for i, g in enumerate(sizes):  # equal groups of each size dividing the ranks (one of all ranks too)
         if top % int(g) == 0:
