@@ -186,6 +186,28 @@ def test_a_batch_plan_splits_the_ranks_into_groups_of_any_size() -> None:
         plan_batch(costs, batch, ranks=8)
 
 
+def test_an_order_sorted_before_is_reused_only_where_it_is_the_stable_sort() -> None:
+    from cptune.mixes._batch import _sorts
+
+    rng = np.random.default_rng(11)
+    for _ in range(500):
+        keys = rng.integers(0, 4, int(rng.integers(1, 20))).astype(float)
+        keys[rng.random(keys.size) < 0.2] = np.inf  # sequences that fit none of a set's sizes
+        stable = np.argsort(keys, kind="stable")
+        assert _sorts(keys, stable)
+        for other in (rng.permutation(keys.size), stable[::-1]):
+            assert _sorts(keys, other) == np.array_equal(other, stable)
+
+
+@pytest.mark.parametrize(("lengths", "says"), [([512, True], "sequence 2: True is not a whole number"),
+                                               ([512, np.int32(9), 2.0], "sequence 3: 2.0 is not a whole"),
+                                               ([512, 2**70, 2**71], f"length {2**70:,} is longer")])
+def test_a_batch_of_lengths_that_are_not_whole_numbers_is_refused(lengths: list[Any], says: str) -> None:
+    with pytest.raises(MixError, match=says):
+        LengthMix.of(lengths)
+    assert LengthMix.of([512, np.int32(9)]).lengths.tolist() == [512, 9]
+
+
 FLAGS = ["recommend", "--hardware", "h100-sxm-8", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
          "--causal", "--mode", "train"]
 

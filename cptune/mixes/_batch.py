@@ -260,7 +260,7 @@ class _BySize:
         self.best = np.empty((self.sizes.size, problem.t.shape[1]))  # a size's best configuration's
         for i, g in enumerate(self.sizes.tolist()):
             problem.blocks[g].min(axis=0, out=self.best[i])
-        self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray, list[list[float]]]] = {}
+        self._arranged: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
         self._orders: list[np.ndarray] = []  # the orders ``longest_first`` has sorted
         self._least: dict[bytes, tuple[float, float]] = {}
 
@@ -279,11 +279,10 @@ class _BySize:
         slowest, work = self._least[key]
         return max(slowest, work / float(self.sizes @ counts))
 
-    def longest_first(self, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[list[float]]]:
+    def longest_first(self, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sequences longest first on the sizes ``classes`` (each by its longest time there
         that fits) and their times on those sizes in that order (sequences x classes: a
-        sequence's row contiguous, as ``_Assignment`` reads them), with a list those partitions'
-        ``_Assignment`` share of the first rows as floats (it extends it as far as it reads)."""
+        sequence's row contiguous, as ``_Assignment`` reads them)."""
         key = classes.tobytes()
         if key not in self._arranged:
             rows = self.best[classes]
@@ -294,7 +293,7 @@ class _BySize:
             if order is None:
                 order = np.argsort(keys, kind="stable")
                 self._orders.append(order)
-            self._arranged[key] = order, rows.T[order], []
+            self._arranged[key] = order, rows.T[order]
         return self._arranged[key]
 
 
@@ -318,7 +317,7 @@ class _Assignment:
         self.size = np.repeat(by_size.sizes[self.classes], counts[self.classes])  # each group's
         bounds = itertools.accumulate(counts[self.classes].tolist(), initial=0)  # each class's groups
         self.heaps = [[(0.0, g) for g in range(a, b)] for a, b in itertools.pairwise(bounds)]
-        self.order, self.ordered, self.listed = by_size.longest_first(self.classes)
+        self.order, self.ordered = by_size.longest_first(self.classes)
         self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
         self.span = 0.0
         self.placed: list[int] = []  # each sequence's group, in ``order``
@@ -332,10 +331,7 @@ class _Assignment:
         fits no group."""
         tops, heaps, placed, span = self.tops, self.heaps, self.placed, self.span
         add, replace, place = operator.add, heapq.heapreplace, placed.append
-        stop = 2 * len(placed) + FIRST_CHUNK
-        if len(self.listed) < stop:  # (read as floats once for the partitions using the same sizes)
-            self.listed += self.ordered[len(self.listed):stop].tolist()
-        for times in self.listed[len(placed):stop]:  # a float per class
+        for times in self.ordered[len(placed):2 * len(placed) + FIRST_CHUNK].tolist():  # a float per class
             ends = list(map(add, tops, times))
             finish = min(ends)
             k = ends.index(finish)  # of equals, the first class
