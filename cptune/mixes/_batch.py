@@ -484,9 +484,19 @@ class _Search:
             tied = rows <= rows.min(axis=1, keepdims=True)
             return np.where(tied, squares.reshape(rows.shape), np.inf).argmin(axis=1)
 
+        # No step is taken whose makespan is above best_key's, and a move's is at least its target's
+        # time with one of mine in: at least (rounding keeps order) the least sum of any other
+        # group's configurations plus the least time of one of mine on any. Above it, none is tried.
+        elsewhere = np.flatnonzero(self.count > 0)
+        elsewhere = elsewhere[elsewhere != k]
+        lowest = float(self.time[elsewhere].min()) if elsewhere.size else math.inf
+        for j in np.flatnonzero(self.count == 0).tolist():  # (an empty group's sums: what rounding left)
+            lowest = min(lowest, float(self.sums(j).min()))
+        fastest = min(float(block[:, mine].min()) for block in self.blocks.values())
+        movable = lowest + fastest <= best_key[0]
         # moves to every other group, all at once; each size's best weighed in turn, as one by one
         by_size, joined_by_size = [], []
-        for g, block in self.blocks.items():
+        for g, block in self.blocks.items() if movable else ():
             targets = self.of_size[g][self.of_size[g] != k]
             if targets.size:
                 stacked = self.table[g][self.local[targets]]  # (targets, configurations)
@@ -523,6 +533,17 @@ class _Search:
         at = place[self.group_of[theirs]]
         within = np.arange(theirs.size) - np.searchsorted(at, at)
         owner = least_busy[at]
+        # likewise a swap's makespan is at least o's group's time with o out and s in: at least its
+        # time plus s's least time on its size, less o's most
+        for g in np.unique(self.size[owner]).tolist():
+            cols = np.flatnonzero(self.size[owner] == g)
+            block_g = self.blocks[g]
+            floor = (times[owner[cols]][None, :] + block_g[:, mine].min(axis=0)[:, None]) \
+                - block_g[:, theirs[cols]].max(axis=0)[None, :]
+            if not (floor > best_key[0]).all():
+                break
+        else:
+            return best
         # group k's time with s out and o in, o's group's with o out and s in: (mine, theirs)
         into = (without[:, :, None] + block_k[:, theirs][:, None, :]).min(axis=0)
         back = np.empty_like(into)
