@@ -163,6 +163,24 @@ def test_per_call_passes_share_slices_between_threads_and_match_numpy(threads):
                                + 2 * wide * np.exp(lse_b - total)[..., None], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1.0, 1 / np.sqrt(64), 1 / np.sqrt(96)])
+def test_widening_halves_by_bits_matches_numpy_s_cast_on_every_half(scale):
+    """``_widen`` gives numpy's float16 -> float32 cast (times a float32 scale) bit for bit
+    on every finite half, subnormals and -0 included, on a strided view too; an inf or NaN
+    among them still comes out inf or NaN."""
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16)
+    finite = halves[np.isfinite(halves)]
+    for src in (finite, finite[::3], finite.reshape(-1, 8)[:, 1:6]):
+        dst = np.empty(src.shape, np.float32)
+        kernels._widen(src, dst, scale)
+        expected = np.multiply(src, np.float32(scale), dtype=np.float32)
+        np.testing.assert_array_equal(dst.view(np.uint32), expected.view(np.uint32))
+    special = np.array([1.0, np.inf, -np.inf, np.nan, -2.5], np.float16)
+    dst = np.empty(5, np.float32)
+    kernels._widen(special, dst, scale)
+    np.testing.assert_array_equal(dst, special.astype(np.float32) * np.float32(scale))
+
+
 @pytest.mark.parametrize("masking", [
     {"documents": [700, 300, 1048], "causal": True},
     {"window": [300, 0], "causal": True},
