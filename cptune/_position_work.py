@@ -16,8 +16,8 @@ disagree about the mask's geometry:
 - the calls a step takes and their sizes (``cptune.calls.attention_calls``: many short
   documents mean many small calls), the pairs a fused kernel computes in each (a causal
   call its triangle, a call masked by position all of its rectangle), and the pairs the
-  numpy kernel computes (``cptune.calls.kernel_blocks`` on the key chunks it reads,
-  ``cptune.kernels.chunk_slices``; plain masks ``cptune.kernels.computed_pairs``);
+  numpy kernel computes (``cptune.calls.kernel_blocks`` over a call's keys; plain masks
+  ``cptune.kernels.computed_pairs`` on the key chunks it reads);
 - the useful pairs: each seen (query, key) pair once (``Mask.row_counts`` over the block's
   real queries; ``tests/test_masks.py`` checks the calls compute each seen pair once).
 
@@ -33,7 +33,7 @@ import numpy as np
 
 from cptune.calls import Call, any_seen, attention_calls, kernel_blocks
 from cptune.config import CPConfig
-from cptune.kernels import chunk_slices, computed_pairs
+from cptune.kernels import computed_pairs
 from cptune.layout import SequenceLayout, position_runs
 from cptune.workload import Workload
 
@@ -108,16 +108,15 @@ def _fused_pairs(call: Call) -> int:
 
 
 def _numpy_pairs(q_pos: np.ndarray, k_pos: np.ndarray, workload: Workload) -> int:
-    """Pairs the numpy kernel computes attending ``q_pos`` to ``k_pos``: its plan on each key
-    chunk it reads (``kernel_blocks``; a plain mask's in closed form, ``computed_pairs``)."""
+    """Pairs the numpy kernel computes attending ``q_pos`` to ``k_pos``: its plan over all the
+    keys (``kernel_blocks``; a plain mask's, chunk by chunk, in closed form: ``computed_pairs``)."""
     mask = workload.mask
     if mask.plain:
         def runs(positions: np.ndarray) -> list[tuple[int, int]]:
             return [(int(positions[a]), b - a) for a, b in position_runs(positions)]
         return computed_pairs(runs(q_pos), runs(k_pos), mask.causal, mask.seq_len)
     return sum((stop - start) * sum(hi - lo for lo, hi, _ in segments)
-               for chunk in chunk_slices(len(k_pos))
-               for start, stop, segments in kernel_blocks(q_pos, k_pos[chunk], mask))
+               for start, stop, segments in kernel_blocks(q_pos, k_pos, mask))
 
 
 def block_work(layout: SequenceLayout, group: int, numpy: bool = False) -> BlockWork:

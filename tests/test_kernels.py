@@ -8,7 +8,7 @@ from cptune import kernels as work
 from cptune.engines.mpi import _kernels as kernels
 from cptune.layout import position_runs
 from cptune.masks import Mask
-from cptune.reference import make_inputs, reference_attention, relative_error
+from cptune.reference import make_inputs, reference_attention, reference_gradients, relative_error
 
 
 def run(workload, q, k, v, **options):
@@ -208,6 +208,48 @@ def test_the_numpy_kernel_masks_only_the_segments_the_mask_cuts(masking):
         # at most a diagonal square and a window's far edge; before, a block deep in a causal
         # document masked every key back to the document's start
         assert masked_pairs <= 2 * (stop - start) ** 2
+
+
+@pytest.mark.parametrize("masking", [
+    {"documents": [150, 30, 20], "causal": True},
+    {"window": [90, 0], "causal": True},
+    {"window": [70, 20], "sinks": 3, "documents": [120, 80]},
+])
+def test_a_masked_block_that_sees_more_than_a_chunk_is_cut_into_equal_runs(monkeypatch, masking):
+    """Under a window or documents the plan spans all keys, and a block that sees more than
+    ``KEY_CHUNK`` (64 here) reads them in runs of ``key_chunk`` keys: the runs of one row
+    block cover what it would read uncut, each once, and forward and gradients still match
+    the float64 reference."""
+    from cptune.calls import kernel_blocks
+
+    workload = Workload(200, heads=2, head_dim=8, kv_heads=1, dtype="fp32", **masking)
+    positions = np.arange(200)
+    uncut = {(i, j): segments for i, j, segments in kernel_blocks(positions, positions, workload.mask)}
+    monkeypatch.setattr(work, "KEY_CHUNK", 64)
+    cut: dict[tuple[int, int], list[np.ndarray]] = {}
+    for i, j, segments in kernel_blocks(positions, positions, workload.mask):
+        keys = np.concatenate([np.arange(lo, hi) for lo, hi, _ in segments])
+        assert len(keys) <= 64
+        cut.setdefault((i, j), []).append(keys)
+    assert cut.keys() == uncut.keys()
+    widest = 0
+    for rows, runs in cut.items():
+        whole = np.concatenate([np.arange(lo, hi) for lo, hi, _ in uncut[rows]])
+        np.testing.assert_array_equal(np.concatenate(runs), whole)
+        assert len({len(run) for run in runs[:-1]}) <= 1 and len(runs[-1]) <= len(runs[0])
+        widest = max(widest, len(whole))
+    assert widest > 64  # some block was cut
+    q, k, v = make_inputs(workload, seed=4)
+    out, _ = run(workload, q, k, v)
+    assert relative_error(out, reference_attention(workload, q, k, v)) < 2e-5
+    dout = np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
+    kv = np.stack([k, v]).transpose(0, 1, 3, 2, 4)
+    final, lse = kernels.attention(q.transpose(0, 2, 1, 3), kv, positions, positions, mask=workload.mask)
+    dq, dkv = kernels.attention_grad(q.transpose(0, 2, 1, 3), kv, final, lse, dout.transpose(0, 2, 1, 3),
+                                     positions, positions, mask=workload.mask)
+    grads = (dq, dkv[0], dkv[1])
+    for got, ref in zip(grads, reference_gradients(workload, q, k, v, dout), strict=True):
+        assert relative_error(got.transpose(0, 2, 1, 3), ref) < 2e-5
 
 
 @pytest.mark.parametrize("masking", [

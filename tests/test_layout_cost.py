@@ -252,13 +252,12 @@ def test_kernel_work_is_the_useful_work_plus_the_numpy_kernels_masked_corners(ca
 def test_numpy_kernel_work_is_what_its_plan_computes_on_the_strategys_calls(strategy):
     """Against the kernel's own plan on the position arrays each rank's calls use: its
     block's queries over all keys gathered (AllGather-KV, Ulysses) or over each block (Ring)."""
-    from cptune import kernels as work
     from cptune.engines.mpi import _kernels as kernels
 
     def planned(q_pos, k_pos, workload):
         return sum((j - i) * sum(b - a for a, b, _ in segments)
-                   for chunk in work.chunk_slices(len(k_pos))
-                   for i, j, segments in kernels._plan(q_pos, k_pos[chunk], workload.mask))
+                   for _, _, plan in kernels._chunks(q_pos, k_pos, workload.mask)
+                   for i, j, segments in plan)
 
     workload = Workload(seq_len=5000, heads=4, head_dim=8, kv_heads=2, causal=True)
     for n, u in [(1, 1), (2, 1), (4, 1), (4, 2), (3, 3)]:

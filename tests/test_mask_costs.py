@@ -14,7 +14,6 @@ from cptune import CPConfig, Workload
 from cptune.calls import any_seen, attention_calls
 from cptune.cost import analytic_cost
 from cptune.feasibility import feasibility
-from cptune.kernels import chunk_slices
 from cptune.layout import SequenceLayout, runnable_layouts
 from cptune.model import computed_flops
 from cptune.strategies import Partial, run_backward, run_forward
@@ -144,8 +143,8 @@ def numpy_pairs(q_pos, k_pos, workload) -> int:
     """Pairs the mpi engine's numpy kernel computes: its own plan on each key chunk it reads."""
     from cptune.engines.mpi import _kernels as kernels
 
-    return sum((j - i) * sum(b - a for a, b, _ in segments) for chunk in chunk_slices(len(k_pos))
-               for i, j, segments in kernels._plan(q_pos, k_pos[chunk], workload.mask))
+    return sum((j - i) * sum(b - a for a, b, _ in segments)
+               for _, _, plan in kernels._chunks(q_pos, k_pos, workload.mask) for i, j, segments in plan)
 
 
 def configurations(workload: Workload):

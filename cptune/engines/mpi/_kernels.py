@@ -2,6 +2,8 @@
 
 float32 compute whatever the wire dtype. Keys are processed in equal chunks
 (``chunk_slices``; so K and V stay in cache), queries in row blocks (``rows_per_block``);
+under a window or documents each block reads at most a chunk's worth of keys, wherever
+they lie (``_chunks``);
 both sizes are defined in ``cptune.kernels``, where the cost model counts this kernel's
 work with them. Each block is worked in place: one reused score buffer, scale folded into
 Q, exp and sum on the buffer, and its sum_k p v and sum_k p added to its rows' running
@@ -77,11 +79,18 @@ def _spans(segments: list[Segment], q_pos: np.ndarray, k_pos: np.ndarray, mask: 
     return spans
 
 
-def _plan(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> Plan:
-    """For each query row block: the key segments it must attend to (a window's or
-    documents': ``cptune.calls.kernel_blocks``)."""
+def _chunks(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> list[tuple[slice, np.ndarray, Plan]]:
+    """The key chunks a call reads in turn, each with its keys' positions and its plan (its
+    segments index the chunk): a plain mask's keys in ``chunk_slices``, planned chunk by
+    chunk (``_plan``); a window's or documents' keys as one chunk, whose blocks
+    ``cptune.calls.kernel_blocks`` keeps to at most ``KEY_CHUNK`` keys each."""
     if not mask.plain:
-        return kernel_blocks(q_pos, k_pos, mask)
+        return [(slice(0, len(k_pos)), k_pos, kernel_blocks(q_pos, k_pos, mask))]
+    return [(chunk, k_pos[chunk], _plan(q_pos, k_pos[chunk], mask)) for chunk in chunk_slices(len(k_pos))]
+
+
+def _plan(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> Plan:
+    """For each query row block of a plain mask: the key segments it must attend to."""
     causal, seq_len = mask.causal, mask.seq_len
     key_runs = []
     for start, stop in position_runs(k_pos):
@@ -128,7 +137,7 @@ def attention(
     scaled_q, query_norms = prepare_query(q, threads)
     batch, heads, sq, dim = q.shape
     group = heads // kv.shape[2]
-    chunks = [(chunk, k_pos[chunk], _plan(q_pos, k_pos[chunk], mask)) for chunk in chunk_slices(len(k_pos))]
+    chunks = _chunks(q_pos, k_pos, mask)
     keys, values, key_norms, values_small = _prepare_keys(kv, threads, _seen_keys(chunks))
     spans = [[(i, j, _spans(segments, q_pos[i:j], chunk_pos, mask)) for i, j, segments in plan if segments]
              for _, chunk_pos, plan in chunks]
@@ -517,7 +526,7 @@ def attention_grad(
     Each key's probability is then exp(score - lse), final and at most 1 (no max shift),
     so subsets are independent: dq is this subset's share of dQ (shares over disjoint
     subsets sum to it), dkv holds dK and dV of these keys from these queries. Masks and
-    blocks are the forward's (``_plan``); rows with lse -inf see no key.
+    blocks are the forward's (``_chunks``); rows with lse -inf see no key.
 
     ``threads`` > 1 splits the (batch, head) items into contiguous runs, one per thread;
     under GQA/MQA a KV head whose query heads fall in two runs is accumulated by each
@@ -527,7 +536,7 @@ def attention_grad(
     group = heads // max(kv_heads, 1)
     scaled_q, grad_out, delta, safe_lse = _prepare_grad_rows(q, out, lse, dout, threads)
     kv32 = cast(kv, np.dtype(np.float32), threads)
-    chunks = [(c, k_pos[c], _plan(q_pos, k_pos[c], mask)) for c in chunk_slices(sk)]
+    chunks = _chunks(q_pos, k_pos, mask)
     blocks = [(j - i, b - a) for _, _, plan in chunks for i, j, segments in plan for a, b, _ in segments]
     widest = max((rows * keys for rows, keys in blocks), default=0)
     most_rows = max((rows for rows, _ in blocks), default=0)
