@@ -12,7 +12,8 @@ rounds whose configuration order alternates (``--reverse``: a run that starts wi
 window); the host's load average is written at the start and the end, and runs the
 contention guard judged disturbed are marked.
 
-    python benchmarks/masks.py [--seq-len 16384] [--ranks 2] [--rounds 1] [--repeats 3] [--out FILE]
+    python benchmarks/masks.py [--seq-len 16384] [--ranks 2] [--rounds 1] [--repeats 3] [--configs LABEL ...]
+                               [--out FILE]
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def main() -> None:
     parser.add_argument("--reverse", action="store_true",
                         help="measure the workloads window, packed, plain (a second run's order, so that a "
                              "load that changes over the run biases its ratios the other way)")
+    parser.add_argument("--configs", nargs="+", metavar="LABEL",
+                        help="measure only these configurations (labels as the table writes them, "
+                             "e.g. allgather_kv+zigzag ulysses), for a quick check; the plain layer's "
+                             "baseline of each is measured with it")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
     cases = workloads(args.seq_len)
@@ -108,6 +113,14 @@ def main() -> None:
         share = w.mask.area / cases["plain"].mask.area
         say(f"#   {name}: {w.describe()}, mask area {share:.4f} of plain causal")
     configs = configurations(cases, args.ranks)
+    if args.configs:
+        known = {label for label, _ in configs}
+        unknown = sorted(set(args.configs) - known)
+        if unknown:
+            parser.error(f"unknown configurations {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        wanted = set(args.configs) | {baseline(cases, config).label for label, config in configs
+                                      if label in args.configs}
+        configs = [(label, config) for label, config in configs if label in wanted]
     times: dict[tuple[str, str], list[float]] = {}
     disturbed: set[tuple[str, str]] = set()
     named = list(cases.items())
