@@ -58,8 +58,9 @@ def test_waits_round_trip_and_a_calibration_stored_before_them_loads_and_prices_
 @pytest.mark.parametrize(("config", "wait", "exchanges"), [
     (CPConfig("allgather_kv", 2), 3e-3, 1),  # the gather, after the previous compute
     (CPConfig("allgather_kv", 4), 4e-3, 1),
-    (CPConfig("ulysses", 4), 4e-3, 2),  # the first exchange and the output's
-    (CPConfig("allgather_kv", 4, head_group=2), 4e-3, 2),  # Ulysses x AllGather-KV: the gather follows one
+    (CPConfig("ulysses", 4), 4e-3, 1),  # the output's; the first follows the last sequence's last exchange
+    (CPConfig("allgather_kv", 4, head_group=2), 4e-3, 1),  # Ulysses x AllGather-KV: the gather follows one
+    (CPConfig("ring", 4, head_group=2), 4e-3, 2),  # Ulysses x Ring: the output's and the one step
     (CPConfig("ring", 4), 4e-3, 3),  # each step, after its block
     (CPConfig("ring", 2), 3e-3, 1),
 ])

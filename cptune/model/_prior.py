@@ -42,7 +42,7 @@ ranks, hardware that is only calibrated or only described.
                   the p2p stream stops where the layout's reach does (a window's halo: one
                   step): r steps of r + 1 blocks, r = the stream's steps (``analytic_cost``)
     waits       = where ranks share cores (a calibrated host's ranks outnumbering its cores), the
-                  blocking exchanges that follow a stretch of compute (Ulysses' first and last,
+                  blocking exchanges that follow a stretch of compute (Ulysses' last,
                   AllGather-KV's gather, each Ring step) x what one costs beyond its own time
                   with that many ranks busy (``Profile.exchange_wait_s``): it completes only
                   once its members run together, and the ranks computing beside them hold the
@@ -282,13 +282,14 @@ def _forward_time(workload: Workload, config: CPConfig, profile: Profile) -> Pri
 
 def _waits(config: CPConfig, ring_steps: int, profile: Profile) -> float:
     """Seconds the busiest rank's blocking exchanges that follow a stretch of compute cost
-    beyond their own time (``Profile.exchange_wait_s``): Ulysses' first exchange (after the
-    previous sequence's compute) and its last (after this one's), AllGather-KV's gather (after
-    the previous compute) where no Ulysses exchange comes before it, and each of the Ring's
-    ``ring_steps`` steps (after its block). None on one rank: nothing to exchange."""
+    beyond their own time (``Profile.exchange_wait_s``): Ulysses' last exchange (the output's,
+    after the attention; its first follows the previous sequence's last exchange or the shared
+    start, with no compute between), AllGather-KV's gather (after the previous sequence's
+    compute) where no Ulysses exchange comes before it, and each of the Ring's ``ring_steps``
+    steps (after its block). None on one rank: nothing to exchange."""
     if config.ranks == 1:
         return 0.0
-    ulysses = 2 if config.head_group > 1 else 0
+    ulysses = 1 if config.head_group > 1 else 0
     gather = 1 if config.strategy == "allgather_kv" and config.context_degree > 1 and not ulysses else 0
     return (ulysses + gather + ring_steps) * profile.exchange_wait_s(config.ranks, config.ranks)
 
