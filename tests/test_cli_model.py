@@ -86,7 +86,10 @@ def test_the_shipped_attention_shapes_and_steps_calibrate_on_a_rank(tmp_path, mo
     # the numpy backward, on the three smaller sizes of each head_dim and mask, read against the forward
     assert {(r.seq_q, r.head_dim, r.causal) for r in calibration.backward} == {
         (q, d, causal) for q in (128, 256, 512) for d in (64, 128) for causal in (False, True)}
-    assert all(0.05 < calibration.backward_speed(d, causal, flops) < 5
+    # a ratio of two single timings (one repeat, one round) taken while other tests run beside
+    # them: the bounds catch a unit slip (ms against s: 1000x), not the load (which put one outside
+    # 0.05-5 in a CI run)
+    assert all(0.01 < calibration.backward_speed(d, causal, flops) < 100
                for d in (64, 128) for causal in (False, True) for flops in (None, 1e7, 1e8, 1e9, 1e10))
     assert "backward" in result.stdout
 
