@@ -86,12 +86,13 @@ def split_half_regrets(times: dict[int, list[float]], work: list[tuple],
         kept = [t for i, k in enumerate(work) if k == key for t in times[i][first::2] if not np.isnan(t)]
         return float(np.median(kept)) if kept else float("nan")
 
+    halves = {key: (pooled(key, 0), pooled(key, 1)) for key in set(work)}
     regrets = []
     for half in (0, 1):
         for members in decisions:  # classes with an undisturbed sample in both halves
-            keys = {work[i] for i in members if not np.isnan(pooled(work[i], 0) + pooled(work[i], 1))}
-            pick = min(keys, key=lambda k: pooled(k, half))
-            regrets.append(pooled(pick, 1 - half) / min(pooled(k, 1 - half) for k in keys))
+            keys = {work[i] for i in members if not np.isnan(sum(halves[work[i]]))}
+            pick = min(keys, key=lambda k: halves[k][half])
+            regrets.append(halves[pick][1 - half] / min(halves[k][1 - half] for k in keys))
     return regrets
 
 

@@ -66,9 +66,8 @@ class LengthMix:
         """A mix of ``lengths`` (Python ints or NumPy integers; ``MixError`` for anything else)."""
         values = list(lengths)
         # checked by type, not one by one (a batch plan reads a batch's lengths every step)
-        if any(k is bool or not issubclass(k, int | np.integer) for k in set(map(type, values))):
-            bad = next((i, v) for i, v in enumerate(values)
-                       if isinstance(v, bool) or not isinstance(v, int | np.integer))
+        if wrong := {k for k in set(map(type, values)) if k is bool or not issubclass(k, int | np.integer)}:
+            bad = next((i, v) for i, v in enumerate(values) if type(v) in wrong)
             raise MixError(f"sequence {bad[0] + 1}: {bad[1]!r} is not a whole number of tokens")
         if values and max(values) > MAX_INT:
             too_long = next(v for v in values if v > MAX_INT)
