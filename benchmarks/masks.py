@@ -1,9 +1,10 @@
 """Does the measured time follow the mask? Per configuration (strategy x layout) on this host's
-mpi engine, a layer packed with 8 causal documents and one with a sliding window against the
-same layer plain causal: measured time / (plain causal time x the mask's area ratio). Goal
-(issue 56): within 1.3x. And does the measured winner among strategy x layout move between the
-plain and the packed layer where the counts (the busiest rank's computed work and bytes,
-``cptune.analytic_cost`` / ``cptune.model.computed_flops``) say it should?
+mpi engine (or ``--backend torch``: gloo ranks, PyTorch's CPU flash kernel), a layer packed with
+8 causal documents and one with a sliding window against the same layer plain causal: measured
+time / (plain causal time x the mask's area ratio). Goal (issue 56): within 1.3x. And does the
+measured winner among strategy x layout move between the plain and the packed layer where the
+counts (the busiest rank's computed work and bytes, ``cptune.analytic_cost`` /
+``cptune.model.computed_flops``) say it should?
 
 Configuration by configuration, its three layers back to back (plain, packed, window; the
 next configuration the other way round; ``cptune.measure`` checks each against its float64
@@ -13,7 +14,7 @@ window); the host's load average is written at the start and the end, and runs t
 contention guard judged disturbed are marked.
 
     python benchmarks/masks.py [--seq-len 16384] [--ranks 2] [--rounds 1] [--repeats 3] [--configs LABEL ...]
-                               [--out FILE]
+                               [--backend mpi|torch] [--out FILE]
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ def main() -> None:
                         help="measure only these configurations (labels as the table writes them, "
                              "e.g. allgather_kv+zigzag ulysses), for a quick check; the plain layer's "
                              "baseline of each is measured with it")
+    parser.add_argument("--backend", choices=("mpi", "torch"), default="mpi",
+                        help="the engine that runs every layer (default: mpi)")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
     cases = workloads(args.seq_len)
+    kernel = "numpy" if args.backend == "mpi" else "fused"  # the work each engine's kernel does
     lines: list[str] = []
 
     def say(line: str = "") -> None:
@@ -104,7 +108,7 @@ def main() -> None:
         lines.append(line)
 
     say(f"# {command('masks.py', sys.argv[1:])}")
-    say(f"# cptune {cptune.__version__} at {commit()}, mpi engine, {args.ranks} ranks, "
+    say(f"# cptune {cptune.__version__} at {commit()}, {args.backend} engine, {args.ranks} ranks, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     first = "window, packed, plain" if args.reverse else "plain, packed, window"
     say(f"# start: {load()}; the host is shared (others' runs on its 2 cores); each configuration's "
@@ -131,7 +135,7 @@ def main() -> None:
                 run = normal(w, config)
                 if not runs(w, config) or feasibility(w, run):
                     continue
-                m = measure(w, run, warmup=1, repeats=args.repeats)
+                m = measure(w, run, args.backend, warmup=1, repeats=args.repeats)
                 times.setdefault((label, name), []).append(m.median_ms)
                 if m.disturbed:
                     disturbed.add((label, name))
@@ -140,7 +144,7 @@ def main() -> None:
     say(f"# end: {load()}")
     say()
     say("Per configuration: median ms; mask / (plain x area ratio), goal <= 1.3; counts: the busiest "
-        "rank's numpy-kernel GFLOP and MB sent")
+        f"rank's {kernel}-kernel GFLOP and MB sent")
     say(f"{'configuration':28} {'plain':>9} {'packed':>9} {'ratio':>6} {'window':>9} {'ratio':>6}   "
         f"{'plain':>13} {'packed':>13} {'window':>13}")
     met = total = 0
@@ -165,14 +169,14 @@ def main() -> None:
                 row.append(f"{'-':>13}")
                 continue
             sent = sum(analytic_cost(w, run).bytes_sent.values())
-            row.append(f"{computed_flops(w, run, 'numpy') / 1e9:6.1f} {sent / 1e6:6.1f}")
+            row.append(f"{computed_flops(w, run, kernel) / 1e9:6.1f} {sent / 1e6:6.1f}")
         say(" ".join(row))
     say(f"(* a run the contention guard judged disturbed; a layout the plain layer cannot run is compared "
         f"with the strategy's plain default)  within {GOAL}x: {met} of {total}")
     say()
     for name in ("plain", "packed", "window"):
         ranked = sorted((statistics.median(v), label) for (label, n), v in times.items() if n == name)
-        counted = sorted((computed_flops(cases[name], normal(cases[name], config), "numpy"), label)
+        counted = sorted((computed_flops(cases[name], normal(cases[name], config), kernel), label)
                          for label, config in configs if (label, name) in times)
         say(f"{name}: measured winner {ranked[0][1]} ({ranked[0][0]:.1f} ms; next {ranked[1][1]} "
             f"{ranked[1][0] / ranked[0][0]:.2f}x); least computed work {counted[0][1]}"
