@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cptune.kernels import key_chunk, rows_per_block
+from cptune.kernels import even_pieces, rows_per_block
 from cptune.layout import SequenceLayout, position_runs
 from cptune.masks import Mask, Ranges
 
@@ -277,24 +277,5 @@ def kernel_blocks(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> list[tupl
                     segments += [(k_start + lo - k_first, k_start + hi - k_first, masked)
                                  for lo, hi, masked in sorted(parts)]
                 i, j = q_start + first - q_first, q_start + last + 1 - q_first
-                plan += [(i, j, piece) for piece in _cut(segments)]
+                plan += [(i, j, piece) for piece in even_pieces(segments)]
     return plan
-
-
-def _cut(segments: list[Segment]) -> list[list[Segment]]:
-    """``segments`` in consecutive pieces of ``key_chunk`` keys (one piece where they hold
-    at most ``KEY_CHUNK``; none where they hold no key)."""
-    total = sum(stop - start for start, stop, _ in segments)
-    size = room = key_chunk(total)
-    if size >= total:
-        return [segments] if segments else []
-    pieces: list[list[Segment]] = [[]]
-    for start, stop, masked in segments:
-        while start < stop:
-            if not room:
-                pieces.append([])
-                room = size
-            taken = min(stop - start, room)
-            pieces[-1].append((start, start + taken, masked))
-            start, room = start + taken, room - taken
-    return pieces

@@ -62,20 +62,24 @@ def _joined(runs: list[Run]) -> list[Run]:
     return joined
 
 
-def _key_chunks(runs: list[Run]) -> list[list[Run]]:
-    """``runs`` cut into chunks of ``key_chunk`` keys by index, as the kernel reads them."""
-    size = key_chunk(sum(count for _, count in runs))
-    chunks: list[list[Run]] = [[]]
-    room = size
-    for first, count in runs:
-        while count:
+def even_pieces(ranges: list[tuple[int, int, bool]]) -> list[list[tuple[int, int, bool]]]:
+    """Index ``ranges`` (start, stop, a flag kept with each part) in consecutive pieces of
+    ``key_chunk`` keys of their total, as the numpy kernel reads them: one piece where they
+    hold at most ``KEY_CHUNK``, none where they hold no key."""
+    total = sum(stop - start for start, stop, _ in ranges)
+    size = room = key_chunk(total)
+    if size >= total:
+        return [ranges] if total else []
+    pieces: list[list[tuple[int, int, bool]]] = [[]]
+    for start, stop, flag in ranges:
+        while start < stop:
             if not room:
-                chunks.append([])
+                pieces.append([])
                 room = size
-            taken = min(count, room)
-            chunks[-1].append((first, taken))
-            first, count, room = first + taken, count - taken, room - taken
-    return chunks
+            taken = min(stop - start, room)
+            pieces[-1].append((start, start + taken, flag))
+            start, room = start + taken, room - taken
+    return pieces
 
 
 def computed_pairs(q_runs: list[Run], k_runs: list[Run], causal: bool, seq_len: int) -> int:
@@ -86,7 +90,8 @@ def computed_pairs(q_runs: list[Run], k_runs: list[Run], causal: bool, seq_len: 
     >= ``seq_len``) are never computed; padding queries are."""
     queries = _joined(q_runs)
     total = 0
-    for chunk in _key_chunks(_joined(k_runs)):
+    for piece in even_pieces([(first, first + count, False) for first, count in _joined(k_runs)]):
+        chunk = [(start, stop - start) for start, stop, _ in piece]
         rows = rows_per_block(sum(count for _, count in chunk))
         keys = [(first, min(count, seq_len - first)) for first, count in _joined(chunk)]
         firsts = np.array([first for first, real in keys if real > 0], dtype=np.int64)
