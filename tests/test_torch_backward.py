@@ -356,3 +356,51 @@ def test_the_backward_check_keeps_the_forwards_kernel_repeats_kv_heads_or_falls_
         assert chooser.probe_grad(real, q.to(dtype), k.to(dtype)) == real
     # on the CPU the backward is the forward's, unchecked
     assert chooser.grad_pick(q, k) == Pick("flash_for_cpu", False) and not chooser.grad_picks
+
+
+@pytest.mark.parametrize("mask", [
+    Mask(SEQ, True, window=(15, 0)),
+    Mask(SEQ, True, window=(15, 0), sinks=2),
+    Mask(SEQ, True, window=(11, 0), documents=(20, 44)),
+    Mask(SEQ, False, window=(8, 8)),
+], ids=["window", "sinks", "documents", "both-sides"])
+@pytest.mark.parametrize("positions", ["all", "zigzag"])
+def test_a_windows_far_edge_runs_by_the_causal_kernel_reversed_as_the_explicit_path_computes_it(
+        monkeypatch, mask, positions):
+    """A masked call a window's far edge makes (its first rows see the keys from their own index
+    on) runs as the fused causal call on its rows and keys reversed: output, log-sum-exp, dQ, dK
+    and dV as the explicit path gives them, which then runs only the other masked calls."""
+    from cptune.calls import attention_calls
+    from cptune.engines.torch import _ops
+
+    q_pos = np.arange(SEQ) if positions == "all" else zigzag(1)
+    k_pos = np.arange(SEQ)
+    layer = Layer(q_pos, 2, mask.causal, torch.float32)
+    masked = [c for c in attention_calls(q_pos, k_pos, mask) if c.masked]
+    reversible = [c for c in masked if _ops._anti_causal(_ops._visible(c, q_pos, k_pos, mask))]
+    assert reversible  # each mask's far edges are among its masked calls
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out, lse = attend(layer.q, layer.kv, q_pos, k_pos, mask)
+        dq, dkv = attend_grad(layer.q, layer.kv, layer.dout, Partial(out, lse), q_pos, k_pos, mask)
+        return out, lse, dq, dkv
+
+    explicit_calls = {"forward": 0, "backward": 0}
+
+    def counted(name: str, function):
+        def call(*args, **kwargs):
+            explicit_calls[name] += 1
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(_ops, "explicit", counted("forward", _ops.explicit))
+    monkeypatch.setattr(_ops, "explicit_grad", counted("backward", _ops.explicit_grad))
+    reversed_run = run()
+    others = len(masked) - len(reversible)
+    assert explicit_calls == {"forward": others, "backward": others}
+    monkeypatch.setattr(_ops, "_anti_causal", lambda visible: False)
+    explicit_run = run()
+    for name, got, expected in zip(("out", "lse", "dq", "dkv"), reversed_run, explicit_run, strict=True):
+        finite = torch.isfinite(expected)
+        assert torch.equal(torch.isfinite(got), finite), name
+        assert torch.allclose(got[finite], expected[finite], atol=1e-5), name

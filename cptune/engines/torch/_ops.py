@@ -4,7 +4,9 @@ hands the same code to a deployment.
 
 Attention goes by token position without a mask tensor: each step is cut into as few fused
 calls as its positions allow (``cptune.calls``: one per query run and step, unmasked or
-square-causal), by the kernel ``_kernels`` picks, which returns the log-sum-exp. A step of
+square-causal), by the kernel ``_kernels`` picks, which returns the log-sum-exp; a call the
+mask cuts by position (a window's far edge) runs as the fused causal call on its rows and keys
+reversed where it is anti-causal, else by plain tensor ops. A step of
 several calls, or one merged into an earlier step's result (the Ring), accumulates in
 float32 in place: one accumulator per attention, each call's rows merged into it in one pass
 (two where the call's output is 16-bit), no other row touched.
@@ -121,19 +123,43 @@ def merge_into(acc: Partial, rows: slice, out: torch.Tensor, lse: torch.Tensor) 
     acc_lse.copy_(total)
 
 
-def _visible(call: Call, q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask, device: torch.device
-             ) -> torch.Tensor:
-    """Which of a masked call's queries see which of its keys ([rows, keys], on ``device``)."""
-    return torch.from_numpy(mask.visible(q_pos[call.rows][:, None], k_pos[call.keys][None, :])).to(device)
+def _visible(call: Call, q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> np.ndarray:
+    """Which of a masked call's queries see which of its keys ([rows, keys])."""
+    return mask.visible(q_pos[call.rows][:, None], k_pos[call.keys][None, :])
+
+
+def _anti_causal(visible: np.ndarray) -> bool:
+    """Whether a masked call is a window's far edge over keys at consecutive positions: its
+    first rows (as many as it has keys) see exactly the keys from their own index on, the rest
+    none. Its seeing rows with their keys reversed are a square causal call, which the fused
+    kernel runs at 3-5x the explicit path's speed on the CPU."""
+    rows, keys = visible.shape
+    return keys <= rows and bool(np.array_equal(visible[:keys], np.triu(np.ones((keys, keys), dtype=bool)))
+                                 and not visible[keys:].any())
+
+
+def _reversed(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor with its sequence axis (-2) in reverse order (a copy)."""
+    return [t.flip(-2) for t in tensors]
 
 
 def _call_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, q_pos: np.ndarray,
                     k_pos: np.ndarray, mask: Mask, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One call: by the fused kernel, or where the mask applies by position (``Call.masked``:
-    a window's far edge, a share of the work ``cptune.calls`` keeps small) with plain tensor ops."""
-    if call.masked:
-        return explicit(q, k, v, False, scale, _visible(call, q_pos, k_pos, mask, q.device))
-    return fused_attention(q, k, v, call.causal, scale)
+    a window's far edge, a share of the work ``cptune.calls`` keeps small) by the fused causal
+    kernel on the call reversed where it is anti-causal, else with plain tensor ops."""
+    if not call.masked:
+        return fused_attention(q, k, v, call.causal, scale)
+    visible = _visible(call, q_pos, k_pos, mask)
+    if _anti_causal(visible):  # its seeing rows by the causal kernel reversed; the others see nothing
+        seeing = k.shape[-2]
+        q_r, k_r, v_r = _reversed(q[..., :seeing, :], k, v)
+        part, part_lse = fused_attention(q_r, k_r, v_r, True, scale)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out[..., :seeing, :], lse[..., :seeing] = part.flip(-2), part_lse.flip(-1)
+        return out, lse
+    return explicit(q, k, v, False, scale, torch.from_numpy(visible).to(q.device))
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask,
@@ -206,11 +232,21 @@ def attend_grad(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Pa
     for call in calls:
         pieces = (q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :],
                   saved.out[..., call.rows, :], saved.lse[..., call.rows], dout[..., call.rows, :])
-        if call.masked:
-            grad_q, grad_k, grad_v = explicit_grad(*pieces, False, scale,
-                                                   _visible(call, q_pos, k_pos, mask, q.device))
-        else:
+        visible = _visible(call, q_pos, k_pos, mask) if call.masked else None
+        if visible is None:
             grad_q, grad_k, grad_v = fused_attention_grad(*pieces, call.causal, scale)
+        elif _anti_causal(visible):  # as its forward: the seeing rows' causal call reversed
+            seeing = pieces[1].shape[-2]
+            q_r, out_r, dout_r = _reversed(*(pieces[i][..., :seeing, :] for i in (0, 3, 5)))
+            k_r, v_r = _reversed(pieces[1], pieces[2])
+            grads = fused_attention_grad(q_r, k_r, v_r, out_r, pieces[4][..., :seeing].flip(-1), dout_r,
+                                         True, scale)
+            seen_q, grad_k, grad_v = _reversed(*grads)
+            grad_q = torch.zeros(pieces[0].shape, dtype=seen_q.dtype, device=seen_q.device)
+            grad_q[..., :seeing, :] = seen_q
+        else:
+            grad_q, grad_k, grad_v = explicit_grad(*pieces, False, scale,
+                                                   torch.from_numpy(visible).to(q.device))
         _accumulate([(dq, grad_q)], call.rows, rows_written)
         _accumulate([(dkv[0], grad_k), (dkv[1], grad_v)], call.keys, keys_written)
     for grad, written in ((dq, rows_written), (dkv, keys_written)):
