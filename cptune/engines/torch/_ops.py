@@ -132,7 +132,7 @@ def _anti_causal(visible: np.ndarray) -> bool:
     """Whether a masked call is a window's far edge over keys at consecutive positions: its
     first rows (as many as it has keys) see exactly the keys from their own index on, the rest
     none. Its seeing rows with their keys reversed are a square causal call, which the fused
-    kernel runs at 3-5x the explicit path's speed on the CPU."""
+    kernel runs 2.9-3.7x faster than the explicit path a 256-row tile on the CPU (12-03)."""
     rows, keys = visible.shape
     return keys <= rows and bool(np.array_equal(visible[:keys], np.triu(np.ones((keys, keys), dtype=bool)))
                                  and not visible[keys:].any())
@@ -143,22 +143,44 @@ def _reversed(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.flip(-2) for t in tensors]
 
 
+def _far_edge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call ``_anti_causal`` accepts: its seeing rows by the fused causal kernel on them and
+    the keys reversed, the result reversed back; the rows that see nothing get output 0 and
+    log-sum-exp -inf."""
+    seeing = k.shape[-2]
+    q_r, k_r, v_r = _reversed(q[..., :seeing, :], k, v)
+    part, part_lse = fused_attention(q_r, k_r, v_r, True, scale)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    out[..., :seeing, :], lse[..., :seeing] = part.flip(-2), part_lse.flip(-1)
+    return out, lse
+
+
+def _far_edge_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   dout: torch.Tensor, scale: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``_far_edge``, by the fused causal backward reversed the same way; dQ
+    of the rows that see nothing is 0."""
+    seeing = k.shape[-2]
+    q_r, out_r, dout_r = _reversed(q[..., :seeing, :], out[..., :seeing, :], dout[..., :seeing, :])
+    k_r, v_r = _reversed(k, v)
+    seen_q, grad_k, grad_v = _reversed(*fused_attention_grad(q_r, k_r, v_r, out_r, lse[..., :seeing].flip(-1),
+                                                             dout_r, True, scale))
+    grad_q = seen_q.new_zeros(q.shape)
+    grad_q[..., :seeing, :] = seen_q
+    return grad_q, grad_k, grad_v
+
+
 def _call_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call, q_pos: np.ndarray,
                     k_pos: np.ndarray, mask: Mask, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One call: by the fused kernel, or where the mask applies by position (``Call.masked``:
     a window's far edge, a share of the work ``cptune.calls`` keeps small) by the fused causal
-    kernel on the call reversed where it is anti-causal, else with plain tensor ops."""
+    kernel reversed where it is anti-causal (``_far_edge``), else with plain tensor ops."""
     if not call.masked:
         return fused_attention(q, k, v, call.causal, scale)
-    visible = _visible(call, q_pos, k_pos, mask)
-    if _anti_causal(visible):  # its seeing rows by the causal kernel reversed; the others see nothing
-        seeing = k.shape[-2]
-        q_r, k_r, v_r = _reversed(q[..., :seeing, :], k, v)
-        part, part_lse = fused_attention(q_r, k_r, v_r, True, scale)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        out[..., :seeing, :], lse[..., :seeing] = part.flip(-2), part_lse.flip(-1)
-        return out, lse
+    if _anti_causal(visible := _visible(call, q_pos, k_pos, mask)):
+        return _far_edge(q, k, v, scale)
     return explicit(q, k, v, False, scale, torch.from_numpy(visible).to(q.device))
 
 
@@ -232,18 +254,10 @@ def attend_grad(q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, saved: Pa
     for call in calls:
         pieces = (q[..., call.rows, :], k[..., call.keys, :], v[..., call.keys, :],
                   saved.out[..., call.rows, :], saved.lse[..., call.rows], dout[..., call.rows, :])
-        visible = _visible(call, q_pos, k_pos, mask) if call.masked else None
-        if visible is None:
+        if not call.masked:
             grad_q, grad_k, grad_v = fused_attention_grad(*pieces, call.causal, scale)
-        elif _anti_causal(visible):  # as its forward: the seeing rows' causal call reversed
-            seeing = pieces[1].shape[-2]
-            q_r, out_r, dout_r = _reversed(*(pieces[i][..., :seeing, :] for i in (0, 3, 5)))
-            k_r, v_r = _reversed(pieces[1], pieces[2])
-            grads = fused_attention_grad(q_r, k_r, v_r, out_r, pieces[4][..., :seeing].flip(-1), dout_r,
-                                         True, scale)
-            seen_q, grad_k, grad_v = _reversed(*grads)
-            grad_q = torch.zeros(pieces[0].shape, dtype=seen_q.dtype, device=seen_q.device)
-            grad_q[..., :seeing, :] = seen_q
+        elif _anti_causal(visible := _visible(call, q_pos, k_pos, mask)):  # as its forward
+            grad_q, grad_k, grad_v = _far_edge_grad(*pieces, scale)
         else:
             grad_q, grad_k, grad_v = explicit_grad(*pieces, False, scale,
                                                    torch.from_numpy(visible).to(q.device))
