@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py and gpu_attention_calls.py: gpu_check's plan at full size, the per-call fit, and
-smoke runs on the CPU at tiny shapes
-(the ratios there say nothing about a GPU; they only have to be numbers)."""
+"""benchmarks/gpu_check.py, gpu_attention_calls.py and far_edge.py: gpu_check's plan at full
+size, the per-call fit, and smoke runs on the CPU at tiny shapes (the ratios there say nothing
+about a GPU; they only have to be numbers)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,19 @@ def test_a_quick_cpu_run_of_the_attention_calls_writes_its_table(tmp_path):
     assert attention_calls.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     text = out.read_text()
     assert "sdpa" in text and "fixed costs:" in text and "floor us" in text
+
+
+far_edge = load_benchmark("far_edge")
+
+
+def test_the_far_edge_ab_times_both_ways_alike_and_writes_its_table(tmp_path, capsys):
+    """A tiny run: the two window runs' outputs agree to bf16, and every case has its time."""
+    out = tmp_path / "far_edge.txt"
+    assert far_edge.main(["--seq-len", "512", "--window", "64", "--rounds", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out and "--out <file>" in text and str(tmp_path) not in text
+    error = float(text.split("differ by at most ")[1].split()[0])
+    assert error <= 2**-6  # a few bf16 ulps of outputs near 1
+    rows = {line.split("  ")[0]: line for line in text.splitlines() if line.startswith(("plain", "window"))}
+    assert set(rows) == {"plain", "window reversed", "window explicit"}
+    assert text.splitlines()[-1].startswith("explicit / reversed: ")
