@@ -199,6 +199,58 @@ def test_an_order_sorted_before_is_reused_only_where_it_is_the_stable_sort() -> 
             assert _sorts(keys, other) == np.array_equal(other, stable)
 
 
+def test_the_compiled_placement_is_longest_first_onto_the_least_busy_group_ties_to_the_first() -> None:
+    import heapq
+
+    from cptune.mixes._placement import place_longest_first
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        count = rng.integers(1, 5, int(rng.integers(1, 5)))
+        times = rng.integers(1, 6, (int(rng.integers(1, 40)), count.size)).astype(float)  # ties are common
+        times[rng.random(times.shape) < 0.2] = np.inf  # a sequence no group of a class holds
+        first = np.cumsum(count) - count
+        # the reference: one heap of (time, group) per class, as a list of tuples orders them
+        heaps = [[(0.0, g) for g in range(a, a + n)] for a, n in zip(first.tolist(), count.tolist(),
+                                                                       strict=True)]
+        expected, span = [], 0.0
+        for row in times.tolist():
+            ends = [heap[0][0] + t for heap, t in zip(heaps, row, strict=True)]
+            k = ends.index(min(ends))
+            expected.append(heapq.heapreplace(heaps[k], (ends[k], heaps[k][0][1]))[1])
+            span = max(span, ends[k])
+        heap_time, heap_group = np.zeros(int(count.sum())), np.arange(int(count.sum()))
+        placed = np.empty(times.shape[0], dtype=np.int64)
+        half = times.shape[0] // 2  # in two chunks, as the solver advances
+        got = 0.0
+        for start, stop in ((0, half), (half, times.shape[0])):
+            got = place_longest_first(times, start, stop, heap_time, heap_group, first, count, placed, got)
+        assert placed.tolist() == expected
+        assert got == span
+
+
+def test_the_solver_runs_where_no_cache_directory_is_writable() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from cptune.mixes import plan_batch
+
+    batch = [20000, 16000, 12000, 9000, 3000]
+    here = plan_batch(mix_costs(SHAPE, LengthMix.of(batch), ranks=7, hardware="h100-sxm-8"), batch)
+    code = ("from cptune.mixes import LengthMix, mix_costs, plan_batch\n"
+            "from cptune.workload import Workload\n"
+            "shape = Workload(seq_len=1024, heads=32, kv_heads=8, head_dim=128, causal=True,"
+            " mode='train').shape\n"
+            f"costs = mix_costs(shape, LengthMix.of({batch}), ranks=7, hardware='h100-sxm-8')\n"
+            f"print(repr(plan_batch(costs, {batch}).makespan_ms))")
+    # with only the locator for code inside zip files, Numba has no cache directory to write
+    env = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "ZipCacheLocator"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) == here.makespan_ms
+
+
 @pytest.mark.parametrize(("lengths", "says"), [([512, True], "sequence 2: True is not a whole number"),
                                                ([512, np.int32(9), 2.0], "sequence 3: 2.0 is not a whole"),
                                                ([512, 2**70, 2**71], f"length {2**70:,} is longer")])

@@ -33,7 +33,6 @@ import functools
 import heapq
 import itertools
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ import numpy as np
 from cptune.config import CPConfig
 from cptune.mixes._costs import MixCosts
 from cptune.mixes._mix import LengthMix, MixError
+from cptune.mixes._placement import counts_within, frontiers, place_longest_first
 from cptune.mixes._policy import policy_costs
 from cptune.plans import Plan
 
@@ -186,69 +186,13 @@ class _Problem:
 def _counts_for(sizes: np.ndarray, best: np.ndarray, ranks: int) -> np.ndarray | None:
     """How many groups of each size, by bisection on the makespan (step 2); None when no
     makespan's groups fit the ranks."""
-    # Each sequence takes, of the sizes within the makespan, the one of least rank-time (of
-    # equals, the first). Only its frontier can be that: the sizes faster than every smaller one
-    # (a smaller one as fast spends fewer rank-seconds) and of no more rank-time than any larger
-    # such one. In size order the frontier's times fall and its rank-times rise, so the one
-    # taken is the entry within the makespan whose predecessor (inf for the first) is not. Every
-    # makespan tried is at least each sequence's fastest time, so each takes one. Row by row (a
-    # size at a time): a temporary of the whole table costs more than the arithmetic.
-    frontier = np.empty(best.shape, dtype=bool)
-    fastest = np.full(best.shape[1], np.inf)  # each sequence's least time on the sizes so far
-    for i, row in enumerate(best):
-        np.less(row, fastest, out=frontier[i])
-        np.minimum(fastest, row, out=fastest)
-    cheapest = np.full(best.shape[1], np.inf)  # each sequence's least rank-time, of the larger faster sizes
-    for i in range(sizes.size - 1, -1, -1):
-        rank_time = best[i] * sizes[i]
-        within = rank_time <= cheapest
-        np.minimum(cheapest, rank_time, out=cheapest, where=frontier[i])
-        frontier[i] &= within
-    before_so_far = np.full(best.shape[1], np.inf)  # each sequence's last frontier entry's time so far
-    seqs, fronts, befores = [], [], []
-    for i, row in enumerate(best):
-        seq = np.flatnonzero(frontier[i])
-        seqs.append(seq)
-        fronts.append(row[seq])
-        befores.append(before_so_far[seq])
-        before_so_far[seq] = fronts[-1]
-    # the frontiers' entries, by size, each size's by sequence (loads summed in sequence order)
-    front, before = np.concatenate(fronts), np.concatenate(befores)
-    front_size = np.repeat(np.arange(sizes.size), [seq.size for seq in seqs])
-
-    def needed(limit: float) -> tuple[int, np.ndarray, np.ndarray]:
-        taken = (front <= limit) & (before > limit)
-        loads = np.bincount(front_size[taken], weights=front[taken], minlength=sizes.size)
-        counts = np.ceil(loads / limit - 1e-9).astype(np.int64)
-        return int(sizes @ counts), counts, loads
-
-    low = max(float(fastest.max()), float(cheapest.sum()) / ranks)  # (the least rank-time is a faster size's)
-    high = low
-    for _ in range(60):
-        if needed(high)[0] <= ranks:
-            break
-        high *= 2
-    else:
-        return None
-    for _ in range(40):  # to within 0.1%: the groups are whole, a finer makespan moves none
-        if high / low < 1 + 1e-3:
-            break
-        middle = math.sqrt(low * high)
-        if needed(middle)[0] <= ranks:
-            high = middle
-        else:
-            low = middle
-    used, counts, loads = needed(high)
-    # the ranks left over: more groups of the sizes whose groups are fullest
-    spare = ranks - used
-    while True:
-        fits = np.flatnonzero((sizes <= spare) & (loads > 0))
-        if not fits.size:
-            break
-        fullest = fits[np.argmax(loads[fits] / np.maximum(counts[fits], 1))]
-        counts[fullest] += 1
-        spare -= int(sizes[fullest])
-    return counts
+    sizes = sizes.astype(np.int64)
+    front, before, front_size, fastest, cheapest = frontiers(best, sizes)
+    # no makespan is below a sequence's fastest time (so each takes a size at every one tried) or
+    # below the least rank-time (a faster size's) spread over the ranks
+    low = max(float(fastest.max()), float(cheapest.sum()) / ranks)
+    counts = counts_within(front, before, front_size, sizes, low, ranks)
+    return counts if counts.size else None
 
 
 class _BySize:
@@ -314,36 +258,28 @@ class _Assignment:
 
     def __init__(self, by_size: _BySize, counts: np.ndarray) -> None:
         self.classes = np.flatnonzero(counts > 0)
-        self.size = np.repeat(by_size.sizes[self.classes], counts[self.classes])  # each group's
-        bounds = itertools.accumulate(counts[self.classes].tolist(), initial=0)  # each class's groups
-        self.heaps = [[(0.0, g) for g in range(a, b)] for a, b in itertools.pairwise(bounds)]
+        self.count = counts[self.classes].astype(np.int64)  # each class's groups, numbered in class order
+        self.size = np.repeat(by_size.sizes[self.classes], self.count)  # each group's
+        self.first = np.cumsum(self.count) - self.count
+        self.heap_time = np.zeros(int(self.count.sum()))  # each class's groups: a heap by (time, group)
+        self.heap_group = np.arange(self.heap_time.size, dtype=np.int64)
         self.order, self.ordered = by_size.longest_first(self.classes)
-        self.tops = [0.0] * self.classes.size  # each class's least busy group's time so far
+        self.placed = np.empty(self.order.size, dtype=np.int64)  # each sequence's group, in ``order``
+        self.placed_count = 0
         self.span = 0.0
-        self.placed: list[int] = []  # each sequence's group, in ``order``
 
     @property
     def done(self) -> bool:
-        return len(self.placed) == self.order.size
+        return self.placed_count == self.order.size
 
     def advance(self) -> bool:
         """Places as many more sequences as are placed (at least ``FIRST_CHUNK``); False when one
         fits no group."""
-        tops, heaps, placed, span = self.tops, self.heaps, self.placed, self.span
-        add, replace, place = operator.add, heapq.heapreplace, placed.append
-        for times in self.ordered[len(placed):2 * len(placed) + FIRST_CHUNK].tolist():  # a float per class
-            ends = list(map(add, tops, times))
-            finish = min(ends)
-            k = ends.index(finish)  # of equals, the first class
-            heap = heaps[k]
-            g = heap[0][1]
-            replace(heap, (finish, g))
-            tops[k] = heap[0][0]
-            place(g)
-            if finish > span:
-                span = finish
-        self.span = span
-        return span < math.inf  # (one placed at inf fits no group)
+        stop = min(2 * self.placed_count + FIRST_CHUNK, self.order.size)
+        self.span = place_longest_first(self.ordered, self.placed_count, stop, self.heap_time,
+                                        self.heap_group, self.first, self.count, self.placed, self.span)
+        self.placed_count = stop
+        return self.span < math.inf  # (one placed at inf fits no group)
 
     def groups(self) -> tuple[np.ndarray, np.ndarray]:
         """Each group's size and each sequence's group, once ``done``."""
