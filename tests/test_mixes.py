@@ -4,7 +4,9 @@ static answer over a mix, and a plan per batch, fast and exact (against a MILP).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +204,7 @@ def test_an_order_sorted_before_is_reused_only_where_it_is_the_stable_sort() -> 
 def test_the_compiled_placement_is_longest_first_onto_the_least_busy_group_ties_to_the_first() -> None:
     import heapq
 
-    from cptune.mixes._placement import place_longest_first
+    from cptune.mixes._compiled import place_longest_first
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -227,6 +229,68 @@ def test_the_compiled_placement_is_longest_first_onto_the_least_busy_group_ties_
             got = place_longest_first(times, start, stop, heap_time, heap_group, first, count, placed, got)
         assert placed.tolist() == expected
         assert got == span
+
+
+def test_the_local_search_takes_a_step_exactly_where_one_lowers_the_makespan() -> None:
+    """Every move, swap and trade out of the slowest group, tried one by one on copies: the
+    compiled looks find one where one lowers the makespan (a move before a swap, the best of
+    its kind) and none where none does."""
+    from cptune.mixes._batch import PAIRED, SWAP_GROUPS, _BySize, _problem, _Search
+
+    batches = _random_batches(40, seed=8)
+    costs = mix_costs(SHAPE, LengthMix.of([n for b in batches for n in b]), ranks=6, hardware="h100-sxm-8")
+    rng = np.random.default_rng(8)
+    kinds, trades = {"move": 0, "swap": 0}, 0
+    for batch in batches:
+        problem = _problem(costs, batch, 6)
+        sizes = _BySize(problem).sizes
+        groups = int(rng.integers(2, 5))
+        size = rng.choice(sizes[sizes <= 6 // groups], groups)  # at most the 6 ranks
+        group_of = rng.integers(0, size.size, len(batch))
+        search = _Search(problem, size, group_of)
+        times = search.times()
+        k = int(np.argmax(times))
+        current = float(times[k])
+
+        def after(moves: list[tuple[int, int]], search: _Search = search) -> float:
+            twin = search.copy()
+            for s, j in moves:
+                twin._move(s, j)
+            return float(twin.times().max())
+
+        mine = np.flatnonzero(group_of == k).tolist()
+        others = [j for j in range(size.size) if j != k]
+        moves = {(s, j): after([(s, j)]) for s in mine for j in others}
+        order = np.argsort(-times)
+        least_busy = [int(j) for j in order[::-1] if j != k and search.count[j] > 0][:SWAP_GROUPS]
+        swaps = {(s, j, o): after([(s, j), (o, k)]) for s in mine for j in least_busy
+                 for o in np.flatnonzero(group_of == j).tolist()}
+        step = search._best_step(k, times)
+        best_move = min(moves.values(), default=math.inf)
+        if best_move < current * (1 - 1e-9):
+            assert step is not None and step[2] == -1
+            assert moves[step[:2]] == pytest.approx(best_move, rel=1e-12)
+        elif min(swaps.values(), default=math.inf) < current * (1 - 1e-9):
+            assert step is not None and step[2] >= 0
+            assert swaps[step] == pytest.approx(min(swaps.values()), rel=1e-12)
+        elif step is not None:  # at the same makespan: the squares fall
+            assert after([step[:2]] + ([(step[2], k)] if step[2] >= 0 else [])) <= current * (1 + 1e-9)
+        if step is not None:
+            kinds["swap" if step[2] >= 0 else "move"] += 1
+        # two for one and one for two, with the least busy groups of at most PAIRED sequences
+        tried = [int(j) for j in np.argsort(times) if j != k][:SWAP_GROUPS]
+        tried = [j for j in tried if 0 < search.count[j] <= PAIRED]
+        best_trade = math.inf
+        for j in tried:
+            theirs = np.flatnonzero(group_of == j).tolist()
+            two_for_one = [(a, [b]) for a in itertools.combinations(mine, 2) for b in theirs]
+            one_for_two = [([a], b) for a in mine for b in itertools.combinations(theirs, 2)]
+            for gives, takes in two_for_one + one_for_two:
+                best_trade = min(best_trade, after([(s, j) for s in gives] + [(s, k) for s in takes]))
+        made = search.copy().exchange()
+        assert made == (len(mine) <= PAIRED and best_trade < current * (1 - 1e-9))
+        trades += made
+    assert kinds["move"] and kinds["swap"] and trades  # each kind was found somewhere
 
 
 def test_the_solver_runs_where_no_cache_directory_is_writable() -> None:

@@ -29,9 +29,7 @@ the makespan bounded by each slot's sum, the slots' ranks by the ranks. Small ba
 from __future__ import annotations
 
 import copy
-import functools
 import heapq
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,9 +37,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from cptune.config import CPConfig
+from cptune.mixes._compiled import (
+    best_step,
+    best_trade,
+    counts_within,
+    frontiers,
+    group_sums,
+    place_longest_first,
+)
 from cptune.mixes._costs import MixCosts
 from cptune.mixes._mix import LengthMix, MixError
-from cptune.mixes._placement import counts_within, frontiers, place_longest_first
 from cptune.mixes._policy import policy_costs
 from cptune.plans import Plan
 
@@ -290,44 +295,61 @@ class _Assignment:
 
 class _Search:
     """Local search on one configuration per group (step 4). Groups of one size share their
-    configurations, so each size's groups hold their per-configuration sums in one table."""
+    configurations, so each size's groups hold their per-configuration sums in one table; the
+    steps are looked for by compiled loops (``cptune.mixes._compiled``) over those sums."""
 
     def __init__(self, problem: _Problem, size: np.ndarray, group_of: np.ndarray) -> None:
         """``size``: each group's; ``group_of``: each sequence's group (the search moves them)."""
         self.size = size
         self.group_of = group_of
-        self.rows = {g: problem.rows[g] for g in set(size.tolist())}
-        self.blocks = {g: problem.blocks[g] for g in self.rows}
-        self.of_size = {g: np.flatnonzero(size == g) for g in self.rows}
-        self.local = np.empty(size.size, dtype=np.int64)  # each group's row in its size's table
+        self.t = problem.t
+        kinds = list(set(size.tolist()))  # (a set's order: the order moves weigh the sizes in)
+        self.rows = {g: problem.rows[g] for g in kinds}
+        self.blocks = {g: problem.blocks[g] for g in kinds}
+        kind_of = np.zeros(max(kinds) + 1, dtype=np.int64)
+        kind_of[kinds] = np.arange(len(kinds))
+        kind = kind_of[size]
+        #: the groups a size at a time, each size's in order, and where each size's begin
+        self.by_kind = np.argsort(kind, kind="stable")
+        self.kind_start = np.searchsorted(kind[self.by_kind], np.arange(len(kinds) + 1))
+        starts = self.kind_start.tolist()
+        self.of_size = {g: self.by_kind[starts[i]:starts[i + 1]] for i, g in enumerate(kinds)}
+        widths = np.array([problem.rows[g].size for g in kinds], dtype=np.int64)
+        #: each group's configurations: rows ``row:row + width`` of the batch's times
+        self.width = widths[kind]
+        self.row = np.array([problem.rows[g][0] for g in kinds], dtype=np.int64)[kind]
+        local = np.empty(size.size, dtype=np.int64)  # each group's row in its size's table
+        local[self.by_kind] = np.arange(size.size) - self.kind_start[kind[self.by_kind]]
+        table_sizes = np.diff(self.kind_start) * widths
+        bases = np.cumsum(table_sizes) - table_sizes
+        #: per size: its groups' configurations' sums over their sequences (groups x configurations),
+        #: views of one array (``flat``; group k's at ``offset[k]``) that the compiled steps read
+        self._tables = [(g, int(bases[i]), starts[i + 1] - starts[i], int(widths[i]))
+                        for i, g in enumerate(kinds)]
+        self.offset = bases[kind] + local * self.width
         self.count = np.bincount(group_of, minlength=size.size)
         self.time = np.zeros(size.size)  # each group's time (its best configuration's sum)
+        self.flat = np.empty(int(table_sizes.sum()))
+        group_sums(self.t, group_of, self.row, self.width, self.offset, self.count, self.flat, self.time)
+        self.table = self._views(self.flat)
         #: Whether the last look for a move or swap found none and nothing has moved since: the
         #: same groups find the same, so the final search does not look again where a trial's ended.
         self.settled = False
-        #: per size: its groups' configurations' sums over their sequences (groups x configurations)
-        self.table: dict[int, np.ndarray] = {}
-        placed_size = size[group_of]
-        for g, rows in self.rows.items():
-            mine = self.of_size[g]
-            self.local[mine] = np.arange(mine.size)
-            placed = np.flatnonzero(placed_size == g)
-            # one count for all its configurations: bin (group, configuration), summed in sequence order
-            bins = self.local[group_of[placed]][:, None] * rows.size + np.arange(rows.size)
-            self.table[g] = np.bincount(bins.ravel(), weights=self.blocks[g][:, placed].T.ravel(),
-                                        minlength=mine.size * rows.size).reshape(mine.size, rows.size)
-            held = self.count[mine] > 0
-            self.time[mine[held]] = self.table[g][held].min(axis=1)
+
+    def _views(self, flat: np.ndarray) -> dict[int, np.ndarray]:
+        return {g: flat[base:base + groups * width].reshape(groups, width)
+                for g, base, groups, width in self._tables}
 
     def sums(self, k: int) -> np.ndarray:
         """Group k's configurations' sums over its sequences (a view: read it before a move)."""
-        return self.table[int(self.size[k])][self.local[k]]
+        return self.flat[self.offset[k]:self.offset[k] + self.width[k]]
 
     def copy(self) -> _Search:
         """A search from the same groups, moved apart from this one."""
         twin = copy.copy(self)
         twin.group_of, twin.count, twin.time = self.group_of.copy(), self.count.copy(), self.time.copy()
-        twin.table = {g: table.copy() for g, table in self.table.items()}
+        twin.flat = self.flat.copy()
+        twin.table = twin._views(twin.flat)
         return twin
 
     def listed(self) -> np.ndarray:
@@ -350,9 +372,6 @@ class _Search:
                  for k in self.listed().tolist()]
         return BatchPlan(tuple(problem.lengths.tolist()), problem.ranks, tuple(built),
                          max(g.ms for g in built), solver)
-
-    def members(self, k: int) -> np.ndarray:
-        return np.flatnonzero(self.group_of == k)
 
     def times(self) -> np.ndarray:
         return self.time.copy()
@@ -391,116 +410,10 @@ class _Search:
         makespan most, or at the same makespan the sum of the squared group times (a plateau
         where several groups are the slowest); None when none lowers either. (The makespan
         never rises and the squares fall: the search cannot cycle.)"""
-        mine = self.members(k)
-        block_k = self.blocks[int(self.size[k])]
-        # group k's time with each of its sequences gone: (configurations, mine) -> mine
-        without = self.sums(k)[:, None] - block_k[:, mine]
-        left = without.min(axis=0) if mine.size > 1 else np.zeros(mine.size)
-        order = np.argsort(-times)
-        current = float(times[k])
-        # the slowest group but k and j, for many j at once: the slowest but k, or if j is it, the next
-        others_top = [int(g) for g in order[:3] if g != k] + [-1, -1]
-        first, second = (float(times[g]) if g >= 0 else 0.0 for g in others_top[:2])
-
-        best_key: tuple[float, float] = (current * (1 + 1e-12), -current * current * 1e-9)
-        best: tuple[int, int, int] | None = None
-
-        def beats(value: float, change: float) -> bool:
-            """Whether (makespan, change in squares) beats ``best_key``, which it then becomes."""
-            nonlocal best_key
-            if value < best_key[0] * (1 - 1e-9) or (value <= best_key[0] and change < best_key[1]):
-                best_key = (value, change)
-                return True
-            return False
-
-        def least(value: np.ndarray, squares: np.ndarray) -> np.ndarray:
-            """Per row of (rows, ...): the first entry of least makespan and, of those, of least
-            change in squares (flat index)."""
-            rows = value.reshape(value.shape[0], -1)
-            tied = rows <= rows.min(axis=1, keepdims=True)
-            return np.where(tied, squares.reshape(rows.shape), np.inf).argmin(axis=1)
-
-        # No step is taken whose makespan is above best_key's, and a move's is at least its target's
-        # time with one of mine in: at least (rounding keeps order) the least sum of any other
-        # group's configurations plus the least time of one of mine on any. Above it, none is tried.
-        elsewhere = np.flatnonzero(self.count > 0)
-        elsewhere = elsewhere[elsewhere != k]
-        lowest = float(self.time[elsewhere].min()) if elsewhere.size else math.inf
-        for j in np.flatnonzero(self.count == 0).tolist():  # (an empty group's sums: what rounding left)
-            lowest = min(lowest, float(self.sums(j).min()))
-        fastest = min(float(block[:, mine].min()) for block in self.blocks.values())
-        movable = lowest + fastest <= best_key[0]
-        # moves to every other group, all at once; each size's best weighed in turn, as one by one
-        by_size, joined_by_size = [], []
-        for g, block in self.blocks.items() if movable else ():
-            targets = self.of_size[g][self.of_size[g] != k]
-            if targets.size:
-                stacked = self.table[g][self.local[targets]]  # (targets, configurations)
-                by_size.append(targets)  # and each one's time with each of mine in: (targets, mine)
-                joined_by_size.append((stacked[:, :, None] + block[:, mine][None]).min(axis=1))
-        if by_size:
-            targets, joined = np.concatenate(by_size), np.concatenate(joined_by_size)
-            others = np.where(targets == others_top[0], second, first)
-            value = np.maximum(np.maximum(left[None, :], joined), others[:, None])
-            before = current ** 2 + times[targets] ** 2
-            squares = left[None, :] ** 2 + joined ** 2 - before[:, None]
-            counts = [t.size for t in by_size]
-            shape = (len(counts), max(counts), mine.size)
-            sized = np.repeat(np.arange(shape[0]), counts)  # each target's place among the sizes
-            within = np.arange(targets.size) - np.repeat(list(itertools.accumulate(counts[:-1], initial=0)),
-                                                         counts)
-            padded_value, padded_squares = np.full(shape, np.inf), np.full(shape, np.inf)
-            padded_value[sized, within], padded_squares[sized, within] = value, squares
-            for j, flat in enumerate(least(padded_value, padded_squares).tolist()):
-                t, s = divmod(flat, mine.size)
-                if beats(float(padded_value[j, t, s]), float(padded_squares[j, t, s])):
-                    best = (int(mine[s]), int(by_size[j][t]), -1)
-        if best is not None and best_key[0] < current * (1 - 1e-9):
-            return best
-        # swaps with the least busy other groups holding sequences, all at once: (groups, mine, theirs)
-        least_busy = order[::-1]
-        least_busy = least_busy[(least_busy != k) & (self.count[least_busy] > 0)][:SWAP_GROUPS]
-        if not least_busy.size:
-            return best
-        place = np.full(self.size.size, -1)
-        place[least_busy] = np.arange(least_busy.size)
-        theirs = np.flatnonzero(place[self.group_of] >= 0)
-        theirs = theirs[np.argsort(place[self.group_of[theirs]], kind="stable")]  # by group, each in order
-        at = place[self.group_of[theirs]]
-        within = np.arange(theirs.size) - np.searchsorted(at, at)
-        owner = least_busy[at]
-        # likewise a swap's makespan is at least o's group's time with o out and s in: at least its
-        # time plus s's least time on its size, less o's most
-        for g in np.unique(self.size[owner]).tolist():
-            cols = np.flatnonzero(self.size[owner] == g)
-            block_g = self.blocks[g]
-            floor = (times[owner[cols]][None, :] + block_g[:, mine].min(axis=0)[:, None]) \
-                - block_g[:, theirs[cols]].max(axis=0)[None, :]
-            if not (floor > best_key[0]).all():
-                break
-        else:
-            return best
-        # group k's time with s out and o in, o's group's with o out and s in: (mine, theirs)
-        into = (without[:, :, None] + block_k[:, theirs][:, None, :]).min(axis=0)
-        back = np.empty_like(into)
-        for g in np.unique(self.size[owner]).tolist():
-            cols = np.flatnonzero(self.size[owner] == g)
-            block_g = self.blocks[g]
-            sums = self.table[g][self.local[owner[cols]]].T  # (configurations, cols)
-            back[:, cols] = ((sums[:, None, :] + block_g[:, mine][:, :, None])
-                             - block_g[:, theirs[cols]][:, None, :]).min(axis=0)
-        value = np.maximum(np.maximum(into, back), np.where(owner == others_top[0], second, first))
-        squares = into ** 2 + back ** 2 - current ** 2 - times[owner] ** 2
-        shape = (least_busy.size, mine.size, int(within.max()) + 1)
-        padded_value, padded_squares = np.full(shape, np.inf), np.full(shape, np.inf)
-        padded_value[at, :, within], padded_squares[at, :, within] = value.T, squares.T
-        padded_theirs = np.zeros((shape[0], shape[2]), dtype=np.int64)
-        padded_theirs[at, within] = theirs
-        for j, flat in enumerate(least(padded_value, padded_squares).tolist()):  # in order, as one by one
-            s, o = divmod(flat, shape[2])
-            if beats(float(padded_value[j, s, o]), float(padded_squares[j, s, o])):
-                best = (int(mine[s]), int(least_busy[j]), int(padded_theirs[j, o]))
-        return best
+        s, j, other = best_step(k, times, np.argsort(-times), self.t, self.row, self.width, self.offset,
+                                self.flat, self.size, self.count, self.group_of, self.by_kind,
+                                self.kind_start, SWAP_GROUPS)
+        return None if s < 0 else (int(s), int(j), int(other))
 
     def exchange(self) -> bool:
         """Two sequences of the slowest group for one of another, or one for two, where that
@@ -509,96 +422,25 @@ class _Search:
         times = self.times()
         k = int(np.argmax(times))
         current = float(times[k])
-        mine = self.members(k)
-        if mine.size > PAIRED:
+        if self.count[k] > PAIRED:
             return False
         order = np.argsort(times)
         slowest = order[::-1][:3].tolist()
-        by_group = np.argsort(self.group_of, kind="stable")  # every group's members at once
-        bounds = np.searchsorted(self.group_of[by_group], np.arange(self.size.size + 1)).tolist()
-        tried = [j for j in order[order != k][:SWAP_GROUPS].tolist()
-                 if 0 < bounds[j + 1] - bounds[j] <= PAIRED]
+        tried = [j for j in order[order != k][:SWAP_GROUPS].tolist() if 0 < self.count[j] <= PAIRED]
         if not tried:
             return False
         rest = np.array([next((float(times[g]) for g in slowest if g not in (k, j)), 0.0) for j in tried])
-        theirs = [_bundles(by_group[bounds[j]:bounds[j + 1]]) for j in tried]
-        mine_ids = _bundles(mine)
-        # per direction (two of k's for one of j's, one of k's for two of j's): each group's least
-        # makespan after the trade, and the bundles making it
-        found = [self._traded(k, mine_ids[out], [t[into] for t in theirs], tried, rest) if mine_ids[out].size
-                 else None for out, into in ((1, 0), (0, 1))]
-        best: tuple[float, int, list[int], list[int]] | None = None
-        for place, j in enumerate(tried):  # in order, as one group after another
-            for trades in found:
-                if trades is None:
-                    continue
-                value, leaving, coming = trades[0][place], trades[1][place], trades[2][place]
-                if value < current * (1 - 1e-9) and (best is None or value < best[0]):
-                    best = (value, j, leaving, coming)
-        if best is None:
+        j, *moved = best_trade(k, current, np.array(tried, dtype=np.int64), rest, self.t, self.row,
+                               self.width, self.offset, self.flat, self.group_of)
+        if j < 0:
             return False
-        _, j, leaving, coming = best
-        for s in leaving:
-            self._move(s, j)
-        for s in coming:
-            self._move(s, k)
+        for s in moved[:2]:
+            if s >= 0:
+                self._move(int(s), int(j))
+        for s in moved[2:]:
+            if s >= 0:
+                self._move(int(s), k)
         return True
-
-    def _traded(self, k: int, leaving: np.ndarray, coming: list[np.ndarray], groups: list[int],
-                rest: np.ndarray) -> tuple[list[float], list[list[int]], list[list[int]]]:
-        """For each of ``groups`` (``coming``: its bundles, ``rest``: the slowest time of the
-        groups but k and it), the least makespan trading one of group k's bundles ``leaving``
-        for one of its own (of equals, the first), and those two bundles' sequences."""
-        counts = [c.shape[0] for c in coming]
-        bundles = np.concatenate(coming)
-        owner = np.repeat(np.arange(len(groups)), counts)
-        owner_group = np.asarray(groups, dtype=np.int64)[owner]
-        block_k = self.blocks[int(self.size[k])]
-        into_k = _after(self.sums(k), _bundle_times(block_k, leaving), _bundle_times(block_k, bundles))
-        into_j = np.empty_like(into_k)
-        owner_size = self.size[owner_group]
-        for g in np.unique(owner_size).tolist():  # each size's groups at once: (configurations, bundles)
-            cols = np.flatnonzero(owner_size == g)
-            block_g = self.blocks[g]
-            sums = self.table[g][self.local[owner_group[cols]]].T
-            into_j[:, cols] = ((sums[:, None, :] - _bundle_times(block_g, bundles[cols])[:, None, :])
-                               + _bundle_times(block_g, leaving)[:, :, None]).min(axis=0)
-        value = np.maximum(np.maximum(into_k, into_j), rest[owner])
-        starts = list(itertools.accumulate(counts[:-1], initial=0))
-        width = max(max(counts), 1)
-        padded = np.full((len(groups), leaving.shape[0], width), np.inf)
-        padded[owner, :, np.arange(bundles.shape[0]) - np.repeat(starts, counts)] = value.T
-        flat = padded.reshape(len(groups), -1).argmin(axis=1).tolist()
-        places = [divmod(f, width) for f in flat]
-        return ([float(padded[j, a, b]) for j, (a, b) in enumerate(places)],
-                [leaving[a].tolist() for a, _ in places],
-                [bundles[starts[j] + b].tolist() if counts[j] else [] for j, (_, b) in enumerate(places)])
-
-
-def _bundles(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``members`` one by one and two by two: (bundles x 1, bundles x 2)."""
-    return members[:, None], members[_pair_places(members.size)]
-
-
-def _bundle_times(block: np.ndarray, bundles: np.ndarray) -> np.ndarray:
-    """Each bundle's (rows of sequences, as ``_bundles`` lists them) time on each configuration
-    of ``block``: (configurations x bundles)."""
-    times = block[:, bundles[:, 0]]
-    for column in range(1, bundles.shape[1]):
-        times += block[:, bundles[:, column]]
-    return times
-
-
-@functools.cache
-def _pair_places(n: int) -> np.ndarray:
-    """Every two of n places (i < j), in order (pairs x 2): asked for every group an exchange tries."""
-    return np.stack(np.triu_indices(n, k=1), axis=1)
-
-
-def _after(sums: np.ndarray, leaving: np.ndarray, coming: np.ndarray) -> np.ndarray:
-    """A group's time (its configurations' ``sums``) with each bundle gone (``leaving``:
-    configurations x bundles) and each other one in (``coming``): (leaving, coming)."""
-    return (sums[:, None, None] - leaving[:, :, None] + coming[:, None, :]).min(axis=0)
 
 
 def _problem(costs: MixCosts, lengths: Sequence[int] | LengthMix, ranks: int | None,
