@@ -14,10 +14,11 @@ on any GPU.
 4,096 over 1,024 (128 nodes), the median of 11 calls after one warm call, wall and this process's
 CPU seconds (on a shared host the CPU time is the steadier), and the least CPU time of the 11
 (the call the host's load slowed least; the load average is in the header): the solve alone, on
-costs already read. Beside it, the wall seconds of reading the costs (``mix_costs``, asking the
-cost model at each grid length), paid once per mix - at ``cptune export --batch-lengths``, not
-per batch: a deployment solves from the plan's batch policy - and the makespan against one group
-of all ranks.
+costs already read. The warm call's wall time beside them: the process's first solve loads the
+solver's compiled loops (Numba's cached machine code, or compiles them where none is cached).
+Beside it, the wall seconds of reading the costs (``mix_costs``, asking the cost model at each
+grid length), paid once per mix - at ``cptune export --batch-lengths``, not per batch: a
+deployment solves from the plan's batch policy - and the makespan against one group of all ranks.
 ``--quality N``: N random batches of 2-16 sequences on 2-8 ranks of ``h100-sxm-8`` (the rank
 count and the batch drawn at random), the fast plan's makespan over the MILP's, how many are
 within 2%, the worst, and how many are no slower than one group of all ranks.
@@ -79,25 +80,28 @@ def cluster(nodes: int, folder: Path) -> str:
 REPEATS = 11
 
 
-def timed(call: object, repeats: int = REPEATS) -> tuple[float, float, float]:
-    """Median wall and CPU seconds of ``call()`` over ``repeats`` calls, after one warm call, and
-    the least CPU seconds (what a call takes when the shared host's load slows it least)."""
+def timed(call: object, repeats: int = REPEATS) -> tuple[float, float, float, float]:
+    """Median wall and CPU seconds of ``call()`` over ``repeats`` calls, after one warm call, the
+    least CPU seconds (what a call takes when the shared host's load slows it least), and the warm
+    call's wall seconds."""
     assert callable(call)
+    first = time.perf_counter()
     call()
+    first = time.perf_counter() - first
     walls, cpus = [], []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
         call()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    return statistics.median(walls), statistics.median(cpus), min(cpus)
+    return statistics.median(walls), statistics.median(cpus), min(cpus), first
 
 
 def speed(lines: list[str]) -> None:
     rng = np.random.default_rng(58)
     lines.append(f"# load average (1 min) before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    lines.append("sequences  ranks  solve wall ms  solve CPU ms  least CPU ms  costs s  groups  makespan ms  "
-                 "one group ms")
+    lines.append("sequences  ranks  solve wall ms  solve CPU ms  least CPU ms  first wall ms  costs s  "
+                 "groups  makespan ms  one group ms")
     with tempfile.TemporaryDirectory() as folder:
         for sequences, nodes in ((512, 8), (4096, 128)):
             ranks = nodes * 8
@@ -105,15 +109,15 @@ def speed(lines: list[str]) -> None:
             start = time.perf_counter()
             costs = mix_costs(SHAPE, LengthMix.of(batch), ranks, hardware=cluster(nodes, Path(folder)))
             reading = time.perf_counter() - start
-            wall, cpu, least = timed(lambda costs=costs, batch=batch: plan_batch(costs, batch))
+            wall, cpu, least, first = timed(lambda costs=costs, batch=batch: plan_batch(costs, batch))
             plan = plan_batch(costs, batch)
             try:
                 one = f"{one_group_plan(costs, batch).makespan_ms:.4g}"
             except MixError:
                 one = "-"
             lines.append(f"{sequences:>9}  {ranks:>5}  {wall * 1e3:>13.1f}  {cpu * 1e3:>12.1f}  "
-                         f"{least * 1e3:>12.1f}  {reading:>7.1f}  {len(plan.groups):>6}  "
-                         f"{plan.makespan_ms:>11.4g}  {one:>12}")
+                         f"{least * 1e3:>12.1f}  {first * 1e3:>13.1f}  {reading:>7.1f}  "
+                         f"{len(plan.groups):>6}  {plan.makespan_ms:>11.4g}  {one:>12}")
             print(lines[-1], flush=True)
     lines.append(f"# load average (1 min) after: {os.getloadavg()[0]:.1f}")
 
