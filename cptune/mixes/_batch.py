@@ -410,9 +410,13 @@ class _Search:
         makespan most, or at the same makespan the sum of the squared group times (a plateau
         where several groups are the slowest); None when none lowers either. (The makespan
         never rises and the squares fall: the search cannot cycle.)"""
-        s, j, other = best_step(k, times, np.argsort(-times), self.t, self.row, self.width, self.offset,
+        order = np.argsort(-times)
+        tops = np.array([*(g for g in order[:3].tolist() if g != k), -1, -1][:2], dtype=np.int64)
+        least_busy = order[::-1]
+        least_busy = least_busy[(least_busy != k) & (self.count[least_busy] > 0)][:SWAP_GROUPS]
+        s, j, other = best_step(k, times, tops, least_busy, self.t, self.row, self.width, self.offset,
                                 self.flat, self.size, self.count, self.group_of, self.by_kind,
-                                self.kind_start, SWAP_GROUPS)
+                                self.kind_start)
         return None if s < 0 else (int(s), int(j), int(other))
 
     def exchange(self) -> bool:

@@ -174,14 +174,16 @@ def group_sums(t: np.ndarray, group_of: np.ndarray, row: np.ndarray, width: np.n
 
 
 @_compile
-def best_step(k: int, times: np.ndarray, order: np.ndarray, t: np.ndarray, row: np.ndarray, width: np.ndarray,
-              offset: np.ndarray, sums: np.ndarray, size: np.ndarray, count: np.ndarray, group_of: np.ndarray,
-              by_kind: np.ndarray, kind_start: np.ndarray, swap_groups: int) -> tuple[int, int, int]:
+def best_step(k: int, times: np.ndarray, tops: np.ndarray, least_busy: np.ndarray, t: np.ndarray,
+              row: np.ndarray, width: np.ndarray, offset: np.ndarray, sums: np.ndarray, size: np.ndarray,
+              count: np.ndarray, group_of: np.ndarray, by_kind: np.ndarray, kind_start: np.ndarray
+              ) -> tuple[int, int, int]:
     """The move or swap out of the slowest group k lowering the makespan most, or at the same
     makespan the sum of the squared group times: (sequence of group k, group it goes to, sequence
-    coming back or -1), or (-1, -1, -1) for none (see ``_Search._best_step``). ``order``: the
-    groups by falling time; ``by_kind``: the groups, a size at a time (``kind_start``: where each
-    begins) in the order sizes are weighed."""
+    coming back or -1), or (-1, -1, -1) for none (see ``_Search._best_step``). ``tops``: the two
+    slowest groups but k (-1 for none), ``least_busy``: the groups a swap is tried with, in order;
+    ``by_kind``: the groups, a size at a time (``kind_start``: where each begins) in the order
+    sizes are weighed."""
     mine = np.flatnonzero(group_of == k)
     n_mine, wk, rk, ok = mine.size, width[k], row[k], offset[k]
     without = np.empty((wk, n_mine))  # group k's sums with each of its sequences gone
@@ -193,7 +195,6 @@ def best_step(k: int, times: np.ndarray, order: np.ndarray, t: np.ndarray, row: 
         for m in range(n_mine):
             left[m] = without[:, m].min()
     current = times[k]
-    tops = [g for g in order[:3] if g != k] + [-1, -1]  # the slowest groups but k
     top = tops[0]
     first = times[tops[0]] if tops[0] >= 0 else 0.0
     second = times[tops[1]] if tops[1] >= 0 else 0.0
@@ -242,13 +243,12 @@ def best_step(k: int, times: np.ndarray, order: np.ndarray, t: np.ndarray, row: 
         return best
 
     # swaps with the least busy other groups holding sequences, one such group after another
-    least_busy = [g for g in order[::-1] if g != k and count[g] > 0][:swap_groups]
-    if not least_busy:
+    if not least_busy.size:
         return best
     # a swap's makespan is at least o's group's time with o out and s in: at least its time plus
     # s's least time on its size, less o's most; none is tried where that is above the best so far
     pruned = True
-    for g in np.unique(size[np.array(least_busy)]):
+    for g in np.unique(size[least_busy]):
         probe = -1
         for j in least_busy:
             if size[j] == g:
