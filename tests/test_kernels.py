@@ -374,3 +374,33 @@ def test_hiding_sets_minus_infinity_on_exactly_the_hidden_pairs(masking):
         expected = np.where(mask.visible(q_pos[:, None], k_pos[None, :]), scores, -np.inf)
         kernels._hide(scores, mask, q_pos, k_pos)
         np.testing.assert_array_equal(scores, expected)
+
+
+@pytest.mark.parametrize("keys", [1, 7, 64, 2053])
+def test_the_compiled_exp_is_numpy_s_to_two_ulps_and_zeroes_masked_scores(keys):
+    """``exp_rows``: exp(scores - shift) in place, within 2 float32 ulps of NumPy's, -inf (and
+    anything below -87 after the shift) 0, each row's sum added to the running total; a NaN
+    makes its row NaN. Lengths that are and are not a multiple of the vector width."""
+    from cptune.engines.mpi._compiled import exp_rows
+
+    rng = np.random.default_rng(keys)
+    scores = (rng.standard_normal((6, keys)) * 20).astype(np.float32)
+    scores[1, ::2] = -np.inf
+    scores[2] = -np.inf
+    scores[3, 0] = 88.0
+    shift = np.array([0.0, 0.0, 0.0, 0.0, 30.0, np.inf], np.float32)
+    total = np.full(6, 0.5, np.float32)
+    expected = np.exp((scores - shift[:, None]).astype(np.float64))  # the shift in float32, as the kernel's
+    got = scores.copy()
+    exp_rows(got, shift, total)
+
+    seen = expected >= np.exp(-87.0)
+    np.testing.assert_array_less(np.abs(got[seen] - expected[seen]), 2.5 * 2.0**-23 * expected[seen])
+    assert (got[~seen] == 0).all() and (got[2] == 0).all() and (got[5] == 0).all()
+    np.testing.assert_allclose(total, 0.5 + expected.sum(axis=1, where=seen), rtol=1e-6)
+    assert total[2] == total[5] == np.float32(0.5)
+
+    scores[0, keys // 2] = np.nan
+    total = np.zeros(6, np.float32)
+    exp_rows(scores, np.zeros(6, np.float32), total)
+    assert np.isnan(scores[0]).all() and np.isnan(total[0]) and not np.isnan(total[1:]).any()

@@ -8,23 +8,13 @@ breaks the ties and adds in the order the NumPy code it replaced did, so the pla
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
-from numba import njit
+
+from cptune._numba import compiled
 
 
-def _compile(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` compiled on first call, its machine code cached beside this file or in the
-    user's cache directory, whichever is writable; where neither is, compiled in each process."""
-    try:
-        return njit(cache=True)(function)
-    except RuntimeError:  # Numba found no writable cache directory
-        return njit(function)
-
-
-@_compile
+@compiled
 def place_longest_first(ordered: np.ndarray, start: int, stop: int, heap_time: np.ndarray,
                         heap_group: np.ndarray, first: np.ndarray, count: np.ndarray,
                         placed: np.ndarray, span: float) -> float:
@@ -67,7 +57,7 @@ def place_longest_first(ordered: np.ndarray, start: int, stop: int, heap_time: n
     return span
 
 
-@_compile
+@compiled
 def frontiers(best: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                                              np.ndarray]:
     """Each sequence's frontier of sizes (``best``: sizes x sequences, its time on a group of each
@@ -106,7 +96,7 @@ def frontiers(best: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return front, before, front_size, fastest, cheapest
 
 
-@_compile
+@compiled
 def counts_within(front: np.ndarray, before: np.ndarray, front_size: np.ndarray, sizes: np.ndarray,
                   low: float, ranks: int) -> np.ndarray:
     """How many groups of each size (step 2): the least makespan, by bisection from ``low`` to
@@ -157,7 +147,7 @@ def counts_within(front: np.ndarray, before: np.ndarray, front_size: np.ndarray,
         spare -= sizes[fullest]
 
 
-@_compile
+@compiled
 def group_sums(t: np.ndarray, group_of: np.ndarray, row: np.ndarray, width: np.ndarray, offset: np.ndarray,
                count: np.ndarray, sums: np.ndarray, time: np.ndarray) -> None:
     """Each group's configurations' sums over its sequences (``t``: configurations x sequences;
@@ -173,7 +163,7 @@ def group_sums(t: np.ndarray, group_of: np.ndarray, row: np.ndarray, width: np.n
         time[k] = sums[offset[k]:offset[k] + width[k]].min() if count[k] else 0.0
 
 
-@_compile
+@compiled
 def best_step(k: int, times: np.ndarray, tops: np.ndarray, least_busy: np.ndarray, t: np.ndarray,
               row: np.ndarray, width: np.ndarray, offset: np.ndarray, sums: np.ndarray, size: np.ndarray,
               count: np.ndarray, group_of: np.ndarray, by_kind: np.ndarray, kind_start: np.ndarray
@@ -300,7 +290,7 @@ def best_step(k: int, times: np.ndarray, tops: np.ndarray, least_busy: np.ndarra
 
 
 
-@_compile
+@compiled
 def _bundles(members: np.ndarray, pairs: bool) -> np.ndarray:
     """``members`` one by one, or two by two (i < j, in order): bundles x 2, -1 where one."""
     n = members.size
@@ -317,13 +307,13 @@ def _bundles(members: np.ndarray, pairs: bool) -> np.ndarray:
     return bundles
 
 
-@_compile
+@compiled
 def _bundle_time(t: np.ndarray, row: int, bundle: np.ndarray) -> float:
     """A bundle's time on configuration ``row`` (its sequences' times added in order)."""
     return t[row, bundle[0]] if bundle[1] < 0 else t[row, bundle[0]] + t[row, bundle[1]]
 
 
-@_compile
+@compiled
 def best_trade(k: int, current: float, tried: np.ndarray, rest: np.ndarray, t: np.ndarray, row: np.ndarray,
                width: np.ndarray, offset: np.ndarray, sums: np.ndarray, group_of: np.ndarray
                ) -> tuple[int, int, int, int, int]:

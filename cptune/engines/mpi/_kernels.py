@@ -6,7 +6,8 @@ under a window or documents each block reads at most a chunk's worth of keys, wh
 they lie (``_chunks``);
 both sizes are defined in ``cptune.kernels``, where the cost model counts this kernel's
 work with them. Each block is worked in place: one reused score buffer, scale folded into
-Q, exp and sum on the buffer, and its sum_k p v and sum_k p added to its rows' running
+Q, exp and sum on the buffer in one compiled pass per row (``_compiled.exp_rows``: NumPy's
+exp took a third of a call's time), and its sum_k p v and sum_k p added to its rows' running
 sums; each row is normalised once per call, after its head's last chunk, rather than each
 chunk's partial being normalised and merged by log-sum-exp over every row (per-row passes
 that did not shrink with a mask: under 8 packed documents most rows see one chunk of eight).
@@ -39,6 +40,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from cptune.calls import Segment, kernel_blocks
+from cptune.engines.mpi._compiled import exp_rows
 from cptune.kernels import chunk_slices, rows_per_block
 from cptune.layout import position_runs
 from cptune.masks import Mask
@@ -417,12 +419,11 @@ def _scores(block: Block) -> list[np.ndarray]:
     return scores
 
 
-def _exp(scores: list[np.ndarray]) -> np.ndarray:
-    """exp the (shifted) scores in place; returns the row sums."""
+def _exp(scores: list[np.ndarray], shift: np.ndarray) -> np.ndarray:
+    """exp(scores - ``shift`` [rows]) in place (``exp_rows``, compiled); returns the row sums."""
     total = np.zeros(scores[0].shape[0], dtype=np.float32)
     for s in scores:
-        np.exp(s, out=s)
-        total += s.sum(axis=1)
+        exp_rows(s, shift, total)
     return total
 
 
@@ -444,9 +445,7 @@ def _attend_shifted(block: Block) -> None:
     seen = np.isfinite(row_max)
     if not seen.all():
         row_max[~seen] = 0.0  # rows with no visible key: exp(-inf - 0) = 0 below
-    for s in scores:
-        np.subtract(s, row_max[:, None], out=s)
-    total = _exp(scores)
+    total = _exp(scores, row_max)
     out = block.scratch.shifted[: len(total)]
     out.fill(0.0)
     _combine(block, scores, out)
@@ -465,7 +464,7 @@ def _attend_unshifted(block: Block) -> bool:
     a row that sees none of the block's keys (sum 0: a seen key's exp is at least e^-50)
     adds nothing, where it used to send the block down the exact path."""
     scores = _scores(block)
-    total = _exp(scores)
+    total = _exp(scores, np.zeros(block.q.shape[0], np.float32))
     if ((total > 0) & (total < _SMALLEST_UNSHIFTED_SUM)).any():
         return False
     if block.shift.any():  # a row already shifted: bring both to the larger shift (weights <= 1)
@@ -558,6 +557,7 @@ def attention_grad(
         scratch = _GradScratch(
             np.empty(widest, np.float32), np.empty(widest, np.float32),
             np.empty((most_keys, dim), np.float32), np.empty((most_rows, dim), np.float32),
+            np.zeros(most_rows, np.float32),
         )
         partial: dict[tuple[int, int], np.ndarray] = {}
         for b, head in share:
@@ -634,12 +634,14 @@ class _GradBlock(NamedTuple):
 
 class _GradScratch(NamedTuple):
     """A thread's reused buffers: probabilities and their gradients (the widest segment's
-    [rows, keys] each), and the [keys, D] and [rows, D] products before they are added."""
+    [rows, keys] each), the [keys, D] and [rows, D] products before they are added, and the
+    probabilities' row sums ``exp_rows`` adds to (unused: the final lse normalises them)."""
 
     probs: np.ndarray
     grads: np.ndarray
     key_part: np.ndarray
     row_part: np.ndarray
+    sums: np.ndarray
 
 
 def _grad_block(block: _GradBlock, scratch: _GradScratch) -> None:
@@ -654,8 +656,7 @@ def _grad_block(block: _GradBlock, scratch: _GradScratch) -> None:
         np.matmul(block.q, keys.T, out=p)
         if masked:
             _hide(p, block.mask, block.q_pos, block.k_pos[start:stop])
-        np.subtract(p, block.lse[:, None], out=p)
-        np.exp(p, out=p)  # P = exp(S - lse) <= 1
+        exp_rows(p, block.lse, scratch.sums[:rows])  # P = exp(S - lse) <= 1
         np.matmul(p.T, block.dout, out=key_part)  # dV += P^T dout
         np.add(block.dv[start:stop], key_part, out=block.dv[start:stop])
         np.matmul(block.dout, values.T, out=ds)  # dP = dout V^T
