@@ -73,6 +73,7 @@ def test_two_namespaces_joined_by_one_shaped_link(rate: int) -> None:
             links = {link["ifname"]: link for link in ip_json("-n", namespace, "address", "show")}
             assert set(links) == {"lo", IFACE}
             assert "UP" in links["lo"]["flags"] and links[IFACE]["mtu"] == MTU
+            assert links[IFACE]["operstate"] == "UP"  # as a rank starting at once finds it
             assert [(a["family"], a["local"], a["prefixlen"]) for a in links[IFACE]["addr_info"]] == \
                 [("inet", address, 24)]
             qdisc = subprocess.run(["tc", "-n", namespace, "qdisc", "show", "dev", IFACE],

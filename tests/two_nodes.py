@@ -50,6 +50,8 @@ _OWNED = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]{{4}}(-n[01])?")
 RATE_BAND = (0.6, 1.1)
 #: How long the shaping check's transfer takes at the set rate, in seconds.
 CHECK_SECONDS = 0.4
+#: How long the link may take to report itself up once set up (``TwoNodes._wait_until_up``).
+UP_TIMEOUT = 5.0
 
 # The shaping check's two ends (``python -c``; address, port and sizes come as arguments). The
 # receiver times what arrives after the first SKIP bytes: tbf's full bucket passes those at once.
@@ -262,6 +264,7 @@ class TwoNodes:
         try:
             remove_stale()
             self._build()
+            self._wait_until_up()
             self._check_rate()
         except BaseException:
             self.close()
@@ -325,6 +328,22 @@ class TwoNodes:
         self.launcher.write_text(_LAUNCHER.format(node0=ADDRESSES[0], node1=ADDRESSES[1], node0_prefix=node0,
                                                   node1_prefix=node1))
         self.launcher.chmod(0o700)
+
+    def _wait_until_up(self) -> None:
+        """Wait until both ends of the link report operstate UP. The kernel updates it a moment
+        after the link is set up (its link watch runs deferred); until then libfabric's tcp
+        provider skips the interface, and a rank starting on node1 then failed MPI_Init
+        (``ep_enable failed ... Bad file descriptor``) while node0's ranks waited for it.
+        ``TestbedError`` if it is not up within ``UP_TIMEOUT`` seconds."""
+        deadline = time.monotonic() + UP_TIMEOUT
+        while True:
+            states = [json.loads(_ip("-n", namespace, "-json", "link", "show", IFACE))[0]["operstate"]
+                      for namespace in self.namespaces]
+            if states == ["UP", "UP"]:
+                return
+            if time.monotonic() > deadline:
+                raise TestbedError(f"{IFACE} is not up after {UP_TIMEOUT:g} s (operstate {states})")
+            time.sleep(0.02)
 
     def _check_rate(self) -> None:
         """Time a TCP transfer from node1 to node0 of ``CHECK_SECONDS`` at the set rate, after
