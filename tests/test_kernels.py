@@ -165,20 +165,24 @@ def test_per_call_passes_share_slices_between_threads_and_match_numpy(threads):
 
 @pytest.mark.parametrize("scale", [1.0, 1 / np.sqrt(64), 1 / np.sqrt(96)])
 def test_widening_halves_by_bits_matches_numpy_s_cast_on_every_half(scale):
-    """``_widen`` gives numpy's float16 -> float32 cast (times a float32 scale) bit for bit
-    on every finite half, subnormals and -0 included, on a strided view too; an inf or NaN
-    among them still comes out inf or NaN."""
+    """``_to_float32`` from float16 (``widen_rows``, compiled) gives numpy's float16 -> float32
+    cast times a float32 scale bit for bit on every half - subnormals, -0, infs and NaNs
+    included - on a strided view too, each row's norm as numpy's, and the largest magnitude
+    (inf once a NaN is among them)."""
     halves = np.arange(65536, dtype=np.uint16).view(np.float16)
     finite = halves[np.isfinite(halves)]
-    for src in (finite, finite[::3], finite.reshape(-1, 8)[:, 1:6]):
-        dst = np.empty(src.shape, np.float32)
-        kernels._widen(src, dst, scale)
-        expected = np.multiply(src, np.float32(scale), dtype=np.float32)
-        np.testing.assert_array_equal(dst.view(np.uint32), expected.view(np.uint32))
-    special = np.array([1.0, np.inf, -np.inf, np.nan, -2.5], np.float16)
-    dst = np.empty(5, np.float32)
-    kernels._widen(special, dst, scale)
-    np.testing.assert_array_equal(dst, special.astype(np.float32) * np.float32(scale))
+    for src in (halves.reshape(-1, 64), finite[: len(finite) // 64 * 64].reshape(-1, 64)[::3],
+                finite.reshape(-1, 8)[:, 1:6]):
+        dst, norms = np.empty(src.shape, np.float32), np.empty(len(src), np.float32)
+        largest = kernels._to_float32(src, dst, scale, norms)
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = np.multiply(src, np.float32(scale), dtype=np.float32)
+            expected_norms = np.sqrt(np.einsum("sd,sd->s", expected, expected))
+        same = (dst.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(dst) & np.isnan(expected))
+        assert same.all()
+        np.testing.assert_allclose(norms, expected_norms, rtol=2e-6)
+        held = np.abs(expected)
+        assert largest == (np.inf if np.isnan(held).any() else held.max())
 
 
 @pytest.mark.parametrize("masking", [

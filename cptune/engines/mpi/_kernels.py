@@ -11,9 +11,9 @@ exp took a third of a call's time), and its sum_k p v and sum_k p added to its r
 sums; each row is normalised once per call, after its head's last chunk, rather than each
 chunk's partial being normalised and merged by log-sum-exp over every row (per-row passes
 that did not shrink with a mask: under 8 packed documents most rows see one chunk of eight).
-Only the keys some block reads are cast to float32, from float16 by bits (``_widen``: a
-masked call's casts are a pass over as many elements as a plain one's, for an eighth of
-its attention).
+Only the keys some block reads are cast to float32, from float16 by bits in one compiled pass
+that also takes each row's norm (``_compiled.widen_rows``: a masked call's casts are a pass
+over as many elements as a plain one's, for an eighth of its attention).
 
 Softmax usually subtracts each row's max before exp, which costs two passes over the
 scores. By Cauchy-Schwarz a score never exceeds |q| * max|k|; when that bound is small
@@ -40,7 +40,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from cptune.calls import Segment, kernel_blocks
-from cptune.engines.mpi._compiled import exp_rows
+from cptune.engines.mpi._compiled import exp_rows, widen_rows
 from cptune.kernels import chunk_slices, rows_per_block
 from cptune.layout import position_runs
 from cptune.masks import Mask
@@ -51,10 +51,6 @@ _UNSHIFTED_EXP_LIMIT = 50.0
 _LARGEST_UNSHIFTED_VALUE = 1e6
 #: A row sum below this may have lost precision to underflow: recompute the block exactly.
 _SMALLEST_UNSHIFTED_SUM = 1e-30
-#: float16's sign, exponent and mantissa moved to float32's places (``_widen``) read as a
-#: float32 this many times too small; the largest finite float16.
-_WIDEN_FACTOR = 2.0**112
-_LARGEST_HALF = 65504.0
 
 
 #: Query row blocks [start, stop) and the key segments each attends (``_plan``).
@@ -194,33 +190,22 @@ def _normalise(out: np.ndarray, total: np.ndarray, shift: np.ndarray, lse: np.nd
     np.divide(out, total[:, None], out=out)
 
 
-def _widen(src: np.ndarray, dst: np.ndarray, scale: float | np.floating = 1.0) -> None:
-    """float16 ``src`` as float32 times ``scale`` into ``dst``, as numpy's cast and a float32
-    multiply give it, by bits: each half's bits shifted into a float32's places, the sign
-    bit put back, and one multiply by 2^112 (times ``scale``) to restore the exponent, which
-    is exact for normal and subnormal halves alike. numpy casts float16 one element at a
-    time (4 ns each here); these four passes took 0.46 of its time on 8 x 8192 x 64. Where
-    ``src`` holds an inf or NaN (read as a finite value of at least 65536) numpy's cast is
-    taken instead."""
-    bits, signed = dst.view(np.uint32), dst.view(np.int32)
-    np.left_shift(src.view(np.uint16), 16, out=bits, dtype=np.uint32)
-    np.right_shift(signed, 3, out=signed)  # exponent and mantissa into place; the sign fills 3 bits
-    np.bitwise_and(bits, np.uint32(0x8FFFFFFF), out=bits)
-    factor = np.float32(_WIDEN_FACTOR * np.float32(scale))
-    np.multiply(dst, factor, out=dst)
-    if dst.size and max(dst.max(), -dst.min()) > _LARGEST_HALF * np.float32(scale):
-        np.multiply(src, np.float32(scale), out=dst, dtype=np.float32)
-
-
-def _to_float32(src: np.ndarray, dst: np.ndarray, scale: float | np.floating | None = None) -> None:
-    """``src`` as float32 (times ``scale``, in float32, if given) into ``dst``: by ``_widen``
-    from float16, by numpy's cast otherwise."""
-    if src.dtype == np.float16:
-        _widen(src, dst, 1.0 if scale is None else scale)
-    elif scale is None:
+def _to_float32(src: np.ndarray, dst: np.ndarray, scale: float | np.floating | None = None,
+                norms: np.ndarray | None = None) -> np.floating:
+    """``src`` [rows, D] as float32 (times ``scale``, in float32, if given) into ``dst``, each
+    row's norm into ``norms`` if given; returns the largest magnitude (NaN or inf where one is
+    held). From float16 by bits in one compiled pass (``widen_rows``), by numpy otherwise."""
+    if src.dtype == np.float16 and dst.flags.c_contiguous:
+        halves = np.ascontiguousarray(src).view(np.uint16)
+        return widen_rows(halves, dst, np.float32(1.0 if scale is None else scale),
+                          np.empty(len(src), np.float32) if norms is None else norms)
+    if scale is None:
         np.copyto(dst, src, casting="unsafe")
     else:
         np.multiply(src, np.float32(scale), out=dst, dtype=np.float32)
+    if norms is not None:
+        np.sqrt(np.einsum("sd,sd->s", dst, dst), out=norms)
+    return np.abs(dst).max(initial=0.0)
 
 
 def prepare_query(q: np.ndarray, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -233,8 +218,7 @@ def prepare_query(q: np.ndarray, threads: int = 1) -> tuple[np.ndarray, np.ndarr
     scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
 
     def prepare(i: tuple[int, ...]) -> None:
-        _to_float32(q[i], scaled_q[i], scale)
-        np.sqrt(np.einsum("qd,qd->q", scaled_q[i], scaled_q[i]), out=norms[i])
+        _to_float32(q[i], scaled_q[i], scale, norms[i])
 
     for_each_slice(q.shape[:-2], threads, prepare)
     return scaled_q, norms
@@ -245,7 +229,7 @@ def _executor(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="cptune-attention")
 
 
-def for_each_slice(leading: tuple[int, ...], threads: int, work: Callable[[tuple[int, ...]], None]) -> None:
+def for_each_slice(leading: tuple[int, ...], threads: int, work: Callable[[tuple[int, ...]], object]) -> None:
     """``work`` on every index of the ``leading`` (batch, head) axes, the indices shared
     between ``threads`` threads: the passes over memory around the GEMMs then use every core
     a rank has, as the attention itself does."""
@@ -294,11 +278,13 @@ def _prepare_keys(
 
     def prepare(i: tuple[int, ...]) -> None:
         for r in ranges:
-            if not as_is:
-                _to_float32(kv[0][i][r], keys[i][r])
-                _to_float32(kv[1][i][r], values[i][r])
-            np.sqrt(np.einsum("sd,sd->s", keys[i][r], keys[i][r]), out=norms[i][r])
-            largest[i] = max(largest[i], np.abs(values[i][r]).max(initial=0.0))  # NaN: the exact path
+            if as_is:
+                np.sqrt(np.einsum("sd,sd->s", keys[i][r], keys[i][r]), out=norms[i][r])
+                # a NaN makes the largest NaN: the exact path
+                largest[i] = np.maximum(largest[i], np.abs(values[i][r]).max(initial=0.0))
+            else:
+                _to_float32(kv[0][i][r], keys[i][r], norms=norms[i][r])
+                largest[i] = np.maximum(largest[i], _to_float32(kv[1][i][r], values[i][r]))
 
     for_each_slice(kv.shape[1:-2], threads, prepare)
     return keys, values, norms, bool(largest.max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
