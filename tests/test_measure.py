@@ -173,8 +173,8 @@ import numpy as np
 from cptune.engines._worker import steady_allocator
 if sys.argv[1] == "steady":
     assert steady_allocator()
-def iteration():  # eight 1 MiB arrays written, then freed together, as an iteration's temporaries
-    arrays = [np.ones(2**18, dtype=np.float32) for _ in range(8)]
+def iteration():  # eight 1 MiB arrays and a 40 MiB one written, then freed, as an iteration's temporaries
+    arrays = [np.ones(2**18, dtype=np.float32) for _ in range(8)] + [np.ones(10 * 2**20, dtype=np.float32)]
     return sum(float(a[-1]) for a in arrays)
 iteration(); iteration()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -187,7 +187,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.slow
 def test_steady_allocator_keeps_timed_iterations_from_faulting_fresh_pages():
     """glibc left to itself returns the freed arrays' pages and faults them in again every
-    iteration; with the ranks' fixed thresholds the iterations reuse them."""
+    iteration; with the ranks' settings the iterations reuse them, a block over 32 MiB (glibc's
+    largest mmap threshold) too."""
     faults = {mode: int(subprocess.run([sys.executable, "-c", _ITERATIONS_FAULTS, mode], check=True,
                                        capture_output=True, text=True).stdout)
               for mode in ("default", "steady")}
