@@ -185,6 +185,25 @@ def test_widening_halves_by_bits_matches_numpy_s_cast_on_every_half(scale):
         assert largest == (np.inf if np.isnan(held).any() else held.max())
 
 
+def test_narrowing_to_halves_by_bits_matches_numpy_s_cast_at_every_rounding_edge():
+    """``cast`` to float16 (``narrow``, compiled) gives numpy's float32 -> float16 cast bit for
+    bit on every half, its float32 neighbours and the midpoints between halves (ties to even,
+    subnormals, overflow to inf, NaN payloads), and on a million random bit patterns."""
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16)
+    exact = halves.astype(np.float32).view(np.uint32).astype(np.int64)
+    finite = halves[np.isfinite(halves)].astype(np.float64)
+    between = np.sort(finite)
+    middles = ((between[1:] + between[:-1]) / 2).astype(np.float32).view(np.uint32).astype(np.int64)
+    patterns = [exact + step for step in (-2, -1, 0, 1, 2)] + [middles + step for step in (-1, 0, 1)]
+    patterns.append(np.random.default_rng(3).integers(0, 2**32, 2**20))
+    bits = np.concatenate(patterns).astype(np.uint32)
+    src = bits[: len(bits) // 8 * 8].view(np.float32).reshape(2, 1, -1, 4)
+    with np.errstate(all="ignore"):
+        expected = src.astype(np.float16)
+    got = kernels.cast(src, np.dtype(np.float16), threads=2)
+    np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
 @pytest.mark.parametrize("masking", [
     {"documents": [700, 300, 1048], "causal": True},
     {"window": [300, 0], "causal": True},
@@ -408,3 +427,26 @@ def test_the_compiled_exp_is_numpy_s_to_two_ulps_and_zeroes_masked_scores(keys):
     total = np.zeros(6, np.float32)
     exp_rows(scores, np.zeros(6, np.float32), total)
     assert np.isnan(scores[0]).all() and np.isnan(total[0]) and not np.isnan(total[1:]).any()
+
+
+@pytest.mark.parametrize("keys", [64, 77])
+def test_the_compiled_exp_within_runs_zeroes_what_each_row_does_not_see_unread(keys):
+    """``exp_rows_within``: row i's keys [first, stop) as ``exp_rows`` gives them, the rest 0
+    whatever they held (a NaN outside the run stays out of the row's sum); empty runs give 0."""
+    from cptune.engines.mpi._compiled import exp_rows, exp_rows_within
+
+    rng = np.random.default_rng(keys)
+    scores = (rng.standard_normal((5, keys)) * 5).astype(np.float32)
+    scores[1, 0] = np.nan  # outside row 1's run
+    first = np.array([0, 3, 10, keys, 0])
+    stop = np.array([keys, 20, 10, keys, 1])
+    shift = np.zeros(5, np.float32)
+    got, total = scores.copy(), np.full(5, 1.0, np.float32)
+    exp_rows_within(got, shift, total, first, stop)
+    inside = (np.arange(keys) >= first[:, None]) & (np.arange(keys) < stop[:, None])
+    expected = np.where(inside, scores, -np.inf).astype(np.float32)
+    expected_total = np.full(5, 1.0, np.float32)
+    exp_rows(expected, shift, expected_total)  # the run's keys only, the rest masked
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(total, expected_total)
+    assert (got[~inside] == 0).all() and total[2] == total[3] == np.float32(1.0)

@@ -40,7 +40,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from cptune.calls import Segment, kernel_blocks
-from cptune.engines.mpi._compiled import exp_rows, widen_rows
+from cptune.engines.mpi._compiled import exp_rows, exp_rows_within, narrow, widen_rows
 from cptune.kernels import chunk_slices, rows_per_block
 from cptune.layout import position_runs
 from cptune.masks import Mask
@@ -56,9 +56,12 @@ _SMALLEST_UNSHIFTED_SUM = 1e-30
 #: Query row blocks [start, stop) and the key segments each attends (``_plan``).
 Plan = list[tuple[int, int, list[Segment]]]
 
-#: Adjacent key segments of a block joined: key index range [start, stop) and, for each
-#: masked segment inside it, its range and the pairs the mask hides there (``_spans``).
-Span = tuple[int, int, tuple[tuple[int, int, np.ndarray], ...]]
+#: Adjacent key segments of a block joined: key index range [start, stop), for each masked
+#: segment inside it its range and the pairs the mask hides there, and the keys [first,
+#: stop) each row sees within the span where those are one run (``_spans``, ``_row_runs``).
+Cut = tuple[int, int, np.ndarray]
+RowRuns = tuple[np.ndarray, np.ndarray]
+Span = tuple[int, int, tuple[Cut, ...], RowRuns | None]
 
 
 def _spans(segments: list[Segment], q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> list[Span]:
@@ -67,14 +70,64 @@ def _spans(segments: list[Segment], q_pos: np.ndarray, k_pos: np.ndarray, mask: 
     then takes one GEMM, exp and P V per run of keys, not per segment (a window tile's far
     edge, middle and diagonal are one run), the mask still covers only what it cuts, and
     it is worked out once per call rather than once per head."""
-    spans: list[Span] = []
+    joined: list[tuple[int, int, tuple[Cut, ...], list[tuple[int, int, RowRuns | None]]]] = []
     for start, stop, masked in segments:
-        cut = ((start, stop, _hidden(mask, q_pos, k_pos[start:stop])),) if masked else ()
-        if spans and spans[-1][1] == start:
-            spans[-1] = (spans[-1][0], stop, spans[-1][2] + cut)
+        cut: tuple[Cut, ...] = ()
+        runs: list[tuple[int, int, RowRuns | None]] = []
+        if masked:
+            keys = k_pos[start:stop]
+            banded = _banded(mask, q_pos, keys)
+            cut = ((start, stop, _band(mask, q_pos, keys) if banded else _hidden(mask, q_pos, keys)),)
+            runs = [(start, stop, _seen_run(mask, q_pos, keys) if banded and not mask.sinks else None)]
+        if joined and joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], stop, joined[-1][2] + cut, joined[-1][3] + runs)
         else:
-            spans.append((start, stop, cut))
-    return spans
+            joined.append((start, stop, cut, runs))
+    return [(start, stop, cuts, _row_runs(start, stop, runs)) for start, stop, cuts, runs in joined]
+
+
+def _seen_run(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> RowRuns:
+    """The keys [first, stop) of a ``_banded`` segment each query sees under a mask without
+    sinks: those whose offset from it lies in the causal or windowed band, one run."""
+    rows, width = len(q_pos), len(k_pos)
+    left, right = mask.window if mask.window else (rows + width, rows + width)
+    if mask.causal:
+        right = min(right, 0)
+    own = int(q_pos[0]) - int(k_pos[0])  # the column of the first query's own position
+    first = np.arange(own - left, own - left + rows)
+    np.minimum(np.maximum(first, 0, out=first), width, out=first)
+    stop = np.arange(own + right + 1, own + right + 1 + rows)
+    np.minimum(np.maximum(stop, first, out=stop), width, out=stop)
+    return first, stop
+
+
+def _row_runs(start: int, stop: int, runs: list[tuple[int, int, RowRuns | None]]) -> RowRuns | None:
+    """The keys [first, stop) of the span [``start``, ``stop``) each row sees, relative to its
+    start, where each row sees one run of them: its masked segments at most one at each end,
+    the one at the start seen as a suffix by every row, the one at the end as a prefix (a
+    causal diagonal; a window's far edge and diagonal), or a lone one seen as any run, each
+    with its run known (``_seen_run``). None where there is no masked segment or a row may
+    see keys apart; the scores are then masked pair by pair (``_scores``)."""
+    known = [(lo, hi, run) for lo, hi, run in runs if run is not None]
+    if not runs or len(runs) > 2 or len(known) < len(runs):
+        return None
+    width = stop - start
+    first: np.ndarray | None = None
+    last: np.ndarray | None = None
+    for lo, hi, (head, tail) in known:
+        lo, hi = lo - start, hi - start
+        none = head == tail
+        if lo == 0 and hi == width and len(runs) == 1:
+            first, last = head, tail
+        elif lo == 0 and (none | (tail == hi)).all():  # at the start: a suffix of it, or nothing
+            first = np.where(none, hi, head)
+        elif hi == width and (none | (head == 0)).all():  # at the end: a prefix of it, or nothing
+            last = lo + tail
+        else:
+            return None
+    first = np.zeros(len(known[0][2][0]), np.int64) if first is None else first
+    last = np.full(len(first), width, np.int64) if last is None else last
+    return first, np.maximum(first, last)
 
 
 def _chunks(q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask) -> list[tuple[slice, np.ndarray, Plan]]:
@@ -159,7 +212,7 @@ def attention(
                     rows = (b, head, slice(i, j))
                     block = Block(head_q[i:j], head_keys, head_values, block_spans, scratch, out[rows],
                                   total[rows], shift[rows])
-                    bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _ in block_spans)
+                    bound = q_norms[i:j].max() * max(k_norms[a:z].max() for a, z, _, _ in block_spans)
                     unshifted_safe = values_small and bound <= _UNSHIFTED_EXP_LIMIT
                     if not (unshifted_safe and _attend_unshifted(block)):
                         _attend_shifted(block)
@@ -250,12 +303,16 @@ def cast(x: np.ndarray, dtype: np.dtype, threads: int = 1) -> np.ndarray:
     """``x`` in ``dtype``: ``x`` itself when that changes nothing, else a new array, its
     leading (batch, head) slices shared between ``threads``: a cast is a pass over every
     element, and on one thread of a two-thread rank Q's, K's and V's took 10.5 ms of the
-    kernel's 72 at 1024 x 12 x d128 (6.3 split)."""
+    kernel's 72 at 1024 x 12 x d128 (6.3 split). float32 to float16 goes by bits in one
+    compiled pass (``narrow``: NumPy's cast took 2 ns an element, 0.7 there)."""
     if x.dtype == dtype:
         return x
     out = np.empty(x.shape, dtype)
     if dtype == np.float32:
         for_each_slice(x.shape[:-2], threads, lambda i: _to_float32(x[i], out[i]))
+    elif dtype == np.float16 and x.dtype == np.float32 and x.flags.c_contiguous:
+        for_each_slice(x.shape[:-2], threads,
+                       lambda i: narrow(x[i].reshape(-1), out[i].reshape(-1).view(np.uint16)))
     else:
         for_each_slice(x.shape[:-2], threads, lambda i: np.copyto(out[i], x[i], casting="unsafe"))
     return out
@@ -390,33 +447,41 @@ def _band(mask: Mask, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
     return _toeplitz(after, rows, keys) | (_toeplitz(outside, rows, keys) & ~sink)
 
 
-def _scores(block: Block) -> list[np.ndarray]:
-    """Q K^T for each span of keys, in slices of the scores buffer, masked where needed."""
+def _scores(block: Block, by_runs: bool = False) -> list[np.ndarray]:
+    """Q K^T for each span of keys, in slices of the scores buffer, masked where needed; with
+    ``by_runs`` a span whose rows each see one run of it is left to ``_exp`` to mask."""
     rows = block.q.shape[0]
     scores = []
     offset = 0
-    for start, stop, masked in block.spans:
+    for start, stop, masked, runs in block.spans:
         s = block.scratch.scores[offset : offset + rows * (stop - start)].reshape(rows, stop - start)
         offset += s.size
         np.matmul(block.q, block.keys[start:stop].T, out=s)
-        for lo, hi, hidden in masked:
-            np.copyto(s[:, lo - start : hi - start], -np.inf, where=hidden)
+        if not (by_runs and runs is not None):
+            for lo, hi, hidden in masked:
+                np.copyto(s[:, lo - start : hi - start], -np.inf, where=hidden)
         scores.append(s)
     return scores
 
 
-def _exp(scores: list[np.ndarray], shift: np.ndarray) -> np.ndarray:
-    """exp(scores - ``shift`` [rows]) in place (``exp_rows``, compiled); returns the row sums."""
+def _exp(scores: list[np.ndarray], shift: np.ndarray, spans: list[Span] | None = None) -> np.ndarray:
+    """exp(scores - ``shift`` [rows]) in place (``exp_rows``, compiled), with the ``spans``
+    whose rows each see one run masked by it (``exp_rows_within``, from ``_scores(by_runs=True)``);
+    returns the row sums."""
     total = np.zeros(scores[0].shape[0], dtype=np.float32)
-    for s in scores:
-        exp_rows(s, shift, total)
+    for n, s in enumerate(scores):
+        runs = None if spans is None else spans[n][3]
+        if runs is None:
+            exp_rows(s, shift, total)
+        else:
+            exp_rows_within(s, shift, total, *runs)
     return total
 
 
 def _combine(block: Block, scores: list[np.ndarray], out: np.ndarray) -> None:
     """Add sum_k p V of every span to ``out`` [rows, D]."""
     product = block.scratch.product[: out.shape[0]]
-    for s, (start, stop, _) in zip(scores, block.spans, strict=True):
+    for s, (start, stop, _, _) in zip(scores, block.spans, strict=True):
         np.matmul(s, block.values[start:stop], out=product)
         np.add(out, product, out=out)
 
@@ -449,8 +514,8 @@ def _attend_unshifted(block: Block) -> bool:
     the rows' sums. Returns False, adding nothing, if some row's sum is too small to trust;
     a row that sees none of the block's keys (sum 0: a seen key's exp is at least e^-50)
     adds nothing, where it used to send the block down the exact path."""
-    scores = _scores(block)
-    total = _exp(scores, np.zeros(block.q.shape[0], np.float32))
+    scores = _scores(block, by_runs=True)
+    total = _exp(scores, np.zeros(block.q.shape[0], np.float32), block.spans)
     if ((total > 0) & (total < _SMALLEST_UNSHIFTED_SUM)).any():
         return False
     if block.shift.any():  # a row already shifted: bring both to the larger shift (weights <= 1)
