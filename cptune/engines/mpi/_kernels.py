@@ -26,7 +26,9 @@ Masks go by token position, segment by segment: a key segment entirely in a quer
 past needs no mask, one entirely in its future is skipped, and only segments that straddle
 the diagonal are masked. A block's adjacent segments are computed as one span of keys (one
 GEMM, exp and P V), the mask applied to the masked columns only, its hidden pairs worked out
-once per call, not per head (``_spans``).
+once per call, not per head (``_spans``). Where each row sees one run of a span's keys (a
+causal diagonal, a window's edges) the exp pass takes only that run and zeroes the rest
+(``_compiled.exp_rows_within``): no pass of the mask's own, no exp of what it hides.
 """
 
 from __future__ import annotations
