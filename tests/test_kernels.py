@@ -383,20 +383,28 @@ def test_keys_no_query_sees_are_never_read():
     {"causal": True},
     {"causal": True, "documents": [40, 60, 100]},
     {"causal": True, "window": [17, 0], "sinks": 3},
+    {"causal": True, "window": [17, 0], "documents": [90, 110]},
+    {"window": [9, 5]},
 ])
-def test_hiding_sets_minus_infinity_on_exactly_the_hidden_pairs(masking):
-    """``_hide`` over consecutive ranges (the causal diagonal through its offsets) and over
-    scattered positions (padding queries among them) leaves seen scores as they were and
-    puts -inf on every hidden one."""
+def test_a_masked_segment_s_hidden_pairs_and_runs_are_exactly_what_the_mask_hides(masking):
+    """``_masking`` over consecutive ranges (through their key - query offsets) and over
+    scattered positions (padding queries among them): its hidden pairs are exactly those the
+    mask hides, and where it gives each row's run of keys (banded, no sinks) the run holds
+    exactly the keys that row sees."""
     mask = Workload(200, heads=1, head_dim=8, **masking).mask
     rng = np.random.default_rng(11)
     cases = [(np.arange(a, a + 30), np.arange(b, b + 40)) for a, b in rng.integers(0, 160, (20, 2))]
     cases.append((np.array([3, 4, 5, 150, 151, 199]), np.array([0, 4, 100, 150, 151])))
+    runs = 0
     for q_pos, k_pos in cases:
-        scores = rng.standard_normal((len(q_pos), len(k_pos)), dtype=np.float32)
-        expected = np.where(mask.visible(q_pos[:, None], k_pos[None, :]), scores, -np.inf)
-        kernels._hide(scores, mask, q_pos, k_pos)
-        np.testing.assert_array_equal(scores, expected)
+        seen = mask.visible(q_pos[:, None], k_pos[None, :])
+        hidden, run = kernels._masking(mask, q_pos, k_pos)
+        np.testing.assert_array_equal(hidden, ~seen)
+        if run is not None:
+            runs += 1
+            columns = np.arange(len(k_pos))
+            np.testing.assert_array_equal((columns >= run[0][:, None]) & (columns < run[1][:, None]), seen)
+    assert (runs > 0) == (not mask.sinks)
 
 
 @pytest.mark.parametrize("keys", [1, 7, 64, 2053])
