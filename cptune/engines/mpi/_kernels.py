@@ -256,10 +256,11 @@ def _normalise(out: np.ndarray, total: np.ndarray, shift: np.ndarray, lse: np.nd
 
 
 def _to_float32(src: np.ndarray, dst: np.ndarray, scale: float | np.floating | None = None,
-                norms: np.ndarray | None = None) -> np.floating:
+                norms: np.ndarray | None = None) -> np.floating | None:
     """``src`` [rows, D] as float32 (times ``scale``, in float32, if given) into ``dst``, each
-    row's norm into ``norms`` if given; returns the largest magnitude (NaN or inf where one is
-    held). From float16 by bits in one compiled pass (``widen_rows``), by numpy otherwise."""
+    row's norm into ``norms`` if given. From float16 by bits in one compiled pass
+    (``widen_rows``), which also returns the largest magnitude (inf where a NaN or inf is
+    held); by numpy otherwise, returning None (no pass that only a caller of values needs)."""
     if src.dtype == np.float16 and dst.flags.c_contiguous:
         halves = np.ascontiguousarray(src).view(np.uint16)
         return widen_rows(halves, dst, np.float32(1.0 if scale is None else scale),
@@ -270,7 +271,7 @@ def _to_float32(src: np.ndarray, dst: np.ndarray, scale: float | np.floating | N
         np.multiply(src, np.float32(scale), out=dst, dtype=np.float32)
     if norms is not None:
         np.sqrt(np.einsum("sd,sd->s", dst, dst), out=norms)
-    return np.abs(dst).max(initial=0.0)
+    return None
 
 
 def prepare_query(q: np.ndarray, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -349,11 +350,13 @@ def _prepare_keys(
         for r in ranges:
             if as_is:
                 np.sqrt(np.einsum("sd,sd->s", keys[i][r], keys[i][r]), out=norms[i][r])
-                # a NaN makes the largest NaN: the exact path
-                largest[i] = np.maximum(largest[i], np.abs(values[i][r]).max(initial=0.0))
+                held = None
             else:
                 _to_float32(kv[0][i][r], keys[i][r], norms=norms[i][r])
-                largest[i] = np.maximum(largest[i], _to_float32(kv[1][i][r], values[i][r]))
+                held = _to_float32(kv[1][i][r], values[i][r])
+            if held is None:  # a NaN makes the largest NaN: the exact path
+                held = np.abs(values[i][r]).max(initial=0.0)
+            largest[i] = np.maximum(largest[i], held)
 
     for_each_slice(kv.shape[1:-2], threads, prepare)
     return keys, values, norms, bool(largest.max(initial=0.0) <= _LARGEST_UNSHIFTED_VALUE)
