@@ -204,6 +204,9 @@ def test_the_exchanges_reorders_join_member_chunks_along_the_axis():
     assert send.shape == (3, 2, 2, 4, 3) and send.dtype == np.float16 and send.flags.c_contiguous
     np.testing.assert_array_equal(send[1], x[:, 2:4].astype(np.float16))
     np.testing.assert_array_equal(out_of_receive_order(send, HEADS), x.astype(np.float16))
+    ties = (x + np.float32(2049.0)) * np.float32(1.0 + 2.0**-11)  # values float16 must round
+    np.testing.assert_array_equal(out_of_receive_order(in_send_order(ties, SEQ, 2, np.dtype(np.float16)), SEQ)
+                                  .view(np.uint16), ties.astype(np.float16).view(np.uint16))
     blocks = np.stack([x, x + 1000])
     joined = out_of_receive_order(blocks, SEQ)
     np.testing.assert_array_equal(joined, np.concatenate([x, x + 1000], axis=SEQ))
