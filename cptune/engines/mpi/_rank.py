@@ -31,13 +31,15 @@ if TYPE_CHECKING:
 
 def in_send_order(x: np.ndarray, split_axis: int, members: int, wire: np.dtype) -> np.ndarray:
     """``x`` cut into ``members`` chunks along ``split_axis``, chunk j first: the contiguous
-    [members, ...] buffer an all-to-all sends, in ``wire`` dtype. The cast goes first, as the
-    kernel's (``kernels.cast``: float32 to float16 compiled): NumPy's cast of the reordered
-    view took 7.4 ms of Ulysses' output at 4 heads x 16K x d64, the cast then the copy 3.3."""
-    x = kernels.cast(x, wire)
+    [members, ...] buffer an all-to-all sends, in ``wire`` dtype. A contiguous ``x`` is cast
+    first, as the kernel casts (``kernels.cast``: float32 to float16 compiled): NumPy's cast
+    of the reordered view took 7.4 ms of Ulysses' output at 4 heads x 16K x d64, the cast
+    then the copy 3.3. A strided one is cast in the copy, so it is not copied twice."""
+    if x.flags.c_contiguous:
+        x = kernels.cast(x, wire)
     split = split_axis % x.ndim
     chunked = x.reshape(x.shape[:split] + (members, x.shape[split] // members) + x.shape[split + 1 :])
-    return np.ascontiguousarray(np.moveaxis(chunked, split, 0))
+    return np.ascontiguousarray(np.moveaxis(chunked, split, 0), dtype=wire)
 
 
 def out_of_receive_order(received: np.ndarray, axis: int) -> np.ndarray:
